@@ -1,0 +1,184 @@
+//! Element-wise kernels of the Llama block, each over many rows at once so that the CPU-feature
+//! dispatch happens once per call, not per element.
+//!
+//! Every kernel is written once as plain Rust (`*_rows`) and compiled twice: for the baseline
+//! target and with AVX2+FMA enabled, picked at run time. The bodies are branch-free loops that
+//! LLVM vectorises, including a polynomial `exp`.
+#![allow(unsafe_code)]
+
+/// Runs `$body` compiled with AVX2 and FMA when the CPU has them, else the baseline build.
+macro_rules! dispatch {
+    ($name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+        pub fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn generic($($arg: $ty),*) $body
+
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                fn with_avx2($($arg: $ty),*) { generic($($arg),*) }
+
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+                    return unsafe { with_avx2($($arg),*) };
+                }
+            }
+            generic($($arg),*)
+        }
+    };
+}
+
+/// `e^x` to about 2 ulp over the f32 range, branch-free so loops over it vectorise.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.clamp(-87.3, 88.3);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let e = p.mul_add(r * r, r) + 1.0;
+    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+dispatch!(rms_norm_rows(input: &[f32], weight: &[f32], eps: f32, output: &mut [f32]) {
+    let hidden = weight.len();
+    for (x, y) in input.chunks_exact(hidden).zip(output.chunks_exact_mut(hidden)) {
+        let mut acc = [0.0f32; 8];
+        let mut chunks = x.chunks_exact(8);
+        for c in &mut chunks {
+            for i in 0..8 {
+                acc[i] = c[i].mul_add(c[i], acc[i]);
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        let sum_sq = acc.iter().sum::<f32>() + tail;
+        let scale = 1.0 / (sum_sq / hidden as f32 + eps).sqrt();
+        for ((y, &x), &w) in y.iter_mut().zip(x).zip(weight) {
+            *y = w * (x * scale);
+        }
+    }
+});
+
+dispatch!(silu_mul_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]) {
+    for (gu, out) in gate_up.chunks_exact(2 * intermediate).zip(output.chunks_exact_mut(intermediate)) {
+        let (gate, up) = gu.split_at(intermediate);
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + exp(-g)) * u;
+        }
+    }
+});
+
+dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        for (x, &b) in row.iter_mut().zip(bias) {
+            *x += b;
+        }
+    }
+});
+
+dispatch!(softmax_in_place(row: &mut [f32]) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0f32;
+    for v in row.iter_mut() {
+        *v = exp(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
+});
+
+/// Rotates the first `rotated_heads` heads of each row in place (rotate-half RoPE, as Hugging Face
+/// Llama). `positions[t]` indexes the `[position, head_dim / 2]` tables.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_rows(
+    rows: &mut [f32],
+    row_width: usize,
+    rotated_heads: usize,
+    head_dim: usize,
+    positions: &[u32],
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = head_dim / 2;
+    for (row, &pos) in rows.chunks_exact_mut(row_width).zip(positions) {
+        let base = pos as usize * half;
+        let (cos, sin) = (&cos[base..base + half], &sin[base..base + half]);
+        for head in row[..rotated_heads * head_dim].chunks_exact_mut(head_dim) {
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn polynomial_exp_matches_std_to_a_few_ulp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let rel = ((exp(x) as f64 - (x as f64).exp()) / (x as f64).exp()).abs();
+            worst = worst.max(rel);
+            x += 0.0137;
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
+        assert_eq!(exp(-1000.0), exp(-87.3));
+    }
+
+    #[test]
+    fn rms_norm_scales_rows_to_unit_rms_times_weight() {
+        let input = [3.0, 4.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let mut out = [0.0; 8];
+        rms_norm_rows(&input, &[1.0, 2.0, 1.0, 1.0], 0.0, &mut out);
+        let rms = (25.0f32 / 4.0).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6);
+        assert!((out[1] - 2.0 * 4.0 / rms).abs() < 1e-6);
+        assert_eq!(&out[4..], &[1.0, 2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn silu_mul_multiplies_the_gated_half_by_the_up_half() {
+        let gate_up = [0.0, 2.0, 10.0, 3.0];
+        let mut out = [0.0; 2];
+        silu_mul_rows(&gate_up, 2, &mut out);
+        assert_eq!(out[0], 0.0);
+        let silu2 = 2.0 / (1.0 + (-2.0f32).exp());
+        assert!((out[1] - silu2 * 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_keeps_order() {
+        let mut row = [1.0, 2.0, 3.0, -1e30];
+        softmax_in_place(&mut row);
+        assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(row[2] > row[1] && row[1] > row[0] && row[3] == 0.0);
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_the_identity_and_preserves_norm_elsewhere() {
+        let (cos, sin) = ([1.0, 1.0, 0.6, 0.28], [0.0, 0.0, 0.8, 0.96]);
+        let mut rows = [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0];
+        rope_rows(&mut rows, 4, 1, 4, &[0, 1], &cos, &sin);
+        assert_eq!(&rows[..4], &[1.0, 2.0, 3.0, 4.0]);
+        let norm: f32 = rows[4..].iter().map(|v| v * v).sum();
+        assert!((norm - 30.0).abs() < 1e-4, "{norm}");
+    }
+}

@@ -1,0 +1,197 @@
+//! The one doorway to the `gemm` crate, which picks AVX-512, AVX2 or baseline kernels at run
+//! time. Shapes are checked here, before any pointer is handed over.
+#![allow(unsafe_code)]
+
+use gemm::Parallelism;
+
+/// A row-major matrix view with an arbitrary row stride (unit column stride).
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    /// The elements; row `r` starts at `r * row_stride`.
+    pub data: &'a [f32],
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// Distance between row starts.
+    pub row_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A dense `[rows, cols]` matrix.
+    pub fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+        }
+    }
+
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.row_stride + self.cols <= self.data.len()
+    }
+}
+
+/// `out[r, c] (+)= scale * Σ_k a[r, k] · b[c, k]`: `a` times the transpose of `b`, which is how a
+/// PyTorch `[out, in]` weight is applied. `out` has row stride `out_stride`.
+///
+/// # Panics
+/// If a view does not fit its slice or the inner dimensions differ: a bug in the caller.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_transposed(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    out: &mut [f32],
+    out_stride: usize,
+    scale: f32,
+    accumulate: bool,
+    threads: Parallelism,
+) {
+    assert!(
+        a.fits() && b.fits(),
+        "matmul operand view out of bounds. This is a bug."
+    );
+    assert_eq!(
+        a.cols, b.cols,
+        "matmul inner dimensions differ. This is a bug."
+    );
+    let (m, n, k) = (a.rows, b.rows, a.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m - 1) * out_stride + n <= out.len(),
+        "matmul output view out of bounds. This is a bug."
+    );
+    // SAFETY: the asserts above prove every element gemm touches lies inside `a.data`, `b.data`
+    // and `out` (rows `0..m` at `out_stride`, columns `0..n`). `out` is borrowed mutably, so it
+    // cannot alias the inputs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            out_stride as isize,
+            accumulate,
+            a.data.as_ptr(),
+            1,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.row_stride as isize,
+            1,
+            if accumulate { 1.0 } else { 0.0 },
+            scale,
+            false,
+            false,
+            false,
+            threads,
+        );
+    }
+}
+
+/// `out[r, c] = Σ_k a[r, k] · b[k, c]` with `b` row-major `[k, n]` (used for probabilities × values).
+pub fn matmul(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    out: &mut [f32],
+    out_stride: usize,
+    threads: Parallelism,
+) {
+    assert!(
+        a.fits() && b.fits(),
+        "matmul operand view out of bounds. This is a bug."
+    );
+    assert_eq!(
+        a.cols, b.rows,
+        "matmul inner dimensions differ. This is a bug."
+    );
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m - 1) * out_stride + n <= out.len(),
+        "matmul output view out of bounds. This is a bug."
+    );
+    // SAFETY: as in `matmul_transposed`, the asserts bound every access; `out` is exclusive.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            out_stride as isize,
+            false,
+            a.data.as_ptr(),
+            1,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            1,
+            b.row_stride as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            threads,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposed_product_matches_the_naive_sum() {
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
+        let b = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]; // [4, 3]
+        let mut out = [100.0; 8];
+        matmul_transposed(
+            MatRef::dense(&a, 2, 3),
+            MatRef::dense(&b, 4, 3),
+            &mut out,
+            4,
+            1.0,
+            false,
+            Parallelism::None,
+        );
+        assert_eq!(out, [4.0, 2.0, 12.0, 6.0, 10.0, 5.0, 30.0, 15.0]);
+        matmul_transposed(
+            MatRef::dense(&a, 2, 3),
+            MatRef::dense(&b, 4, 3),
+            &mut out,
+            4,
+            0.5,
+            true,
+            Parallelism::None,
+        );
+        assert_eq!(out, [6.0, 3.0, 18.0, 9.0, 15.0, 7.5, 45.0, 22.5]);
+    }
+
+    #[test]
+    fn plain_product_honours_row_strides() {
+        let a = [1.0, 2.0, 9.0, 3.0, 4.0, 9.0]; // [2, 2] inside stride 3
+        let b = [1.0, 1.0, 0.0, 1.0]; // [2, 2]
+        let mut out = [0.0; 4];
+        matmul(
+            MatRef {
+                data: &a,
+                rows: 2,
+                cols: 2,
+                row_stride: 3,
+            },
+            MatRef::dense(&b, 2, 2),
+            &mut out,
+            2,
+            Parallelism::None,
+        );
+        assert_eq!(out, [1.0, 3.0, 3.0, 7.0]);
+    }
+}

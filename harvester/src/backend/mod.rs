@@ -1,0 +1,183 @@
+//! The backend seam: a forward pass over a packed varlen batch that returns the captured layers.
+//!
+//! A backend owns its device and its copy of the weights; the caller owns the output buffer so
+//! the hot loop allocates nothing per batch once buffers have grown to the largest batch.
+//!
+//! ```text
+//! Batch { input_ids, positions, cu_seq_lengths } ──Backend::capture──► Captured [layers, tokens, width]
+//! ```
+//! The CPU backend is the reference; a CUDA backend implements the same trait.
+
+pub mod cpu;
+
+use harvest_core::Layers;
+
+use crate::error::{Error, Result};
+use crate::projection::Directions;
+
+/// Prompts packed end to end without padding. Sequence `s` holds tokens
+/// `cu_seq_lengths[s]..cu_seq_lengths[s + 1]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Token ids, all sequences concatenated.
+    pub input_ids: Vec<u32>,
+    /// Each token's position within its own sequence.
+    pub positions: Vec<u32>,
+    /// Cumulative sequence lengths, starting at 0; one more entry than there are sequences.
+    pub cu_seq_lengths: Vec<u32>,
+    /// The longest sequence.
+    pub max_length: u32,
+}
+
+impl Batch {
+    /// Packs sequences of token ids into one batch.
+    pub fn from_sequences<S: AsRef<[u32]>>(sequences: &[S]) -> Self {
+        let mut batch = Self::default();
+        for sequence in sequences {
+            batch.push(sequence.as_ref());
+        }
+        batch
+    }
+
+    /// Appends one sequence.
+    pub fn push(&mut self, ids: &[u32]) {
+        if self.cu_seq_lengths.is_empty() {
+            self.cu_seq_lengths.push(0);
+        }
+        self.input_ids.extend_from_slice(ids);
+        self.positions.extend(0..ids.len() as u32);
+        self.cu_seq_lengths.push(self.input_ids.len() as u32);
+        self.max_length = self.max_length.max(ids.len() as u32);
+    }
+
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.input_ids.clear();
+        self.positions.clear();
+        self.cu_seq_lengths.clear();
+        self.max_length = 0;
+    }
+
+    /// Total tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// Number of sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.cu_seq_lengths.len().saturating_sub(1)
+    }
+
+    /// Token range of sequence `s`.
+    pub fn sequence(&self, s: usize) -> std::ops::Range<usize> {
+        self.cu_seq_lengths[s] as usize..self.cu_seq_lengths[s + 1] as usize
+    }
+
+    /// Checks the invariants every backend relies on.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let invalid = |reason: String| Err(Error::InvalidBatch { reason });
+        if self.positions.len() != self.input_ids.len() {
+            return invalid("positions and input_ids differ in length".into());
+        }
+        if self.cu_seq_lengths.first().copied().unwrap_or(0) != 0
+            || self.cu_seq_lengths.windows(2).any(|w| w[0] >= w[1])
+            || self.cu_seq_lengths.last().copied().unwrap_or(0) as usize != self.input_ids.len()
+        {
+            return invalid("cu_seq_lengths must rise strictly from 0 to the token count".into());
+        }
+        if let Some(&id) = self.input_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return invalid(format!(
+                "token id {id} is outside the vocabulary of {vocab_size}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a backend keeps from each forward pass. Fixed for the life of a job.
+#[derive(Debug, Clone)]
+pub struct CaptureSpec {
+    /// The blocks whose outputs are kept; the pass stops after the deepest.
+    pub layers: Layers,
+    /// If present, each kept row is projected onto these unit directions instead of copied.
+    pub directions: Option<Directions>,
+}
+
+/// Captured rows, `[layers, tokens, width]` row-major f32, where `width` is the hidden size, or the
+/// number of directions for projections.
+#[derive(Debug, Clone, Default)]
+pub struct Captured {
+    /// Kept layers.
+    pub layers: usize,
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Values per token.
+    pub width: usize,
+    /// The values.
+    pub data: Vec<f32>,
+}
+
+impl Captured {
+    /// Resizes for a batch, keeping the allocation when it is large enough.
+    pub fn reset(&mut self, layers: usize, tokens: usize, width: usize) {
+        self.layers = layers;
+        self.tokens = tokens;
+        self.width = width;
+        self.data.resize(layers * tokens * width, 0.0);
+    }
+
+    /// The `[tokens, width]` rows of kept layer `layer`.
+    pub fn layer(&self, layer: usize) -> &[f32] {
+        let size = self.tokens * self.width;
+        &self.data[layer * size..(layer + 1) * size]
+    }
+
+    /// Token rows `rows` of kept layer `layer`.
+    pub fn rows(&self, layer: usize, rows: std::ops::Range<usize>) -> &[f32] {
+        let base = layer * self.tokens * self.width;
+        &self.data[base + rows.start * self.width..base + rows.end * self.width]
+    }
+}
+
+/// A forward-pass engine with capture.
+pub trait Backend: Send {
+    /// A short name for logs and benchmarks, e.g. `"cpu"`.
+    fn name(&self) -> &'static str;
+
+    /// Values per captured token: hidden size, or number of projection directions.
+    fn capture_width(&self) -> usize;
+
+    /// What is kept.
+    fn spec(&self) -> &CaptureSpec;
+
+    /// Runs the forward pass over `batch` up to the deepest kept block and fills `out`.
+    fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_records_offsets_and_positions() {
+        let batch = Batch::from_sequences(&[vec![5, 6, 7], vec![8], vec![9, 10]]);
+        assert_eq!(batch.cu_seq_lengths, [0, 3, 4, 6]);
+        assert_eq!(batch.positions, [0, 1, 2, 0, 0, 1]);
+        assert_eq!(batch.max_length, 3);
+        assert_eq!(batch.sequence(2), 4..6);
+        batch.validate(11).unwrap();
+    }
+
+    #[test]
+    fn an_out_of_vocabulary_id_is_rejected_by_value() {
+        let batch = Batch::from_sequences(&[vec![1, 99]]);
+        let err = batch.validate(50).unwrap_err().to_string();
+        assert!(err.contains("99"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_sequence_breaks_the_offsets_invariant() {
+        let batch = Batch::from_sequences(&[vec![1], vec![]]);
+        assert!(batch.validate(50).is_err());
+    }
+}

@@ -1,0 +1,179 @@
+//! `harvester bench`: forward-pass throughput of the CPU engine on a fixed corpus of token ids,
+//! next to the throughput of a plain f32 GEMM of the same library on the model's largest
+//! projection shape (the practical ceiling). `scripts/bench_cpu.py` runs it beside PyTorch.
+
+use std::path::Path;
+use std::time::Instant;
+
+use gemm::Parallelism;
+use harvest_core::LayerSelection;
+use serde::Serialize;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
+use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::error::{Error, Result};
+use crate::model::{LlamaWeights, ModelConfig};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchConfig<'a> {
+    /// Checkpoint directory.
+    pub model: &'a Path,
+    /// The corpus, one list of ids per prompt.
+    pub prompts: Vec<Vec<u32>>,
+    /// Kept layers (their depth decides how many blocks run).
+    pub layers: LayerSelection,
+    /// Tokens per forward batch.
+    pub batch_tokens: usize,
+}
+
+/// The figures, as printed (JSON).
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Engine name.
+    pub engine: &'static str,
+    /// Worker threads.
+    pub threads: usize,
+    /// Prompts run.
+    pub prompts: usize,
+    /// Tokens run.
+    pub tokens: usize,
+    /// Blocks run per token.
+    pub blocks: usize,
+    /// Wall time of the timed passes, seconds.
+    pub seconds: f64,
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// Model FLOP per second achieved (projections and attention).
+    pub gflops: f64,
+    /// A plain f32 GEMM of the same library, GFLOP/s.
+    pub gemm_gflops: f64,
+    /// `gflops / gemm_gflops`.
+    pub fraction_of_gemm: f64,
+    /// The GEMM shape measured, `[m, n, k]`.
+    pub gemm_shape: [usize; 3],
+}
+
+/// FLOP of one forward pass over `lengths`, counting matrix products and attention (the causal
+/// half of the score and value products), through `blocks` blocks.
+pub fn forward_flops(config: &ModelConfig, lengths: &[usize], blocks: usize) -> f64 {
+    let h = config.hidden_size as f64;
+    let per_token = 2.0
+        * h
+        * (config.qkv_width() as f64
+            + (config.num_heads * config.head_dim) as f64
+            + 3.0 * config.intermediate_size as f64);
+    let attn_width = (config.num_heads * config.head_dim) as f64;
+    let mut total = 0.0;
+    for &len in lengths {
+        let n = len as f64;
+        total += per_token * n + 2.0 * 2.0 * attn_width * n * (n + 1.0) / 2.0;
+    }
+    total * blocks as f64
+}
+
+/// Runs the benchmark: one warm-up pass over the first batch, then every batch timed.
+pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
+    let model_config = ModelConfig::from_file(&config.model.join("config.json"))?;
+    let layers = config.layers.resolve(model_config.num_layers)?;
+    let blocks = layers.deepest() + 1;
+    let weights = LlamaWeights::load(config.model, Some(blocks))?;
+    let mut backend = CpuBackend::new(
+        weights,
+        CaptureSpec {
+            layers,
+            directions: None,
+        },
+    )?;
+    if config.prompts.is_empty() {
+        return Err(Error::InvalidBatch {
+            reason: "the benchmark corpus is empty".into(),
+        });
+    }
+    let batches = pack(&config.prompts, config.batch_tokens.max(1));
+    let mut out = Captured::default();
+    backend.capture(&batches[0], &mut out)?;
+    let start = Instant::now();
+    for batch in &batches {
+        backend.capture(batch, &mut out)?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let lengths: Vec<usize> = config.prompts.iter().map(Vec::len).collect();
+    let tokens: usize = lengths.iter().sum();
+    let gflops = forward_flops(&model_config, &lengths, blocks) / seconds / 1e9;
+    let gemm_shape = [
+        config.batch_tokens.clamp(256, 4096),
+        2 * model_config.intermediate_size,
+        model_config.hidden_size,
+    ];
+    let gemm_gflops = gemm_rate(gemm_shape);
+    Ok(BenchReport {
+        engine: backend.name(),
+        threads: rayon::current_num_threads(),
+        prompts: config.prompts.len(),
+        tokens,
+        blocks,
+        seconds,
+        tokens_per_s: tokens as f64 / seconds,
+        gflops,
+        gemm_gflops,
+        fraction_of_gemm: gflops / gemm_gflops,
+        gemm_shape,
+    })
+}
+
+/// Greedy packing of whole prompts into batches of at most `budget` tokens (a longer prompt
+/// gets a batch of its own).
+pub fn pack(prompts: &[Vec<u32>], budget: usize) -> Vec<Batch> {
+    let mut batches = Vec::new();
+    let mut current = Batch::default();
+    for prompt in prompts {
+        if current.num_tokens() > 0 && current.num_tokens() + prompt.len() > budget {
+            batches.push(std::mem::take(&mut current));
+        }
+        current.push(prompt);
+    }
+    if current.num_tokens() > 0 {
+        batches.push(current);
+    }
+    batches
+}
+
+/// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ`, best of several runs after a warm-up.
+fn gemm_rate([m, n, k]: [usize; 3]) -> f64 {
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+    let b: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let mut out = vec![0.0f32; m * n];
+    let mut best = f64::INFINITY;
+    for round in 0..6 {
+        let start = Instant::now();
+        matmul_transposed(
+            MatRef::dense(&a, m, k),
+            MatRef::dense(&b, n, k),
+            &mut out,
+            n,
+            1.0,
+            false,
+            Parallelism::Rayon(0),
+        );
+        if round > 0 {
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+    }
+    2.0 * (m * n * k) as f64 / best / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_respects_the_budget_and_keeps_order() {
+        let prompts = vec![vec![1; 3], vec![2; 3], vec![3; 5], vec![4; 1]];
+        let batches = pack(&prompts, 6);
+        let sizes: Vec<usize> = batches.iter().map(Batch::num_tokens).collect();
+        assert_eq!(sizes, [6, 5, 1]);
+        assert_eq!(batches[1].input_ids, [3; 5]);
+    }
+}

@@ -1,0 +1,148 @@
+//! The harvester's error type: one enum, structured variants, messages that name the value
+//! and, where there is one, the fix.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read or written.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What we were doing, e.g. "reading".
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A required file of a checkpoint directory is absent.
+    #[error("{path} does not exist: {hint}")]
+    MissingFile {
+        /// The path we looked for.
+        path: PathBuf,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// `config.json` could not be parsed.
+    #[error("invalid model config {path}: {reason}")]
+    BadConfig {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The checkpoint is of an architecture we do not run.
+    #[error(
+        "unsupported architecture {architecture:?}: harvest runs LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"
+    )]
+    UnsupportedArchitecture {
+        /// What the config says.
+        architecture: String,
+    },
+    /// A safetensors file is truncated or malformed.
+    #[error("corrupt safetensors file {path}: {reason}")]
+    CorruptSafetensors {
+        /// The file.
+        path: PathBuf,
+        /// The parser's complaint.
+        reason: String,
+    },
+    /// A tensor the architecture needs is not in the checkpoint.
+    #[error("tensor {name} is missing from the checkpoint in {dir}")]
+    MissingTensor {
+        /// The tensor name, in Hugging Face naming.
+        name: String,
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// A tensor has a shape that does not match config.json.
+    #[error("tensor {name} has shape {found:?}, but config.json implies {expected:?}")]
+    WrongShape {
+        /// The tensor name.
+        name: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+        /// The shape in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor is stored in a dtype we cannot read.
+    #[error("tensor {name} has dtype {dtype}, but only bf16, f16 and f32 are supported")]
+    UnsupportedDtype {
+        /// The tensor name.
+        name: String,
+        /// The dtype in the file.
+        dtype: String,
+    },
+    /// A GGUF file is malformed or of a kind we cannot import.
+    #[error("GGUF {path}: {reason}")]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A GGUF tensor is quantized with a type we do not import.
+    #[error(
+        "GGUF tensor {name} has type {ggml_type}; import supports F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (re-quantize the file with one of them)"
+    )]
+    UnsupportedGgufType {
+        /// The tensor name in GGUF naming.
+        name: String,
+        /// The GGML type's name or number.
+        ggml_type: String,
+    },
+    /// The tokenizer could not be loaded or could not encode.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// The library's complaint.
+        reason: String,
+    },
+    /// A prompt that tokenizes to nothing cannot be harvested.
+    #[error(
+        "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
+    )]
+    EmptyPrompt {
+        /// The prompt's index in the corpus.
+        index: usize,
+    },
+    /// The layer selection does not fit the model.
+    #[error(transparent)]
+    Layers(#[from] harvest_core::LayerError),
+    /// Projection directions are unusable.
+    #[error("projection directions: {reason}")]
+    BadDirections {
+        /// What is wrong with them.
+        reason: String,
+    },
+    /// A batch handed to a backend breaks its own invariants (a bug in the caller).
+    #[error("invalid batch: {reason}")]
+    InvalidBatch {
+        /// Which invariant.
+        reason: String,
+    },
+    /// A JSON file could not be written or parsed.
+    #[error("JSON {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+}
+
+/// The harvester's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Shorthand for an I/O failure on `path`.
+    pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+}

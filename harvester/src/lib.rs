@@ -1,0 +1,21 @@
+//! `harvester`: the worker that turns a model and prompts into residual-stream activations.
+//!
+//! It never depends on kube or axum; the API and the operator start it as a process.
+//!
+//! ```text
+//! HF checkpoint dir ──model::LlamaWeights──┐
+//! GGUF file ──gguf::import──► HF dir       │
+//! prompts ──tokenizer::PromptTokenizer──► Batch ──backend::Backend (cpu | cuda)──► Captured
+//!                                                      └─ projection::Directions (optional)
+//! ```
+
+pub mod backend;
+pub mod bench;
+pub mod dtype;
+pub mod error;
+pub mod gguf;
+pub mod model;
+pub mod projection;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,187 @@
+//! Memory-mapped Hugging Face safetensors checkpoints: one `model.safetensors`, or shards listed
+//! by `model.safetensors.index.json`. Tensors are decoded to f32 straight from the mapping, so
+//! no file is ever held in memory twice.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+use crate::dtype;
+use crate::error::{Error, Result};
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// An open checkpoint: every weight file mapped, and where each tensor lives.
+#[derive(Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    files: Vec<MappedFile>,
+    locations: HashMap<String, Location>,
+}
+
+#[derive(Debug)]
+struct MappedFile {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Location {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    range: (usize, usize),
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: HashMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors`, or every shard named by `dir/model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join(INDEX_FILE);
+        let file_names: Vec<String> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| Error::io("reading", &index_path, e))?;
+            let index: ShardIndex = serde_json::from_str(&text).map_err(|source| Error::Json {
+                path: index_path.clone(),
+                source,
+            })?;
+            let mut names: Vec<String> = index.weight_map.into_values().collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            vec![SINGLE_FILE.to_owned()]
+        };
+        let mut checkpoint = Self {
+            dir: dir.to_owned(),
+            files: Vec::new(),
+            locations: HashMap::new(),
+        };
+        for name in file_names {
+            checkpoint.map_file(&dir.join(name))?;
+        }
+        Ok(checkpoint)
+    }
+
+    fn map_file(&mut self, path: &Path) -> Result<()> {
+        let file = File::open(path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_owned(),
+                hint: "expected model.safetensors, or the shards listed in model.safetensors.index.json",
+            },
+            _ => Error::io("opening", path, source),
+        })?;
+        // SAFETY: the mapping is read-only and private to this process. Like every loader of
+        // memory-mapped weights we rely on nobody truncating the file while it is loaded; the
+        // bounds of every read are checked against the header below.
+        #[allow(unsafe_code)]
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io("mapping", path, e))?;
+        let corrupt = |reason: String| Error::CorruptSafetensors {
+            path: path.to_owned(),
+            reason,
+        };
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
+        let data_start = 8 + header_len;
+        let data_len = mmap.len() - data_start;
+        let file_index = self.files.len();
+        for (name, info) in metadata.tensors() {
+            if info.data_offsets.1 > data_len {
+                return Err(corrupt(format!(
+                    "tensor {name} ends past the end of the file"
+                )));
+            }
+            self.locations.insert(
+                name,
+                Location {
+                    file: file_index,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    range: info.data_offsets,
+                },
+            );
+        }
+        self.files.push(MappedFile {
+            path: path.to_owned(),
+            mmap,
+            data_start,
+        });
+        Ok(())
+    }
+
+    /// Whether the checkpoint has a tensor of this name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.locations.contains_key(name)
+    }
+
+    /// The shape of a tensor, if present.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.locations.get(name).map(|loc| loc.shape.as_slice())
+    }
+
+    /// Decodes tensor `name`, which must have shape `expected`, to f32 and appends it to `dst`.
+    pub fn append_f32(&self, name: &str, expected: &[usize], dst: &mut Vec<f32>) -> Result<()> {
+        let location = self
+            .locations
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_owned(),
+                dir: self.dir.clone(),
+            })?;
+        if location.shape != expected {
+            return Err(Error::WrongShape {
+                name: name.to_owned(),
+                expected: expected.to_vec(),
+                found: location.shape.clone(),
+            });
+        }
+        let file = &self.files[location.file];
+        let bytes =
+            &file.mmap[file.data_start + location.range.0..file.data_start + location.range.1];
+        let elements: usize = expected.iter().product();
+        let width = match location.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => {
+                return Err(Error::UnsupportedDtype {
+                    name: name.to_owned(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        if bytes.len() != elements * width {
+            return Err(Error::CorruptSafetensors {
+                path: file.path.clone(),
+                reason: format!(
+                    "tensor {name} holds {} bytes, but its shape and dtype need {}",
+                    bytes.len(),
+                    elements * width
+                ),
+            });
+        }
+        dst.reserve(elements);
+        match location.dtype {
+            Dtype::BF16 => dtype::extend_from_bf16(dst, bytes),
+            Dtype::F16 => dtype::extend_from_f16(dst, bytes),
+            _ => dtype::extend_from_f32(dst, bytes),
+        }
+        Ok(())
+    }
+
+    /// Decodes tensor `name` of shape `expected` into a new f32 vector.
+    pub fn tensor_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.append_f32(name, expected, &mut out)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,496 @@
+//! `config.json` of a Hugging Face checkpoint: a loose mirror parsed at the edge, then one
+//! validation step into [`ModelConfig`], which has no optional soup left in it.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// The decoder families that share the Llama block and that harvest runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (Llama 2, 3, 3.1, SmolLM, …).
+    Llama,
+    /// `MistralForCausalLM`: Llama blocks with an optional sliding attention window.
+    Mistral,
+    /// `Qwen2ForCausalLM`: Llama blocks with biases on the Q, K and V projections.
+    Qwen2,
+}
+
+impl Architecture {
+    /// The Hugging Face class name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    fn from_hf_name(name: &str) -> Option<Self> {
+        match name {
+            "LlamaForCausalLM" | "LlamaModel" => Some(Self::Llama),
+            "MistralForCausalLM" | "MistralModel" => Some(Self::Mistral),
+            "Qwen2ForCausalLM" | "Qwen2Model" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+}
+
+/// How RoPE frequencies are rescaled for long contexts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// The piecewise scaling of Llama 3.1.
+    Llama3 {
+        /// Divisor for low frequencies.
+        factor: f64,
+        /// Wavelength threshold (as a fraction of the original context) for low frequencies.
+        low_freq_factor: f64,
+        /// Wavelength threshold for high frequencies, which are left alone.
+        high_freq_factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// A validated model configuration: everything the forward pass needs, nothing optional.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Which family.
+    pub architecture: Architecture,
+    /// Residual-stream width.
+    pub hidden_size: usize,
+    /// MLP inner width.
+    pub intermediate_size: usize,
+    /// Decoder blocks.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE rescaling.
+    pub rope_scaling: RopeScaling,
+    /// Context window; longer prompts are truncated to it.
+    pub max_position_embeddings: usize,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// Whether the LM head shares the embedding (it is never computed, but the tensor may be absent).
+    pub tie_word_embeddings: bool,
+    /// Biases on the Q, K and V projections.
+    pub qkv_bias: bool,
+    /// A bias on the attention output projection.
+    pub o_bias: bool,
+    /// Per block: keys this many positions back or further are masked (Mistral, and Qwen2 with
+    /// `use_sliding_window`); `None` is full causal attention.
+    pub attention_windows: Vec<Option<usize>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRopeScaling>,
+    /// transformers 5 writes RoPE settings here, theta included.
+    rope_parameters: Option<RawRopeScaling>,
+    max_position_embeddings: usize,
+    vocab_size: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawRopeScaling {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+}
+
+impl ModelConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_owned(),
+                hint: "a Hugging Face checkpoint directory needs config.json",
+            },
+            _ => Error::io("reading", path, source),
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `config.json` text; `path` is only named in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| Error::BadConfig {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        raw.validate(path)
+    }
+
+    /// The RoPE inverse frequencies, one per pair of head dimensions, as Hugging Face computes
+    /// them (including Llama 3.1 scaling).
+    pub fn inverse_frequencies(&self) -> Vec<f64> {
+        let dim = self.head_dim as f64;
+        let base: Vec<f64> = (0..self.head_dim / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim))
+            .collect();
+        match self.rope_scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_context,
+            } => {
+                let low_freq_wavelen = old_context / low_freq_factor;
+                let high_freq_wavelen = old_context / high_freq_factor;
+                base.into_iter()
+                    .map(|freq| {
+                        let wavelen = 2.0 * std::f64::consts::PI / freq;
+                        if wavelen < high_freq_wavelen {
+                            freq
+                        } else if wavelen > low_freq_wavelen {
+                            freq / factor
+                        } else {
+                            let smooth = (old_context / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * freq / factor + smooth * freq
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Width of the fused Q|K|V projection output.
+    pub fn qkv_width(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+}
+
+impl RawConfig {
+    fn validate(self, path: &Path) -> Result<ModelConfig> {
+        let Self {
+            architectures,
+            model_type,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            rope_parameters,
+            max_position_embeddings,
+            vocab_size,
+            tie_word_embeddings,
+            attention_bias,
+            mlp_bias,
+            hidden_act,
+            sliding_window,
+            use_sliding_window,
+            max_window_layers,
+            layer_types,
+        } = self;
+        let named = architectures
+            .first()
+            .cloned()
+            .or(model_type)
+            .unwrap_or_default();
+        let architecture = Architecture::from_hf_name(&named)
+            .or(match named.as_str() {
+                "llama" => Some(Architecture::Llama),
+                "mistral" => Some(Architecture::Mistral),
+                "qwen2" => Some(Architecture::Qwen2),
+                _ => None,
+            })
+            .ok_or_else(|| Error::UnsupportedArchitecture {
+                architecture: named.clone(),
+            })?;
+        let bad = |reason: String| Error::BadConfig {
+            path: path.to_owned(),
+            reason,
+        };
+        if let Some(act) = hidden_act.filter(|act| act != "silu") {
+            return Err(bad(format!(
+                "hidden_act {act:?} is not supported; Llama blocks use \"silu\""
+            )));
+        }
+        if mlp_bias {
+            return Err(bad("mlp_bias true is not supported".into()));
+        }
+        let num_kv_heads = num_key_value_heads.unwrap_or(num_attention_heads);
+        if num_attention_heads == 0 || num_kv_heads == 0 || num_attention_heads % num_kv_heads != 0
+        {
+            return Err(bad(format!(
+                "num_attention_heads {num_attention_heads} must be a positive multiple of num_key_value_heads {num_kv_heads}"
+            )));
+        }
+        let head_dim = head_dim.unwrap_or(hidden_size / num_attention_heads);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim {head_dim} must be even and positive for RoPE"
+            )));
+        }
+        if hidden_size == 0 || intermediate_size == 0 || vocab_size == 0 {
+            return Err(bad(
+                "hidden_size, intermediate_size and vocab_size must be positive".into(),
+            ));
+        }
+        let rope_theta = rope_theta
+            .or(rope_parameters.as_ref().and_then(|p| p.rope_theta))
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope_scaling.or(rope_parameters) {
+            None => RopeScaling::None,
+            Some(raw) => raw.validate().map_err(bad)?,
+        };
+        let attention_windows = attention_windows(
+            architecture,
+            num_hidden_layers,
+            sliding_window,
+            use_sliding_window.unwrap_or(false),
+            max_window_layers.unwrap_or(0),
+            layer_types.as_deref(),
+        )
+        .map_err(bad)?;
+        let (qkv_bias, o_bias) = match architecture {
+            Architecture::Qwen2 => (true, false),
+            Architecture::Llama | Architecture::Mistral => (attention_bias, attention_bias),
+        };
+        Ok(ModelConfig {
+            architecture,
+            hidden_size,
+            intermediate_size,
+            num_layers: num_hidden_layers,
+            num_heads: num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings,
+            vocab_size,
+            tie_word_embeddings,
+            qkv_bias,
+            o_bias,
+            attention_windows,
+        })
+    }
+}
+
+/// Which blocks attend through a sliding window, following transformers: an explicit
+/// `layer_types` list wins; else Mistral windows every block, and Qwen2 (with
+/// `use_sliding_window`) the blocks from `max_window_layers` on.
+fn attention_windows(
+    architecture: Architecture,
+    num_layers: usize,
+    window: Option<usize>,
+    use_sliding_window: bool,
+    max_window_layers: usize,
+    layer_types: Option<&[String]>,
+) -> std::result::Result<Vec<Option<usize>>, String> {
+    let Some(window) = window else {
+        return Ok(vec![None; num_layers]);
+    };
+    if let Some(types) = layer_types {
+        if types.len() != num_layers {
+            return Err(format!(
+                "layer_types lists {} blocks, but the model has {num_layers}",
+                types.len()
+            ));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                "full_attention" => Ok(None),
+                "sliding_attention" => Ok(Some(window)),
+                other => Err(format!("layer type {other:?} is not supported")),
+            })
+            .collect();
+    }
+    Ok((0..num_layers)
+        .map(|layer| match architecture {
+            Architecture::Mistral => Some(window),
+            Architecture::Qwen2 if use_sliding_window && layer >= max_window_layers => Some(window),
+            Architecture::Llama | Architecture::Qwen2 => None,
+        })
+        .collect())
+}
+
+impl RawRopeScaling {
+    fn validate(self) -> std::result::Result<RopeScaling, String> {
+        let kind = self
+            .rope_type
+            .or(self.legacy_type)
+            .unwrap_or_else(|| "default".into());
+        let need = |value: Option<f64>, field: &str| {
+            value.ok_or_else(|| format!("rope_scaling of type {kind:?} needs {field}"))
+        };
+        match kind.as_str() {
+            "default" => Ok(RopeScaling::None),
+            "linear" => Ok(RopeScaling::Linear {
+                factor: need(self.factor, "factor")?,
+            }),
+            "llama3" => Ok(RopeScaling::Llama3 {
+                factor: need(self.factor, "factor")?,
+                low_freq_factor: need(self.low_freq_factor, "low_freq_factor")?,
+                high_freq_factor: need(self.high_freq_factor, "high_freq_factor")?,
+                original_max_position_embeddings: need(
+                    self.original_max_position_embeddings,
+                    "original_max_position_embeddings",
+                )?,
+            }),
+            other => Err(format!(
+                "rope_scaling type {other:?} is not supported; use none, \"linear\" or \"llama3\""
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ModelConfig> {
+        ModelConfig::parse(text, Path::new("config.json"))
+    }
+
+    fn llama(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "vocab_size": 100 {extra}}}"#
+        )
+    }
+
+    #[test]
+    fn a_plain_llama_config_validates_with_defaults() {
+        let config = parse(&llama("")).unwrap();
+        assert_eq!(config.architecture, Architecture::Llama);
+        assert_eq!(config.head_dim, 16);
+        assert_eq!(config.rope_theta, 10_000.0);
+        assert_eq!(config.rope_scaling, RopeScaling::None);
+        assert_eq!(config.qkv_width(), (4 + 2 * 2) * 16);
+        assert!(!config.qkv_bias);
+    }
+
+    #[test]
+    fn qwen2_always_has_qkv_bias_but_no_output_bias() {
+        let text = llama("").replace("LlamaForCausalLM", "Qwen2ForCausalLM");
+        let config = parse(&text).unwrap();
+        assert!(config.qkv_bias && !config.o_bias);
+    }
+
+    #[test]
+    fn an_unknown_architecture_is_named_in_the_error() {
+        let text = llama("").replace("LlamaForCausalLM", "GPT2LMHeadModel");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("GPT2LMHeadModel"), "{err}");
+    }
+
+    #[test]
+    fn llama3_scaling_leaves_high_frequencies_and_divides_low_ones() {
+        let scaled = llama(
+            r#", "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+        );
+        let plain = parse(&llama(r#", "rope_theta": 500000.0"#)).unwrap();
+        let scaled = parse(&scaled).unwrap();
+        let (a, b) = (plain.inverse_frequencies(), scaled.inverse_frequencies());
+        assert_eq!(a[0], b[0], "the highest frequency is untouched");
+        let last = a.len() - 1;
+        assert!(
+            (a[last] / 8.0 - b[last]).abs() < 1e-15,
+            "the lowest is divided by the factor"
+        );
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_carry_theta_and_scaling() {
+        let text = llama(
+            r#", "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}"#,
+        );
+        let config = parse(&text).unwrap();
+        assert_eq!(config.rope_theta, 500_000.0);
+        assert!(matches!(
+            config.rope_scaling,
+            RopeScaling::Llama3 { factor: 8.0, .. }
+        ));
+    }
+
+    #[test]
+    fn mistral_windows_every_block_and_llama_none() {
+        let text =
+            llama(r#", "sliding_window": 8"#).replace("LlamaForCausalLM", "MistralForCausalLM");
+        assert_eq!(parse(&text).unwrap().attention_windows, [Some(8), Some(8)]);
+        assert_eq!(
+            parse(&llama(r#", "sliding_window": 8"#))
+                .unwrap()
+                .attention_windows,
+            [None, None]
+        );
+    }
+
+    #[test]
+    fn qwen2_windows_only_blocks_past_max_window_layers() {
+        let text =
+            llama(r#", "sliding_window": 8, "use_sliding_window": true, "max_window_layers": 1"#)
+                .replace("LlamaForCausalLM", "Qwen2ForCausalLM");
+        assert_eq!(parse(&text).unwrap().attention_windows, [None, Some(8)]);
+    }
+
+    #[test]
+    fn an_unknown_rope_scaling_type_is_rejected_by_name() {
+        let text = llama(r#", "rope_scaling": {"type": "yarn", "factor": 4.0}"#);
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("yarn"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_field_is_a_parse_error_naming_it() {
+        let text = llama("").replace(r#""vocab_size": 100"#, r#""vocab": 100"#);
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("vocab_size"), "{err}");
+    }
+}

@@ -1,0 +1,218 @@
+//! Shared helpers for the harvester's integration tests: reference fixtures, tolerance checks,
+//! and a seeded random-weight checkpoint generator.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use harvest_core::LayerSelection;
+use harvester::backend::cpu::CpuBackend;
+use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
+use harvester::model::LlamaWeights;
+use safetensors::{Dtype, SafeTensors};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Where `scripts/fetch-model.sh` leaves the imported SmolLM2 checkpoint and its GGUF.
+pub fn model_cache() -> PathBuf {
+    let cache = std::env::var_os("HARVEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            PathBuf::from(home).join(".cache/harvest")
+        });
+    cache.join("models")
+}
+
+pub fn smollm2_dir() -> PathBuf {
+    let dir = model_cache().join("smollm2-135m");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "{} is missing: run scripts/fetch-model.sh first (or set HARVEST_CACHE)",
+        dir.display()
+    );
+    dir
+}
+
+/// A reference file written by scripts/reference/make_fixtures.py.
+pub struct Reference {
+    bytes: Vec<u8>,
+    pub prompts: Vec<String>,
+    pub layers: Vec<usize>,
+    pub truncate_at: usize,
+}
+
+impl Reference {
+    pub fn open(path: &Path) -> Self {
+        let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let (_, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
+        let meta: &HashMap<String, String> = metadata.metadata().as_ref().unwrap();
+        Self {
+            prompts: serde_json::from_str(&meta["prompts"]).unwrap(),
+            layers: serde_json::from_str(&meta["layers"]).unwrap(),
+            truncate_at: meta["truncate_at"].parse().unwrap(),
+            bytes,
+        }
+    }
+
+    fn tensor(&self, name: &str) -> (Vec<usize>, Vec<u8>) {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        let view = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("fixture tensor {name}"));
+        (view.shape().to_vec(), view.data().to_vec())
+    }
+
+    pub fn ids(&self, prompt: usize, add_special_tokens: bool) -> Vec<u32> {
+        let tag = if add_special_tokens {
+            "special"
+        } else {
+            "plain"
+        };
+        let (_, data) = self.tensor(&format!("ids_{prompt}_{tag}"));
+        data.chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    }
+
+    /// `[layers, tokens, hidden]` f32.
+    pub fn residual(&self, prompt: usize) -> (Vec<usize>, Vec<f32>) {
+        let (shape, data) = self.tensor(&format!("residual_{prompt}"));
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        assert_eq!(
+            st.tensor(&format!("residual_{prompt}")).unwrap().dtype(),
+            Dtype::F32
+        );
+        (
+            shape,
+            data.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+        )
+    }
+}
+
+/// The worst per-token relative error ‖ours − ref‖ / ‖ref‖ over rows of width `width`.
+pub fn worst_relative_error(ours: &[f32], reference: &[f32], width: usize) -> f64 {
+    assert_eq!(ours.len(), reference.len(), "shapes differ");
+    ours.chunks_exact(width)
+        .zip(reference.chunks_exact(width))
+        .map(|(a, b)| {
+            let diff: f64 = a
+                .iter()
+                .zip(b)
+                .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+                .sum();
+            let norm: f64 = b.iter().map(|&y| f64::from(y).powi(2)).sum();
+            (diff / norm.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Runs the CPU backend over `sequences` packed in one batch, keeping `layers`.
+pub fn capture(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> Captured {
+    let weights = LlamaWeights::load(dir, None).unwrap();
+    let layers = layers.resolve(weights.config.num_layers).unwrap();
+    let mut backend = CpuBackend::new(
+        weights,
+        CaptureSpec {
+            layers,
+            directions: None,
+        },
+    )
+    .unwrap();
+    let mut out = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(sequences), &mut out)
+        .unwrap();
+    out
+}
+
+/// A tiny seeded random-weight Llama checkpoint, written to `dir`.
+pub struct TinyModel {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+}
+
+impl Default for TinyModel {
+    fn default() -> Self {
+        Self {
+            hidden: 32,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 48,
+            vocab: 64,
+        }
+    }
+}
+
+impl TinyModel {
+    pub fn write(&self, dir: &Path, seed: u64) {
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let mut random = |n: usize, scale: f32, offset: f32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let unit = ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                    (offset + scale * unit).to_le_bytes()
+                })
+                .collect()
+        };
+        let head_dim = self.hidden / self.heads;
+        let (h, i) = (self.hidden, self.intermediate);
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab, h],
+            random(self.vocab * h, 1.0, 0.0),
+        )];
+        for l in 0..self.layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let q_rows = self.heads * head_dim;
+            let kv_rows = self.kv_heads * head_dim;
+            for (name, shape, offset) in [
+                (p("input_layernorm.weight"), vec![h], 1.0),
+                (p("post_attention_layernorm.weight"), vec![h], 1.0),
+                (p("self_attn.q_proj.weight"), vec![q_rows, h], 0.0),
+                (p("self_attn.k_proj.weight"), vec![kv_rows, h], 0.0),
+                (p("self_attn.v_proj.weight"), vec![kv_rows, h], 0.0),
+                (p("self_attn.o_proj.weight"), vec![h, q_rows], 0.0),
+                (p("mlp.gate_proj.weight"), vec![i, h], 0.0),
+                (p("mlp.up_proj.weight"), vec![i, h], 0.0),
+                (p("mlp.down_proj.weight"), vec![h, i], 0.0),
+            ] {
+                let n = shape.iter().product();
+                let scale = if offset == 1.0 { 0.1 } else { 0.3 };
+                tensors.push((name, shape, random(n, scale, offset)));
+            }
+        }
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        std::fs::create_dir_all(dir).unwrap();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let config = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": i,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 512, "vocab_size": self.vocab, "tie_word_embeddings": true,
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    }
+}

@@ -1,0 +1,120 @@
+//! Numerical parity with Hugging Face transformers: token ids and residual-stream activations
+//! against the float64 references written by scripts/reference/make_fixtures.py.
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
+
+mod common;
+
+use std::path::Path;
+
+use common::{Reference, capture, fixtures, smollm2_dir, worst_relative_error};
+use harvest_core::LayerSelection;
+use harvester::dtype::round_bf16;
+use harvester::tokenizer::PromptTokenizer;
+
+/// f32 against the float64 reference, per token.
+const F32_TOLERANCE: f64 = 2e-3;
+/// After rounding our output to bf16, as the shards store it.
+const BF16_TOLERANCE: f64 = 1e-2;
+
+/// Checks ids for both `add_special_tokens` values, then the residuals of every prompt, each run
+/// packed together with all the others. Returns the worst f32 and bf16 errors.
+fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
+    let tokenizer = PromptTokenizer::from_dir(dir, reference.truncate_at).unwrap();
+    let mut sequences = Vec::new();
+    for (p, text) in reference.prompts.iter().enumerate() {
+        for special in [true, false] {
+            let expected = reference.ids(p, special);
+            let encoded = tokenizer.encode(p, text, special).unwrap();
+            let cut = expected.len().min(reference.truncate_at);
+            assert_eq!(
+                encoded.ids,
+                expected[..cut],
+                "prompt {p} ids (add_special_tokens={special})"
+            );
+            let truncated = expected.len() > reference.truncate_at;
+            assert_eq!(
+                encoded.truncated_from,
+                truncated.then_some(expected.len()),
+                "prompt {p}"
+            );
+        }
+        sequences.push(tokenizer.encode(p, text, true).unwrap().ids);
+    }
+    assert!(
+        sequences.iter().any(|s| s.len() == reference.truncate_at),
+        "some prompt exercises truncation"
+    );
+    let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
+    let out = capture(dir, &LayerSelection::Explicit(layers), &sequences);
+    let (mut worst_f32, mut worst_bf16) = (0.0f64, 0.0f64);
+    let mut offset = 0;
+    for (p, ids) in sequences.iter().enumerate() {
+        let (shape, expected) = reference.residual(p);
+        assert_eq!(
+            shape,
+            [reference.layers.len(), ids.len(), out.width],
+            "prompt {p} reference shape"
+        );
+        let mut ours = Vec::with_capacity(expected.len());
+        for layer in 0..reference.layers.len() {
+            ours.extend_from_slice(out.rows(layer, offset..offset + ids.len()));
+        }
+        offset += ids.len();
+        worst_f32 = worst_f32.max(worst_relative_error(&ours, &expected, out.width));
+        let rounded: Vec<f32> = ours.iter().map(|&v| round_bf16(v)).collect();
+        worst_bf16 = worst_bf16.max(worst_relative_error(&rounded, &expected, out.width));
+    }
+    println!(
+        "{}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}",
+        dir.display()
+    );
+    assert!(
+        worst_f32 <= F32_TOLERANCE,
+        "f32 error {worst_f32:.3e} > {F32_TOLERANCE}"
+    );
+    assert!(
+        worst_bf16 <= BF16_TOLERANCE,
+        "bf16 error {worst_bf16:.3e} > {BF16_TOLERANCE}"
+    );
+    (worst_f32, worst_bf16)
+}
+
+fn check_tiny(name: &str) {
+    let dir = fixtures().join(name);
+    check_model(&dir, &Reference::open(&dir.join("reference.safetensors")));
+}
+
+#[test]
+fn smollm2_matches_transformers_ids_and_residuals() {
+    let reference = Reference::open(&fixtures().join("smollm2_reference.safetensors"));
+    assert!(reference.layers.contains(&0) && reference.layers.contains(&29));
+    check_model(&smollm2_dir(), &reference);
+}
+
+#[test]
+fn llama3_rope_scaling_f16_sharded_weights_and_a_bos_adding_tokenizer_match_transformers() {
+    let dir = fixtures().join("tiny-llama3-f16-sharded");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let bos = PromptTokenizer::from_dir(&dir, 64)
+        .unwrap()
+        .bos_id()
+        .unwrap();
+    assert_eq!(
+        reference.ids(0, true)[0],
+        bos,
+        "the fixture tokenizer adds BOS"
+    );
+    assert_ne!(reference.ids(0, false)[0], bos);
+    check_tiny("tiny-llama3-f16-sharded");
+}
+
+#[test]
+fn qwen2_qkv_bias_and_tied_embeddings_match_transformers() {
+    check_tiny("tiny-qwen2-f32");
+}
+
+#[test]
+fn mistral_sliding_window_in_bf16_matches_transformers() {
+    check_tiny("tiny-mistral-window-bf16");
+}

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Writes the Hugging Face reference fixtures that the harvester's parity tests compare against.
+
+Run after `scripts/fetch-model.sh` (which imports SmolLM2 into the cache):
+
+    python3 scripts/reference/make_fixtures.py
+
+It writes, under harvester/tests/fixtures/:
+  smollm2_reference.safetensors  residuals of the imported SmolLM2 checkpoint, computed by
+                                 transformers in float64 with hooks on the raw block outputs
+                                 (before the final norm), plus token ids for both
+                                 add_special_tokens values from the tokenizer that transformers
+                                 builds from the GGUF itself;
+  smollm2_gguf_weights.json      sha256 of every weight as transformers' own GGUF loader
+                                 dequantises it, rounded to bf16, so a wrong import is caught;
+  tiny-*/                        tiny random-weight checkpoints for features SmolLM2 lacks
+                                 (llama3 RoPE scaling, f16 and sharded weights, a BOS-adding
+                                 tokenizer, Qwen2 QKV bias, Mistral's sliding window), each with
+                                 its own reference.safetensors.
+"""
+import hashlib
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "harvester" / "tests" / "fixtures"
+CACHE = pathlib.Path(os.environ.get("HARVEST_CACHE", pathlib.Path.home() / ".cache" / "harvest"))
+GGUF_DIR = CACHE / "models"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+IMPORTED = GGUF_DIR / "smollm2-135m"
+
+# A small context limit for the truncation case; the Rust test applies the same limit.
+TRUNCATE_AT = 48
+SMOLLM2_LAYERS = [0, 1, 7, 15, 22, 29]
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé: naïve café, 東京タワー, emoji 🦀🚀 and Ελληνικά.",
+    "spaces    and\ttabs\n\n\nnewlines   end   ",
+    "Digits 0123456789, 3.14159 and 1,000,000 plus 2026-11-30.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "<|im_start|>user\nWhat is a residual stream?<|im_end|>\n<|im_start|>assistant\n",
+    "Hi",
+    " ".join(f"word{i}" for i in range(40)) + " and a long tail that must be cut at the limit.",
+]
+
+torch.manual_seed(0)
+
+
+def residuals(model, ids, layers):
+    """Raw outputs of the given decoder blocks for one prompt, [layers, tokens, hidden] float64."""
+    captured = {}
+    hooks = [
+        model.model.layers[k].register_forward_hook(
+            lambda _m, _i, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out)
+        )
+        for k in layers
+    ]
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return np.stack([captured[k][0].double().numpy() for k in layers])
+
+
+def smollm2():
+    print("SmolLM2: tokenizer and weights from transformers' GGUF loader", file=sys.stderr)
+    gguf_tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    ours_tok = AutoTokenizer.from_pretrained(IMPORTED)
+    gguf_model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=torch.float32)
+    hashes = {}
+    for name, tensor in gguf_model.state_dict().items():
+        if name == "lm_head.weight" and gguf_model.config.tie_word_embeddings:
+            continue
+        raw = tensor.contiguous().to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        hashes[name] = {"sha256": hashlib.sha256(raw).hexdigest(), "shape": list(tensor.shape)}
+    (FIXTURES / "smollm2_gguf_weights.json").write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+    del gguf_model
+
+    print("SmolLM2: float64 residuals of the imported checkpoint", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(IMPORTED, dtype=torch.float64, attn_implementation="eager")
+    model.eval()
+    tensors = {}
+    for p, text in enumerate(PROMPTS):
+        for special, tag in ((True, "special"), (False, "plain")):
+            ids = gguf_tok(text, add_special_tokens=special)["input_ids"]
+            assert ours_tok(text, add_special_tokens=special)["input_ids"] == ids, (p, special)
+            tensors[f"ids_{p}_{tag}"] = np.array(ids, dtype=np.int32)
+        ids = tensors[f"ids_{p}_special"].tolist()[:TRUNCATE_AT]
+        tensors[f"residual_{p}"] = residuals(model, ids, SMOLLM2_LAYERS).astype(np.float32)
+    meta = {"prompts": json.dumps(PROMPTS), "layers": json.dumps(SMOLLM2_LAYERS), "truncate_at": str(TRUNCATE_AT)}
+    save_file(tensors, FIXTURES / "smollm2_reference.safetensors", metadata=meta)
+
+
+def tiny_tokenizer(out_dir, add_bos):
+    """A small byte-level BPE tokenizer trained on a fixed text, optionally adding BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([" ".join(PROMPTS)] * 4, trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def tiny(name, config_cls, model_cls, config_kwargs, dtype, shard, add_bos, layers):
+    print(f"tiny model {name}", file=sys.stderr)
+    out_dir = FIXTURES / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer(out_dir, add_bos)
+    config = config_cls(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **config_kwargs,
+    )
+    model = model_cls(config)
+    with torch.no_grad():
+        for p in model.parameters():  # norms away from 1 so their weights matter
+            p.add_(torch.randn_like(p) * 0.05)
+    model = model.to(dtype)
+    model.save_pretrained(out_dir, max_shard_size="100KB" if shard else "100MB", safe_serialization=True)
+    ref = model.to(torch.float64)
+    ref.config._attn_implementation = "eager"
+    ref.eval()
+    tensors = {}
+    for p, text in enumerate(PROMPTS):
+        for special, tag in ((True, "special"), (False, "plain")):
+            tensors[f"ids_{p}_{tag}"] = np.array(tok(text, add_special_tokens=special)["input_ids"], dtype=np.int32)
+        ids = tensors[f"ids_{p}_special"].tolist()[:TRUNCATE_AT]
+        tensors[f"residual_{p}"] = residuals(ref, ids, layers).astype(np.float32)
+    meta = {"prompts": json.dumps(PROMPTS), "layers": json.dumps(layers), "truncate_at": str(TRUNCATE_AT)}
+    save_file(tensors, out_dir / "reference.safetensors", metadata=meta)
+
+
+def tiny_models():
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    llama3 = dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    tiny("tiny-llama3-f16-sharded", LlamaConfig, LlamaForCausalLM, llama3, torch.float16, True, True, [0, 1, 2])
+    tiny("tiny-qwen2-f32", Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True), torch.float32, False,
+         False, [0, 2])
+    tiny("tiny-mistral-window-bf16", MistralConfig, MistralForCausalLM, dict(sliding_window=8, head_dim=16),
+         torch.bfloat16, False, True, [1, 2])
+
+
+if __name__ == "__main__":
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    tiny_models()
+    smollm2()
+    print("fixtures written to", FIXTURES, file=sys.stderr)
