@@ -33,6 +33,20 @@ enum Command {
         #[arg(long, value_enum, default_value_t = OutputDtype::Bf16)]
         dtype: OutputDtype,
     },
+    /// Capture one prompt and print each kept layer's token norms.
+    Probe {
+        /// Checkpoint directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Layers to keep: a list such as 7,15,22, all, or quartiles.
+        #[arg(long, default_value = "all")]
+        layers: LayerSelection,
+        /// Tokenize the text verbatim, adding no BOS.
+        #[arg(long)]
+        no_special_tokens: bool,
+        /// The prompt.
+        text: String,
+    },
     /// Measure forward-pass throughput on a JSON file of token-id lists; prints JSON.
     Bench {
         /// Checkpoint directory.
@@ -75,6 +89,19 @@ fn main() -> anyhow::Result<()> {
                 layers = summary.num_layers,
                 "imported GGUF"
             );
+        }
+        Command::Probe {
+            model,
+            layers,
+            no_special_tokens,
+            text,
+        } => {
+            let report = harvester::probe::run(&model, &text, &layers, !no_special_tokens)
+                .with_context(|| format!("probing {}", model.display()))?;
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{report}");
+            }
         }
         Command::Bench {
             model,

@@ -59,7 +59,9 @@ impl GgmlType {
     /// Bytes needed for `elements` values, or `None` if they do not fill whole blocks.
     pub fn byte_len(self, elements: usize) -> Option<usize> {
         let blocks = |bytes_per_block: usize| {
-            elements.is_multiple_of(BLOCK).then_some(elements / BLOCK * bytes_per_block)
+            elements
+                .is_multiple_of(BLOCK)
+                .then_some(elements / BLOCK * bytes_per_block)
         };
         match self {
             Self::F32 => Some(elements * 4),

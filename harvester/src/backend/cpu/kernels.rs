@@ -87,9 +87,26 @@ dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
 });
 
 dispatch!(softmax_in_place(row: &mut [f32]) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0f32;
-    for v in row.iter_mut() {
+    // Eight independent lanes, so the reductions vectorise (a single float accumulator cannot
+    // be reordered by the compiler).
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
+        }
+    }
+    let max = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let mut sums = [0.0f32; 8];
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            c[i] = exp(c[i] - max);
+            sums[i] += c[i];
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for v in chunks.into_remainder() {
         *v = exp(*v - max);
         sum += *v;
     }

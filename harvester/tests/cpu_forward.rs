@@ -1,0 +1,160 @@
+//! Properties of the CPU forward pass on tiny seeded random-weight models: early exit, batch
+//! invariance, causality, GQA layouts and projections.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{TinyModel, capture, worst_relative_error};
+use harvest_core::LayerSelection;
+use harvester::backend::cpu::CpuBackend;
+use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
+use harvester::model::LlamaWeights;
+use harvester::projection::Directions;
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 5, 9, 2, 33, 7, 7, 60],
+        vec![3],
+        (0..150).map(|i| (i * 7 % 64) as u32).collect(),
+        vec![8, 8],
+    ]
+}
+
+fn tiny(model: &TinyModel, seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    model.write(dir.path(), seed);
+    dir
+}
+
+#[test]
+fn stopping_early_gives_the_same_block_output_as_running_every_block() {
+    let dir = tiny(&TinyModel::default(), 1);
+    let all = capture(dir.path(), &LayerSelection::All, &prompts());
+    let first = capture(dir.path(), &LayerSelection::Explicit(vec![0]), &prompts());
+    assert_eq!(all.layers, 3);
+    assert_eq!(first.layers, 1);
+    assert_eq!(first.layer(0), all.layer(0));
+    let partial = LlamaWeights::load(dir.path(), Some(2)).unwrap();
+    assert_eq!(partial.blocks.len(), 2, "only the blocks needed are loaded");
+}
+
+#[test]
+fn a_prompt_gives_the_same_activations_alone_as_packed_with_others() {
+    let dir = tiny(&TinyModel::default(), 2);
+    let prompts = prompts();
+    let packed = capture(dir.path(), &LayerSelection::All, &prompts);
+    let mut offset = 0;
+    for prompt in &prompts {
+        let alone = capture(
+            dir.path(),
+            &LayerSelection::All,
+            std::slice::from_ref(prompt),
+        );
+        for layer in 0..3 {
+            let together = packed.rows(layer, offset..offset + prompt.len());
+            let error = worst_relative_error(together, alone.layer(layer), packed.width);
+            assert!(error < 1e-6, "layer {layer}: {error:e}");
+        }
+        offset += prompt.len();
+    }
+}
+
+#[test]
+fn later_tokens_never_change_earlier_activations() {
+    let dir = tiny(&TinyModel::default(), 3);
+    let long: Vec<u32> = (0..100).map(|i| (i * 13 % 64) as u32).collect();
+    let full = capture(
+        dir.path(),
+        &LayerSelection::All,
+        std::slice::from_ref(&long),
+    );
+    let prefix = capture(dir.path(), &LayerSelection::All, &[long[..70].to_vec()]);
+    let error = worst_relative_error(full.rows(2, 0..70), prefix.layer(2), full.width);
+    assert!(error < 1e-6, "{error:e}");
+}
+
+#[test]
+fn grouped_query_layouts_from_multi_head_to_single_kv_head_all_run() {
+    for kv_heads in [1, 2, 4] {
+        let model = TinyModel {
+            kv_heads,
+            ..TinyModel::default()
+        };
+        let dir = tiny(&model, 4);
+        let out = capture(dir.path(), &LayerSelection::Quartiles, &prompts());
+        let tokens: usize = prompts().iter().map(Vec::len).sum();
+        assert_eq!(
+            (out.layers, out.tokens, out.width),
+            (3, tokens, 32),
+            "kv_heads {kv_heads}"
+        );
+        assert!(out.data.iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn projections_equal_activations_times_unit_directions() {
+    let dir = tiny(&TinyModel::default(), 5);
+    let raw = capture(
+        dir.path(),
+        &LayerSelection::Explicit(vec![0, 2]),
+        &prompts(),
+    );
+    let values: Vec<f32> = (0..3 * 32)
+        .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3)
+        .collect();
+    let directions = Directions::new(&values, 3, 32, 32).unwrap();
+    let weights = LlamaWeights::load(dir.path(), None).unwrap();
+    let layers = LayerSelection::Explicit(vec![0, 2]).resolve(3).unwrap();
+    let spec = CaptureSpec {
+        layers,
+        directions: Some(directions.clone()),
+    };
+    let mut backend = CpuBackend::new(weights, spec).unwrap();
+    assert_eq!(backend.capture_width(), 3);
+    let mut projected = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(&prompts()), &mut projected)
+        .unwrap();
+    let units = directions.unit_vectors();
+    let mut expected = Vec::new();
+    for layer in 0..2 {
+        for row in raw.layer(layer).chunks_exact(32) {
+            for d in units.chunks_exact(32) {
+                expected.push(
+                    row.iter()
+                        .zip(d)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum::<f64>() as f32,
+                );
+            }
+        }
+    }
+    let error = worst_relative_error(&projected.data, &expected, 3);
+    assert!(error < 1e-5, "{error:e}");
+}
+
+#[test]
+fn reused_buffers_give_identical_results_across_batches_of_different_sizes() {
+    let dir = tiny(&TinyModel::default(), 6);
+    let weights = LlamaWeights::load(dir.path(), None).unwrap();
+    let layers = LayerSelection::All.resolve(3).unwrap();
+    let mut backend = CpuBackend::new(
+        weights,
+        CaptureSpec {
+            layers,
+            directions: None,
+        },
+    )
+    .unwrap();
+    let small = Batch::from_sequences(&[vec![4, 5, 6]]);
+    let mut first = Captured::default();
+    backend.capture(&small, &mut first).unwrap();
+    let mut out = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(&prompts()), &mut out)
+        .unwrap();
+    backend.capture(&small, &mut out).unwrap();
+    assert_eq!(out.data, first.data);
+}
