@@ -66,7 +66,7 @@ fn a_corrupt_safetensors_file_is_reported_not_panicked_on() {
 fn an_unsupported_architecture_is_named() {
     let dir = tiny();
     edit_config(dir.path(), |c| {
-        c["architectures"] = serde_json::json!(["FalconForCausalLM"])
+        c["architectures"] = serde_json::json!(["FalconForCausalLM"]);
     });
     let err = load_error(dir.path());
     assert!(err.contains("FalconForCausalLM"), "{err}");
@@ -76,7 +76,7 @@ fn an_unsupported_architecture_is_named() {
 fn a_shape_mismatch_names_the_tensor_and_both_shapes() {
     let dir = tiny();
     edit_config(dir.path(), |c| {
-        c["intermediate_size"] = serde_json::json!(40)
+        c["intermediate_size"] = serde_json::json!(40);
     });
     let err = load_error(dir.path());
     assert!(
@@ -91,7 +91,7 @@ fn a_shape_mismatch_names_the_tensor_and_both_shapes() {
 fn a_missing_tensor_is_named() {
     let dir = tiny();
     edit_config(dir.path(), |c| {
-        c["num_hidden_layers"] = serde_json::json!(4)
+        c["num_hidden_layers"] = serde_json::json!(4);
     });
     let err = load_error(dir.path());
     assert!(
