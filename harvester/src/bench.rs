@@ -173,7 +173,8 @@ mod tests {
         let prompts = vec![vec![1; 3], vec![2; 3], vec![3; 5], vec![4; 1]];
         let batches = pack(&prompts, 6);
         let sizes: Vec<usize> = batches.iter().map(Batch::num_tokens).collect();
-        assert_eq!(sizes, [6, 5, 1]);
-        assert_eq!(batches[1].input_ids, [3; 5]);
+        assert_eq!(sizes, [6, 6]);
+        assert_eq!(batches[1].input_ids, [3, 3, 3, 3, 3, 4]);
+        assert_eq!(pack(&[vec![1; 9], vec![2; 1]], 4).len(), 2, "a long prompt gets a batch of its own");
     }
 }
