@@ -5,14 +5,21 @@
 //! all apply exactly the same rules.
 //!
 //! ```text
-//! raw request / CLI flags / CRD spec
-//!        │ parse at the edge (serde)
+//! JSON plan / CLI flags / CRD spec
+//!        │ parse at the edge (serde, deny_unknown_fields)
 //!        ▼
+//! RawPlan ──TryFrom──► HarvestPlan { model, prompts, layers: LayerSelection, output, … }
 //! LayerSelection ──resolve(num_layers)──► Layers (sorted, unique, in range)
+//! shard planning (plan), RunningStats (stats), Manifest schema (format)
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod format;
 pub mod layers;
+pub mod plan;
+pub mod stats;
 
 pub use layers::{LayerError, LayerSelection, Layers};
+pub use plan::{HarvestPlan, Location, PlanError, RawPlan};
+pub use stats::RunningStats;

@@ -175,6 +175,10 @@ mod tests {
         let sizes: Vec<usize> = batches.iter().map(Batch::num_tokens).collect();
         assert_eq!(sizes, [6, 6]);
         assert_eq!(batches[1].input_ids, [3, 3, 3, 3, 3, 4]);
-        assert_eq!(pack(&[vec![1; 9], vec![2; 1]], 4).len(), 2, "a long prompt gets a batch of its own");
+        assert_eq!(
+            pack(&[vec![1; 9], vec![2; 1]], 4).len(),
+            2,
+            "a long prompt gets a batch of its own"
+        );
     }
 }

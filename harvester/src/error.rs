@@ -123,6 +123,43 @@ pub enum Error {
         /// Which invariant.
         reason: String,
     },
+    /// A prompts file is malformed.
+    #[error("prompts {source_name}: {reason}")]
+    Prompts {
+        /// The prompts file.
+        source_name: String,
+        /// What is wrong, with the line number where there is one.
+        reason: String,
+    },
+    /// The plan is invalid.
+    #[error("invalid plan: {0}")]
+    Plan(#[from] harvest_core::PlanError),
+    /// The object store failed (after retries, for transient errors).
+    #[error("storage {location}: {reason}")]
+    Store {
+        /// The object or prefix.
+        location: String,
+        /// The store's error.
+        reason: String,
+    },
+    /// The output location holds files of a different harvest.
+    #[error(
+        "output {location} holds files of a different harvest (plan {found}, this plan is {expected}): use a new output location, or empty this one"
+    )]
+    ForeignOutput {
+        /// The output location.
+        location: String,
+        /// The plan fingerprint found there.
+        found: String,
+        /// This plan's fingerprint.
+        expected: String,
+    },
+    /// A pipeline stage stopped unexpectedly (a bug).
+    #[error("pipeline stage {stage} stopped unexpectedly. This is a bug.")]
+    StageLost {
+        /// The stage.
+        stage: &'static str,
+    },
     /// A JSON file could not be written or parsed.
     #[error("JSON {path}: {source}")]
     Json {
@@ -136,7 +173,48 @@ pub enum Error {
 /// The harvester's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Exit status for bad input: fix the request; retrying the same one fails again.
+pub const EXIT_BAD_INPUT: i32 = 2;
+/// Exit status for an infrastructure failure (storage, disk): retrying may succeed.
+pub const EXIT_INFRASTRUCTURE: i32 = 3;
+/// Exit status for a bug in the harvester.
+pub const EXIT_INTERNAL: i32 = 70;
+
 impl Error {
+    /// The process exit status for this error: the one table that tells a supervisor (the API,
+    /// the operator) whether a retry can help.
+    pub fn exit_code(&self) -> i32 {
+        match self.kind() {
+            "bad_input" => EXIT_BAD_INPUT,
+            "infrastructure" => EXIT_INFRASTRUCTURE,
+            _ => EXIT_INTERNAL,
+        }
+    }
+
+    /// A stable name for the error's class: `bad_input`, `infrastructure` or `internal`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::MissingFile { .. }
+            | Self::BadConfig { .. }
+            | Self::UnsupportedArchitecture { .. }
+            | Self::CorruptSafetensors { .. }
+            | Self::MissingTensor { .. }
+            | Self::WrongShape { .. }
+            | Self::UnsupportedDtype { .. }
+            | Self::Gguf { .. }
+            | Self::UnsupportedGgufType { .. }
+            | Self::Tokenizer { .. }
+            | Self::EmptyPrompt { .. }
+            | Self::Layers(_)
+            | Self::BadDirections { .. }
+            | Self::Prompts { .. }
+            | Self::Plan(_)
+            | Self::ForeignOutput { .. } => "bad_input",
+            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } => "infrastructure",
+            Self::InvalidBatch { .. } | Self::StageLost { .. } => "internal",
+        }
+    }
+
     /// Shorthand for an I/O failure on `path`.
     pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {

@@ -15,6 +15,7 @@ pub mod dtype;
 pub mod error;
 pub mod gguf;
 pub mod model;
+pub mod pipeline;
 pub mod probe;
 pub mod projection;
 pub mod tokenizer;

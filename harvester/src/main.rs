@@ -1,11 +1,14 @@
 //! The `harvester` binary: argument parsing and logging set-up; the work is in the library.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
-use harvest_core::LayerSelection;
+use clap::{Args, Parser, Subcommand};
+use harvest_core::{HarvestPlan, LayerSelection, RawPlan};
 use harvester::gguf::OutputDtype;
+use harvester::pipeline::progress::ProgressMode;
+use harvester::pipeline::{RunOptions, result::termination_message};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -22,6 +25,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a harvest job: shards, statistics and a manifest in a directory or s3:// prefix.
+    ///
+    /// Exit status: 0 done, 2 bad input (fix the plan), 3 infrastructure failure (retry; a
+    /// rerun resumes), 70 internal error.
+    Run(RunArgs),
     /// Convert a llama-architecture GGUF into a Hugging Face checkpoint directory.
     ImportGguf {
         /// The .gguf file.
@@ -64,7 +72,112 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// A JSON plan (as the API and the operator write it); the flags below are ignored.
+    #[arg(long, conflicts_with_all = ["model", "prompts", "out"])]
+    plan: Option<PathBuf>,
+    /// Checkpoint directory.
+    #[arg(long, required_unless_present = "plan")]
+    model: Option<String>,
+    /// Prompts: .jsonl ({"text": ...} per line), .json (list of strings) or .txt; path or s3://.
+    #[arg(long, required_unless_present = "plan")]
+    prompts: Option<String>,
+    /// Layers to keep: a list such as 8,16,24, all, or quartiles (the default).
+    #[arg(long, default_value = "quartiles")]
+    layers: LayerSelection,
+    /// Prompts per shard.
+    #[arg(long, default_value_t = harvest_core::plan::DEFAULT_SHARD_SIZE)]
+    shard_size: usize,
+    /// Tokens per forward batch.
+    #[arg(long, default_value_t = harvest_core::plan::DEFAULT_BATCH_TOKENS)]
+    batch_tokens: usize,
+    /// Project onto these directions ([n, hidden] in .npy or .safetensors; path or s3://).
+    #[arg(long)]
+    project_onto: Option<String>,
+    /// Tokenize verbatim: add no BOS or other special tokens.
+    #[arg(long)]
+    no_special_tokens: bool,
+    /// Output directory or s3://bucket/prefix.
+    #[arg(long, required_unless_present = "plan")]
+    out: Option<String>,
+    /// The model's name in the manifest (default: the checkpoint directory's name).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Progress display.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    progress: ProgressMode,
+    /// Write a summary of at most 4 KiB here at exit (a Kubernetes termination message).
+    #[arg(long)]
+    termination_log: Option<PathBuf>,
+}
+
+impl RunArgs {
+    fn raw_plan(&self) -> anyhow::Result<RawPlan> {
+        if let Some(path) = &self.plan {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading plan {}", path.display()))?;
+            return serde_json::from_str(&text)
+                .with_context(|| format!("invalid plan {}", path.display()));
+        }
+        Ok(RawPlan {
+            model: self.model.clone().unwrap_or_default(),
+            prompts: self.prompts.clone().unwrap_or_default(),
+            layers: self.layers.clone(),
+            shard_size: self.shard_size,
+            add_special_tokens: !self.no_special_tokens,
+            project_onto: self.project_onto.clone(),
+            output: self.out.clone().unwrap_or_default(),
+            batch_tokens: self.batch_tokens,
+        })
+    }
+}
+
+/// Runs a harvest and maps its outcome to the documented exit status.
+fn run_job(args: &RunArgs) -> ExitCode {
+    let outcome = args
+        .raw_plan()
+        .map_err(|e| (harvester::error::EXIT_BAD_INPUT, format!("{e:#}"), None))
+        .and_then(|raw| {
+            let plan = HarvestPlan::try_from(raw).map_err(harvester::Error::from);
+            let options = RunOptions {
+                progress: args.progress,
+                model_name: args.model_name.clone(),
+            };
+            plan.and_then(|plan| harvester::pipeline::run(&plan, &options))
+                .map_err(|e| (e.exit_code(), e.to_string(), Some(e)))
+        });
+    let message = match &outcome {
+        Ok(result) => termination_message(Ok(result)),
+        Err((_, _, Some(error))) => termination_message(Err(error)),
+        Err((code, text, None)) => {
+            serde_json::json!({"error": text, "exit_code": code, "kind": "bad_input"}).to_string()
+        }
+    };
+    if let Some(path) = &args.termination_log
+        && let Err(e) = std::fs::write(path, &message)
+    {
+        tracing::warn!(path = %path.display(), error = %e, "could not write the termination log");
+    }
+    match outcome {
+        Ok(result) => {
+            #[allow(clippy::print_stdout)]
+            {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&result).unwrap_or_default()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err((code, text, _)) => {
+            tracing::error!(exit_code = code, "harvest failed: {text}");
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
+    }
+}
+
+fn main() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -79,6 +192,7 @@ fn main() -> anyhow::Result<()> {
             .context("setting up the worker threads")?;
     }
     match cli.command {
+        Command::Run(args) => return Ok(run_job(&args)),
         Command::ImportGguf { file, out, dtype } => {
             let summary = harvester::gguf::import_gguf(&file, &out, dtype)
                 .with_context(|| format!("importing {}", file.display()))?;
@@ -129,5 +243,5 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }

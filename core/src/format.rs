@@ -1,0 +1,176 @@
+//! The output format's schema: `manifest.json`, written last as a harvest's commit point.
+//! `docs/format.md` describes the files in prose; this module is the single source of the JSON.
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on any incompatible change to the files a harvest writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The layer convention, spelled out in every manifest.
+pub const LAYER_CONVENTION: &str = "layer k is the output of decoder block k (0-based): the residual stream after block k has added its attention and MLP outputs, before the model's final norm";
+
+/// What the shards hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Contents {
+    /// Raw residual-stream rows, bf16 `[layers, tokens, hidden]`.
+    Activations,
+    /// Projections onto unit directions, f32 `[layers, tokens, directions]`.
+    Projections,
+}
+
+impl Contents {
+    /// The dtype name of `prompt_i` tensors.
+    pub fn dtype(self) -> &'static str {
+        match self {
+            Self::Activations => "bfloat16",
+            Self::Projections => "float32",
+        }
+    }
+
+    /// The `statistics` sentence of the manifest.
+    pub fn statistics(self) -> &'static str {
+        match self {
+            Self::Activations => {
+                "stats.safetensors: per-layer mean and std of the residual stream over every token except each prompt's leading BOS, accumulated in f64, stored as float32 [n_layers, hidden]; mean_token_norm is the mean L2 norm of those residual vectors"
+            }
+            Self::Projections => {
+                "stats.safetensors: per-layer mean and std of the projections (not the residual stream) over every token except each prompt's leading BOS, accumulated in f64, stored as float32 [n_layers, n_directions]; mean_token_norm is the mean L2 norm of the projection vectors"
+            }
+        }
+    }
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// A digest of everything that decides the files' bytes; a rerun of the same plan into the
+    /// same place resumes, a different plan is refused.
+    pub plan_fingerprint: String,
+    /// The model that ran.
+    pub model: ModelInfo,
+    /// How prompts were tokenized.
+    pub tokenizer: TokenizerInfo,
+    /// Activations or projections.
+    pub contents: Contents,
+    /// dtype of every `prompt_i`.
+    pub dtype: String,
+    /// Kept blocks, ascending; the first axis of every `prompt_i`.
+    pub layer_indices: Vec<usize>,
+    /// [`LAYER_CONVENTION`].
+    pub layer_convention: String,
+    /// The tensors of a shard, in words.
+    pub tensors: String,
+    /// Prompts in the job.
+    pub n_prompts: usize,
+    /// Prompts per shard (the last may hold fewer).
+    pub shard_size: usize,
+    /// Tokens run, over all prompts.
+    pub total_tokens: u64,
+    /// Every shard, in order.
+    pub shards: Vec<ShardEntry>,
+    /// Prompts cut to the context window.
+    pub truncated_prompts: Vec<Truncation>,
+    /// Present for projections.
+    pub projection: Option<ProjectionInfo>,
+    /// What `stats.safetensors` and `mean_token_norm` describe.
+    pub statistics: String,
+    /// Tokens counted in the statistics (all tokens less each leading BOS).
+    pub stats_tokens: u64,
+    /// Per kept layer, the mean L2 norm of the captured vectors.
+    pub mean_token_norm: Vec<f64>,
+}
+
+/// The model, as recorded in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelInfo {
+    /// The name the job used.
+    pub name: String,
+    /// Hugging Face architecture class.
+    pub architecture: String,
+    /// Decoder blocks in the model.
+    pub num_layers: usize,
+    /// Residual-stream width.
+    pub hidden_size: usize,
+}
+
+/// Tokenization, as recorded in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerInfo {
+    /// Whether the tokenizer's special tokens were added.
+    pub add_special_tokens: bool,
+    /// The BOS id, if the tokenizer has one.
+    pub bos_token_id: Option<u32>,
+    /// How BOS was treated, in words.
+    pub bos: String,
+    /// The context window prompts were cut to.
+    pub max_tokens: usize,
+}
+
+/// One shard file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// File name, relative to the manifest.
+    pub file: String,
+    /// Global index of its first prompt.
+    pub first_prompt: usize,
+    /// Tokens of each of its prompts, in order.
+    pub token_counts: Vec<usize>,
+    /// File size.
+    pub bytes: u64,
+    /// Hex sha256 of the file.
+    pub sha256: String,
+}
+
+/// A prompt cut to the context window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Truncation {
+    /// Global prompt index.
+    pub prompt: usize,
+    /// Tokens before the cut.
+    pub original_tokens: usize,
+    /// Tokens kept.
+    pub kept_tokens: usize,
+}
+
+/// Projection settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProjectionInfo {
+    /// Number of directions: the last axis of every `prompt_i`.
+    pub n_directions: usize,
+    /// Always true: directions are L2-normalised before projecting.
+    pub normalized: bool,
+}
+
+/// The BOS sentence of the manifest.
+pub fn bos_treatment(add_special_tokens: bool, bos_token_id: Option<u32>) -> String {
+    match (add_special_tokens, bos_token_id) {
+        (_, None) => "the tokenizer has no BOS token; nothing is left out of the statistics".into(),
+        (true, Some(id)) => format!(
+            "add_special_tokens was true, so the tokenizer's post-processor decided whether to prepend BOS (id {id}); a prompt whose first id is BOS has that token left out of the statistics (it stays in the shards)"
+        ),
+        (false, Some(id)) => format!(
+            "add_special_tokens was false: the text was tokenized verbatim; a prompt whose text began with BOS (id {id}) has that token left out of the statistics (it stays in the shards)"
+        ),
+    }
+}
+
+/// The `tensors` sentence of the manifest.
+pub fn tensors_description(contents: Contents) -> &'static str {
+    match contents {
+        Contents::Activations => {
+            "prompt_{i}: bfloat16 [n_layers, n_tokens, hidden], the layers of layer_indices in order; tokens_{i}: int32 [n_tokens], the ids that ran, in the order of the token axis; i is the global prompt index"
+        }
+        Contents::Projections => {
+            "prompt_{i}: float32 [n_layers, n_tokens, n_directions], projections onto the unit directions; tokens_{i}: int32 [n_tokens], the ids that ran, in the order of the token axis; i is the global prompt index"
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! A harvest plan: everything one `harvester run` needs, as handed over by the API or the
+//! operator (JSON) or built from CLI flags. Parsed strictly ([`RawPlan`] rejects unknown fields),
+//! then validated once into [`HarvestPlan`].
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::layers::LayerSelection;
+
+/// Prompts per shard unless the plan says otherwise.
+pub const DEFAULT_SHARD_SIZE: usize = 32;
+/// Tokens per forward batch unless the plan says otherwise.
+pub const DEFAULT_BATCH_TOKENS: usize = 4096;
+/// Most prompts one job may hold.
+pub const MAX_PROMPTS: usize = 4096;
+
+/// A place that holds an object or a prefix of objects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// A local path.
+    Local(PathBuf),
+    /// `s3://bucket/prefix` on any S3-compatible server.
+    S3 {
+        /// The bucket.
+        bucket: String,
+        /// The key prefix, without leading or trailing slashes (may be empty).
+        prefix: String,
+    },
+}
+
+/// Why a plan is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// An `s3://` URL without a bucket.
+    #[error("{value:?} is not a valid location: write s3://bucket/prefix or a local path")]
+    BadLocation {
+        /// What was given.
+        value: String,
+    },
+    /// A zero or absurd number.
+    #[error("{field} must be between 1 and {max}, got {value}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// What was given.
+        value: usize,
+        /// The largest accepted value.
+        max: usize,
+    },
+    /// A required string is empty.
+    #[error("{field} is empty: give a path or an s3:// URL")]
+    Empty {
+        /// The field.
+        field: &'static str,
+    },
+}
+
+/// The plan as written, before validation. Unknown fields are an error, never ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlan {
+    /// Checkpoint directory (Hugging Face layout).
+    pub model: String,
+    /// Prompts file: `.jsonl` with `{"text": ...}` per line, a `.json` list of strings, or `.txt`
+    /// with one prompt per line. A local path or `s3://bucket/key`.
+    pub prompts: String,
+    /// Which block outputs to keep.
+    #[serde(default)]
+    pub layers: LayerSelection,
+    /// Prompts per shard.
+    #[serde(default = "default_shard_size")]
+    pub shard_size: usize,
+    /// Whether the tokenizer adds its special tokens (BOS for Llama 3).
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+    /// Optional projection directions, `[n, hidden]` in `.safetensors` or `.npy`.
+    #[serde(default)]
+    pub project_onto: Option<String>,
+    /// Output directory or `s3://bucket/prefix`.
+    pub output: String,
+    /// Tokens per forward batch.
+    #[serde(default = "default_batch_tokens")]
+    pub batch_tokens: usize,
+}
+
+fn default_shard_size() -> usize {
+    DEFAULT_SHARD_SIZE
+}
+
+fn default_batch_tokens() -> usize {
+    DEFAULT_BATCH_TOKENS
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// A validated plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HarvestPlan {
+    /// Checkpoint directory.
+    pub model: PathBuf,
+    /// Prompts file.
+    pub prompts: Location,
+    /// Which block outputs to keep (resolved once the model is known).
+    pub layers: LayerSelection,
+    /// Prompts per shard.
+    pub shard_size: NonZeroUsize,
+    /// Whether the tokenizer adds its special tokens.
+    pub add_special_tokens: bool,
+    /// Projection directions file.
+    pub project_onto: Option<Location>,
+    /// Output prefix.
+    pub output: Location,
+    /// Tokens per forward batch.
+    pub batch_tokens: NonZeroUsize,
+}
+
+impl Location {
+    /// Parses `s3://bucket/prefix` or a local path.
+    pub fn parse(value: &str, field: &'static str) -> Result<Self, PlanError> {
+        if value.trim().is_empty() {
+            return Err(PlanError::Empty { field });
+        }
+        match value.strip_prefix("s3://") {
+            None => Ok(Self::Local(PathBuf::from(value))),
+            Some(rest) => {
+                let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+                if bucket.is_empty() {
+                    return Err(PlanError::BadLocation {
+                        value: value.to_owned(),
+                    });
+                }
+                Ok(Self::S3 {
+                    bucket: bucket.to_owned(),
+                    prefix: prefix.trim_matches('/').to_owned(),
+                })
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Local(path) => write!(f, "{}", path.display()),
+            Self::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
+            Self::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+        }
+    }
+}
+
+fn bounded(field: &'static str, value: usize, max: usize) -> Result<NonZeroUsize, PlanError> {
+    NonZeroUsize::new(value)
+        .filter(|v| v.get() <= max)
+        .ok_or(PlanError::OutOfRange { field, value, max })
+}
+
+impl TryFrom<RawPlan> for HarvestPlan {
+    type Error = PlanError;
+
+    fn try_from(raw: RawPlan) -> Result<Self, PlanError> {
+        let RawPlan {
+            model,
+            prompts,
+            layers,
+            shard_size,
+            add_special_tokens,
+            project_onto,
+            output,
+            batch_tokens,
+        } = raw;
+        if model.trim().is_empty() {
+            return Err(PlanError::Empty { field: "model" });
+        }
+        Ok(Self {
+            model: PathBuf::from(model),
+            prompts: Location::parse(&prompts, "prompts")?,
+            layers,
+            shard_size: bounded("shard_size", shard_size, MAX_PROMPTS)?,
+            add_special_tokens,
+            project_onto: project_onto
+                .as_deref()
+                .map(|p| Location::parse(p, "project_onto"))
+                .transpose()?,
+            output: Location::parse(&output, "output")?,
+            batch_tokens: bounded("batch_tokens", batch_tokens, 1 << 20)?,
+        })
+    }
+}
+
+/// How many shards `n_prompts` prompts fill.
+pub fn shard_count(n_prompts: usize, shard_size: NonZeroUsize) -> usize {
+    n_prompts.div_ceil(shard_size.get())
+}
+
+/// The prompt indices of shard `shard`: `[shard * size, min((shard + 1) * size, n_prompts))`.
+pub fn shard_prompts(
+    shard: usize,
+    shard_size: NonZeroUsize,
+    n_prompts: usize,
+) -> std::ops::Range<usize> {
+    let size = shard_size.get();
+    (shard * size).min(n_prompts)..((shard + 1) * size).min(n_prompts)
+}
+
+/// The file name of shard `shard`.
+pub fn shard_file_name(shard: usize) -> String {
+    format!("shard_{shard:05}.safetensors")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(json: &str) -> Result<RawPlan, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    #[test]
+    fn a_minimal_plan_gets_the_documented_defaults() {
+        let plan: HarvestPlan =
+            raw(r#"{"model": "m", "prompts": "p.jsonl", "output": "s3://bucket/jobs/1/"}"#)
+                .unwrap()
+                .try_into()
+                .unwrap();
+        assert_eq!(plan.shard_size.get(), 32);
+        assert_eq!(plan.batch_tokens.get(), 4096);
+        assert!(plan.add_special_tokens);
+        assert_eq!(plan.layers, LayerSelection::Quartiles);
+        assert_eq!(
+            plan.output,
+            Location::S3 {
+                bucket: "bucket".into(),
+                prefix: "jobs/1".into()
+            }
+        );
+        assert_eq!(plan.output.to_string(), "s3://bucket/jobs/1");
+    }
+
+    #[test]
+    fn an_unknown_field_is_rejected_by_name() {
+        let err =
+            raw(r#"{"model": "m", "prompts": "p", "output": "o", "shard_sise": 4}"#).unwrap_err();
+        assert!(err.to_string().contains("shard_sise"), "{err}");
+    }
+
+    #[test]
+    fn a_zero_shard_size_is_rejected_with_the_range() {
+        let err = HarvestPlan::try_from(
+            raw(r#"{"model": "m", "prompts": "p", "output": "o", "shard_size": 0}"#).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::OutOfRange {
+                field: "shard_size",
+                value: 0,
+                max: MAX_PROMPTS
+            }
+        );
+    }
+
+    #[test]
+    fn an_s3_url_without_bucket_is_rejected() {
+        assert!(Location::parse("s3:///x", "output").is_err());
+        assert_eq!(
+            Location::parse("s3://b", "output").unwrap(),
+            Location::S3 {
+                bucket: "b".into(),
+                prefix: String::new()
+            }
+        );
+    }
+
+    #[test]
+    fn shards_cover_prompts_in_order_with_a_short_last_shard() {
+        let size = NonZeroUsize::new(32).unwrap();
+        assert_eq!(shard_count(65, size), 3);
+        assert_eq!(shard_prompts(0, size, 65), 0..32);
+        assert_eq!(shard_prompts(2, size, 65), 64..65);
+        assert_eq!(shard_count(0, size), 0);
+        assert_eq!(shard_file_name(7), "shard_00007.safetensors");
+    }
+}

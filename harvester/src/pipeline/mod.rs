@@ -1,0 +1,727 @@
+//! `harvester run`: one harvest job, from a plan to a committed output.
+//!
+//! ```text
+//! load: prompts ─► tokenize all (parallel; bad prompts fail before any output exists)
+//!       model, directions, resume scan (shards with a valid partial record are skipped)
+//! forward thread ──FORWARD_QUEUE──► assembler thread ──UPLOAD_QUEUE──► uploader (async)
+//!  (owns the backend;                (shards in prompt order,           (shard, then its record)
+//!   packs batches by token budget)    per-shard stats)
+//!          ▲────── recycled capture buffers (CAPTURE_POOL) ──────┘
+//! finish: merge per-shard stats in shard order ─► stats.safetensors ─► manifest.json (commit
+//!         point) ─► result.json ─► partial records removed
+//! ```
+//! Every queue is bounded, so memory stays flat whatever the corpus size. Because statistics are
+//! merged per shard in shard order and batches never span shards, a resumed run writes files
+//! identical to an uninterrupted one.
+
+pub mod directions;
+pub mod progress;
+pub mod prompts;
+pub mod result;
+pub mod shard;
+pub mod store;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::time::Instant;
+
+use bytes::Bytes;
+use harvest_core::format::{
+    self, Contents, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
+};
+use harvest_core::plan::{shard_count, shard_file_name, shard_prompts};
+use harvest_core::{HarvestPlan, Layers, RunningStats};
+use rayon::prelude::*;
+
+use self::progress::{Progress, ProgressMode};
+use self::result::{RunResult, Timings};
+use self::shard::{ShardAssembly, ShardRecord, sha256_hex};
+use self::store::Store;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::error::{Error, Result};
+use crate::model::{LlamaWeights, ModelConfig};
+use crate::projection::Directions;
+use crate::tokenizer::{Encoded, PromptTokenizer};
+
+/// Forward outputs (one batch of captures each) waiting for assembly.
+pub const FORWARD_QUEUE: usize = 2;
+/// Capture buffers in circulation between the forward thread and the assembler.
+pub const CAPTURE_POOL: usize = FORWARD_QUEUE + 2;
+/// Serialised shards waiting for upload.
+pub const UPLOAD_QUEUE: usize = 2;
+
+/// Output file names.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The statistics file.
+pub const STATS_FILE: &str = "stats.safetensors";
+/// The result summary.
+pub const RESULT_FILE: &str = "result.json";
+
+/// How a run reports and names things.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Progress display.
+    pub progress: ProgressMode,
+    /// The model's name for the manifest (default: the checkpoint directory's name).
+    pub model_name: Option<String>,
+}
+
+struct Job<'a> {
+    plan: &'a HarvestPlan,
+    encoded: &'a [Encoded],
+    contents: Contents,
+    fingerprint: &'a str,
+    bos_id: Option<u32>,
+    layers: usize,
+    width: usize,
+    n_shards: usize,
+}
+
+struct ForwardOutput {
+    prompts: Vec<usize>,
+    captured: Captured,
+}
+
+/// Runs a harvest to completion (or resumes one), returning its result.
+pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("starting", "the I/O runtime", e))?;
+    let load_start = Instant::now();
+    let store = Store::open(&plan.output)?;
+    let (prompt_name, prompt_bytes) = runtime.block_on(read_object(&plan.prompts))?;
+    let prompts = prompts::parse_prompts(&prompt_name, &prompt_bytes)?;
+    let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
+    let layers = plan.layers.resolve(config.num_layers)?;
+    let directions = match &plan.project_onto {
+        Some(location) => {
+            let (name, bytes) = runtime.block_on(read_object(location))?;
+            Some(directions::load_directions(
+                &name,
+                &bytes,
+                config.hidden_size,
+            )?)
+        }
+        None => None,
+    };
+    let tokenizer = PromptTokenizer::from_dir(&plan.model, config.max_position_embeddings)?;
+    let encoded: Vec<Encoded> = prompts
+        .par_iter()
+        .enumerate()
+        .map(|(i, text)| tokenizer.encode(i, text, plan.add_special_tokens))
+        .collect::<Result<_>>()?;
+    drop(prompts);
+    let fingerprint = plan_fingerprint(
+        plan,
+        &prompt_bytes,
+        &layers,
+        directions.as_ref(),
+        tokenizer.max_tokens(),
+    )?;
+    let contents = if directions.is_some() {
+        Contents::Projections
+    } else {
+        Contents::Activations
+    };
+    let n_shards = shard_count(encoded.len(), plan.shard_size);
+
+    if let Some(result) = runtime.block_on(finished_result(&store, &fingerprint))? {
+        tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
+        return Ok(result);
+    }
+    let resumed = runtime.block_on(resume_scan(&store, &fingerprint, n_shards))?;
+    if !resumed.is_empty() {
+        tracing::info!(
+            shards = resumed.len(),
+            of = n_shards,
+            "resuming: skipping verified shards"
+        );
+    }
+    let width = directions
+        .as_ref()
+        .map_or(config.hidden_size, Directions::count);
+    let weights = LlamaWeights::load(&plan.model, Some(layers.deepest() + 1))?;
+    let backend = CpuBackend::new(
+        weights,
+        CaptureSpec {
+            layers: layers.clone(),
+            directions,
+        },
+    )?;
+    let load_s = load_start.elapsed().as_secs_f64();
+
+    let job = Job {
+        plan,
+        encoded: &encoded,
+        contents,
+        fingerprint: &fingerprint,
+        bos_id: tokenizer.bos_id(),
+        layers: layers.len(),
+        width,
+        n_shards,
+    };
+    let progress = Progress::new(options.progress, encoded.len());
+    let resumed_shards = resumed.len();
+    let StageOutcome {
+        records,
+        forward_s,
+        save_s,
+        upload_s,
+    } = run_stages(&job, backend, &resumed, &store, &runtime, &progress)?;
+    progress.finish();
+
+    let mut all: BTreeMap<usize, ShardRecord> = resumed.into_iter().collect();
+    all.extend(records.into_iter().map(|r| (r.shard, r)));
+    let finish_start = Instant::now();
+    let model_name = options
+        .model_name
+        .clone()
+        .unwrap_or_else(|| dir_name(&plan.model));
+    let (manifest, stats_bytes) = build_outputs(
+        &job,
+        &config,
+        &layers,
+        &all,
+        &model_name,
+        tokenizer.max_tokens(),
+    )?;
+    let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
+        path: MANIFEST_FILE.into(),
+        source,
+    })?;
+    let save_s = save_s + finish_start.elapsed().as_secs_f64();
+    let upload_start = Instant::now();
+    let shard_bytes: u64 = all.values().map(|r| r.bytes).sum();
+    let result = RunResult {
+        n_shards,
+        layer_indices: layers.as_slice().to_vec(),
+        tokens: manifest.total_tokens,
+        bytes_written: shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64,
+        contents,
+        timings: Timings {
+            load_s,
+            forward_s,
+            save_s,
+            upload_s,
+        },
+        output: plan.output.to_string(),
+        resumed_shards,
+    };
+    runtime.block_on(async {
+        store.put(STATS_FILE, Bytes::from(stats_bytes)).await?;
+        store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
+    })?;
+    let mut result = result;
+    result.timings.upload_s += upload_start.elapsed().as_secs_f64();
+    let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
+        path: RESULT_FILE.into(),
+        source,
+    })?;
+    runtime.block_on(async {
+        store.put(RESULT_FILE, Bytes::from(result_bytes)).await?;
+        for shard in 0..n_shards {
+            if let Err(e) = store.delete(&ShardRecord::file_name(shard)).await {
+                tracing::warn!(error = %e, shard, "could not remove a partial record");
+            }
+        }
+        Ok::<_, Error>(())
+    })?;
+    Ok(result)
+}
+
+/// What the concurrent stages produced.
+struct StageOutcome {
+    records: Vec<ShardRecord>,
+    forward_s: f64,
+    save_s: f64,
+    upload_s: f64,
+}
+
+/// Runs forward, assembly and upload concurrently; the first real error wins.
+fn run_stages(
+    job: &Job<'_>,
+    backend: CpuBackend,
+    resumed: &BTreeMap<usize, ShardRecord>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+    progress: &Progress,
+) -> Result<StageOutcome> {
+    let (forward_tx, forward_rx) = sync_channel::<ForwardOutput>(FORWARD_QUEUE);
+    let (free_tx, free_rx) = sync_channel::<Captured>(CAPTURE_POOL);
+    let (upload_tx, upload_rx) = tokio::sync::mpsc::channel::<(Vec<u8>, ShardRecord)>(UPLOAD_QUEUE);
+    for _ in 0..CAPTURE_POOL {
+        let _ = free_tx.try_send(Captured::default());
+    }
+    std::thread::scope(|scope| {
+        let forward = scope
+            .spawn(move || forward_stage(job, backend, resumed, forward_tx, free_rx, progress));
+        let assemble = scope.spawn(move || assemble_stage(job, forward_rx, free_tx, upload_tx));
+        let upload = runtime.block_on(upload_stage(store, upload_rx));
+        let forward = forward
+            .join()
+            .unwrap_or(Err(Error::StageLost { stage: "forward" }));
+        let assemble = assemble
+            .join()
+            .unwrap_or(Err(Error::StageLost { stage: "assemble" }));
+        // Report the root cause: a stage that failed on its own, not one that saw its
+        // neighbour's channel close.
+        let errors = [
+            forward.as_ref().err(),
+            assemble.as_ref().err(),
+            upload.as_ref().err(),
+        ];
+        if let Some(error) = errors
+            .iter()
+            .flatten()
+            .find(|e| !matches!(e, Error::StageLost { .. }))
+        {
+            return Err(clone_error(error));
+        }
+        let (forward_s, _tokens) = forward?;
+        let save_s = assemble?;
+        let (records, upload_s) = upload?;
+        Ok(StageOutcome {
+            records,
+            forward_s,
+            save_s,
+            upload_s,
+        })
+    })
+}
+
+/// Errors are not `Clone`; re-render the root cause for the caller.
+fn clone_error(error: &Error) -> Error {
+    match error {
+        Error::Store { location, reason } => Error::Store {
+            location: location.clone(),
+            reason: reason.clone(),
+        },
+        Error::Io {
+            action,
+            path,
+            source,
+        } => Error::Io {
+            action,
+            path: path.clone(),
+            source: std::io::Error::new(source.kind(), source.to_string()),
+        },
+        other => Error::InvalidBatch {
+            reason: other.to_string(),
+        },
+    }
+}
+
+fn forward_stage(
+    job: &Job<'_>,
+    mut backend: CpuBackend,
+    resumed: &BTreeMap<usize, ShardRecord>,
+    tx: SyncSender<ForwardOutput>,
+    free: Receiver<Captured>,
+    progress: &Progress,
+) -> Result<(f64, u64)> {
+    let lost = || Error::StageLost { stage: "assemble" };
+    let budget = job.plan.batch_tokens.get();
+    let mut forward_s = 0.0;
+    let mut tokens_done = 0u64;
+    let mut prompts_done: usize = resumed
+        .keys()
+        .map(|&s| shard_prompts(s, job.plan.shard_size, job.encoded.len()).len())
+        .sum();
+    let mut batch = Batch::default();
+    let mut members = Vec::new();
+    for shard in (0..job.n_shards).filter(|s| !resumed.contains_key(s)) {
+        let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
+        let last = range.end - 1;
+        for index in range {
+            let ids = &job.encoded[index].ids;
+            batch.push(ids);
+            members.push(index);
+            let next_len = job.encoded.get(index + 1).map_or(0, |e| e.ids.len());
+            // Batches never span shards, so a shard's batches are the same in every run.
+            if index == last || batch.num_tokens() + next_len > budget {
+                let mut captured = free.recv().map_err(|_| lost())?;
+                let start = Instant::now();
+                backend.capture(&batch, &mut captured)?;
+                forward_s += start.elapsed().as_secs_f64();
+                tokens_done += batch.num_tokens() as u64;
+                prompts_done += members.len();
+                tx.send(ForwardOutput {
+                    prompts: std::mem::take(&mut members),
+                    captured,
+                })
+                .map_err(|_| lost())?;
+                batch.clear();
+                progress.update(prompts_done, tokens_done);
+            }
+        }
+    }
+    Ok((forward_s, tokens_done))
+}
+
+fn assemble_stage(
+    job: &Job<'_>,
+    rx: Receiver<ForwardOutput>,
+    free: SyncSender<Captured>,
+    upload: tokio::sync::mpsc::Sender<(Vec<u8>, ShardRecord)>,
+) -> Result<f64> {
+    let mut busy = 0.0;
+    let mut current: Option<ShardAssembly> = None;
+    let size = job.plan.shard_size;
+    for output in rx {
+        let start = Instant::now();
+        let mut offset = 0;
+        for &index in &output.prompts {
+            let encoded = &job.encoded[index];
+            let shard = index / size.get();
+            let assembly = current.get_or_insert_with(|| {
+                let range = shard_prompts(shard, size, job.encoded.len());
+                ShardAssembly::new(
+                    shard,
+                    range.start,
+                    range.len(),
+                    job.contents,
+                    job.layers,
+                    job.width,
+                )
+            });
+            let rows = offset..offset + encoded.ids.len();
+            offset = rows.end;
+            let skip_bos = job.bos_id.is_some() && encoded.ids.first() == job.bos_id.as_ref();
+            assembly.push(
+                index,
+                &encoded.ids,
+                encoded.truncated_from,
+                &output.captured,
+                rows,
+                skip_bos,
+            );
+            if assembly.is_complete()
+                && let Some(done) = current.take()
+            {
+                let (bytes, mut record) = done.finish(job.fingerprint)?;
+                record.seal(&bytes);
+                busy += start.elapsed().as_secs_f64();
+                upload
+                    .blocking_send((bytes, record))
+                    .map_err(|_| Error::StageLost { stage: "upload" })?;
+            }
+        }
+        let _ = free.try_send(output.captured);
+        busy += start.elapsed().as_secs_f64();
+    }
+    Ok(busy)
+}
+
+async fn upload_stage(
+    store: &Store,
+    mut rx: tokio::sync::mpsc::Receiver<(Vec<u8>, ShardRecord)>,
+) -> Result<(Vec<ShardRecord>, f64)> {
+    let mut records = Vec::new();
+    let mut busy = 0.0;
+    while let Some((bytes, record)) = rx.recv().await {
+        let start = Instant::now();
+        store
+            .put(&shard_file_name(record.shard), Bytes::from(bytes))
+            .await?;
+        store
+            .put(
+                &ShardRecord::file_name(record.shard),
+                Bytes::from(record.to_bytes()?),
+            )
+            .await?;
+        busy += start.elapsed().as_secs_f64();
+        tracing::debug!(shard = record.shard, "shard stored");
+        records.push(record);
+    }
+    Ok((records, busy))
+}
+
+async fn read_object(location: &harvest_core::Location) -> Result<(String, Vec<u8>)> {
+    let (store, name) = Store::open_object(location)?;
+    let bytes = store.get(&name).await?.ok_or_else(|| Error::Store {
+        location: location.to_string(),
+        reason: "no such object".into(),
+    })?;
+    Ok((name, bytes.to_vec()))
+}
+
+/// The result of an earlier run of the same plan, if its manifest is there.
+async fn finished_result(store: &Store, fingerprint: &str) -> Result<Option<RunResult>> {
+    let Some(bytes) = store.get(MANIFEST_FILE).await? else {
+        return Ok(None);
+    };
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|source| Error::Json {
+        path: MANIFEST_FILE.into(),
+        source,
+    })?;
+    if manifest.plan_fingerprint != fingerprint {
+        return Err(Error::ForeignOutput {
+            location: store.location().to_string(),
+            found: manifest.plan_fingerprint,
+            expected: fingerprint.to_owned(),
+        });
+    }
+    if let Some(result) = store.get(RESULT_FILE).await?
+        && let Ok(result) = serde_json::from_slice::<RunResult>(&result)
+    {
+        return Ok(Some(result));
+    }
+    Ok(Some(RunResult {
+        n_shards: manifest.shards.len(),
+        layer_indices: manifest.layer_indices,
+        tokens: manifest.total_tokens,
+        bytes_written: manifest.shards.iter().map(|s| s.bytes).sum(),
+        contents: manifest.contents,
+        timings: Timings::default(),
+        output: store.location().to_string(),
+        resumed_shards: manifest.shards.len(),
+    }))
+}
+
+/// Shards of an interrupted run of the same plan whose record and file both check out.
+async fn resume_scan(
+    store: &Store,
+    fingerprint: &str,
+    n_shards: usize,
+) -> Result<BTreeMap<usize, ShardRecord>> {
+    let mut done = BTreeMap::new();
+    for name in store.list("partial").await? {
+        let Some(bytes) = store.get(&name).await? else {
+            continue;
+        };
+        let Some(record) = ShardRecord::from_bytes(&bytes) else {
+            tracing::warn!(record = %name, "ignoring an unreadable partial record");
+            continue;
+        };
+        if record.fingerprint != fingerprint {
+            return Err(Error::ForeignOutput {
+                location: store.location().to_string(),
+                found: record.fingerprint,
+                expected: fingerprint.to_owned(),
+            });
+        }
+        if record.shard >= n_shards || name != ShardRecord::file_name(record.shard) {
+            continue;
+        }
+        let Some(shard) = store.get(&shard_file_name(record.shard)).await? else {
+            continue;
+        };
+        if shard.len() as u64 == record.bytes && sha256_hex(&shard) == record.sha256 {
+            done.insert(record.shard, record);
+        } else {
+            tracing::warn!(
+                shard = record.shard,
+                "shard does not match its record; recomputing it"
+            );
+        }
+    }
+    Ok(done)
+}
+
+/// A digest of everything that decides the output's bytes: model files, prompts, layers, shard
+/// size, tokenization, directions and the format version. The batch budget is left out: it
+/// does not change the output.
+fn plan_fingerprint(
+    plan: &HarvestPlan,
+    prompt_bytes: &[u8],
+    layers: &Layers,
+    directions: Option<&Directions>,
+    max_tokens: usize,
+) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    let mut field = |label: &str, bytes: &[u8]| {
+        hash.update((label.len() as u64).to_le_bytes());
+        hash.update(label.as_bytes());
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    field("format_version", &format::FORMAT_VERSION.to_le_bytes());
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        let path = plan.model.join(file);
+        let bytes = std::fs::read(&path).unwrap_or_default();
+        field(file, &bytes);
+    }
+    let mut weight_files: Vec<_> = std::fs::read_dir(&plan.model)
+        .map_err(|e| Error::io("listing", &plan.model, e))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    weight_files.sort();
+    for path in weight_files {
+        field("weights", &safetensors_header(&path)?);
+    }
+    field("prompts", &Sha256::digest(prompt_bytes));
+    field(
+        "layers",
+        &layers
+            .as_slice()
+            .iter()
+            .flat_map(|l| (*l as u64).to_le_bytes())
+            .collect::<Vec<_>>(),
+    );
+    field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
+    field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
+    field("max_tokens", &(max_tokens as u64).to_le_bytes());
+    if let Some(d) = directions {
+        field(
+            "directions",
+            &d.unit_vectors()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+    }
+    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The header of a safetensors file (names, dtypes, shapes, offsets) plus its length: enough to
+/// identify weights without reading gigabytes.
+fn safetensors_header(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io("reading", path, e))?
+        .len();
+    let mut size = [0u8; 8];
+    file.read_exact(&mut size)
+        .map_err(|e| Error::io("reading", path, e))?;
+    let header_len = u64::from_le_bytes(size)
+        .min(len.saturating_sub(8))
+        .min(100 << 20);
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| Error::io("reading", path, e))?;
+    header.extend(len.to_le_bytes());
+    Ok(header)
+}
+
+fn dir_name(path: &Path) -> String {
+    path.canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+/// The manifest and `stats.safetensors` from every shard's record.
+fn build_outputs(
+    job: &Job<'_>,
+    config: &ModelConfig,
+    layers: &Layers,
+    records: &BTreeMap<usize, ShardRecord>,
+    model_name: &str,
+    max_tokens: usize,
+) -> Result<(Manifest, Vec<u8>)> {
+    if records.len() != job.n_shards {
+        return Err(Error::StageLost { stage: "upload" });
+    }
+    let mut stats: Vec<RunningStats> = (0..job.layers)
+        .map(|_| RunningStats::new(job.width))
+        .collect();
+    for record in records.values() {
+        for (total, part) in stats.iter_mut().zip(&record.stats) {
+            total.merge(part);
+        }
+    }
+    let total_tokens: u64 = records
+        .values()
+        .flat_map(|r| &r.token_counts)
+        .map(|&n| n as u64)
+        .sum();
+    let manifest = Manifest {
+        format_version: format::FORMAT_VERSION,
+        plan_fingerprint: job.fingerprint.to_owned(),
+        model: ModelInfo {
+            name: model_name.to_owned(),
+            architecture: config.architecture.hf_name().to_owned(),
+            num_layers: config.num_layers,
+            hidden_size: config.hidden_size,
+        },
+        tokenizer: TokenizerInfo {
+            add_special_tokens: job.plan.add_special_tokens,
+            bos_token_id: job.bos_id,
+            bos: format::bos_treatment(job.plan.add_special_tokens, job.bos_id),
+            max_tokens,
+        },
+        contents: job.contents,
+        dtype: job.contents.dtype().to_owned(),
+        layer_indices: layers.as_slice().to_vec(),
+        layer_convention: format::LAYER_CONVENTION.to_owned(),
+        tensors: format::tensors_description(job.contents).to_owned(),
+        n_prompts: job.encoded.len(),
+        shard_size: job.plan.shard_size.get(),
+        total_tokens,
+        shards: records
+            .values()
+            .map(|r| ShardEntry {
+                file: shard_file_name(r.shard),
+                first_prompt: r.first_prompt,
+                token_counts: r.token_counts.clone(),
+                bytes: r.bytes,
+                sha256: r.sha256.clone(),
+            })
+            .collect(),
+        truncated_prompts: records
+            .values()
+            .flat_map(|r| r.truncations.clone())
+            .collect(),
+        projection: (job.contents == Contents::Projections).then_some(ProjectionInfo {
+            n_directions: job.width,
+            normalized: true,
+        }),
+        statistics: job.contents.statistics().to_owned(),
+        stats_tokens: stats.first().map_or(0, RunningStats::count),
+        mean_token_norm: stats.iter().map(RunningStats::mean_norm).collect(),
+    };
+    Ok((manifest, stats_file(&stats)?))
+}
+
+/// `stats.safetensors`: `mean` and `std` as f32 `[layers, width]`, `count` as i64 `[1]`.
+fn stats_file(stats: &[RunningStats]) -> Result<Vec<u8>> {
+    use safetensors::{Dtype, tensor::TensorView};
+    let width = stats.first().map_or(0, |s| s.mean().len());
+    let mean: Vec<u8> = stats
+        .iter()
+        .flat_map(|s| {
+            s.mean()
+                .iter()
+                .flat_map(|&v| (v as f32).to_le_bytes())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let std: Vec<u8> = stats
+        .iter()
+        .flat_map(|s| s.std().into_iter().flat_map(|v| (v as f32).to_le_bytes()))
+        .collect();
+    let count = (stats.first().map_or(0, RunningStats::count) as i64).to_le_bytes();
+    let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
+        reason: e.to_string(),
+    };
+    let views = vec![
+        (
+            "mean",
+            TensorView::new(Dtype::F32, vec![stats.len(), width], &mean).map_err(invalid)?,
+        ),
+        (
+            "std",
+            TensorView::new(Dtype::F32, vec![stats.len(), width], &std).map_err(invalid)?,
+        ),
+        (
+            "count",
+            TensorView::new(Dtype::I64, vec![1], &count).map_err(invalid)?,
+        ),
+    ];
+    safetensors::serialize(
+        views,
+        Some(std::collections::HashMap::from([(
+            "format".to_owned(),
+            "pt".to_owned(),
+        )])),
+    )
+    .map_err(invalid)
+}

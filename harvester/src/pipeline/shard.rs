@@ -1,0 +1,381 @@
+//! Shard assembly: per-prompt tensors in prompt order, per-shard statistics, the shard file
+//! itself, and the partial record that marks a shard durable for resume.
+
+use std::collections::HashMap;
+
+use harvest_core::RunningStats;
+use harvest_core::format::{Contents, Truncation};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Captured;
+use crate::error::{Error, Result};
+
+/// One prompt's captured tensors, ready to serialise.
+#[derive(Debug)]
+struct PromptTensors {
+    index: usize,
+    ids: Vec<u8>,
+    values: Vec<u8>,
+    shape: [usize; 3],
+}
+
+/// A shard being filled, prompt by prompt, in order.
+#[derive(Debug)]
+pub struct ShardAssembly {
+    /// Shard number.
+    pub shard: usize,
+    first_prompt: usize,
+    expected: usize,
+    contents: Contents,
+    prompts: Vec<PromptTensors>,
+    token_counts: Vec<usize>,
+    truncations: Vec<Truncation>,
+    stats: Vec<RunningStats>,
+}
+
+/// What a shard contributes to the manifest and the statistics, kept beside the shard (under
+/// `partial/`) until the manifest is written, so a resumed run can skip the shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardRecord {
+    /// Shard number.
+    pub shard: usize,
+    /// Global index of its first prompt.
+    pub first_prompt: usize,
+    /// Tokens per prompt.
+    pub token_counts: Vec<usize>,
+    /// Prompts cut to the context window.
+    pub truncations: Vec<Truncation>,
+    /// Hex sha256 of the shard file.
+    pub sha256: String,
+    /// Shard file size.
+    pub bytes: u64,
+    /// Per kept layer.
+    pub stats: Vec<RunningStats>,
+    /// The plan that produced it.
+    pub fingerprint: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordMeta {
+    shard: usize,
+    first_prompt: usize,
+    token_counts: Vec<usize>,
+    truncations: Vec<Truncation>,
+    sha256: String,
+    bytes: u64,
+    counts: Vec<u64>,
+    fingerprint: String,
+}
+
+impl ShardAssembly {
+    /// An empty shard expecting `expected` prompts from `first_prompt` on.
+    pub fn new(
+        shard: usize,
+        first_prompt: usize,
+        expected: usize,
+        contents: Contents,
+        layers: usize,
+        width: usize,
+    ) -> Self {
+        Self {
+            shard,
+            first_prompt,
+            expected,
+            contents,
+            prompts: Vec::with_capacity(expected),
+            token_counts: Vec::with_capacity(expected),
+            truncations: Vec::new(),
+            stats: (0..layers).map(|_| RunningStats::new(width)).collect(),
+        }
+    }
+
+    /// Adds the next prompt, whose rows are `rows` of `captured`. `skip_first` leaves its first
+    /// token (a BOS) out of the statistics.
+    pub fn push(
+        &mut self,
+        index: usize,
+        ids: &[u32],
+        truncated_from: Option<usize>,
+        captured: &Captured,
+        rows: std::ops::Range<usize>,
+        skip_first: bool,
+    ) {
+        debug_assert_eq!(
+            index,
+            self.first_prompt + self.prompts.len(),
+            "prompts arrive in order"
+        );
+        let width = captured.width;
+        let mut values =
+            Vec::with_capacity(captured.layers * rows.len() * width * self.contents_itemsize());
+        for (layer, stats) in self.stats.iter_mut().enumerate() {
+            let block = captured.rows(layer, rows.clone());
+            match self.contents {
+                Contents::Activations => {
+                    values.extend(
+                        block
+                            .iter()
+                            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                    );
+                }
+                Contents::Projections => values.extend(block.iter().flat_map(|v| v.to_le_bytes())),
+            }
+            for row in block.chunks_exact(width).skip(usize::from(skip_first)) {
+                stats.push(row);
+            }
+        }
+        if let Some(original) = truncated_from {
+            self.truncations.push(Truncation {
+                prompt: index,
+                original_tokens: original,
+                kept_tokens: ids.len(),
+            });
+        }
+        self.token_counts.push(ids.len());
+        self.prompts.push(PromptTensors {
+            index,
+            ids: ids
+                .iter()
+                .flat_map(|&id| (id as i32).to_le_bytes())
+                .collect(),
+            values,
+            shape: [captured.layers, rows.len(), width],
+        });
+    }
+
+    fn contents_itemsize(&self) -> usize {
+        match self.contents {
+            Contents::Activations => 2,
+            Contents::Projections => 4,
+        }
+    }
+
+    /// Whether every expected prompt has arrived.
+    pub fn is_complete(&self) -> bool {
+        self.prompts.len() == self.expected
+    }
+
+    /// The shard file's bytes and its record (the hash is filled in by [`ShardRecord::seal`]).
+    pub fn finish(self, fingerprint: &str) -> Result<(Vec<u8>, ShardRecord)> {
+        let dtype = match self.contents {
+            Contents::Activations => Dtype::BF16,
+            Contents::Projections => Dtype::F32,
+        };
+        fn tensor(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>> {
+            TensorView::new(dtype, shape, data).map_err(|e| Error::InvalidBatch {
+                reason: e.to_string(),
+            })
+        }
+        let mut views = Vec::with_capacity(2 * self.prompts.len());
+        for p in &self.prompts {
+            views.push((
+                format!("prompt_{}", p.index),
+                tensor(dtype, p.shape.to_vec(), &p.values)?,
+            ));
+            views.push((
+                format!("tokens_{}", p.index),
+                tensor(Dtype::I32, vec![p.shape[1]], &p.ids)?,
+            ));
+        }
+        let metadata = HashMap::from([
+            ("format".to_owned(), "pt".to_owned()),
+            ("harvest_plan".to_owned(), fingerprint.to_owned()),
+        ]);
+        let bytes =
+            safetensors::serialize(views, Some(metadata)).map_err(|e| Error::InvalidBatch {
+                reason: format!("serialising shard {}: {e}", self.shard),
+            })?;
+        let record = ShardRecord {
+            shard: self.shard,
+            first_prompt: self.first_prompt,
+            token_counts: self.token_counts,
+            truncations: self.truncations,
+            sha256: String::new(),
+            bytes: 0,
+            stats: self.stats,
+            fingerprint: fingerprint.to_owned(),
+        };
+        Ok((bytes, record))
+    }
+}
+
+/// Hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+impl ShardRecord {
+    /// Records the hash and size of the shard file.
+    pub fn seal(&mut self, shard_bytes: &[u8]) {
+        self.sha256 = sha256_hex(shard_bytes);
+        self.bytes = shard_bytes.len() as u64;
+    }
+
+    /// The record's file name under the output prefix.
+    pub fn file_name(shard: usize) -> String {
+        format!("partial/shard_{shard:05}.record.safetensors")
+    }
+
+    /// Serialises the record: f64 tensors for the statistics (exact), JSON metadata for the rest.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let layers = self.stats.len();
+        let width = self.stats.first().map_or(0, |s| s.mean().len());
+        let f64_bytes = |pick: &dyn Fn(&RunningStats) -> &[f64]| -> Vec<u8> {
+            self.stats
+                .iter()
+                .flat_map(|s| {
+                    pick(s)
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let mean = f64_bytes(&|s| s.mean());
+        let m2 = f64_bytes(&|s| s.m2());
+        let norms: Vec<u8> = self
+            .stats
+            .iter()
+            .flat_map(|s| s.norm_sum().to_le_bytes())
+            .collect();
+        let meta = RecordMeta {
+            shard: self.shard,
+            first_prompt: self.first_prompt,
+            token_counts: self.token_counts.clone(),
+            truncations: self.truncations.clone(),
+            sha256: self.sha256.clone(),
+            bytes: self.bytes,
+            counts: self.stats.iter().map(RunningStats::count).collect(),
+            fingerprint: self.fingerprint.clone(),
+        };
+        let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
+            reason: e.to_string(),
+        };
+        let views = vec![
+            (
+                "mean",
+                TensorView::new(Dtype::F64, vec![layers, width], &mean).map_err(invalid)?,
+            ),
+            (
+                "m2",
+                TensorView::new(Dtype::F64, vec![layers, width], &m2).map_err(invalid)?,
+            ),
+            (
+                "norm_sum",
+                TensorView::new(Dtype::F64, vec![layers], &norms).map_err(invalid)?,
+            ),
+        ];
+        let meta = serde_json::to_string(&meta).map_err(|e| Error::InvalidBatch {
+            reason: e.to_string(),
+        })?;
+        safetensors::serialize(views, Some(HashMap::from([("record".to_owned(), meta)])))
+            .map_err(invalid)
+    }
+
+    /// Parses a record; `None` if it is unreadable (it is then treated as absent).
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        let st = SafeTensors::deserialize(bytes).ok()?;
+        let (_, header) = SafeTensors::read_metadata(bytes).ok()?;
+        let meta: RecordMeta =
+            serde_json::from_str(header.metadata().as_ref()?.get("record")?).ok()?;
+        let f64s = |name: &str| -> Option<(Vec<usize>, Vec<f64>)> {
+            let view = st.tensor(name).ok()?;
+            let values = view
+                .data()
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                .collect();
+            Some((view.shape().to_vec(), values))
+        };
+        let (shape, mean) = f64s("mean")?;
+        let (_, m2) = f64s("m2")?;
+        let (_, norms) = f64s("norm_sum")?;
+        let width = *shape.get(1)?;
+        let stats = (0..*shape.first()?)
+            .map(|l| {
+                RunningStats::from_parts(
+                    *meta.counts.get(l)?,
+                    mean.get(l * width..(l + 1) * width)?.to_vec(),
+                    m2.get(l * width..(l + 1) * width)?.to_vec(),
+                    *norms.get(l)?,
+                )
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self {
+            shard: meta.shard,
+            first_prompt: meta.first_prompt,
+            token_counts: meta.token_counts,
+            truncations: meta.truncations,
+            sha256: meta.sha256,
+            bytes: meta.bytes,
+            stats,
+            fingerprint: meta.fingerprint,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn captured() -> Captured {
+        let mut c = Captured::default();
+        c.reset(2, 3, 2);
+        c.data = (0..12).map(|v| v as f32).collect();
+        c
+    }
+
+    #[test]
+    fn a_shard_holds_each_prompt_with_its_tokens_in_layer_token_order() {
+        let mut shard = ShardAssembly::new(0, 4, 2, Contents::Activations, 2, 2);
+        let c = captured();
+        shard.push(4, &[7, 8], None, &c, 0..2, false);
+        assert!(!shard.is_complete());
+        shard.push(5, &[9], Some(10), &c, 2..3, true);
+        assert!(shard.is_complete());
+        let (bytes, record) = shard.finish("fp").unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let p4 = st.tensor("prompt_4").unwrap();
+        assert_eq!(p4.shape(), [2, 2, 2]);
+        assert_eq!(p4.dtype(), Dtype::BF16);
+        let values: Vec<f32> = p4
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]);
+        assert_eq!(st.tensor("tokens_5").unwrap().data(), 9i32.to_le_bytes());
+        assert_eq!(record.token_counts, [2, 1]);
+        assert_eq!(
+            record.truncations,
+            [Truncation {
+                prompt: 5,
+                original_tokens: 10,
+                kept_tokens: 1
+            }]
+        );
+        assert_eq!(
+            record.stats[0].count(),
+            2,
+            "prompt 5's only token was a skipped BOS"
+        );
+    }
+
+    #[test]
+    fn records_round_trip_exactly() {
+        let mut shard = ShardAssembly::new(3, 0, 1, Contents::Projections, 2, 2);
+        shard.push(0, &[1, 2, 3], None, &captured(), 0..3, false);
+        let (bytes, mut record) = shard.finish("fp").unwrap();
+        record.seal(&bytes);
+        let back = ShardRecord::from_bytes(&record.to_bytes().unwrap()).unwrap();
+        assert_eq!(back, record);
+        assert_eq!(back.bytes, bytes.len() as u64);
+        assert!(ShardRecord::from_bytes(b"garbage").is_none());
+    }
+}
