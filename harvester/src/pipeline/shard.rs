@@ -179,10 +179,9 @@ impl ShardAssembly {
                 tensor(Dtype::I32, vec![p.shape[1]], &p.ids)?,
             ));
         }
-        let metadata = HashMap::from([
-            ("format".to_owned(), "pt".to_owned()),
-            ("harvest_plan".to_owned(), fingerprint.to_owned()),
-        ]);
+        // One metadata key only: safetensors writes the map in hash order, and a second key
+        // would make identical shards differ byte for byte between runs.
+        let metadata = HashMap::from([("harvest_plan".to_owned(), fingerprint.to_owned())]);
         let bytes =
             safetensors::serialize(views, Some(metadata)).map_err(|e| Error::InvalidBatch {
                 reason: format!("serialising shard {}: {e}", self.shard),

@@ -1,0 +1,472 @@
+//! `harvester run` end to end on the real SmolLM2 checkpoint: file layout, checksums, tokens,
+//! statistics, projections, resume after a kill, and exit codes for bad input.
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::smollm2_dir;
+use harvest_core::format::{Contents, Manifest};
+use harvest_core::{HarvestPlan, LayerSelection, Location};
+use harvester::backend::cpu::CpuBackend;
+use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
+use harvester::model::LlamaWeights;
+use harvester::pipeline::{self, RunOptions, progress::ProgressMode};
+use harvester::projection::Directions;
+use harvester::tokenizer::PromptTokenizer;
+use safetensors::{Dtype, SafeTensors};
+
+const PROMPTS: [&str; 5] = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Interpretability research reads the residual stream.",
+    "<|im_start|>user\nHi<|im_end|>",
+    "Digits 0123456789 and code: fn main() {}",
+    "One more",
+];
+
+fn write_prompts(dir: &Path, prompts: &[String]) -> PathBuf {
+    let path = dir.join("prompts.jsonl");
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "text": p }).to_string())
+        .collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> HarvestPlan {
+    HarvestPlan {
+        model: smollm2_dir(),
+        prompts: Location::Local(prompts.to_owned()),
+        layers: LayerSelection::Explicit(layers),
+        shard_size: NonZeroUsize::new(shard_size).unwrap(),
+        add_special_tokens: true,
+        project_onto: None,
+        output: Location::Local(out.to_owned()),
+        batch_tokens: NonZeroUsize::new(4096).unwrap(),
+    }
+}
+
+fn options() -> RunOptions {
+    RunOptions {
+        progress: ProgressMode::Off,
+        model_name: None,
+    }
+}
+
+fn manifest(out: &Path) -> Manifest {
+    serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_run_writes_shards_in_prompt_order_with_the_tokenizers_ids_and_checksums() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = PROMPTS.iter().map(|s| (*s).to_owned()).collect();
+    let out = dir.path().join("out");
+    let plan = plan(&write_prompts(dir.path(), &prompts), &out, vec![29, 0], 2);
+    let result = pipeline::run(&plan, &options()).unwrap();
+    assert_eq!(result.n_shards, 3);
+    assert_eq!(result.layer_indices, [0, 29]);
+    assert_eq!(result.contents, Contents::Activations);
+
+    let manifest = manifest(&out);
+    let tokenizer = PromptTokenizer::from_dir(&smollm2_dir(), 8192).unwrap();
+    assert_eq!(manifest.n_prompts, 5);
+    assert_eq!(
+        manifest
+            .shards
+            .iter()
+            .map(|s| s.first_prompt)
+            .collect::<Vec<_>>(),
+        [0, 2, 4]
+    );
+    assert!(manifest.truncated_prompts.is_empty());
+    let mut total = 0;
+    for entry in &manifest.shards {
+        let bytes = std::fs::read(out.join(&entry.file)).unwrap();
+        assert_eq!(bytes.len() as u64, entry.bytes);
+        assert_eq!(pipeline::shard::sha256_hex(&bytes), entry.sha256);
+        let shard = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(
+            shard.len(),
+            2 * entry.token_counts.len(),
+            "exactly prompt_i and tokens_i per prompt"
+        );
+        for (k, &count) in entry.token_counts.iter().enumerate() {
+            let i = entry.first_prompt + k;
+            let ids = tokenizer.encode(i, &prompts[i], true).unwrap().ids;
+            assert_eq!(count, ids.len());
+            total += count as u64;
+            let tokens = shard.tensor(&format!("tokens_{i}")).unwrap();
+            assert_eq!(tokens.dtype(), Dtype::I32);
+            let got: Vec<u32> = tokens
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+                .collect();
+            assert_eq!(got, ids, "tokens_{i}");
+            let values = shard.tensor(&format!("prompt_{i}")).unwrap();
+            assert_eq!(values.dtype(), Dtype::BF16);
+            assert_eq!(values.shape(), [2, ids.len(), 576]);
+        }
+    }
+    assert_eq!(manifest.total_tokens, total);
+    assert_eq!(
+        manifest.stats_tokens,
+        total - 1,
+        "prompt 2 starts with <|im_start|>, the BOS"
+    );
+    assert!(
+        !out.join("partial").exists(),
+        "partial records are removed once the manifest is written"
+    );
+
+    let again = pipeline::run(&plan, &options()).unwrap();
+    assert_eq!(
+        again.bytes_written, result.bytes_written,
+        "a finished plan is not run again"
+    );
+}
+
+#[test]
+fn projections_equal_raw_activations_times_unit_directions_and_stats_describe_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = PROMPTS.iter().map(|s| (*s).to_owned()).collect();
+    let values: Vec<f32> = (0..3 * 576)
+        .map(|i| ((i * 7919 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    let npy = {
+        let mut header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 576), }".to_owned();
+        while (10 + header.len() + 1) % 64 != 0 {
+            header.push(' ');
+        }
+        header.push('\n');
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend((header.len() as u16).to_le_bytes());
+        out.extend(header.as_bytes());
+        out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        out
+    };
+    std::fs::write(dir.path().join("directions.npy"), npy).unwrap();
+    let out = dir.path().join("out");
+    let mut plan = plan(&write_prompts(dir.path(), &prompts), &out, vec![7, 22], 32);
+    plan.project_onto = Some(Location::Local(dir.path().join("directions.npy")));
+    pipeline::run(&plan, &options()).unwrap();
+    let manifest = manifest(&out);
+    assert_eq!(manifest.contents, Contents::Projections);
+    assert_eq!(manifest.dtype, "float32");
+    assert!(manifest.projection.as_ref().unwrap().normalized);
+    assert!(manifest.statistics.contains("projections"));
+
+    let tokenizer = PromptTokenizer::from_dir(&smollm2_dir(), 8192).unwrap();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| tokenizer.encode(i, p, true).unwrap().ids)
+        .collect();
+    let weights = LlamaWeights::load(&smollm2_dir(), Some(23)).unwrap();
+    let layers = LayerSelection::Explicit(vec![7, 22]).resolve(30).unwrap();
+    let mut backend = CpuBackend::new(
+        weights,
+        CaptureSpec {
+            layers,
+            directions: None,
+        },
+    )
+    .unwrap();
+    let mut raw = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(&ids), &mut raw)
+        .unwrap();
+    let units = Directions::new(&values, 3, 576, 576).unwrap();
+
+    let shard_bytes = std::fs::read(out.join("shard_00000.safetensors")).unwrap();
+    let shard = SafeTensors::deserialize(&shard_bytes).unwrap();
+    let (mut sum, mut sum_sq, mut count) = (vec![0.0f64; 6], vec![0.0f64; 6], 0.0);
+    let mut offset = 0;
+    for (i, prompt_ids) in ids.iter().enumerate() {
+        let projected = f32s(shard.tensor(&format!("prompt_{i}")).unwrap().data());
+        assert_eq!(projected.len(), 2 * prompt_ids.len() * 3);
+        for layer in 0..2 {
+            for t in 0..prompt_ids.len() {
+                let row = &raw.rows(layer, offset + t..offset + t + 1);
+                for d in 0..3 {
+                    let unit = &units.unit_vectors()[d * 576..(d + 1) * 576];
+                    let expected: f64 = row
+                        .iter()
+                        .zip(unit)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum();
+                    let got = f64::from(projected[(layer * prompt_ids.len() + t) * 3 + d]);
+                    let norm: f64 = row
+                        .iter()
+                        .map(|v| f64::from(*v).powi(2))
+                        .sum::<f64>()
+                        .sqrt();
+                    assert!(
+                        (got - expected).abs() <= 1e-5 * norm,
+                        "prompt {i} layer {layer} token {t} dir {d}: {got} vs {expected}"
+                    );
+                    if !(t == 0 && prompt_ids[0] == 1) {
+                        sum[layer * 3 + d] += got;
+                        sum_sq[layer * 3 + d] += got * got;
+                    }
+                }
+            }
+        }
+        count += (prompt_ids.len() - usize::from(prompt_ids[0] == 1)) as f64;
+        offset += prompt_ids.len();
+    }
+    let stats_bytes = std::fs::read(out.join("stats.safetensors")).unwrap();
+    let stats = SafeTensors::deserialize(&stats_bytes).unwrap();
+    let (mean, std) = (
+        f32s(stats.tensor("mean").unwrap().data()),
+        f32s(stats.tensor("std").unwrap().data()),
+    );
+    assert_eq!(stats.tensor("mean").unwrap().shape(), [2, 3]);
+    for k in 0..6 {
+        let m = sum[k] / count;
+        let s = (sum_sq[k] / count - m * m).sqrt();
+        assert!(
+            (f64::from(mean[k]) - m).abs() <= 1e-4 * s.max(1.0),
+            "mean {k}: {} vs {m}",
+            mean[k]
+        );
+        assert!(
+            (f64::from(std[k]) - s).abs() <= 1e-4 * s.max(1.0),
+            "std {k}: {} vs {s}",
+            std[k]
+        );
+    }
+    assert_eq!(manifest.stats_tokens as f64, count);
+}
+
+fn harvester() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_harvester"));
+    cmd.env("RUST_LOG", "warn");
+    cmd
+}
+
+fn run_args(prompts: &Path, out: &Path) -> Vec<String> {
+    [
+        "run",
+        "--model",
+        smollm2_dir().to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--layers",
+        "3,29",
+        "--shard-size",
+        "4",
+        "--batch-tokens",
+        "96",
+        "--progress",
+        "off",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
+/// Every output file but result.json (whose timings differ), with its sha256.
+fn output_files(out: &Path) -> Vec<(String, String)> {
+    let mut files: Vec<(String, String)> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file() && p.file_name().unwrap() != "result.json")
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (
+                name,
+                pipeline::shard::sha256_hex(&std::fs::read(&p).unwrap()),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..24)
+        .map(|i| format!("Prompt number {i} talks about the residual stream of a language model, block by block, {}", "and more ".repeat(i % 5)))
+        .collect();
+    let prompts_path = write_prompts(dir.path(), &prompts);
+    let (reference, resumed) = (dir.path().join("reference"), dir.path().join("resumed"));
+
+    let status = harvester()
+        .args(run_args(&prompts_path, &reference))
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+
+    let mut child = harvester()
+        .args(run_args(&prompts_path, &resumed))
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let partial = resumed.join("partial");
+    while std::fs::read_dir(&partial).map_or(0, |d| d.count()) < 2 {
+        assert!(Instant::now() < deadline, "no shard was recorded in time");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run finished before it could be killed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !resumed.join("manifest.json").exists(),
+        "a killed run has no manifest"
+    );
+
+    let second = harvester()
+        .args(run_args(&prompts_path, &resumed))
+        .output()
+        .unwrap();
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_slice(&second.stdout).unwrap();
+    let resumed_shards = result["resumed_shards"].as_u64().unwrap();
+    assert!(
+        resumed_shards >= 2 && resumed_shards < 6,
+        "resumed {resumed_shards} of 6 shards"
+    );
+    assert_eq!(output_files(&resumed), output_files(&reference));
+}
+
+fn exit_of(args: &[&str]) -> (i32, String) {
+    let output = harvester().args(args).output().unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_input_exits_2_with_a_named_cause_and_no_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let out = dir.path().join("out");
+    let out = out.to_str().unwrap();
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    let (code, stderr) = exit_of(&[
+        "run",
+        "--model",
+        model,
+        "--prompts",
+        empty.to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("empty"), "{stderr}");
+
+    let malformed = dir.path().join("bad.jsonl");
+    std::fs::write(&malformed, "{\"text\": \"fine\"}\n{\"text\": 3}\n").unwrap();
+    let (code, stderr) = exit_of(&[
+        "run",
+        "--model",
+        model,
+        "--prompts",
+        malformed.to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("line 2"), "{stderr}");
+
+    let plan = dir.path().join("plan.json");
+    std::fs::write(
+        &plan,
+        format!(
+            r#"{{"model": "{model}", "prompts": "p.jsonl", "output": "{out}", "layerz": [1]}}"#
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("termination.log");
+    let (code, stderr) = exit_of(&[
+        "run",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--termination-log",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("layerz"), "{stderr}");
+    let message: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&log).unwrap()).unwrap();
+    assert_eq!(message["exit_code"], 2);
+
+    let fine = write_prompts(dir.path(), &["hello".to_owned()]);
+    let (code, stderr) = exit_of(&[
+        "run",
+        "--model",
+        model,
+        "--prompts",
+        fine.to_str().unwrap(),
+        "--out",
+        out,
+        "--layers",
+        "30",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("layer 30"), "{stderr}");
+    assert!(!Path::new(out).join("manifest.json").exists());
+}
+
+#[test]
+fn an_output_that_cannot_be_written_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocker = dir.path().join("file");
+    std::fs::write(&blocker, "not a directory").unwrap();
+    let prompts = write_prompts(dir.path(), &["hello".to_owned()]);
+    let out = blocker.join("out");
+    let (code, stderr) = exit_of(&[
+        "run",
+        "--model",
+        smollm2_dir().to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 3, "{stderr}");
+    assert!(stderr.contains(out.to_str().unwrap()), "{stderr}");
+}
+
+#[test]
+fn a_different_plan_into_a_finished_output_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let prompts = write_prompts(dir.path(), &["hello there".to_owned()]);
+    pipeline::run(&plan(&prompts, &out, vec![1], 2), &options()).unwrap();
+    let err = pipeline::run(&plan(&prompts, &out, vec![2], 2), &options()).unwrap_err();
+    assert!(err.to_string().contains("different harvest"), "{err}");
+    assert_eq!(err.exit_code(), 2);
+}
