@@ -149,7 +149,7 @@ fn projections_equal_raw_activations_times_unit_directions_and_stats_describe_th
         .collect();
     let npy = {
         let mut header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 576), }".to_owned();
-        while (10 + header.len() + 1) % 64 != 0 {
+        while !(10 + header.len() + 1).is_multiple_of(64) {
             header.push(' ');
         }
         header.push('\n');
@@ -352,7 +352,7 @@ fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() 
     let result: serde_json::Value = serde_json::from_slice(&second.stdout).unwrap();
     let resumed_shards = result["resumed_shards"].as_u64().unwrap();
     assert!(
-        resumed_shards >= 2 && resumed_shards < 6,
+        (2..6).contains(&resumed_shards),
         "resumed {resumed_shards} of 6 shards"
     );
     assert_eq!(output_files(&resumed), output_files(&reference));
