@@ -29,6 +29,88 @@ pub const MULTIPART_CHUNK: usize = 8 << 20;
 /// Parts in flight at once during a multipart upload.
 pub const MULTIPART_CONCURRENCY: usize = 4;
 
+/// How to reach an S3-compatible server. Every field left `None` falls back to the
+/// object_store defaults (AWS itself, credentials from the instance or web identity).
+#[derive(Clone, Default)]
+pub struct S3Config {
+    /// A non-AWS endpoint such as `http://127.0.0.1:8333`.
+    pub endpoint: Option<String>,
+    /// The region (S3-compatible servers accept any, typically `us-east-1`).
+    pub region: Option<String>,
+    /// Access key id.
+    pub access_key_id: Option<String>,
+    /// Secret access key.
+    pub secret_access_key: Option<String>,
+    /// Session token of temporary credentials.
+    pub session_token: Option<String>,
+    /// Permit plain HTTP.
+    pub allow_http: bool,
+    /// Virtual-hosted-style addressing (`bucket.host`) instead of path style.
+    pub virtual_hosted_style: bool,
+}
+
+impl std::fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Config")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("access_key_id", &self.access_key_id)
+            .field(
+                "secret_access_key",
+                &self.secret_access_key.as_ref().map(|_| "<redacted>"),
+            )
+            .field("allow_http", &self.allow_http)
+            .field("virtual_hosted_style", &self.virtual_hosted_style)
+            .finish_non_exhaustive()
+    }
+}
+
+impl S3Config {
+    /// Reads the usual variables: `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`), `AWS_REGION` (or
+    /// `AWS_DEFAULT_REGION`), `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+    /// `AWS_ALLOW_HTTP` and `AWS_VIRTUAL_HOSTED_STYLE_REQUEST`.
+    pub fn from_env() -> Self {
+        let var = |names: &[&str]| {
+            names
+                .iter()
+                .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
+        };
+        let flag = |name: &str| {
+            std::env::var(name).is_ok_and(|v| v.eq_ignore_ascii_case("true") || v == "1")
+        };
+        Self {
+            endpoint: var(&["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]),
+            region: var(&["AWS_REGION", "AWS_DEFAULT_REGION"]),
+            access_key_id: var(&["AWS_ACCESS_KEY_ID"]),
+            secret_access_key: var(&["AWS_SECRET_ACCESS_KEY"]),
+            session_token: var(&["AWS_SESSION_TOKEN"]),
+            allow_http: flag("AWS_ALLOW_HTTP"),
+            virtual_hosted_style: flag("AWS_VIRTUAL_HOSTED_STYLE_REQUEST"),
+        }
+    }
+
+    fn builder(&self, bucket: &str) -> AmazonS3Builder {
+        let mut builder = AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_retry(retry_config())
+            .with_allow_http(self.allow_http)
+            .with_virtual_hosted_style_request(self.virtual_hosted_style)
+            .with_region(self.region.clone().unwrap_or_else(|| "us-east-1".into()));
+        if let Some(endpoint) = &self.endpoint {
+            builder = builder.with_endpoint(endpoint);
+        }
+        if let (Some(id), Some(secret)) = (&self.access_key_id, &self.secret_access_key) {
+            builder = builder
+                .with_access_key_id(id)
+                .with_secret_access_key(secret);
+        }
+        if let Some(token) = &self.session_token {
+            builder = builder.with_token(token);
+        }
+        builder
+    }
+}
+
 /// An object store rooted at a prefix.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -51,9 +133,14 @@ fn retry_config() -> RetryConfig {
 }
 
 impl Store {
-    /// Opens the store that holds `location` (a directory or `s3://bucket/prefix`). A local
-    /// directory is created if missing.
+    /// Opens the store that holds `location` (a directory or `s3://bucket/prefix`), with S3
+    /// settings from the environment. A local directory is created if missing.
     pub fn open(location: &Location) -> Result<Self> {
+        Self::open_with(location, &S3Config::from_env())
+    }
+
+    /// Opens the store that holds `location` with explicit S3 settings.
+    pub fn open_with(location: &Location, s3: &S3Config) -> Result<Self> {
         let fail = |reason: String| Error::Store {
             location: location.to_string(),
             reason,
@@ -67,13 +154,10 @@ impl Store {
                 (Arc::new(fs), StorePath::default())
             }
             Location::S3 { bucket, prefix } => {
-                let mut builder = AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_retry(retry_config());
-                if let Ok(endpoint) = std::env::var("AWS_ENDPOINT_URL") {
-                    builder = builder.with_endpoint(endpoint);
-                }
-                let s3 = builder.build().map_err(|e| fail(e.to_string()))?;
+                let s3 = s3
+                    .builder(bucket)
+                    .build()
+                    .map_err(|e| fail(e.to_string()))?;
                 (Arc::new(s3), StorePath::from(prefix.as_str()))
             }
         };
