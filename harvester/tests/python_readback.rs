@@ -1,0 +1,76 @@
+//! The shards read back with Python's safetensors and numpy, as researchers read them
+//! (tests/python/check_output.py). The interpreter, with numpy, safetensors and tokenizers
+//! installed by scripts/test.sh, is named by `HARVEST_PYTHON`.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::smollm2_dir;
+use harvest_core::{HarvestPlan, LayerSelection, Location};
+use harvester::pipeline::{self, RunOptions, progress::ProgressMode};
+
+#[test]
+fn python_reads_the_documented_shards_tokens_and_statistics() {
+    let python = std::env::var_os("HARVEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest/tools/bin/python")
+        });
+    assert!(
+        python.exists(),
+        "{} is missing: run scripts/test.sh or set HARVEST_PYTHON",
+        python.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "<|im_start|>user\nWhat is a residual stream?<|im_end|>",
+        "Ünïcödé and digits 0123456789",
+        "x",
+        "def f(x):\n    return x * 2\n",
+    ];
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "text": p }).to_string())
+        .collect();
+    let prompts_path = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts_path, lines.join("\n")).unwrap();
+    let out = dir.path().join("out");
+    let plan = HarvestPlan {
+        model: smollm2_dir(),
+        prompts: Location::Local(prompts_path.clone()),
+        layers: LayerSelection::Quartiles,
+        shard_size: NonZeroUsize::new(2).unwrap(),
+        add_special_tokens: true,
+        project_onto: None,
+        output: Location::Local(out.clone()),
+        batch_tokens: NonZeroUsize::new(4096).unwrap(),
+    };
+    pipeline::run(
+        &plan,
+        &RunOptions {
+            progress: ProgressMode::Off,
+            model_name: None,
+        },
+    )
+    .unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/check_output.py");
+    let output = Command::new(&python)
+        .arg(script)
+        .arg(&out)
+        .arg(smollm2_dir())
+        .arg(&prompts_path)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "python check failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
