@@ -123,6 +123,24 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     })
 }
 
+/// Reads a prompts file and tokenizes it as `harvester run` does (special tokens added).
+pub fn tokenize_prompts_file(model: &Path, path: &Path) -> Result<Vec<Vec<u32>>> {
+    let config = ModelConfig::from_file(&model.join("config.json"))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::io("reading", path, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let texts = crate::pipeline::prompts::parse_prompts(&name, &bytes)?;
+    let tokenizer =
+        crate::tokenizer::PromptTokenizer::from_dir(model, config.max_position_embeddings)?;
+    Ok(tokenizer
+        .encode_all(&texts, true)?
+        .into_iter()
+        .map(|e| e.ids)
+        .collect())
+}
+
 /// Greedy packing of whole prompts into batches of at most `budget` tokens (a longer prompt
 /// gets a batch of its own).
 pub fn pack(prompts: &[Vec<u32>], budget: usize) -> Vec<Batch> {

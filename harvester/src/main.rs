@@ -61,8 +61,11 @@ enum Command {
         #[arg(long)]
         model: PathBuf,
         /// JSON file: a list of lists of token ids.
+        #[arg(long, required_unless_present = "prompts", conflicts_with = "prompts")]
+        ids: Option<PathBuf>,
+        /// A prompts file (.jsonl, .json or .txt), tokenized with the model's tokenizer.
         #[arg(long)]
-        ids: PathBuf,
+        prompts: Option<PathBuf>,
         /// Layers to keep: a list such as 7,15,22,29, or all.
         #[arg(long, default_value = "all")]
         layers: LayerSelection,
@@ -220,17 +223,24 @@ fn main() -> anyhow::Result<ExitCode> {
         Command::Bench {
             model,
             ids,
+            prompts,
             layers,
             batch_tokens,
         } => {
-            let text = std::fs::read_to_string(&ids)
-                .with_context(|| format!("reading {}", ids.display()))?;
-            let prompts: Vec<Vec<u32>> = serde_json::from_str(&text).with_context(|| {
-                format!(
-                    "{} must be a JSON list of lists of token ids",
-                    ids.display()
-                )
-            })?;
+            let prompts = match (ids, prompts) {
+                (Some(ids), _) => {
+                    let text = std::fs::read_to_string(&ids)
+                        .with_context(|| format!("reading {}", ids.display()))?;
+                    serde_json::from_str(&text).with_context(|| {
+                        format!(
+                            "{} must be a JSON list of lists of token ids",
+                            ids.display()
+                        )
+                    })?
+                }
+                (None, Some(path)) => harvester::bench::tokenize_prompts_file(&model, &path)?,
+                (None, None) => anyhow::bail!("give --ids or --prompts"),
+            };
             let report = harvester::bench::run(harvester::bench::BenchConfig {
                 model: &model,
                 prompts,
