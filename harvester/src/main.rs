@@ -41,6 +41,11 @@ enum Command {
         #[arg(long, value_enum, default_value_t = OutputDtype::Bf16)]
         dtype: OutputDtype,
     },
+    /// Print what a finished local harvest holds: manifest summary and each tensor's shape.
+    Inspect {
+        /// The output directory of a harvest.
+        dir: PathBuf,
+    },
     /// Capture one prompt and print each kept layer's token norms.
     Probe {
         /// Checkpoint directory.
@@ -206,6 +211,14 @@ fn main() -> anyhow::Result<ExitCode> {
                 layers = summary.num_layers,
                 "imported GGUF"
             );
+        }
+        Command::Inspect { dir } => {
+            let summary = harvester::pipeline::inspect(&dir)
+                .with_context(|| format!("inspecting {}", dir.display()))?;
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{summary}");
+            }
         }
         Command::Probe {
             model,

@@ -84,6 +84,51 @@ struct ForwardOutput {
     captured: Captured,
 }
 
+/// A readable summary of a finished local harvest: the manifest's key facts and the dtype and
+/// shape of every tensor in every shard.
+pub fn inspect(dir: &Path) -> Result<String> {
+    use std::fmt::Write;
+    let path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io("reading", &path, e))?;
+    let manifest: Manifest =
+        serde_json::from_str(&text).map_err(|source| Error::Json { path, source })?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} ({}), {:?} {}, layers {:?}, {} prompts, {} tokens, {} shards",
+        manifest.model.name,
+        manifest.model.architecture,
+        manifest.contents,
+        manifest.dtype,
+        manifest.layer_indices,
+        manifest.n_prompts,
+        manifest.total_tokens,
+        manifest.shards.len()
+    );
+    for entry in &manifest.shards {
+        let path = dir.join(&entry.file);
+        let bytes = std::fs::read(&path).map_err(|e| Error::io("reading", &path, e))?;
+        let shard = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+            Error::CorruptSafetensors {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        let _ = writeln!(out, "{} ({} bytes)", entry.file, entry.bytes);
+        let mut names = shard.names();
+        names.sort_by_key(|n| {
+            let (kind, index) = n.split_once('_').unwrap_or((n, "0"));
+            (index.parse::<usize>().unwrap_or(0), kind.to_owned())
+        });
+        for name in names {
+            if let Ok(view) = shard.tensor(name) {
+                let _ = writeln!(out, "  {name:<14} {:?} {:?}", view.dtype(), view.shape());
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Runs a harvest to completion (or resumes one), returning its result.
 pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
