@@ -312,52 +312,31 @@ fn run_stages(
         let assemble = assemble
             .join()
             .unwrap_or(Err(Error::StageLost { stage: "assemble" }));
-        // Report the root cause: a stage that failed on its own, not one that saw its
-        // neighbour's channel close.
-        let errors = [
-            forward.as_ref().err(),
-            assemble.as_ref().err(),
-            upload.as_ref().err(),
-        ];
-        if let Some(error) = errors
-            .iter()
-            .flatten()
-            .find(|e| !matches!(e, Error::StageLost { .. }))
-        {
-            return Err(clone_error(error));
+        match (forward, assemble, upload) {
+            (Ok((forward_s, _tokens)), Ok(save_s), Ok((records, upload_s))) => Ok(StageOutcome {
+                records,
+                forward_s,
+                save_s,
+                upload_s,
+            }),
+            (forward, assemble, upload) => {
+                Err(root_cause([forward.err(), assemble.err(), upload.err()]))
+            }
         }
-        let (forward_s, _tokens) = forward?;
-        let save_s = assemble?;
-        let (records, upload_s) = upload?;
-        Ok(StageOutcome {
-            records,
-            forward_s,
-            save_s,
-            upload_s,
-        })
     })
 }
 
-/// Errors are not `Clone`; re-render the root cause for the caller.
-fn clone_error(error: &Error) -> Error {
-    match error {
-        Error::Store { location, reason } => Error::Store {
-            location: location.clone(),
-            reason: reason.clone(),
-        },
-        Error::Io {
-            action,
-            path,
-            source,
-        } => Error::Io {
-            action,
-            path: path.clone(),
-            source: std::io::Error::new(source.kind(), source.to_string()),
-        },
-        other => Error::InvalidBatch {
-            reason: other.to_string(),
-        },
+/// The error to report when stages fail: one that failed on its own, not one that only saw its
+/// neighbour's channel close.
+fn root_cause(errors: [Option<Error>; 3]) -> Error {
+    let mut lost = None;
+    for error in errors.into_iter().flatten() {
+        match error {
+            Error::StageLost { .. } => lost = lost.or(Some(error)),
+            real => return real,
+        }
     }
+    lost.unwrap_or(Error::StageLost { stage: "pipeline" })
 }
 
 fn forward_stage(
@@ -769,4 +748,20 @@ fn stats_file(stats: &[RunningStats]) -> Result<Vec<u8>> {
         )])),
     )
     .map_err(invalid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_cause_is_the_stage_that_failed_on_its_own() {
+        let store = Error::Store { location: "s3://b/p".into(), reason: "403".into() };
+        let lost = Error::StageLost { stage: "assemble" };
+        let cause = root_cause([Some(lost), Some(store), None]);
+        assert!(matches!(cause, Error::Store { .. }), "{cause}");
+        assert_eq!(cause.exit_code(), crate::error::EXIT_INFRASTRUCTURE);
+        let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
+        assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
+    }
 }
