@@ -160,6 +160,14 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .map(|(i, text)| tokenizer.encode(i, text, plan.add_special_tokens))
         .collect::<Result<_>>()?;
     drop(prompts);
+    let truncated = encoded.iter().filter(|e| e.truncated_from.is_some()).count();
+    if truncated > 0 {
+        tracing::warn!(
+            prompts = truncated,
+            max_tokens = tokenizer.max_tokens(),
+            "prompts longer than the context window were truncated; the manifest lists them"
+        );
+    }
     let fingerprint = plan_fingerprint(
         plan,
         &prompt_bytes,
