@@ -11,9 +11,9 @@ use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
-use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::backend::{Backend, Batch, Captured};
 use crate::error::{Error, Result};
-use crate::model::{LlamaWeights, ModelConfig};
+use crate::model::ModelConfig;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -75,17 +75,9 @@ pub fn forward_flops(config: &ModelConfig, lengths: &[usize], blocks: usize) -> 
 
 /// Runs the benchmark: one warm-up pass over the first batch, then every batch timed.
 pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
-    let model_config = ModelConfig::from_file(&config.model.join("config.json"))?;
-    let layers = config.layers.resolve(model_config.num_layers)?;
-    let blocks = layers.deepest() + 1;
-    let weights = LlamaWeights::load(config.model, Some(blocks))?;
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )?;
+    let mut backend = CpuBackend::load(config.model, &config.layers, None)?;
+    let model_config = backend.weights().config.clone();
+    let blocks = backend.spec().layers.deepest() + 1;
     if config.prompts.is_empty() {
         return Err(Error::InvalidBatch {
             reason: "the benchmark corpus is empty".into(),

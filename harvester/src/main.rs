@@ -169,13 +169,10 @@ fn run_job(args: &RunArgs) -> ExitCode {
     }
     match outcome {
         Ok(result) => {
-            #[allow(clippy::print_stdout)]
-            {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&result).unwrap_or_default()
-                );
-            }
+            print_out(&format!(
+                "{}\n",
+                serde_json::to_string_pretty(&result).unwrap_or_default()
+            ));
             ExitCode::SUCCESS
         }
         Err((code, text, _)) => {
@@ -183,6 +180,12 @@ fn run_job(args: &RunArgs) -> ExitCode {
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
     }
+}
+
+/// Writes to stdout, ignoring a closed pipe (`harvester inspect DIR | head` is fine).
+fn print_out(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -215,10 +218,7 @@ fn main() -> anyhow::Result<ExitCode> {
         Command::Inspect { dir } => {
             let summary = harvester::pipeline::inspect(&dir)
                 .with_context(|| format!("inspecting {}", dir.display()))?;
-            #[allow(clippy::print_stdout)]
-            {
-                print!("{summary}");
-            }
+            print_out(&summary);
         }
         Command::Probe {
             model,
@@ -228,10 +228,7 @@ fn main() -> anyhow::Result<ExitCode> {
         } => {
             let report = harvester::probe::run(&model, &text, &layers, !no_special_tokens)
                 .with_context(|| format!("probing {}", model.display()))?;
-            #[allow(clippy::print_stdout)]
-            {
-                print!("{report}");
-            }
+            print_out(&report.to_string());
         }
         Command::Bench {
             model,
@@ -260,10 +257,7 @@ fn main() -> anyhow::Result<ExitCode> {
                 layers,
                 batch_tokens,
             })?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{}", serde_json::to_string(&report)?);
-            }
+            print_out(&format!("{}\n", serde_json::to_string(&report)?));
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -7,9 +7,8 @@ use std::path::Path;
 use harvest_core::LayerSelection;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::backend::{Backend, Batch, Captured};
 use crate::error::Result;
-use crate::model::{LlamaWeights, ModelConfig};
 use crate::tokenizer::PromptTokenizer;
 
 /// What `probe` found.
@@ -36,19 +35,11 @@ pub fn run(
     layers: &LayerSelection,
     add_special_tokens: bool,
 ) -> Result<ProbeReport> {
-    let config = ModelConfig::from_file(&model.join("config.json"))?;
-    let layers = layers.resolve(config.num_layers)?;
+    let mut backend = CpuBackend::load(model, layers, None)?;
+    let config = backend.weights().config.clone();
     let tokenizer = PromptTokenizer::from_dir(model, config.max_position_embeddings)?;
     let encoded = tokenizer.encode(0, text, add_special_tokens)?;
-    let weights = LlamaWeights::load(model, Some(layers.deepest() + 1))?;
-    let kept = layers.as_slice().to_vec();
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )?;
+    let kept = backend.spec().layers.as_slice().to_vec();
     let mut out = Captured::default();
     backend.capture(
         &Batch::from_sequences(std::slice::from_ref(&encoded.ids)),

@@ -160,7 +160,10 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .map(|(i, text)| tokenizer.encode(i, text, plan.add_special_tokens))
         .collect::<Result<_>>()?;
     drop(prompts);
-    let truncated = encoded.iter().filter(|e| e.truncated_from.is_some()).count();
+    let truncated = encoded
+        .iter()
+        .filter(|e| e.truncated_from.is_some())
+        .count();
     if truncated > 0 {
         tracing::warn!(
             prompts = truncated,
@@ -764,7 +767,10 @@ mod tests {
 
     #[test]
     fn the_root_cause_is_the_stage_that_failed_on_its_own() {
-        let store = Error::Store { location: "s3://b/p".into(), reason: "403".into() };
+        let store = Error::Store {
+            location: "s3://b/p".into(),
+            reason: "403".into(),
+        };
         let lost = Error::StageLost { stage: "assemble" };
         let cause = root_cause([Some(lost), Some(store), None]);
         assert!(matches!(cause, Error::Store { .. }), "{cause}");

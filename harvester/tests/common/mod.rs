@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 
 use harvest_core::LayerSelection;
 use harvester::backend::cpu::CpuBackend;
-use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
-use harvester::model::LlamaWeights;
+use harvester::backend::{Backend, Batch, Captured};
 use safetensors::{Dtype, SafeTensors};
 
 pub fn fixtures() -> PathBuf {
@@ -113,16 +112,7 @@ pub fn worst_relative_error(ours: &[f32], reference: &[f32], width: usize) -> f6
 
 /// Runs the CPU backend over `sequences` packed in one batch, keeping `layers`.
 pub fn capture(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> Captured {
-    let weights = LlamaWeights::load(dir, None).unwrap();
-    let layers = layers.resolve(weights.config.num_layers).unwrap();
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )
-    .unwrap();
+    let mut backend = CpuBackend::load(dir, layers, None).unwrap();
     let mut out = Captured::default();
     backend
         .capture(&Batch::from_sequences(sequences), &mut out)

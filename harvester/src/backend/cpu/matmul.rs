@@ -40,7 +40,6 @@ impl<'a> MatRef<'a> {
 ///
 /// # Panics
 /// If a view does not fit its slice or the inner dimensions differ: a bug in the caller.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_transposed(
     a: MatRef<'_>,
     b: MatRef<'_>,
@@ -50,25 +49,81 @@ pub fn matmul_transposed(
     accumulate: bool,
     threads: Parallelism,
 ) {
+    // gemm's right operand is [k, n]: for bᵀ, k runs along b's rows' elements (stride 1) and n
+    // along b's rows (stride row_stride).
+    let rhs = Rhs {
+        n: b.rows,
+        k: b.cols,
+        k_stride: 1,
+        n_stride: b.row_stride,
+    };
+    product(a, b.data, rhs, out, out_stride, scale, accumulate, threads);
+}
+
+/// `out[r, c] = Σ_k a[r, k] · b[k, c]` with `b` row-major `[k, n]` (probabilities × values).
+pub fn matmul(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    out: &mut [f32],
+    out_stride: usize,
+    threads: Parallelism,
+) {
+    let rhs = Rhs {
+        n: b.cols,
+        k: b.rows,
+        k_stride: b.row_stride,
+        n_stride: 1,
+    };
+    product(a, b.data, rhs, out, out_stride, 1.0, false, threads);
+}
+
+/// The right operand's shape and strides as gemm sees it: `[k, n]`.
+struct Rhs {
+    n: usize,
+    k: usize,
+    k_stride: usize,
+    n_stride: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product(
+    a: MatRef<'_>,
+    b: &[f32],
+    rhs: Rhs,
+    out: &mut [f32],
+    out_stride: usize,
+    scale: f32,
+    accumulate: bool,
+    threads: Parallelism,
+) {
     assert!(
-        a.fits() && b.fits(),
+        a.fits(),
         "matmul operand view out of bounds. This is a bug."
     );
     assert_eq!(
-        a.cols, b.cols,
+        a.cols, rhs.k,
         "matmul inner dimensions differ. This is a bug."
     );
-    let (m, n, k) = (a.rows, b.rows, a.cols);
+    let (m, n, k) = (a.rows, rhs.n, a.cols);
     if m == 0 || n == 0 {
         return;
     }
+    let last_b = if k == 0 {
+        0
+    } else {
+        (k - 1) * rhs.k_stride + (n - 1) * rhs.n_stride + 1
+    };
+    assert!(
+        last_b <= b.len(),
+        "matmul operand view out of bounds. This is a bug."
+    );
     assert!(
         (m - 1) * out_stride + n <= out.len(),
         "matmul output view out of bounds. This is a bug."
     );
-    // SAFETY: the asserts above prove every element gemm touches lies inside `a.data`, `b.data`
-    // and `out` (rows `0..m` at `out_stride`, columns `0..n`). `out` is borrowed mutably, so it
-    // cannot alias the inputs.
+    // SAFETY: the asserts above prove every element gemm touches lies inside `a.data` (checked by
+    // `fits`), `b` (its last element is at `last_b - 1`) and `out` (rows `0..m` at
+    // `out_stride`, columns `0..n`). `out` is borrowed mutably, so it cannot alias the inputs.
     unsafe {
         gemm::gemm(
             m,
@@ -81,61 +136,11 @@ pub fn matmul_transposed(
             a.data.as_ptr(),
             1,
             a.row_stride as isize,
-            b.data.as_ptr(),
-            b.row_stride as isize,
-            1,
+            b.as_ptr(),
+            rhs.n_stride as isize,
+            rhs.k_stride as isize,
             if accumulate { 1.0 } else { 0.0 },
             scale,
-            false,
-            false,
-            false,
-            threads,
-        );
-    }
-}
-
-/// `out[r, c] = Σ_k a[r, k] · b[k, c]` with `b` row-major `[k, n]` (used for probabilities × values).
-pub fn matmul(
-    a: MatRef<'_>,
-    b: MatRef<'_>,
-    out: &mut [f32],
-    out_stride: usize,
-    threads: Parallelism,
-) {
-    assert!(
-        a.fits() && b.fits(),
-        "matmul operand view out of bounds. This is a bug."
-    );
-    assert_eq!(
-        a.cols, b.rows,
-        "matmul inner dimensions differ. This is a bug."
-    );
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(
-        (m - 1) * out_stride + n <= out.len(),
-        "matmul output view out of bounds. This is a bug."
-    );
-    // SAFETY: as in `matmul_transposed`, the asserts bound every access; `out` is exclusive.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            out_stride as isize,
-            false,
-            a.data.as_ptr(),
-            1,
-            a.row_stride as isize,
-            b.data.as_ptr(),
-            1,
-            b.row_stride as isize,
-            0.0,
-            1.0,
             false,
             false,
             false,

@@ -15,14 +15,18 @@ mod attention;
 pub mod kernels;
 pub mod matmul;
 
+use std::path::Path;
+
 use gemm::Parallelism;
+use harvest_core::LayerSelection;
 use rayon::prelude::*;
 
 use self::attention::AttentionShape;
 use self::matmul::{MatRef, matmul_transposed};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
-use crate::model::LlamaWeights;
+use crate::model::{LlamaWeights, ModelConfig};
+use crate::projection::Directions;
 
 /// Rows handed to one rayon task in the element-wise passes.
 const ROWS_PER_TASK: usize = 16;
@@ -89,6 +93,18 @@ impl CpuBackend {
             rope: RopeTable::default(),
             scratch: Scratch::default(),
         })
+    }
+
+    /// Loads a checkpoint directory, reading only the blocks that `layers` needs.
+    pub fn load(
+        dir: &Path,
+        layers: &LayerSelection,
+        directions: Option<Directions>,
+    ) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let layers = layers.resolve(config.num_layers)?;
+        let weights = LlamaWeights::load(dir, Some(layers.deepest() + 1))?;
+        Self::new(weights, CaptureSpec { layers, directions })
     }
 
     /// The loaded weights.
