@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model and installs the
-# test-only tools (both cached in ~/.cache/harvest), then runs every test of the workspace.
+# test-only tools (both cached in ~/.cache/harvest), then runs every test of the workspace and
+# closes with one line that adds up all test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
 tools=$(scripts/test-tools.sh)
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
-cargo test --workspace "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --all-targets "$@" 2>&1 | tee "$log" || status=$?
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "harvest: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
