@@ -11,13 +11,18 @@
 //! RawPlan ──TryFrom──► HarvestPlan { model, prompts, layers: LayerSelection, output, … }
 //! LayerSelection ──resolve(num_layers)──► Layers (sorted, unique, in range)
 //! shard planning (plan), RunningStats (stats), Manifest schema (format)
+//! job lifecycle: next(status, reserved, event) -> Transition (lifecycle)
+//! quota: Ledger::admit / finish over lanes, UTC day/month budgets and job quotas (quota, clock)
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod format;
 pub mod layers;
+pub mod lifecycle;
 pub mod plan;
+pub mod quota;
 pub mod stats;
 
 pub use layers::{LayerError, LayerSelection, Layers};
