@@ -1,0 +1,259 @@
+//! Every API error, its HTTP status, its stable code and its headers: one table.
+//!
+//! The envelope, for every error:
+//! ```json
+//! {"error": {"code": "harvest_concurrency_exceeded", "message": "the small lane is full: …", "job_id": null}}
+//! ```
+//! `code` is stable and machine-readable; `message` says what to do; `job_id` is set where the
+//! error concerns a job that exists (503 `harvest_unavailable`).
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use harvest_core::quota::Denial;
+
+/// Seconds a client should wait before retrying a full lane.
+pub const CONCURRENCY_RETRY_AFTER_S: u32 = 30;
+/// Seconds a client should wait before retrying when counting is busy.
+pub const COUNT_BUSY_RETRY_AFTER_S: u32 = 5;
+
+/// An error the API answers with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request is malformed or a value is invalid.
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// The corpus is over the per-job caps.
+    #[error("{message}")]
+    TooLarge {
+        /// Which cap, and the advice to split the job.
+        message: String,
+    },
+    /// No or an unknown API key.
+    #[error("missing or invalid API key: send Authorization: Bearer <key>")]
+    Unauthorized,
+    /// No such job for this key (unknown, or another account's).
+    #[error("no such harvest job for this API key")]
+    NotFound,
+    /// The job has already ended.
+    #[error("{message}")]
+    NotCancellable {
+        /// The job's status, in words.
+        message: String,
+    },
+    /// The body is over the size limit.
+    #[error("the request body is larger than {limit_mib} MiB: split the corpus into several jobs")]
+    PayloadTooLarge {
+        /// The limit.
+        limit_mib: usize,
+    },
+    /// Token counting is busy for this account or the server.
+    #[error(
+        "token counting is busy: another submit of this account is being counted, or the corpus took too long to count; retry after the Retry-After seconds or split the corpus"
+    )]
+    CountBusy,
+    /// A quota or lane denied the job.
+    #[error("{0}")]
+    Denied(#[from] Denial),
+    /// The worker backend for the model cannot be reached.
+    #[error(
+        "the harvest backend for this model is unavailable right now; quote job {job_id} when reporting it"
+    )]
+    Unavailable {
+        /// The job that was recorded.
+        job_id: String,
+    },
+    /// A bug or an unexpected failure; the detail is logged, not sent.
+    #[error("internal error")]
+    Internal {
+        /// The detail, for the log.
+        detail: String,
+    },
+}
+
+impl ApiError {
+    /// Shorthand for [`ApiError::InvalidRequest`].
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidRequest { .. } | Self::TooLarge { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::NotCancellable { .. } => StatusCode::CONFLICT,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::CountBusy | Self::Denied(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::InvalidRequest { .. } => "invalid_request",
+            Self::TooLarge { .. } => "harvest_too_large",
+            Self::Unauthorized => "invalid_api_key",
+            Self::NotFound => "not_found",
+            Self::NotCancellable { .. } => "harvest_not_cancellable",
+            Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::CountBusy => "harvest_count_busy",
+            Self::Denied(Denial::Concurrency { .. }) => "harvest_concurrency_exceeded",
+            Self::Denied(Denial::Budget { .. }) => "budget_exceeded",
+            Self::Denied(Denial::JobQuota { .. }) => "harvest_quota_exceeded",
+            Self::Unavailable { .. } => "harvest_unavailable",
+            Self::Internal { .. } => "internal_error",
+        }
+    }
+
+    /// The `Retry-After` seconds, where the contract gives one.
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            Self::Denied(Denial::Concurrency { .. }) => Some(CONCURRENCY_RETRY_AFTER_S),
+            Self::CountBusy => Some(COUNT_BUSY_RETRY_AFTER_S),
+            _ => None,
+        }
+    }
+
+    /// The JSON envelope.
+    pub fn body(&self) -> serde_json::Value {
+        let job_id = match self {
+            Self::Unavailable { job_id } => Some(job_id.as_str()),
+            _ => None,
+        };
+        serde_json::json!({"error": {"code": self.code(), "message": self.to_string(), "job_id": job_id}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status(), Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harvest_core::quota::{BudgetWindow, Lane};
+
+    #[test]
+    fn every_variant_has_its_documented_status_and_code() {
+        let cases: Vec<(ApiError, u16, &str)> = vec![
+            (ApiError::invalid("x"), 400, "invalid_request"),
+            (
+                ApiError::TooLarge {
+                    message: "x".into(),
+                },
+                400,
+                "harvest_too_large",
+            ),
+            (ApiError::Unauthorized, 401, "invalid_api_key"),
+            (ApiError::NotFound, 404, "not_found"),
+            (
+                ApiError::NotCancellable {
+                    message: "x".into(),
+                },
+                409,
+                "harvest_not_cancellable",
+            ),
+            (
+                ApiError::PayloadTooLarge { limit_mib: 50 },
+                413,
+                "payload_too_large",
+            ),
+            (ApiError::CountBusy, 429, "harvest_count_busy"),
+            (
+                Denial::Concurrency {
+                    lane: Lane::Small,
+                    limit: 3,
+                }
+                .into(),
+                429,
+                "harvest_concurrency_exceeded",
+            ),
+            (
+                Denial::Budget {
+                    window: BudgetWindow::Daily,
+                    limit: 1,
+                    used: 1,
+                    requested: 1,
+                }
+                .into(),
+                429,
+                "budget_exceeded",
+            ),
+            (
+                Denial::JobQuota { limit: 200 }.into(),
+                429,
+                "harvest_quota_exceeded",
+            ),
+            (
+                ApiError::Unavailable { job_id: "j".into() },
+                503,
+                "harvest_unavailable",
+            ),
+            (
+                ApiError::Internal {
+                    detail: "secret".into(),
+                },
+                500,
+                "internal_error",
+            ),
+        ];
+        for (error, status, code) in cases {
+            assert_eq!(error.status().as_u16(), status, "{error:?}");
+            assert_eq!(error.code(), code);
+            assert_eq!(error.body()["error"]["code"], code);
+        }
+    }
+
+    #[test]
+    fn a_full_lane_says_which_and_asks_for_30_seconds() {
+        let response = ApiError::from(Denial::Concurrency {
+            lane: Lane::Large,
+            limit: 1,
+        })
+        .into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "30");
+        let message = ApiError::from(Denial::Concurrency {
+            lane: Lane::Large,
+            limit: 1,
+        })
+        .to_string();
+        assert!(message.contains("large lane"), "{message}");
+    }
+
+    #[test]
+    fn internal_details_never_reach_the_client_and_503_carries_the_job() {
+        assert!(
+            !ApiError::Internal {
+                detail: "db path".into()
+            }
+            .body()
+            .to_string()
+            .contains("db path")
+        );
+        assert_eq!(
+            ApiError::Unavailable {
+                job_id: "abc".into()
+            }
+            .body()["error"]["job_id"],
+            "abc"
+        );
+    }
+}

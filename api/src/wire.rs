@@ -1,0 +1,529 @@
+//! The wire contract of `/v1/harvest`: request bodies parsed strictly, validated once against
+//! the model's catalogue entry into a [`Submission`], and the job as it is answered.
+
+use base64::Engine;
+use harvest_core::clock::UnixMillis;
+use harvest_core::lifecycle::JobStatus;
+use harvest_core::plan::MAX_PROMPTS;
+use harvest_core::quota::Lane;
+use harvest_core::{LayerSelection, Layers};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ApiError;
+
+/// Most projection directions per job.
+pub const MAX_DIRECTIONS: usize = 64;
+/// Most prompts per shard.
+pub const MAX_SHARD_SIZE: usize = 4096;
+/// Largest accepted `batch_size` hint.
+pub const MAX_BATCH_SIZE: usize = 4096;
+
+/// What validation needs to know about a model of the catalogue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelEntry {
+    /// The name clients send.
+    pub name: String,
+    /// Decoder blocks.
+    pub num_layers: usize,
+    /// Residual-stream width.
+    pub hidden_size: usize,
+    /// Its concurrency lane.
+    pub lane: Lane,
+}
+
+/// `POST /v1/harvest` as sent. Unknown fields are rejected by name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HarvestRequest {
+    /// A model name from the catalogue.
+    pub model: String,
+    /// 1 to 4,096 prompts.
+    pub prompts: Vec<String>,
+    /// A list of block indices, `"all"`, or omitted for the quartile default.
+    #[serde(default)]
+    pub layers: LayerSelection,
+    /// Prompts per shard.
+    #[serde(default)]
+    pub shard_size: Option<usize>,
+    /// A batching hint; validated, then left to the engine.
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// Whether the tokenizer adds its special tokens.
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    /// Directions to project onto instead of returning raw activations.
+    #[serde(default)]
+    pub project_onto: Option<ProjectOnto>,
+}
+
+/// Projection directions as sent: a raw little-endian buffer in base64.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProjectOnto {
+    /// Base64 of the raw buffer.
+    pub data: String,
+    /// `float32`, `float16` or `bfloat16`.
+    pub dtype: String,
+    /// `[n_directions, hidden]`.
+    pub shape: Vec<usize>,
+    /// Only `"none"`.
+    #[serde(default = "no_compression")]
+    pub compression: String,
+}
+
+fn no_compression() -> String {
+    "none".into()
+}
+
+/// A validated submission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Submission {
+    /// The model's catalogue name.
+    pub model: String,
+    /// The prompts.
+    pub prompts: Vec<String>,
+    /// The resolved layers, ascending.
+    pub layers: Layers,
+    /// Prompts per shard.
+    pub shard_size: usize,
+    /// Whether special tokens are added.
+    pub add_special_tokens: bool,
+    /// Directions as f32, `[n, hidden]` row-major, not yet normalised.
+    pub directions: Option<(usize, Vec<f32>)>,
+    /// Each prompt's UTF-8 bytes plus one for its start token.
+    pub reserved_tokens: u64,
+    /// The model's lane.
+    pub lane: Lane,
+}
+
+impl HarvestRequest {
+    /// Validates the request against the model's catalogue entry.
+    pub fn validate(self, model: &ModelEntry) -> Result<Submission, ApiError> {
+        let Self {
+            model: name,
+            prompts,
+            layers,
+            shard_size,
+            batch_size,
+            add_special_tokens,
+            project_onto,
+        } = self;
+        if prompts.is_empty() {
+            return Err(ApiError::invalid(
+                "prompts is empty: send between 1 and 4096 prompts",
+            ));
+        }
+        if prompts.len() > MAX_PROMPTS {
+            return Err(ApiError::TooLarge {
+                message: format!(
+                    "{} prompts is more than the {MAX_PROMPTS} a job may hold: split the corpus into several jobs",
+                    prompts.len()
+                ),
+            });
+        }
+        let layers = layers
+            .resolve(model.num_layers)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let shard_size = bounded(
+            "shard_size",
+            shard_size.unwrap_or(harvest_core::plan::DEFAULT_SHARD_SIZE),
+            MAX_SHARD_SIZE,
+        )?;
+        if let Some(batch) = batch_size {
+            bounded("batch_size", batch, MAX_BATCH_SIZE)?;
+        }
+        let directions = project_onto
+            .map(|p| p.decode(model.hidden_size))
+            .transpose()?;
+        let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
+        Ok(Submission {
+            model: name,
+            prompts,
+            layers,
+            shard_size,
+            add_special_tokens: add_special_tokens.unwrap_or(true),
+            directions,
+            reserved_tokens,
+            lane: model.lane,
+        })
+    }
+}
+
+fn bounded(field: &str, value: usize, max: usize) -> Result<usize, ApiError> {
+    if (1..=max).contains(&value) {
+        Ok(value)
+    } else {
+        Err(ApiError::invalid(format!(
+            "{field} must be between 1 and {max}, got {value}"
+        )))
+    }
+}
+
+impl ProjectOnto {
+    /// Decodes and checks the buffer: dtype, shape, hidden size, exact byte count, finite values.
+    pub fn decode(&self, hidden: usize) -> Result<(usize, Vec<f32>), ApiError> {
+        if self.compression != "none" {
+            return Err(ApiError::invalid(format!(
+                "project_onto.compression {:?} is not supported: send the raw buffer with \"none\"",
+                self.compression
+            )));
+        }
+        let itemsize = match self.dtype.as_str() {
+            "float32" => 4,
+            "float16" | "bfloat16" => 2,
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "project_onto.dtype {other:?} is not supported: use float32, float16 or bfloat16"
+                )));
+            }
+        };
+        let &[n, width] = self.shape.as_slice() else {
+            return Err(ApiError::invalid(format!(
+                "project_onto.shape {:?} must be [n_directions, hidden]",
+                self.shape
+            )));
+        };
+        if n == 0 || n > MAX_DIRECTIONS {
+            return Err(ApiError::invalid(format!(
+                "project_onto has {n} directions: send between 1 and {MAX_DIRECTIONS}"
+            )));
+        }
+        if width != hidden {
+            return Err(ApiError::invalid(format!(
+                "project_onto.shape has hidden size {width}, but this model's hidden size is {hidden}"
+            )));
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(self.data.as_bytes())
+            .map_err(|e| {
+                ApiError::invalid(format!("project_onto.data is not valid base64: {e}"))
+            })?;
+        let expected = n * width * itemsize;
+        if bytes.len() != expected {
+            return Err(ApiError::invalid(format!(
+                "project_onto.data holds {} bytes, but shape [{n}, {width}] of {} needs exactly {expected} bytes",
+                bytes.len(),
+                self.dtype
+            )));
+        }
+        let values: Vec<f32> = match itemsize {
+            4 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            _ if self.dtype == "float16" => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        for (row, chunk) in values.chunks_exact(width).enumerate() {
+            if let Some(col) = chunk.iter().position(|v| !v.is_finite()) {
+                return Err(ApiError::invalid(format!(
+                    "project_onto direction {row} has a non-finite value at index {col}"
+                )));
+            }
+            if chunk.iter().all(|&v| v == 0.0) {
+                return Err(ApiError::invalid(format!(
+                    "project_onto direction {row} is all zeros"
+                )));
+            }
+        }
+        Ok((n, values))
+    }
+}
+
+/// Whether `id` matches the job id pattern of the reference: a UUID of versions 1 to 8 with the
+/// RFC 4122 variant, or the nil or max UUID.
+pub fn is_valid_job_id(id: &str) -> bool {
+    let bytes = id.as_bytes();
+    if bytes.len() != 36 {
+        return false;
+    }
+    let hex_groups = [0..8, 9..13, 14..18, 19..23, 24..36];
+    let dashes_ok = [8, 13, 18, 23].iter().all(|&i| bytes[i] == b'-');
+    let hex_ok = hex_groups
+        .iter()
+        .all(|r| bytes[r.clone()].iter().all(u8::is_ascii_hexdigit));
+    if !dashes_ok || !hex_ok {
+        return false;
+    }
+    let lower = id.to_ascii_lowercase();
+    if lower == "00000000-0000-0000-0000-000000000000"
+        || lower == "ffffffff-ffff-ffff-ffff-ffffffffffff"
+    {
+        return true;
+    }
+    matches!(bytes[14], b'1'..=b'8') && matches!(bytes[19], b'8' | b'9' | b'a' | b'b' | b'A' | b'B')
+}
+
+/// Per-stage seconds of a finished job, as the reference reports them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ResultTimings {
+    /// Model loading.
+    pub load_s: f64,
+    /// Forward passes.
+    pub forward_s: f64,
+    /// Assembling and writing.
+    pub save_s: f64,
+    /// Storing.
+    pub upload_s: f64,
+}
+
+/// The files of a done job, with links valid until `urls_expire_at`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobResult {
+    /// Shards.
+    pub n_shards: usize,
+    /// Kept layers, ascending.
+    pub layer_indices: Vec<usize>,
+    /// Link to manifest.json.
+    pub manifest_url: String,
+    /// Links to the shards, in order.
+    pub shard_urls: Vec<String>,
+    /// Link to stats.safetensors.
+    pub stats_url: String,
+    /// `activations` or `projections`.
+    pub contents: String,
+    /// Tokens run.
+    pub tokens: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Per-stage seconds.
+    pub timings: ResultTimings,
+}
+
+/// Progress of a running job, from its worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Prompts done.
+    pub prompts_done: usize,
+    /// Prompts in the job.
+    pub prompts_total: usize,
+    /// Tokens run so far.
+    pub tokens_done: u64,
+}
+
+/// A job as `GET`, `POST` and `DELETE` answer it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobView {
+    /// The job's id.
+    pub job_id: String,
+    /// The id of its run.
+    pub run_id: String,
+    /// pending, running, done, failed or cancelled.
+    pub status: JobStatus,
+    /// The model's catalogue name.
+    pub model: String,
+    /// Prompts in the job.
+    pub n_prompts: usize,
+    /// Tokens held against the budget.
+    pub reserved_tokens: u64,
+    /// Kept layers, ascending.
+    pub layers: Vec<usize>,
+    /// Tokens charged; null until the job ends.
+    pub tokens: Option<u64>,
+    /// ISO 8601 UTC with milliseconds.
+    pub created_at: String,
+    /// When its run started; null until then.
+    pub started_at: Option<String>,
+    /// When it ended; null until then.
+    pub completed_at: Option<String>,
+    /// The files, for a done job whose files are kept.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<JobResult>,
+    /// When the links of `result` expire.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub urls_expire_at: Option<String>,
+    /// Present once the files of a done job are gone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub urls_expired: Option<bool>,
+    /// Why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Progress of a running job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+}
+
+/// Formats an optional instant for the wire.
+pub fn timestamp(at: Option<UnixMillis>) -> Option<String> {
+    at.map(UnixMillis::to_iso8601)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelEntry {
+        ModelEntry {
+            name: "smollm2-135m".into(),
+            num_layers: 30,
+            hidden_size: 4,
+            lane: Lane::Small,
+        }
+    }
+
+    fn parse(json: serde_json::Value) -> Result<Submission, ApiError> {
+        let request: HarvestRequest =
+            serde_json::from_value(json).map_err(|e| ApiError::invalid(e.to_string()))?;
+        request.validate(&model())
+    }
+
+    fn b64(bytes: &[u8]) -> String {
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    #[test]
+    fn the_seed_example_validates_with_defaults_and_reserves_bytes_plus_one() {
+        let s = parse(serde_json::json!({
+            "model": "smollm2-135m",
+            "prompts": ["The quick brown fox jumps over the lazy dog.", "Interpretability research reads the residual stream."],
+            "layers": [24, 8, 16]
+        }))
+        .unwrap();
+        assert_eq!(s.layers.as_slice(), &[8, 16, 24]);
+        assert_eq!(s.shard_size, 32);
+        assert!(s.add_special_tokens);
+        assert_eq!(s.reserved_tokens, (44 + 1) + (52 + 1));
+    }
+
+    #[test]
+    fn a_misspelled_field_is_named() {
+        let err =
+            parse(serde_json::json!({"model": "m", "prompts": ["a"], "layer": [1]})).unwrap_err();
+        assert_eq!(err.code(), "invalid_request");
+        assert!(err.to_string().contains("layer"), "{err}");
+    }
+
+    #[test]
+    fn layers_accept_all_and_reject_out_of_range_by_name() {
+        let s =
+            parse(serde_json::json!({"model": "m", "prompts": ["a"], "layers": "all"})).unwrap();
+        assert_eq!(s.layers.len(), 30);
+        let err =
+            parse(serde_json::json!({"model": "m", "prompts": ["a"], "layers": [30]})).unwrap_err();
+        assert!(err.to_string().contains("layer 30"), "{err}");
+        assert!(
+            parse(serde_json::json!({"model": "m", "prompts": ["a"], "layers": "ALL"})).is_err()
+        );
+    }
+
+    #[test]
+    fn more_than_4096_prompts_says_to_split_the_job() {
+        let err = parse(serde_json::json!({"model": "m", "prompts": vec!["a"; 4097]})).unwrap_err();
+        assert_eq!(
+            (err.status().as_u16(), err.code()),
+            (400, "harvest_too_large")
+        );
+        assert!(err.to_string().contains("split"), "{err}");
+        assert!(parse(serde_json::json!({"model": "m", "prompts": []})).is_err());
+    }
+
+    #[test]
+    fn a_short_direction_buffer_reports_both_byte_counts() {
+        let data = b64(&[0u8; 12]);
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": data, "dtype": "float32", "shape": [1, 4], "compression": "none"}}))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("12 bytes") && err.to_string().contains("16 bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn directions_decode_from_each_dtype_and_the_wrong_hidden_size_is_rejected() {
+        let f32s: Vec<u8> = [1.0f32, 0.0, 0.0, 2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let bf16s: Vec<u8> = [1.0f32, 0.0, 0.0, 2.0]
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        for (dtype, bytes) in [("float32", f32s), ("bfloat16", bf16s)] {
+            let s = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+                "project_onto": {"data": b64(&bytes), "dtype": dtype, "shape": [1, 4]}}))
+            .unwrap();
+            assert_eq!(s.directions, Some((1, vec![1.0, 0.0, 0.0, 2.0])), "{dtype}");
+        }
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": "", "dtype": "float32", "shape": [1, 8]}}))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("hidden size 8") && err.to_string().contains("is 4"),
+            "{err}"
+        );
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": "", "dtype": "int8", "shape": [1, 4]}}))
+        .unwrap_err();
+        assert!(err.to_string().contains("int8"), "{err}");
+    }
+
+    #[test]
+    fn nan_or_zero_directions_are_rejected() {
+        let nan: Vec<u8> = [f32::NAN, 0.0, 0.0, 1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": b64(&nan), "dtype": "float32", "shape": [1, 4]}}))
+        .unwrap_err();
+        assert!(err.to_string().contains("non-finite"), "{err}");
+        let zero = vec![0u8; 16];
+        assert!(
+            parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": b64(&zero), "dtype": "float32", "shape": [1, 4]}}))
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn job_ids_follow_the_reference_pattern() {
+        assert!(is_valid_job_id("497f6eca-6276-4993-bfeb-53cbbbba6f08"));
+        assert!(is_valid_job_id("00000000-0000-0000-0000-000000000000"));
+        assert!(is_valid_job_id("FFFFFFFF-FFFF-FFFF-FFFF-FFFFFFFFFFFF"));
+        assert!(
+            !is_valid_job_id("497f6eca-6276-9993-bfeb-53cbbbba6f08"),
+            "version 9"
+        );
+        assert!(
+            !is_valid_job_id("497f6eca-6276-4993-cfeb-53cbbbba6f08"),
+            "variant c"
+        );
+        assert!(!is_valid_job_id("497f6eca6276-4993-bfeb-53cbbbba6f08x"));
+        assert!(!is_valid_job_id("../etc/passwd"));
+        assert!(is_valid_job_id(&uuid::Uuid::new_v4().to_string()));
+    }
+
+    #[test]
+    fn a_pending_job_serialises_nulls_and_omits_absent_sections() {
+        let view = JobView {
+            job_id: "j".into(),
+            run_id: "r".into(),
+            status: JobStatus::Pending,
+            model: "m".into(),
+            n_prompts: 2,
+            reserved_tokens: 11,
+            layers: vec![8, 16, 24],
+            tokens: None,
+            created_at: UnixMillis(0).to_iso8601(),
+            started_at: None,
+            completed_at: None,
+            result: None,
+            urls_expire_at: None,
+            urls_expired: None,
+            error: None,
+            progress: None,
+        };
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["status"], "pending");
+        assert!(json["tokens"].is_null() && json["started_at"].is_null());
+        assert!(json.get("result").is_none() && json.get("error").is_none());
+        assert_eq!(json["created_at"], "1970-01-01T00:00:00.000+00:00");
+    }
+}
