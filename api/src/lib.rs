@@ -14,7 +14,10 @@
 //! workers and signed downloads are the next steps of this crate.
 #![forbid(unsafe_code)]
 
+pub mod catalogue;
+pub mod config;
 pub mod error;
+pub mod store;
 pub mod wire;
 
 pub use error::ApiError;

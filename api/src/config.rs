@@ -1,0 +1,103 @@
+//! Server configuration: one JSON file (models catalogue, accounts and their limits, where
+//! things live), with flags and environment variables overriding the paths.
+
+use std::path::{Path, PathBuf};
+
+use harvest_core::quota::{AccountLimits, Lane};
+use serde::Deserialize;
+
+/// How long download links live: the S3-style maximum of 7 days.
+pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;
+
+/// The configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Where the SQLite store, job inputs and outputs, and the signing secret live.
+    pub data_dir: PathBuf,
+    /// The `harvester` binary.
+    pub harvester: PathBuf,
+    /// Worker processes at once, machine-wide.
+    #[serde(default = "one")]
+    pub max_workers: usize,
+    /// The base URL clients reach this server at; download links start with it.
+    pub public_url: String,
+    /// Lifetime of download links.
+    #[serde(default = "default_ttl")]
+    pub url_ttl_seconds: u64,
+    /// Threads each harvester process may use (default: all cores).
+    #[serde(default)]
+    pub worker_threads: Option<usize>,
+    /// The models clients may name.
+    pub models: Vec<ModelConfig>,
+    /// Accounts and their limits.
+    pub accounts: Vec<AccountConfig>,
+}
+
+/// A model of the catalogue.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients send.
+    pub name: String,
+    /// Its Hugging Face checkpoint directory.
+    pub path: PathBuf,
+    /// Its concurrency lane.
+    #[serde(default = "small")]
+    pub lane: Lane,
+}
+
+/// An account.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccountConfig {
+    /// Its name.
+    pub name: String,
+    /// Its limits.
+    #[serde(default)]
+    pub limits: AccountLimits,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn default_ttl() -> u64 {
+    DEFAULT_URL_TTL_SECONDS
+}
+
+fn small() -> Lane {
+    Lane::Small
+}
+
+impl ServerConfig {
+    /// Reads the file, expanding a leading `~/` in paths and resolving relative paths against
+    /// the file's directory.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)?;
+        let mut config: Self = serde_json::from_str(&text)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        config.data_dir = resolve(base, &config.data_dir);
+        config.harvester = resolve(base, &config.harvester);
+        for model in &mut config.models {
+            model.path = resolve(base, &model.path);
+        }
+        if config.models.is_empty() || config.accounts.is_empty() {
+            anyhow::bail!("the configuration needs at least one model and one account");
+        }
+        Ok(config)
+    }
+}
+
+fn resolve(base: &Path, path: &Path) -> PathBuf {
+    if let Ok(rest) = path.strip_prefix("~")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        return PathBuf::from(home).join(rest);
+    }
+    if path.is_absolute() {
+        path.to_owned()
+    } else {
+        base.join(path)
+    }
+}

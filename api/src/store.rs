@@ -1,0 +1,542 @@
+//! The embedded backend's state: accounts with their usage ledgers, hashed API keys, and jobs,
+//! in one SQLite file that survives restarts. Every change that touches quota runs in one
+//! transaction, applying the pure rules of `harvest_core::{quota, lifecycle}`.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use harvest_core::clock::UnixMillis;
+use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
+use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::wire::{JobResult, Progress};
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// SQLite failed.
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// A stored JSON column is unreadable.
+    #[error("stored JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A quota denied the job.
+    #[error(transparent)]
+    Denied(#[from] Denial),
+    /// The lifecycle refused the event.
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError),
+    /// No such row.
+    #[error("{what} not found")]
+    NotFound {
+        /// What was looked for.
+        what: &'static str,
+    },
+}
+
+type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// How to (re)start a job's worker; everything else lives in the job's input folder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    /// Kept layers.
+    pub layers: Vec<usize>,
+    /// Prompts per shard.
+    pub shard_size: usize,
+    /// Whether special tokens are added.
+    pub add_special_tokens: bool,
+    /// Whether `directions.npy` was sent.
+    pub has_directions: bool,
+    /// The model's lane.
+    pub lane: Lane,
+}
+
+/// A job row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRecord {
+    /// Job id.
+    pub id: String,
+    /// Run id.
+    pub run_id: String,
+    /// Owning account.
+    pub account: String,
+    /// The key that submitted it (hash).
+    pub key_hash: String,
+    /// Catalogue model name.
+    pub model: String,
+    /// Status.
+    pub status: JobStatus,
+    /// Prompts.
+    pub n_prompts: usize,
+    /// Reserved tokens.
+    pub reserved: u64,
+    /// Charged tokens, once ended.
+    pub tokens: Option<u64>,
+    /// Creation time.
+    pub created_at: UnixMillis,
+    /// Start of its run.
+    pub started_at: Option<UnixMillis>,
+    /// End.
+    pub completed_at: Option<UnixMillis>,
+    /// The harvester's result summary, for a done job.
+    pub result: Option<StoredResult>,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Latest progress.
+    pub progress: Option<Progress>,
+    /// How to run it.
+    pub spec: JobSpec,
+}
+
+/// What the harvester reported for a done job (its result.json, less the links).
+pub type StoredResult = JobResult;
+
+/// The store.
+#[derive(Debug)]
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS accounts (name TEXT PRIMARY KEY, limits TEXT NOT NULL, ledger TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS keys (hash TEXT PRIMARY KEY, account TEXT NOT NULL, label TEXT NOT NULL,
+  created_at INTEGER NOT NULL, revoked_at INTEGER);
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, run_id TEXT NOT NULL, account TEXT NOT NULL,
+  key_hash TEXT NOT NULL, model TEXT NOT NULL, status TEXT NOT NULL, n_prompts INTEGER NOT NULL,
+  reserved INTEGER NOT NULL, tokens INTEGER, created_at INTEGER NOT NULL, started_at INTEGER,
+  completed_at INTEGER, result TEXT, error TEXT, progress TEXT, hold TEXT, spec TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_key ON jobs (key_hash, created_at);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
+";
+
+/// The hash under which a key is stored: hex sha256 of the key.
+pub fn key_hash(key: &str) -> String {
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn status_from(text: &str) -> JobStatus {
+    match text {
+        "running" => JobStatus::Running,
+        "done" => JobStatus::Done,
+        "failed" => JobStatus::Failed,
+        "cancelled" => JobStatus::Cancelled,
+        _ => JobStatus::Pending,
+    }
+}
+
+const JOB_COLUMNS: &str = "id, run_id, account, key_hash, model, status, n_prompts, reserved, tokens, created_at, \
+                           started_at, completed_at, result, error, progress, spec";
+
+/// A job row with its JSON columns still as text (result, progress, spec).
+type RawJob = (JobRecord, Option<String>, Option<String>, String);
+
+fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
+    let millis = |v: Option<i64>| v.map(UnixMillis);
+    let record = JobRecord {
+        id: row.get(0)?,
+        run_id: row.get(1)?,
+        account: row.get(2)?,
+        key_hash: row.get(3)?,
+        model: row.get(4)?,
+        status: status_from(&row.get::<_, String>(5)?),
+        n_prompts: row.get::<_, i64>(6)? as usize,
+        reserved: row.get::<_, i64>(7)? as u64,
+        tokens: row.get::<_, Option<i64>>(8)?.map(|t| t as u64),
+        created_at: UnixMillis(row.get(9)?),
+        started_at: millis(row.get(10)?),
+        completed_at: millis(row.get(11)?),
+        result: None,
+        error: row.get(13)?,
+        progress: None,
+        spec: JobSpec {
+            layers: vec![],
+            shard_size: 0,
+            add_special_tokens: true,
+            has_directions: false,
+            lane: Lane::Small,
+        },
+    };
+    Ok((record, row.get(12)?, row.get(14)?, row.get(15)?))
+}
+
+fn finish_job((mut record, result, progress, spec): RawJob) -> Result<JobRecord> {
+    record.result = result.map(|r| serde_json::from_str(&r)).transpose()?;
+    record.progress = progress.map(|p| serde_json::from_str(&p)).transpose()?;
+    record.spec = serde_json::from_str(&spec)?;
+    Ok(record)
+}
+
+impl Store {
+    /// Opens (creating if needed) the store at `path`.
+    pub fn open(path: &Path) -> Result<Self> {
+        let conn = Connection::open(path)?;
+        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock leaves SQLite consistent (transactions roll back).
+        self.conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Creates the account or updates its limits, keeping its ledger.
+    pub fn upsert_account(
+        &self,
+        name: &str,
+        limits: &AccountLimits,
+        now: UnixMillis,
+    ) -> Result<()> {
+        let ledger = serde_json::to_string(&Ledger::new(now))?;
+        self.conn().execute(
+            "INSERT INTO accounts (name, limits, ledger) VALUES (?1, ?2, ?3)
+             ON CONFLICT(name) DO UPDATE SET limits = excluded.limits",
+            params![name, serde_json::to_string(limits)?, ledger],
+        )?;
+        Ok(())
+    }
+
+    /// Creates a key for `account` and returns it; only its hash is stored.
+    pub fn create_key(&self, account: &str, label: &str, now: UnixMillis) -> Result<String> {
+        let conn = self.conn();
+        let exists: Option<String> = conn
+            .query_row(
+                "SELECT name FROM accounts WHERE name = ?1",
+                [account],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if exists.is_none() {
+            return Err(StoreError::NotFound { what: "account" });
+        }
+        let key = format!(
+            "sk-hv-{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        conn.execute(
+            "INSERT INTO keys (hash, account, label, created_at) VALUES (?1, ?2, ?3, ?4)",
+            params![key_hash(&key), account, label, now.0],
+        )?;
+        Ok(key)
+    }
+
+    /// Revokes the key; returns whether it existed.
+    pub fn revoke_key(&self, key: &str, now: UnixMillis) -> Result<bool> {
+        let n = self.conn().execute(
+            "UPDATE keys SET revoked_at = ?2 WHERE hash = ?1 AND revoked_at IS NULL",
+            params![key_hash(key), now.0],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// The account of a valid key, and the key's hash.
+    pub fn authenticate(&self, key: &str) -> Result<Option<(String, String)>> {
+        let hash = key_hash(key);
+        let account = self
+            .conn()
+            .query_row(
+                "SELECT account FROM keys WHERE hash = ?1 AND revoked_at IS NULL",
+                [&hash],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(account.map(|a| (a, hash)))
+    }
+
+    /// The account's limits and ledger.
+    pub fn account(&self, name: &str) -> Result<(AccountLimits, Ledger)> {
+        let (limits, ledger): (String, String) = self
+            .conn()
+            .query_row(
+                "SELECT limits, ledger FROM accounts WHERE name = ?1",
+                [name],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?
+            .ok_or(StoreError::NotFound { what: "account" })?;
+        Ok((
+            serde_json::from_str(&limits)?,
+            serde_json::from_str(&ledger)?,
+        ))
+    }
+
+    /// Admits and records a new job in one transaction: the lane, the key's monthly quota and
+    /// the budgets are checked, the tokens held, the job inserted as pending.
+    pub fn admit(&self, job: &JobRecord, now: UnixMillis) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let (limits, ledger): (String, String) = tx
+            .query_row(
+                "SELECT limits, ledger FROM accounts WHERE name = ?1",
+                [&job.account],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?
+            .ok_or(StoreError::NotFound { what: "account" })?;
+        let limits: AccountLimits = serde_json::from_str(&limits)?;
+        let mut ledger: Ledger = serde_json::from_str(&ledger)?;
+        let month_start = now.month().start().0;
+        let key_jobs: i64 = tx.query_row(
+            "SELECT COUNT(*) FROM jobs WHERE key_hash = ?1 AND created_at >= ?2",
+            params![job.key_hash, month_start],
+            |r| r.get(0),
+        )?;
+        let hold = ledger.admit(&limits, job.spec.lane, job.reserved, key_jobs as u32, now)?;
+        tx.execute(
+            "UPDATE accounts SET ledger = ?2 WHERE name = ?1",
+            params![job.account, serde_json::to_string(&ledger)?],
+        )?;
+        tx.execute(
+            &format!("INSERT INTO jobs ({JOB_COLUMNS}, hold) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, NULL, ?9, NULL, NULL, NULL, NULL, NULL, ?10, ?11)"),
+            params![
+                job.id,
+                job.run_id,
+                job.account,
+                job.key_hash,
+                job.model,
+                job.status.as_str(),
+                job.n_prompts as i64,
+                job.reserved as i64,
+                job.created_at.0,
+                serde_json::to_string(&job.spec)?,
+                serde_json::to_string(&hold)?
+            ],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// A job by id.
+    pub fn job(&self, id: &str) -> Result<Option<JobRecord>> {
+        let parts = self
+            .conn()
+            .query_row(
+                &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"),
+                [id],
+                job_from_row,
+            )
+            .optional()?;
+        parts.map(finish_job).transpose()
+    }
+
+    /// Jobs that were pending or running, oldest first (for restart reconciliation and the
+    /// worker queue).
+    pub fn unfinished_jobs(&self) -> Result<Vec<JobRecord>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('pending', 'running') ORDER BY created_at"
+        ))?;
+        let rows = stmt
+            .query_map([], job_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        rows.into_iter().map(finish_job).collect()
+    }
+
+    /// Applies a lifecycle event in one transaction; when the job ends, its hold settles at the
+    /// charge the lifecycle decides. Returns the updated job and the transition.
+    pub fn apply(
+        &self,
+        id: &str,
+        event: JobEvent,
+        outcome: Outcome,
+        now: UnixMillis,
+    ) -> Result<(JobRecord, Transition)> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let (status, reserved, account, hold): (String, i64, String, Option<String>) = tx
+            .query_row(
+                "SELECT status, reserved, account, hold FROM jobs WHERE id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .optional()?
+            .ok_or(StoreError::NotFound { what: "job" })?;
+        let transition = lifecycle::next(status_from(&status), reserved as u64, event)?;
+        if let Transition::To { status, charge, .. } = transition {
+            tx.execute(
+                "UPDATE jobs SET status = ?2 WHERE id = ?1",
+                params![id, status.as_str()],
+            )?;
+            if status == JobStatus::Running {
+                tx.execute(
+                    "UPDATE jobs SET started_at = ?2 WHERE id = ?1",
+                    params![id, now.0],
+                )?;
+            }
+            if let Some(charge) = charge {
+                let result = outcome
+                    .result
+                    .as_ref()
+                    .map(serde_json::to_string)
+                    .transpose()?;
+                tx.execute(
+                    "UPDATE jobs SET tokens = ?2, completed_at = ?3, hold = NULL, result = ?4, error = ?5 WHERE id = ?1",
+                    params![id, charge as i64, now.0, result, outcome.error],
+                )?;
+                if let Some(hold) = hold {
+                    let hold: Hold = serde_json::from_str(&hold)?;
+                    let ledger: String = tx.query_row(
+                        "SELECT ledger FROM accounts WHERE name = ?1",
+                        [&account],
+                        |r| r.get(0),
+                    )?;
+                    let mut ledger: Ledger = serde_json::from_str(&ledger)?;
+                    ledger.finish(hold, charge, now);
+                    tx.execute(
+                        "UPDATE accounts SET ledger = ?2 WHERE name = ?1",
+                        params![account, serde_json::to_string(&ledger)?],
+                    )?;
+                }
+            }
+        }
+        tx.commit()?;
+        drop(conn);
+        let job = self.job(id)?.ok_or(StoreError::NotFound { what: "job" })?;
+        Ok((job, transition))
+    }
+
+    /// Records a running job's progress.
+    pub fn set_progress(&self, id: &str, progress: &Progress) -> Result<()> {
+        self.conn().execute(
+            "UPDATE jobs SET progress = ?2 WHERE id = ?1 AND status = 'running'",
+            params![id, serde_json::to_string(progress)?],
+        )?;
+        Ok(())
+    }
+}
+
+/// What a worker reports with an ending event.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// The result of a done job.
+    pub result: Option<StoredResult>,
+    /// The error of a failed job.
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: UnixMillis = UnixMillis(1_793_698_200_000);
+
+    fn job(id: &str, key_hash: &str, reserved: u64) -> JobRecord {
+        JobRecord {
+            id: id.into(),
+            run_id: format!("run-{id}"),
+            account: "acme".into(),
+            key_hash: key_hash.into(),
+            model: "m".into(),
+            status: JobStatus::Pending,
+            n_prompts: 1,
+            reserved,
+            tokens: None,
+            created_at: NOW,
+            started_at: None,
+            completed_at: None,
+            result: None,
+            error: None,
+            progress: None,
+            spec: JobSpec {
+                layers: vec![1],
+                shard_size: 32,
+                add_special_tokens: true,
+                has_directions: false,
+                lane: Lane::Small,
+            },
+        }
+    }
+
+    fn store() -> (tempfile::TempDir, Store, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db.sqlite")).unwrap();
+        let limits = AccountLimits {
+            daily_tokens: Some(100),
+            ..Default::default()
+        };
+        store.upsert_account("acme", &limits, NOW).unwrap();
+        let key = store.create_key("acme", "test", NOW).unwrap();
+        (dir, store, key)
+    }
+
+    #[test]
+    fn keys_are_stored_hashed_and_can_be_revoked() {
+        let (_dir, store, key) = store();
+        let (account, hash) = store.authenticate(&key).unwrap().unwrap();
+        assert_eq!(account, "acme");
+        assert_ne!(hash, key);
+        assert!(store.authenticate("sk-hv-wrong").unwrap().is_none());
+        assert!(store.revoke_key(&key, NOW).unwrap());
+        assert!(store.authenticate(&key).unwrap().is_none());
+    }
+
+    #[test]
+    fn admission_holds_tokens_and_the_lifecycle_settles_them_once() {
+        let (_dir, store, key) = store();
+        let hash = key_hash(&key);
+        store.admit(&job("a", &hash, 60), NOW).unwrap();
+        let denial = store.admit(&job("b", &hash, 60), NOW).unwrap_err();
+        assert!(
+            matches!(denial, StoreError::Denied(Denial::Budget { .. })),
+            "{denial}"
+        );
+        store
+            .apply("a", JobEvent::Started, Outcome::default(), NOW)
+            .unwrap();
+        let (done, _) = store
+            .apply(
+                "a",
+                JobEvent::Succeeded { tokens: 20 },
+                Outcome::default(),
+                NOW,
+            )
+            .unwrap();
+        assert_eq!((done.status, done.tokens), (JobStatus::Done, Some(20)));
+        let (_, ledger) = store.account("acme").unwrap();
+        assert_eq!((ledger.tokens_today, ledger.active_small), (20, 0));
+        let (_, again) = store
+            .apply(
+                "a",
+                JobEvent::Succeeded { tokens: 99 },
+                Outcome::default(),
+                NOW,
+            )
+            .unwrap();
+        assert_eq!(
+            again,
+            Transition::Unchanged,
+            "a late report never charges twice"
+        );
+        assert_eq!(store.account("acme").unwrap().1.tokens_today, 20);
+        store.admit(&job("b", &hash, 60), NOW).unwrap();
+    }
+
+    #[test]
+    fn a_cancel_after_the_start_charges_the_reservation_and_state_survives_reopening() {
+        let (dir, store, key) = store();
+        store.admit(&job("a", &key_hash(&key), 30), NOW).unwrap();
+        store
+            .apply("a", JobEvent::Started, Outcome::default(), NOW)
+            .unwrap();
+        store
+            .apply("a", JobEvent::Cancel, Outcome::default(), NOW)
+            .unwrap();
+        drop(store);
+        let reopened = Store::open(&dir.path().join("db.sqlite")).unwrap();
+        let job = reopened.job("a").unwrap().unwrap();
+        assert_eq!((job.status, job.tokens), (JobStatus::Cancelled, Some(30)));
+        assert_eq!(reopened.account("acme").unwrap().1.tokens_today, 30);
+        assert!(reopened.unfinished_jobs().unwrap().is_empty());
+    }
+}
