@@ -66,6 +66,9 @@ pub enum ApiError {
         /// The job that was recorded.
         job_id: String,
     },
+    /// A download link that was tampered with or has expired.
+    #[error("{0}")]
+    Link(#[from] crate::signing::LinkError),
     /// A bug or an unexpected failure; the detail is logged, not sent.
     #[error("internal error")]
     Internal {
@@ -88,6 +91,7 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::TooLarge { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound => StatusCode::NOT_FOUND,
+            Self::Link(_) => StatusCode::FORBIDDEN,
             Self::NotCancellable { .. } => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::CountBusy | Self::Denied(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -103,6 +107,8 @@ impl ApiError {
             Self::TooLarge { .. } => "harvest_too_large",
             Self::Unauthorized => "invalid_api_key",
             Self::NotFound => "not_found",
+            Self::Link(crate::signing::LinkError::Expired) => "link_expired",
+            Self::Link(crate::signing::LinkError::Invalid) => "link_invalid",
             Self::NotCancellable { .. } => "harvest_not_cancellable",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::CountBusy => "harvest_count_busy",
@@ -133,8 +139,27 @@ impl ApiError {
     }
 }
 
+impl From<crate::store::StoreError> for ApiError {
+    fn from(error: crate::store::StoreError) -> Self {
+        use crate::store::StoreError as S;
+        match error {
+            S::Denied(denial) => Self::Denied(denial),
+            S::Lifecycle(e) => Self::NotCancellable {
+                message: e.to_string(),
+            },
+            S::NotFound { .. } => Self::NotFound,
+            other => Self::Internal {
+                detail: other.to_string(),
+            },
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let Self::Internal { detail } = &self {
+            tracing::error!(%detail, "internal error");
+        }
         let mut response = (self.status(), Json(self.body())).into_response();
         if let Some(seconds) = self.retry_after() {
             response
@@ -163,6 +188,16 @@ mod tests {
             ),
             (ApiError::Unauthorized, 401, "invalid_api_key"),
             (ApiError::NotFound, 404, "not_found"),
+            (
+                crate::signing::LinkError::Expired.into(),
+                403,
+                "link_expired",
+            ),
+            (
+                crate::signing::LinkError::Invalid.into(),
+                403,
+                "link_invalid",
+            ),
             (
                 ApiError::NotCancellable {
                     message: "x".into(),

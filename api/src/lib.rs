@@ -10,14 +10,18 @@
 //!                                                                    ▼   (one status/code table)
 //!                                                 job store + quota (harvest_core::quota) ──► 202
 //! ```
-//! Built so far: the wire contract and the error envelope. The router, the embedded store, the
-//! workers and signed downloads are the next steps of this crate.
+//! The embedded backend: `store` (SQLite), `workers` (harvester child processes), `signing`
+//! (download links the server signs and serves). `server` wires them together.
 #![forbid(unsafe_code)]
 
+pub mod app;
 pub mod catalogue;
 pub mod config;
 pub mod error;
+pub mod server;
+pub mod signing;
 pub mod store;
 pub mod wire;
+pub mod workers;
 
 pub use error::ApiError;

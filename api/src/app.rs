@@ -1,0 +1,615 @@
+//! The router and its handlers: authentication, the submit path (validate → count → admit →
+//! enqueue), status with long-poll, cancel, the catalogue, signed downloads, health and metrics.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use harvest_core::lifecycle::{JobEvent, JobStatus, Transition};
+use harvest_core::plan::shard_file_name;
+use serde::Deserialize;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+use crate::catalogue::Catalogue;
+use crate::error::ApiError;
+use crate::signing::Signer;
+use crate::store::{JobRecord, JobSpec, Outcome, Store};
+use crate::wire::{self, HarvestRequest, JobView, Submission};
+use crate::workers::{self, JobPaths, Workers};
+
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 50 << 20;
+/// Most tokens (counted by the real tokenizer) per job.
+pub const MAX_JOB_TOKENS: u64 = 2_000_000;
+/// Longest a submit may spend counting tokens.
+pub const COUNT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Submits counted at once, server-wide (one per account besides).
+pub const COUNTS_SERVER_WIDE: usize = 2;
+/// Long-polls waiting at once per key.
+pub const LONG_POLLS_PER_KEY: usize = 4;
+/// Long-polls waiting at once, server-wide.
+pub const LONG_POLLS_SERVER_WIDE: usize = 8;
+/// Longest `?wait=`.
+pub const MAX_WAIT_S: f64 = 60.0;
+/// What a declined long-poll asks the client to wait.
+pub const LONG_POLL_RETRY_AFTER_S: u32 = 3;
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct AppState {
+    /// Jobs, accounts, keys.
+    pub store: Arc<Store>,
+    /// Models.
+    pub catalogue: Catalogue,
+    /// Worker pool.
+    pub workers: Arc<Workers>,
+    /// Link signer.
+    pub signer: Signer,
+    /// Base URL of download links.
+    pub public_url: String,
+    /// Link lifetime.
+    pub url_ttl_s: i64,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    counting: Arc<Semaphore>,
+    counting_accounts: Mutex<HashSet<String>>,
+    long_polls: Mutex<HashMap<String, usize>>,
+    metrics: Metrics,
+}
+
+#[derive(Debug, Default)]
+struct Metrics {
+    submitted: AtomicU64,
+    denied: AtomicU64,
+    long_polls_declined: AtomicU64,
+    downloads: AtomicU64,
+}
+
+impl AppState {
+    /// Builds the state.
+    pub fn new(
+        store: Arc<Store>,
+        catalogue: Catalogue,
+        workers: Arc<Workers>,
+        signer: Signer,
+        public_url: String,
+        url_ttl_s: i64,
+        data_dir: PathBuf,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            catalogue,
+            workers,
+            signer,
+            public_url,
+            url_ttl_s,
+            data_dir,
+            counting: Arc::new(Semaphore::new(COUNTS_SERVER_WIDE)),
+            counting_accounts: Mutex::default(),
+            long_polls: Mutex::default(),
+            metrics: Metrics::default(),
+        })
+    }
+}
+
+/// The API's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/harvest", axum::routing::post(submit))
+        .route("/v1/harvest/{job_id}", get(status).delete(cancel))
+        .route("/v1/models", get(models))
+        .route("/files/{job_id}/{file}", get(download))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// The authenticated caller.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    account: String,
+    key_hash: String,
+}
+
+impl FromRequestParts<Arc<AppState>> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let key = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or(ApiError::Unauthorized)?;
+        let (account, key_hash) = state
+            .store
+            .authenticate(key)?
+            .ok_or(ApiError::Unauthorized)?;
+        Ok(Self { account, key_hash })
+    }
+}
+
+/// A JSON body whose rejections are answered in the API's own error envelope.
+#[derive(Debug)]
+pub struct AppJson<T>(pub T);
+
+impl<T: serde::de::DeserializeOwned, S: Send + Sync> FromRequest<S> for AppJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ApiError::PayloadTooLarge {
+                    limit_mib: MAX_BODY_BYTES >> 20,
+                })
+            }
+            Err(rejection) => Err(ApiError::invalid(rejection.body_text())),
+        }
+    }
+}
+
+/// Releases an account's counting turn when dropped.
+struct CountingTurn<'a> {
+    state: &'a AppState,
+    account: String,
+}
+
+impl Drop for CountingTurn<'_> {
+    fn drop(&mut self) {
+        self.state
+            .counting_accounts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.account);
+    }
+}
+
+async fn submit(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    AppJson(request): AppJson<HarvestRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.catalogue.get(&request.model).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "unknown model {:?}: GET /v1/models lists the models; available: {}",
+            request.model,
+            state.catalogue.names().join(", ")
+        ))
+    })?;
+    let submission = request.validate(&model.entry)?;
+    count_tokens(&state, &caller, model, &submission).await?;
+
+    let id = uuid::Uuid::new_v4().to_string();
+    let now = workers::now();
+    let job = JobRecord {
+        id: id.clone(),
+        run_id: uuid::Uuid::new_v4().to_string(),
+        account: caller.account.clone(),
+        key_hash: caller.key_hash.clone(),
+        model: submission.model.clone(),
+        status: JobStatus::Pending,
+        n_prompts: submission.prompts.len(),
+        reserved: submission.reserved_tokens,
+        tokens: None,
+        created_at: now,
+        started_at: None,
+        completed_at: None,
+        result: None,
+        error: None,
+        progress: None,
+        spec: JobSpec {
+            layers: submission.layers.as_slice().to_vec(),
+            shard_size: submission.shard_size,
+            add_special_tokens: submission.add_special_tokens,
+            has_directions: submission.directions.is_some(),
+            lane: submission.lane,
+        },
+    };
+    let paths = JobPaths::new(&state.data_dir, &id);
+    write_inputs(&paths, &model.path, &submission).map_err(|e| ApiError::Internal {
+        detail: e.to_string(),
+    })?;
+    if let Err(error) = state.store.admit(&job, now) {
+        let _ = std::fs::remove_dir_all(&paths.root);
+        state.metrics.denied.fetch_add(1, Ordering::Relaxed);
+        return Err(error.into());
+    }
+    state.metrics.submitted.fetch_add(1, Ordering::Relaxed);
+    if !state.workers.available() {
+        let outcome = Outcome {
+            result: None,
+            error: Some("the harvest worker is not installed on this server".into()),
+        };
+        state.store.apply(&id, JobEvent::Failed, outcome, now)?;
+        return Err(ApiError::Unavailable { job_id: id });
+    }
+    state.workers.enqueue(id.clone());
+    let job = state.store.job(&id)?.ok_or(ApiError::NotFound)?;
+    Ok((StatusCode::ACCEPTED, Json(view(&state, &job))).into_response())
+}
+
+/// Tokenizes the corpus for real: one submit per account and two server-wide at a time, within
+/// [`COUNT_TIMEOUT`], and at most [`MAX_JOB_TOKENS`].
+async fn count_tokens(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    model: &crate::catalogue::CatalogueModel,
+    submission: &Submission,
+) -> Result<u64, ApiError> {
+    let _turn = {
+        let mut accounts = state
+            .counting_accounts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !accounts.insert(caller.account.clone()) {
+            return Err(ApiError::CountBusy);
+        }
+        CountingTurn {
+            state,
+            account: caller.account.clone(),
+        }
+    };
+    let _permit = Arc::clone(&state.counting)
+        .try_acquire_owned()
+        .map_err(|_| ApiError::CountBusy)?;
+    let tokenizer = Arc::clone(&model.tokenizer);
+    let prompts = submission.prompts.clone();
+    let special = submission.add_special_tokens;
+    let max_tokens = model.max_tokens as u64;
+    let counting = tokio::task::spawn_blocking(move || {
+        tokenizer
+            .encode_batch_fast(prompts, special)
+            .map(|encodings| {
+                encodings
+                    .iter()
+                    .map(|e| (e.len() as u64).min(max_tokens))
+                    .collect::<Vec<_>>()
+            })
+    });
+    let counts = tokio::time::timeout(COUNT_TIMEOUT, counting)
+        .await
+        .map_err(|_| ApiError::CountBusy)?
+        .map_err(|e| ApiError::Internal {
+            detail: e.to_string(),
+        })?
+        .map_err(|e| ApiError::invalid(format!("a prompt could not be tokenized: {e}")))?;
+    if let Some(index) = counts.iter().position(|&n| n == 0) {
+        return Err(ApiError::invalid(format!(
+            "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
+        )));
+    }
+    let total: u64 = counts.iter().sum();
+    if total > MAX_JOB_TOKENS {
+        return Err(ApiError::TooLarge {
+            message: format!(
+                "the corpus has {total} tokens, more than the {MAX_JOB_TOKENS} a job may hold: split it into several jobs"
+            ),
+        });
+    }
+    Ok(total)
+}
+
+/// Writes prompts, directions and the harvester plan into the job's input folder.
+fn write_inputs(
+    paths: &JobPaths,
+    model: &std::path::Path,
+    submission: &Submission,
+) -> std::io::Result<()> {
+    let input = paths.input();
+    std::fs::create_dir_all(&input)?;
+    let lines: Vec<String> = submission
+        .prompts
+        .iter()
+        .map(|p| serde_json::json!({ "text": p }).to_string())
+        .collect();
+    std::fs::write(input.join("prompts.jsonl"), lines.join("\n") + "\n")?;
+    let directions = match &submission.directions {
+        Some((n, values)) => {
+            let path = input.join("directions.npy");
+            std::fs::write(&path, npy_f32(*n, values.len() / n, values))?;
+            Some(path.display().to_string())
+        }
+        None => None,
+    };
+    let plan = harvest_core::RawPlan {
+        model: model.display().to_string(),
+        prompts: input.join("prompts.jsonl").display().to_string(),
+        layers: harvest_core::LayerSelection::Explicit(
+            submission
+                .layers
+                .as_slice()
+                .iter()
+                .map(|&l| l as i64)
+                .collect(),
+        ),
+        shard_size: submission.shard_size,
+        add_special_tokens: submission.add_special_tokens,
+        project_onto: directions,
+        output: paths.output().display().to_string(),
+        batch_tokens: harvest_core::plan::DEFAULT_BATCH_TOKENS,
+    };
+    std::fs::write(input.join("plan.json"), serde_json::to_vec_pretty(&plan)?)
+}
+
+/// A little-endian f32 `.npy` of shape `[rows, cols]`.
+fn npy_f32(rows: usize, cols: usize, values: &[f32]) -> Vec<u8> {
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    while !(10 + header.len() + 1).is_multiple_of(64) {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((header.len() as u16).to_le_bytes());
+    out.extend(header.as_bytes());
+    out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    out
+}
+
+/// The job as answered, with fresh signed links for a done job.
+fn view(state: &AppState, job: &JobRecord) -> JobView {
+    let mut result = None;
+    let (mut urls_expire_at, mut urls_expired) = (None, None);
+    if job.status == JobStatus::Done
+        && let Some(stored) = &job.result
+    {
+        let out = JobPaths::new(&state.data_dir, &job.id).output();
+        if out.join("manifest.json").is_file() {
+            let now = workers::now();
+            let expires_ms = now.0 + state.url_ttl_s * 1000;
+            let expires = expires_ms / 1000;
+            let url = |file: &str| state.signer.url(&state.public_url, &job.id, file, expires);
+            let mut r = stored.clone();
+            r.manifest_url = url("manifest.json");
+            r.stats_url = url("stats.safetensors");
+            r.shard_urls = (0..r.n_shards).map(|s| url(&shard_file_name(s))).collect();
+            result = Some(r);
+            urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
+        } else {
+            urls_expired = Some(true);
+        }
+    }
+    JobView {
+        job_id: job.id.clone(),
+        run_id: job.run_id.clone(),
+        status: job.status,
+        model: job.model.clone(),
+        n_prompts: job.n_prompts,
+        reserved_tokens: job.reserved,
+        layers: job.spec.layers.clone(),
+        tokens: job.tokens,
+        created_at: job.created_at.to_iso8601(),
+        started_at: wire::timestamp(job.started_at),
+        completed_at: wire::timestamp(job.completed_at),
+        result,
+        urls_expire_at,
+        urls_expired,
+        error: job.error.clone(),
+        progress: (job.status == JobStatus::Running)
+            .then(|| job.progress.clone())
+            .flatten(),
+    }
+}
+
+/// Looks up the caller's own job; an unknown id and another account's job look the same.
+fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord, ApiError> {
+    if !wire::is_valid_job_id(job_id) {
+        return Err(ApiError::NotFound);
+    }
+    match state.store.job(job_id)? {
+        Some(job) if job.account == caller.account => Ok(job),
+        _ => Err(ApiError::NotFound),
+    }
+}
+
+#[derive(Deserialize)]
+struct WaitQuery {
+    wait: Option<String>,
+}
+
+/// Releases a long-poll slot when dropped.
+struct LongPollSlot<'a> {
+    state: &'a AppState,
+    key: String,
+}
+
+impl Drop for LongPollSlot<'_> {
+    fn drop(&mut self) {
+        let mut polls = self
+            .state
+            .long_polls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = polls.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                polls.remove(&self.key);
+            }
+        }
+    }
+}
+
+fn long_poll_slot<'a>(state: &'a AppState, key: &str) -> Option<LongPollSlot<'a>> {
+    let mut polls = state
+        .long_polls
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let total: usize = polls.values().sum();
+    let mine = polls.get(key).copied().unwrap_or(0);
+    if total >= LONG_POLLS_SERVER_WIDE || mine >= LONG_POLLS_PER_KEY {
+        return None;
+    }
+    *polls.entry(key.to_owned()).or_default() += 1;
+    Some(LongPollSlot {
+        state,
+        key: key.to_owned(),
+    })
+}
+
+async fn status(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    Path(job_id): Path<String>,
+    Query(query): Query<WaitQuery>,
+) -> Result<Response, ApiError> {
+    let job = own_job(&state, &caller, &job_id)?;
+    let wait = match query.wait.as_deref() {
+        None | Some("") => 0.0,
+        Some(text) => match text.parse::<f64>() {
+            Ok(w) if w.is_finite() && w >= 0.0 => w.min(MAX_WAIT_S),
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "wait={text:?} must be a number of seconds from 0 to 60"
+                )));
+            }
+        },
+    };
+    if wait == 0.0 || job.status.is_terminal() {
+        return Ok(Json(view(&state, &job)).into_response());
+    }
+    let Some(_slot) = long_poll_slot(&state, &caller.key_hash) else {
+        state
+            .metrics
+            .long_polls_declined
+            .fetch_add(1, Ordering::Relaxed);
+        let mut response = Json(view(&state, &job)).into_response();
+        response
+            .headers_mut()
+            .insert("x-acs-longpoll", HeaderValue::from_static("declined"));
+        response.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(LONG_POLL_RETRY_AFTER_S),
+        );
+        return Ok(response);
+    };
+    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    let mut changes = state.workers.subscribe();
+    loop {
+        let job = own_job(&state, &caller, &job_id)?;
+        if job.status.is_terminal() {
+            return Ok(Json(view(&state, &job)).into_response());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || tokio::time::timeout(left, changes.changed()).await.is_err() {
+            let job = own_job(&state, &caller, &job_id)?;
+            return Ok(Json(view(&state, &job)).into_response());
+        }
+    }
+}
+
+async fn cancel(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    Path(job_id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
+    own_job(&state, &caller, &job_id)?;
+    let (job, transition) = state.store.apply(
+        &job_id,
+        JobEvent::Cancel,
+        Outcome::default(),
+        workers::now(),
+    )?;
+    if let Transition::To {
+        stop_worker: true, ..
+    } = transition
+    {
+        state.workers.cancel(&job_id);
+        state.workers.notify();
+    }
+    Ok(Json(view(&state, &job)))
+}
+
+async fn models(State(state): State<Arc<AppState>>, _caller: Caller) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "models": state.catalogue.views() }))
+}
+
+#[derive(Deserialize)]
+struct LinkQuery {
+    expires: i64,
+    sig: String,
+}
+
+fn is_output_file(name: &str) -> bool {
+    name == "manifest.json"
+        || name == "stats.safetensors"
+        || name
+            .strip_prefix("shard_")
+            .and_then(|rest| rest.strip_suffix(".safetensors"))
+            .is_some_and(|digits| digits.len() == 5 && digits.bytes().all(|b| b.is_ascii_digit()))
+}
+
+async fn download(
+    State(state): State<Arc<AppState>>,
+    Path((job_id, file)): Path<(String, String)>,
+    Query(link): Query<LinkQuery>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    if !wire::is_valid_job_id(&job_id) || !is_output_file(&file) {
+        return Err(ApiError::NotFound);
+    }
+    state.signer.verify(
+        &job_id,
+        &file,
+        link.expires,
+        &link.sig,
+        workers::now().0 / 1000,
+    )?;
+    let path = JobPaths::new(&state.data_dir, &job_id).output().join(&file);
+    if !path.is_file() {
+        return Err(ApiError::NotFound);
+    }
+    state.metrics.downloads.fetch_add(1, Ordering::Relaxed);
+    let response = tower_http::services::ServeFile::new(path)
+        .oneshot(request)
+        .await
+        .map_err(|e| ApiError::Internal {
+            detail: e.to_string(),
+        })?;
+    Ok(response.into_response())
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let store_ok = state.store.unfinished_jobs().is_ok();
+    if store_ok && state.workers.available() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store or harvester unavailable",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let m = &state.metrics;
+    let body = format!(
+        "# HELP harvest_jobs_submitted_total Jobs admitted.\n# TYPE harvest_jobs_submitted_total counter\nharvest_jobs_submitted_total {}\n\
+         # HELP harvest_jobs_denied_total Submits denied by quota.\n# TYPE harvest_jobs_denied_total counter\nharvest_jobs_denied_total {}\n\
+         # HELP harvest_long_polls_declined_total Long-polls answered at once for lack of slots.\n# TYPE harvest_long_polls_declined_total counter\nharvest_long_polls_declined_total {}\n\
+         # HELP harvest_downloads_total Files served through signed links.\n# TYPE harvest_downloads_total counter\nharvest_downloads_total {}\n\
+         # HELP harvest_jobs_unfinished Jobs pending or running.\n# TYPE harvest_jobs_unfinished gauge\nharvest_jobs_unfinished {}\n",
+        m.submitted.load(Ordering::Relaxed),
+        m.denied.load(Ordering::Relaxed),
+        m.long_polls_declined.load(Ordering::Relaxed),
+        m.downloads.load(Ordering::Relaxed),
+        state.store.unfinished_jobs().map(|j| j.len()).unwrap_or(0),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}

@@ -1,0 +1,73 @@
+//! Assembling and running the embedded server: open the store, load the catalogue, sync accounts
+//! from the configuration, requeue jobs a previous run left unfinished, then serve.
+
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::app::{AppState, router};
+use crate::catalogue::Catalogue;
+use crate::config::ServerConfig;
+use crate::signing::Signer;
+use crate::store::Store;
+use crate::workers::{self, WorkerConfig, Workers};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// The configuration or a model of the catalogue is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// The store could not be opened.
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// A file or socket failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Opens the store at the configured data directory.
+pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
+    std::fs::create_dir_all(&config.data_dir)?;
+    Ok(Arc::new(Store::open(
+        &config.data_dir.join("harvest.sqlite"),
+    )?))
+}
+
+/// Builds the application state and requeues unfinished jobs (their harvesters resume from the
+/// shards already written). Must run inside a Tokio runtime.
+pub fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
+    let store = open_store(config)?;
+    let now = workers::now();
+    for account in &config.accounts {
+        store.upsert_account(&account.name, &account.limits, now)?;
+    }
+    let catalogue =
+        Catalogue::load(&config.models).map_err(|e| StartupError::Config(e.to_string()))?;
+    let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
+    let worker_config = WorkerConfig {
+        harvester: config.harvester.clone(),
+        data_dir: config.data_dir.clone(),
+        threads: config.worker_threads,
+    };
+    let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);
+    for job in store.unfinished_jobs()? {
+        tracing::info!(job = %job.id, status = job.status.as_str(), "requeueing a job left unfinished");
+        pool.enqueue(job.id);
+    }
+    Ok(AppState::new(
+        store,
+        catalogue,
+        pool,
+        signer,
+        config.public_url.clone(),
+        config.url_ttl_seconds as i64,
+        config.data_dir.clone(),
+    ))
+}
+
+/// Serves until the listener fails or the process is stopped.
+pub async fn serve(state: Arc<AppState>, listener: TcpListener) -> Result<(), StartupError> {
+    axum::serve(listener, router(state)).await?;
+    Ok(())
+}

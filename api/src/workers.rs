@@ -1,0 +1,277 @@
+//! Embedded workers: each job runs as a `harvester run` child process, at most `max_workers` at
+//! once machine-wide. The worker reads the harvester's JSON progress lines, and on exit applies
+//! the job's ending through the store (and so through the core lifecycle and quota rules).
+//! Cancel terminates the process (SIGTERM, then SIGKILL after a grace period).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use harvest_core::clock::UnixMillis;
+use harvest_core::lifecycle::{JobEvent, JobStatus};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::{Semaphore, oneshot, watch};
+
+use crate::store::{Outcome, Store};
+use crate::wire::{JobResult, Progress, ResultTimings};
+
+/// How long a cancelled worker has to exit after SIGTERM before it is killed.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// Where a job's files live under the data directory.
+#[derive(Debug, Clone)]
+pub struct JobPaths {
+    /// `jobs/<id>`.
+    pub root: PathBuf,
+}
+
+impl JobPaths {
+    /// The paths of job `id`.
+    pub fn new(data_dir: &std::path::Path, id: &str) -> Self {
+        Self {
+            root: data_dir.join("jobs").join(id),
+        }
+    }
+    /// The inputs folder (prompts, directions, plan).
+    pub fn input(&self) -> PathBuf {
+        self.root.join("input")
+    }
+    /// The harvester's output folder.
+    pub fn output(&self) -> PathBuf {
+        self.root.join("out")
+    }
+}
+
+/// Settings of the worker pool.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The harvester binary.
+    pub harvester: PathBuf,
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// Threads per harvester (None: all cores).
+    pub threads: Option<usize>,
+}
+
+/// The worker pool.
+#[derive(Debug)]
+pub struct Workers {
+    store: Arc<Store>,
+    config: WorkerConfig,
+    slots: Arc<Semaphore>,
+    running: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    changes: watch::Sender<u64>,
+}
+
+impl Workers {
+    /// A pool running at most `max_workers` harvesters at once.
+    pub fn new(store: Arc<Store>, config: WorkerConfig, max_workers: usize) -> Arc<Self> {
+        let (changes, _) = watch::channel(0);
+        Arc::new(Self {
+            store,
+            config,
+            slots: Arc::new(Semaphore::new(max_workers)),
+            running: Mutex::default(),
+            changes,
+        })
+    }
+
+    /// A receiver that ticks whenever any job changes (for long-polls).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Signals a job change to long-polls.
+    pub fn notify(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Whether the harvester binary is present.
+    pub fn available(&self) -> bool {
+        self.config.harvester.is_file()
+    }
+
+    /// Queues job `id`; it starts when a slot is free and if it is still pending then.
+    pub fn enqueue(self: &Arc<Self>, id: String) {
+        let pool = Arc::clone(self);
+        tokio::spawn(async move {
+            let Ok(_permit) = Arc::clone(&pool.slots).acquire_owned().await else {
+                return;
+            };
+            if let Err(error) = pool.run(&id).await {
+                tracing::error!(job = %id, %error, "worker failed");
+                let outcome = Outcome {
+                    result: None,
+                    error: Some(format!("worker error: {error}")),
+                };
+                let _ = pool.store.apply(&id, JobEvent::Failed, outcome, now());
+            }
+            pool.notify();
+        });
+    }
+
+    /// Stops the worker of job `id`, if one is running.
+    pub fn cancel(&self, id: &str) {
+        if let Some(stop) = self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(id)
+        {
+            let _ = stop.send(());
+        }
+    }
+
+    async fn run(&self, id: &str) -> anyhow::Result<()> {
+        let Some(job) = self.store.job(id)? else {
+            return Ok(());
+        };
+        if job.status != JobStatus::Pending && job.status != JobStatus::Running {
+            return Ok(());
+        }
+        if job.status == JobStatus::Pending {
+            self.store
+                .apply(id, JobEvent::Started, Outcome::default(), now())?;
+            self.notify();
+        }
+        let paths = JobPaths::new(&self.config.data_dir, id);
+        let termination = paths.root.join("termination.log");
+        let mut command = Command::new(&self.config.harvester);
+        command
+            .arg("run")
+            .arg("--plan")
+            .arg(paths.input().join("plan.json"))
+            .args(["--progress", "json", "--model-name", &job.model])
+            .arg("--termination-log")
+            .arg(&termination)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(threads) = self.config.threads {
+            command.env("HARVEST_THREADS", threads.to_string());
+        }
+        let mut child = command.spawn()?;
+        let (stop_tx, stop_rx) = oneshot::channel();
+        self.running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id.to_owned(), stop_tx);
+        tracing::info!(job = %id, pid = child.id(), "worker started");
+        let stderr = child.stderr.take();
+        let store = Arc::clone(&self.store);
+        let progress_id = id.to_owned();
+        let reader = tokio::spawn(async move {
+            let Some(stderr) = stderr else { return };
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
+                    && value["event"] == "progress"
+                {
+                    let progress = Progress {
+                        prompts_done: value["prompts_done"].as_u64().unwrap_or(0) as usize,
+                        prompts_total: value["prompts_total"].as_u64().unwrap_or(0) as usize,
+                        tokens_done: value["tokens_done"].as_u64().unwrap_or(0),
+                    };
+                    let _ = store.set_progress(&progress_id, &progress);
+                }
+            }
+        });
+        let status = tokio::select! {
+            status = child.wait() => Some(status?),
+            _ = stop_rx => None,
+        };
+        self.running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(id);
+        let Some(status) = status else {
+            terminate(&mut child).await;
+            reader.abort();
+            tracing::info!(job = %id, "worker stopped on cancel");
+            return Ok(());
+        };
+        let _ = reader.await;
+        if status.success() {
+            let result = read_result(&paths)?;
+            let tokens = result.tokens;
+            self.store.apply(
+                id,
+                JobEvent::Succeeded { tokens },
+                Outcome {
+                    result: Some(result),
+                    error: None,
+                },
+                now(),
+            )?;
+            tracing::info!(job = %id, tokens, "job done");
+        } else {
+            let message = std::fs::read_to_string(&termination)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["error"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("the harvester exited with {status}"));
+            tracing::info!(job = %id, %status, "job failed");
+            self.store.apply(
+                id,
+                JobEvent::Failed,
+                Outcome {
+                    result: None,
+                    error: Some(message),
+                },
+                now(),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// SIGTERM, then SIGKILL after [`CANCEL_GRACE`].
+async fn terminate(child: &mut tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        if tokio::time::timeout(CANCEL_GRACE, child.wait())
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    let _ = child.kill().await;
+}
+
+fn read_result(paths: &JobPaths) -> anyhow::Result<JobResult> {
+    let text = std::fs::read_to_string(paths.output().join("result.json"))?;
+    let value: serde_json::Value = serde_json::from_str(&text)?;
+    let timings: ResultTimings =
+        serde_json::from_value(value["timings"].clone()).unwrap_or_default();
+    Ok(JobResult {
+        n_shards: value["n_shards"].as_u64().unwrap_or(0) as usize,
+        layer_indices: serde_json::from_value(value["layer_indices"].clone()).unwrap_or_default(),
+        manifest_url: String::new(),
+        shard_urls: Vec::new(),
+        stats_url: String::new(),
+        contents: value["contents"]
+            .as_str()
+            .unwrap_or("activations")
+            .to_owned(),
+        tokens: value["tokens"].as_u64().unwrap_or(0),
+        bytes_written: value["bytes_written"].as_u64().unwrap_or(0),
+        timings,
+    })
+}
+
+/// The current time.
+pub fn now() -> UnixMillis {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    UnixMillis(since.as_millis() as i64)
+}
