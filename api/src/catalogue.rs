@@ -9,6 +9,7 @@ use harvest_core::LayerSelection;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
+use crate::server::StartupError;
 use crate::wire::ModelEntry;
 
 /// A loaded model entry.
@@ -56,23 +57,31 @@ pub struct ModelView {
 
 impl Catalogue {
     /// Loads every configured model's config.json and tokenizer.json.
-    pub fn load(models: &[ModelConfig]) -> anyhow::Result<Self> {
+    pub fn load(models: &[ModelConfig]) -> Result<Self, StartupError> {
         let mut out = BTreeMap::new();
         for model in models {
             let config_path = model.path.join("config.json");
             let text = std::fs::read_to_string(&config_path).map_err(|e| {
-                anyhow::anyhow!(
+                StartupError::config(format!(
                     "model {}: reading {}: {e}",
                     model.name,
                     config_path.display()
-                )
+                ))
             })?;
             let shape: Shape = serde_json::from_str(&text).map_err(|e| {
-                anyhow::anyhow!("model {}: {}: {e}", model.name, config_path.display())
+                StartupError::config(format!(
+                    "model {}: {}: {e}",
+                    model.name,
+                    config_path.display()
+                ))
             })?;
             let tokenizer_path = model.path.join("tokenizer.json");
             let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
-                anyhow::anyhow!("model {}: {}: {e}", model.name, tokenizer_path.display())
+                StartupError::config(format!(
+                    "model {}: {}: {e}",
+                    model.name,
+                    tokenizer_path.display()
+                ))
             })?;
             let entry = ModelEntry {
                 name: model.name.clone(),

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use harvest_core::quota::{AccountLimits, Lane};
 use serde::Deserialize;
 
+use crate::server::StartupError;
+
 /// How long download links live: the S3-style maximum of 7 days.
 pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;
 
@@ -73,9 +75,10 @@ fn small() -> Lane {
 impl ServerConfig {
     /// Reads the file, expanding a leading `~/` in paths and resolving relative paths against
     /// the file's directory.
-    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+    pub fn from_file(path: &Path) -> Result<Self, StartupError> {
         let text = std::fs::read_to_string(path)?;
-        let mut config: Self = serde_json::from_str(&text)?;
+        let mut config: Self = serde_json::from_str(&text)
+            .map_err(|e| StartupError::config(format!("{}: {e}", path.display())))?;
         let base = path.parent().unwrap_or(Path::new("."));
         config.data_dir = resolve(base, &config.data_dir);
         config.harvester = resolve(base, &config.harvester);
@@ -83,7 +86,9 @@ impl ServerConfig {
             model.path = resolve(base, &model.path);
         }
         if config.models.is_empty() || config.accounts.is_empty() {
-            anyhow::bail!("the configuration needs at least one model and one account");
+            return Err(StartupError::config(
+                "the configuration needs at least one model and one account",
+            ));
         }
         Ok(config)
     }

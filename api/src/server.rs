@@ -26,6 +26,13 @@ pub enum StartupError {
     Io(#[from] std::io::Error),
 }
 
+impl StartupError {
+    /// Shorthand for [`StartupError::Config`].
+    pub fn config(message: impl Into<String>) -> Self {
+        Self::Config(message.into())
+    }
+}
+
 /// Opens the store at the configured data directory.
 pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
     std::fs::create_dir_all(&config.data_dir)?;

@@ -18,6 +18,20 @@ use tokio::sync::{Semaphore, oneshot, watch};
 use crate::store::{Outcome, Store};
 use crate::wire::{JobResult, Progress, ResultTimings};
 
+/// Why a worker could not run its job.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// Spawning or reading the harvester failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The harvester's result.json is unreadable.
+    #[error("result.json: {0}")]
+    Result(#[from] serde_json::Error),
+}
+
 /// How long a cancelled worker has to exit after SIGTERM before it is killed.
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -125,7 +139,7 @@ impl Workers {
         }
     }
 
-    async fn run(&self, id: &str) -> anyhow::Result<()> {
+    async fn run(&self, id: &str) -> Result<(), WorkerError> {
         let Some(job) = self.store.job(id)? else {
             return Ok(());
         };
@@ -247,7 +261,7 @@ async fn terminate(child: &mut tokio::process::Child) {
     let _ = child.kill().await;
 }
 
-fn read_result(paths: &JobPaths) -> anyhow::Result<JobResult> {
+fn read_result(paths: &JobPaths) -> Result<JobResult, WorkerError> {
     let text = std::fs::read_to_string(paths.output().join("result.json"))?;
     let value: serde_json::Value = serde_json::from_str(&text)?;
     let timings: ResultTimings =

@@ -1,0 +1,487 @@
+//! The REST contract in process (`router().oneshot`): every error code and header of the
+//! reference, on the embedded store, with workers held back so jobs stay pending.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use harvest_api::app::{AppState, router};
+use harvest_api::config::{AccountConfig, ModelConfig, ServerConfig};
+use harvest_api::server;
+use harvest_core::lifecycle::JobEvent;
+use harvest_core::quota::{AccountLimits, Lane};
+use tower::ServiceExt;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    state: Arc<AppState>,
+    key: String,
+    other_key: String,
+}
+
+fn tiny_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../harvester/tests/fixtures/tiny-qwen2-f32")
+}
+
+async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ServerConfig {
+        data_dir: dir.path().join("data"),
+        harvester,
+        max_workers: 0,
+        public_url: "http://harvest.test".into(),
+        url_ttl_seconds: 3600,
+        worker_threads: None,
+        models: vec![ModelConfig {
+            name: "tiny".into(),
+            path: tiny_model(),
+            lane: Lane::Small,
+        }],
+        accounts: vec![
+            AccountConfig {
+                name: "acme".into(),
+                limits,
+            },
+            AccountConfig {
+                name: "other".into(),
+                limits: AccountLimits::default(),
+            },
+        ],
+    };
+    let state = server::build(&config).unwrap();
+    let now = harvest_api::workers::now();
+    let key = state.store.create_key("acme", "test", now).unwrap();
+    let other_key = state.store.create_key("other", "test", now).unwrap();
+    Fixture {
+        _dir: dir,
+        state,
+        key,
+        other_key,
+    }
+}
+
+/// A harvester path that exists, so submits are accepted (workers never start: max_workers 0).
+fn present_harvester() -> PathBuf {
+    std::env::current_exe().unwrap()
+}
+
+async fn default_fixture() -> Fixture {
+    fixture(present_harvester(), AccountLimits::default()).await
+}
+
+async fn call(
+    state: &Arc<AppState>,
+    method: &str,
+    uri: &str,
+    key: Option<&str>,
+    body: Option<String>,
+) -> (StatusCode, axum::http::HeaderMap, serde_json::Value) {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("authorization", format!("Bearer {key}"));
+    }
+    let response = router(Arc::clone(state))
+        .oneshot(
+            request
+                .body(body.map(Body::from).unwrap_or_default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), 64 << 20)
+        .await
+        .unwrap();
+    let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, headers, json)
+}
+
+fn seed_body() -> String {
+    serde_json::json!({"model": "tiny", "prompts": ["The quick brown fox jumps over the lazy dog.",
+        "Interpretability research reads the residual stream."], "layers": [2, 0]})
+    .to_string()
+}
+
+async fn submit(
+    f: &Fixture,
+    body: String,
+) -> (StatusCode, axum::http::HeaderMap, serde_json::Value) {
+    call(&f.state, "POST", "/v1/harvest", Some(&f.key), Some(body)).await
+}
+
+#[tokio::test]
+async fn a_submit_answers_202_pending_with_reserved_tokens_and_reads_back() {
+    let f = default_fixture().await;
+    let (status, _, job) = submit(&f, seed_body()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+    assert_eq!(job["status"], "pending");
+    assert_eq!(job["reserved_tokens"], 45 + 53);
+    assert_eq!(job["layers"], serde_json::json!([0, 2]));
+    assert!(job["tokens"].is_null() && job["started_at"].is_null());
+    let created = job["created_at"].as_str().unwrap();
+    assert!(
+        created.ends_with("+00:00") && created.len() == 29,
+        "{created}"
+    );
+    let id = job["job_id"].as_str().unwrap();
+    let (status, _, again) = call(
+        &f.state,
+        "GET",
+        &format!("/v1/harvest/{id}"),
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(again["job_id"], id);
+}
+
+#[tokio::test]
+async fn a_missing_or_wrong_key_gets_401() {
+    let f = default_fixture().await;
+    let (status, _, body) = call(&f.state, "POST", "/v1/harvest", None, Some(seed_body())).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::UNAUTHORIZED, Some("invalid_api_key"))
+    );
+    let (status, _, _) = call(&f.state, "GET", "/v1/models", Some("sk-hv-nope"), None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn bad_requests_get_400_naming_the_problem() {
+    let f = default_fixture().await;
+    let cases = [
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "layerz": [1]}),
+            "layerz",
+        ),
+        (
+            serde_json::json!({"model": "llama-8b", "prompts": ["a"]}),
+            "tiny",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "layers": [3]}),
+            "layer 3",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "layers": "All"}),
+            "all",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "shard_size": 0}),
+            "shard_size",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "batch_size": -1}),
+            "batch_size",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": [""], "add_special_tokens": false}),
+            "prompt 0 is empty",
+        ),
+        (
+            serde_json::json!({"model": "tiny", "prompts": ["a"], "project_onto":
+            {"data": "AAAA", "dtype": "float32", "shape": [1, 64], "compression": "none"}}),
+            "3 bytes",
+        ),
+    ];
+    for (body, needle) in cases {
+        let (status, _, answer) = submit(&f, body.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{body}: {message}");
+    }
+    let (status, _, answer) = submit(
+        &f,
+        serde_json::json!({"model": "tiny", "prompts": vec!["a"; 4097]}).to_string(),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("harvest_too_large"))
+    );
+}
+
+#[tokio::test]
+async fn a_body_over_50_mib_gets_413() {
+    let f = default_fixture().await;
+    let big = "x".repeat(51 << 20);
+    let (status, _, answer) =
+        submit(&f, format!(r#"{{"model": "tiny", "prompts": ["{big}"]}}"#)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::PAYLOAD_TOO_LARGE, Some("payload_too_large"))
+    );
+}
+
+#[tokio::test]
+async fn the_fourth_small_job_gets_429_naming_the_lane_with_retry_after_30() {
+    let f = default_fixture().await;
+    for _ in 0..3 {
+        assert_eq!(submit(&f, seed_body()).await.0, StatusCode::ACCEPTED);
+    }
+    let (status, headers, answer) = submit(&f, seed_body()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(answer["error"]["code"], "harvest_concurrency_exceeded");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("small lane")
+    );
+    assert_eq!(headers["retry-after"], "30");
+    let (status, _, _) = call(
+        &f.state,
+        "POST",
+        "/v1/harvest",
+        Some(&f.other_key),
+        Some(seed_body()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "lanes are per account");
+}
+
+#[tokio::test]
+async fn an_exhausted_budget_and_a_used_up_job_quota_get_their_429s() {
+    let limits = AccountLimits {
+        daily_tokens: Some(150),
+        monthly_jobs_per_key: 2,
+        ..Default::default()
+    };
+    let f = fixture(present_harvester(), limits).await;
+    let (status, _, job) = submit(&f, seed_body()).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("budget_exceeded"))
+    );
+    let id = job["job_id"].as_str().unwrap();
+    assert_eq!(
+        call(
+            &f.state,
+            "DELETE",
+            &format!("/v1/harvest/{id}"),
+            Some(&f.key),
+            None
+        )
+        .await
+        .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        submit(&f, seed_body()).await.0,
+        StatusCode::ACCEPTED,
+        "a cancel before the start releases the hold"
+    );
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        answer["error"]["code"], "harvest_quota_exceeded",
+        "{status}"
+    );
+}
+
+#[tokio::test]
+async fn another_accounts_job_unknown_ids_and_malformed_ids_all_get_404() {
+    let f = default_fixture().await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let id = job["job_id"].as_str().unwrap();
+    for (key, uri) in [
+        (&f.other_key, format!("/v1/harvest/{id}")),
+        (&f.key, format!("/v1/harvest/{}", uuid::Uuid::new_v4())),
+        (&f.key, "/v1/harvest/not-a-uuid".to_owned()),
+    ] {
+        let (status, _, answer) = call(&f.state, "GET", &uri, Some(key), None).await;
+        assert_eq!(
+            (status, answer["error"]["code"].as_str()),
+            (StatusCode::NOT_FOUND, Some("not_found")),
+            "{uri}"
+        );
+    }
+    assert_eq!(
+        call(
+            &f.state,
+            "DELETE",
+            &format!("/v1/harvest/{id}"),
+            Some(&f.other_key),
+            None
+        )
+        .await
+        .0,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn cancel_is_idempotent_and_an_ended_job_gets_409() {
+    let f = default_fixture().await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let id = job["job_id"].as_str().unwrap();
+    for _ in 0..2 {
+        let (status, _, answer) = call(
+            &f.state,
+            "DELETE",
+            &format!("/v1/harvest/{id}"),
+            Some(&f.key),
+            None,
+        )
+        .await;
+        assert_eq!(
+            (status, answer["status"].as_str()),
+            (StatusCode::OK, Some("cancelled"))
+        );
+        assert_eq!(
+            answer["tokens"], 0,
+            "cancelled before it started: charged nothing"
+        );
+        assert!(answer["completed_at"].is_string());
+    }
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let done = job["job_id"].as_str().unwrap();
+    let now = harvest_api::workers::now();
+    f.state
+        .store
+        .apply(done, JobEvent::Started, Default::default(), now)
+        .unwrap();
+    f.state
+        .store
+        .apply(
+            done,
+            JobEvent::Succeeded { tokens: 21 },
+            Default::default(),
+            now,
+        )
+        .unwrap();
+    let (status, _, answer) = call(
+        &f.state,
+        "DELETE",
+        &format!("/v1/harvest/{done}"),
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("harvest_not_cancellable"))
+    );
+}
+
+#[tokio::test]
+async fn a_fifth_long_poll_of_a_key_is_declined_at_once_as_a_normal_200() {
+    let f = default_fixture().await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let uri = format!("/v1/harvest/{}?wait=3", job["job_id"].as_str().unwrap());
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let (state, key, uri) = (Arc::clone(&f.state), f.key.clone(), uri.clone());
+            tokio::spawn(async move { call(&state, "GET", &uri, Some(&key), None).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let start = std::time::Instant::now();
+    let (status, headers, answer) = call(&f.state, "GET", &uri, Some(&f.key), None).await;
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(1),
+        "declined at once"
+    );
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-acs-longpoll"], "declined");
+    assert_eq!(headers["retry-after"], "3");
+    assert_eq!(answer["status"], "pending");
+    for handle in waiting {
+        let (status, headers, _) = handle.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            headers.get("x-acs-longpoll").is_none(),
+            "the first four waited"
+        );
+    }
+    let immediate = uri.replace("wait=3", "wait=0");
+    assert_eq!(
+        call(&f.state, "GET", &immediate, Some(&f.key), None)
+            .await
+            .0,
+        StatusCode::OK
+    );
+    let bad = uri.replace("wait=3", "wait=soon");
+    assert_eq!(
+        call(&f.state, "GET", &bad, Some(&f.key), None).await.0,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+#[tokio::test]
+async fn a_missing_worker_answers_503_with_the_recorded_job_id() {
+    let f = fixture(
+        PathBuf::from("/nonexistent/harvester"),
+        AccountLimits::default(),
+    )
+    .await;
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("harvest_unavailable"))
+    );
+    let id = answer["error"]["job_id"].as_str().unwrap();
+    let (_, _, job) = call(
+        &f.state,
+        "GET",
+        &format!("/v1/harvest/{id}"),
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (job["status"].as_str(), job["tokens"].as_u64()),
+        (Some("failed"), Some(0))
+    );
+}
+
+#[tokio::test]
+async fn tampered_or_expired_links_get_403_and_models_lists_the_catalogue() {
+    let f = default_fixture().await;
+    let id = uuid::Uuid::new_v4().to_string();
+    let past = f.state.signer.sign(&id, "manifest.json", 1);
+    let (status, _, answer) = call(
+        &f.state,
+        "GET",
+        &format!("/files/{id}/manifest.json?expires=1&sig={past}"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::FORBIDDEN, Some("link_expired"))
+    );
+    let future = 4_000_000_000i64;
+    let sig = f.state.signer.sign(&id, "manifest.json", future);
+    let (status, _, answer) = call(
+        &f.state,
+        "GET",
+        &format!("/files/{id}/stats.safetensors?expires={future}&sig={sig}"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::FORBIDDEN, Some("link_invalid"))
+    );
+    let (status, _, models) = call(&f.state, "GET", "/v1/models", Some(&f.key), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(models["models"][0]["name"], "tiny");
+    assert_eq!(
+        models["models"][0]["default_layers"],
+        serde_json::json!([0, 1, 2])
+    );
+    assert_eq!(models["models"][0]["hidden_size"], 64);
+}
