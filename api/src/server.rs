@@ -60,6 +60,7 @@ pub fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
     let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);
     for job in store.unfinished_jobs()? {
         tracing::info!(job = %job.id, status = job.status.as_str(), "requeueing a job left unfinished");
+        pool.stop_orphans(&job.id);
         pool.enqueue(job.id);
     }
     Ok(AppState::new(

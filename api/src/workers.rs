@@ -108,6 +108,39 @@ impl Workers {
         self.config.harvester.is_file()
     }
 
+    /// Stops harvesters that a previous server process left running for job `id` (a server that
+    /// was killed cannot stop its children), so a requeued job never runs twice at once. Linux
+    /// only: it scans /proc for the job's plan path.
+    pub fn stop_orphans(&self, id: &str) {
+        let plan = JobPaths::new(&self.config.data_dir, id)
+            .input()
+            .join("plan.json");
+        let plan = plan.to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            if args.contains(&plan.as_bytes()) && args.iter().any(|a| *a == b"run") {
+                tracing::warn!(job = %id, pid, "stopping a harvester left by a previous server");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+
     /// Queues job `id`; it starts when a slot is free and if it is still pending then.
     pub fn enqueue(self: &Arc<Self>, id: String) {
         let pool = Arc::clone(self);
