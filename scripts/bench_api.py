@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""API benchmarks, in one run on loopback:
+  1. counting: the time to answer a submit of 4,096 prompts holding about 2M tokens (the caps),
+     which the server tokenizes for real before admitting it;
+  2. status polls under load: wrk against GET /v1/harvest/{id} (p50, p99, requests/s).
+
+    python3 scripts/bench_api.py        (needs wrk: apt-get install wrk)
+
+Workers are held back (max_workers 0), so the job stays pending and only the API is measured.
+"""
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CACHE = pathlib.Path(os.environ.get("HARVEST_CACHE", pathlib.Path.home() / ".cache" / "harvest"))
+MODEL = CACHE / "models" / "smollm2-135m"
+PORT = int(os.environ.get("HARVEST_BENCH_PORT", "18480"))
+WORDS = ("residual stream features attention heads move information between positions while the "
+         "mlp writes new directions that probes read").split()
+
+
+def main():
+    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester", "-p", "harvest-api"], cwd=ROOT, check=True)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        (tmp / "config.json").write_text(json.dumps({
+            "data_dir": str(tmp / "data"), "harvester": str(target / "harvester"), "max_workers": 0,
+            "public_url": f"http://127.0.0.1:{PORT}",
+            "models": [{"name": "smollm2-135m", "path": str(MODEL)}],
+            "accounts": [{"name": "bench", "limits": {"monthly_jobs_per_key": 100000}}]}))
+        api = [str(target / "harvest-api"), "--config", str(tmp / "config.json")]
+        key = subprocess.run(api + ["create-key", "--account", "bench"], check=True, capture_output=True, text=True).stdout.strip()
+        server = subprocess.Popen(api + ["serve", "--listen", f"127.0.0.1:{PORT}"], stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "RUST_LOG": "warn"})
+        try:
+            for _ in range(100):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz")
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            rng = random.Random(0)
+            prompts = [" ".join(rng.choice(WORDS) for _ in range(462)) for _ in range(4096)]
+            body = json.dumps({"model": "smollm2-135m", "prompts": prompts}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/harvest", data=body, method="POST",
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            start = time.perf_counter()
+            try:
+                with urllib.request.urlopen(req) as r:
+                    status, job = r.status, json.load(r)
+            except urllib.error.HTTPError as e:
+                status, job = e.code, json.load(e)
+            took = time.perf_counter() - start
+            print(f"counting: 4096 prompts, {len(body) / 1e6:.1f} MB body -> HTTP {status} in {took:.2f} s")
+            if status != 202:
+                print(f"  {job}")
+                return 1
+            print(f"  reserved_tokens {job['reserved_tokens']} (bytes + 1 per prompt)")
+            url = f"http://127.0.0.1:{PORT}/v1/harvest/{job['job_id']}"
+            if not shutil.which("wrk"):
+                print("status polls: wrk is not installed (apt-get install wrk); skipped")
+                return 0
+            for connections in (8, 32):
+                out = subprocess.run(["wrk", "-t2", f"-c{connections}", "-d10s", "--latency", "-H",
+                                      f"Authorization: Bearer {key}", url], capture_output=True, text=True).stdout
+                rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
+                p50 = re.search(r"50%\s+(\S+)", out).group(1)
+                p99 = re.search(r"99%\s+(\S+)", out).group(1)
+                print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
+        finally:
+            server.terminate()
+            server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
