@@ -101,6 +101,20 @@ impl AppState {
     }
 }
 
+impl AppState {
+    /// Takes the account's counting turn, or `None` if one of its submits is being counted.
+    pub fn counting_turn(&self, account: &str) -> Option<CountingTurn<'_>> {
+        let mut accounts = self
+            .counting_accounts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        accounts.insert(account.to_owned()).then(|| CountingTurn {
+            state: self,
+            account: account.to_owned(),
+        })
+    }
+}
+
 /// The API's routes.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -164,8 +178,9 @@ impl<T: serde::de::DeserializeOwned, S: Send + Sync> FromRequest<S> for AppJson<
     }
 }
 
-/// Releases an account's counting turn when dropped.
-struct CountingTurn<'a> {
+/// An account's turn to have a submit counted; released when dropped.
+#[derive(Debug)]
+pub struct CountingTurn<'a> {
     state: &'a AppState,
     account: String,
 }
@@ -252,19 +267,9 @@ async fn count_tokens(
     model: &crate::catalogue::CatalogueModel,
     submission: &Submission,
 ) -> Result<u64, ApiError> {
-    let _turn = {
-        let mut accounts = state
-            .counting_accounts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !accounts.insert(caller.account.clone()) {
-            return Err(ApiError::CountBusy);
-        }
-        CountingTurn {
-            state,
-            account: caller.account.clone(),
-        }
-    };
+    let _turn = state
+        .counting_turn(&caller.account)
+        .ok_or(ApiError::CountBusy)?;
     let _permit = Arc::clone(&state.counting)
         .try_acquire_owned()
         .map_err(|_| ApiError::CountBusy)?;

@@ -485,3 +485,67 @@ async fn tampered_or_expired_links_get_403_and_models_lists_the_catalogue() {
     );
     assert_eq!(models["models"][0]["hidden_size"], 64);
 }
+
+#[tokio::test]
+async fn a_submit_while_the_account_is_being_counted_gets_429_count_busy_with_retry_after() {
+    let f = default_fixture().await;
+    let turn = f.state.counting_turn("acme").unwrap();
+    let (status, headers, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("harvest_count_busy"))
+    );
+    assert!(headers.contains_key("retry-after"));
+    let (status, _, _) = call(
+        &f.state,
+        "POST",
+        "/v1/harvest",
+        Some(&f.other_key),
+        Some(seed_body()),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::ACCEPTED,
+        "another account counts meanwhile"
+    );
+    drop(turn);
+    assert_eq!(submit(&f, seed_body()).await.0, StatusCode::ACCEPTED);
+}
+
+#[tokio::test]
+async fn concurrent_submits_never_admit_more_than_the_lane_allows() {
+    let f = default_fixture().await;
+    let prompts: Vec<String> = (0..2_000)
+        .map(|i| format!("prompt {i} about the residual stream"))
+        .collect();
+    let body = serde_json::json!({"model": "tiny", "prompts": prompts}).to_string();
+    let mut accepted = 0;
+    for _ in 0..4 {
+        let submits: Vec<_> = (0..4)
+            .map(|_| {
+                let (state, key, body) = (Arc::clone(&f.state), f.key.clone(), body.clone());
+                tokio::spawn(async move {
+                    call(&state, "POST", "/v1/harvest", Some(&key), Some(body)).await
+                })
+            })
+            .collect();
+        for handle in submits {
+            let (status, _, answer) = handle.await.unwrap();
+            match status {
+                StatusCode::ACCEPTED => accepted += 1,
+                StatusCode::TOO_MANY_REQUESTS => {
+                    let code = answer["error"]["code"].as_str().unwrap();
+                    assert!(
+                        ["harvest_count_busy", "harvest_concurrency_exceeded"].contains(&code),
+                        "{code}"
+                    );
+                }
+                other => panic!("unexpected {other}: {answer}"),
+            }
+        }
+    }
+    assert_eq!(accepted, 3, "exactly the three slots of the small lane");
+    let (_, ledger) = f.state.store.account("acme").unwrap();
+    assert_eq!(ledger.active_small, 3);
+}
