@@ -195,7 +195,15 @@ impl Drop for CountingTurn<'_> {
     }
 }
 
-async fn submit(
+/// Queue a harvest job.
+#[utoipa::path(post, tag = "harvest", path = "/v1/harvest", request_body = HarvestRequest, security(("bearer" = [])),
+    responses((status = 202, description = "The job, pending", body = JobView),
+        (status = 400, description = "invalid_request or harvest_too_large", body = crate::openapi::ErrorEnvelope),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
+        (status = 413, description = "payload_too_large", body = crate::openapi::ErrorEnvelope),
+        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::openapi::ErrorEnvelope),
+        (status = 503, description = "harvest_unavailable, with the job id", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn submit(
     State(state): State<Arc<AppState>>,
     caller: Caller,
     AppJson(request): AppJson<HarvestRequest>,
@@ -424,8 +432,8 @@ fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord,
 }
 
 #[derive(Deserialize)]
-struct WaitQuery {
-    wait: Option<String>,
+pub(crate) struct WaitQuery {
+    pub(crate) wait: Option<String>,
 }
 
 /// Releases a long-poll slot when dropped.
@@ -467,7 +475,14 @@ fn long_poll_slot<'a>(state: &'a AppState, key: &str) -> Option<LongPollSlot<'a>
     })
 }
 
-async fn status(
+/// A harvest job, optionally waiting up to `wait` seconds (60 at most) for it to end.
+#[utoipa::path(get, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
+    params(("job_id" = String, Path, description = "The job's UUID"),
+        ("wait" = Option<String>, Query, description = "Seconds to wait for a terminal status, at most 60")),
+    responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
+        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn status(
     State(state): State<Arc<AppState>>,
     caller: Caller,
     Path(job_id): Path<String>,
@@ -518,7 +533,13 @@ async fn status(
     }
 }
 
-async fn cancel(
+/// Cancel a pending or running harvest job.
+#[utoipa::path(delete, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
+    params(("job_id" = String, Path, description = "The job's UUID")),
+    responses((status = 200, description = "The cancelled job", body = JobView),
+        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope),
+        (status = 409, description = "harvest_not_cancellable", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn cancel(
     State(state): State<Arc<AppState>>,
     caller: Caller,
     Path(job_id): Path<String>,
@@ -540,7 +561,13 @@ async fn cancel(
     Ok(Json(view(&state, &job)))
 }
 
-async fn models(State(state): State<Arc<AppState>>, _caller: Caller) -> Json<serde_json::Value> {
+/// The models catalogue.
+#[utoipa::path(get, tag = "harvest", path = "/v1/models", security(("bearer" = [])),
+    responses((status = 200, description = "The models", body = crate::openapi::ModelList)))]
+pub(crate) async fn models(
+    State(state): State<Arc<AppState>>,
+    _caller: Caller,
+) -> Json<serde_json::Value> {
     Json(serde_json::json!({ "models": state.catalogue.views() }))
 }
 

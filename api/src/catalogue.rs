@@ -39,7 +39,7 @@ struct Shape {
 }
 
 /// A model as `GET /v1/models` lists it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ModelView {
     /// The name to send.
     pub name: String,
@@ -49,7 +49,8 @@ pub struct ModelView {
     pub hidden_size: usize,
     /// The layers kept when `layers` is omitted.
     pub default_layers: Vec<usize>,
-    /// Its concurrency lane.
+    /// Its concurrency lane: `small` or `large`.
+    #[schema(value_type = String, example = "small")]
     pub lane: harvest_core::quota::Lane,
     /// Its context window; longer prompts are truncated.
     pub max_tokens: usize,

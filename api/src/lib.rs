@@ -18,6 +18,7 @@ pub mod app;
 pub mod catalogue;
 pub mod config;
 pub mod error;
+pub mod openapi;
 pub mod server;
 pub mod signing;
 pub mod store;

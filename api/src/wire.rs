@@ -32,7 +32,7 @@ pub struct ModelEntry {
 }
 
 /// `POST /v1/harvest` as sent. Unknown fields are rejected by name.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HarvestRequest {
     /// A model name from the catalogue.
@@ -41,6 +41,7 @@ pub struct HarvestRequest {
     pub prompts: Vec<String>,
     /// A list of block indices, `"all"`, or omitted for the quartile default.
     #[serde(default)]
+    #[schema(value_type = Option<Object>, example = json!([8, 16, 24]))]
     pub layers: LayerSelection,
     /// Prompts per shard.
     #[serde(default)]
@@ -57,7 +58,7 @@ pub struct HarvestRequest {
 }
 
 /// Projection directions as sent: a raw little-endian buffer in base64.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProjectOnto {
     /// Base64 of the raw buffer.
@@ -261,7 +262,7 @@ pub fn is_valid_job_id(id: &str) -> bool {
 }
 
 /// Per-stage seconds of a finished job, as the reference reports them.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ResultTimings {
     /// Model loading.
     pub load_s: f64,
@@ -274,7 +275,7 @@ pub struct ResultTimings {
 }
 
 /// The files of a done job, with links valid until `urls_expire_at`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JobResult {
     /// Shards.
     pub n_shards: usize,
@@ -297,7 +298,7 @@ pub struct JobResult {
 }
 
 /// Progress of a running job, from its worker.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Progress {
     /// Prompts done.
     pub prompts_done: usize,
@@ -308,13 +309,14 @@ pub struct Progress {
 }
 
 /// A job as `GET`, `POST` and `DELETE` answer it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct JobView {
     /// The job's id.
     pub job_id: String,
     /// The id of its run.
     pub run_id: String,
     /// pending, running, done, failed or cancelled.
+    #[schema(value_type = String, example = "pending")]
     pub status: JobStatus,
     /// The model's catalogue name.
     pub model: String,

@@ -1,0 +1,61 @@
+//! The OpenAPI document, generated from the handlers and wire types. `api/openapi.json` is the
+//! committed copy; CI regenerates it (`cargo run -p harvest-api --bin openapi`) and fails on any
+//! difference.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi, ToSchema};
+
+use crate::catalogue::ModelView;
+use crate::wire::{HarvestRequest, JobResult, JobView, Progress, ProjectOnto, ResultTimings};
+
+/// The error envelope every error is answered with.
+#[derive(Debug, ToSchema)]
+pub struct ErrorEnvelope {
+    /// The error.
+    pub error: ErrorBody,
+}
+
+/// One error.
+#[derive(Debug, ToSchema)]
+pub struct ErrorBody {
+    /// A stable machine-readable code, e.g. `harvest_concurrency_exceeded`.
+    pub code: String,
+    /// What went wrong and what to do.
+    pub message: String,
+    /// The job concerned, where one was recorded (503 `harvest_unavailable`).
+    pub job_id: Option<String>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, ToSchema)]
+pub struct ModelList {
+    /// The catalogue.
+    pub models: Vec<ModelView>,
+}
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The document.
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(title = "harvest", description = "Bulk harvesting of residual-stream activations. See docs/api.md.", version = "1"),
+    paths(crate::app::submit, crate::app::status, crate::app::cancel, crate::app::models),
+    components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody)),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+/// The document as pretty JSON, with a trailing newline.
+pub fn document() -> String {
+    ApiDoc::openapi().to_pretty_json().unwrap_or_default() + "\n"
+}
