@@ -549,3 +549,46 @@ async fn concurrent_submits_never_admit_more_than_the_lane_allows() {
     let (_, ledger) = f.state.store.account("acme").unwrap();
     assert_eq!(ledger.active_small, 3);
 }
+
+#[tokio::test]
+async fn a_done_job_whose_files_are_gone_says_urls_expired() {
+    let f = default_fixture().await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let id = job["job_id"].as_str().unwrap();
+    let now = harvest_api::workers::now();
+    let result = harvest_api::wire::JobResult {
+        n_shards: 1,
+        layer_indices: vec![0, 2],
+        manifest_url: String::new(),
+        shard_urls: vec![],
+        stats_url: String::new(),
+        contents: "activations".into(),
+        tokens: 21,
+        bytes_written: 100,
+        timings: Default::default(),
+    };
+    f.state
+        .store
+        .apply(id, JobEvent::Started, Default::default(), now)
+        .unwrap();
+    let outcome = harvest_api::store::Outcome {
+        result: Some(result),
+        error: None,
+    };
+    f.state
+        .store
+        .apply(id, JobEvent::Succeeded { tokens: 21 }, outcome, now)
+        .unwrap();
+    let (status, _, answer) = call(
+        &f.state,
+        "GET",
+        &format!("/v1/harvest/{id}"),
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer["status"], "done");
+    assert_eq!(answer["urls_expired"], true);
+    assert!(answer.get("result").is_none() && answer.get("urls_expire_at").is_none());
+}
