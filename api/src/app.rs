@@ -335,7 +335,10 @@ fn write_inputs(
     let directions = match &submission.directions {
         Some((n, values)) => {
             let path = input.join("directions.npy");
-            std::fs::write(&path, npy_f32(*n, values.len() / n, values))?;
+            std::fs::write(
+                &path,
+                harvest_core::npy::f32_matrix(*n, values.len() / n, values),
+            )?;
             Some(path.display().to_string())
         }
         None => None,
@@ -358,21 +361,6 @@ fn write_inputs(
         batch_tokens: harvest_core::plan::DEFAULT_BATCH_TOKENS,
     };
     std::fs::write(input.join("plan.json"), serde_json::to_vec_pretty(&plan)?)
-}
-
-/// A little-endian f32 `.npy` of shape `[rows, cols]`.
-fn npy_f32(rows: usize, cols: usize, values: &[f32]) -> Vec<u8> {
-    let mut header =
-        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    while !(10 + header.len() + 1).is_multiple_of(64) {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    out.extend((header.len() as u16).to_le_bytes());
-    out.extend(header.as_bytes());
-    out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-    out
 }
 
 /// The job as answered, with fresh signed links for a done job.

@@ -21,6 +21,7 @@ pub mod clock;
 pub mod format;
 pub mod layers;
 pub mod lifecycle;
+pub mod npy;
 pub mod plan;
 pub mod quota;
 pub mod stats;

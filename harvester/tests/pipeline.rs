@@ -147,18 +147,7 @@ fn projections_equal_raw_activations_times_unit_directions_and_stats_describe_th
     let values: Vec<f32> = (0..3 * 576)
         .map(|i| ((i * 7919 % 101) as f32 - 50.0) / 7.0)
         .collect();
-    let npy = {
-        let mut header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 576), }".to_owned();
-        while !(10 + header.len() + 1).is_multiple_of(64) {
-            header.push(' ');
-        }
-        header.push('\n');
-        let mut out = b"\x93NUMPY\x01\x00".to_vec();
-        out.extend((header.len() as u16).to_le_bytes());
-        out.extend(header.as_bytes());
-        out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-        out
-    };
+    let npy = harvest_core::npy::f32_matrix(3, 576, &values);
     std::fs::write(dir.path().join("directions.npy"), npy).unwrap();
     let out = dir.path().join("out");
     let mut plan = plan(&write_prompts(dir.path(), &prompts), &out, vec![7, 22], 32);
