@@ -15,9 +15,12 @@
 //! identical to an uninterrupted one.
 
 pub mod directions;
+mod fingerprint;
+mod outputs;
 pub mod progress;
 pub mod prompts;
 pub mod result;
+mod resume;
 pub mod shard;
 pub mod store;
 
@@ -27,16 +30,14 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
 use bytes::Bytes;
-use harvest_core::format::{
-    self, Contents, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
-};
+use harvest_core::HarvestPlan;
+use harvest_core::format::{Contents, Manifest};
 use harvest_core::plan::{shard_count, shard_file_name, shard_prompts};
-use harvest_core::{HarvestPlan, Layers, RunningStats};
 use rayon::prelude::*;
 
 use self::progress::{Progress, ProgressMode};
 use self::result::{RunResult, Timings};
-use self::shard::{ShardAssembly, ShardRecord, sha256_hex};
+use self::shard::{ShardAssembly, ShardRecord};
 use self::store::Store;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -171,7 +172,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             "prompts longer than the context window were truncated; the manifest lists them"
         );
     }
-    let fingerprint = plan_fingerprint(
+    let fingerprint = fingerprint::plan_fingerprint(
         plan,
         &prompt_bytes,
         &layers,
@@ -185,11 +186,11 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     };
     let n_shards = shard_count(encoded.len(), plan.shard_size);
 
-    if let Some(result) = runtime.block_on(finished_result(&store, &fingerprint))? {
+    if let Some(result) = runtime.block_on(resume::finished_result(&store, &fingerprint))? {
         tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
         return Ok(result);
     }
-    let resumed = runtime.block_on(resume_scan(&store, &fingerprint, n_shards))?;
+    let resumed = runtime.block_on(resume::resume_scan(&store, &fingerprint, n_shards))?;
     if !resumed.is_empty() {
         tracing::info!(
             shards = resumed.len(),
@@ -237,7 +238,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .model_name
         .clone()
         .unwrap_or_else(|| dir_name(&plan.model));
-    let (manifest, stats_bytes) = build_outputs(
+    let (manifest, stats_bytes) = outputs::build_outputs(
         &job,
         &config,
         &layers,
@@ -484,281 +485,11 @@ async fn read_object(location: &harvest_core::Location) -> Result<(String, Vec<u
     Ok((name, bytes.to_vec()))
 }
 
-/// The result of an earlier run of the same plan, if its manifest is there.
-async fn finished_result(store: &Store, fingerprint: &str) -> Result<Option<RunResult>> {
-    let Some(bytes) = store.get(MANIFEST_FILE).await? else {
-        return Ok(None);
-    };
-    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|source| Error::Json {
-        path: MANIFEST_FILE.into(),
-        source,
-    })?;
-    if manifest.plan_fingerprint != fingerprint {
-        return Err(Error::ForeignOutput {
-            location: store.location().to_string(),
-            found: manifest.plan_fingerprint,
-            expected: fingerprint.to_owned(),
-        });
-    }
-    if let Some(result) = store.get(RESULT_FILE).await?
-        && let Ok(result) = serde_json::from_slice::<RunResult>(&result)
-    {
-        return Ok(Some(result));
-    }
-    Ok(Some(RunResult {
-        n_shards: manifest.shards.len(),
-        layer_indices: manifest.layer_indices,
-        tokens: manifest.total_tokens,
-        bytes_written: manifest.shards.iter().map(|s| s.bytes).sum(),
-        contents: manifest.contents,
-        timings: Timings::default(),
-        output: store.location().to_string(),
-        resumed_shards: manifest.shards.len(),
-    }))
-}
-
-/// Shards of an interrupted run of the same plan whose record and file both check out.
-async fn resume_scan(
-    store: &Store,
-    fingerprint: &str,
-    n_shards: usize,
-) -> Result<BTreeMap<usize, ShardRecord>> {
-    let mut done = BTreeMap::new();
-    for name in store.list("partial").await? {
-        let Some(bytes) = store.get(&name).await? else {
-            continue;
-        };
-        let Some(record) = ShardRecord::from_bytes(&bytes) else {
-            tracing::warn!(record = %name, "ignoring an unreadable partial record");
-            continue;
-        };
-        if record.fingerprint != fingerprint {
-            return Err(Error::ForeignOutput {
-                location: store.location().to_string(),
-                found: record.fingerprint,
-                expected: fingerprint.to_owned(),
-            });
-        }
-        if record.shard >= n_shards || name != ShardRecord::file_name(record.shard) {
-            continue;
-        }
-        let Some(shard) = store.get(&shard_file_name(record.shard)).await? else {
-            continue;
-        };
-        if shard.len() as u64 == record.bytes && sha256_hex(&shard) == record.sha256 {
-            done.insert(record.shard, record);
-        } else {
-            tracing::warn!(
-                shard = record.shard,
-                "shard does not match its record; recomputing it"
-            );
-        }
-    }
-    Ok(done)
-}
-
-/// A digest of everything that decides the output's bytes: model files, prompts, layers, shard
-/// size, tokenization, directions and the format version. The batch budget is left out: it
-/// does not change the output.
-fn plan_fingerprint(
-    plan: &HarvestPlan,
-    prompt_bytes: &[u8],
-    layers: &Layers,
-    directions: Option<&Directions>,
-    max_tokens: usize,
-) -> Result<String> {
-    use sha2::{Digest, Sha256};
-    let mut hash = Sha256::new();
-    let mut field = |label: &str, bytes: &[u8]| {
-        hash.update((label.len() as u64).to_le_bytes());
-        hash.update(label.as_bytes());
-        hash.update((bytes.len() as u64).to_le_bytes());
-        hash.update(bytes);
-    };
-    field("format_version", &format::FORMAT_VERSION.to_le_bytes());
-    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
-        let path = plan.model.join(file);
-        let bytes = std::fs::read(&path).unwrap_or_default();
-        field(file, &bytes);
-    }
-    let mut weight_files: Vec<_> = std::fs::read_dir(&plan.model)
-        .map_err(|e| Error::io("listing", &plan.model, e))?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    weight_files.sort();
-    for path in weight_files {
-        field("weights", &safetensors_header(&path)?);
-    }
-    field("prompts", &Sha256::digest(prompt_bytes));
-    field(
-        "layers",
-        &layers
-            .as_slice()
-            .iter()
-            .flat_map(|l| (*l as u64).to_le_bytes())
-            .collect::<Vec<_>>(),
-    );
-    field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
-    field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
-    field("max_tokens", &(max_tokens as u64).to_le_bytes());
-    if let Some(d) = directions {
-        field(
-            "directions",
-            &d.unit_vectors()
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
-    }
-    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// The header of a safetensors file (names, dtypes, shapes, offsets) plus its length: enough to
-/// identify weights without reading gigabytes.
-fn safetensors_header(path: &Path) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| Error::io("reading", path, e))?
-        .len();
-    let mut size = [0u8; 8];
-    file.read_exact(&mut size)
-        .map_err(|e| Error::io("reading", path, e))?;
-    let header_len = u64::from_le_bytes(size)
-        .min(len.saturating_sub(8))
-        .min(100 << 20);
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header)
-        .map_err(|e| Error::io("reading", path, e))?;
-    header.extend(len.to_le_bytes());
-    Ok(header)
-}
-
 fn dir_name(path: &Path) -> String {
     path.canonicalize()
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| path.display().to_string())
-}
-
-/// The manifest and `stats.safetensors` from every shard's record.
-fn build_outputs(
-    job: &Job<'_>,
-    config: &ModelConfig,
-    layers: &Layers,
-    records: &BTreeMap<usize, ShardRecord>,
-    model_name: &str,
-    max_tokens: usize,
-) -> Result<(Manifest, Vec<u8>)> {
-    if records.len() != job.n_shards {
-        return Err(Error::StageLost { stage: "upload" });
-    }
-    let mut stats: Vec<RunningStats> = (0..job.layers)
-        .map(|_| RunningStats::new(job.width))
-        .collect();
-    for record in records.values() {
-        for (total, part) in stats.iter_mut().zip(&record.stats) {
-            total.merge(part);
-        }
-    }
-    let total_tokens: u64 = records
-        .values()
-        .flat_map(|r| &r.token_counts)
-        .map(|&n| n as u64)
-        .sum();
-    let manifest = Manifest {
-        format_version: format::FORMAT_VERSION,
-        plan_fingerprint: job.fingerprint.to_owned(),
-        model: ModelInfo {
-            name: model_name.to_owned(),
-            architecture: config.architecture.hf_name().to_owned(),
-            num_layers: config.num_layers,
-            hidden_size: config.hidden_size,
-        },
-        tokenizer: TokenizerInfo {
-            add_special_tokens: job.plan.add_special_tokens,
-            bos_token_id: job.bos_id,
-            bos: format::bos_treatment(job.plan.add_special_tokens, job.bos_id),
-            max_tokens,
-        },
-        contents: job.contents,
-        dtype: job.contents.dtype().to_owned(),
-        layer_indices: layers.as_slice().to_vec(),
-        layer_convention: format::LAYER_CONVENTION.to_owned(),
-        tensors: format::tensors_description(job.contents).to_owned(),
-        n_prompts: job.encoded.len(),
-        shard_size: job.plan.shard_size.get(),
-        total_tokens,
-        shards: records
-            .values()
-            .map(|r| ShardEntry {
-                file: shard_file_name(r.shard),
-                first_prompt: r.first_prompt,
-                token_counts: r.token_counts.clone(),
-                bytes: r.bytes,
-                sha256: r.sha256.clone(),
-            })
-            .collect(),
-        truncated_prompts: records
-            .values()
-            .flat_map(|r| r.truncations.clone())
-            .collect(),
-        projection: (job.contents == Contents::Projections).then_some(ProjectionInfo {
-            n_directions: job.width,
-            normalized: true,
-        }),
-        statistics: job.contents.statistics().to_owned(),
-        stats_tokens: stats.first().map_or(0, RunningStats::count),
-        mean_token_norm: stats.iter().map(RunningStats::mean_norm).collect(),
-    };
-    Ok((manifest, stats_file(&stats)?))
-}
-
-/// `stats.safetensors`: `mean` and `std` as f32 `[layers, width]`, `count` as i64 `[1]`.
-fn stats_file(stats: &[RunningStats]) -> Result<Vec<u8>> {
-    use safetensors::{Dtype, tensor::TensorView};
-    let width = stats.first().map_or(0, |s| s.mean().len());
-    let mean: Vec<u8> = stats
-        .iter()
-        .flat_map(|s| {
-            s.mean()
-                .iter()
-                .flat_map(|&v| (v as f32).to_le_bytes())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let std: Vec<u8> = stats
-        .iter()
-        .flat_map(|s| s.std().into_iter().flat_map(|v| (v as f32).to_le_bytes()))
-        .collect();
-    let count = (stats.first().map_or(0, RunningStats::count) as i64).to_le_bytes();
-    let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
-        reason: e.to_string(),
-    };
-    let views = vec![
-        (
-            "mean",
-            TensorView::new(Dtype::F32, vec![stats.len(), width], &mean).map_err(invalid)?,
-        ),
-        (
-            "std",
-            TensorView::new(Dtype::F32, vec![stats.len(), width], &std).map_err(invalid)?,
-        ),
-        (
-            "count",
-            TensorView::new(Dtype::I64, vec![1], &count).map_err(invalid)?,
-        ),
-    ];
-    safetensors::serialize(
-        views,
-        Some(std::collections::HashMap::from([(
-            "format".to_owned(),
-            "pt".to_owned(),
-        )])),
-    )
-    .map_err(invalid)
 }
 
 #[cfg(test)]

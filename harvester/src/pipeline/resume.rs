@@ -1,0 +1,86 @@
+//! Finding what an earlier run of the same plan left: a finished output (nothing to do) or
+//! shards whose records and files check out (skipped).
+
+use std::collections::BTreeMap;
+
+use harvest_core::format::Manifest;
+use harvest_core::plan::shard_file_name;
+
+use super::result::{RunResult, Timings};
+use super::shard::{ShardRecord, sha256_hex};
+use super::store::Store;
+use super::{MANIFEST_FILE, RESULT_FILE};
+use crate::error::{Error, Result};
+
+/// The result of an earlier run of the same plan, if its manifest is there.
+pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<Option<RunResult>> {
+    let Some(bytes) = store.get(MANIFEST_FILE).await? else {
+        return Ok(None);
+    };
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|source| Error::Json {
+        path: MANIFEST_FILE.into(),
+        source,
+    })?;
+    if manifest.plan_fingerprint != fingerprint {
+        return Err(Error::ForeignOutput {
+            location: store.location().to_string(),
+            found: manifest.plan_fingerprint,
+            expected: fingerprint.to_owned(),
+        });
+    }
+    if let Some(result) = store.get(RESULT_FILE).await?
+        && let Ok(result) = serde_json::from_slice::<RunResult>(&result)
+    {
+        return Ok(Some(result));
+    }
+    Ok(Some(RunResult {
+        n_shards: manifest.shards.len(),
+        layer_indices: manifest.layer_indices,
+        tokens: manifest.total_tokens,
+        bytes_written: manifest.shards.iter().map(|s| s.bytes).sum(),
+        contents: manifest.contents,
+        timings: Timings::default(),
+        output: store.location().to_string(),
+        resumed_shards: manifest.shards.len(),
+    }))
+}
+
+/// Shards of an interrupted run of the same plan whose record and file both check out.
+pub(super) async fn resume_scan(
+    store: &Store,
+    fingerprint: &str,
+    n_shards: usize,
+) -> Result<BTreeMap<usize, ShardRecord>> {
+    let mut done = BTreeMap::new();
+    for name in store.list("partial").await? {
+        let Some(bytes) = store.get(&name).await? else {
+            continue;
+        };
+        let Some(record) = ShardRecord::from_bytes(&bytes) else {
+            tracing::warn!(record = %name, "ignoring an unreadable partial record");
+            continue;
+        };
+        if record.fingerprint != fingerprint {
+            return Err(Error::ForeignOutput {
+                location: store.location().to_string(),
+                found: record.fingerprint,
+                expected: fingerprint.to_owned(),
+            });
+        }
+        if record.shard >= n_shards || name != ShardRecord::file_name(record.shard) {
+            continue;
+        }
+        let Some(shard) = store.get(&shard_file_name(record.shard)).await? else {
+            continue;
+        };
+        if shard.len() as u64 == record.bytes && sha256_hex(&shard) == record.sha256 {
+            done.insert(record.shard, record);
+        } else {
+            tracing::warn!(
+                shard = record.shard,
+                "shard does not match its record; recomputing it"
+            );
+        }
+    }
+    Ok(done)
+}
