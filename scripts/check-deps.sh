@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The dependency direction of ARCHITECTURE.md, checked with cargo tree: core has no I/O
+# dependencies, the harvester never depends on kube or axum, the API never on cudarc or on the
+# harvester crate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fail=0
+forbid() { # crate, pattern, why
+  if cargo tree -p "$1" -e normal --prefix none 2>/dev/null | grep -E "$2" >/dev/null; then
+    echo "dependency direction broken: $1 depends on $(cargo tree -p "$1" -e normal --prefix none | grep -E "$2" | head -1) ($3)" >&2
+    fail=1
+  fi
+}
+forbid harvest-core '^(tokio|kube|axum|cudarc|object_store|rusqlite|reqwest) ' "core has no I/O dependencies"
+forbid harvester '^(kube|axum) ' "the harvester never depends on kube or axum"
+forbid harvest-api '^(cudarc|harvester) ' "the API never depends on cudarc or the harvester crate"
+[ "$fail" = 0 ] && echo "dependency direction: ok"
+exit "$fail"
