@@ -605,7 +605,7 @@ async fn download(
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let store_ok = state.store.unfinished_jobs().is_ok();
+    let store_ok = state.store.unfinished_count().is_ok();
     if store_ok && state.workers.available() {
         (StatusCode::OK, "ready").into_response()
     } else {
@@ -629,7 +629,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         m.denied.load(Ordering::Relaxed),
         m.long_polls_declined.load(Ordering::Relaxed),
         m.downloads.load(Ordering::Relaxed),
-        state.store.unfinished_jobs().map(|j| j.len()).unwrap_or(0),
+        state.store.unfinished_count().unwrap_or(0),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

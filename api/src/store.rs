@@ -343,6 +343,16 @@ impl Store {
         rows.into_iter().map(finish_job).collect()
     }
 
+    /// How many jobs are pending or running (a cheap query for health and metrics).
+    pub fn unfinished_count(&self) -> Result<u64> {
+        let n: i64 = self.conn().query_row(
+            "SELECT COUNT(*) FROM jobs WHERE status IN ('pending', 'running')",
+            [],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
+    }
+
     /// Applies a lifecycle event in one transaction; when the job ends, its hold settles at the
     /// charge the lifecycle decides. Returns the updated job and the transition.
     pub fn apply(

@@ -154,16 +154,7 @@ fn a_backend_refuses_weights_shallower_than_the_deepest_layer() {
 #[test]
 fn a_token_id_outside_the_vocabulary_is_rejected_by_value() {
     let dir = tiny();
-    let weights = LlamaWeights::load(dir.path(), None).unwrap();
-    let layers = LayerSelection::All.resolve(3).unwrap();
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )
-    .unwrap();
+    let mut backend = CpuBackend::load(dir.path(), &LayerSelection::All, None).unwrap();
     let err = backend
         .capture(
             &Batch::from_sequences(&[vec![1, 64]]),

@@ -138,16 +138,7 @@ fn projections_equal_activations_times_unit_directions() {
 #[test]
 fn reused_buffers_give_identical_results_across_batches_of_different_sizes() {
     let dir = tiny(&TinyModel::default(), 6);
-    let weights = LlamaWeights::load(dir.path(), None).unwrap();
-    let layers = LayerSelection::All.resolve(3).unwrap();
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )
-    .unwrap();
+    let mut backend = CpuBackend::load(dir.path(), &LayerSelection::All, None).unwrap();
     let small = Batch::from_sequences(&[vec![4, 5, 6]]);
     let mut first = Captured::default();
     backend.capture(&small, &mut first).unwrap();

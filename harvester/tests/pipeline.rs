@@ -14,8 +14,7 @@ use common::smollm2_dir;
 use harvest_core::format::{Contents, Manifest};
 use harvest_core::{HarvestPlan, LayerSelection, Location};
 use harvester::backend::cpu::CpuBackend;
-use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
-use harvester::model::LlamaWeights;
+use harvester::backend::{Backend, Batch, Captured};
 use harvester::pipeline::{self, RunOptions, progress::ProgressMode};
 use harvester::projection::Directions;
 use harvester::tokenizer::PromptTokenizer;
@@ -135,8 +134,8 @@ fn a_run_writes_shards_in_prompt_order_with_the_tokenizers_ids_and_checksums() {
 
     let again = pipeline::run(&plan, &options()).unwrap();
     assert_eq!(
-        again.bytes_written, result.bytes_written,
-        "a finished plan is not run again"
+        again, result,
+        "a finished plan is not run again: its stored result, timings included, comes back"
     );
 }
 
@@ -165,16 +164,8 @@ fn projections_equal_raw_activations_times_unit_directions_and_stats_describe_th
         .enumerate()
         .map(|(i, p)| tokenizer.encode(i, p, true).unwrap().ids)
         .collect();
-    let weights = LlamaWeights::load(&smollm2_dir(), Some(23)).unwrap();
-    let layers = LayerSelection::Explicit(vec![7, 22]).resolve(30).unwrap();
-    let mut backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers,
-            directions: None,
-        },
-    )
-    .unwrap();
+    let mut backend =
+        CpuBackend::load(&smollm2_dir(), &LayerSelection::Explicit(vec![7, 22]), None).unwrap();
     let mut raw = Captured::default();
     backend
         .capture(&Batch::from_sequences(&ids), &mut raw)
@@ -347,6 +338,21 @@ fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() 
     assert_eq!(output_files(&resumed), output_files(&reference));
 }
 
+/// `harvester run --model <model> --prompts <prompts> --out <out> <extra…>`.
+fn run_exit(model: &str, prompts: &Path, out: &str, extra: &[&str]) -> (i32, String) {
+    let mut args = vec![
+        "run",
+        "--model",
+        model,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    exit_of(&args)
+}
+
 fn exit_of(args: &[&str]) -> (i32, String) {
     let output = harvester().args(args).output().unwrap();
     (
@@ -364,29 +370,13 @@ fn bad_input_exits_2_with_a_named_cause_and_no_manifest() {
     let out = out.to_str().unwrap();
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
-    let (code, stderr) = exit_of(&[
-        "run",
-        "--model",
-        model,
-        "--prompts",
-        empty.to_str().unwrap(),
-        "--out",
-        out,
-    ]);
+    let (code, stderr) = run_exit(model, &empty, out, &[]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("empty"), "{stderr}");
 
     let malformed = dir.path().join("bad.jsonl");
     std::fs::write(&malformed, "{\"text\": \"fine\"}\n{\"text\": 3}\n").unwrap();
-    let (code, stderr) = exit_of(&[
-        "run",
-        "--model",
-        model,
-        "--prompts",
-        malformed.to_str().unwrap(),
-        "--out",
-        out,
-    ]);
+    let (code, stderr) = run_exit(model, &malformed, out, &[]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("line 2"), "{stderr}");
 
@@ -413,17 +403,7 @@ fn bad_input_exits_2_with_a_named_cause_and_no_manifest() {
     assert_eq!(message["exit_code"], 2);
 
     let fine = write_prompts(dir.path(), &["hello".to_owned()]);
-    let (code, stderr) = exit_of(&[
-        "run",
-        "--model",
-        model,
-        "--prompts",
-        fine.to_str().unwrap(),
-        "--out",
-        out,
-        "--layers",
-        "30",
-    ]);
+    let (code, stderr) = run_exit(model, &fine, out, &["--layers", "30"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("layer 30"), "{stderr}");
     assert!(!Path::new(out).join("manifest.json").exists());
@@ -436,15 +416,12 @@ fn an_output_that_cannot_be_written_exits_3() {
     std::fs::write(&blocker, "not a directory").unwrap();
     let prompts = write_prompts(dir.path(), &["hello".to_owned()]);
     let out = blocker.join("out");
-    let (code, stderr) = exit_of(&[
-        "run",
-        "--model",
+    let (code, stderr) = run_exit(
         smollm2_dir().to_str().unwrap(),
-        "--prompts",
-        prompts.to_str().unwrap(),
-        "--out",
+        &prompts,
         out.to_str().unwrap(),
-    ]);
+        &[],
+    );
     assert_eq!(code, 3, "{stderr}");
     assert!(stderr.contains(out.to_str().unwrap()), "{stderr}");
 }

@@ -155,6 +155,17 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         None => None,
     };
     let tokenizer = PromptTokenizer::from_dir(&plan.model, config.max_position_embeddings)?;
+    let fingerprint = fingerprint::plan_fingerprint(
+        plan,
+        &prompt_bytes,
+        &layers,
+        directions.as_ref(),
+        tokenizer.max_tokens(),
+    )?;
+    if let Some(result) = runtime.block_on(resume::finished_result(&store, &fingerprint))? {
+        tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
+        return Ok(result);
+    }
     let encoded: Vec<Encoded> = prompts
         .par_iter()
         .enumerate()
@@ -172,13 +183,6 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             "prompts longer than the context window were truncated; the manifest lists them"
         );
     }
-    let fingerprint = fingerprint::plan_fingerprint(
-        plan,
-        &prompt_bytes,
-        &layers,
-        directions.as_ref(),
-        tokenizer.max_tokens(),
-    )?;
     let contents = if directions.is_some() {
         Contents::Projections
     } else {
@@ -186,10 +190,6 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     };
     let n_shards = shard_count(encoded.len(), plan.shard_size);
 
-    if let Some(result) = runtime.block_on(resume::finished_result(&store, &fingerprint))? {
-        tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
-        return Ok(result);
-    }
     let resumed = runtime.block_on(resume::resume_scan(&store, &fingerprint, n_shards))?;
     if !resumed.is_empty() {
         tracing::info!(
@@ -251,29 +251,28 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         source,
     })?;
     let save_s = save_s + finish_start.elapsed().as_secs_f64();
-    let upload_start = Instant::now();
     let shard_bytes: u64 = all.values().map(|r| r.bytes).sum();
+    let bytes_written = shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64;
+    let upload_start = Instant::now();
+    runtime.block_on(async {
+        store.put(STATS_FILE, Bytes::from(stats_bytes)).await?;
+        store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
+    })?;
     let result = RunResult {
         n_shards,
         layer_indices: layers.as_slice().to_vec(),
         tokens: manifest.total_tokens,
-        bytes_written: shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64,
+        bytes_written,
         contents,
         timings: Timings {
             load_s,
             forward_s,
             save_s,
-            upload_s,
+            upload_s: upload_s + upload_start.elapsed().as_secs_f64(),
         },
         output: plan.output.to_string(),
         resumed_shards,
     };
-    runtime.block_on(async {
-        store.put(STATS_FILE, Bytes::from(stats_bytes)).await?;
-        store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
-    })?;
-    let mut result = result;
-    result.timings.upload_s += upload_start.elapsed().as_secs_f64();
     let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
         path: RESULT_FILE.into(),
         source,
