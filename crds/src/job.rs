@@ -1,0 +1,307 @@
+//! The `HarvestJob` custom resource: one harvest, declared by a user, GitOps or the API.
+//!
+//! Only `suspend`, `cancel` (one way), `activeDeadlineSeconds`, `backoffLimit` and
+//! `ttlSecondsAfterFinished` may change after creation; the CEL rules in the schema say so and
+//! the apiserver enforces them.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// Failures caused by the job itself that are retried before it is marked failed.
+pub const DEFAULT_BACKOFF_LIMIT: i32 = 3;
+
+/// What to harvest, from where, into where, and within which limits.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "harvest.dev",
+    version = "v1alpha1",
+    kind = "HarvestJob",
+    namespaced,
+    shortname = "hj",
+    category = "harvest",
+    status = "HarvestJobStatus",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Model", type_ = "string", json_path = ".spec.model"),
+    printcolumn(
+        name = "Prompts",
+        type_ = "integer",
+        json_path = ".status.progress.promptsTotal"
+    ),
+    printcolumn(
+        name = "Tokens",
+        type_ = "integer",
+        json_path = ".status.tokens.charged"
+    ),
+    printcolumn(
+        name = "Progress",
+        type_ = "string",
+        json_path = ".status.progress.summary"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct HarvestJobSpec {
+    /// A model name from the operator's catalogue.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("model is immutable"))]
+    #[schemars(length(min = 1))]
+    pub model: String,
+    /// Where the prompts (and optional directions) are.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("input is immutable"))]
+    pub input: InputRef,
+    /// Layers, sharding and tokenizer options.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("harvest is immutable"))]
+    pub harvest: HarvestOptions,
+    /// Output prefix: `s3://bucket/prefix`, or an absolute path on the worker's volume.
+    #[x_kube(
+        validation = Rule::new("self == oldSelf").message("output is immutable"),
+        validation = Rule::new("self.startsWith('s3://') || self.startsWith('/')")
+            .message("output must be s3://bucket/prefix or an absolute path")
+    )]
+    pub output: String,
+    /// Most tokens the job may run; reserved against the lane's budget at admission.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("tokenBudget is immutable"))]
+    #[schemars(range(min = 1))]
+    pub token_budget: u64,
+    /// While true, the job is not started (and a running attempt is stopped).
+    #[serde(default)]
+    pub suspend: bool,
+    /// Set to true to cancel the job. It cannot be set back.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("!oldSelf || self").message("cancel cannot be undone"))]
+    pub cancel: bool,
+    /// Seconds the job may run, counted from its first start, before it fails.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Failures caused by the job (not by the infrastructure) retried before it fails.
+    #[serde(default = "default_backoff_limit")]
+    #[schemars(range(min = 0, max = 100))]
+    pub backoff_limit: i32,
+    /// Seconds after it finishes before the job is deleted. Unset keeps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i64>,
+    /// What happens to the output files when the job is deleted.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("outputRetention is immutable"))]
+    pub output_retention: OutputRetention,
+}
+
+fn default_backoff_limit() -> i32 {
+    DEFAULT_BACKOFF_LIMIT
+}
+
+/// Where a job's inputs are.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct InputRef {
+    /// Prompts file: `.jsonl`, `.json` or `.txt`, as `s3://bucket/key` or an absolute path.
+    #[x_kube(
+        validation = Rule::new("self.startsWith('s3://') || self.startsWith('/')")
+            .message("prompts must be s3://bucket/key or an absolute path")
+    )]
+    pub prompts: String,
+    /// Optional projection directions, `[n, hidden]` in `.safetensors` or `.npy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub directions: Option<String>,
+}
+
+/// Layers, sharding and tokenizer options.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!(has(self.layers) && self.allLayers)")
+        .message("give either layers or allLayers: true, not both")
+)]
+pub struct HarvestOptions {
+    /// Block indices to keep. Omitted (and `allLayers` false): the quartiles `[n/4, n/2, 3n/4]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub layers: Option<Vec<u32>>,
+    /// Keep every block.
+    #[serde(default)]
+    pub all_layers: bool,
+    /// Prompts per shard.
+    #[serde(default = "default_shard_size")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub shard_size: u32,
+    /// Whether the tokenizer adds its special tokens (BOS for Llama 3).
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+}
+
+impl Default for HarvestOptions {
+    fn default() -> Self {
+        Self {
+            layers: None,
+            all_layers: false,
+            shard_size: default_shard_size(),
+            add_special_tokens: true,
+        }
+    }
+}
+
+fn default_shard_size() -> u32 {
+    harvest_core::plan::DEFAULT_SHARD_SIZE as u32
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// What happens to a job's output files when the job is deleted.
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
+)]
+pub enum OutputRetention {
+    /// Files stay (the default): deleting the job never loses data.
+    #[default]
+    Retain,
+    /// Files are deleted with the job, by a finalizer.
+    Delete,
+}
+
+/// A job's phase, derived from its conditions for display.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobPhase {
+    /// Waiting for admission.
+    Pending,
+    /// Suspended by its owner.
+    Suspended,
+    /// Admitted; its Pod is starting or running.
+    Running,
+    /// Finished with files.
+    Succeeded,
+    /// Finished with an error.
+    Failed,
+    /// Cancelled by its owner.
+    Cancelled,
+}
+
+impl JobPhase {
+    /// The name as written in status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Suspended => "Suspended",
+            Self::Running => "Running",
+            Self::Succeeded => "Succeeded",
+            Self::Failed => "Failed",
+            Self::Cancelled => "Cancelled",
+        }
+    }
+}
+
+/// Observed state, written only by the operator (and progress by the job's own worker).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HarvestJobStatus {
+    /// Derived from the conditions, for display.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<JobPhase>,
+    /// `Admitted`, `Running` and `Finished`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// When the first attempt started (the deadline counts from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// When the job finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// Pods created so far.
+    #[serde(default)]
+    pub attempts: u32,
+    /// Failures that count against `backoffLimit`.
+    #[serde(default)]
+    pub failures: u32,
+    /// The lane the job was admitted to: `small` or `large`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lane: Option<String>,
+    /// Tokens held and charged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenUsage>,
+    /// How far the run is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// The current attempt's Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// What a successful run produced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<ResultSummary>,
+}
+
+/// Tokens reserved at admission and charged when the job ended. A set `charged` means the job
+/// has been settled, so a restarted operator never charges it twice.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenUsage {
+    /// Held while the job is admitted.
+    pub reserved: u64,
+    /// Settled once, when the job ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged: Option<u64>,
+}
+
+/// Progress, in shards and prompts.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    /// Shards written.
+    pub shards_done: u32,
+    /// Shards in the job (0 until known).
+    pub shards_total: u32,
+    /// Prompts in the job (0 until known).
+    pub prompts_total: u32,
+    /// A short line for `kubectl get`, like `3/8 shards`.
+    pub summary: String,
+}
+
+impl Progress {
+    /// Progress of `done` of `total` shards of a job with `prompts` prompts.
+    pub fn new(done: u32, total: u32, prompts: u32) -> Self {
+        Self {
+            shards_done: done,
+            shards_total: total,
+            prompts_total: prompts,
+            summary: format!("{done}/{total} shards"),
+        }
+    }
+}
+
+/// The summary of a successful run, from the worker's termination message.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ResultSummary {
+    /// Shards written.
+    pub n_shards: u32,
+    /// Prompts harvested.
+    pub prompts: u32,
+    /// Tokens run.
+    pub tokens: u64,
+    /// Bytes of shards, statistics and manifest.
+    pub bytes_written: u64,
+    /// Kept layers.
+    pub layers: Vec<u32>,
+    /// `activations` or `projections`.
+    pub contents: String,
+    /// Where the files are (the manifest is `manifest.json` under it).
+    pub output: String,
+}
+
+impl HarvestJob {
+    /// The job's status, or an empty one.
+    pub fn status_or_default(&self) -> HarvestJobStatus {
+        self.status.clone().unwrap_or_default()
+    }
+}

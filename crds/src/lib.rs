@@ -1,0 +1,38 @@
+//! `harvest-crds`: the Kubernetes wire types of harvest and their one-way conversion into `core`.
+//!
+//! This crate only describes: it holds the `HarvestJob` custom resource (spec, status,
+//! conditions, printer columns, CEL rules) and turns a spec into a validated
+//! [`harvest_core::RawPlan`]. It talks to no apiserver; the operator and the API do that.
+//!
+//! ```text
+//! HarvestJob (YAML / JSON, written by kubectl, GitOps or the API)
+//!        │ serde + the CRD schema's CEL rules (enforced by the apiserver)
+//!        ▼
+//! HarvestJobSpec ──validate(&ModelShape)──► ValidJob { plan: RawPlan, lane, budget, … }
+//! HarvestJobStatus ◄── conditions::set(...) ── the operator's decisions
+//! ```
+//!
+//! `cargo run -p harvest-crds --bin crdgen` prints the CRD YAML that `manifests/` commits.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod conditions;
+pub mod job;
+pub mod validate;
+
+pub use job::{
+    HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
+    OutputRetention, Progress, ResultSummary, TokenUsage,
+};
+pub use validate::{ModelShape, SpecError, ValidJob};
+
+/// The API group the project owns.
+pub const GROUP: &str = "harvest.dev";
+
+/// Every CRD of the project, in the order `crdgen` prints them.
+pub fn all_crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    use kube::CustomResourceExt;
+    vec![HarvestJob::crd()]
+}
