@@ -83,13 +83,16 @@ enum Command {
 #[derive(Debug, Args)]
 struct RunArgs {
     /// A JSON plan (as the API and the operator write it); the flags below are ignored.
-    #[arg(long, conflicts_with_all = ["model", "prompts", "out"])]
+    #[arg(long, conflicts_with_all = ["model", "prompts", "out", "plan_json"])]
     plan: Option<PathBuf>,
+    /// The same JSON plan inline (how the operator passes it in a Pod's args).
+    #[arg(long, conflicts_with_all = ["model", "prompts", "out"])]
+    plan_json: Option<String>,
     /// Checkpoint directory.
-    #[arg(long, required_unless_present = "plan")]
+    #[arg(long, required_unless_present_any = ["plan", "plan_json"])]
     model: Option<String>,
     /// Prompts: .jsonl ({"text": ...} per line), .json (list of strings) or .txt; path or s3://.
-    #[arg(long, required_unless_present = "plan")]
+    #[arg(long, required_unless_present_any = ["plan", "plan_json"])]
     prompts: Option<String>,
     /// Layers to keep: a list such as 8,16,24, all, or quartiles (the default).
     #[arg(long, default_value = "quartiles")]
@@ -107,7 +110,7 @@ struct RunArgs {
     #[arg(long)]
     no_special_tokens: bool,
     /// Output directory or s3://bucket/prefix.
-    #[arg(long, required_unless_present = "plan")]
+    #[arg(long, required_unless_present_any = ["plan", "plan_json"])]
     out: Option<String>,
     /// The model's name in the manifest (default: the checkpoint directory's name).
     #[arg(long)]
@@ -127,6 +130,9 @@ impl RunArgs {
                 .with_context(|| format!("reading plan {}", path.display()))?;
             return serde_json::from_str(&text)
                 .with_context(|| format!("invalid plan {}", path.display()));
+        }
+        if let Some(text) = &self.plan_json {
+            return serde_json::from_str(text).context("invalid --plan-json");
         }
         Ok(RawPlan {
             model: self.model.clone().unwrap_or_default(),

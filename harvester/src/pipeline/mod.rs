@@ -260,6 +260,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     })?;
     let result = RunResult {
         n_shards,
+        n_prompts: manifest.n_prompts,
         layer_indices: layers.as_slice().to_vec(),
         tokens: manifest.total_tokens,
         bytes_written,

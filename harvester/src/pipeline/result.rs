@@ -27,6 +27,9 @@ pub struct Timings {
 pub struct RunResult {
     /// Shards in the output.
     pub n_shards: usize,
+    /// Prompts harvested.
+    #[serde(default)]
+    pub n_prompts: usize,
     /// Kept layers, ascending.
     pub layer_indices: Vec<usize>,
     /// Tokens run, over all prompts.

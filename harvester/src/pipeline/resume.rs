@@ -35,6 +35,7 @@ pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<
     }
     Ok(Some(RunResult {
         n_shards: manifest.shards.len(),
+        n_prompts: manifest.n_prompts,
         layer_indices: manifest.layer_indices,
         tokens: manifest.total_tokens,
         bytes_written: manifest.shards.iter().map(|s| s.bytes).sum(),

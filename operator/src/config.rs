@@ -1,0 +1,193 @@
+//! The operator's configuration file (a ConfigMap in the cluster): the model catalogue with the
+//! Pod shape of each model, lane capacities, and timings. Parsed strictly, validated once.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use harvest_core::quota::Lane;
+use harvest_crds::ModelShape;
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use serde::Deserialize;
+
+use crate::error::Error;
+
+/// One model of the catalogue and the Pod that runs it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CatalogueEntry {
+    /// The name jobs use.
+    pub name: String,
+    /// The checkpoint directory inside the image (or a mounted volume).
+    pub path: String,
+    /// Decoder blocks, for validating `layers` before anything runs.
+    pub num_layers: usize,
+    /// Its concurrency lane.
+    pub lane: Lane,
+    /// The harvester image.
+    pub image: String,
+    /// GPUs per Pod, requested as `nvidia.com/gpu`. 0 runs on the CPU.
+    #[serde(default)]
+    pub gpus: u32,
+    /// Where the Pod may run.
+    #[serde(default)]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the Pod tolerates.
+    #[serde(default)]
+    pub tolerations: Vec<Toleration>,
+    /// CPU and memory; the GPU count is added to the limits.
+    #[serde(default)]
+    pub resources: ResourceRequirements,
+}
+
+impl CatalogueEntry {
+    /// What spec validation needs.
+    pub fn shape(&self) -> ModelShape {
+        ModelShape { path: self.path.clone(), num_layers: self.num_layers, lane: self.lane }
+    }
+}
+
+/// How many admitted jobs may run at once in each lane.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LaneCapacity {
+    /// Single-GPU jobs.
+    pub small: u32,
+    /// Multi-GPU jobs.
+    pub large: u32,
+}
+
+impl LaneCapacity {
+    /// The capacity of `lane`.
+    pub fn of(self, lane: Lane) -> u32 {
+        match lane {
+            Lane::Small => self.small,
+            Lane::Large => self.large,
+        }
+    }
+}
+
+/// The configuration file.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OperatorConfig {
+    /// The models jobs may name.
+    pub models: Vec<CatalogueEntry>,
+    /// Lane capacities, cluster-wide.
+    pub lanes: LaneCapacity,
+    /// The service account harvester Pods run as.
+    #[serde(default = "default_service_account")]
+    pub worker_service_account: String,
+    /// A Secret whose keys become the worker's environment (S3 credentials).
+    #[serde(default)]
+    pub worker_env_secret: Option<String>,
+    /// Extra arguments for the harvester (`--threads 8`, say).
+    #[serde(default)]
+    pub worker_extra_args: Vec<String>,
+    /// Seconds before a failed attempt is retried; doubles per counted failure, capped at 300.
+    #[serde(default = "default_retry_base")]
+    pub retry_base_seconds: u64,
+    /// Infrastructure failures (evictions, lost nodes) retried before the job fails.
+    #[serde(default = "default_infra_retries")]
+    pub max_infrastructure_retries: u32,
+    /// Seconds a waiting job sleeps between admission checks.
+    #[serde(default = "default_admission_poll")]
+    pub admission_poll_seconds: u64,
+    /// Seconds the output-cleanup finalizer may try before it gives up and lets the job go.
+    #[serde(default = "default_cleanup_timeout")]
+    pub cleanup_timeout_seconds: u64,
+}
+
+fn default_service_account() -> String {
+    "harvest-worker".into()
+}
+fn default_retry_base() -> u64 {
+    10
+}
+fn default_infra_retries() -> u32 {
+    10
+}
+fn default_admission_poll() -> u64 {
+    5
+}
+fn default_cleanup_timeout() -> u64 {
+    300
+}
+
+impl OperatorConfig {
+    /// Reads and checks a YAML or JSON file.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Config { path: path.display().to_string(), reason: source.to_string() })?;
+        Self::parse(&text).map_err(|reason| Error::Config { path: path.display().to_string(), reason })
+    }
+
+    /// Parses and checks the configuration text (YAML is a superset of JSON).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let config: Self = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        let mut names = std::collections::BTreeSet::new();
+        for model in &config.models {
+            if !names.insert(model.name.as_str()) {
+                return Err(format!("model {:?} is listed twice: give each catalogue entry its own name", model.name));
+            }
+            if model.num_layers == 0 {
+                return Err(format!("model {:?} has numLayers 0: give its decoder block count", model.name));
+            }
+        }
+        if config.models.is_empty() {
+            return Err("the catalogue is empty: list at least one model under models".into());
+        }
+        Ok(config)
+    }
+
+    /// The catalogue entry named `name`.
+    pub fn model(&self, name: &str) -> Option<&CatalogueEntry> {
+        self.models.iter().find(|m| m.name == name)
+    }
+
+    /// The names in the catalogue.
+    pub fn model_names(&self) -> Vec<String> {
+        self.models.iter().map(|m| m.name.clone()).collect()
+    }
+
+    /// Delay before retrying after `failures` counted failures.
+    pub fn retry_delay(&self, failures: u32) -> Duration {
+        let factor = 1u64 << failures.saturating_sub(1).min(8);
+        Duration::from_secs((self.retry_base_seconds * factor).min(300))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+models:
+  - name: smollm2-135m
+    path: /models/smollm2-135m
+    numLayers: 30
+    lane: small
+    image: ghcr.io/harvest/harvester:0.1.0
+    gpus: 1
+    nodeSelector: {nvidia.com/gpu.product: NVIDIA-H200}
+lanes: {small: 2, large: 1}
+"#;
+
+    #[test]
+    fn a_catalogue_parses_with_defaults() {
+        let config = OperatorConfig::parse(EXAMPLE).unwrap();
+        assert_eq!(config.model("smollm2-135m").unwrap().gpus, 1);
+        assert_eq!(config.worker_service_account, "harvest-worker");
+        assert_eq!(config.retry_delay(1), Duration::from_secs(10));
+        assert_eq!(config.retry_delay(3), Duration::from_secs(40));
+        assert_eq!(config.retry_delay(30), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn unknown_keys_and_duplicate_models_are_refused_by_name() {
+        let typo = EXAMPLE.replace("lanes:", "lane:");
+        assert!(OperatorConfig::parse(&typo).unwrap_err().contains("lane"));
+        let twice = format!("{EXAMPLE}\n").replace("lanes:", "  - {name: smollm2-135m, path: /m, numLayers: 1, lane: small, image: i}\nlanes:");
+        assert!(OperatorConfig::parse(&twice).unwrap_err().contains("listed twice"), "{}", OperatorConfig::parse(&twice).unwrap_err());
+    }
+}

@@ -1,0 +1,382 @@
+//! The reconcile decision, pure: what the job's status should say and what to do, given the job,
+//! its spec check, its current Pod, the admission verdict and the time. Charges come from
+//! `core::lifecycle::next`, the table the embedded backend applies too.
+//!
+//! ```text
+//! finished? ── TTL ──► delete job
+//! invalid spec / cancel / deadline ──► Finished (Failed / Cancelled), stop the Pod
+//! suspended ──► release the slot, stop the Pod
+//! not admitted ──► admission verdict: wait, or admit (reserve tokens)
+//! admitted ──► no Pod: create attempt n+1 │ Pod running │ succeeded: Finished, charge tokens run
+//!                                         │ failed: input → Failed; job → retry (counted, backoff);
+//!                                         │         infrastructure → retry (not counted)
+//! ```
+
+use std::time::Duration;
+
+use harvest_core::lifecycle::{self, JobEvent, JobStatus, Transition};
+use harvest_crds::conditions::{self, ADMITTED, ConditionUpdate, FINISHED, RUNNING};
+use harvest_crds::{HarvestJob, HarvestJobStatus, JobPhase, Progress, SpecError, TokenUsage};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::ResourceExt;
+
+use crate::admission::Admission;
+use crate::pod::{Blame, Failure, PodState, pod_name};
+
+/// The limits `decide` applies, from the operator's configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// Base delay before retrying a counted failure (doubles per failure, capped at 300 s).
+    pub retry_base: Duration,
+    /// Infrastructure failures retried before the job fails.
+    pub max_infrastructure_retries: u32,
+    /// How often a waiting job checks for a slot again.
+    pub admission_poll: Duration,
+}
+
+impl Policy {
+    fn retry_delay(&self, failures: u32) -> Duration {
+        let factor = 1u32 << failures.saturating_sub(1).min(8);
+        (self.retry_base * factor).min(Duration::from_secs(300))
+    }
+}
+
+/// What the reconcile observed.
+#[derive(Debug, Clone)]
+pub struct Observed<'a> {
+    /// The job.
+    pub job: &'a HarvestJob,
+    /// The spec check: `Ok` with the tokens to reserve, or why it cannot run.
+    pub spec: Result<u64, SpecError>,
+    /// The current attempt's Pod (`status.pod`), if it exists.
+    pub pod: Option<PodState>,
+    /// The admission verdict, consulted only while the job waits.
+    pub admission: Admission,
+    /// The lane the job would run in (`small` or `large`).
+    pub lane: Option<String>,
+    /// Now.
+    pub now: Timestamp,
+}
+
+/// Something the shell does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Create attempt `attempt`'s Pod, with `deadline_seconds` left of the job's deadline.
+    CreatePod {
+        /// The 1-based attempt.
+        attempt: u32,
+        /// Seconds left, for the Pod's own `activeDeadlineSeconds`.
+        deadline_seconds: Option<i64>,
+    },
+    /// Delete this Pod.
+    DeletePod(String),
+    /// Delete the job (its TTL ran out).
+    DeleteJob,
+    /// Record an Event on the job.
+    Event {
+        /// Warning rather than Normal.
+        warning: bool,
+        /// CamelCase reason.
+        reason: String,
+        /// A sentence.
+        note: String,
+    },
+}
+
+/// The decision: the status to write (if it differs), actions in order, and when to look again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The status the job should have.
+    pub status: HarvestJobStatus,
+    /// What to do, in order.
+    pub actions: Vec<Action>,
+    /// Reconcile again after this long even if nothing changes.
+    pub requeue_after: Option<Duration>,
+}
+
+/// How a job ends.
+enum Outcome {
+    Succeeded(Option<harvest_crds::ResultSummary>),
+    Failed { reason: String, message: String },
+    Cancelled,
+}
+
+struct Builder<'a> {
+    observed: &'a Observed<'a>,
+    now: Time,
+    old: HarvestJobStatus,
+    status: HarvestJobStatus,
+    actions: Vec<Action>,
+    requeue_after: Option<Duration>,
+}
+
+/// Decides one reconcile.
+pub fn decide(observed: &Observed<'_>, policy: &Policy) -> Decision {
+    let old = observed.job.status_or_default();
+    let mut b = Builder {
+        observed,
+        now: Time(observed.now),
+        status: HarvestJobStatus { observed_generation: observed.job.metadata.generation, ..old.clone() },
+        old,
+        actions: Vec::new(),
+        requeue_after: None,
+    };
+    b.run(policy);
+    b.status.phase = Some(phase(&b.status, observed.job.spec.suspend));
+    Decision { status: b.status, actions: b.actions, requeue_after: b.requeue_after }
+}
+
+impl Builder<'_> {
+    fn run(&mut self, policy: &Policy) {
+        let job = self.observed.job;
+        let spec = &job.spec;
+        if conditions::is_true(&self.old.conditions, FINISHED) {
+            return self.after_finish();
+        }
+        let reserved = match &self.observed.spec {
+            Ok(tokens) => *tokens,
+            Err(error) => {
+                let outcome = Outcome::Failed { reason: error.reason().into(), message: error.to_string() };
+                return self.finish(outcome);
+            }
+        };
+        if spec.cancel {
+            return self.finish(Outcome::Cancelled);
+        }
+        if let Some(left) = self.deadline_left()
+            && left <= 0
+        {
+            let limit = spec.active_deadline_seconds.unwrap_or_default();
+            let message = format!("the job ran past activeDeadlineSeconds ({limit} s)");
+            return self.finish(Outcome::Failed { reason: "DeadlineExceeded".into(), message });
+        }
+        let admitted = conditions::is_true(&self.old.conditions, ADMITTED);
+        if spec.suspend {
+            return self.suspend(admitted);
+        }
+        if !admitted {
+            match &self.observed.admission {
+                Admission::Wait { reason, message } => {
+                    self.set(ADMITTED, false, reason, message.clone());
+                    self.requeue_after = Some(policy.admission_poll);
+                    return;
+                }
+                Admission::Admit => {
+                    let lane = self.observed.lane.clone().unwrap_or_default();
+                    self.set(ADMITTED, true, "Admitted", format!("admitted to the {lane} lane, holding {reserved} tokens"));
+                    self.status.lane = self.observed.lane.clone();
+                    self.status.tokens = Some(TokenUsage { reserved, charged: None });
+                    self.event(false, "Admitted", format!("admitted to the {lane} lane"));
+                }
+            }
+        }
+        self.drive(policy);
+    }
+
+    /// An admitted job: start, watch or retry its Pod.
+    fn drive(&mut self, policy: &Policy) {
+        let attempts = self.old.attempts;
+        let infra_retries = attempts.saturating_sub(1 + self.old.failures);
+        match self.observed.pod.clone() {
+            None if attempts == 0 || self.old.pod.is_none() => self.start_attempt(0),
+            None => {
+                let failure = Failure {
+                    blame: Blame::Infrastructure,
+                    reason: "PodLost".into(),
+                    message: format!("Pod {} disappeared before it finished", self.old.pod.clone().unwrap_or_default()),
+                };
+                self.retry(failure, None, infra_retries, policy);
+            }
+            Some(PodState::Starting { waiting: Some((reason, message)) }) => {
+                self.set(RUNNING, false, &reason, message);
+            }
+            Some(PodState::Starting { waiting: None }) => {
+                self.set(RUNNING, true, "PodStarting", format!("attempt {attempts} is starting"));
+            }
+            Some(PodState::Running) => {
+                self.set(RUNNING, true, "PodRunning", format!("attempt {attempts} is running"));
+            }
+            Some(PodState::Terminating) => {}
+            Some(PodState::Succeeded { result }) => self.finish(Outcome::Succeeded(result)),
+            Some(PodState::Failed { failure, finished_at }) => self.retry(failure, finished_at, infra_retries, policy),
+        }
+        if let Some(left) = self.deadline_left()
+            && !self.finished()
+        {
+            let wake = Duration::from_secs(left.max(1) as u64);
+            self.requeue_after = Some(self.requeue_after.map_or(wake, |r| r.min(wake)));
+        }
+    }
+
+    fn retry(&mut self, failure: Failure, finished_at: Option<Time>, infra_retries: u32, policy: &Policy) {
+        let attempt = self.old.attempts;
+        let spec = &self.observed.job.spec;
+        match failure.blame {
+            Blame::Input => self.finish(Outcome::Failed { reason: failure.reason, message: failure.message }),
+            Blame::Infrastructure if infra_retries >= policy.max_infrastructure_retries => {
+                let message = format!("{}; {infra_retries} infrastructure retries used up", failure.message);
+                self.finish(Outcome::Failed { reason: "InfrastructureRetriesExhausted".into(), message });
+            }
+            Blame::Infrastructure => {
+                self.event(true, &failure.reason, format!("attempt {attempt}: {}; retrying (not counted against backoffLimit)", failure.message));
+                self.start_attempt(0);
+            }
+            Blame::Job if i64::from(self.old.failures) + 1 > i64::from(spec.backoff_limit) => {
+                let message = format!("attempt {attempt} failed ({}: {}); backoffLimit {} reached", failure.reason, failure.message, spec.backoff_limit);
+                self.finish(Outcome::Failed { reason: "BackoffLimitExceeded".into(), message });
+            }
+            Blame::Job => {
+                let delay = policy.retry_delay(self.old.failures + 1);
+                let failed_at = finished_at.map_or(self.observed.now, |t| t.0);
+                let ready = failed_at + SignedDuration::try_from(delay).unwrap_or_default();
+                if self.observed.now < ready {
+                    let wait = self.observed.now.duration_until(ready);
+                    let message = format!("attempt {attempt} failed: {}; retrying in {} s", failure.message, wait.as_secs());
+                    self.set(RUNNING, false, &failure.reason, message);
+                    self.requeue_after = Some(Duration::try_from(wait).unwrap_or(delay));
+                } else {
+                    self.event(true, &failure.reason, format!("attempt {attempt} failed: {}; retrying", failure.message));
+                    self.start_attempt(1);
+                }
+            }
+        }
+    }
+
+    /// Starts the next attempt; `counted` is 1 when the previous attempt's failure counts.
+    fn start_attempt(&mut self, counted: u32) {
+        let attempt = self.old.attempts + 1;
+        self.status.attempts = attempt;
+        self.status.failures = self.old.failures + counted;
+        self.status.pod = Some(pod_name(&self.observed.job.name_any(), attempt));
+        if self.status.start_time.is_none() {
+            self.status.start_time = Some(self.now.clone());
+        }
+        if self.status.progress.is_none() {
+            self.status.progress = Some(Progress::new(0, 0, 0));
+        }
+        self.set(RUNNING, true, "PodCreated", format!("attempt {attempt} created"));
+        self.actions.push(Action::CreatePod { attempt, deadline_seconds: self.deadline_left() });
+    }
+
+    fn suspend(&mut self, admitted: bool) {
+        if let Some(pod) = self.live_pod() {
+            self.actions.push(Action::DeletePod(pod));
+        }
+        if admitted {
+            self.event(false, "Suspended", "suspended: the Pod is stopped and the lane slot released".into());
+            self.status.tokens = None;
+            self.status.pod = None;
+        }
+        self.set(ADMITTED, false, "Suspended", "the job is suspended; set spec.suspend to false to queue it".into());
+        if conditions::get(&self.status.conditions, RUNNING).is_some() {
+            self.set(RUNNING, false, "Suspended", "the job is suspended".into());
+        }
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        let reserved = self.old.tokens.map_or(0, |t| t.reserved);
+        let started = self.old.attempts > 0;
+        let (event, phase_reason, message, warning) = match &outcome {
+            Outcome::Succeeded(result) => (
+                JobEvent::Succeeded { tokens: result.as_ref().map_or(reserved, |r| r.tokens) },
+                "Succeeded".to_owned(),
+                "the harvest finished; the manifest is written".to_owned(),
+                false,
+            ),
+            Outcome::Failed { reason, message } => (JobEvent::Failed, reason.clone(), message.clone(), true),
+            Outcome::Cancelled => (JobEvent::Cancel, "Cancelled".to_owned(), "cancelled by its owner".to_owned(), false),
+        };
+        let from = if started { JobStatus::Running } else { JobStatus::Pending };
+        let charge = match lifecycle::next(from, reserved, event) {
+            Ok(Transition::To { charge, .. }) => charge.unwrap_or(0),
+            Ok(Transition::Unchanged) | Err(_) => 0,
+        };
+        if let Some(tokens) = &mut self.status.tokens {
+            tokens.charged = Some(charge);
+        }
+        if let Outcome::Succeeded(Some(result)) = outcome {
+            self.status.progress = Some(Progress::new(result.n_shards, result.n_shards, result.prompts));
+            self.status.result = Some(result);
+        }
+        if let Some(pod) = self.live_pod() {
+            self.actions.push(Action::DeletePod(pod));
+        }
+        self.status.completion_time = Some(self.now.clone());
+        if conditions::get(&self.status.conditions, RUNNING).is_some() {
+            self.set(RUNNING, false, "Finished", "the job has finished".into());
+        }
+        self.set(FINISHED, true, &phase_reason, message.clone());
+        self.event(warning, &phase_reason, message);
+        self.schedule_ttl();
+    }
+
+    fn after_finish(&mut self) {
+        if let Some(pod) = self.live_pod() {
+            self.actions.push(Action::DeletePod(pod));
+        }
+        self.schedule_ttl();
+    }
+
+    fn schedule_ttl(&mut self) {
+        let (Some(ttl), Some(done)) = (self.observed.job.spec.ttl_seconds_after_finished, &self.status.completion_time) else {
+            return;
+        };
+        let expires = done.0 + SignedDuration::from_secs(ttl);
+        if self.observed.now >= expires {
+            self.actions.push(Action::DeleteJob);
+        } else {
+            let wait = self.observed.now.duration_until(expires);
+            self.requeue_after = Some(Duration::try_from(wait).unwrap_or(Duration::from_secs(1)));
+        }
+    }
+
+    /// Seconds left of the deadline, counted from the first start; `None` without a deadline.
+    fn deadline_left(&self) -> Option<i64> {
+        let limit = self.observed.job.spec.active_deadline_seconds?;
+        let start = self.status.start_time.as_ref()?;
+        Some(limit - self.observed.now.duration_since(start.0).as_secs())
+    }
+
+    fn live_pod(&self) -> Option<String> {
+        match self.observed.pod {
+            Some(PodState::Starting { .. } | PodState::Running) => self.old.pod.clone(),
+            _ => None,
+        }
+    }
+
+    fn finished(&self) -> bool {
+        conditions::is_true(&self.status.conditions, FINISHED)
+    }
+
+    fn set(&mut self, type_: &str, status: bool, reason: &str, message: String) {
+        let update = ConditionUpdate { type_, status, reason, message };
+        conditions::set(&mut self.status.conditions, update, self.observed.job.metadata.generation, &self.now);
+    }
+
+    fn event(&mut self, warning: bool, reason: &str, note: String) {
+        self.actions.push(Action::Event { warning, reason: reason.to_owned(), note });
+    }
+}
+
+/// The display phase, derived from the conditions.
+pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
+    if let Some(finished) = conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True") {
+        return match finished.reason.as_str() {
+            "Succeeded" => JobPhase::Succeeded,
+            "Cancelled" => JobPhase::Cancelled,
+            _ => JobPhase::Failed,
+        };
+    }
+    if suspend {
+        JobPhase::Suspended
+    } else if conditions::is_true(&status.conditions, ADMITTED) {
+        JobPhase::Running
+    } else {
+        JobPhase::Pending
+    }
+}
+
+#[cfg(test)]
+#[path = "decide_tests.rs"]
+mod tests;

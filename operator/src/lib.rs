@@ -1,0 +1,124 @@
+//! `harvest-operator`: the Kubernetes controller that runs `HarvestJob`s.
+//!
+//! It observes each job and its Pod, asks the pure [`decide`] module what the job's status
+//! should be and what to do, and applies that: admitting jobs into lanes in creation order,
+//! creating one Pod per attempt, reading the result from the Pod's termination message,
+//! retrying what the infrastructure broke, and deleting what a TTL or a finalizer says.
+//! It never depends on axum or cudarc.
+//!
+//! ```text
+//! watch HarvestJobs + owned Pods ─► reconcile (shell) ─► decide (pure) ─► apply: Pod create/delete,
+//!        ▲                              │  admission (pure queue)          status replace (resourceVersion),
+//!        └──── status, Events ◄─────────┘  pod::observe (pure)             Events, TTL delete
+//! ```
+#![forbid(unsafe_code)]
+
+pub mod admission;
+pub mod cleanup;
+pub mod config;
+pub mod decide;
+pub mod error;
+pub mod leader;
+pub mod metrics;
+pub mod pod;
+pub mod reconcile;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use harvest_crds::HarvestJob;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::Controller;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use tracing::info;
+
+pub use config::OperatorConfig;
+pub use error::{Error, Result};
+
+/// Where the leader Lease lives and who this replica is.
+#[derive(Debug, Clone)]
+pub struct LeaderElection {
+    /// The Lease's namespace.
+    pub namespace: String,
+    /// The Lease's name.
+    pub lease: String,
+    /// This replica (its Pod name).
+    pub identity: String,
+    /// How long a hold lasts unless renewed.
+    pub duration: Duration,
+}
+
+/// Everything `run` needs besides the client.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Catalogue and limits.
+    pub config: OperatorConfig,
+    /// Where to serve `/metrics` and `/healthz`.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Leader election; `None` runs without (one replica only).
+    pub leader: Option<LeaderElection>,
+    /// The reporter name on Events.
+    pub instance: String,
+}
+
+/// Runs the controller until `shutdown` resolves or leadership is lost.
+pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Output = ()> + Send + Sync + 'static) -> Result<()> {
+    let leadership = match &settings.leader {
+        Some(leader) => {
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &leader.namespace);
+            Some(leader::Leadership::acquire(leases, &leader.lease, &leader.identity, leader.duration).await?)
+        }
+        None => None,
+    };
+    let pods: Api<Pod> = Api::all(client.clone());
+    let (managed_key, managed_value) = pod::MANAGED_BY;
+    let controller = Controller::new(Api::<HarvestJob>::all(client.clone()), watcher::Config::default().any_semantic())
+        .owns(pods, watcher::Config::default().labels(&format!("{managed_key}={managed_value}")));
+    let metrics = metrics::Metrics::default();
+    let jobs = controller.store();
+    let metrics_task = match settings.metrics_addr {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::Config {
+                path: "--metrics-addr".into(),
+                reason: format!("cannot listen on {addr}: {e}"),
+            })?;
+            Some(tokio::spawn(metrics::serve(listener, metrics.clone(), jobs.clone())))
+        }
+        None => None,
+    };
+    let reporter = Reporter { controller: "harvest-operator".into(), instance: Some(settings.instance.clone()) };
+    let context = Arc::new(reconcile::Context {
+        client: client.clone(),
+        config: settings.config,
+        recorder: Recorder::new(client, reporter),
+        metrics,
+        jobs,
+        admitting: Mutex::new(HashSet::new()),
+    });
+    info!("controller started");
+    let running = controller
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile::reconcile, reconcile::error_policy, context)
+        .for_each(|_| futures::future::ready(()));
+    let outcome = match leadership {
+        Some(leadership) => tokio::select! {
+            () = running => Ok(()),
+            lost = leadership.keep() => Err(lost),
+        },
+        None => {
+            running.await;
+            Ok(())
+        }
+    };
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
+    outcome
+}

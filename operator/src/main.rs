@@ -1,0 +1,52 @@
+//! The operator binary: parse flags, set up tracing, run the controller.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use harvest_operator::{LeaderElection, OperatorConfig, Settings};
+
+/// Runs HarvestJobs on Kubernetes.
+#[derive(Debug, Parser)]
+struct Cli {
+    /// The catalogue and limits (YAML or JSON).
+    #[arg(long, env = "HARVEST_OPERATOR_CONFIG")]
+    config: PathBuf,
+    /// Where to serve /metrics and /healthz.
+    #[arg(long, env = "HARVEST_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    metrics_addr: SocketAddr,
+    /// The namespace of the leader Lease; without it the operator runs without election.
+    #[arg(long, env = "HARVEST_LEASE_NAMESPACE")]
+    lease_namespace: Option<String>,
+    /// This replica's identity (its Pod name).
+    #[arg(long, env = "POD_NAME", default_value = "harvest-operator")]
+    identity: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
+    let cli = Cli::parse();
+    let config = OperatorConfig::load(&cli.config)?;
+    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+    let settings = Settings {
+        config,
+        metrics_addr: Some(cli.metrics_addr),
+        leader: cli.lease_namespace.map(|namespace| LeaderElection {
+            namespace,
+            lease: "harvest-operator".into(),
+            identity: cli.identity.clone(),
+            duration: Duration::from_secs(15),
+        }),
+        instance: cli.identity,
+    };
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    harvest_operator::run(client, settings, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! Prometheus metrics and the operator's small HTTP endpoint (`/metrics`, `/healthz`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use harvest_crds::HarvestJob;
+use kube::runtime::reflector::Store;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabel {
+    error: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
+}
+
+/// The operator's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    reconciles: Counter,
+    failures: Family<ErrorLabel, Counter>,
+    duration: Histogram,
+    admission_wait: Histogram,
+    jobs: Family<PhaseLabel, Gauge>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("harvest_operator");
+        let reconciles = Counter::default();
+        let failures = Family::<ErrorLabel, Counter>::default();
+        let duration = Histogram::new([0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]);
+        let admission_wait = Histogram::new([1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0]);
+        let jobs = Family::<PhaseLabel, Gauge>::default();
+        registry.register("reconciles", "Reconciles run", reconciles.clone());
+        registry.register("reconcile_failures", "Reconciles that failed, by error", failures.clone());
+        registry.register("reconcile_duration_seconds", "Time per reconcile", duration.clone());
+        registry.register("admission_wait_seconds", "Time from creation to admission", admission_wait.clone());
+        registry.register("jobs", "Jobs by phase", jobs.clone());
+        Self { registry: Arc::new(registry), reconciles, failures, duration, admission_wait, jobs }
+    }
+}
+
+/// Observes a reconcile's duration when dropped.
+#[derive(Debug)]
+pub struct ReconcileTimer {
+    start: Instant,
+    duration: Histogram,
+}
+
+impl Drop for ReconcileTimer {
+    fn drop(&mut self) {
+        self.duration.observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Metrics {
+    /// Counts a reconcile and times it.
+    pub fn reconcile_started(&self) -> ReconcileTimer {
+        self.reconciles.inc();
+        ReconcileTimer { start: Instant::now(), duration: self.duration.clone() }
+    }
+
+    /// Counts a failed reconcile.
+    pub fn reconcile_failed(&self, error: &'static str) {
+        self.failures.get_or_create(&ErrorLabel { error }).inc();
+    }
+
+    /// Records how long a job waited for admission.
+    pub fn admitted(&self, waited_seconds: f64) {
+        self.admission_wait.observe(waited_seconds.max(0.0));
+    }
+
+    /// The text exposition, with the jobs-by-phase gauge taken from the cache now.
+    pub fn render(&self, jobs: &Store<HarvestJob>) -> String {
+        let phases = ["Pending", "Suspended", "Running", "Succeeded", "Failed", "Cancelled"];
+        let mut counts = [0i64; 6];
+        for job in jobs.state() {
+            let phase = job.status.as_ref().and_then(|s| s.phase).map_or("Pending", |p| p.as_str());
+            if let Some(i) = phases.iter().position(|p| *p == phase) {
+                counts[i] += 1;
+            }
+        }
+        for (phase, count) in phases.iter().zip(counts) {
+            self.jobs.get_or_create(&PhaseLabel { phase }).set(count);
+        }
+        let mut text = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// Serves `GET /metrics` and `GET /healthz` on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, metrics: Metrics, jobs: Store<HarvestJob>) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        let jobs = jobs.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let n = stream.read(&mut buf).await.unwrap_or(0);
+            let request = String::from_utf8_lossy(&buf[..n]);
+            let path = request.split_whitespace().nth(1).unwrap_or("/");
+            let (status, body) = match path {
+                "/metrics" => ("200 OK", metrics.render(&jobs)),
+                "/healthz" | "/readyz" => ("200 OK", "ok\n".to_owned()),
+                _ => ("404 Not Found", "not found: try /metrics or /healthz\n".to_owned()),
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}

@@ -1,0 +1,284 @@
+//! The reconcile shell: observe (the job from the cache, its Pod from the apiserver, the lane
+//! queue from the cache), call [`decide`], and apply the decision. The only module besides
+//! `leader` and `cleanup` that talks to the outside.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use harvest_crds::conditions::{self, ADMITTED, FINISHED};
+use harvest_crds::{HarvestJob, OutputRetention, SpecError};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action as Requeue;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::Store;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, instrument, warn};
+
+use crate::admission::{self, Admission, QueueEntry, QueueState};
+use crate::cleanup;
+use crate::config::OperatorConfig;
+use crate::decide::{Action, Observed, Policy, decide};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::pod::{observe, render};
+
+/// The finalizer that deletes a job's outputs when its retention is `Delete`.
+pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
+/// The field manager of the operator's writes.
+const MANAGER: &str = "harvest-operator";
+
+/// What every reconcile shares.
+pub struct Context {
+    /// The apiserver.
+    pub client: Client,
+    /// The catalogue and limits.
+    pub config: OperatorConfig,
+    /// Event publisher.
+    pub recorder: Recorder,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// The controller's cache of every job (the admission queue).
+    pub jobs: Store<HarvestJob>,
+    /// Jobs admitted by this process that the cache may not show yet, so two concurrent
+    /// reconciles never both take the last slot of a lane.
+    pub admitting: Mutex<HashSet<String>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    fn policy(&self) -> Policy {
+        Policy {
+            retry_base: Duration::from_secs(self.config.retry_base_seconds),
+            max_infrastructure_retries: self.config.max_infrastructure_retries,
+            admission_poll: Duration::from_secs(self.config.admission_poll_seconds),
+        }
+    }
+
+    /// The spec check: the catalogue entry and the validated job, or why it cannot run.
+    fn check(&self, job: &HarvestJob) -> Result<harvest_crds::ValidJob, SpecError> {
+        let entry = self.config.model(&job.spec.model).ok_or_else(|| SpecError::UnknownModel {
+            model: job.spec.model.clone(),
+            known: self.config.model_names(),
+        })?;
+        job.spec.validate(&entry.shape())
+    }
+
+    /// The admission verdict for a waiting job; remembers an admission until the cache has it.
+    fn admit(&self, job: &HarvestJob, lane: harvest_core::quota::Lane, now: Timestamp) -> Admission {
+        let key = key(job);
+        let mut admitting = self.admitting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut entries = Vec::new();
+        for other in self.jobs.state() {
+            let other_key = key_of(&other);
+            let Some(entry) = self.config.model(&other.spec.model) else { continue };
+            let status = other.status_or_default();
+            let state = if conditions::is_true(&status.conditions, FINISHED) {
+                admitting.remove(&other_key);
+                QueueState::Idle
+            } else if conditions::is_true(&status.conditions, ADMITTED) {
+                admitting.remove(&other_key);
+                QueueState::Active
+            } else if admitting.contains(&other_key) {
+                QueueState::Active
+            } else if other.spec.suspend {
+                QueueState::Idle
+            } else {
+                QueueState::Waiting
+            };
+            let created = other.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
+            entries.push(QueueEntry { key: other_key, lane: entry.lane, created, state });
+        }
+        let created = job.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
+        let me = QueueEntry { key: key.clone(), lane, created, state: QueueState::Waiting };
+        let verdict = if admitting.contains(&key) {
+            Admission::Admit
+        } else {
+            admission::verdict(&entries, &me, self.config.lanes.of(lane))
+        };
+        if verdict == Admission::Admit {
+            admitting.insert(key);
+        }
+        verdict
+    }
+}
+
+fn key_of(job: &HarvestJob) -> String {
+    format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
+}
+
+fn key(job: &HarvestJob) -> String {
+    key_of(job)
+}
+
+/// One reconcile of one job.
+#[instrument(skip_all, fields(job = %key_of(&job)))]
+pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeue> {
+    let _timer = ctx.metrics.reconcile_started();
+    let namespace = job.namespace().unwrap_or_default();
+    let jobs: Api<HarvestJob> = Api::namespaced(ctx.client.clone(), &namespace);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+    let name = job.name_any();
+    let has_finalizer = job.finalizers().iter().any(|f| f == CLEANUP_FINALIZER);
+    if job.metadata.deletion_timestamp.is_some() {
+        if has_finalizer {
+            return finalize(&job, &jobs, &ctx).await;
+        }
+        return Ok(Requeue::await_change());
+    }
+    if job.spec.output_retention == OutputRetention::Delete && !has_finalizer {
+        let mut finalizers = job.finalizers().to_vec();
+        finalizers.push(CLEANUP_FINALIZER.to_owned());
+        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
+        jobs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        return Ok(Requeue::await_change());
+    }
+
+    let now = Timestamp::now();
+    let checked = ctx.check(&job);
+    let old = job.status_or_default();
+    let pod = match &old.pod {
+        Some(pod_name) => pods.get_opt(pod_name).await?.map(|p| observe(&p)),
+        None => None,
+    };
+    let waiting = !conditions::is_true(&old.conditions, ADMITTED)
+        && !conditions::is_true(&old.conditions, FINISHED)
+        && !job.spec.suspend
+        && !job.spec.cancel;
+    let lane = checked.as_ref().ok().map(|v| v.lane);
+    let admission = match (waiting, lane) {
+        (true, Some(lane)) => ctx.admit(&job, lane, now),
+        _ => Admission::Wait { reason: "NotWaiting", message: String::new() },
+    };
+    let observed = Observed {
+        job: &job,
+        spec: checked.as_ref().map(|v| v.token_budget).map_err(Clone::clone),
+        pod,
+        admission,
+        lane: lane.map(|l| l.to_string()),
+        now,
+    };
+    let decision = decide(&observed, &ctx.policy());
+
+    for action in &decision.actions {
+        match action {
+            Action::DeletePod(pod_name) => delete_pod(&pods, pod_name).await?,
+            Action::CreatePod { attempt, deadline_seconds } => {
+                let (Ok(valid), Some(entry)) = (&checked, ctx.config.model(&job.spec.model)) else {
+                    continue;
+                };
+                let pod = render(&job, valid, entry, &ctx.config, *attempt, *deadline_seconds)?;
+                match pods.create(&PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() }, &pod).await {
+                    Ok(_) => info!(attempt, "created the attempt's Pod"),
+                    Err(kube::Error::Api(status)) if status.code == 409 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::Event { .. } | Action::DeleteJob => {}
+        }
+    }
+    if decision.status != old {
+        let mut updated = (*job).clone();
+        updated.status = Some(decision.status.clone());
+        let result = jobs.replace_status(&name, &PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() }, &updated).await;
+        if let Err(e) = result {
+            if waiting {
+                ctx.admitting.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&key(&job));
+            }
+            return Err(e.into());
+        }
+        if !conditions::is_true(&old.conditions, ADMITTED) && conditions::is_true(&decision.status.conditions, ADMITTED) {
+            let created = job.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
+            ctx.metrics.admitted(now.duration_since(created).as_secs_f64());
+        }
+        if decision.status.phase != old.phase {
+            info!(phase = ?decision.status.phase, "job phase changed");
+        }
+    }
+    for action in &decision.actions {
+        match action {
+            Action::Event { warning, reason, note } => publish(&ctx, &job, *warning, reason, note).await,
+            Action::DeleteJob => {
+                info!("time to live after finishing ran out; deleting the job");
+                match jobs.delete(&name, &DeleteParams::background()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(status)) if status.code == 404 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Action::DeletePod(_) | Action::CreatePod { .. } => {}
+        }
+    }
+    Ok(decision.requeue_after.map_or_else(Requeue::await_change, Requeue::requeue))
+}
+
+async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
+    match pods.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Events are best effort: a failure to record one is logged, never fails the reconcile.
+async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, note: &str) {
+    let event = Event {
+        type_: if warning { EventType::Warning } else { EventType::Normal },
+        reason: reason.to_owned(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &job.object_ref(&())).await {
+        warn!(%error, reason, "could not record an event");
+    }
+}
+
+/// Deletes a deleted job's outputs, then lets it go; gives up after the cleanup timeout so a
+/// namespace never wedges on an unreachable store.
+async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Result<Requeue> {
+    let deleted_at = job.metadata.deletion_timestamp.as_ref().map_or_else(Timestamp::now, |t| t.0);
+    let budget = Duration::from_secs(ctx.config.cleanup_timeout_seconds);
+    let spent = Timestamp::now().duration_since(deleted_at).as_secs().max(0) as u64;
+    let left = budget.saturating_sub(Duration::from_secs(spent));
+    if let Some(pod) = &job.status_or_default().pod {
+        delete_pod(&Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default()), pod).await?;
+    }
+    if !left.is_zero() {
+        match cleanup::delete_prefix(&job.spec.output, left).await {
+            Ok(deleted) => {
+                publish(ctx, job, false, "OutputsDeleted", &format!("deleted {deleted} objects under {}", job.spec.output)).await;
+            }
+            Err(error) if Timestamp::now().duration_since(deleted_at).as_secs() < budget.as_secs() as i64 => {
+                return Err(error);
+            }
+            Err(error) => {
+                publish(ctx, job, true, "CleanupAbandoned", &format!("{error}; the outputs are left in place")).await;
+            }
+        }
+    } else {
+        publish(ctx, job, true, "CleanupAbandoned", &format!("cleanup of {} took longer than {} s; the outputs are left in place", job.spec.output, budget.as_secs())).await;
+    }
+    let finalizers: Vec<_> = job.finalizers().iter().filter(|f| *f != CLEANUP_FINALIZER).cloned().collect();
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
+    jobs.patch(&job.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(Requeue::await_change())
+}
+
+/// Transient errors are retried: a lost race at once, anything else after a pause.
+pub fn error_policy(job: Arc<HarvestJob>, error: &Error, ctx: Arc<Context>) -> Requeue {
+    ctx.metrics.reconcile_failed(error.metric_label());
+    if error.is_conflict() {
+        return Requeue::requeue(Duration::from_millis(200));
+    }
+    warn!(job = %key_of(&job), %error, "reconcile failed; retrying");
+    Requeue::requeue(Duration::from_secs(5))
+}
