@@ -1,0 +1,31 @@
+-- Argo CD health check for harvest.dev/HarvestJob. Install it under
+-- resource.customizations.health.harvest.dev_HarvestJob in argocd-cm (see README.md).
+local hs = { status = "Progressing", message = "waiting for the operator" }
+if obj.spec ~= nil and obj.spec.suspend == true then
+  hs.status = "Suspended"
+  hs.message = "the job is suspended"
+end
+if obj.status == nil or obj.status.conditions == nil then
+  return hs
+end
+for _, condition in ipairs(obj.status.conditions) do
+  if condition.type == "Finished" and condition.status == "True" then
+    if condition.reason == "Succeeded" then
+      hs.status = "Healthy"
+    elseif condition.reason == "Cancelled" then
+      hs.status = "Suspended"
+    else
+      hs.status = "Degraded"
+    end
+    hs.message = condition.reason .. ": " .. (condition.message or "")
+    return hs
+  end
+end
+for _, condition in ipairs(obj.status.conditions) do
+  if condition.type == "Admitted" and condition.status == "False" and hs.status ~= "Suspended" then
+    hs.message = condition.reason .. ": " .. (condition.message or "")
+  elseif condition.type == "Running" then
+    hs.message = condition.reason .. ": " .. (condition.message or "")
+  end
+end
+return hs
