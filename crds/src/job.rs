@@ -21,28 +21,12 @@ pub const DEFAULT_BACKOFF_LIMIT: i32 = 3;
     shortname = "hj",
     category = "harvest",
     status = "HarvestJobStatus",
-    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Model", type_ = "string", json_path = ".spec.model"),
-    printcolumn(
-        name = "Prompts",
-        type_ = "integer",
-        json_path = ".status.progress.promptsTotal"
-    ),
-    printcolumn(
-        name = "Tokens",
-        type_ = "integer",
-        json_path = ".status.tokens.charged"
-    ),
-    printcolumn(
-        name = "Progress",
-        type_ = "string",
-        json_path = ".status.progress.summary"
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn = r#"{"name": "Phase", "type": "string", "jsonPath": ".status.phase"}"#,
+    printcolumn = r#"{"name": "Model", "type": "string", "jsonPath": ".spec.model"}"#,
+    printcolumn = r#"{"name": "Prompts", "type": "integer", "jsonPath": ".status.progress.promptsTotal"}"#,
+    printcolumn = r#"{"name": "Tokens", "type": "integer", "jsonPath": ".status.tokens.charged"}"#,
+    printcolumn = r#"{"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct HarvestJobSpec {

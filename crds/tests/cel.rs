@@ -59,14 +59,15 @@ fn layers_and_all_layers_together_are_refused() {
 #[test]
 fn the_model_input_harvest_output_and_budget_cannot_change_after_creation() {
     let old = job();
-    let cases: [(&str, fn(&mut HarvestJob)); 5] = [
+    type Change = fn(&mut HarvestJob);
+    let cases: [(&str, Change); 5] = [
         ("model is immutable", |j| j.spec.model = "other".into()),
         ("input is immutable", |j| {
-            j.spec.input.prompts = "s3://in/other.jsonl".into()
+            j.spec.input.prompts = "s3://in/other.jsonl".into();
         }),
         ("harvest is immutable", |j| j.spec.harvest.shard_size = 7),
         ("output is immutable", |j| {
-            j.spec.output = "s3://out/other".into()
+            j.spec.output = "s3://out/other".into();
         }),
         ("tokenBudget is immutable", |j| j.spec.token_budget = 1),
     ];

@@ -16,18 +16,28 @@ use crate::store::{ApiError, PatchKind, ResourceKey, Store, matches};
 
 /// The router.
 pub fn router(store: Arc<Store>) -> Router {
-    Router::new().fallback(move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
-        let store = store.clone();
-        async move { handle(&store, method, uri, headers, body).await }
-    })
+    Router::new().fallback(
+        move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+            let store = store.clone();
+            async move { handle(&store, method, uri, headers, body).await }
+        },
+    )
 }
 
 fn json_response(code: StatusCode, value: &Value) -> Response {
-    (code, [(header::CONTENT_TYPE, "application/json")], value.to_string()).into_response()
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
 }
 
 fn error(e: &ApiError) -> Response {
-    json_response(StatusCode::from_u16(e.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), &e.status())
+    json_response(
+        StatusCode::from_u16(e.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        &e.status(),
+    )
 }
 
 /// A parsed resource path.
@@ -55,18 +65,31 @@ fn parse_path(path: &str) -> Option<Target> {
         [plural, name, sub] => (*plural, Some((*name).to_owned()), Some(*sub)),
         _ => return None,
     };
-    Some(Target { key: ResourceKey::new(&api, plural), namespace, name, status: sub == Some("status") })
+    Some(Target {
+        key: ResourceKey::new(&api, plural),
+        namespace,
+        name,
+        status: sub == Some("status"),
+    })
 }
 
-async fn handle(store: &Arc<Store>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+async fn handle(
+    store: &Arc<Store>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let path = uri.path();
-    let query: HashMap<String, String> = uri
-        .query()
-        .map(|q| url_decode_pairs(q))
-        .unwrap_or_default();
+    let query: HashMap<String, String> = uri.query().map(url_decode_pairs).unwrap_or_default();
     let kinds = store.kinds();
     match path.trim_end_matches('/') {
-        "/version" => return json_response(StatusCode::OK, &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-harvest-fake", "platform": "linux/amd64"})),
+        "/version" => {
+            return json_response(
+                StatusCode::OK,
+                &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-harvest-fake", "platform": "linux/amd64"}),
+            );
+        }
         "/api" => return json_response(StatusCode::OK, &kinds::core_versions()),
         "/apis" => return json_response(StatusCode::OK, &kinds::group_list(&kinds)),
         "/healthz" | "/readyz" | "/livez" => return (StatusCode::OK, "ok").into_response(),
@@ -76,10 +99,18 @@ async fn handle(store: &Arc<Store>, method: Method, uri: Uri, headers: HeaderMap
         return json_response(StatusCode::OK, &list);
     }
     let Some(target) = parse_path(path) else {
-        return error(&ApiError::new(404, "NotFound", format!("the server could not find the requested resource {path}")));
+        return error(&ApiError::new(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource {path}"),
+        ));
     };
     let Some(kind) = store.kind(&target.key) else {
-        return error(&ApiError::new(404, "NotFound", format!("the server could not find the requested resource {path}")));
+        return error(&ApiError::new(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource {path}"),
+        ));
     };
     let ns = target.namespace.clone().unwrap_or_default();
     let body_value = || -> Result<Value, ApiError> {
@@ -88,33 +119,65 @@ async fn handle(store: &Arc<Store>, method: Method, uri: Uri, headers: HeaderMap
         }
         serde_json::from_slice(&body)
             .or_else(|_| serde_yaml::from_slice(&body))
-            .map_err(|e| ApiError::new(400, "BadRequest", format!("the body is neither JSON nor YAML: {e}")))
+            .map_err(|e| {
+                ApiError::new(
+                    400,
+                    "BadRequest",
+                    format!("the body is neither JSON nor YAML: {e}"),
+                )
+            })
     };
     let result = match (&method, &target.name) {
-        (&Method::GET, None) if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) => {
+        (&Method::GET, None)
+            if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) =>
+        {
             return watch(store.clone(), target, query);
         }
         (&Method::GET, None) => {
             let items: Vec<Value> = store
                 .list_all(&target.key, target.namespace.as_deref())
                 .into_iter()
-                .filter(|o| matches(o, query.get("labelSelector").map(String::as_str), query.get("fieldSelector").map(String::as_str)))
+                .filter(|o| {
+                    matches(
+                        o,
+                        query.get("labelSelector").map(String::as_str),
+                        query.get("fieldSelector").map(String::as_str),
+                    )
+                })
                 .collect();
             let rv = store.resource_version().to_string();
             if wants_table(&headers) {
                 return json_response(StatusCode::OK, &table(&kind, &items, &rv));
             }
-            Ok(json!({"kind": format!("{}List", kind.kind), "apiVersion": kind.api_version(), "metadata": {"resourceVersion": rv}, "items": items}))
+            Ok(
+                json!({"kind": format!("{}List", kind.kind), "apiVersion": kind.api_version(), "metadata": {"resourceVersion": rv}, "items": items}),
+            )
         }
-        (&Method::GET, Some(name)) => match store.get(&target.key, if kind.namespaced { &ns } else { "" }, name) {
-            Some(object) if wants_table(&headers) => return json_response(StatusCode::OK, &table(&kind, &[object], &store.resource_version().to_string())),
-            Some(object) => Ok(object),
-            None => Err(ApiError::new(404, "NotFound", format!("{}.{} \"{name}\" not found", kind.plural, kind.group))),
-        },
+        (&Method::GET, Some(name)) => {
+            match store.get(&target.key, if kind.namespaced { &ns } else { "" }, name) {
+                Some(object) if wants_table(&headers) => {
+                    return json_response(
+                        StatusCode::OK,
+                        &table(&kind, &[object], &store.resource_version().to_string()),
+                    );
+                }
+                Some(object) => Ok(object),
+                None => Err(ApiError::new(
+                    404,
+                    "NotFound",
+                    format!("{}.{} \"{name}\" not found", kind.plural, kind.group),
+                )),
+            }
+        }
         (&Method::POST, None) => body_value().and_then(|b| store.create(&target.key, &ns, b)),
-        (&Method::PUT, Some(name)) => body_value().and_then(|b| store.replace(&target.key, &ns, name, b, target.status)),
+        (&Method::PUT, Some(name)) => {
+            body_value().and_then(|b| store.replace(&target.key, &ns, name, b, target.status))
+        }
         (&Method::PATCH, Some(name)) => {
-            let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+            let content_type = headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
             let patch_kind = if content_type.starts_with("application/json-patch") {
                 PatchKind::Json
             } else if content_type.starts_with("application/apply-patch") {
@@ -122,10 +185,15 @@ async fn handle(store: &Arc<Store>, method: Method, uri: Uri, headers: HeaderMap
             } else {
                 PatchKind::Merge
             };
-            body_value().and_then(|b| store.patch(&target.key, &ns, name, patch_kind, b, target.status))
+            body_value()
+                .and_then(|b| store.patch(&target.key, &ns, name, patch_kind, b, target.status))
         }
         (&Method::DELETE, Some(name)) => store.delete(&target.key, &ns, name),
-        _ => Err(ApiError::new(405, "MethodNotAllowed", format!("{method} is not supported on {path}"))),
+        _ => Err(ApiError::new(
+            405,
+            "MethodNotAllowed",
+            format!("{method} is not supported on {path}"),
+        )),
     };
     match result {
         Ok(object) if method == Method::POST => json_response(StatusCode::CREATED, &object),
@@ -169,12 +237,17 @@ fn decode(text: &str) -> String {
 }
 
 fn wants_table(headers: &HeaderMap) -> bool {
-    headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("as=Table"))
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("as=Table"))
 }
 
 /// A `meta.k8s.io/v1` Table: NAME, the CRD's printer columns (or AGE), like the apiserver's.
 fn table(kind: &kinds::Kind, items: &[Value], rv: &str) -> Value {
-    let mut columns = vec![json!({"name": "Name", "type": "string", "format": "name", "description": "Name", "priority": 0})];
+    let mut columns = vec![
+        json!({"name": "Name", "type": "string", "format": "name", "description": "Name", "priority": 0}),
+    ];
     let printer: Vec<Value> = if kind.printer_columns.is_empty() {
         vec![json!({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"})]
     } else {
@@ -183,7 +256,9 @@ fn table(kind: &kinds::Kind, items: &[Value], rv: &str) -> Value {
     for column in &printer {
         columns.push(json!({"name": column["name"], "type": column["type"], "format": "", "description": "", "priority": column["priority"].as_i64().unwrap_or(0)}));
     }
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let rows: Vec<Value> = items
         .iter()
         .map(|item| {
@@ -206,8 +281,14 @@ fn table(kind: &kinds::Kind, items: &[Value], rv: &str) -> Value {
 
 fn parse_rfc3339(stamp: &str) -> Option<u64> {
     let (date, time) = stamp.trim_end_matches('Z').split_once('T')?;
-    let d: Vec<i64> = date.split('-').map(|p| p.parse().ok()).collect::<Option<_>>()?;
-    let t: Vec<i64> = time.split(':').map(|p| p.split('.').next().unwrap_or("0").parse().ok()).collect::<Option<_>>()?;
+    let d: Vec<i64> = date
+        .split('-')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    let t: Vec<i64> = time
+        .split(':')
+        .map(|p| p.split('.').next().unwrap_or("0").parse().ok())
+        .collect::<Option<_>>()?;
     let (y, m, day) = (d[0] - i64::from(d[1] <= 2), d[1], d[2]);
     let era = y.div_euclid(400);
     let yoe = y - era * 400;
@@ -231,43 +312,60 @@ fn age(seconds: u64) -> String {
 fn watch(store: Arc<Store>, target: Target, query: HashMap<String, String>) -> Response {
     let labels = query.get("labelSelector").cloned();
     let fields = query.get("fieldSelector").cloned();
-    let timeout = Duration::from_secs(query.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(300).min(1800));
-    let since: u64 = query.get("resourceVersion").and_then(|rv| rv.parse().ok()).unwrap_or(0);
+    let timeout = Duration::from_secs(
+        query
+            .get("timeoutSeconds")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(300)
+            .min(1800),
+    );
+    let since: u64 = query
+        .get("resourceVersion")
+        .and_then(|rv| rv.parse().ok())
+        .unwrap_or(0);
     let namespace = target.namespace.clone();
     let key = target.key.clone();
     let mut wake = store.subscribe();
-    let stream = async_stream(move |tx: tokio::sync::mpsc::Sender<Result<Bytes, Infallible>>| async move {
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut last = since;
-        if since == 0 {
-            last = store.resource_version();
-            for object in store.list_all(&key, namespace.as_deref()) {
-                if matches(&object, labels.as_deref(), fields.as_deref()) {
-                    let line = format!("{}\n", json!({"type": "ADDED", "object": object}));
-                    if tx.send(Ok(Bytes::from(line))).await.is_err() {
-                        return;
+    let stream = async_stream(
+        move |tx: tokio::sync::mpsc::Sender<Result<Bytes, Infallible>>| async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            let mut last = since;
+            if since == 0 {
+                last = store.resource_version();
+                for object in store.list_all(&key, namespace.as_deref()) {
+                    if matches(&object, labels.as_deref(), fields.as_deref()) {
+                        let line = format!("{}\n", json!({"type": "ADDED", "object": object}));
+                        if tx.send(Ok(Bytes::from(line))).await.is_err() {
+                            return;
+                        }
                     }
                 }
             }
-        }
-        loop {
-            for change in store.changes_since(&key, last) {
-                last = change.rv;
-                let in_namespace = namespace.as_deref().is_none_or(|ns| change.object["metadata"]["namespace"].as_str() == Some(ns));
-                if in_namespace && matches(&change.object, labels.as_deref(), fields.as_deref()) {
-                    let line = format!("{}\n", json!({"type": change.type_, "object": change.object}));
-                    if tx.send(Ok(Bytes::from(line))).await.is_err() {
-                        return;
+            loop {
+                for change in store.changes_since(&key, last) {
+                    last = change.rv;
+                    let in_namespace = namespace.as_deref().is_none_or(|ns| {
+                        change.object["metadata"]["namespace"].as_str() == Some(ns)
+                    });
+                    if in_namespace && matches(&change.object, labels.as_deref(), fields.as_deref())
+                    {
+                        let line = format!(
+                            "{}\n",
+                            json!({"type": change.type_, "object": change.object})
+                        );
+                        if tx.send(Ok(Bytes::from(line))).await.is_err() {
+                            return;
+                        }
                     }
                 }
+                tokio::select! {
+                    changed = wake.changed() => if changed.is_err() { return },
+                    () = tokio::time::sleep_until(deadline) => return,
+                    () = tx.closed() => return,
+                }
             }
-            tokio::select! {
-                changed = wake.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep_until(deadline) => return,
-                () = tx.closed() => return,
-            }
-        }
-    });
+        },
+    );
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/json")
@@ -283,5 +381,7 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(producer(tx));
-    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
+    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
 }

@@ -29,7 +29,14 @@ pub struct Kind {
 }
 
 impl Kind {
-    fn builtin(group: &str, version: &str, plural: &str, kind: &str, namespaced: bool, status: bool) -> Self {
+    fn builtin(
+        group: &str,
+        version: &str,
+        plural: &str,
+        kind: &str,
+        namespaced: bool,
+        status: bool,
+    ) -> Self {
         Self {
             group: group.into(),
             version: version.into(),
@@ -46,12 +53,20 @@ impl Kind {
 
     /// `/api/v1` or `/apis/GROUP/VERSION`.
     pub fn api_path(&self) -> String {
-        if self.group.is_empty() { format!("/api/{}", self.version) } else { format!("/apis/{}/{}", self.group, self.version) }
+        if self.group.is_empty() {
+            format!("/api/{}", self.version)
+        } else {
+            format!("/apis/{}/{}", self.group, self.version)
+        }
     }
 
     /// `v1` or `GROUP/VERSION`.
     pub fn api_version(&self) -> String {
-        if self.group.is_empty() { self.version.clone() } else { format!("{}/{}", self.group, self.version) }
+        if self.group.is_empty() {
+            self.version.clone()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
     }
 }
 
@@ -68,15 +83,72 @@ pub fn builtins() -> Vec<Kind> {
         Kind::builtin("apps", "v1", "deployments", "Deployment", true, true),
         Kind::builtin("coordination.k8s.io", "v1", "leases", "Lease", true, false),
         Kind::builtin("events.k8s.io", "v1", "events", "Event", true, false),
-        Kind::builtin("rbac.authorization.k8s.io", "v1", "roles", "Role", true, false),
-        Kind::builtin("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", true, false),
-        Kind::builtin("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", false, false),
-        Kind::builtin("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", false, false),
-        Kind::builtin("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", false, true),
-        Kind::builtin("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", "ValidatingAdmissionPolicy", false, true),
-        Kind::builtin("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding", false, false),
+        Kind::builtin(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "roles",
+            "Role",
+            true,
+            false,
+        ),
+        Kind::builtin(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "rolebindings",
+            "RoleBinding",
+            true,
+            false,
+        ),
+        Kind::builtin(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "clusterroles",
+            "ClusterRole",
+            false,
+            false,
+        ),
+        Kind::builtin(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "clusterrolebindings",
+            "ClusterRoleBinding",
+            false,
+            false,
+        ),
+        Kind::builtin(
+            "apiextensions.k8s.io",
+            "v1",
+            "customresourcedefinitions",
+            "CustomResourceDefinition",
+            false,
+            true,
+        ),
+        Kind::builtin(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicies",
+            "ValidatingAdmissionPolicy",
+            false,
+            true,
+        ),
+        Kind::builtin(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicybindings",
+            "ValidatingAdmissionPolicyBinding",
+            false,
+            false,
+        ),
     ];
-    for (plural, short) in [("namespaces", "ns"), ("pods", "po"), ("services", "svc"), ("serviceaccounts", "sa"), ("configmaps", "cm"), ("deployments", "deploy"), ("customresourcedefinitions", "crd")] {
+    for (plural, short) in [
+        ("namespaces", "ns"),
+        ("pods", "po"),
+        ("services", "svc"),
+        ("serviceaccounts", "sa"),
+        ("configmaps", "cm"),
+        ("deployments", "deploy"),
+        ("customresourcedefinitions", "crd"),
+    ] {
         if let Some(kind) = kinds.iter_mut().find(|k| k.plural == plural) {
             kind.short_names.push(short.into());
         }
@@ -88,7 +160,15 @@ pub fn builtins() -> Vec<Kind> {
 pub fn from_crd(crd: &Value) -> Vec<Kind> {
     let spec = &crd["spec"];
     let names = &spec["names"];
-    let strings = |v: &Value| v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+    let strings = |v: &Value| {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
     spec["versions"]
         .as_array()
         .into_iter()
@@ -104,7 +184,10 @@ pub fn from_crd(crd: &Value) -> Vec<Kind> {
             short_names: strings(&names["shortNames"]),
             categories: strings(&names["categories"]),
             status_subresource: v["subresources"]["status"].is_object(),
-            printer_columns: v["additionalPrinterColumns"].as_array().cloned().unwrap_or_default(),
+            printer_columns: v["additionalPrinterColumns"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default(),
         })
         .collect()
 }
@@ -119,7 +202,9 @@ pub fn group_list(kinds: &[Kind]) -> Value {
     let mut groups: Vec<(String, Vec<String>)> = Vec::new();
     for kind in kinds.iter().filter(|k| !k.group.is_empty()) {
         match groups.iter_mut().find(|(g, _)| *g == kind.group) {
-            Some((_, versions)) if !versions.contains(&kind.version) => versions.push(kind.version.clone()),
+            Some((_, versions)) if !versions.contains(&kind.version) => {
+                versions.push(kind.version.clone());
+            }
             Some(_) => {}
             None => groups.push((kind.group.clone(), vec![kind.version.clone()])),
         }
@@ -127,7 +212,10 @@ pub fn group_list(kinds: &[Kind]) -> Value {
     let groups: Vec<Value> = groups
         .into_iter()
         .map(|(name, versions)| {
-            let versions: Vec<Value> = versions.iter().map(|v| json!({"groupVersion": format!("{name}/{v}"), "version": v})).collect();
+            let versions: Vec<Value> = versions
+                .iter()
+                .map(|v| json!({"groupVersion": format!("{name}/{v}"), "version": v}))
+                .collect();
             json!({"name": name, "versions": versions, "preferredVersion": versions[0]})
         })
         .collect();
@@ -138,7 +226,16 @@ pub fn group_list(kinds: &[Kind]) -> Value {
 pub fn resource_list(kinds: &[Kind], api_path: &str) -> Option<Value> {
     let served: Vec<&Kind> = kinds.iter().filter(|k| k.api_path() == api_path).collect();
     let first = served.first()?;
-    let verbs = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"];
+    let verbs = [
+        "create",
+        "delete",
+        "deletecollection",
+        "get",
+        "list",
+        "patch",
+        "update",
+        "watch",
+    ];
     let mut resources = Vec::new();
     for kind in &served {
         resources.push(json!({
@@ -149,5 +246,7 @@ pub fn resource_list(kinds: &[Kind], api_path: &str) -> Option<Value> {
             resources.push(json!({"name": format!("{}/status", kind.plural), "singularName": "", "namespaced": kind.namespaced, "kind": kind.kind, "verbs": ["get", "patch", "update"]}));
         }
     }
-    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": first.api_version(), "resources": resources}))
+    Some(
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": first.api_version(), "resources": resources}),
+    )
 }

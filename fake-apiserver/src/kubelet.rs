@@ -48,13 +48,21 @@ fn pods() -> ResourceKey {
 }
 
 fn stamp() -> String {
-    rfc3339(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()))
+    rfc3339(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    )
 }
 
 impl Kubelet {
     /// Starts watching the store for Pods.
     pub fn start(store: Arc<Store>, config: KubeletConfig) -> Arc<Self> {
-        let kubelet = Arc::new(Self { running: Mutex::default(), started: Mutex::default(), task: Mutex::default() });
+        let kubelet = Arc::new(Self {
+            running: Mutex::default(),
+            started: Mutex::default(),
+            task: Mutex::default(),
+        });
         let this = kubelet.clone();
         let task = tokio::spawn(async move {
             let mut wake = store.subscribe();
@@ -63,14 +71,27 @@ impl Kubelet {
                 for change in store.changes_since(&pods(), last) {
                     last = change.rv;
                     let pod = &change.object;
-                    let key = format!("{}/{}", pod["metadata"]["namespace"].as_str().unwrap_or_default(), pod["metadata"]["name"].as_str().unwrap_or_default());
-                    let gone = change.type_ == "DELETED" || pod["metadata"]["deletionTimestamp"].is_string();
+                    let key = format!(
+                        "{}/{}",
+                        pod["metadata"]["namespace"].as_str().unwrap_or_default(),
+                        pod["metadata"]["name"].as_str().unwrap_or_default()
+                    );
+                    let gone = change.type_ == "DELETED"
+                        || pod["metadata"]["deletionTimestamp"].is_string();
                     if gone {
                         this.send(&key, Injected::Delete);
                     } else if change.type_ == "ADDED" {
                         let (tx, rx) = mpsc::channel(4);
-                        this.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone(), tx);
-                        *this.started.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(key).or_default() += 1;
+                        this.running
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .insert(key.clone(), tx);
+                        *this
+                            .started
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .entry(key)
+                            .or_default() += 1;
                         tokio::spawn(run_pod(store.clone(), config.clone(), pod.clone(), rx));
                     }
                 }
@@ -79,12 +100,20 @@ impl Kubelet {
                 }
             }
         });
-        *kubelet.task.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task);
+        *kubelet
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task);
         kubelet
     }
 
     fn send(&self, key: &str, what: Injected) -> bool {
-        let sender = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).cloned();
+        let sender = self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(key)
+            .cloned();
         sender.is_some_and(|s| s.try_send(what).is_ok())
     }
 
@@ -95,27 +124,52 @@ impl Kubelet {
 
     /// Processes started, per `namespace/pod`.
     pub fn started(&self) -> HashMap<String, u32> {
-        self.started.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.started
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// Stops watching and kills every running Pod.
     pub fn shutdown(&self) {
-        if let Some(task) = self.task.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+        if let Some(task) = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
             task.abort();
         }
-        for sender in self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).values() {
+        for sender in self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+        {
             let _ = sender.try_send(Injected::Delete);
         }
     }
 }
 
-async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut commands: mpsc::Receiver<Injected>) {
-    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
-    let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+async fn run_pod(
+    store: Arc<Store>,
+    config: KubeletConfig,
+    pod: Value,
+    mut commands: mpsc::Receiver<Injected>,
+) {
+    let ns = pod["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let name = pod["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     let container = pod["spec"]["containers"][0].clone();
     let container_name = container["name"].as_str().unwrap_or("main").to_owned();
     let image = container["image"].as_str().unwrap_or_default().to_owned();
-    let set = |change: Box<dyn FnOnce(&mut Value) + Send>| store.set_status(&pods(), &ns, &name, change);
+    let set =
+        |change: Box<dyn FnOnce(&mut Value) + Send>| store.set_status(&pods(), &ns, &name, change);
     let Some(executable) = config.images.get(&image).cloned() else {
         let message = format!("image {image:?} is not known to the fake kubelet");
         set(Box::new(move |s| {
@@ -124,7 +178,10 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
         }));
         return;
     };
-    let message_path = container["terminationMessagePath"].as_str().unwrap_or("/dev/termination-log").to_owned();
+    let message_path = container["terminationMessagePath"]
+        .as_str()
+        .unwrap_or("/dev/termination-log")
+        .to_owned();
     let local_message = config.work_dir.join(format!("{ns}_{name}.termination-log"));
     let _ = std::fs::remove_file(&local_message);
     let args: Vec<String> = container["args"]
@@ -132,9 +189,16 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
         .into_iter()
         .flatten()
         .filter_map(Value::as_str)
-        .map(|a| if a == message_path { local_message.display().to_string() } else { a.to_owned() })
+        .map(|a| {
+            if a == message_path {
+                local_message.display().to_string()
+            } else {
+                a.to_owned()
+            }
+        })
         .collect();
-    let log = |suffix: &str| std::fs::File::create(config.work_dir.join(format!("{ns}_{name}.{suffix}")));
+    let log =
+        |suffix: &str| std::fs::File::create(config.work_dir.join(format!("{ns}_{name}.{suffix}")));
     let mut command = tokio::process::Command::new(&executable);
     command.args(&args).stdin(Stdio::null()).kill_on_drop(true);
     for env in container["env"].as_array().into_iter().flatten() {
@@ -161,7 +225,8 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
         }
     };
     {
-        let (container_name, image, started_at) = (container_name.clone(), image.clone(), started_at.clone());
+        let (container_name, image, started_at) =
+            (container_name.clone(), image.clone(), started_at.clone());
         set(Box::new(move |s| {
             *s = json!({"phase": "Running", "startTime": started_at, "hostIP": "127.0.0.1", "podIP": "127.0.0.1",
                 "conditions": [{"type": "Ready", "status": "True"}],
@@ -169,7 +234,9 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
                     "state": {"running": {"startedAt": started_at}}}]});
         }));
     }
-    let deadline = pod["spec"]["activeDeadlineSeconds"].as_u64().map_or(Duration::from_secs(86_400 * 365), Duration::from_secs);
+    let deadline = pod["spec"]["activeDeadlineSeconds"]
+        .as_u64()
+        .map_or(Duration::from_secs(86_400 * 365), Duration::from_secs);
     let pid = child.id().map(|p| nix::unistd::Pid::from_raw(p as i32));
     let kill = |signal| {
         if let Some(pid) = pid {
@@ -185,7 +252,13 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
         Ok(-1) => {
             kill(nix::sys::signal::Signal::SIGKILL);
             let _ = child.wait().await;
-            ("Failed", Some("DeadlineExceeded"), Some("Pod was active on the node longer than the specified deadline"), 137, "Error")
+            (
+                "Failed",
+                Some("DeadlineExceeded"),
+                Some("Pod was active on the node longer than the specified deadline"),
+                137,
+                "Error",
+            )
         }
         Ok(0) => ("Succeeded", None, None, 0, "Completed"),
         Ok(code) => ("Failed", None, None, code, "Error"),
@@ -197,11 +270,20 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
         Err(Injected::Evict) => {
             kill(nix::sys::signal::Signal::SIGKILL);
             let _ = child.wait().await;
-            ("Failed", Some("Evicted"), Some("The node was low on resource: memory."), 137, "Error")
+            (
+                "Failed",
+                Some("Evicted"),
+                Some("The node was low on resource: memory."),
+                137,
+                "Error",
+            )
         }
         Err(Injected::Delete) => {
             kill(nix::sys::signal::Signal::SIGTERM);
-            if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(5), child.wait())
+                .await
+                .is_err()
+            {
                 kill(nix::sys::signal::Signal::SIGKILL);
                 let _ = child.wait().await;
             }
@@ -211,7 +293,8 @@ async fn run_pod(store: Arc<Store>, config: KubeletConfig, pod: Value, mut comma
     let mut message = std::fs::read_to_string(&local_message).unwrap_or_default();
     message.truncate(4096);
     if message.is_empty() && exit_code != 0 {
-        let stderr = std::fs::read_to_string(config.work_dir.join(format!("{ns}_{name}.stderr"))).unwrap_or_default();
+        let stderr = std::fs::read_to_string(config.work_dir.join(format!("{ns}_{name}.stderr")))
+            .unwrap_or_default();
         let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
         message = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
         message.truncate(2048);

@@ -52,7 +52,12 @@ impl FakeApiServer {
             let _ = axum::serve(listener, app).await;
         });
         let kubelet = kubelet::Kubelet::start(store.clone(), kubelet);
-        Ok(Self { addr, store, kubelet, server })
+        Ok(Self {
+            addr,
+            store,
+            kubelet,
+            server,
+        })
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -73,22 +78,26 @@ impl FakeApiServer {
 
     /// Kills a running Pod's process as the kernel's OOM killer would (exit 137, `OOMKilled`).
     pub fn oom_kill(&self, namespace: &str, pod: &str) -> bool {
-        self.kubelet.signal(namespace, pod, kubelet::Injected::OomKill)
+        self.kubelet
+            .signal(namespace, pod, kubelet::Injected::OomKill)
     }
 
     /// Evicts a running Pod as node-pressure eviction would (phase Failed, reason `Evicted`).
     pub fn evict(&self, namespace: &str, pod: &str) -> bool {
-        self.kubelet.signal(namespace, pod, kubelet::Injected::Evict)
+        self.kubelet
+            .signal(namespace, pod, kubelet::Injected::Evict)
     }
 
     /// One object, by API path prefix (`/apis/harvest.dev/v1alpha1`), plural, namespace, name.
     pub fn get(&self, api: &str, plural: &str, namespace: &str, name: &str) -> Option<Value> {
-        self.store.get(&store::ResourceKey::new(api, plural), namespace, name)
+        self.store
+            .get(&store::ResourceKey::new(api, plural), namespace, name)
     }
 
     /// Every object of a plural in a namespace.
     pub fn list(&self, api: &str, plural: &str, namespace: &str) -> Vec<Value> {
-        self.store.list_all(&store::ResourceKey::new(api, plural), Some(namespace))
+        self.store
+            .list_all(&store::ResourceKey::new(api, plural), Some(namespace))
     }
 
     /// How many processes the kubelet has started, per Pod name.

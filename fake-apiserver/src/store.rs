@@ -20,7 +20,10 @@ pub struct ResourceKey {
 impl ResourceKey {
     /// A key.
     pub fn new(api: &str, plural: &str) -> Self {
-        Self { api: api.into(), plural: plural.into() }
+        Self {
+            api: api.into(),
+            plural: plural.into(),
+        }
     }
 }
 
@@ -50,7 +53,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(code: u16, reason: &'static str, message: String) -> Self {
-        Self { code, reason, message }
+        Self {
+            code,
+            reason,
+            message,
+        }
     }
 
     /// The `Status` body.
@@ -93,7 +100,9 @@ impl Default for Store {
 }
 
 fn now() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     rfc3339(secs)
 }
 
@@ -111,24 +120,41 @@ pub fn rfc3339(secs: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 impl Store {
     /// A store with the `default` and `kube-system` namespaces.
     pub fn new() -> Self {
         let store = Self {
-            inner: Mutex::new(Inner { rv: 1, uid: 0, kinds: kinds::builtins(), objects: BTreeMap::new(), history: Vec::new() }),
+            inner: Mutex::new(Inner {
+                rv: 1,
+                uid: 0,
+                kinds: kinds::builtins(),
+                objects: BTreeMap::new(),
+                history: Vec::new(),
+            }),
             changed: tokio::sync::watch::channel(1).0,
         };
         for ns in ["default", "kube-system"] {
-            let _ = store.create(&ResourceKey::new("/api/v1", "namespaces"), "", json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
+            let _ = store.create(
+                &ResourceKey::new("/api/v1", "namespaces"),
+                "",
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            );
         }
         store
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The served kinds.
@@ -138,7 +164,11 @@ impl Store {
 
     /// The kind served at `key`.
     pub fn kind(&self, key: &ResourceKey) -> Option<Kind> {
-        self.lock().kinds.iter().find(|k| k.api_path() == key.api && k.plural == key.plural).cloned()
+        self.lock()
+            .kinds
+            .iter()
+            .find(|k| k.api_path() == key.api && k.plural == key.plural)
+            .cloned()
     }
 
     /// Wakes when anything changes.
@@ -155,18 +185,30 @@ impl Store {
     pub fn changes_since(&self, key: &ResourceKey, rv: u64) -> Vec<Change> {
         let inner = self.lock();
         let start = inner.history.partition_point(|c| c.rv <= rv);
-        inner.history[start..].iter().filter(|c| &c.key == key).cloned().collect()
+        inner.history[start..]
+            .iter()
+            .filter(|c| &c.key == key)
+            .cloned()
+            .collect()
     }
 
     /// One object.
     pub fn get(&self, key: &ResourceKey, ns: &str, name: &str) -> Option<Value> {
-        self.lock().objects.get(&(key.clone(), ns.to_owned(), name.to_owned())).cloned()
+        self.lock()
+            .objects
+            .get(&(key.clone(), ns.to_owned(), name.to_owned()))
+            .cloned()
     }
 
     /// Every object of `key`, in one namespace or all.
     pub fn list_all(&self, key: &ResourceKey, ns: Option<&str>) -> Vec<Value> {
         let inner = self.lock();
-        inner.objects.iter().filter(|((k, n, _), _)| k == key && ns.is_none_or(|ns| ns == n)).map(|(_, v)| v.clone()).collect()
+        inner
+            .objects
+            .iter()
+            .filter(|((k, n, _), _)| k == key && ns.is_none_or(|ns| ns == n))
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     fn kind_in(inner: &Inner, key: &ResourceKey) -> Result<Kind, ApiError> {
@@ -175,11 +217,25 @@ impl Store {
             .iter()
             .find(|k| k.api_path() == key.api && k.plural == key.plural)
             .cloned()
-            .ok_or_else(|| ApiError::new(404, "NotFound", format!("the server could not find the requested resource {}/{}", key.api, key.plural)))
+            .ok_or_else(|| {
+                ApiError::new(
+                    404,
+                    "NotFound",
+                    format!(
+                        "the server could not find the requested resource {}/{}",
+                        key.api, key.plural
+                    ),
+                )
+            })
     }
 
     fn record(inner: &mut Inner, key: &ResourceKey, type_: &'static str, object: Value) -> u64 {
-        inner.history.push(Change { key: key.clone(), type_, object, rv: inner.rv });
+        inner.history.push(Change {
+            key: key.clone(),
+            type_,
+            object,
+            rv: inner.rv,
+        });
         inner.rv
     }
 
@@ -193,12 +249,31 @@ impl Store {
     }
 
     /// POST.
-    pub fn create(&self, key: &ResourceKey, ns: &str, mut object: Value) -> Result<Value, ApiError> {
+    pub fn create(
+        &self,
+        key: &ResourceKey,
+        ns: &str,
+        mut object: Value,
+    ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let kind = Self::kind_in(&inner, key)?;
-        let ns = if kind.namespaced { ns.to_owned() } else { String::new() };
-        if kind.namespaced && !inner.objects.contains_key(&(ResourceKey::new("/api/v1", "namespaces"), String::new(), ns.clone())) {
-            return Err(ApiError::new(404, "NotFound", format!("namespaces \"{ns}\" not found")));
+        let ns = if kind.namespaced {
+            ns.to_owned()
+        } else {
+            String::new()
+        };
+        if kind.namespaced
+            && !inner.objects.contains_key(&(
+                ResourceKey::new("/api/v1", "namespaces"),
+                String::new(),
+                ns.clone(),
+            ))
+        {
+            return Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("namespaces \"{ns}\" not found"),
+            ));
         }
         if !object["metadata"].is_object() {
             object["metadata"] = json!({});
@@ -210,16 +285,28 @@ impl Store {
                     inner.uid += 1;
                     format!("{prefix}{:05x}", inner.uid * 7919 % 0xfffff)
                 }
-                None => return Err(ApiError::new(422, "Invalid", format!("{} is invalid: metadata.name: Required value", kind.kind))),
+                None => {
+                    return Err(ApiError::new(
+                        422,
+                        "Invalid",
+                        format!("{} is invalid: metadata.name: Required value", kind.kind),
+                    ));
+                }
             },
         };
         let id = (key.clone(), ns.clone(), name.clone());
         if inner.objects.contains_key(&id) {
-            return Err(ApiError::new(409, "AlreadyExists", format!("{} \"{name}\" already exists", kind.plural)));
+            return Err(ApiError::new(
+                409,
+                "AlreadyExists",
+                format!("{} \"{name}\" already exists", kind.plural),
+            ));
         }
         inner.uid += 1;
         let uid = format!("00000000-0000-4000-8000-{:012x}", inner.uid);
-        let meta = object["metadata"].as_object_mut().expect("metadata was made an object above. This is a bug.");
+        let meta = object["metadata"]
+            .as_object_mut()
+            .expect("metadata was made an object above. This is a bug.");
         meta.insert("name".into(), json!(name));
         meta.remove("generateName");
         if kind.namespaced {
@@ -231,7 +318,10 @@ impl Store {
         meta.remove("deletionTimestamp");
         object["apiVersion"] = json!(kind.api_version());
         object["kind"] = json!(kind.kind);
-        if kind.status_subresource && kind.group != "" && kind.plural != "customresourcedefinitions" {
+        if kind.status_subresource
+            && !kind.group.is_empty()
+            && kind.plural != "customresourcedefinitions"
+        {
             object.as_object_mut().map(|o| o.remove("status"));
         }
         if kind.plural == "pods" && kind.group.is_empty() {
@@ -240,7 +330,9 @@ impl Store {
         if kind.plural == "customresourcedefinitions" {
             object["status"] = json!({"conditions": [{"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted"}], "acceptedNames": object["spec"]["names"].clone()});
             for new in kinds::from_crd(&object) {
-                inner.kinds.retain(|k| !(k.api_path() == new.api_path() && k.plural == new.plural));
+                inner
+                    .kinds
+                    .retain(|k| !(k.api_path() == new.api_path() && k.plural == new.plural));
                 inner.kinds.push(new);
             }
         }
@@ -253,12 +345,27 @@ impl Store {
     }
 
     /// PUT (of the object, or of its `status` subresource).
-    pub fn replace(&self, key: &ResourceKey, ns: &str, name: &str, object: Value, status_only: bool) -> Result<Value, ApiError> {
+    pub fn replace(
+        &self,
+        key: &ResourceKey,
+        ns: &str,
+        name: &str,
+        object: Value,
+        status_only: bool,
+    ) -> Result<Value, ApiError> {
         self.update(key, ns, name, status_only, |_| Ok(object))
     }
 
     /// PATCH.
-    pub fn patch(&self, key: &ResourceKey, ns: &str, name: &str, kind: PatchKind, patch: Value, status_only: bool) -> Result<Value, ApiError> {
+    pub fn patch(
+        &self,
+        key: &ResourceKey,
+        ns: &str,
+        name: &str,
+        kind: PatchKind,
+        patch: Value,
+        status_only: bool,
+    ) -> Result<Value, ApiError> {
         if kind == PatchKind::Apply && self.get(key, ns, name).is_none() {
             let mut object = patch;
             object["metadata"]["name"] = json!(name);
@@ -269,14 +376,19 @@ impl Store {
             match kind {
                 PatchKind::Merge | PatchKind::Apply => merge(&mut next, &patch),
                 PatchKind::Json => {
-                    let ops: json_patch::Patch = serde_json::from_value(patch.clone())
-                        .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON patch: {e}")))?;
-                    json_patch::patch(&mut next, &ops).map_err(|e| ApiError::new(422, "Invalid", format!("the JSON patch failed: {e}")))?;
+                    let ops: json_patch::Patch =
+                        serde_json::from_value(patch.clone()).map_err(|e| {
+                            ApiError::new(400, "BadRequest", format!("invalid JSON patch: {e}"))
+                        })?;
+                    json_patch::patch(&mut next, &ops).map_err(|e| {
+                        ApiError::new(422, "Invalid", format!("the JSON patch failed: {e}"))
+                    })?;
                 }
             }
             // A merge patch may carry a resourceVersion precondition; otherwise it applies to the current one.
             if patch["metadata"]["resourceVersion"].is_null() || kind == PatchKind::Json {
-                next["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"].clone();
+                next["metadata"]["resourceVersion"] =
+                    current["metadata"]["resourceVersion"].clone();
             }
             Ok(next)
         })
@@ -292,16 +404,48 @@ impl Store {
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let kind = Self::kind_in(&inner, key)?;
-        let ns = if kind.namespaced { ns.to_owned() } else { String::new() };
+        let ns = if kind.namespaced {
+            ns.to_owned()
+        } else {
+            String::new()
+        };
         let id = (key.clone(), ns, name.to_owned());
-        let current = inner.objects.get(&id).cloned().ok_or_else(|| ApiError::new(404, "NotFound", format!("{} \"{name}\" not found", kind.plural)))?;
+        let current = inner.objects.get(&id).cloned().ok_or_else(|| {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("{} \"{name}\" not found", kind.plural),
+            )
+        })?;
         let mut next = change(&current)?;
-        let wanted = next["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_owned();
-        if !wanted.is_empty() && wanted != current["metadata"]["resourceVersion"].as_str().unwrap_or_default() {
-            return Err(ApiError::new(409, "Conflict", format!("Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again", kind.plural)));
+        let wanted = next["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if !wanted.is_empty()
+            && wanted
+                != current["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap_or_default()
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                    kind.plural
+                ),
+            ));
         }
         // Identity and system fields are the server's.
-        for field in ["uid", "creationTimestamp", "namespace", "name", "deletionTimestamp", "generation"] {
+        for field in [
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "name",
+            "deletionTimestamp",
+            "generation",
+        ] {
             match current["metadata"].get(field) {
                 Some(value) => next["metadata"][field] = value.clone(),
                 None => {
@@ -323,7 +467,8 @@ impl Store {
                 }
             }
         }
-        let spec_changed = without(&current, &["metadata", "status"]) != without(&next, &["metadata", "status"]);
+        let spec_changed =
+            without(&current, &["metadata", "status"]) != without(&next, &["metadata", "status"]);
         if spec_changed && !status_only {
             let generation = current["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
             next["metadata"]["generation"] = json!(generation);
@@ -333,7 +478,9 @@ impl Store {
         }
         Self::bump(&mut inner, &mut next);
         let finalized = next["metadata"]["deletionTimestamp"].is_string()
-            && next["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty);
+            && next["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(Vec::is_empty);
         let rv = if finalized {
             inner.objects.remove(&id);
             let rv = Self::record(&mut inner, key, "DELETED", next.clone());
@@ -353,10 +500,22 @@ impl Store {
     pub fn delete(&self, key: &ResourceKey, ns: &str, name: &str) -> Result<Value, ApiError> {
         let mut inner = self.lock();
         let kind = Self::kind_in(&inner, key)?;
-        let ns = if kind.namespaced { ns.to_owned() } else { String::new() };
+        let ns = if kind.namespaced {
+            ns.to_owned()
+        } else {
+            String::new()
+        };
         let id = (key.clone(), ns, name.to_owned());
-        let mut object = inner.objects.get(&id).cloned().ok_or_else(|| ApiError::new(404, "NotFound", format!("{} \"{name}\" not found", kind.plural)))?;
-        let has_finalizers = object["metadata"]["finalizers"].as_array().is_some_and(|f| !f.is_empty());
+        let mut object = inner.objects.get(&id).cloned().ok_or_else(|| {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("{} \"{name}\" not found", kind.plural),
+            )
+        })?;
+        let has_finalizers = object["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
         let rv = if has_finalizers {
             if object["metadata"]["deletionTimestamp"].is_string() {
                 return Ok(object);
@@ -383,16 +542,27 @@ impl Store {
 
     /// Deletes (or marks, if they have finalizers) every object owned by `owner`, recursively.
     fn collect_garbage(inner: &mut Inner, owner: &Value) {
-        let Some(uid) = owner["metadata"]["uid"].as_str().map(str::to_owned) else { return };
+        let Some(uid) = owner["metadata"]["uid"].as_str().map(str::to_owned) else {
+            return;
+        };
         let owned: Vec<_> = inner
             .objects
             .iter()
-            .filter(|(_, v)| v["metadata"]["ownerReferences"].as_array().is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid)))
+            .filter(|(_, v)| {
+                v["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid))
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in owned {
-            let Some(mut object) = inner.objects.get(&id).cloned() else { continue };
-            if object["metadata"]["finalizers"].as_array().is_some_and(|f| !f.is_empty()) {
+            let Some(mut object) = inner.objects.get(&id).cloned() else {
+                continue;
+            };
+            if object["metadata"]["finalizers"]
+                .as_array()
+                .is_some_and(|f| !f.is_empty())
+            {
                 object["metadata"]["deletionTimestamp"] = json!(now());
                 Self::bump(inner, &mut object);
                 inner.objects.insert(id.clone(), object.clone());
@@ -408,7 +578,13 @@ impl Store {
     }
 
     /// Changes an object's status in place, as a kubelet does (no precondition).
-    pub fn set_status(&self, key: &ResourceKey, ns: &str, name: &str, change: impl FnOnce(&mut Value)) -> bool {
+    pub fn set_status(
+        &self,
+        key: &ResourceKey,
+        ns: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> bool {
         let result = self.update(key, ns, name, true, |current| {
             let mut next = current.clone();
             change(&mut next["status"]);
@@ -437,7 +613,9 @@ pub fn merge(target: &mut Value, patch: &Value) {
     if !target.is_object() {
         *target = Value::Object(Map::new());
     }
-    let map = target.as_object_mut().expect("target was made an object above. This is a bug.");
+    let map = target
+        .as_object_mut()
+        .expect("target was made an object above. This is a bug.");
     for (key, value) in patch {
         if value.is_null() {
             map.remove(key);
@@ -451,8 +629,21 @@ pub fn merge(target: &mut Value, patch: &Value) {
 /// (`metadata.name=x`).
 pub fn matches(object: &Value, labels: Option<&str>, fields: Option<&str>) -> bool {
     let label = |k: &str| object["metadata"]["labels"][k].as_str().map(str::to_owned);
-    let field = |path: &str| path.split('.').fold(object, |v, p| &v[p]).as_str().map(str::to_owned);
-    let terms = |selector: Option<&str>| selector.unwrap_or_default().split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned).collect::<Vec<_>>();
+    let field = |path: &str| {
+        path.split('.')
+            .fold(object, |v, p| &v[p])
+            .as_str()
+            .map(str::to_owned)
+    };
+    let terms = |selector: Option<&str>| {
+        selector
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
     let check = |term: &str, get: &dyn Fn(&str) -> Option<String>| {
         if let Some((k, v)) = term.split_once("!=") {
             get(k.trim()).as_deref() != Some(v.trim())
@@ -478,37 +669,103 @@ mod tests {
     #[test]
     fn a_stale_resource_version_is_refused_with_409() {
         let store = Store::new();
-        let pod = store.create(&pods(), "default", json!({"metadata": {"name": "p"}, "spec": {}})).unwrap();
+        let pod = store
+            .create(
+                &pods(),
+                "default",
+                json!({"metadata": {"name": "p"}, "spec": {}}),
+            )
+            .unwrap();
         let mut stale = pod.clone();
-        store.patch(&pods(), "default", "p", PatchKind::Merge, json!({"metadata": {"labels": {"a": "b"}}}), false).unwrap();
+        store
+            .patch(
+                &pods(),
+                "default",
+                "p",
+                PatchKind::Merge,
+                json!({"metadata": {"labels": {"a": "b"}}}),
+                false,
+            )
+            .unwrap();
         stale["metadata"]["labels"] = json!({"c": "d"});
-        assert_eq!(store.replace(&pods(), "default", "p", stale, false).unwrap_err().code, 409);
+        assert_eq!(
+            store
+                .replace(&pods(), "default", "p", stale, false)
+                .unwrap_err()
+                .code,
+            409
+        );
     }
 
     #[test]
     fn finalizers_hold_a_deleted_object_until_removed_and_owners_collect_dependants() {
         let store = Store::new();
-        let owner = store.create(&pods(), "default", json!({"metadata": {"name": "owner", "finalizers": ["x"]}})).unwrap();
+        let owner = store
+            .create(
+                &pods(),
+                "default",
+                json!({"metadata": {"name": "owner", "finalizers": ["x"]}}),
+            )
+            .unwrap();
         let uid = owner["metadata"]["uid"].clone();
         store.create(&pods(), "default", json!({"metadata": {"name": "child", "ownerReferences": [{"uid": uid, "name": "owner", "kind": "Pod", "apiVersion": "v1"}]}})).unwrap();
         let marked = store.delete(&pods(), "default", "owner").unwrap();
         assert!(marked["metadata"]["deletionTimestamp"].is_string());
         assert!(store.get(&pods(), "default", "child").is_some());
-        store.patch(&pods(), "default", "owner", PatchKind::Merge, json!({"metadata": {"finalizers": null}}), false).unwrap();
+        store
+            .patch(
+                &pods(),
+                "default",
+                "owner",
+                PatchKind::Merge,
+                json!({"metadata": {"finalizers": null}}),
+                false,
+            )
+            .unwrap();
         assert!(store.get(&pods(), "default", "owner").is_none());
-        assert!(store.get(&pods(), "default", "child").is_none(), "the dependant is garbage collected");
+        assert!(
+            store.get(&pods(), "default", "child").is_none(),
+            "the dependant is garbage collected"
+        );
     }
 
     #[test]
     fn spec_changes_bump_the_generation_and_status_writes_do_not() {
         let store = Store::new();
         let key = ResourceKey::new("/apis/apps/v1", "deployments");
-        store.create(&key, "default", json!({"metadata": {"name": "d"}, "spec": {"replicas": 1}})).unwrap();
-        let after_spec = store.patch(&key, "default", "d", PatchKind::Merge, json!({"spec": {"replicas": 2}}), false).unwrap();
+        store
+            .create(
+                &key,
+                "default",
+                json!({"metadata": {"name": "d"}, "spec": {"replicas": 1}}),
+            )
+            .unwrap();
+        let after_spec = store
+            .patch(
+                &key,
+                "default",
+                "d",
+                PatchKind::Merge,
+                json!({"spec": {"replicas": 2}}),
+                false,
+            )
+            .unwrap();
         assert_eq!(after_spec["metadata"]["generation"], 2);
-        let after_status = store.patch(&key, "default", "d", PatchKind::Merge, json!({"status": {"ready": 1}, "spec": {"replicas": 9}}), true).unwrap();
+        let after_status = store
+            .patch(
+                &key,
+                "default",
+                "d",
+                PatchKind::Merge,
+                json!({"status": {"ready": 1}, "spec": {"replicas": 9}}),
+                true,
+            )
+            .unwrap();
         assert_eq!(after_status["metadata"]["generation"], 2);
-        assert_eq!(after_status["spec"]["replicas"], 2, "a status write leaves the spec alone");
+        assert_eq!(
+            after_status["spec"]["replicas"], 2,
+            "a status write leaves the spec alone"
+        );
         assert!(matches(&after_status, None, Some("metadata.name=d")));
         assert!(!matches(&after_status, Some("app=x"), None));
     }

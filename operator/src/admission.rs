@@ -44,13 +44,17 @@ pub enum Admission {
 
 /// The verdict for `me` (a waiting job in `lane`) given every job and the lane's capacity.
 pub fn verdict(entries: &[QueueEntry], me: &QueueEntry, capacity: u32) -> Admission {
-    let in_lane = entries.iter().filter(|e| e.lane == me.lane && e.key != me.key);
+    let in_lane = entries
+        .iter()
+        .filter(|e| e.lane == me.lane && e.key != me.key);
     let mut active = 0u32;
     let mut ahead = 0u32;
     for entry in in_lane {
         match entry.state {
             QueueState::Active => active += 1,
-            QueueState::Waiting if (entry.created, &entry.key) < (me.created, &me.key) => ahead += 1,
+            QueueState::Waiting if (entry.created, &entry.key) < (me.created, &me.key) => {
+                ahead += 1;
+            }
             QueueState::Waiting | QueueState::Idle => {}
         }
     }
@@ -85,7 +89,9 @@ mod tests {
         let me = entry("me", 5, QueueState::Waiting);
         let one = [entry("a", 1, QueueState::Active)];
         assert_eq!(verdict(&one, &me, 2), Admission::Admit);
-        let Admission::Wait { reason, message } = verdict(&one, &me, 1) else { panic!("admitted into a full lane") };
+        let Admission::Wait { reason, message } = verdict(&one, &me, 1) else {
+            panic!("admitted into a full lane")
+        };
         assert_eq!(reason, "WaitingForLane");
         assert!(message.contains("1 of 1 slots"), "{message}");
     }
@@ -95,7 +101,12 @@ mod tests {
         let me = entry("me", 5, QueueState::Waiting);
         let mut large = entry("big", 0, QueueState::Active);
         large.lane = Lane::Large;
-        let entries = [entry("old", 1, QueueState::Waiting), entry("young", 9, QueueState::Waiting), large, entry("done", 0, QueueState::Idle)];
+        let entries = [
+            entry("old", 1, QueueState::Waiting),
+            entry("young", 9, QueueState::Waiting),
+            large,
+            entry("done", 0, QueueState::Idle),
+        ];
         assert!(matches!(verdict(&entries, &me, 1), Admission::Wait { .. }));
         assert_eq!(verdict(&entries, &me, 2), Admission::Admit);
         assert_eq!(verdict(&entries, &entries[0], 1), Admission::Admit);
@@ -105,15 +116,25 @@ mod tests {
     fn admitting_every_job_the_verdicts_allow_never_exceeds_the_capacity() {
         // Admit jobs one by one, as the controller does, in every arrival order of six jobs.
         for rotation in 0..6 {
-            let mut entries: Vec<_> = (0..6).map(|i| entry(&format!("j{i}"), (i + rotation) % 6, QueueState::Waiting)).collect();
+            let mut entries: Vec<_> = (0..6)
+                .map(|i| entry(&format!("j{i}"), (i + rotation) % 6, QueueState::Waiting))
+                .collect();
             for _ in 0..6 {
                 for i in 0..entries.len() {
-                    if entries[i].state == QueueState::Waiting && verdict(&entries, &entries[i], 2) == Admission::Admit {
+                    if entries[i].state == QueueState::Waiting
+                        && verdict(&entries, &entries[i], 2) == Admission::Admit
+                    {
                         entries[i].state = QueueState::Active;
                     }
                 }
             }
-            assert_eq!(entries.iter().filter(|e| e.state == QueueState::Active).count(), 2);
+            assert_eq!(
+                entries
+                    .iter()
+                    .filter(|e| e.state == QueueState::Active)
+                    .count(),
+                2
+            );
         }
     }
 }

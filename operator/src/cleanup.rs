@@ -13,14 +13,18 @@ use crate::error::{Error, Result};
 
 /// Deletes every object under `output` within `timeout`; returns how many.
 pub async fn delete_prefix(output: &str, timeout: Duration) -> Result<usize> {
-    let fail = |reason: String| Error::Cleanup { output: output.to_owned(), reason };
+    let fail = |reason: String| Error::Cleanup {
+        output: output.to_owned(),
+        reason,
+    };
     let location = Location::parse(output, "output").map_err(|e| fail(e.to_string()))?;
     let (store, prefix): (Arc<dyn ObjectStore>, StorePath) = match &location {
         Location::Local(path) => {
             if !path.exists() {
                 return Ok(0);
             }
-            let store = object_store::local::LocalFileSystem::new_with_prefix(path).map_err(|e| fail(e.to_string()))?;
+            let store = object_store::local::LocalFileSystem::new_with_prefix(path)
+                .map_err(|e| fail(e.to_string()))?;
             (Arc::new(store), StorePath::default())
         }
         Location::S3 { bucket, prefix } => {
@@ -32,12 +36,21 @@ pub async fn delete_prefix(output: &str, timeout: Duration) -> Result<usize> {
         }
     };
     let work = async {
-        let paths = store.list(Some(&prefix)).map_ok(|meta| meta.location).boxed();
-        let deleted: Vec<_> = store.delete_stream(paths).try_collect().await.map_err(|e| fail(e.to_string()))?;
+        let paths = store
+            .list(Some(&prefix))
+            .map_ok(|meta| meta.location)
+            .boxed();
+        let deleted: Vec<_> = store
+            .delete_stream(paths)
+            .try_collect()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         if let Location::Local(path) = &location {
             let _ = std::fs::remove_dir_all(path);
         }
         Ok(deleted.len())
     };
-    tokio::time::timeout(timeout, work).await.map_err(|_| fail(format!("no answer within {} s", timeout.as_secs())))?
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| fail(format!("no answer within {} s", timeout.as_secs())))?
 }

@@ -43,7 +43,11 @@ pub struct CatalogueEntry {
 impl CatalogueEntry {
     /// What spec validation needs.
     pub fn shape(&self) -> ModelShape {
-        ModelShape { path: self.path.clone(), num_layers: self.num_layers, lane: self.lane }
+        ModelShape {
+            path: self.path.clone(),
+            num_layers: self.num_layers,
+            lane: self.lane,
+        }
     }
 }
 
@@ -117,9 +121,14 @@ fn default_cleanup_timeout() -> u64 {
 impl OperatorConfig {
     /// Reads and checks a YAML or JSON file.
     pub fn load(path: &Path) -> Result<Self, Error> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Config { path: path.display().to_string(), reason: source.to_string() })?;
-        Self::parse(&text).map_err(|reason| Error::Config { path: path.display().to_string(), reason })
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Config {
+            path: path.display().to_string(),
+            reason: source.to_string(),
+        })?;
+        Self::parse(&text).map_err(|reason| Error::Config {
+            path: path.display().to_string(),
+            reason,
+        })
     }
 
     /// Parses and checks the configuration text (YAML is a superset of JSON).
@@ -128,10 +137,16 @@ impl OperatorConfig {
         let mut names = std::collections::BTreeSet::new();
         for model in &config.models {
             if !names.insert(model.name.as_str()) {
-                return Err(format!("model {:?} is listed twice: give each catalogue entry its own name", model.name));
+                return Err(format!(
+                    "model {:?} is listed twice: give each catalogue entry its own name",
+                    model.name
+                ));
             }
             if model.num_layers == 0 {
-                return Err(format!("model {:?} has numLayers 0: give its decoder block count", model.name));
+                return Err(format!(
+                    "model {:?} has numLayers 0: give its decoder block count",
+                    model.name
+                ));
             }
         }
         if config.models.is_empty() {
@@ -187,7 +202,16 @@ lanes: {small: 2, large: 1}
     fn unknown_keys_and_duplicate_models_are_refused_by_name() {
         let typo = EXAMPLE.replace("lanes:", "lane:");
         assert!(OperatorConfig::parse(&typo).unwrap_err().contains("lane"));
-        let twice = format!("{EXAMPLE}\n").replace("lanes:", "  - {name: smollm2-135m, path: /m, numLayers: 1, lane: small, image: i}\nlanes:");
-        assert!(OperatorConfig::parse(&twice).unwrap_err().contains("listed twice"), "{}", OperatorConfig::parse(&twice).unwrap_err());
+        let twice = format!("{EXAMPLE}\n").replace(
+            "lanes:",
+            "  - {name: smollm2-135m, path: /m, numLayers: 1, lane: small, image: i}\nlanes:",
+        );
+        assert!(
+            OperatorConfig::parse(&twice)
+                .unwrap_err()
+                .contains("listed twice"),
+            "{}",
+            OperatorConfig::parse(&twice).unwrap_err()
+        );
     }
 }

@@ -117,14 +117,21 @@ pub fn decide(observed: &Observed<'_>, policy: &Policy) -> Decision {
     let mut b = Builder {
         observed,
         now: Time(observed.now),
-        status: HarvestJobStatus { observed_generation: observed.job.metadata.generation, ..old.clone() },
+        status: HarvestJobStatus {
+            observed_generation: observed.job.metadata.generation,
+            ..old.clone()
+        },
         old,
         actions: Vec::new(),
         requeue_after: None,
     };
     b.run(policy);
     b.status.phase = Some(phase(&b.status, observed.job.spec.suspend));
-    Decision { status: b.status, actions: b.actions, requeue_after: b.requeue_after }
+    Decision {
+        status: b.status,
+        actions: b.actions,
+        requeue_after: b.requeue_after,
+    }
 }
 
 impl Builder<'_> {
@@ -137,7 +144,10 @@ impl Builder<'_> {
         let reserved = match &self.observed.spec {
             Ok(tokens) => *tokens,
             Err(error) => {
-                let outcome = Outcome::Failed { reason: error.reason().into(), message: error.to_string() };
+                let outcome = Outcome::Failed {
+                    reason: error.reason().into(),
+                    message: error.to_string(),
+                };
                 return self.finish(outcome);
             }
         };
@@ -149,7 +159,10 @@ impl Builder<'_> {
         {
             let limit = spec.active_deadline_seconds.unwrap_or_default();
             let message = format!("the job ran past activeDeadlineSeconds ({limit} s)");
-            return self.finish(Outcome::Failed { reason: "DeadlineExceeded".into(), message });
+            return self.finish(Outcome::Failed {
+                reason: "DeadlineExceeded".into(),
+                message,
+            });
         }
         let admitted = conditions::is_true(&self.old.conditions, ADMITTED);
         if spec.suspend {
@@ -164,9 +177,17 @@ impl Builder<'_> {
                 }
                 Admission::Admit => {
                     let lane = self.observed.lane.clone().unwrap_or_default();
-                    self.set(ADMITTED, true, "Admitted", format!("admitted to the {lane} lane, holding {reserved} tokens"));
+                    self.set(
+                        ADMITTED,
+                        true,
+                        "Admitted",
+                        format!("admitted to the {lane} lane, holding {reserved} tokens"),
+                    );
                     self.status.lane = self.observed.lane.clone();
-                    self.status.tokens = Some(TokenUsage { reserved, charged: None });
+                    self.status.tokens = Some(TokenUsage {
+                        reserved,
+                        charged: None,
+                    });
                     self.event(false, "Admitted", format!("admitted to the {lane} lane"));
                 }
             }
@@ -184,22 +205,40 @@ impl Builder<'_> {
                 let failure = Failure {
                     blame: Blame::Infrastructure,
                     reason: "PodLost".into(),
-                    message: format!("Pod {} disappeared before it finished", self.old.pod.clone().unwrap_or_default()),
+                    message: format!(
+                        "Pod {} disappeared before it finished",
+                        self.old.pod.clone().unwrap_or_default()
+                    ),
                 };
                 self.retry(failure, None, infra_retries, policy);
             }
-            Some(PodState::Starting { waiting: Some((reason, message)) }) => {
+            Some(PodState::Starting {
+                waiting: Some((reason, message)),
+            }) => {
                 self.set(RUNNING, false, &reason, message);
             }
             Some(PodState::Starting { waiting: None }) => {
-                self.set(RUNNING, true, "PodStarting", format!("attempt {attempts} is starting"));
+                self.set(
+                    RUNNING,
+                    true,
+                    "PodStarting",
+                    format!("attempt {attempts} is starting"),
+                );
             }
             Some(PodState::Running) => {
-                self.set(RUNNING, true, "PodRunning", format!("attempt {attempts} is running"));
+                self.set(
+                    RUNNING,
+                    true,
+                    "PodRunning",
+                    format!("attempt {attempts} is running"),
+                );
             }
             Some(PodState::Terminating) => {}
             Some(PodState::Succeeded { result }) => self.finish(Outcome::Succeeded(result)),
-            Some(PodState::Failed { failure, finished_at }) => self.retry(failure, finished_at, infra_retries, policy),
+            Some(PodState::Failed {
+                failure,
+                finished_at,
+            }) => self.retry(failure, finished_at, infra_retries, policy),
         }
         if let Some(left) = self.deadline_left()
             && !self.finished()
@@ -209,22 +248,50 @@ impl Builder<'_> {
         }
     }
 
-    fn retry(&mut self, failure: Failure, finished_at: Option<Time>, infra_retries: u32, policy: &Policy) {
+    fn retry(
+        &mut self,
+        failure: Failure,
+        finished_at: Option<Time>,
+        infra_retries: u32,
+        policy: &Policy,
+    ) {
         let attempt = self.old.attempts;
         let spec = &self.observed.job.spec;
         match failure.blame {
-            Blame::Input => self.finish(Outcome::Failed { reason: failure.reason, message: failure.message }),
+            Blame::Input => self.finish(Outcome::Failed {
+                reason: failure.reason,
+                message: failure.message,
+            }),
             Blame::Infrastructure if infra_retries >= policy.max_infrastructure_retries => {
-                let message = format!("{}; {infra_retries} infrastructure retries used up", failure.message);
-                self.finish(Outcome::Failed { reason: "InfrastructureRetriesExhausted".into(), message });
+                let message = format!(
+                    "{}; {infra_retries} infrastructure retries used up",
+                    failure.message
+                );
+                self.finish(Outcome::Failed {
+                    reason: "InfrastructureRetriesExhausted".into(),
+                    message,
+                });
             }
             Blame::Infrastructure => {
-                self.event(true, &failure.reason, format!("attempt {attempt}: {}; retrying (not counted against backoffLimit)", failure.message));
+                self.event(
+                    true,
+                    &failure.reason,
+                    format!(
+                        "attempt {attempt}: {}; retrying (not counted against backoffLimit)",
+                        failure.message
+                    ),
+                );
                 self.start_attempt(0);
             }
             Blame::Job if i64::from(self.old.failures) + 1 > i64::from(spec.backoff_limit) => {
-                let message = format!("attempt {attempt} failed ({}: {}); backoffLimit {} reached", failure.reason, failure.message, spec.backoff_limit);
-                self.finish(Outcome::Failed { reason: "BackoffLimitExceeded".into(), message });
+                let message = format!(
+                    "attempt {attempt} failed ({}: {}); backoffLimit {} reached",
+                    failure.reason, failure.message, spec.backoff_limit
+                );
+                self.finish(Outcome::Failed {
+                    reason: "BackoffLimitExceeded".into(),
+                    message,
+                });
             }
             Blame::Job => {
                 let delay = policy.retry_delay(self.old.failures + 1);
@@ -232,11 +299,19 @@ impl Builder<'_> {
                 let ready = failed_at + SignedDuration::try_from(delay).unwrap_or_default();
                 if self.observed.now < ready {
                     let wait = self.observed.now.duration_until(ready);
-                    let message = format!("attempt {attempt} failed: {}; retrying in {} s", failure.message, wait.as_secs());
+                    let message = format!(
+                        "attempt {attempt} failed: {}; retrying in {} s",
+                        failure.message,
+                        wait.as_secs()
+                    );
                     self.set(RUNNING, false, &failure.reason, message);
                     self.requeue_after = Some(Duration::try_from(wait).unwrap_or(delay));
                 } else {
-                    self.event(true, &failure.reason, format!("attempt {attempt} failed: {}; retrying", failure.message));
+                    self.event(
+                        true,
+                        &failure.reason,
+                        format!("attempt {attempt} failed: {}; retrying", failure.message),
+                    );
                     self.start_attempt(1);
                 }
             }
@@ -255,8 +330,16 @@ impl Builder<'_> {
         if self.status.progress.is_none() {
             self.status.progress = Some(Progress::new(0, 0, 0));
         }
-        self.set(RUNNING, true, "PodCreated", format!("attempt {attempt} created"));
-        self.actions.push(Action::CreatePod { attempt, deadline_seconds: self.deadline_left() });
+        self.set(
+            RUNNING,
+            true,
+            "PodCreated",
+            format!("attempt {attempt} created"),
+        );
+        self.actions.push(Action::CreatePod {
+            attempt,
+            deadline_seconds: self.deadline_left(),
+        });
     }
 
     fn suspend(&mut self, admitted: bool) {
@@ -264,11 +347,20 @@ impl Builder<'_> {
             self.actions.push(Action::DeletePod(pod));
         }
         if admitted {
-            self.event(false, "Suspended", "suspended: the Pod is stopped and the lane slot released".into());
+            self.event(
+                false,
+                "Suspended",
+                "suspended: the Pod is stopped and the lane slot released".into(),
+            );
             self.status.tokens = None;
             self.status.pod = None;
         }
-        self.set(ADMITTED, false, "Suspended", "the job is suspended; set spec.suspend to false to queue it".into());
+        self.set(
+            ADMITTED,
+            false,
+            "Suspended",
+            "the job is suspended; set spec.suspend to false to queue it".into(),
+        );
         if conditions::get(&self.status.conditions, RUNNING).is_some() {
             self.set(RUNNING, false, "Suspended", "the job is suspended".into());
         }
@@ -279,15 +371,28 @@ impl Builder<'_> {
         let started = self.old.attempts > 0;
         let (event, phase_reason, message, warning) = match &outcome {
             Outcome::Succeeded(result) => (
-                JobEvent::Succeeded { tokens: result.as_ref().map_or(reserved, |r| r.tokens) },
+                JobEvent::Succeeded {
+                    tokens: result.as_ref().map_or(reserved, |r| r.tokens),
+                },
                 "Succeeded".to_owned(),
                 "the harvest finished; the manifest is written".to_owned(),
                 false,
             ),
-            Outcome::Failed { reason, message } => (JobEvent::Failed, reason.clone(), message.clone(), true),
-            Outcome::Cancelled => (JobEvent::Cancel, "Cancelled".to_owned(), "cancelled by its owner".to_owned(), false),
+            Outcome::Failed { reason, message } => {
+                (JobEvent::Failed, reason.clone(), message.clone(), true)
+            }
+            Outcome::Cancelled => (
+                JobEvent::Cancel,
+                "Cancelled".to_owned(),
+                "cancelled by its owner".to_owned(),
+                false,
+            ),
         };
-        let from = if started { JobStatus::Running } else { JobStatus::Pending };
+        let from = if started {
+            JobStatus::Running
+        } else {
+            JobStatus::Pending
+        };
         let charge = match lifecycle::next(from, reserved, event) {
             Ok(Transition::To { charge, .. }) => charge.unwrap_or(0),
             Ok(Transition::Unchanged) | Err(_) => 0,
@@ -296,7 +401,11 @@ impl Builder<'_> {
             tokens.charged = Some(charge);
         }
         if let Outcome::Succeeded(Some(result)) = outcome {
-            self.status.progress = Some(Progress::new(result.n_shards, result.n_shards, result.prompts));
+            self.status.progress = Some(Progress::new(
+                result.n_shards,
+                result.n_shards,
+                result.prompts,
+            ));
             self.status.result = Some(result);
         }
         if let Some(pod) = self.live_pod() {
@@ -319,7 +428,10 @@ impl Builder<'_> {
     }
 
     fn schedule_ttl(&mut self) {
-        let (Some(ttl), Some(done)) = (self.observed.job.spec.ttl_seconds_after_finished, &self.status.completion_time) else {
+        let (Some(ttl), Some(done)) = (
+            self.observed.job.spec.ttl_seconds_after_finished,
+            &self.status.completion_time,
+        ) else {
             return;
         };
         let expires = done.0 + SignedDuration::from_secs(ttl);
@@ -350,18 +462,34 @@ impl Builder<'_> {
     }
 
     fn set(&mut self, type_: &str, status: bool, reason: &str, message: String) {
-        let update = ConditionUpdate { type_, status, reason, message };
-        conditions::set(&mut self.status.conditions, update, self.observed.job.metadata.generation, &self.now);
+        let update = ConditionUpdate {
+            type_,
+            status,
+            reason,
+            message,
+        };
+        conditions::set(
+            &mut self.status.conditions,
+            update,
+            self.observed.job.metadata.generation,
+            &self.now,
+        );
     }
 
     fn event(&mut self, warning: bool, reason: &str, note: String) {
-        self.actions.push(Action::Event { warning, reason: reason.to_owned(), note });
+        self.actions.push(Action::Event {
+            warning,
+            reason: reason.to_owned(),
+            note,
+        });
     }
 }
 
 /// The display phase, derived from the conditions.
 pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
-    if let Some(finished) = conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True") {
+    if let Some(finished) =
+        conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True")
+    {
         return match finished.reason.as_str() {
             "Succeeded" => JobPhase::Succeeded,
             "Cancelled" => JobPhase::Cancelled,

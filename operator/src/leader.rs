@@ -29,15 +29,24 @@ pub enum LeaseStep {
 
 /// Decides, from the Lease's spec, what `me` does at `now`.
 pub fn step(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> LeaseStep {
-    let Some(spec) = spec else { return LeaseStep::Acquire };
+    let Some(spec) = spec else {
+        return LeaseStep::Acquire;
+    };
     let holder = spec.holder_identity.clone().unwrap_or_default();
     if holder == me {
         return LeaseStep::Renew;
     }
-    let renewed = spec.renew_time.as_ref().map(|t| t.0).or(spec.acquire_time.as_ref().map(|t| t.0));
+    let renewed = spec
+        .renew_time
+        .as_ref()
+        .map(|t| t.0)
+        .or(spec.acquire_time.as_ref().map(|t| t.0));
     let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
     match renewed {
-        Some(renewed) if !holder.is_empty() && renewed + duration > now => LeaseStep::Wait { holder, until: renewed + duration },
+        Some(renewed) if !holder.is_empty() && renewed + duration > now => LeaseStep::Wait {
+            holder,
+            until: renewed + duration,
+        },
         _ => LeaseStep::Acquire,
     }
 }
@@ -53,8 +62,18 @@ pub struct Leadership {
 
 impl Leadership {
     /// Waits until this replica holds the Lease `name`.
-    pub async fn acquire(api: Api<Lease>, name: &str, me: &str, duration: Duration) -> Result<Self> {
-        let this = Self { api, name: name.to_owned(), me: me.to_owned(), duration };
+    pub async fn acquire(
+        api: Api<Lease>,
+        name: &str,
+        me: &str,
+        duration: Duration,
+    ) -> Result<Self> {
+        let this = Self {
+            api,
+            name: name.to_owned(),
+            me: me.to_owned(),
+            duration,
+        };
         loop {
             match this.try_hold().await {
                 Ok(true) => {
@@ -76,9 +95,19 @@ impl Leadership {
             match self.try_hold().await {
                 Ok(true) => {}
                 Ok(false) => {
-                    let holder = self.api.get_opt(&self.name).await.ok().flatten()
-                        .and_then(|l| l.spec).and_then(|s| s.holder_identity).unwrap_or_default();
-                    return Error::LostLeadership { lease: self.name.clone(), holder };
+                    let holder = self
+                        .api
+                        .get_opt(&self.name)
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|l| l.spec)
+                        .and_then(|s| s.holder_identity)
+                        .unwrap_or_default();
+                    return Error::LostLeadership {
+                        lease: self.name.clone(),
+                        holder,
+                    };
                 }
                 Err(e) => return e,
             }
@@ -107,14 +136,19 @@ impl Leadership {
         match current {
             None => {
                 let lease = Lease {
-                    metadata: ObjectMeta { name: Some(self.name.clone()), ..ObjectMeta::default() },
+                    metadata: ObjectMeta {
+                        name: Some(self.name.clone()),
+                        ..ObjectMeta::default()
+                    },
                     spec: Some(spec),
                 };
                 self.api.create(&PostParams::default(), &lease).await?;
             }
             Some(mut lease) => {
                 lease.spec = Some(spec);
-                self.api.replace(&self.name, &PostParams::default(), &lease).await?;
+                self.api
+                    .replace(&self.name, &PostParams::default(), &lease)
+                    .await?;
             }
         }
         Ok(true)
@@ -141,13 +175,22 @@ mod tests {
     #[test]
     fn a_fresh_lease_held_by_another_replica_is_waited_for_until_it_expires() {
         let lease = held_by("other", 100);
-        assert_eq!(step(Some(&lease), "me", at(110)), LeaseStep::Wait { holder: "other".into(), until: at(115) });
+        assert_eq!(
+            step(Some(&lease), "me", at(110)),
+            LeaseStep::Wait {
+                holder: "other".into(),
+                until: at(115)
+            }
+        );
         assert_eq!(step(Some(&lease), "me", at(116)), LeaseStep::Acquire);
     }
 
     #[test]
     fn a_missing_lease_is_taken_and_our_own_is_renewed() {
         assert_eq!(step(None, "me", at(0)), LeaseStep::Acquire);
-        assert_eq!(step(Some(&held_by("me", 0)), "me", at(1000)), LeaseStep::Renew);
+        assert_eq!(
+            step(Some(&held_by("me", 0)), "me", at(1000)),
+            LeaseStep::Renew
+        );
     }
 }

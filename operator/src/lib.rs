@@ -69,31 +69,59 @@ pub struct Settings {
 }
 
 /// Runs the controller until `shutdown` resolves or leadership is lost.
-pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Output = ()> + Send + Sync + 'static) -> Result<()> {
+pub async fn run(
+    client: Client,
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<()> {
     let leadership = match &settings.leader {
         Some(leader) => {
             let leases: Api<Lease> = Api::namespaced(client.clone(), &leader.namespace);
-            Some(leader::Leadership::acquire(leases, &leader.lease, &leader.identity, leader.duration).await?)
+            Some(
+                leader::Leadership::acquire(
+                    leases,
+                    &leader.lease,
+                    &leader.identity,
+                    leader.duration,
+                )
+                .await?,
+            )
         }
         None => None,
     };
     let pods: Api<Pod> = Api::all(client.clone());
     let (managed_key, managed_value) = pod::MANAGED_BY;
-    let controller = Controller::new(Api::<HarvestJob>::all(client.clone()), watcher::Config::default().any_semantic())
-        .owns(pods, watcher::Config::default().labels(&format!("{managed_key}={managed_value}")));
+    let controller = Controller::new(
+        Api::<HarvestJob>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .owns(
+        pods,
+        watcher::Config::default().labels(&format!("{managed_key}={managed_value}")),
+    );
     let metrics = metrics::Metrics::default();
     let jobs = controller.store();
     let metrics_task = match settings.metrics_addr {
         Some(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::Config {
-                path: "--metrics-addr".into(),
-                reason: format!("cannot listen on {addr}: {e}"),
-            })?;
-            Some(tokio::spawn(metrics::serve(listener, metrics.clone(), jobs.clone())))
+            let listener =
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| Error::Config {
+                        path: "--metrics-addr".into(),
+                        reason: format!("cannot listen on {addr}: {e}"),
+                    })?;
+            Some(tokio::spawn(metrics::serve(
+                listener,
+                metrics.clone(),
+                jobs.clone(),
+            )))
         }
         None => None,
     };
-    let reporter = Reporter { controller: "harvest-operator".into(), instance: Some(settings.instance.clone()) };
+    let reporter = Reporter {
+        controller: "harvest-operator".into(),
+        instance: Some(settings.instance.clone()),
+    };
     let context = Arc::new(reconcile::Context {
         client: client.clone(),
         config: settings.config,

@@ -28,11 +28,15 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .init();
     let cli = Cli::parse();
     let config = OperatorConfig::load(&cli.config)?;
-    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
     let settings = Settings {
         config,
         metrics_addr: Some(cli.metrics_addr),

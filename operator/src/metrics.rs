@@ -50,11 +50,30 @@ impl Default for Metrics {
         let admission_wait = Histogram::new([1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0]);
         let jobs = Family::<PhaseLabel, Gauge>::default();
         registry.register("reconciles", "Reconciles run", reconciles.clone());
-        registry.register("reconcile_failures", "Reconciles that failed, by error", failures.clone());
-        registry.register("reconcile_duration_seconds", "Time per reconcile", duration.clone());
-        registry.register("admission_wait_seconds", "Time from creation to admission", admission_wait.clone());
+        registry.register(
+            "reconcile_failures",
+            "Reconciles that failed, by error",
+            failures.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Time per reconcile",
+            duration.clone(),
+        );
+        registry.register(
+            "admission_wait_seconds",
+            "Time from creation to admission",
+            admission_wait.clone(),
+        );
         registry.register("jobs", "Jobs by phase", jobs.clone());
-        Self { registry: Arc::new(registry), reconciles, failures, duration, admission_wait, jobs }
+        Self {
+            registry: Arc::new(registry),
+            reconciles,
+            failures,
+            duration,
+            admission_wait,
+            jobs,
+        }
     }
 }
 
@@ -75,7 +94,10 @@ impl Metrics {
     /// Counts a reconcile and times it.
     pub fn reconcile_started(&self) -> ReconcileTimer {
         self.reconciles.inc();
-        ReconcileTimer { start: Instant::now(), duration: self.duration.clone() }
+        ReconcileTimer {
+            start: Instant::now(),
+            duration: self.duration.clone(),
+        }
     }
 
     /// Counts a failed reconcile.
@@ -90,10 +112,21 @@ impl Metrics {
 
     /// The text exposition, with the jobs-by-phase gauge taken from the cache now.
     pub fn render(&self, jobs: &Store<HarvestJob>) -> String {
-        let phases = ["Pending", "Suspended", "Running", "Succeeded", "Failed", "Cancelled"];
+        let phases = [
+            "Pending",
+            "Suspended",
+            "Running",
+            "Succeeded",
+            "Failed",
+            "Cancelled",
+        ];
         let mut counts = [0i64; 6];
         for job in jobs.state() {
-            let phase = job.status.as_ref().and_then(|s| s.phase).map_or("Pending", |p| p.as_str());
+            let phase = job
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .map_or("Pending", |p| p.as_str());
             if let Some(i) = phases.iter().position(|p| *p == phase) {
                 counts[i] += 1;
             }
@@ -110,7 +143,9 @@ impl Metrics {
 /// Serves `GET /metrics` and `GET /healthz` on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Metrics, jobs: Store<HarvestJob>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
         let metrics = metrics.clone();
         let jobs = jobs.clone();
         tokio::spawn(async move {
@@ -121,7 +156,10 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, jobs: Store<HarvestJ
             let (status, body) = match path {
                 "/metrics" => ("200 OK", metrics.render(&jobs)),
                 "/healthz" | "/readyz" => ("200 OK", "ok\n".to_owned()),
-                _ => ("404 Not Found", "not found: try /metrics or /healthz\n".to_owned()),
+                _ => (
+                    "404 Not Found",
+                    "not found: try /metrics or /healthz\n".to_owned(),
+                ),
             };
             let response = format!(
                 "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",

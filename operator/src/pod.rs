@@ -39,8 +39,10 @@ pub fn render(
     attempt: u32,
     deadline_seconds: Option<i64>,
 ) -> Result<Pod> {
-    let plan = serde_json::to_string(&valid.plan)
-        .map_err(|source| Error::Encode { what: "the harvester plan", source })?;
+    let plan = serde_json::to_string(&valid.plan).map_err(|source| Error::Encode {
+        what: "the harvester plan",
+        source,
+    })?;
     let mut args = vec![
         "run".to_owned(),
         "--plan-json".to_owned(),
@@ -56,16 +58,33 @@ pub fn render(
     let mut resources = model.resources.clone();
     if model.gpus > 0 {
         let gpus = Quantity(model.gpus.to_string());
-        resources.limits.get_or_insert_with(BTreeMap::new).insert("nvidia.com/gpu".into(), gpus.clone());
-        resources.requests.get_or_insert_with(BTreeMap::new).insert("nvidia.com/gpu".into(), gpus);
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus.clone());
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus);
     }
     let env = vec![
-        EnvVar { name: "HARVEST_JOB_NAME".into(), value: Some(job.name_any()), ..EnvVar::default() },
-        EnvVar { name: "HARVEST_JOB_NAMESPACE".into(), value: job.namespace(), ..EnvVar::default() },
+        EnvVar {
+            name: "HARVEST_JOB_NAME".into(),
+            value: Some(job.name_any()),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: "HARVEST_JOB_NAMESPACE".into(),
+            value: job.namespace(),
+            ..EnvVar::default()
+        },
     ];
     let env_from = config.worker_env_secret.as_ref().map(|name| {
         vec![EnvFromSource {
-            secret_ref: Some(SecretEnvSource { name: name.clone(), optional: Some(false) }),
+            secret_ref: Some(SecretEnvSource {
+                name: name.clone(),
+                optional: Some(false),
+            }),
             ..EnvFromSource::default()
         }]
     });
@@ -178,8 +197,14 @@ struct RunError {
 }
 
 /// Pod reasons that mean the node or the scheduler took the Pod away.
-const INFRASTRUCTURE_REASONS: [&str; 6] =
-    ["Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"];
+const INFRASTRUCTURE_REASONS: [&str; 6] = [
+    "Evicted",
+    "NodeLost",
+    "Preempting",
+    "Shutdown",
+    "Terminated",
+    "UnexpectedAdmissionError",
+];
 
 /// Reads a Pod.
 pub fn observe(pod: &Pod) -> PodState {
@@ -210,19 +235,32 @@ pub fn observe(pod: &Pod) -> PodState {
                 }),
         },
         Some("Failed") => {
-            let disrupted = status.conditions.iter().flatten().find(|c| c.type_ == "DisruptionTarget" && c.status == "True");
+            let disrupted = status
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "DisruptionTarget" && c.status == "True");
             let pod_reason = status.reason.clone().unwrap_or_default();
             let finished_at = terminated.as_ref().and_then(|t| t.finished_at.clone());
             let failure = if let Some(condition) = disrupted {
                 Failure {
                     blame: Blame::Infrastructure,
-                    reason: condition.reason.clone().unwrap_or_else(|| "DisruptionTarget".into()),
-                    message: condition.message.clone().unwrap_or_else(|| "the Pod was disrupted".into()),
+                    reason: condition
+                        .reason
+                        .clone()
+                        .unwrap_or_else(|| "DisruptionTarget".into()),
+                    message: condition
+                        .message
+                        .clone()
+                        .unwrap_or_else(|| "the Pod was disrupted".into()),
                 }
             } else if INFRASTRUCTURE_REASONS.contains(&pod_reason.as_str()) {
                 Failure {
                     blame: Blame::Infrastructure,
-                    message: status.message.clone().unwrap_or_else(|| format!("the Pod failed: {pod_reason}")),
+                    message: status
+                        .message
+                        .clone()
+                        .unwrap_or_else(|| format!("the Pod failed: {pod_reason}")),
                     reason: pod_reason,
                 }
             } else if pod_reason == "DeadlineExceeded" {
@@ -232,20 +270,34 @@ pub fn observe(pod: &Pod) -> PodState {
                     message: "the job ran past activeDeadlineSeconds".into(),
                 }
             } else if let Some(terminated) = terminated {
-                classify_exit(terminated.exit_code, terminated.reason.as_deref(), terminated.message.as_deref())
+                classify_exit(
+                    terminated.exit_code,
+                    terminated.reason.as_deref(),
+                    terminated.message.as_deref(),
+                )
             } else {
                 Failure {
                     blame: Blame::Infrastructure,
-                    reason: if pod_reason.is_empty() { "PodFailed".into() } else { pod_reason },
-                    message: status.message.unwrap_or_else(|| "the Pod failed before its container ran".into()),
+                    reason: if pod_reason.is_empty() {
+                        "PodFailed".into()
+                    } else {
+                        pod_reason
+                    },
+                    message: status
+                        .message
+                        .unwrap_or_else(|| "the Pod failed before its container ran".into()),
                 }
             };
-            PodState::Failed { failure, finished_at }
+            PodState::Failed {
+                failure,
+                finished_at,
+            }
         }
         _ => PodState::Starting {
-            waiting: container
-                .and_then(|s| s.waiting)
-                .and_then(|w| w.reason.map(|reason| (reason, w.message.unwrap_or_default()))),
+            waiting: container.and_then(|s| s.waiting).and_then(|w| {
+                w.reason
+                    .map(|reason| (reason, w.message.unwrap_or_default()))
+            }),
         },
     }
 }
@@ -254,7 +306,11 @@ pub fn observe(pod: &Pod) -> PodState {
 /// kubelet's reason to who is to blame.
 fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) -> Failure {
     let detail = message
-        .map(|m| serde_json::from_str::<RunError>(m).map(|e| e.error).unwrap_or_else(|_| m.trim().to_owned()))
+        .map(|m| {
+            serde_json::from_str::<RunError>(m)
+                .map(|e| e.error)
+                .unwrap_or_else(|_| m.trim().to_owned())
+        })
         .filter(|m| !m.is_empty());
     let with_detail = |what: String| match &detail {
         Some(detail) => format!("{what}: {detail}"),
@@ -264,13 +320,27 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
         return Failure {
             blame: Blame::Job,
             reason: "OOMKilled".into(),
-            message: format!("the harvester ran out of memory (exit {exit_code}); raise the model's memory limit or lower batch tokens"),
+            message: format!(
+                "the harvester ran out of memory (exit {exit_code}); raise the model's memory limit or lower batch tokens"
+            ),
         };
     }
     match exit_code {
-        2 => Failure { blame: Blame::Input, reason: "InvalidInput".into(), message: with_detail("the harvester refused its input".into()) },
-        3 => Failure { blame: Blame::Infrastructure, reason: "StorageUnavailable".into(), message: with_detail("the object store failed".into()) },
-        code => Failure { blame: Blame::Job, reason: "WorkerFailed".into(), message: with_detail(format!("the harvester exited with status {code}")) },
+        2 => Failure {
+            blame: Blame::Input,
+            reason: "InvalidInput".into(),
+            message: with_detail("the harvester refused its input".into()),
+        },
+        3 => Failure {
+            blame: Blame::Infrastructure,
+            reason: "StorageUnavailable".into(),
+            message: with_detail("the object store failed".into()),
+        },
+        code => Failure {
+            blame: Blame::Job,
+            reason: "WorkerFailed".into(),
+            message: with_detail(format!("the harvester exited with status {code}")),
+        },
     }
 }
 

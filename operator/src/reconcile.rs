@@ -50,7 +50,9 @@ pub struct Context {
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("Context")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -65,21 +67,34 @@ impl Context {
 
     /// The spec check: the catalogue entry and the validated job, or why it cannot run.
     fn check(&self, job: &HarvestJob) -> Result<harvest_crds::ValidJob, SpecError> {
-        let entry = self.config.model(&job.spec.model).ok_or_else(|| SpecError::UnknownModel {
-            model: job.spec.model.clone(),
-            known: self.config.model_names(),
-        })?;
+        let entry = self
+            .config
+            .model(&job.spec.model)
+            .ok_or_else(|| SpecError::UnknownModel {
+                model: job.spec.model.clone(),
+                known: self.config.model_names(),
+            })?;
         job.spec.validate(&entry.shape())
     }
 
     /// The admission verdict for a waiting job; remembers an admission until the cache has it.
-    fn admit(&self, job: &HarvestJob, lane: harvest_core::quota::Lane, now: Timestamp) -> Admission {
+    fn admit(
+        &self,
+        job: &HarvestJob,
+        lane: harvest_core::quota::Lane,
+        now: Timestamp,
+    ) -> Admission {
         let key = key(job);
-        let mut admitting = self.admitting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut admitting = self
+            .admitting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut entries = Vec::new();
         for other in self.jobs.state() {
             let other_key = key_of(&other);
-            let Some(entry) = self.config.model(&other.spec.model) else { continue };
+            let Some(entry) = self.config.model(&other.spec.model) else {
+                continue;
+            };
             let status = other.status_or_default();
             let state = if conditions::is_true(&status.conditions, FINISHED) {
                 admitting.remove(&other_key);
@@ -94,11 +109,29 @@ impl Context {
             } else {
                 QueueState::Waiting
             };
-            let created = other.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
-            entries.push(QueueEntry { key: other_key, lane: entry.lane, created, state });
+            let created = other
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(now, |t| t.0);
+            entries.push(QueueEntry {
+                key: other_key,
+                lane: entry.lane,
+                created,
+                state,
+            });
         }
-        let created = job.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
-        let me = QueueEntry { key: key.clone(), lane, created, state: QueueState::Waiting };
+        let created = job
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or(now, |t| t.0);
+        let me = QueueEntry {
+            key: key.clone(),
+            lane,
+            created,
+            state: QueueState::Waiting,
+        };
         let verdict = if admitting.contains(&key) {
             Admission::Admit
         } else {
@@ -138,7 +171,8 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         let mut finalizers = job.finalizers().to_vec();
         finalizers.push(CLEANUP_FINALIZER.to_owned());
         let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
-        jobs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        jobs.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
         return Ok(Requeue::await_change());
     }
 
@@ -156,11 +190,17 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     let lane = checked.as_ref().ok().map(|v| v.lane);
     let admission = match (waiting, lane) {
         (true, Some(lane)) => ctx.admit(&job, lane, now),
-        _ => Admission::Wait { reason: "NotWaiting", message: String::new() },
+        _ => Admission::Wait {
+            reason: "NotWaiting",
+            message: String::new(),
+        },
     };
     let observed = Observed {
         job: &job,
-        spec: checked.as_ref().map(|v| v.token_budget).map_err(Clone::clone),
+        spec: checked
+            .as_ref()
+            .map(|v| v.token_budget)
+            .map_err(Clone::clone),
         pod,
         admission,
         lane: lane.map(|l| l.to_string()),
@@ -171,12 +211,24 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     for action in &decision.actions {
         match action {
             Action::DeletePod(pod_name) => delete_pod(&pods, pod_name).await?,
-            Action::CreatePod { attempt, deadline_seconds } => {
+            Action::CreatePod {
+                attempt,
+                deadline_seconds,
+            } => {
                 let (Ok(valid), Some(entry)) = (&checked, ctx.config.model(&job.spec.model)) else {
                     continue;
                 };
                 let pod = render(&job, valid, entry, &ctx.config, *attempt, *deadline_seconds)?;
-                match pods.create(&PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() }, &pod).await {
+                match pods
+                    .create(
+                        &PostParams {
+                            field_manager: Some(MANAGER.into()),
+                            ..PostParams::default()
+                        },
+                        &pod,
+                    )
+                    .await
+                {
                     Ok(_) => info!(attempt, "created the attempt's Pod"),
                     Err(kube::Error::Api(status)) if status.code == 409 => {}
                     Err(e) => return Err(e.into()),
@@ -188,16 +240,35 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     if decision.status != old {
         let mut updated = (*job).clone();
         updated.status = Some(decision.status.clone());
-        let result = jobs.replace_status(&name, &PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() }, &updated).await;
+        let result = jobs
+            .replace_status(
+                &name,
+                &PostParams {
+                    field_manager: Some(MANAGER.into()),
+                    ..PostParams::default()
+                },
+                &updated,
+            )
+            .await;
         if let Err(e) = result {
             if waiting {
-                ctx.admitting.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&key(&job));
+                ctx.admitting
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .remove(&key(&job));
             }
             return Err(e.into());
         }
-        if !conditions::is_true(&old.conditions, ADMITTED) && conditions::is_true(&decision.status.conditions, ADMITTED) {
-            let created = job.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0);
-            ctx.metrics.admitted(now.duration_since(created).as_secs_f64());
+        if !conditions::is_true(&old.conditions, ADMITTED)
+            && conditions::is_true(&decision.status.conditions, ADMITTED)
+        {
+            let created = job
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(now, |t| t.0);
+            ctx.metrics
+                .admitted(now.duration_since(created).as_secs_f64());
         }
         if decision.status.phase != old.phase {
             info!(phase = ?decision.status.phase, "job phase changed");
@@ -205,7 +276,11 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     }
     for action in &decision.actions {
         match action {
-            Action::Event { warning, reason, note } => publish(&ctx, &job, *warning, reason, note).await,
+            Action::Event {
+                warning,
+                reason,
+                note,
+            } => publish(&ctx, &job, *warning, reason, note).await,
             Action::DeleteJob => {
                 info!("time to live after finishing ran out; deleting the job");
                 match jobs.delete(&name, &DeleteParams::background()).await {
@@ -217,7 +292,9 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
             Action::DeletePod(_) | Action::CreatePod { .. } => {}
         }
     }
-    Ok(decision.requeue_after.map_or_else(Requeue::await_change, Requeue::requeue))
+    Ok(decision
+        .requeue_after
+        .map_or_else(Requeue::await_change, Requeue::requeue))
 }
 
 async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
@@ -231,7 +308,11 @@ async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
 /// Events are best effort: a failure to record one is logged, never fails the reconcile.
 async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, note: &str) {
     let event = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
         reason: reason.to_owned(),
         note: Some(note.chars().take(1000).collect()),
         action: "Reconcile".into(),
@@ -245,31 +326,78 @@ async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, n
 /// Deletes a deleted job's outputs, then lets it go; gives up after the cleanup timeout so a
 /// namespace never wedges on an unreachable store.
 async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Result<Requeue> {
-    let deleted_at = job.metadata.deletion_timestamp.as_ref().map_or_else(Timestamp::now, |t| t.0);
+    let deleted_at = job
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map_or_else(Timestamp::now, |t| t.0);
     let budget = Duration::from_secs(ctx.config.cleanup_timeout_seconds);
     let spent = Timestamp::now().duration_since(deleted_at).as_secs().max(0) as u64;
     let left = budget.saturating_sub(Duration::from_secs(spent));
     if let Some(pod) = &job.status_or_default().pod {
-        delete_pod(&Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default()), pod).await?;
+        delete_pod(
+            &Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default()),
+            pod,
+        )
+        .await?;
     }
     if !left.is_zero() {
         match cleanup::delete_prefix(&job.spec.output, left).await {
             Ok(deleted) => {
-                publish(ctx, job, false, "OutputsDeleted", &format!("deleted {deleted} objects under {}", job.spec.output)).await;
+                publish(
+                    ctx,
+                    job,
+                    false,
+                    "OutputsDeleted",
+                    &format!("deleted {deleted} objects under {}", job.spec.output),
+                )
+                .await;
             }
-            Err(error) if Timestamp::now().duration_since(deleted_at).as_secs() < budget.as_secs() as i64 => {
+            Err(error)
+                if Timestamp::now().duration_since(deleted_at).as_secs()
+                    < budget.as_secs() as i64 =>
+            {
                 return Err(error);
             }
             Err(error) => {
-                publish(ctx, job, true, "CleanupAbandoned", &format!("{error}; the outputs are left in place")).await;
+                publish(
+                    ctx,
+                    job,
+                    true,
+                    "CleanupAbandoned",
+                    &format!("{error}; the outputs are left in place"),
+                )
+                .await;
             }
         }
     } else {
-        publish(ctx, job, true, "CleanupAbandoned", &format!("cleanup of {} took longer than {} s; the outputs are left in place", job.spec.output, budget.as_secs())).await;
+        publish(
+            ctx,
+            job,
+            true,
+            "CleanupAbandoned",
+            &format!(
+                "cleanup of {} took longer than {} s; the outputs are left in place",
+                job.spec.output,
+                budget.as_secs()
+            ),
+        )
+        .await;
     }
-    let finalizers: Vec<_> = job.finalizers().iter().filter(|f| *f != CLEANUP_FINALIZER).cloned().collect();
-    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
-    jobs.patch(&job.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    let finalizers: Vec<_> = job
+        .finalizers()
+        .iter()
+        .filter(|f| *f != CLEANUP_FINALIZER)
+        .cloned()
+        .collect();
+    let patch =
+        json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
+    jobs.patch(
+        &job.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await?;
     Ok(Requeue::await_change())
 }
 
