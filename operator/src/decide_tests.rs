@@ -19,7 +19,10 @@ fn job() -> HarvestJob {
         "j",
         HarvestJobSpec {
             model: "m".into(),
-            input: InputRef { prompts: "s3://in/p.jsonl".into(), directions: None },
+            input: InputRef {
+                prompts: "s3://in/p.jsonl".into(),
+                directions: None,
+            },
             harvest: HarvestOptions::default(),
             output: "s3://out/j".into(),
             token_budget: 500,
@@ -36,7 +39,14 @@ fn job() -> HarvestJob {
 }
 
 fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64) -> Decision {
-    let observed = Observed { job, spec: Ok(job.spec.token_budget), pod, admission, lane: Some("small".into()), now: at(now) };
+    let observed = Observed {
+        job,
+        spec: Ok(job.spec.token_budget),
+        pod,
+        admission,
+        lane: Some("small".into()),
+        now: at(now),
+    };
     decide(&observed, &POLICY)
 }
 
@@ -46,7 +56,11 @@ fn apply(job: &mut HarvestJob, decision: &Decision) {
 
 fn failed(blame: Blame, finished: i64) -> Option<PodState> {
     Some(PodState::Failed {
-        failure: Failure { blame, reason: "OOMKilled".into(), message: "out of memory".into() },
+        failure: Failure {
+            blame,
+            reason: "OOMKilled".into(),
+            message: "out of memory".into(),
+        },
         finished_at: Some(Time(at(finished))),
     })
 }
@@ -54,18 +68,33 @@ fn failed(blame: Blame, finished: i64) -> Option<PodState> {
 #[test]
 fn an_admitted_job_reserves_its_budget_and_creates_attempt_one() {
     let decision = step(&job(), None, Admission::Admit, 0);
-    assert!(decision.actions.contains(&Action::CreatePod { attempt: 1, deadline_seconds: None }));
-    assert_eq!(decision.status.tokens, Some(TokenUsage { reserved: 500, charged: None }));
+    assert!(decision.actions.contains(&Action::CreatePod {
+        attempt: 1,
+        deadline_seconds: None
+    }));
+    assert_eq!(
+        decision.status.tokens,
+        Some(TokenUsage {
+            reserved: 500,
+            charged: None
+        })
+    );
     assert_eq!(decision.status.pod.as_deref(), Some("j-1"));
     assert_eq!(decision.status.phase, Some(JobPhase::Running));
 }
 
 #[test]
 fn a_waiting_job_creates_nothing_and_polls_again() {
-    let wait = Admission::Wait { reason: "WaitingForLane", message: "full".into() };
+    let wait = Admission::Wait {
+        reason: "WaitingForLane",
+        message: "full".into(),
+    };
     let decision = step(&job(), None, wait, 0);
     assert!(decision.actions.is_empty());
-    assert_eq!(get(&decision.status.conditions, ADMITTED).unwrap().reason, "WaitingForLane");
+    assert_eq!(
+        get(&decision.status.conditions, ADMITTED).unwrap().reason,
+        "WaitingForLane"
+    );
     assert_eq!(decision.requeue_after, Some(POLICY.admission_poll));
     assert_eq!(decision.status.phase, Some(JobPhase::Pending));
 }
@@ -76,15 +105,29 @@ fn a_counted_failure_waits_out_its_backoff_then_retries_and_the_next_one_fails_t
     let admitted = step(&job, None, Admission::Admit, 0);
     apply(&mut job, &admitted);
     let waiting = step(&job, failed(Blame::Job, 100), Admission::Admit, 103);
-    assert!(waiting.actions.is_empty(), "retried before the backoff ran out: {:?}", waiting.actions);
+    assert!(
+        waiting.actions.is_empty(),
+        "retried before the backoff ran out: {:?}",
+        waiting.actions
+    );
     assert_eq!(waiting.requeue_after, Some(Duration::from_secs(7)));
     let retry = step(&job, failed(Blame::Job, 100), Admission::Admit, 111);
-    assert!(retry.actions.contains(&Action::CreatePod { attempt: 2, deadline_seconds: None }));
+    assert!(retry.actions.contains(&Action::CreatePod {
+        attempt: 2,
+        deadline_seconds: None
+    }));
     assert_eq!(retry.status.failures, 1);
     apply(&mut job, &retry);
     let last = step(&job, failed(Blame::Job, 200), Admission::Admit, 300);
-    assert_eq!(get(&last.status.conditions, FINISHED).unwrap().reason, "BackoffLimitExceeded");
-    assert_eq!(last.status.tokens.unwrap().charged, Some(0), "a failed job releases its hold");
+    assert_eq!(
+        get(&last.status.conditions, FINISHED).unwrap().reason,
+        "BackoffLimitExceeded"
+    );
+    assert_eq!(
+        last.status.tokens.unwrap().charged,
+        Some(0),
+        "a failed job releases its hold"
+    );
 }
 
 #[test]
@@ -93,13 +136,29 @@ fn infrastructure_failures_retry_at_once_without_counting_until_the_cap() {
     let admitted = step(&job, None, Admission::Admit, 0);
     apply(&mut job, &admitted);
     for attempt in 2..=3 {
-        let decision = step(&job, failed(Blame::Infrastructure, 10), Admission::Admit, 10);
-        assert!(decision.actions.contains(&Action::CreatePod { attempt, deadline_seconds: None }));
+        let decision = step(
+            &job,
+            failed(Blame::Infrastructure, 10),
+            Admission::Admit,
+            10,
+        );
+        assert!(decision.actions.contains(&Action::CreatePod {
+            attempt,
+            deadline_seconds: None
+        }));
         assert_eq!(decision.status.failures, 0);
         apply(&mut job, &decision);
     }
-    let exhausted = step(&job, failed(Blame::Infrastructure, 10), Admission::Admit, 10);
-    assert_eq!(get(&exhausted.status.conditions, FINISHED).unwrap().reason, "InfrastructureRetriesExhausted");
+    let exhausted = step(
+        &job,
+        failed(Blame::Infrastructure, 10),
+        Admission::Admit,
+        10,
+    );
+    assert_eq!(
+        get(&exhausted.status.conditions, FINISHED).unwrap().reason,
+        "InfrastructureRetriesExhausted"
+    );
 }
 
 #[test]
@@ -108,14 +167,34 @@ fn success_charges_what_ran_and_a_ttl_deletes_the_job_once_it_expires() {
     job.spec.ttl_seconds_after_finished = Some(60);
     let admitted = step(&job, None, Admission::Admit, 0);
     apply(&mut job, &admitted);
-    let result = harvest_crds::ResultSummary { n_shards: 2, prompts: 40, tokens: 321, ..Default::default() };
-    let done = step(&job, Some(PodState::Succeeded { result: Some(result) }), Admission::Admit, 100);
+    let result = harvest_crds::ResultSummary {
+        n_shards: 2,
+        prompts: 40,
+        tokens: 321,
+        ..Default::default()
+    };
+    let done = step(
+        &job,
+        Some(PodState::Succeeded {
+            result: Some(result),
+        }),
+        Admission::Admit,
+        100,
+    );
     assert_eq!(done.status.tokens.unwrap().charged, Some(321));
     assert_eq!(done.status.phase, Some(JobPhase::Succeeded));
     assert_eq!(done.requeue_after, Some(Duration::from_secs(60)));
     apply(&mut job, &done);
-    assert!(!step(&job, None, Admission::Admit, 159).actions.contains(&Action::DeleteJob));
-    assert!(step(&job, None, Admission::Admit, 160).actions.contains(&Action::DeleteJob));
+    assert!(
+        !step(&job, None, Admission::Admit, 159)
+            .actions
+            .contains(&Action::DeleteJob)
+    );
+    assert!(
+        step(&job, None, Admission::Admit, 160)
+            .actions
+            .contains(&Action::DeleteJob)
+    );
 }
 
 #[test]
@@ -141,15 +220,26 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
     let job = job();
     let observed = Observed {
         job: &job,
-        spec: Err(SpecError::UnknownModel { model: "m".into(), known: vec!["a".into()] }),
+        spec: Err(SpecError::UnknownModel {
+            model: "m".into(),
+            known: vec!["a".into()],
+        }),
         pod: None,
         admission: Admission::Admit,
         lane: None,
         now: at(0),
     };
     let decision = decide(&observed, &POLICY);
-    assert!(!decision.actions.iter().any(|a| matches!(a, Action::CreatePod { .. })));
-    assert_eq!(get(&decision.status.conditions, FINISHED).unwrap().reason, "UnknownModel");
+    assert!(
+        !decision
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod { .. }))
+    );
+    assert_eq!(
+        get(&decision.status.conditions, FINISHED).unwrap().reason,
+        "UnknownModel"
+    );
     assert_eq!(decision.requeue_after, None);
 }
 
@@ -158,9 +248,15 @@ fn the_deadline_fails_a_running_job_and_the_pod_gets_what_is_left() {
     let mut job = job();
     job.spec.active_deadline_seconds = Some(100);
     let first = step(&job, None, Admission::Admit, 0);
-    assert!(first.actions.contains(&Action::CreatePod { attempt: 1, deadline_seconds: Some(100) }));
+    assert!(first.actions.contains(&Action::CreatePod {
+        attempt: 1,
+        deadline_seconds: Some(100)
+    }));
     apply(&mut job, &first);
     let late = step(&job, Some(PodState::Running), Admission::Admit, 100);
-    assert_eq!(get(&late.status.conditions, FINISHED).unwrap().reason, "DeadlineExceeded");
+    assert_eq!(
+        get(&late.status.conditions, FINISHED).unwrap().reason,
+        "DeadlineExceeded"
+    );
     assert!(late.actions.contains(&Action::DeletePod("j-1".into())));
 }

@@ -17,7 +17,10 @@ fn job() -> HarvestJob {
         "j",
         HarvestJobSpec {
             model: "m".into(),
-            input: InputRef { prompts: "s3://in/p.jsonl".into(), directions: None },
+            input: InputRef {
+                prompts: "s3://in/p.jsonl".into(),
+                directions: None,
+            },
             harvest: HarvestOptions::default(),
             output: "s3://out/j".into(),
             token_budget: 5,
@@ -42,51 +45,124 @@ fn pod_with(status: serde_json::Value) -> Pod {
 fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
     let config = config();
     let entry = config.model("m").unwrap();
-    let valid = job().spec.validate(&ModelShape { path: "/models/m".into(), num_layers: 30, lane: harvest_core::quota::Lane::Small }).unwrap();
+    let valid = job()
+        .spec
+        .validate(&ModelShape {
+            path: "/models/m".into(),
+            num_layers: 30,
+            lane: harvest_core::quota::Lane::Small,
+        })
+        .unwrap();
     let pod = render(&job(), &valid, entry, &config, 2, Some(60)).unwrap();
     assert_eq!(pod.metadata.name.as_deref(), Some("j-2"));
     let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
-    assert_eq!((owner.uid.as_str(), owner.controller), ("uid-1", Some(true)));
+    assert_eq!(
+        (owner.uid.as_str(), owner.controller),
+        ("uid-1", Some(true))
+    );
     let spec = pod.spec.unwrap();
     assert_eq!(spec.active_deadline_seconds, Some(60));
     assert_eq!(spec.node_selector.unwrap()["gpu"], "h200");
     let container = &spec.containers[0];
-    let limits = container.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    let limits = container
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .as_ref()
+        .unwrap();
     assert_eq!(limits["nvidia.com/gpu"].0, "2");
     let args = container.args.as_ref().unwrap();
-    let plan: harvest_core::RawPlan = serde_json::from_str(&args[args.iter().position(|a| a == "--plan-json").unwrap() + 1]).unwrap();
+    let plan: harvest_core::RawPlan =
+        serde_json::from_str(&args[args.iter().position(|a| a == "--plan-json").unwrap() + 1])
+            .unwrap();
     assert_eq!(plan.model, "/models/m");
     assert_eq!(plan.output, "s3://out/j");
-    assert_eq!(container.env_from.as_ref().unwrap()[0].secret_ref.as_ref().unwrap().name, "s3");
+    assert_eq!(
+        container.env_from.as_ref().unwrap()[0]
+            .secret_ref
+            .as_ref()
+            .unwrap()
+            .name,
+        "s3"
+    );
 }
 
 #[test]
 fn exit_codes_and_kubelet_reasons_decide_who_is_to_blame() {
     let terminated = |code: i32, reason: &str, message: &str| {
-        pod_with(json!({"phase": "Failed", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
-            "state": {"terminated": {"exitCode": code, "reason": reason, "message": message}}}]}))
+        pod_with(
+            json!({"phase": "Failed", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": code, "reason": reason, "message": message}}}]}),
+        )
     };
     let blame = |pod: &Pod| match observe(pod) {
         PodState::Failed { failure, .. } => (failure.blame, failure.reason),
         other => panic!("not failed: {other:?}"),
     };
-    assert_eq!(blame(&terminated(137, "OOMKilled", "")), (Blame::Job, "OOMKilled".into()));
-    assert_eq!(blame(&terminated(2, "Error", r#"{"error": "no such file p.jsonl", "exit_code": 2}"#)), (Blame::Input, "InvalidInput".into()));
-    assert_eq!(blame(&terminated(3, "Error", "")), (Blame::Infrastructure, "StorageUnavailable".into()));
-    assert_eq!(blame(&terminated(70, "Error", "")), (Blame::Job, "WorkerFailed".into()));
-    assert_eq!(blame(&pod_with(json!({"phase": "Failed", "reason": "Evicted"}))), (Blame::Infrastructure, "Evicted".into()));
-    let PodState::Failed { failure, .. } = observe(&terminated(2, "Error", r#"{"error": "no such file p.jsonl", "exit_code": 2}"#)) else { unreachable!() };
-    assert!(failure.message.contains("no such file p.jsonl"), "{}", failure.message);
+    assert_eq!(
+        blame(&terminated(137, "OOMKilled", "")),
+        (Blame::Job, "OOMKilled".into())
+    );
+    assert_eq!(
+        blame(&terminated(
+            2,
+            "Error",
+            r#"{"error": "no such file p.jsonl", "exit_code": 2}"#
+        )),
+        (Blame::Input, "InvalidInput".into())
+    );
+    assert_eq!(
+        blame(&terminated(3, "Error", "")),
+        (Blame::Infrastructure, "StorageUnavailable".into())
+    );
+    assert_eq!(
+        blame(&terminated(70, "Error", "")),
+        (Blame::Job, "WorkerFailed".into())
+    );
+    assert_eq!(
+        blame(&pod_with(json!({"phase": "Failed", "reason": "Evicted"}))),
+        (Blame::Infrastructure, "Evicted".into())
+    );
+    let PodState::Failed { failure, .. } = observe(&terminated(
+        2,
+        "Error",
+        r#"{"error": "no such file p.jsonl", "exit_code": 2}"#,
+    )) else {
+        unreachable!()
+    };
+    assert!(
+        failure.message.contains("no such file p.jsonl"),
+        "{}",
+        failure.message
+    );
 }
 
 #[test]
 fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason() {
     let message = r#"{"n_shards": 2, "n_prompts": 40, "layer_indices": [7], "tokens": 900, "bytes_written": 10, "contents": "activations", "output": "s3://o", "timings": {}}"#;
-    let pod = pod_with(json!({"phase": "Succeeded", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
-        "state": {"terminated": {"exitCode": 0, "message": message}}}]}));
-    let PodState::Succeeded { result: Some(result) } = observe(&pod) else { panic!("no result") };
-    assert_eq!((result.n_shards, result.prompts, result.tokens), (2, 40, 900));
-    let pulling = pod_with(json!({"phase": "Pending", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
-        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "back-off pulling img:1"}}}]}));
-    assert_eq!(observe(&pulling), PodState::Starting { waiting: Some(("ImagePullBackOff".into(), "back-off pulling img:1".into())) });
+    let pod = pod_with(
+        json!({"phase": "Succeeded", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 0, "message": message}}}]}),
+    );
+    let PodState::Succeeded {
+        result: Some(result),
+    } = observe(&pod)
+    else {
+        panic!("no result")
+    };
+    assert_eq!(
+        (result.n_shards, result.prompts, result.tokens),
+        (2, 40, 900)
+    );
+    let pulling = pod_with(
+        json!({"phase": "Pending", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "back-off pulling img:1"}}}]}),
+    );
+    assert_eq!(
+        observe(&pulling),
+        PodState::Starting {
+            waiting: Some(("ImagePullBackOff".into(), "back-off pulling img:1".into()))
+        }
+    );
 }

@@ -1,0 +1,220 @@
+//! The test cluster: the fake apiserver with its kubelet running the real harvester on
+//! SmolLM2, the HarvestJob CRD, and the operator as a task that can be killed and restarted.
+#![allow(clippy::unwrap_used, dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use harvest_crds::{HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, OutputRetention};
+use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
+use harvest_operator::{OperatorConfig, Settings};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::sync::oneshot;
+
+pub const IMAGE: &str = "harvest/harvester:test";
+
+fn cache() -> PathBuf {
+    std::env::var_os("HARVEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest"))
+}
+
+fn smollm2() -> PathBuf {
+    let dir = cache().join("models/smollm2-135m");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "{} is missing: run scripts/fetch-model.sh",
+        dir.display()
+    );
+    dir
+}
+
+/// The harvester binary built beside this test (`cargo test --workspace` builds it).
+fn harvester() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join("harvester");
+    assert!(
+        path.exists(),
+        "{} is missing: run cargo build -p harvester (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+#[allow(missing_debug_implementations)]
+pub struct Cluster {
+    pub server: FakeApiServer,
+    pub client: Client,
+    pub dir: tempfile::TempDir,
+    #[allow(dead_code)]
+    operator: Option<(
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<harvest_operator::Result<()>>,
+    )>,
+    lanes: u32,
+}
+
+impl Cluster {
+    pub async fn start(small_lane: u32) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let kubelet = KubeletConfig {
+            images: [(IMAGE.to_owned(), harvester())].into(),
+            env: vec![("HARVEST_THREADS".into(), "1".into())],
+            work_dir: dir.path().to_owned(),
+        };
+        let server = FakeApiServer::start(kubelet).await.unwrap();
+        let client = Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in harvest_crds::all_crds() {
+            crds.create(&PostParams::default(), &crd).await.unwrap();
+        }
+        let mut cluster = Self {
+            server,
+            client,
+            dir,
+            operator: None,
+            lanes: small_lane,
+        };
+        cluster.start_operator();
+        cluster
+    }
+
+    pub fn config(&self) -> OperatorConfig {
+        OperatorConfig::parse(&format!(
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: {}, large: 1}}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\ncleanupTimeoutSeconds: 10\n",
+            smollm2().display(),
+            self.lanes
+        ))
+        .unwrap()
+    }
+
+    pub fn start_operator(&mut self) {
+        let (tx, rx) = oneshot::channel();
+        let settings = Settings {
+            config: self.config(),
+            metrics_addr: None,
+            leader: None,
+            instance: "test".into(),
+        };
+        let task = tokio::spawn(harvest_operator::run(
+            self.client.clone(),
+            settings,
+            async {
+                let _ = rx.await;
+            },
+        ));
+        self.operator = Some((tx, task));
+    }
+
+    /// Stops the operator as a crash would: the task is dropped mid-flight.
+    pub async fn kill_operator(&mut self) {
+        if let Some((_, task)) = self.operator.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    pub fn jobs(&self) -> Api<HarvestJob> {
+        Api::namespaced(self.client.clone(), "default")
+    }
+
+    pub fn prompts(&self, name: &str, count: usize, words: usize) -> String {
+        let path = self.dir.path().join(format!("{name}.jsonl"));
+        let text: String = (0..count)
+            .map(|i| format!("{}\n", json!({"text": format!("Prompt {i}: {}", "the quick brown fox jumps over the lazy dog ".repeat(words))})))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    }
+
+    pub fn output(&self, name: &str) -> PathBuf {
+        self.dir.path().join("out").join(name)
+    }
+
+    pub async fn submit(
+        &self,
+        name: &str,
+        prompts: String,
+        change: impl FnOnce(&mut HarvestJobSpec),
+    ) -> HarvestJob {
+        let mut spec = HarvestJobSpec {
+            model: "smollm2-135m".into(),
+            input: InputRef {
+                prompts,
+                directions: None,
+            },
+            harvest: HarvestOptions {
+                shard_size: 4,
+                ..HarvestOptions::default()
+            },
+            output: self.output(name).display().to_string(),
+            token_budget: 100_000,
+            suspend: false,
+            cancel: false,
+            active_deadline_seconds: None,
+            backoff_limit: 3,
+            ttl_seconds_after_finished: None,
+            output_retention: OutputRetention::Retain,
+        };
+        change(&mut spec);
+        self.jobs()
+            .create(&PostParams::default(), &HarvestJob::new(name, spec))
+            .await
+            .unwrap()
+    }
+
+    pub async fn wait(
+        &self,
+        name: &str,
+        what: &str,
+        done: impl Fn(&HarvestJob) -> bool,
+    ) -> HarvestJob {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(240);
+        loop {
+            if let Some(job) = self.jobs().get_opt(name).await.unwrap()
+                && done(&job)
+            {
+                return job;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {name}: {what}; last: {:?}",
+                self.jobs()
+                    .get_opt(name)
+                    .await
+                    .unwrap()
+                    .and_then(|j| j.status)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    pub async fn finished(&self, name: &str) -> HarvestJob {
+        self.wait(name, "Finished", |j| {
+            j.status
+                .as_ref()
+                .is_some_and(|s| harvest_crds::conditions::is_true(&s.conditions, "Finished"))
+        })
+        .await
+    }
+
+    /// Waits until the job's current Pod runs, and returns its name.
+    pub async fn running_pod(&self, name: &str) -> String {
+        let job = self
+            .wait(name, "its Pod running", |j| {
+                j.status
+                    .as_ref()
+                    .and_then(|s| s.pod.clone())
+                    .is_some_and(|pod| {
+                        self.server
+                            .get("/api/v1", "pods", "default", &pod)
+                            .is_some_and(|p| p["status"]["phase"] == "Running")
+                    })
+            })
+            .await;
+        job.status.unwrap().pod.unwrap()
+    }
+}

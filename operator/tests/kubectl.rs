@@ -1,0 +1,95 @@
+//! kubectl against the fake apiserver: the platform team's install (`kubectl apply -k
+//! manifests/`), a job applied from YAML, `kubectl get hj` and `kubectl wait`, with the real
+//! operator and harvester behind them.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+
+use common::{Cluster, IMAGE};
+
+fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+    use std::io::Write;
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl is not on PATH: install it (see README, Kubernetes)");
+    if let Some(text) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "kubectl {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it() {
+    let cluster = Cluster::start(1).await;
+    let kubeconfig = cluster.server.write_kubeconfig(cluster.dir.path()).unwrap();
+    let manifests = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests");
+    let prompts = cluster.prompts("kubectl", 4, 1);
+    let output = cluster.output("from-kubectl");
+    let job = format!(
+        "apiVersion: harvest.dev/v1alpha1\nkind: HarvestJob\nmetadata:\n  name: from-kubectl\nspec:\n  model: smollm2-135m\n  input: {{prompts: {prompts}}}\n  harvest: {{layers: [1, 2], shardSize: 2}}\n  output: {}\n  tokenBudget: 10000\n",
+        output.display()
+    );
+    let (config, job) = (kubeconfig.clone(), job.clone());
+    let listed = tokio::task::spawn_blocking(move || {
+        let applied = kubectl(&config, &["apply", "--validate=false", "-k", manifests], None);
+        assert!(
+            applied.contains("deployment.apps/harvest-operator created"),
+            "{applied}"
+        );
+        assert!(
+            applied
+                .contains("customresourcedefinition.apiextensions.k8s.io/harvestjobs.harvest.dev"),
+            "{applied}"
+        );
+        kubectl(&config, &["apply", "--validate=false", "-f", "-"], Some(&job));
+        kubectl(
+            &config,
+            &[
+                "wait",
+                "--for=condition=Finished",
+                "hj/from-kubectl",
+                "--timeout=180s",
+            ],
+            None,
+        );
+        kubectl(&config, &["get", "harvest"], None)
+    })
+    .await
+    .unwrap();
+    let header = listed.lines().next().unwrap();
+    for column in [
+        "NAME", "PHASE", "MODEL", "PROMPTS", "TOKENS", "PROGRESS", "AGE",
+    ] {
+        assert!(header.contains(column), "{listed}");
+    }
+    let row = listed
+        .lines()
+        .find(|l| l.starts_with("from-kubectl"))
+        .unwrap();
+    assert!(
+        row.contains("Succeeded") && row.contains("smollm2-135m") && row.contains("2/2 shards"),
+        "{listed}"
+    );
+    assert!(output.join("manifest.json").exists());
+    assert_eq!(IMAGE, "harvest/harvester:test");
+}
