@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The dependency direction of ARCHITECTURE.md, checked with cargo tree: core has no I/O
 # dependencies, the harvester never depends on kube or axum, the API never on cudarc or on the
-# harvester crate.
+# harvester crate; the operator never on cudarc or axum; the CRD crate does no I/O.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fail=0
@@ -14,5 +14,7 @@ forbid() { # crate, pattern, why
 forbid harvest-core '^(tokio|kube|axum|cudarc|object_store|rusqlite|reqwest) ' "core has no I/O dependencies"
 forbid harvester '^(kube|axum) ' "the harvester never depends on kube or axum"
 forbid harvest-api '^(cudarc|harvester) ' "the API never depends on cudarc or the harvester crate"
+forbid harvest-operator '^(cudarc|axum|harvester) ' "the operator never depends on cudarc, axum or the harvester crate"
+forbid harvest-crds '^(tokio|axum|cudarc|object_store|harvester) ' "the CRD types do no I/O"
 [ "$fail" = 0 ] && echo "dependency direction: ok"
 exit "$fail"

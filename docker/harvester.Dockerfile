@@ -1,0 +1,14 @@
+# The worker image: the harvester binary only. Models come from the image (COPY a checkpoint
+# into /models) or a mounted volume, at the path the operator's catalogue names.
+# UNBUILT: no Docker engine runs where this project is developed; build it in your CI.
+#   docker build -f docker/harvester.Dockerfile -t ghcr.io/harvest-dev/harvester:0.1.0 .
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release --locked -p harvester
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/harvester /usr/local/bin/harvester
+USER 65532:65532
+ENTRYPOINT ["/usr/local/bin/harvester"]
