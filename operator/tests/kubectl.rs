@@ -51,7 +51,11 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     );
     let (config, job) = (kubeconfig.clone(), job.clone());
     let listed = tokio::task::spawn_blocking(move || {
-        let applied = kubectl(&config, &["apply", "--validate=false", "-k", manifests], None);
+        let applied = kubectl(
+            &config,
+            &["apply", "--validate=false", "-k", manifests],
+            None,
+        );
         assert!(
             applied.contains("deployment.apps/harvest-operator created"),
             "{applied}"
@@ -61,7 +65,11 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
                 .contains("customresourcedefinition.apiextensions.k8s.io/harvestjobs.harvest.dev"),
             "{applied}"
         );
-        kubectl(&config, &["apply", "--validate=false", "-f", "-"], Some(&job));
+        kubectl(
+            &config,
+            &["apply", "--validate=false", "-f", "-"],
+            Some(&job),
+        );
         kubectl(
             &config,
             &[
