@@ -283,6 +283,34 @@ pub struct ResultSummary {
     pub output: String,
 }
 
+impl HarvestJobSpec {
+    /// A spec with every optional field at its default: quartile layers, no deadline, no TTL,
+    /// outputs retained, `backoffLimit` [`DEFAULT_BACKOFF_LIMIT`].
+    pub fn new(
+        model: impl Into<String>,
+        prompts: impl Into<String>,
+        output: impl Into<String>,
+        token_budget: u64,
+    ) -> Self {
+        Self {
+            model: model.into(),
+            input: InputRef {
+                prompts: prompts.into(),
+                directions: None,
+            },
+            harvest: HarvestOptions::default(),
+            output: output.into(),
+            token_budget,
+            suspend: false,
+            cancel: false,
+            active_deadline_seconds: None,
+            backoff_limit: DEFAULT_BACKOFF_LIMIT,
+            ttl_seconds_after_finished: None,
+            output_retention: OutputRetention::Retain,
+        }
+    }
+}
+
 impl HarvestJob {
     /// The job's status, or an empty one.
     pub fn status_or_default(&self) -> HarvestJobStatus {

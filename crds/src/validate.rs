@@ -90,11 +90,13 @@ impl HarvestJobSpec {
         };
         let layers = selection.resolve(model.num_layers)?;
         let location = |field: &'static str, value: &str| {
-            let ok = value.starts_with('/')
-                || value
-                    .strip_prefix("s3://")
-                    .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/'));
-            if ok && Location::parse(value, field).is_ok() {
+            // A worker has no useful working directory, so local paths must be absolute.
+            let ok = match Location::parse(value, field) {
+                Ok(Location::Local(path)) => path.is_absolute(),
+                Ok(Location::S3 { .. }) => true,
+                Err(_) => false,
+            };
+            if ok {
                 Ok(value.to_owned())
             } else {
                 Err(SpecError::BadLocation {
@@ -129,7 +131,6 @@ impl HarvestJobSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::job::{HarvestOptions, InputRef, OutputRetention};
 
     fn smollm() -> ModelShape {
         ModelShape {
@@ -140,22 +141,12 @@ mod tests {
     }
 
     fn spec() -> HarvestJobSpec {
-        HarvestJobSpec {
-            model: "smollm2-135m".into(),
-            input: InputRef {
-                prompts: "s3://in/prompts.jsonl".into(),
-                directions: None,
-            },
-            harvest: HarvestOptions::default(),
-            output: "s3://out/job-1".into(),
-            token_budget: 1000,
-            suspend: false,
-            cancel: false,
-            active_deadline_seconds: None,
-            backoff_limit: 3,
-            ttl_seconds_after_finished: None,
-            output_retention: OutputRetention::Retain,
-        }
+        HarvestJobSpec::new(
+            "smollm2-135m",
+            "s3://in/prompts.jsonl",
+            "s3://out/job-1",
+            1000,
+        )
     }
 
     #[test]

@@ -1,27 +1,20 @@
 //! The CRD's CEL rules, evaluated with kube's client-side CEL validator against the schema that
 //! `crdgen` emits: the same rules the apiserver enforces.
 
-use harvest_crds::{HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, OutputRetention};
+use harvest_crds::{HarvestJob, HarvestJobSpec};
 use kube::core::cel::{validate_cel, validate_cel_update};
 
 fn job() -> HarvestJob {
     HarvestJob::new(
         "probe",
         HarvestJobSpec {
-            model: "smollm2-135m".into(),
-            input: InputRef {
-                prompts: "s3://in/prompts.jsonl".into(),
-                directions: None,
-            },
-            harvest: HarvestOptions::default(),
-            output: "s3://out/probe".into(),
-            token_budget: 10_000,
-            suspend: false,
-            cancel: false,
             active_deadline_seconds: Some(600),
-            backoff_limit: 3,
-            ttl_seconds_after_finished: None,
-            output_retention: OutputRetention::Retain,
+            ..HarvestJobSpec::new(
+                "smollm2-135m",
+                "s3://in/prompts.jsonl",
+                "s3://out/probe",
+                10_000,
+            )
         },
     )
 }

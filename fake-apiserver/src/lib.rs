@@ -94,12 +94,6 @@ impl FakeApiServer {
             .get(&store::ResourceKey::new(api, plural), namespace, name)
     }
 
-    /// Every object of a plural in a namespace.
-    pub fn list(&self, api: &str, plural: &str, namespace: &str) -> Vec<Value> {
-        self.store
-            .list_all(&store::ResourceKey::new(api, plural), Some(namespace))
-    }
-
     /// How many processes the kubelet has started, per Pod name.
     pub fn started_pods(&self) -> HashMap<String, u32> {
         self.kubelet.started()

@@ -77,12 +77,15 @@ pub enum PatchKind {
     Apply,
 }
 
+/// Collection, namespace (empty when cluster-scoped), name.
+type ObjectId = (ResourceKey, String, String);
+
 #[derive(Debug)]
 struct Inner {
     rv: u64,
     uid: u64,
     kinds: Vec<Kind>,
-    objects: BTreeMap<(ResourceKey, String, String), Value>,
+    objects: BTreeMap<ObjectId, Value>,
     history: Vec<Change>,
 }
 
@@ -229,14 +232,13 @@ impl Store {
             })
     }
 
-    fn record(inner: &mut Inner, key: &ResourceKey, type_: &'static str, object: Value) -> u64 {
+    fn record(inner: &mut Inner, key: &ResourceKey, type_: &'static str, object: Value) {
         inner.history.push(Change {
             key: key.clone(),
             type_,
             object,
             rv: inner.rv,
         });
-        inner.rv
     }
 
     fn bump(inner: &mut Inner, object: &mut Value) {
@@ -338,7 +340,8 @@ impl Store {
         }
         Self::bump(&mut inner, &mut object);
         inner.objects.insert(id, object.clone());
-        let rv = Self::record(&mut inner, key, "ADDED", object.clone());
+        Self::record(&mut inner, key, "ADDED", object.clone());
+        let rv = inner.rv;
         drop(inner);
         self.notify(rv);
         Ok(object)
@@ -403,20 +406,7 @@ impl Store {
         change: impl FnOnce(&Value) -> Result<Value, ApiError>,
     ) -> Result<Value, ApiError> {
         let mut inner = self.lock();
-        let kind = Self::kind_in(&inner, key)?;
-        let ns = if kind.namespaced {
-            ns.to_owned()
-        } else {
-            String::new()
-        };
-        let id = (key.clone(), ns, name.to_owned());
-        let current = inner.objects.get(&id).cloned().ok_or_else(|| {
-            ApiError::new(
-                404,
-                "NotFound",
-                format!("{} \"{name}\" not found", kind.plural),
-            )
-        })?;
+        let (kind, id, current) = Self::locate(&inner, key, ns, name)?;
         let mut next = change(&current)?;
         let wanted = next["metadata"]["resourceVersion"]
             .as_str()
@@ -481,60 +471,48 @@ impl Store {
             && next["metadata"]["finalizers"]
                 .as_array()
                 .is_none_or(Vec::is_empty);
-        let rv = if finalized {
-            inner.objects.remove(&id);
-            let rv = Self::record(&mut inner, key, "DELETED", next.clone());
-            Self::collect_garbage(&mut inner, &next);
-            rv
+        if finalized {
+            Self::remove_in(&mut inner, &id, &next);
         } else {
             inner.objects.insert(id, next.clone());
-            Self::record(&mut inner, key, "MODIFIED", next.clone())
-        };
-        let rv = inner.rv.max(rv);
+            Self::record(&mut inner, key, "MODIFIED", next.clone());
+        }
+        let rv = inner.rv;
         drop(inner);
         self.notify(rv);
         Ok(next)
     }
 
-    /// DELETE: marks objects with finalizers, removes the rest and collects their dependants.
-    pub fn delete(&self, key: &ResourceKey, ns: &str, name: &str) -> Result<Value, ApiError> {
-        let mut inner = self.lock();
-        let kind = Self::kind_in(&inner, key)?;
+    /// An existing object, with its kind and id (the namespace is dropped for cluster kinds).
+    fn locate(
+        inner: &Inner,
+        key: &ResourceKey,
+        ns: &str,
+        name: &str,
+    ) -> Result<(Kind, ObjectId, Value), ApiError> {
+        let kind = Self::kind_in(inner, key)?;
         let ns = if kind.namespaced {
             ns.to_owned()
         } else {
             String::new()
         };
         let id = (key.clone(), ns, name.to_owned());
-        let mut object = inner.objects.get(&id).cloned().ok_or_else(|| {
-            ApiError::new(
+        match inner.objects.get(&id) {
+            Some(object) => Ok((kind, id, object.clone())),
+            None => Err(ApiError::new(
                 404,
                 "NotFound",
                 format!("{} \"{name}\" not found", kind.plural),
-            )
-        })?;
-        let has_finalizers = object["metadata"]["finalizers"]
-            .as_array()
-            .is_some_and(|f| !f.is_empty());
-        let rv = if has_finalizers {
-            if object["metadata"]["deletionTimestamp"].is_string() {
-                return Ok(object);
-            }
-            object["metadata"]["deletionTimestamp"] = json!(now());
-            object["metadata"]["deletionGracePeriodSeconds"] = json!(0);
-            Self::bump(&mut inner, &mut object);
-            inner.objects.insert(id, object.clone());
-            Self::record(&mut inner, key, "MODIFIED", object.clone())
-        } else {
-            inner.objects.remove(&id);
-            inner.rv += 1;
-            let rv = inner.rv;
-            object["metadata"]["resourceVersion"] = json!(rv.to_string());
-            Self::record(&mut inner, key, "DELETED", object.clone());
-            Self::collect_garbage(&mut inner, &object);
-            rv
-        };
-        let rv = inner.rv.max(rv);
+            )),
+        }
+    }
+
+    /// DELETE: marks objects with finalizers, removes the rest and collects their dependants.
+    pub fn delete(&self, key: &ResourceKey, ns: &str, name: &str) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let (_, id, object) = Self::locate(&inner, key, ns, name)?;
+        let object = Self::delete_in(&mut inner, &id, object);
+        let rv = inner.rv;
         drop(inner);
         self.notify(rv);
         Ok(object)
@@ -556,25 +534,35 @@ impl Store {
             .map(|(id, _)| id.clone())
             .collect();
         for id in owned {
-            let Some(mut object) = inner.objects.get(&id).cloned() else {
-                continue;
-            };
-            if object["metadata"]["finalizers"]
-                .as_array()
-                .is_some_and(|f| !f.is_empty())
-            {
-                object["metadata"]["deletionTimestamp"] = json!(now());
-                Self::bump(inner, &mut object);
-                inner.objects.insert(id.clone(), object.clone());
-                Self::record(inner, &id.0, "MODIFIED", object);
-            } else {
-                inner.objects.remove(&id);
-                inner.rv += 1;
-                object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
-                Self::record(inner, &id.0, "DELETED", object.clone());
-                Self::collect_garbage(inner, &object);
+            if let Some(object) = inner.objects.get(&id).cloned() {
+                Self::delete_in(inner, &id, object);
             }
         }
+    }
+
+    /// Deletes one object: marks it when finalizers hold it, else removes it.
+    fn delete_in(inner: &mut Inner, id: &ObjectId, mut object: Value) -> Value {
+        let held = object["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
+        if !held {
+            Self::bump(inner, &mut object);
+            Self::remove_in(inner, id, &object);
+        } else if !object["metadata"]["deletionTimestamp"].is_string() {
+            object["metadata"]["deletionTimestamp"] = json!(now());
+            object["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+            Self::bump(inner, &mut object);
+            inner.objects.insert(id.clone(), object.clone());
+            Self::record(inner, &id.0, "MODIFIED", object.clone());
+        }
+        object
+    }
+
+    /// Removes an object (already at its final resourceVersion) and collects its dependants.
+    fn remove_in(inner: &mut Inner, id: &ObjectId, object: &Value) {
+        inner.objects.remove(id);
+        Self::record(inner, &id.0, "DELETED", object.clone());
+        Self::collect_garbage(inner, object);
     }
 
     /// Changes an object's status in place, as a kubelet does (no precondition).

@@ -10,6 +10,7 @@ use harvest_crds::ModelShape;
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use serde::Deserialize;
 
+use crate::decide::Policy;
 use crate::error::Error;
 
 /// One model of the catalogue and the Pod that runs it.
@@ -165,10 +166,13 @@ impl OperatorConfig {
         self.models.iter().map(|m| m.name.clone()).collect()
     }
 
-    /// Delay before retrying after `failures` counted failures.
-    pub fn retry_delay(&self, failures: u32) -> Duration {
-        let factor = 1u64 << failures.saturating_sub(1).min(8);
-        Duration::from_secs((self.retry_base_seconds * factor).min(300))
+    /// The limits the pure decision applies.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            retry_base: Duration::from_secs(self.retry_base_seconds),
+            max_infrastructure_retries: self.max_infrastructure_retries,
+            admission_poll: Duration::from_secs(self.admission_poll_seconds),
+        }
     }
 }
 
@@ -193,9 +197,9 @@ lanes: {small: 2, large: 1}
         let config = OperatorConfig::parse(EXAMPLE).unwrap();
         assert_eq!(config.model("smollm2-135m").unwrap().gpus, 1);
         assert_eq!(config.worker_service_account, "harvest-worker");
-        assert_eq!(config.retry_delay(1), Duration::from_secs(10));
-        assert_eq!(config.retry_delay(3), Duration::from_secs(40));
-        assert_eq!(config.retry_delay(30), Duration::from_secs(300));
+        assert_eq!(config.policy().retry_delay(1), Duration::from_secs(10));
+        assert_eq!(config.policy().retry_delay(3), Duration::from_secs(40));
+        assert_eq!(config.policy().retry_delay(30), Duration::from_secs(300));
     }
 
     #[test]

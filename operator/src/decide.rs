@@ -36,7 +36,8 @@ pub struct Policy {
 }
 
 impl Policy {
-    fn retry_delay(&self, failures: u32) -> Duration {
+    /// Delay before retrying after `failures` counted failures.
+    pub fn retry_delay(&self, failures: u32) -> Duration {
         let factor = 1u32 << failures.saturating_sub(1).min(8);
         (self.retry_base * factor).min(Duration::from_secs(300))
     }

@@ -1,8 +1,8 @@
 //! The decision table, one situation per test, built with a small job builder.
 
 use super::*;
+use harvest_crds::HarvestJobSpec;
 use harvest_crds::conditions::{ADMITTED, FINISHED, get};
-use harvest_crds::{HarvestJobSpec, HarvestOptions, InputRef, OutputRetention};
 
 const POLICY: Policy = Policy {
     retry_base: Duration::from_secs(10),
@@ -18,20 +18,8 @@ fn job() -> HarvestJob {
     let mut job = HarvestJob::new(
         "j",
         HarvestJobSpec {
-            model: "m".into(),
-            input: InputRef {
-                prompts: "s3://in/p.jsonl".into(),
-                directions: None,
-            },
-            harvest: HarvestOptions::default(),
-            output: "s3://out/j".into(),
-            token_budget: 500,
-            suspend: false,
-            cancel: false,
-            active_deadline_seconds: None,
             backoff_limit: 1,
-            ttl_seconds_after_finished: None,
-            output_retention: OutputRetention::Retain,
+            ..HarvestJobSpec::new("m", "s3://in/p.jsonl", "s3://out/j", 500)
         },
     );
     job.metadata.generation = Some(1);

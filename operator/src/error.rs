@@ -32,6 +32,12 @@ pub enum Error {
         /// The serde error.
         source: serde_json::Error,
     },
+    /// A job without `metadata.uid` (not read from the apiserver) cannot own a Pod.
+    #[error("job {job} has no metadata.uid, so it cannot own its Pod. This is a bug.")]
+    MissingUid {
+        /// The job.
+        job: String,
+    },
     /// Another replica holds the leader Lease.
     #[error("lost the leader lease {lease} to {holder}")]
     LostLeadership {
@@ -54,6 +60,7 @@ impl Error {
             Self::Config { .. } => "config",
             Self::Cleanup { .. } => "cleanup",
             Self::Encode { .. } => "encode",
+            Self::MissingUid { .. } => "missing_uid",
             Self::LostLeadership { .. } => "leadership",
         }
     }

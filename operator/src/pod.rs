@@ -88,10 +88,11 @@ pub fn render(
             ..EnvFromSource::default()
         }]
     });
-    let owner = job.controller_owner_ref(&()).ok_or(Error::Encode {
-        what: "the owner reference (the job has no uid)",
-        source: serde::de::Error::custom("missing metadata.uid"),
-    })?;
+    let owner = job
+        .controller_owner_ref(&())
+        .ok_or_else(|| Error::MissingUid {
+            job: job.name_any(),
+        })?;
     let labels = BTreeMap::from([
         (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
         (JOB_LABEL.to_owned(), job.name_any()),

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::config::OperatorConfig;
-use harvest_crds::{HarvestJobSpec, HarvestOptions, InputRef, ModelShape, OutputRetention};
+use harvest_crds::{HarvestJobSpec, ModelShape};
 use serde_json::json;
 
 fn config() -> OperatorConfig {
@@ -16,20 +16,8 @@ fn job() -> HarvestJob {
     let mut job = HarvestJob::new(
         "j",
         HarvestJobSpec {
-            model: "m".into(),
-            input: InputRef {
-                prompts: "s3://in/p.jsonl".into(),
-                directions: None,
-            },
-            harvest: HarvestOptions::default(),
-            output: "s3://out/j".into(),
-            token_budget: 5,
-            suspend: false,
-            cancel: false,
-            active_deadline_seconds: None,
             backoff_limit: 1,
-            ttl_seconds_after_finished: None,
-            output_retention: OutputRetention::Retain,
+            ..HarvestJobSpec::new("m", "s3://in/p.jsonl", "s3://out/j", 5)
         },
     );
     job.metadata.namespace = Some("team".into());

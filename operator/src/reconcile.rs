@@ -1,6 +1,6 @@
 //! The reconcile shell: observe (the job from the cache, its Pod from the apiserver, the lane
-//! queue from the cache), call [`decide`], and apply the decision. The only module besides
-//! `leader` and `cleanup` that talks to the outside.
+//! queue from the cache), call [`decide`], and apply the decision. With `leader`, `cleanup`
+//! and the `metrics` endpoint, the only modules that talk to the outside.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -21,7 +21,7 @@ use tracing::{info, instrument, warn};
 use crate::admission::{self, Admission, QueueEntry, QueueState};
 use crate::cleanup;
 use crate::config::OperatorConfig;
-use crate::decide::{Action, Observed, Policy, decide};
+use crate::decide::{Action, Observed, decide};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pod::{observe, render};
@@ -57,14 +57,6 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
-    fn policy(&self) -> Policy {
-        Policy {
-            retry_base: Duration::from_secs(self.config.retry_base_seconds),
-            max_infrastructure_retries: self.config.max_infrastructure_retries,
-            admission_poll: Duration::from_secs(self.config.admission_poll_seconds),
-        }
-    }
-
     /// The spec check: the catalogue entry and the validated job, or why it cannot run.
     fn check(&self, job: &HarvestJob) -> Result<harvest_crds::ValidJob, SpecError> {
         let entry = self
@@ -84,7 +76,7 @@ impl Context {
         lane: harvest_core::quota::Lane,
         now: Timestamp,
     ) -> Admission {
-        let key = key(job);
+        let key = key_of(job);
         let mut admitting = self
             .admitting
             .lock()
@@ -148,10 +140,6 @@ fn key_of(job: &HarvestJob) -> String {
     format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
 }
 
-fn key(job: &HarvestJob) -> String {
-    key_of(job)
-}
-
 /// One reconcile of one job.
 #[instrument(skip_all, fields(job = %key_of(&job)))]
 pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeue> {
@@ -206,7 +194,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         lane: lane.map(|l| l.to_string()),
         now,
     };
-    let decision = decide(&observed, &ctx.policy());
+    let decision = decide(&observed, &ctx.config.policy());
 
     for action in &decision.actions {
         match action {
@@ -255,7 +243,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
                 ctx.admitting
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .remove(&key(&job));
+                    .remove(&key_of(&job));
             }
             return Err(e.into());
         }

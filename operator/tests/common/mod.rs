@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use harvest_crds::{HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, OutputRetention};
+use harvest_crds::{HarvestJob, HarvestJobSpec, HarvestOptions};
 use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
 use harvest_operator::{OperatorConfig, Settings};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -14,7 +14,7 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::oneshot;
 
-pub const IMAGE: &str = "harvest/harvester:test";
+const IMAGE: &str = "harvest/harvester:test";
 
 fn cache() -> PathBuf {
     std::env::var_os("HARVEST_CACHE")
@@ -141,23 +141,16 @@ impl Cluster {
         change: impl FnOnce(&mut HarvestJobSpec),
     ) -> HarvestJob {
         let mut spec = HarvestJobSpec {
-            model: "smollm2-135m".into(),
-            input: InputRef {
-                prompts,
-                directions: None,
-            },
             harvest: HarvestOptions {
                 shard_size: 4,
                 ..HarvestOptions::default()
             },
-            output: self.output(name).display().to_string(),
-            token_budget: 100_000,
-            suspend: false,
-            cancel: false,
-            active_deadline_seconds: None,
-            backoff_limit: 3,
-            ttl_seconds_after_finished: None,
-            output_retention: OutputRetention::Retain,
+            ..HarvestJobSpec::new(
+                "smollm2-135m",
+                prompts,
+                self.output(name).display().to_string(),
+                100_000,
+            )
         };
         change(&mut spec);
         self.jobs()
