@@ -18,6 +18,8 @@ pub mod cleanup;
 pub mod config;
 pub mod decide;
 pub mod error;
+#[cfg(test)]
+mod fixtures;
 pub mod leader;
 pub mod metrics;
 pub mod pod;

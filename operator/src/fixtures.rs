@@ -1,0 +1,242 @@
+//! `tower_test` scenarios of the exact requests one reconcile makes, in order, answered by a
+//! scripted apiserver (the controller-rs `fixtures.rs` pattern). The fake apiserver tests show
+//! the whole life of a job; these pin down each call of a single reconcile.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use harvest_crds::{HarvestJob, HarvestJobSpec, OutputRetention};
+use http::{Method, Request, Response, StatusCode};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use serde_json::{Value, json};
+
+use crate::config::OperatorConfig;
+use crate::metrics::Metrics;
+use crate::reconcile::{CLEANUP_FINALIZER, Context, reconcile};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// Answers the reconcile's requests one by one, checking each is the one expected.
+struct ApiServerVerifier(Handle);
+
+impl ApiServerVerifier {
+    /// Expects `method` on `path` (query ignored), answers `status` with `reply`, and returns
+    /// the request's body.
+    async fn expect(
+        &mut self,
+        method: Method,
+        path: &str,
+        status: StatusCode,
+        reply: Value,
+    ) -> Value {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
+            .expect("the client hung up");
+        assert_eq!((request.method(), request.uri().path()), (&method, path));
+        let body = request.into_body().collect_bytes().await.unwrap();
+        let body = if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&body).unwrap()
+        };
+        let response = Response::builder()
+            .status(status)
+            .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+            .unwrap();
+        send.send_response(response);
+        body
+    }
+
+    /// Fails if the reconcile makes any further request.
+    async fn expect_nothing_more(&mut self) {
+        if let Ok(Some((request, _))) =
+            tokio::time::timeout(Duration::from_millis(300), self.0.next_request()).await
+        {
+            panic!("unexpected request {} {}", request.method(), request.uri());
+        }
+    }
+}
+
+fn context(client: Client) -> Arc<Context> {
+    let config = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, lane: small, image: img:1}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap();
+    let (jobs, _writer) = kube::runtime::reflector::store();
+    let reporter = Reporter {
+        controller: "harvest-operator".into(),
+        instance: Some("test".into()),
+    };
+    Arc::new(Context {
+        client: client.clone(),
+        config,
+        recorder: Recorder::new(client, reporter),
+        metrics: Metrics::default(),
+        jobs,
+        admitting: Mutex::new(HashSet::new()),
+    })
+}
+
+fn job(model: &str, output: &str) -> HarvestJob {
+    let mut job = HarvestJob::new(
+        "j",
+        HarvestJobSpec::new(model, "s3://in/p.jsonl", output, 700),
+    );
+    job.metadata.namespace = Some("team".into());
+    job.metadata.uid = Some("uid-1".into());
+    job.metadata.resource_version = Some("41".into());
+    job.metadata.generation = Some(1);
+    job.metadata.creation_timestamp = Some(Time(Timestamp::now()));
+    job
+}
+
+/// Runs one reconcile against the scripted apiserver `script`.
+async fn scenario<F, Fut>(job: HarvestJob, script: F) -> kube::runtime::controller::Action
+where
+    F: FnOnce(ApiServerVerifier) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(Client::new(service, "default"));
+    let server = tokio::spawn(script(ApiServerVerifier(handle)));
+    let action = reconcile(Arc::new(job), ctx)
+        .await
+        .expect("the reconcile failed");
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the script did not finish")
+        .expect("the script panicked");
+    action
+}
+
+const JOBS: &str = "/apis/harvest.dev/v1alpha1/namespaces/team/harvestjobs";
+
+#[tokio::test]
+async fn a_new_job_in_a_free_lane_creates_its_pod_then_writes_its_status_then_records_the_event() {
+    let job = job("m", "s3://out/j");
+    let reply = serde_json::to_value(&job).unwrap();
+    scenario(job, |mut api| async move {
+        let pod = api
+            .expect(
+                Method::POST,
+                "/api/v1/namespaces/team/pods",
+                StatusCode::CREATED,
+                json!({"metadata": {"name": "j-1"}}),
+            )
+            .await;
+        assert_eq!(pod["metadata"]["name"], "j-1");
+        assert_eq!(pod["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+        let status = api
+            .expect(
+                Method::PUT,
+                &format!("{JOBS}/j/status"),
+                StatusCode::OK,
+                reply,
+            )
+            .await;
+        assert_eq!(
+            status["metadata"]["resourceVersion"], "41",
+            "the write is conditional on what was read"
+        );
+        assert_eq!(status["status"]["tokens"]["reserved"], 700);
+        assert_eq!(status["status"]["pod"], "j-1");
+        assert_eq!(status["status"]["phase"], "Running");
+        let event = api
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/team/events",
+                StatusCode::CREATED,
+                json!({}),
+            )
+            .await;
+        assert_eq!(event["reason"], "Admitted");
+        api.expect_nothing_more().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_unknown_model_writes_a_failed_status_and_a_warning_and_creates_nothing() {
+    let job = job("llama-9000", "s3://out/j");
+    let reply = serde_json::to_value(&job).unwrap();
+    let action = scenario(job, |mut api| async move {
+        let status = api
+            .expect(
+                Method::PUT,
+                &format!("{JOBS}/j/status"),
+                StatusCode::OK,
+                reply,
+            )
+            .await;
+        assert_eq!(status["status"]["phase"], "Failed");
+        let finished = status["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Finished")
+            .unwrap()
+            .clone();
+        assert_eq!(finished["reason"], "UnknownModel");
+        assert!(finished["message"].as_str().unwrap().contains("llama-9000"));
+        let event = api
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/team/events",
+                StatusCode::CREATED,
+                json!({}),
+            )
+            .await;
+        assert_eq!(
+            (event["type"].as_str(), event["reason"].as_str()),
+            (Some("Warning"), Some("UnknownModel"))
+        );
+        api.expect_nothing_more().await;
+    })
+    .await;
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::await_change(),
+        "a permanent error is not requeued"
+    );
+}
+
+#[tokio::test]
+async fn a_deleted_job_with_retention_delete_loses_its_outputs_then_its_finalizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("out");
+    std::fs::create_dir_all(&output).unwrap();
+    std::fs::write(output.join("shard_00000.safetensors"), b"x").unwrap();
+    let mut job = job("m", &output.display().to_string());
+    job.spec.output_retention = OutputRetention::Delete;
+    job.metadata.finalizers = Some(vec![CLEANUP_FINALIZER.into(), "other/keep".into()]);
+    job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    let reply = serde_json::to_value(&job).unwrap();
+    scenario(job, |mut api| async move {
+        let event = api
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/team/events",
+                StatusCode::CREATED,
+                json!({}),
+            )
+            .await;
+        assert_eq!(event["reason"], "OutputsDeleted");
+        let patch = api
+            .expect(Method::PATCH, &format!("{JOBS}/j"), StatusCode::OK, reply)
+            .await;
+        assert_eq!(patch["metadata"]["finalizers"], json!(["other/keep"]));
+        assert_eq!(patch["metadata"]["resourceVersion"], "41");
+        api.expect_nothing_more().await;
+    })
+    .await;
+    assert!(
+        !output.exists(),
+        "the outputs are deleted before the finalizer goes"
+    );
+}
