@@ -6,6 +6,8 @@
 //! *settled* once when it ends ([`Ledger::finish`] consumes the hold): the hold leaves the
 //! windows it was taken in, and what the job is charged enters the current windows.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::clock::{Day, Month, UnixMillis};
@@ -274,6 +276,111 @@ impl Ledger {
         self.tokens_today += charged;
         self.tokens_month += charged;
         self.tokens_total += charged;
+    }
+}
+
+/// What [`Book::admit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admitted {
+    /// The job now holds a lane slot and its tokens.
+    New,
+    /// The job already held them (a repeated admission after a crash or a lost race): nothing
+    /// changed.
+    AlreadyHeld,
+}
+
+/// An account's books as a cluster stores them: the [`Ledger`], the open [`Hold`] of each
+/// running job keyed by job id, and how many jobs each key started this UTC month. Keyed holds
+/// make admission and settlement idempotent, so a controller that restarts between writing the
+/// books and writing the job neither loses nor repeats a charge.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Book {
+    /// Usage in the current windows.
+    pub ledger: Ledger,
+    /// Open holds by job id.
+    pub holds: BTreeMap<String, Hold>,
+    /// Jobs admitted this month (the ledger's month) by key.
+    pub key_jobs: BTreeMap<String, u32>,
+}
+
+impl Book {
+    /// Empty books.
+    pub fn new(now: UnixMillis) -> Self {
+        Self {
+            ledger: Ledger::new(now),
+            holds: BTreeMap::new(),
+            key_jobs: BTreeMap::new(),
+        }
+    }
+
+    /// Starts new windows when `now` has left the current ones; a new month clears the
+    /// per-key job counts.
+    pub fn roll(&mut self, now: UnixMillis) {
+        if now.month() != self.ledger.month {
+            self.key_jobs.clear();
+        }
+        self.ledger.roll(now);
+    }
+
+    /// Jobs `key` started in `now`'s month.
+    pub fn jobs_of(&self, key: &str, now: UnixMillis) -> u32 {
+        if now.month() == self.ledger.month {
+            self.key_jobs.get(key).copied().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Whether `job` holds a slot.
+    pub fn holds(&self, job: &str) -> bool {
+        self.holds.contains_key(job)
+    }
+
+    /// Checks every limit for a new job of `key` without changing anything.
+    pub fn check(
+        &self,
+        limits: &AccountLimits,
+        key: &str,
+        lane: Lane,
+        tokens: u64,
+        now: UnixMillis,
+    ) -> Result<(), Denial> {
+        self.ledger
+            .check(limits, lane, tokens, self.jobs_of(key, now), now)
+    }
+
+    /// Admits `job` of `key` unless it already holds a slot.
+    pub fn admit(
+        &mut self,
+        job: &str,
+        key: &str,
+        limits: &AccountLimits,
+        lane: Lane,
+        tokens: u64,
+        now: UnixMillis,
+    ) -> Result<Admitted, Denial> {
+        if self.holds(job) {
+            return Ok(Admitted::AlreadyHeld);
+        }
+        let jobs = self.jobs_of(key, now);
+        let hold = self.ledger.admit(limits, lane, tokens, jobs, now)?;
+        self.roll(now);
+        *self.key_jobs.entry(key.to_owned()).or_default() += 1;
+        self.holds.insert(job.to_owned(), hold);
+        Ok(Admitted::New)
+    }
+
+    /// Settles `job`'s hold at `charged` tokens; `false` (and no change) when it holds none,
+    /// so settling twice charges once.
+    pub fn settle(&mut self, job: &str, charged: u64, now: UnixMillis) -> bool {
+        match self.holds.remove(job) {
+            Some(hold) => {
+                self.roll(now);
+                self.ledger.finish(hold, charged, now);
+                true
+            }
+            None => false,
+        }
     }
 }
 
