@@ -208,6 +208,9 @@ pub struct HarvestJobStatus {
     /// Failures that count against `backoffLimit`.
     #[serde(default)]
     pub failures: u32,
+    /// The HarvestAccount the job was admitted under and charged to (set by the operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub account: Option<String>,
     /// The lane the job was admitted to: `small` or `large`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lane: Option<String>,

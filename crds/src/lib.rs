@@ -1,7 +1,8 @@
 //! `harvest-crds`: the Kubernetes wire types of harvest and their one-way conversion into `core`.
 //!
 //! This crate only describes: it holds the `HarvestJob` custom resource (spec, status,
-//! conditions, printer columns, CEL rules) and turns a spec into a validated
+//! conditions, printer columns, CEL rules) and the cluster-scoped `HarvestAccount` (limits and
+//! the usage ledger), and turns a spec into a validated
 //! [`harvest_core::RawPlan`]. It talks to no apiserver; the operator and the API do that.
 //!
 //! ```text
@@ -16,10 +17,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod account;
 pub mod conditions;
 pub mod job;
 pub mod validate;
 
+pub use account::{
+    HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HoldEntry, LaneLimits,
+};
 pub use job::{
     HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
     OutputRetention, Progress, ResultSummary, TokenUsage,
@@ -34,5 +39,5 @@ pub fn all_crds()
 -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
 {
     use kube::CustomResourceExt;
-    vec![HarvestJob::crd()]
+    vec![HarvestAccount::crd(), HarvestJob::crd()]
 }
