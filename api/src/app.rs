@@ -21,9 +21,11 @@ use tower::ServiceExt;
 
 use crate::catalogue::Catalogue;
 use crate::error::ApiError;
+use crate::kubernetes::KubeBackend;
 use crate::signing::Signer;
+use crate::storage::Storage;
 use crate::store::{JobRecord, JobSpec, Outcome, Store};
-use crate::wire::{self, HarvestRequest, JobView, Submission};
+use crate::wire::{self, HarvestRequest, JobResult, JobView, Submission};
 use crate::workers::{self, JobPaths, Workers};
 
 /// Largest request body.
@@ -43,15 +45,31 @@ pub const MAX_WAIT_S: f64 = 60.0;
 /// What a declined long-poll asks the client to wait.
 pub const LONG_POLL_RETRY_AFTER_S: u32 = 3;
 
+/// The embedded backend: the SQLite store and the harvester child processes.
+#[derive(Debug)]
+pub struct Embedded {
+    /// Jobs, accounts, keys.
+    pub store: Arc<Store>,
+    /// Worker pool.
+    pub workers: Arc<Workers>,
+}
+
+/// Where jobs live and run.
+#[derive(Debug)]
+pub enum Backend {
+    /// One machine: SQLite and child processes.
+    Embedded(Embedded),
+    /// HarvestJobs on a cluster, run by the operator.
+    Kubernetes(KubeBackend),
+}
+
 /// Everything the handlers share.
 #[derive(Debug)]
 pub struct AppState {
-    /// Jobs, accounts, keys.
-    pub store: Arc<Store>,
+    /// Where jobs live and run.
+    pub backend: Backend,
     /// Models.
     pub catalogue: Catalogue,
-    /// Worker pool.
-    pub workers: Arc<Workers>,
     /// Link signer.
     pub signer: Signer,
     /// Base URL of download links.
@@ -75,7 +93,7 @@ struct Metrics {
 }
 
 impl AppState {
-    /// Builds the state.
+    /// Builds the state of the embedded backend.
     pub fn new(
         store: Arc<Store>,
         catalogue: Catalogue,
@@ -85,10 +103,22 @@ impl AppState {
         url_ttl_s: i64,
         data_dir: PathBuf,
     ) -> Arc<Self> {
+        let backend = Backend::Embedded(Embedded { store, workers });
+        Self::with_backend(backend, catalogue, signer, public_url, url_ttl_s, data_dir)
+    }
+
+    /// Builds the state over any backend.
+    pub fn with_backend(
+        backend: Backend,
+        catalogue: Catalogue,
+        signer: Signer,
+        public_url: String,
+        url_ttl_s: i64,
+        data_dir: PathBuf,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            store,
+            backend,
             catalogue,
-            workers,
             signer,
             public_url,
             url_ttl_s,
@@ -102,6 +132,30 @@ impl AppState {
 }
 
 impl AppState {
+    /// The embedded backend, if that is the one in use.
+    pub fn embedded(&self) -> Option<&Embedded> {
+        match &self.backend {
+            Backend::Embedded(embedded) => Some(embedded),
+            Backend::Kubernetes(_) => None,
+        }
+    }
+
+    /// A job by id.
+    async fn job(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
+        match &self.backend {
+            Backend::Embedded(e) => Ok(e.store.job(id)?),
+            Backend::Kubernetes(k) => k.job(id).await,
+        }
+    }
+
+    /// Wakes on every job change.
+    fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        match &self.backend {
+            Backend::Embedded(e) => e.workers.subscribe(),
+            Backend::Kubernetes(k) => k.subscribe(),
+        }
+    }
+
     /// Takes the account's counting turn, or `None` if one of its submits is being counted.
     pub fn counting_turn(&self, account: &str) -> Option<CountingTurn<'_>> {
         let mut accounts = self
@@ -150,10 +204,11 @@ impl FromRequestParts<Arc<AppState>> for Caller {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim)
             .ok_or(ApiError::Unauthorized)?;
-        let (account, key_hash) = state
-            .store
-            .authenticate(key)?
-            .ok_or(ApiError::Unauthorized)?;
+        let found = match &state.backend {
+            Backend::Embedded(e) => e.store.authenticate(key)?,
+            Backend::Kubernetes(k) => k.authenticate(&crate::store::key_hash(key)).await?,
+        };
+        let (account, key_hash) = found.ok_or(ApiError::Unauthorized)?;
         Ok(Self { account, key_hash })
     }
 }
@@ -244,27 +299,57 @@ pub(crate) async fn submit(
             lane: submission.lane,
         },
     };
-    let paths = JobPaths::new(&state.data_dir, &id);
-    write_inputs(&paths, &model.path, &submission).map_err(|e| ApiError::Internal {
+    match &state.backend {
+        Backend::Embedded(embedded) => {
+            submit_embedded(&state, embedded, &job, &model.path, &submission, now)?;
+        }
+        Backend::Kubernetes(kube) => {
+            if let Err(error) = kube.submit(&job, &submission, now).await {
+                if matches!(error, ApiError::Denied(_)) {
+                    state.metrics.denied.fetch_add(1, Ordering::Relaxed);
+                }
+                return Err(error);
+            }
+            state.metrics.submitted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let job = state.job(&id).await?.ok_or(ApiError::NotFound)?;
+    Ok((StatusCode::ACCEPTED, Json(view(&state, &job).await?)).into_response())
+}
+
+/// Writes the inputs, admits the job in the store and hands it to a worker.
+fn submit_embedded(
+    state: &AppState,
+    embedded: &Embedded,
+    job: &JobRecord,
+    model_path: &std::path::Path,
+    submission: &Submission,
+    now: harvest_core::clock::UnixMillis,
+) -> Result<(), ApiError> {
+    let paths = JobPaths::new(&state.data_dir, &job.id);
+    write_inputs(&paths, model_path, submission).map_err(|e| ApiError::Internal {
         detail: e.to_string(),
     })?;
-    if let Err(error) = state.store.admit(&job, now) {
+    if let Err(error) = embedded.store.admit(job, now) {
         let _ = std::fs::remove_dir_all(&paths.root);
         state.metrics.denied.fetch_add(1, Ordering::Relaxed);
         return Err(error.into());
     }
     state.metrics.submitted.fetch_add(1, Ordering::Relaxed);
-    if !state.workers.available() {
+    if !embedded.workers.available() {
         let outcome = Outcome {
             result: None,
             error: Some("the harvest worker is not installed on this server".into()),
         };
-        state.store.apply(&id, JobEvent::Failed, outcome, now)?;
-        return Err(ApiError::Unavailable { job_id: id });
+        embedded
+            .store
+            .apply(&job.id, JobEvent::Failed, outcome, now)?;
+        return Err(ApiError::Unavailable {
+            job_id: job.id.clone(),
+        });
     }
-    state.workers.enqueue(id.clone());
-    let job = state.store.job(&id)?.ok_or(ApiError::NotFound)?;
-    Ok((StatusCode::ACCEPTED, Json(view(&state, &job))).into_response())
+    embedded.workers.enqueue(job.id.clone());
+    Ok(())
 }
 
 /// Tokenizes the corpus for real: one submit per account and two server-wide at a time, within
@@ -363,30 +448,56 @@ fn write_inputs(
     std::fs::write(input.join("plan.json"), serde_json::to_vec_pretty(&plan)?)
 }
 
-/// The job as answered, with fresh signed links for a done job.
-fn view(state: &AppState, job: &JobRecord) -> JobView {
-    let mut result = None;
-    let (mut urls_expire_at, mut urls_expired) = (None, None);
-    if job.status == JobStatus::Done
-        && let Some(stored) = &job.result
-    {
-        let out = JobPaths::new(&state.data_dir, &job.id).output();
-        if out.join("manifest.json").is_file() {
-            let now = workers::now();
-            let expires_ms = now.0 + state.url_ttl_s * 1000;
-            let expires = expires_ms / 1000;
-            let url = |file: &str| state.signer.url(&state.public_url, &job.id, file, expires);
-            let mut r = stored.clone();
-            r.manifest_url = url("manifest.json");
-            r.stats_url = url("stats.safetensors");
-            r.shard_urls = (0..r.n_shards).map(|s| url(&shard_file_name(s))).collect();
-            result = Some(r);
-            urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
-        } else {
-            urls_expired = Some(true);
+/// A done job's result and whether its files are still there, from its backend.
+async fn stored_result(state: &AppState, job: &JobRecord) -> Result<Option<JobResult>, ApiError> {
+    match &state.backend {
+        Backend::Embedded(_) => {
+            let out = JobPaths::new(&state.data_dir, &job.id).output();
+            Ok(job
+                .result
+                .clone()
+                .filter(|_| out.join("manifest.json").is_file()))
+        }
+        Backend::Kubernetes(kube) => {
+            let result = kube.result(&job.id).await?;
+            match &kube.storage {
+                Storage::Local { .. } => {
+                    let out = JobPaths::new(&state.data_dir, &job.id).output();
+                    Ok(result.filter(|_| out.join("manifest.json").is_file()))
+                }
+                Storage::S3 { .. } => Ok(result),
+            }
         }
     }
-    JobView {
+}
+
+/// The job as answered, with fresh links for a done job: signed by this server and served by
+/// `/files`, or presigned by S3.
+async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
+    let mut result = None;
+    let (mut urls_expire_at, mut urls_expired) = (None, None);
+    if job.status == JobStatus::Done {
+        match stored_result(state, job).await? {
+            Some(mut r) => {
+                let now = workers::now();
+                let expires = (now.0 + state.url_ttl_s * 1000) / 1000;
+                let mut files = vec!["manifest.json".to_owned(), "stats.safetensors".to_owned()];
+                files.extend((0..r.n_shards).map(shard_file_name));
+                let mut urls = Vec::with_capacity(files.len());
+                for file in &files {
+                    urls.push(link(state, &job.id, file, expires).await?);
+                }
+                let mut urls = urls.into_iter();
+                r.manifest_url = urls.next().unwrap_or_default();
+                r.stats_url = urls.next().unwrap_or_default();
+                r.shard_urls = urls.collect();
+                result = Some(r);
+                urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
+            }
+            None => urls_expired = Some(true),
+        }
+    }
+    Ok(JobView {
         job_id: job.id.clone(),
         run_id: job.run_id.clone(),
         status: job.status,
@@ -405,15 +516,31 @@ fn view(state: &AppState, job: &JobRecord) -> JobView {
         progress: (job.status == JobStatus::Running)
             .then(|| job.progress.clone())
             .flatten(),
+    })
+}
+
+/// A link to one output file that works until `expires` (Unix seconds).
+async fn link(state: &AppState, id: &str, file: &str, expires: i64) -> Result<String, ApiError> {
+    if let Backend::Kubernetes(kube) = &state.backend {
+        let ttl = Duration::from_secs(state.url_ttl_s.max(1) as u64);
+        let presigned = kube
+            .storage
+            .presign(id, file, ttl)
+            .await
+            .map_err(|detail| ApiError::Internal { detail })?;
+        if let Some(url) = presigned {
+            return Ok(url);
+        }
     }
+    Ok(state.signer.url(&state.public_url, id, file, expires))
 }
 
 /// Looks up the caller's own job; an unknown id and another account's job look the same.
-fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord, ApiError> {
+async fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord, ApiError> {
     if !wire::is_valid_job_id(job_id) {
         return Err(ApiError::NotFound);
     }
-    match state.store.job(job_id)? {
+    match state.job(job_id).await? {
         Some(job) if job.account == caller.account => Ok(job),
         _ => Err(ApiError::NotFound),
     }
@@ -476,7 +603,7 @@ pub(crate) async fn status(
     Path(job_id): Path<String>,
     Query(query): Query<WaitQuery>,
 ) -> Result<Response, ApiError> {
-    let job = own_job(&state, &caller, &job_id)?;
+    let job = own_job(&state, &caller, &job_id).await?;
     let wait = match query.wait.as_deref() {
         None | Some("") => 0.0,
         Some(text) => match text.parse::<f64>() {
@@ -489,14 +616,14 @@ pub(crate) async fn status(
         },
     };
     if wait == 0.0 || job.status.is_terminal() {
-        return Ok(Json(view(&state, &job)).into_response());
+        return Ok(Json(view(&state, &job).await?).into_response());
     }
     let Some(_slot) = long_poll_slot(&state, &caller.key_hash) else {
         state
             .metrics
             .long_polls_declined
             .fetch_add(1, Ordering::Relaxed);
-        let mut response = Json(view(&state, &job)).into_response();
+        let mut response = Json(view(&state, &job).await?).into_response();
         response
             .headers_mut()
             .insert("x-acs-longpoll", HeaderValue::from_static("declined"));
@@ -507,16 +634,16 @@ pub(crate) async fn status(
         return Ok(response);
     };
     let deadline = Instant::now() + Duration::from_secs_f64(wait);
-    let mut changes = state.workers.subscribe();
+    let mut changes = state.subscribe();
     loop {
-        let job = own_job(&state, &caller, &job_id)?;
+        let job = own_job(&state, &caller, &job_id).await?;
         if job.status.is_terminal() {
-            return Ok(Json(view(&state, &job)).into_response());
+            return Ok(Json(view(&state, &job).await?).into_response());
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() || tokio::time::timeout(left, changes.changed()).await.is_err() {
-            let job = own_job(&state, &caller, &job_id)?;
-            return Ok(Json(view(&state, &job)).into_response());
+            let job = own_job(&state, &caller, &job_id).await?;
+            return Ok(Json(view(&state, &job).await?).into_response());
         }
     }
 }
@@ -532,21 +659,27 @@ pub(crate) async fn cancel(
     caller: Caller,
     Path(job_id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
-    own_job(&state, &caller, &job_id)?;
-    let (job, transition) = state.store.apply(
-        &job_id,
-        JobEvent::Cancel,
-        Outcome::default(),
-        workers::now(),
-    )?;
-    if let Transition::To {
-        stop_worker: true, ..
-    } = transition
-    {
-        state.workers.cancel(&job_id);
-        state.workers.notify();
-    }
-    Ok(Json(view(&state, &job)))
+    own_job(&state, &caller, &job_id).await?;
+    let job = match &state.backend {
+        Backend::Embedded(embedded) => {
+            let (job, transition) = embedded.store.apply(
+                &job_id,
+                JobEvent::Cancel,
+                Outcome::default(),
+                workers::now(),
+            )?;
+            if let Transition::To {
+                stop_worker: true, ..
+            } = transition
+            {
+                embedded.workers.cancel(&job_id);
+                embedded.workers.notify();
+            }
+            job
+        }
+        Backend::Kubernetes(kube) => kube.cancel(&job_id).await?,
+    };
+    Ok(Json(view(&state, &job).await?))
 }
 
 /// The models catalogue.
@@ -605,8 +738,11 @@ async fn download(
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let store_ok = state.store.unfinished_count().is_ok();
-    if store_ok && state.workers.available() {
+    let ok = match &state.backend {
+        Backend::Embedded(e) => e.store.unfinished_count().is_ok() && e.workers.available(),
+        Backend::Kubernetes(k) => k.ready().await,
+    };
+    if ok {
         (StatusCode::OK, "ready").into_response()
     } else {
         (
@@ -629,7 +765,10 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         m.denied.load(Ordering::Relaxed),
         m.long_polls_declined.load(Ordering::Relaxed),
         m.downloads.load(Ordering::Relaxed),
-        state.store.unfinished_count().unwrap_or(0),
+        match &state.backend {
+            Backend::Embedded(e) => e.store.unfinished_count().unwrap_or(0),
+            Backend::Kubernetes(k) => k.unfinished(),
+        },
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -17,7 +17,8 @@ pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;
 pub struct ServerConfig {
     /// Where the SQLite store, job inputs and outputs, and the signing secret live.
     pub data_dir: PathBuf,
-    /// The `harvester` binary.
+    /// The `harvester` binary (embedded backend).
+    #[serde(default)]
     pub harvester: PathBuf,
     /// Worker processes at once, machine-wide.
     #[serde(default = "one")]
@@ -32,8 +33,23 @@ pub struct ServerConfig {
     pub worker_threads: Option<usize>,
     /// The models clients may name.
     pub models: Vec<ModelConfig>,
-    /// Accounts and their limits.
+    /// Accounts and their limits (embedded backend; on Kubernetes they are HarvestAccounts).
+    #[serde(default)]
     pub accounts: Vec<AccountConfig>,
+    /// Run on Kubernetes instead of the embedded backend.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesConfig>,
+}
+
+/// The Kubernetes backend: jobs are HarvestJobs, accounts HarvestAccounts, keys Secrets.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// The namespace the API owns: its HarvestJobs and key Secrets live there, and the
+    /// operator's `apiNamespace` must name it.
+    pub namespace: String,
+    /// Where inputs go and outputs are read, and how links are made.
+    pub storage: crate::storage::StorageConfig,
 }
 
 /// A model of the catalogue.
@@ -85,10 +101,23 @@ impl ServerConfig {
         for model in &mut config.models {
             model.path = resolve(base, &model.path);
         }
-        if config.models.is_empty() || config.accounts.is_empty() {
+        if config.models.is_empty() {
             return Err(StartupError::config(
-                "the configuration needs at least one model and one account",
+                "the configuration needs at least one model",
             ));
+        }
+        match &config.kubernetes {
+            None if config.accounts.is_empty() => {
+                return Err(StartupError::config(
+                    "the embedded backend needs at least one account under accounts",
+                ));
+            }
+            Some(_) if !config.accounts.is_empty() => {
+                return Err(StartupError::config(
+                    "accounts are HarvestAccount resources on Kubernetes: remove accounts from the configuration and kubectl apply them",
+                ));
+            }
+            _ => {}
         }
         Ok(config)
     }

@@ -1,4 +1,5 @@
-//! The `harvest-api` binary: serve the REST API on the embedded backend, and manage API keys.
+//! The `harvest-api` binary: serve the REST API (embedded or Kubernetes backend, as the
+//! configuration says), and create and revoke API keys.
 
 use std::path::PathBuf;
 
@@ -8,7 +9,7 @@ use harvest_api::config::ServerConfig;
 use harvest_api::server;
 
 #[derive(Debug, Parser)]
-#[command(version, about = "The harvest REST API (embedded backend)")]
+#[command(version, about = "The harvest REST API")]
 struct Cli {
     /// The configuration file (models, accounts, data directory).
     #[arg(long, env = "HARVEST_CONFIG")]
@@ -54,12 +55,39 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", cli.config.display()))?;
     match cli.command {
         Command::Serve { listen } => {
-            let state = server::build(&config)?;
+            let state = server::build(&config).await?;
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await
                 .with_context(|| format!("listening on {listen}"))?;
             tracing::info!(address = %listener.local_addr()?, "serving");
             server::serve(state, listener).await?;
+        }
+        Command::CreateKey { account, label } if config.kubernetes.is_some() => {
+            let namespace = &config
+                .kubernetes
+                .as_ref()
+                .map(|k| k.namespace.clone())
+                .unwrap_or_default();
+            let client = kube::Client::try_default()
+                .await
+                .context("kubernetes client")?;
+            let key =
+                harvest_api::kubernetes::create_key(client, namespace, &account, &label).await?;
+            use std::io::Write;
+            writeln!(std::io::stdout(), "{key}")?;
+        }
+        Command::RevokeKey { key } if config.kubernetes.is_some() => {
+            let namespace = &config
+                .kubernetes
+                .as_ref()
+                .map(|k| k.namespace.clone())
+                .unwrap_or_default();
+            let client = kube::Client::try_default()
+                .await
+                .context("kubernetes client")?;
+            if !harvest_api::kubernetes::revoke_key(client, namespace, &key).await? {
+                anyhow::bail!("no such active key");
+            }
         }
         Command::CreateKey { account, label } => {
             let store = server::open_store(&config)?;

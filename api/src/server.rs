@@ -5,10 +5,12 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::app::{AppState, router};
+use crate::app::{AppState, Backend, router};
 use crate::catalogue::Catalogue;
-use crate::config::ServerConfig;
+use crate::config::{KubernetesConfig, ServerConfig};
+use crate::kubernetes::KubeBackend;
 use crate::signing::Signer;
+use crate::storage::Storage;
 use crate::store::Store;
 use crate::workers::{self, WorkerConfig, Workers};
 
@@ -41,9 +43,13 @@ pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
     )?))
 }
 
-/// Builds the application state and requeues unfinished jobs (their harvesters resume from the
-/// shards already written). Must run inside a Tokio runtime.
-pub fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
+/// Builds the application state: on Kubernetes, the watch-backed caches; embedded, the store,
+/// with unfinished jobs requeued (their harvesters resume from the shards already written).
+/// Must run inside a Tokio runtime.
+pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
+    if let Some(kubernetes) = &config.kubernetes {
+        return build_kubernetes(config, kubernetes).await;
+    }
     let store = open_store(config)?;
     let now = workers::now();
     for account in &config.accounts {
@@ -67,6 +73,35 @@ pub fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
         store,
         catalogue,
         pool,
+        signer,
+        config.public_url.clone(),
+        config.url_ttl_seconds as i64,
+        config.data_dir.clone(),
+    ))
+}
+
+async fn build_kubernetes(
+    config: &ServerConfig,
+    kubernetes: &KubernetesConfig,
+) -> Result<Arc<AppState>, StartupError> {
+    std::fs::create_dir_all(&config.data_dir)?;
+    let catalogue =
+        Catalogue::load(&config.models).map_err(|e| StartupError::Config(e.to_string()))?;
+    let storage = Storage::open(
+        &kubernetes.storage,
+        &config.data_dir,
+        config.url_ttl_seconds,
+        |name| std::env::var(name).ok(),
+    )?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| StartupError::config(format!("kubernetes client: {e}")))?;
+    let backend = KubeBackend::start(client, kubernetes.namespace.clone(), storage);
+    // Several replicas share one link secret, from the data directory (a Secret volume).
+    let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
+    Ok(AppState::with_backend(
+        Backend::Kubernetes(backend),
+        catalogue,
         signer,
         config.public_url.clone(),
         config.url_ttl_seconds as i64,

@@ -120,6 +120,15 @@ pub fn key_hash(key: &str) -> String {
         .collect()
 }
 
+/// A fresh API key: `sk-hv-` and 64 random hex digits.
+pub fn new_key() -> String {
+    format!(
+        "sk-hv-{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
 fn status_from(text: &str) -> JobStatus {
     match text {
         "running" => JobStatus::Running,
@@ -219,11 +228,7 @@ impl Store {
         if exists.is_none() {
             return Err(StoreError::NotFound { what: "account" });
         }
-        let key = format!(
-            "sk-hv-{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
+        let key = new_key();
         conn.execute(
             "INSERT INTO keys (hash, account, label, created_at) VALUES (?1, ?2, ?3, ?4)",
             params![key_hash(&key), account, label, now.0],

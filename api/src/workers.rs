@@ -296,7 +296,12 @@ async fn terminate(child: &mut tokio::process::Child) {
 
 fn read_result(paths: &JobPaths) -> Result<JobResult, WorkerError> {
     let text = std::fs::read_to_string(paths.output().join("result.json"))?;
-    let value: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(parse_result(&text)?)
+}
+
+/// A harvester's `result.json`, less the links (added per answer).
+pub fn parse_result(text: &str) -> Result<JobResult, serde_json::Error> {
+    let value: serde_json::Value = serde_json::from_str(text)?;
     let timings: ResultTimings =
         serde_json::from_value(value["timings"].clone()).unwrap_or_default();
     Ok(JobResult {

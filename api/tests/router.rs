@@ -35,6 +35,7 @@ async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
         public_url: "http://harvest.test".into(),
         url_ttl_seconds: 3600,
         worker_threads: None,
+        kubernetes: None,
         models: vec![ModelConfig {
             name: "tiny".into(),
             path: tiny_model(),
@@ -51,10 +52,20 @@ async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
             },
         ],
     };
-    let state = server::build(&config).unwrap();
+    let state = server::build(&config).await.unwrap();
     let now = harvest_api::workers::now();
-    let key = state.store.create_key("acme", "test", now).unwrap();
-    let other_key = state.store.create_key("other", "test", now).unwrap();
+    let key = state
+        .embedded()
+        .unwrap()
+        .store
+        .create_key("acme", "test", now)
+        .unwrap();
+    let other_key = state
+        .embedded()
+        .unwrap()
+        .store
+        .create_key("other", "test", now)
+        .unwrap();
     Fixture {
         _dir: dir,
         state,
@@ -348,10 +359,14 @@ async fn cancel_is_idempotent_and_an_ended_job_gets_409() {
     let done = job["job_id"].as_str().unwrap();
     let now = harvest_api::workers::now();
     f.state
+        .embedded()
+        .unwrap()
         .store
         .apply(done, JobEvent::Started, Default::default(), now)
         .unwrap();
     f.state
+        .embedded()
+        .unwrap()
         .store
         .apply(
             done,
@@ -546,7 +561,7 @@ async fn concurrent_submits_never_admit_more_than_the_lane_allows() {
         }
     }
     assert_eq!(accepted, 3, "exactly the three slots of the small lane");
-    let (_, ledger) = f.state.store.account("acme").unwrap();
+    let (_, ledger) = f.state.embedded().unwrap().store.account("acme").unwrap();
     assert_eq!(ledger.active_small, 3);
 }
 
@@ -568,6 +583,8 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
         timings: Default::default(),
     };
     f.state
+        .embedded()
+        .unwrap()
         .store
         .apply(id, JobEvent::Started, Default::default(), now)
         .unwrap();
@@ -576,6 +593,8 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
         error: None,
     };
     f.state
+        .embedded()
+        .unwrap()
         .store
         .apply(id, JobEvent::Succeeded { tokens: 21 }, outcome, now)
         .unwrap();

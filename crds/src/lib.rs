@@ -31,6 +31,13 @@ pub use job::{
 };
 pub use validate::{ModelShape, SpecError, ValidJob};
 
+/// On a job in the API's namespace: the HarvestAccount it is charged to. Trusted only there
+/// (only the API may create jobs in that namespace); anywhere else the namespace decides.
+pub const ACCOUNT_LABEL: &str = "harvest.dev/account";
+/// On a job in the API's namespace: the submitting key's id (a prefix of its hash), for the
+/// per-key monthly job quota.
+pub const KEY_LABEL: &str = "harvest.dev/key";
+
 /// The API group the project owns.
 pub const GROUP: &str = "harvest.dev";
 

@@ -98,6 +98,13 @@ async fn handle(
     if let Some(list) = kinds::resource_list(&kinds, path.trim_end_matches('/')) {
         return json_response(StatusCode::OK, &list);
     }
+    if store.take_fault(method.as_str(), path) {
+        return error(&ApiError::new(
+            500,
+            "InternalError",
+            format!("injected failure of {method} {path}"),
+        ));
+    }
     let Some(target) = parse_path(path) else {
         return error(&ApiError::new(
             404,

@@ -87,6 +87,15 @@ struct Inner {
     kinds: Vec<Kind>,
     objects: BTreeMap<ObjectId, Value>,
     history: Vec<Change>,
+    faults: Vec<Fault>,
+}
+
+/// An injected failure: the next `times` requests with this method and path suffix get a 500.
+#[derive(Debug)]
+struct Fault {
+    method: String,
+    path_suffix: String,
+    times: u32,
 }
 
 /// The state.
@@ -132,6 +141,37 @@ pub fn rfc3339(secs: u64) -> String {
 }
 
 impl Store {
+    /// Makes the next `times` requests of `method` to a path ending in `path_suffix` fail with
+    /// a 500 before they change anything, as if the client had crashed just before them.
+    pub fn fail_next(&self, method: &str, path_suffix: &str, times: u32) {
+        self.lock().faults.push(Fault {
+            method: method.to_owned(),
+            path_suffix: path_suffix.to_owned(),
+            times,
+        });
+    }
+
+    /// Injected failures not yet used.
+    pub fn faults_pending(&self) -> u32 {
+        self.lock().faults.iter().map(|f| f.times).sum()
+    }
+
+    /// Whether this request is to fail (and counts it).
+    pub fn take_fault(&self, method: &str, path: &str) -> bool {
+        let mut inner = self.lock();
+        let hit = inner
+            .faults
+            .iter_mut()
+            .find(|f| f.times > 0 && f.method == method && path.ends_with(&f.path_suffix));
+        match hit {
+            Some(fault) => {
+                fault.times -= 1;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// A store with the `default` and `kube-system` namespaces.
     pub fn new() -> Self {
         let store = Self {
@@ -141,6 +181,7 @@ impl Store {
                 kinds: kinds::builtins(),
                 objects: BTreeMap::new(),
                 history: Vec::new(),
+                faults: Vec::new(),
             }),
             changed: tokio::sync::watch::channel(1).0,
         };

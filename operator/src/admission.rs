@@ -1,5 +1,8 @@
 //! Lane admission in Kueue's style: every job is created pending and is admitted, in creation
-//! order within its lane, when the lane has a free slot. Pure: the controller passes the queue.
+//! order within its lane, when the cluster's lane has a free slot; then its account's books
+//! (`accounts`, `core::quota::Book`) must allow it too. Each account queues strictly in creation
+//! order; a job its account holds back (budget, quota) does not block other accounts' jobs.
+//! Pure: the controller passes the queue.
 
 use harvest_core::quota::Lane;
 use k8s_openapi::jiff::Timestamp;
@@ -9,6 +12,10 @@ use k8s_openapi::jiff::Timestamp;
 pub struct QueueEntry {
     /// `namespace/name`.
     pub key: String,
+    /// The account that pays for it (empty when none does).
+    pub account: String,
+    /// Waiting because of its account rather than the cluster lane.
+    pub blocked: bool,
     /// Its lane.
     pub lane: Lane,
     /// When it was created (the queue order; the key breaks ties).
@@ -42,21 +49,32 @@ pub enum Admission {
     },
 }
 
-/// The verdict for `me` (a waiting job in `lane`) given every job and the lane's capacity.
+/// The verdict for `me` (a waiting job in `lane`) given every job and the cluster lane's
+/// capacity.
 pub fn verdict(entries: &[QueueEntry], me: &QueueEntry, capacity: u32) -> Admission {
     let in_lane = entries
         .iter()
         .filter(|e| e.lane == me.lane && e.key != me.key);
     let mut active = 0u32;
     let mut ahead = 0u32;
+    let mut ahead_in_account = 0u32;
     for entry in in_lane {
+        let older = (entry.created, &entry.key) < (me.created, &me.key);
         match entry.state {
             QueueState::Active => active += 1,
-            QueueState::Waiting if (entry.created, &entry.key) < (me.created, &me.key) => {
-                ahead += 1;
-            }
+            QueueState::Waiting if older && entry.account == me.account => ahead_in_account += 1,
+            QueueState::Waiting if older && !entry.blocked => ahead += 1,
             QueueState::Waiting | QueueState::Idle => {}
         }
+    }
+    if ahead_in_account > 0 {
+        return Admission::Wait {
+            reason: "WaitingInAccountQueue",
+            message: format!(
+                "{ahead_in_account} older job(s) of account {:?} wait ahead in the {} lane",
+                me.account, me.lane
+            ),
+        };
     }
     if active + ahead < capacity {
         Admission::Admit
@@ -78,6 +96,8 @@ mod tests {
     fn entry(name: &str, second: i64, state: QueueState) -> QueueEntry {
         QueueEntry {
             key: format!("ns/{name}"),
+            account: format!("account-{name}"),
+            blocked: false,
             lane: Lane::Small,
             created: Timestamp::from_second(second).unwrap(),
             state,
@@ -110,6 +130,29 @@ mod tests {
         assert!(matches!(verdict(&entries, &me, 1), Admission::Wait { .. }));
         assert_eq!(verdict(&entries, &me, 2), Admission::Admit);
         assert_eq!(verdict(&entries, &entries[0], 1), Admission::Admit);
+    }
+
+    #[test]
+    fn an_account_queues_in_order_and_its_budget_blocked_jobs_do_not_hold_up_others() {
+        let me = entry("me", 5, QueueState::Waiting);
+        let mut mine_older = entry("older", 1, QueueState::Waiting);
+        mine_older.account = me.account.clone();
+        mine_older.blocked = true;
+        let Admission::Wait { reason, .. } = verdict(&[mine_older.clone()], &me, 4) else {
+            panic!("jumped its own account's queue")
+        };
+        assert_eq!(reason, "WaitingInAccountQueue");
+        let mut theirs_blocked = mine_older;
+        theirs_blocked.account = "other".into();
+        assert_eq!(verdict(&[theirs_blocked.clone()], &me, 1), Admission::Admit);
+        theirs_blocked.blocked = false;
+        assert!(matches!(
+            verdict(&[theirs_blocked], &me, 1),
+            Admission::Wait {
+                reason: "WaitingForLane",
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -80,6 +80,10 @@ pub struct OperatorConfig {
     pub models: Vec<CatalogueEntry>,
     /// Lane capacities, cluster-wide.
     pub lanes: LaneCapacity,
+    /// The namespace the REST API creates jobs in. Only there does a job's
+    /// `harvest.dev/account` label choose its account; unset, every job is charged by namespace.
+    #[serde(default)]
+    pub api_namespace: Option<String>,
     /// The service account harvester Pods run as.
     #[serde(default = "default_service_account")]
     pub worker_service_account: String,

@@ -54,6 +54,8 @@ pub struct Observed<'a> {
     pub pod: Option<PodState>,
     /// The admission verdict, consulted only while the job waits.
     pub admission: Admission,
+    /// The account that holds the job's tokens, once admission took its hold.
+    pub account: Option<String>,
     /// The lane the job would run in (`small` or `large`).
     pub lane: Option<String>,
     /// Now.
@@ -185,6 +187,7 @@ impl Builder<'_> {
                         format!("admitted to the {lane} lane, holding {reserved} tokens"),
                     );
                     self.status.lane = self.observed.lane.clone();
+                    self.status.account = self.observed.account.clone();
                     self.status.tokens = Some(TokenUsage {
                         reserved,
                         charged: None,

@@ -32,6 +32,7 @@ fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64)
         spec: Ok(job.spec.token_budget),
         pod,
         admission,
+        account: Some("acct".into()),
         lane: Some("small".into()),
         now: at(now),
     };
@@ -214,6 +215,7 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
         }),
         pod: None,
         admission: Admission::Admit,
+        account: None,
         lane: None,
         now: at(0),
     };

@@ -6,7 +6,9 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harvest_crds::{HarvestJob, HarvestJobSpec, OutputRetention};
+use harvest_crds::{
+    HarvestAccount, HarvestAccountSpec, HarvestJob, HarvestJobSpec, OutputRetention,
+};
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -69,6 +71,11 @@ fn context(client: Client) -> Arc<Context> {
     )
     .unwrap();
     let (jobs, _writer) = kube::runtime::reflector::store();
+    let (accounts, mut account_writer) = kube::runtime::reflector::store();
+    let mut account =
+        HarvestAccount::new("team-acct", HarvestAccountSpec::for_namespaces(&["team"]));
+    account.metadata.resource_version = Some("7".into());
+    account_writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(account));
     let reporter = Reporter {
         controller: "harvest-operator".into(),
         instance: Some("test".into()),
@@ -79,6 +86,7 @@ fn context(client: Client) -> Arc<Context> {
         recorder: Recorder::new(client, reporter),
         metrics: Metrics::default(),
         jobs,
+        accounts,
         admitting: Mutex::new(HashSet::new()),
     })
 }
@@ -118,10 +126,27 @@ where
 const JOBS: &str = "/apis/harvest.dev/v1alpha1/namespaces/team/harvestjobs";
 
 #[tokio::test]
-async fn a_new_job_in_a_free_lane_creates_its_pod_then_writes_its_status_then_records_the_event() {
+async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_writes_its_status_then_records_the_event()
+ {
     let job = job("m", "s3://out/j");
     let reply = serde_json::to_value(&job).unwrap();
     scenario(job, |mut api| async move {
+        let account = api
+            .expect(
+                Method::PUT,
+                "/apis/harvest.dev/v1alpha1/harvestaccounts/team-acct/status",
+                StatusCode::OK,
+                json!({"metadata": {"name": "team-acct"}, "spec": {}}),
+            )
+            .await;
+        assert_eq!(
+            account["metadata"]["resourceVersion"], "7",
+            "the books are written only over the version read"
+        );
+        assert_eq!(account["status"]["holds"][0]["uid"], "uid-1");
+        assert_eq!(account["status"]["holds"][0]["tokens"], 700);
+        assert_eq!(account["status"]["tokensToday"], 700);
+        assert_eq!(account["status"]["jobsByKey"]["namespace:team"], 1);
         let pod = api
             .expect(
                 Method::POST,
@@ -146,6 +171,7 @@ async fn a_new_job_in_a_free_lane_creates_its_pod_then_writes_its_status_then_re
         );
         assert_eq!(status["status"]["tokens"]["reserved"], 700);
         assert_eq!(status["status"]["pod"], "j-1");
+        assert_eq!(status["status"]["account"], "team-acct");
         assert_eq!(status["status"]["phase"], "Running");
         let event = api
             .expect(

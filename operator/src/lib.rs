@@ -13,6 +13,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod accounts;
 pub mod admission;
 pub mod cleanup;
 pub mod config;
@@ -21,6 +22,7 @@ pub mod error;
 #[cfg(test)]
 mod fixtures;
 pub mod leader;
+pub mod ledger;
 pub mod metrics;
 pub mod pod;
 pub mod reconcile;
@@ -32,11 +34,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use harvest_crds::HarvestJob;
+use harvest_crds::{HarvestAccount, HarvestJob};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::Controller;
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tracing::info;
@@ -103,6 +106,27 @@ pub async fn run(
     );
     let metrics = metrics::Metrics::default();
     let jobs = controller.store();
+    let account_controller = Controller::new(
+        Api::<HarvestAccount>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let accounts = account_controller.store();
+    // A job's change (it finished, or started waiting) wakes the account that pays for it.
+    let account_cache = accounts.clone();
+    let api_namespace = settings.config.api_namespace.clone();
+    let account_controller = account_controller.watches(
+        Api::<HarvestJob>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+        move |job: HarvestJob| {
+            let charged = job.status.as_ref().and_then(|s| s.account.clone());
+            let payer = charged.or_else(|| {
+                accounts::bind(&job, &account_cache.state(), api_namespace.as_deref())
+                    .ok()
+                    .map(|b| b.account)
+            });
+            payer.map(|name| ObjectRef::new(&name))
+        },
+    );
     let metrics_task = match settings.metrics_addr {
         Some(addr) => {
             let listener =
@@ -130,13 +154,30 @@ pub async fn run(
         recorder: Recorder::new(client, reporter),
         metrics,
         jobs,
+        accounts,
         admitting: Mutex::new(HashSet::new()),
     });
     info!("controller started");
-    let running = controller
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, reconcile::error_policy, context)
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let jobs_running = controller
+        .graceful_shutdown_on(shutdown.clone())
+        .run(
+            reconcile::reconcile,
+            reconcile::error_policy,
+            Arc::clone(&context),
+        )
         .for_each(|_| futures::future::ready(()));
+    let accounts_running = account_controller
+        .graceful_shutdown_on(shutdown)
+        .run(
+            ledger::reconcile_account,
+            ledger::account_error_policy,
+            context,
+        )
+        .for_each(|_| futures::future::ready(()));
+    let running = async {
+        futures::join!(jobs_running, accounts_running);
+    };
     let outcome = match leadership {
         Some(leadership) => tokio::select! {
             () = running => Ok(()),

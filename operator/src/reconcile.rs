@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
-use harvest_crds::{HarvestJob, OutputRetention, SpecError};
+use harvest_crds::{HarvestAccount, HarvestJob, OutputRetention, SpecError};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -18,13 +18,14 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, instrument, warn};
 
+use crate::accounts::{self, Binding};
 use crate::admission::{self, Admission, QueueEntry, QueueState};
-use crate::cleanup;
 use crate::config::OperatorConfig;
 use crate::decide::{Action, Observed, decide};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pod::{observe, render};
+use crate::{cleanup, ledger};
 
 /// The finalizer that deletes a job's outputs when its retention is `Delete`.
 pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
@@ -43,6 +44,8 @@ pub struct Context {
     pub metrics: Metrics,
     /// The controller's cache of every job (the admission queue).
     pub jobs: Store<HarvestJob>,
+    /// The cache of every HarvestAccount.
+    pub accounts: Store<HarvestAccount>,
     /// Jobs admitted by this process that the cache may not show yet, so two concurrent
     /// reconciles never both take the last slot of a lane.
     pub admitting: Mutex<HashSet<String>>,
@@ -69,14 +72,18 @@ impl Context {
         job.spec.validate(&entry.shape())
     }
 
-    /// The admission verdict for a waiting job; remembers an admission until the cache has it.
+    /// The cluster queue's verdict for a waiting job; remembers an admission until the cache
+    /// has it.
     fn admit(
         &self,
         job: &HarvestJob,
         lane: harvest_core::quota::Lane,
+        account: &str,
         now: Timestamp,
     ) -> Admission {
         let key = key_of(job);
+        let all_accounts = self.accounts.state();
+        let api_namespace = self.config.api_namespace.as_deref();
         let mut admitting = self
             .admitting
             .lock()
@@ -106,8 +113,13 @@ impl Context {
                 .creation_timestamp
                 .as_ref()
                 .map_or(now, |t| t.0);
+            let payer = accounts::bind(&other, &all_accounts, api_namespace)
+                .map(|b| b.account)
+                .unwrap_or_default();
             entries.push(QueueEntry {
                 key: other_key,
+                account: payer,
+                blocked: accounts::blocked_by_account(&other),
                 lane: entry.lane,
                 created,
                 state,
@@ -120,6 +132,8 @@ impl Context {
             .map_or(now, |t| t.0);
         let me = QueueEntry {
             key: key.clone(),
+            account: account.to_owned(),
+            blocked: false,
             lane,
             created,
             state: QueueState::Waiting,
@@ -133,6 +147,59 @@ impl Context {
             admitting.insert(key);
         }
         verdict
+    }
+
+    fn forget_admission(&self, job: &HarvestJob) {
+        self.admitting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&key_of(job));
+    }
+
+    /// Admission of a waiting job: the account that pays for it, the cluster queue, then a hold
+    /// in the account's books.
+    async fn admission(
+        &self,
+        job: &HarvestJob,
+        lane: harvest_core::quota::Lane,
+        tokens: u64,
+        now: Timestamp,
+    ) -> Result<(Admission, Option<String>)> {
+        let all_accounts = self.accounts.state();
+        let binding: Binding =
+            match accounts::bind(job, &all_accounts, self.config.api_namespace.as_deref()) {
+                Ok(binding) => binding,
+                Err(unbound) => {
+                    let wait = Admission::Wait {
+                        reason: unbound.reason(),
+                        message: unbound.to_string(),
+                    };
+                    return Ok((wait, None));
+                }
+            };
+        let verdict = self.admit(job, lane, &binding.account, now);
+        if verdict != Admission::Admit {
+            return Ok((verdict, None));
+        }
+        let Some(account) = ledger::cached(self, &binding.account) else {
+            self.forget_admission(job);
+            return Ok((Admission::Admit, None));
+        };
+        match ledger::hold(self, job, &account, &binding, lane, tokens, now).await {
+            Ok(None) => Ok((Admission::Admit, Some(binding.account))),
+            Ok(Some(denial)) => {
+                self.forget_admission(job);
+                let wait = Admission::Wait {
+                    reason: accounts::denial_reason(&denial),
+                    message: format!("account {:?}: {denial}", binding.account),
+                };
+                Ok((wait, None))
+            }
+            Err(error) => {
+                self.forget_admission(job);
+                Err(error)
+            }
+        }
     }
 }
 
@@ -176,12 +243,18 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         && !job.spec.suspend
         && !job.spec.cancel;
     let lane = checked.as_ref().ok().map(|v| v.lane);
-    let admission = match (waiting, lane) {
-        (true, Some(lane)) => ctx.admit(&job, lane, now),
-        _ => Admission::Wait {
-            reason: "NotWaiting",
-            message: String::new(),
-        },
+    let (admission, account) = match (waiting, &checked) {
+        (true, Ok(valid)) => {
+            ctx.admission(&job, valid.lane, valid.token_budget, now)
+                .await?
+        }
+        _ => (
+            Admission::Wait {
+                reason: "NotWaiting",
+                message: String::new(),
+            },
+            None,
+        ),
     };
     let observed = Observed {
         job: &job,
@@ -191,6 +264,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
             .map_err(Clone::clone),
         pod,
         admission,
+        account,
         lane: lane.map(|l| l.to_string()),
         now,
     };
@@ -240,10 +314,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
             .await;
         if let Err(e) = result {
             if waiting {
-                ctx.admitting
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .remove(&key_of(&job));
+                ctx.forget_admission(&job);
             }
             return Err(e.into());
         }
@@ -269,6 +340,9 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
                 reason,
                 note,
             } => publish(&ctx, &job, *warning, reason, note).await,
+            Action::DeleteJob if ledger::unsettled(&ctx, &job) => {
+                return Ok(Requeue::requeue(Duration::from_secs(1)));
+            }
             Action::DeleteJob => {
                 info!("time to live after finishing ran out; deleting the job");
                 match jobs.delete(&name, &DeleteParams::background()).await {

@@ -78,6 +78,21 @@ async fn jobs_queue_in_their_lane_and_finish_succeeded_with_shards_and_a_charge(
         manifest(&cluster.output("second"))["layer_indices"],
         json!([3, 29])
     );
+    let mut charged = 0;
+    for name in ["first", "second"] {
+        let job = cluster.jobs().get(name).await.unwrap();
+        let status = job.status.unwrap();
+        assert_eq!(status.account.as_deref(), Some(common::ACCOUNT));
+        charged += status.tokens.unwrap().charged.unwrap();
+    }
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
+    assert_eq!(
+        (books.tokens_today, books.tokens_total),
+        (charged, charged),
+        "the account's books hold exactly the two charges"
+    );
+    assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&2));
+    assert_eq!(books.active.small, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,8 +264,12 @@ async fn an_operator_restart_mid_job_neither_reruns_nor_double_charges() {
         Some(&1),
         "the harvest ran once"
     );
+    let charged = status.tokens.unwrap().charged.unwrap();
+    assert_eq!(charged, status.result.unwrap().tokens);
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
     assert_eq!(
-        status.tokens.unwrap().charged,
-        Some(status.result.unwrap().tokens)
+        books.tokens_total, charged,
+        "charged once across the restart"
     );
+    assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
 }

@@ -1,11 +1,14 @@
 //! The test cluster: the fake apiserver with its kubelet running the real harvester on
-//! SmolLM2, the HarvestJob CRD, and the operator as a task that can be killed and restarted.
+//! SmolLM2, the CRDs, an account paying for namespace `default`, and the operator as a task that can be killed and restarted.
 #![allow(clippy::unwrap_used, dead_code)]
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use harvest_crds::{HarvestJob, HarvestJobSpec, HarvestOptions};
+use harvest_crds::{
+    HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HarvestJob, HarvestJobSpec,
+    HarvestOptions,
+};
 use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
 use harvest_operator::{OperatorConfig, Settings};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -15,6 +18,10 @@ use serde_json::json;
 use tokio::sync::oneshot;
 
 const IMAGE: &str = "harvest/harvester:test";
+/// The HarvestAccount that pays for namespace `default`.
+pub const ACCOUNT: &str = "default-acct";
+/// Where the REST API creates its jobs.
+pub const API_NAMESPACE: &str = "harvest-api";
 
 fn cache() -> PathBuf {
     std::env::var_os("HARVEST_CACHE")
@@ -71,6 +78,13 @@ impl Cluster {
         for crd in harvest_crds::all_crds() {
             crds.create(&PostParams::default(), &crd).await.unwrap();
         }
+        // Generous account lanes: the cluster lane is what these tests exercise.
+        let mut spec = HarvestAccountSpec::for_namespaces(&["default"]);
+        spec.lanes.small = 8;
+        Api::<HarvestAccount>::all(client.clone())
+            .create(&PostParams::default(), &HarvestAccount::new(ACCOUNT, spec))
+            .await
+            .unwrap();
         let mut cluster = Self {
             server,
             client,
@@ -84,7 +98,7 @@ impl Cluster {
 
     pub fn config(&self) -> OperatorConfig {
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: {}, large: 1}}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\ncleanupTimeoutSeconds: 10\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\ncleanupTimeoutSeconds: 10\n",
             smollm2().display(),
             self.lanes
         ))
@@ -117,8 +131,44 @@ impl Cluster {
         }
     }
 
+    /// The account that pays for namespace `default`.
+    pub async fn account(&self) -> HarvestAccount {
+        Api::<HarvestAccount>::all(self.client.clone())
+            .get(ACCOUNT)
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the account's books satisfy `done` (they settle just after jobs finish).
+    pub async fn account_until(
+        &self,
+        done: impl Fn(&HarvestAccountStatus) -> bool,
+    ) -> HarvestAccountStatus {
+        for _ in 0..200 {
+            let status = self.account().await.status_or_default();
+            if done(&status) {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "the account never got there: {:?}",
+            self.account().await.status
+        )
+    }
+
     pub fn jobs(&self) -> Api<HarvestJob> {
         Api::namespaced(self.client.clone(), "default")
+    }
+
+    /// Replaces the account's limits.
+    pub async fn set_account(&self, change: impl FnOnce(&mut HarvestAccountSpec)) {
+        let api = Api::<HarvestAccount>::all(self.client.clone());
+        let mut account = api.get(ACCOUNT).await.unwrap();
+        change(&mut account.spec);
+        api.replace(ACCOUNT, &PostParams::default(), &account)
+            .await
+            .unwrap();
     }
 
     pub fn prompts(&self, name: &str, count: usize, words: usize) -> String {

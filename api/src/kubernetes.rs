@@ -1,0 +1,547 @@
+//! The Kubernetes backend: jobs are HarvestJobs in one namespace, keys are hashed in Secrets,
+//! accounts are HarvestAccounts, and inputs and outputs live in [`Storage`].
+//!
+//! Answers come from watch-backed caches (reflectors), and every watch event wakes the
+//! long-polls, so nothing polls the apiserver. The REST-side quota checks here are pre-checks
+//! that give the contract's fast 429s; the operator's admission stays the authority. All state
+//! is in the apiserver, so any number of API replicas can serve at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use harvest_core::clock::UnixMillis;
+use harvest_core::lifecycle::{self, JobEvent, JobStatus};
+use harvest_core::quota::Lane;
+use harvest_crds::account::millis;
+use harvest_crds::conditions::{self, FINISHED};
+use harvest_crds::{
+    ACCOUNT_LABEL, HarvestAccount, HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, JobPhase,
+    KEY_LABEL,
+};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::error::ApiError;
+use crate::storage::Storage;
+use crate::store::{JobRecord, JobSpec};
+use crate::wire::{JobResult, Progress, Submission};
+
+/// Label on the Secrets that hold API keys.
+pub const KEY_SECRET_LABEL: &str = "harvest.dev/api-key";
+const RUN_ID: &str = "harvest.dev/run-id";
+const PROMPTS: &str = "harvest.dev/prompts";
+const KEY_HASH: &str = "harvest.dev/key-hash";
+const MODEL_LANE: &str = "harvest.dev/lane";
+/// How long a cancel waits for the operator to record the end.
+const CANCEL_WAIT: Duration = Duration::from_secs(10);
+const MANAGER: &str = "harvest-api";
+
+/// Why a Kubernetes call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeBackendError {
+    /// The apiserver refused or was unreachable.
+    #[error("kubernetes api: {0}")]
+    Kube(#[from] kube::Error),
+    /// The account does not exist.
+    #[error("no HarvestAccount named {0:?}: create it first (kubectl get harvestaccounts)")]
+    NoAccount(String),
+}
+
+impl From<KubeBackendError> for ApiError {
+    fn from(error: KubeBackendError) -> Self {
+        Self::Internal {
+            detail: error.to_string(),
+        }
+    }
+}
+
+/// The backend's caches and clients.
+#[derive(Clone)]
+pub struct KubeBackend {
+    client: Client,
+    namespace: String,
+    jobs: Store<HarvestJob>,
+    accounts: Store<HarvestAccount>,
+    keys: Store<Secret>,
+    changes: Arc<watch::Sender<u64>>,
+    /// Inputs and outputs.
+    pub storage: Storage,
+    results: Arc<std::sync::Mutex<BTreeMap<String, JobResult>>>,
+}
+
+impl std::fmt::Debug for KubeBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeBackend")
+            .field("namespace", &self.namespace)
+            .field("storage", &self.storage)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The Secret name of a key with this hash (derived, so a lookup needs no list).
+pub fn key_secret_name(hash: &str) -> String {
+    format!("harvest-key-{}", &hash[..hash.len().min(20)])
+}
+
+/// The id of a key on its jobs' label (label values are at most 63 characters).
+fn key_id(hash: &str) -> String {
+    hash[..hash.len().min(20)].to_owned()
+}
+
+fn reflect<K>(api: Api<K>, config: watcher::Config, changes: Arc<watch::Sender<u64>>) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = watcher(api, config)
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects();
+    tokio::spawn(async move {
+        futures::pin_mut!(stream);
+        while let Some(event) = stream.next().await {
+            if let Err(error) = event {
+                tracing::warn!(%error, "watch interrupted; resuming");
+            }
+            changes.send_modify(|n| *n += 1);
+        }
+    });
+    reader
+}
+
+impl KubeBackend {
+    /// Starts the caches. Must run inside a Tokio runtime.
+    pub fn start(client: Client, namespace: String, storage: Storage) -> Self {
+        let changes = Arc::new(watch::channel(0).0);
+        let jobs = reflect(
+            Api::<HarvestJob>::namespaced(client.clone(), &namespace),
+            watcher::Config::default(),
+            Arc::clone(&changes),
+        );
+        let accounts = reflect(
+            Api::<HarvestAccount>::all(client.clone()),
+            watcher::Config::default(),
+            Arc::clone(&changes),
+        );
+        let keys = reflect(
+            Api::<Secret>::namespaced(client.clone(), &namespace),
+            watcher::Config::default().labels(&format!("{KEY_SECRET_LABEL}=true")),
+            Arc::clone(&changes),
+        );
+        Self {
+            client,
+            namespace,
+            jobs,
+            accounts,
+            keys,
+            changes,
+            storage,
+            results: Arc::default(),
+        }
+    }
+
+    /// Waits until every cache has listed once.
+    pub async fn ready(&self) -> bool {
+        let wait = async {
+            self.jobs.wait_until_ready().await.is_ok()
+                && self.accounts.wait_until_ready().await.is_ok()
+                && self.keys.wait_until_ready().await.is_ok()
+        };
+        tokio::time::timeout(Duration::from_secs(1), wait)
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Wakes on every watch event.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// The account and key hash of a valid key.
+    pub async fn authenticate(&self, hash: &str) -> Result<Option<(String, String)>, ApiError> {
+        let name = key_secret_name(hash);
+        let secret = match self
+            .keys
+            .get(&ObjectRef::new(&name).within(&self.namespace))
+        {
+            Some(secret) => Some((*secret).clone()),
+            // A key made moments ago may not have reached this replica's cache yet.
+            None => Api::<Secret>::namespaced(self.client.clone(), &self.namespace)
+                .get_opt(&name)
+                .await
+                .map_err(KubeBackendError::from)?,
+        };
+        let field = |secret: &Secret, key: &str| {
+            secret
+                .data
+                .as_ref()
+                .and_then(|d| d.get(key))
+                .and_then(|v| String::from_utf8(v.0.clone()).ok())
+        };
+        Ok(secret.and_then(|s| {
+            (field(&s, "hash").as_deref() == Some(hash))
+                .then(|| field(&s, "account"))
+                .flatten()
+                .map(|account| (account, hash.to_owned()))
+        }))
+    }
+
+    /// The REST pre-check: the account's books from the cache, with this replica's view of
+    /// its jobs that wait for admission added, checked by the same `core` rules.
+    fn precheck(
+        &self,
+        account: &str,
+        key_hash: &str,
+        lane: Lane,
+        tokens: u64,
+        now: UnixMillis,
+    ) -> Result<(), ApiError> {
+        let Some(found) = self.accounts.get(&ObjectRef::new(account)) else {
+            return Err(ApiError::Internal {
+                detail: KubeBackendError::NoAccount(account.into()).to_string(),
+            });
+        };
+        let status = found.status_or_default();
+        let mut book = status.book(now);
+        book.roll(now);
+        let key = format!("key:{}", key_id(key_hash));
+        let mut waiting_jobs = 0;
+        for job in self.jobs.state() {
+            let s = job.status_or_default();
+            let waiting = s.account.is_none()
+                && !conditions::is_true(&s.conditions, FINISHED)
+                && job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
+            if !waiting {
+                continue;
+            }
+            if job_lane(&job) == lane {
+                match lane {
+                    Lane::Small => book.ledger.active_small += 1,
+                    Lane::Large => book.ledger.active_large += 1,
+                }
+            }
+            book.ledger.tokens_today += job.spec.token_budget;
+            book.ledger.tokens_month += job.spec.token_budget;
+            book.ledger.tokens_total += job.spec.token_budget;
+            if job.labels().get(KEY_LABEL) == Some(&key_id(key_hash)) {
+                waiting_jobs += 1;
+            }
+        }
+        *book.key_jobs.entry(key.clone()).or_default() += waiting_jobs;
+        book.check(&found.spec.limits(), &key, lane, tokens, now)
+            .map_err(ApiError::Denied)
+    }
+
+    /// Stores the inputs and creates the HarvestJob.
+    pub async fn submit(
+        &self,
+        job: &JobRecord,
+        submission: &Submission,
+        now: UnixMillis,
+    ) -> Result<(), ApiError> {
+        self.precheck(
+            &job.account,
+            &job.key_hash,
+            job.spec.lane,
+            job.reserved,
+            now,
+        )?;
+        let internal = |detail: String| ApiError::Internal { detail };
+        let lines: String = submission
+            .prompts
+            .iter()
+            .map(|p| json!({ "text": p }).to_string() + "\n")
+            .collect();
+        self.storage
+            .put_input(&job.id, "prompts.jsonl", lines.into_bytes())
+            .await
+            .map_err(internal)?;
+        let directions = match &submission.directions {
+            Some((n, values)) => {
+                let npy = harvest_core::npy::f32_matrix(*n, values.len() / n, values);
+                self.storage
+                    .put_input(&job.id, "directions.npy", npy)
+                    .await
+                    .map_err(internal)?;
+                Some(self.storage.input_location(&job.id, "directions.npy"))
+            }
+            None => None,
+        };
+        let spec = HarvestJobSpec {
+            input: InputRef {
+                prompts: self.storage.input_location(&job.id, "prompts.jsonl"),
+                directions,
+            },
+            harvest: HarvestOptions {
+                layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
+                all_layers: false,
+                shard_size: job.spec.shard_size as u32,
+                add_special_tokens: job.spec.add_special_tokens,
+            },
+            ..HarvestJobSpec::new(
+                job.model.clone(),
+                String::new(),
+                self.storage.output_location(&job.id),
+                job.reserved.max(1),
+            )
+        };
+        let resource = HarvestJob {
+            metadata: ObjectMeta {
+                name: Some(job.id.clone()),
+                namespace: Some(self.namespace.clone()),
+                labels: Some(BTreeMap::from([
+                    (ACCOUNT_LABEL.to_owned(), job.account.clone()),
+                    (KEY_LABEL.to_owned(), key_id(&job.key_hash)),
+                ])),
+                annotations: Some(BTreeMap::from([
+                    (RUN_ID.to_owned(), job.run_id.clone()),
+                    (PROMPTS.to_owned(), job.n_prompts.to_string()),
+                    (KEY_HASH.to_owned(), job.key_hash.clone()),
+                    (MODEL_LANE.to_owned(), job.spec.lane.to_string()),
+                ])),
+                ..ObjectMeta::default()
+            },
+            spec,
+            status: None,
+        };
+        Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+            .create(
+                &PostParams {
+                    field_manager: Some(MANAGER.into()),
+                    ..PostParams::default()
+                },
+                &resource,
+            )
+            .await
+            .map_err(KubeBackendError::from)?;
+        Ok(())
+    }
+
+    /// A job by id, from the cache (or the apiserver, for a job this replica has not seen yet).
+    pub async fn job(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
+        let cached = self.jobs.get(&ObjectRef::new(id).within(&self.namespace));
+        let job = match cached {
+            Some(job) => Some((*job).clone()),
+            None => Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+                .get_opt(id)
+                .await
+                .map_err(KubeBackendError::from)?,
+        };
+        Ok(job.map(|j| record(&j)))
+    }
+
+    /// Sets `cancel` and waits briefly for the operator to record the end.
+    pub async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
+        let job = self.job(id).await?.ok_or(ApiError::NotFound)?;
+        if let Err(error) = lifecycle::next(job.status, job.reserved, JobEvent::Cancel) {
+            return Err(ApiError::NotCancellable {
+                message: error.to_string(),
+            });
+        }
+        if job.status.is_terminal() {
+            return Ok(job);
+        }
+        let mut changes = self.subscribe();
+        Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+            .patch(
+                id,
+                &PatchParams::apply(MANAGER),
+                &Patch::Merge(json!({"spec": {"cancel": true}})),
+            )
+            .await
+            .map_err(KubeBackendError::from)?;
+        let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
+        loop {
+            let now = self.job(id).await?.ok_or(ApiError::NotFound)?;
+            if now.status.is_terminal() {
+                return Ok(now);
+            }
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
+                return Ok(now);
+            }
+        }
+    }
+
+    /// A done job's result (its `result.json`, read once from storage), or `None` when its
+    /// files are gone.
+    pub async fn result(&self, id: &str) -> Result<Option<JobResult>, ApiError> {
+        if let Some(known) = self
+            .results
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+        {
+            return Ok(Some(known.clone()));
+        }
+        let internal = |detail: String| ApiError::Internal { detail };
+        let Some(bytes) = self
+            .storage
+            .read_output(id, "result.json")
+            .await
+            .map_err(internal)?
+        else {
+            return Ok(None);
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        let result = crate::workers::parse_result(&text).map_err(|e| internal(e.to_string()))?;
+        self.results
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id.to_owned(), result.clone());
+        Ok(Some(result))
+    }
+
+    /// Jobs not finished.
+    pub fn unfinished(&self) -> u64 {
+        self.jobs
+            .state()
+            .iter()
+            .filter(|j| !record(j).status.is_terminal())
+            .count() as u64
+    }
+}
+
+fn job_lane(job: &HarvestJob) -> Lane {
+    match job.annotations().get(MODEL_LANE).map(String::as_str) {
+        Some("large") => Lane::Large,
+        _ => Lane::Small,
+    }
+}
+
+/// A HarvestJob as the REST API sees it.
+pub fn record(job: &HarvestJob) -> JobRecord {
+    let status = job.status_or_default();
+    let annotation = |key: &str| job.annotations().get(key).cloned().unwrap_or_default();
+    let finished = conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True");
+    let rest_status = match status.phase {
+        Some(JobPhase::Running) => JobStatus::Running,
+        Some(JobPhase::Succeeded) => JobStatus::Done,
+        Some(JobPhase::Failed) => JobStatus::Failed,
+        Some(JobPhase::Cancelled) => JobStatus::Cancelled,
+        Some(JobPhase::Pending | JobPhase::Suspended) | None => JobStatus::Pending,
+    };
+    let time = |t: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
+        t.as_ref().map(|t| millis(t.0))
+    };
+    JobRecord {
+        id: job.name_any(),
+        run_id: annotation(RUN_ID),
+        account: job.labels().get(ACCOUNT_LABEL).cloned().unwrap_or_default(),
+        key_hash: annotation(KEY_HASH),
+        model: job.spec.model.clone(),
+        status: rest_status,
+        n_prompts: annotation(PROMPTS).parse().unwrap_or(0),
+        reserved: job.spec.token_budget,
+        tokens: rest_status
+            .is_terminal()
+            .then(|| status.tokens.and_then(|t| t.charged).unwrap_or(0)),
+        created_at: time(&job.metadata.creation_timestamp).unwrap_or_default(),
+        started_at: time(&status.start_time),
+        completed_at: time(&status.completion_time),
+        result: None,
+        error: (rest_status == JobStatus::Failed)
+            .then(|| finished.map(|c| c.message.clone()))
+            .flatten(),
+        progress: status.progress.map(|p| Progress {
+            prompts_done: if p.shards_total == 0 {
+                0
+            } else {
+                (p.prompts_total as usize * p.shards_done as usize) / p.shards_total as usize
+            },
+            prompts_total: p.prompts_total as usize,
+            tokens_done: 0,
+        }),
+        spec: JobSpec {
+            layers: job
+                .spec
+                .harvest
+                .layers
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|l| l as usize)
+                .collect(),
+            shard_size: job.spec.harvest.shard_size as usize,
+            add_special_tokens: job.spec.harvest.add_special_tokens,
+            has_directions: job.spec.input.directions.is_some(),
+            lane: job_lane(job),
+        },
+    }
+}
+
+/// Creates a key for `account` as a Secret holding only its hash; returns the key.
+pub async fn create_key(
+    client: Client,
+    namespace: &str,
+    account: &str,
+    label: &str,
+) -> Result<String, KubeBackendError> {
+    if Api::<HarvestAccount>::all(client.clone())
+        .get_opt(account)
+        .await?
+        .is_none()
+    {
+        return Err(KubeBackendError::NoAccount(account.into()));
+    }
+    let key = crate::store::new_key();
+    let hash = crate::store::key_hash(&key);
+    let data = BTreeMap::from([
+        ("hash".to_owned(), ByteString(hash.clone().into_bytes())),
+        (
+            "account".to_owned(),
+            ByteString(account.as_bytes().to_vec()),
+        ),
+        ("label".to_owned(), ByteString(label.as_bytes().to_vec())),
+    ]);
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(key_secret_name(&hash)),
+            labels: Some(BTreeMap::from([
+                (KEY_SECRET_LABEL.to_owned(), "true".to_owned()),
+                (ACCOUNT_LABEL.to_owned(), account.to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        data: Some(data),
+        type_: Some("Opaque".into()),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client, namespace)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    Ok(key)
+}
+
+/// Revokes a key by deleting its Secret; returns whether it existed.
+pub async fn revoke_key(
+    client: Client,
+    namespace: &str,
+    key: &str,
+) -> Result<bool, KubeBackendError> {
+    let name = key_secret_name(&crate::store::key_hash(key));
+    match Api::<Secret>::namespaced(client, namespace)
+        .delete(&name, &Default::default())
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}

@@ -1,0 +1,271 @@
+//! Which HarvestAccount pays for a job, and what its books owe: pure functions over the cached
+//! accounts and jobs. A job in the API's namespace is charged to the account its
+//! `harvest.dev/account` label names (only the API can create jobs there); any other job to the
+//! one account that lists its namespace. A field a user writes is never trusted.
+
+use std::collections::BTreeMap;
+
+use harvest_core::quota::{BudgetWindow, Denial};
+use harvest_crds::conditions::{self, ADMITTED, FINISHED};
+use harvest_crds::{ACCOUNT_LABEL, HarvestAccount, HarvestJob, KEY_LABEL};
+use kube::ResourceExt;
+
+/// The account a job is charged to and the key its monthly job count is kept under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Binding {
+    /// The HarvestAccount's name.
+    pub account: String,
+    /// `key:<id>` for API jobs, `namespace:<ns>` for jobs applied directly.
+    pub key: String,
+}
+
+/// Why no account pays for a job (it waits until one does).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unbound {
+    /// No account lists the namespace.
+    #[error(
+        "no HarvestAccount pays for namespace {namespace:?}: add it to one account's spec.namespaces"
+    )]
+    NoAccount {
+        /// The job's namespace.
+        namespace: String,
+    },
+    /// Several accounts list the namespace.
+    #[error(
+        "namespace {namespace:?} is listed by several HarvestAccounts ({}): keep it in one",
+        accounts.join(", ")
+    )]
+    Ambiguous {
+        /// The namespace.
+        namespace: String,
+        /// The accounts listing it.
+        accounts: Vec<String>,
+    },
+    /// An API job names an account that does not exist.
+    #[error(
+        "the HarvestAccount {account:?} named by the job's {ACCOUNT_LABEL} label does not exist"
+    )]
+    UnknownAccount {
+        /// The label's value.
+        account: String,
+    },
+}
+
+impl Unbound {
+    /// The `Admitted=False` reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NoAccount { .. } => "NoAccount",
+            Self::Ambiguous { .. } => "AmbiguousAccount",
+            Self::UnknownAccount { .. } => "UnknownAccount",
+        }
+    }
+}
+
+/// The account that pays for `job`.
+pub fn bind(
+    job: &HarvestJob,
+    accounts: &[impl AsRef<HarvestAccount>],
+    api_namespace: Option<&str>,
+) -> Result<Binding, Unbound> {
+    let namespace = job.namespace().unwrap_or_default();
+    if api_namespace == Some(namespace.as_str()) {
+        let account = job.labels().get(ACCOUNT_LABEL).cloned().unwrap_or_default();
+        if !accounts.iter().any(|a| a.as_ref().name_any() == account) {
+            return Err(Unbound::UnknownAccount { account });
+        }
+        let key = job.labels().get(KEY_LABEL).cloned().unwrap_or_default();
+        return Ok(Binding {
+            account,
+            key: format!("key:{key}"),
+        });
+    }
+    let mut payers: Vec<String> = accounts
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|a| a.spec.namespaces.contains(&namespace))
+        .map(ResourceExt::name_any)
+        .collect();
+    match payers.len() {
+        0 => Err(Unbound::NoAccount { namespace }),
+        1 => Ok(Binding {
+            account: payers.remove(0),
+            key: format!("namespace:{namespace}"),
+        }),
+        _ => {
+            payers.sort();
+            Err(Unbound::Ambiguous {
+                namespace,
+                accounts: payers,
+            })
+        }
+    }
+}
+
+/// The `Admitted=False` reason for a quota denial.
+pub fn denial_reason(denial: &Denial) -> &'static str {
+    match denial {
+        Denial::Concurrency { .. } => "WaitingForAccountLane",
+        Denial::JobQuota { .. } => "JobQuotaExhausted",
+        Denial::Budget {
+            window: BudgetWindow::Daily,
+            ..
+        } => "DailyBudgetExhausted",
+        Denial::Budget {
+            window: BudgetWindow::Monthly,
+            ..
+        } => "MonthlyBudgetExhausted",
+        Denial::Budget {
+            window: BudgetWindow::Total,
+            ..
+        } => "TotalBudgetExhausted",
+    }
+}
+
+/// Whether a waiting job is held back by its account (budget, quota, binding) rather than by a
+/// full cluster lane; such jobs do not block other accounts' jobs in the cluster queue.
+pub fn blocked_by_account(job: &HarvestJob) -> bool {
+    let status = job.status_or_default();
+    conditions::get(&status.conditions, ADMITTED)
+        .is_some_and(|c| c.status == "False" && c.reason != "WaitingForLane")
+}
+
+/// What a hold should be settled at, given its job as the cache has it (`None`: deleted).
+/// `None` means keep it: the job still runs or is being admitted.
+pub fn settlement(job: Option<&HarvestJob>, held: u64) -> Option<u64> {
+    let Some(job) = job else {
+        // Deleted before it was settled: treated as a cancel mid-run, charged the hold.
+        return Some(held);
+    };
+    let status = job.status_or_default();
+    if conditions::is_true(&status.conditions, FINISHED) {
+        return Some(status.tokens.and_then(|t| t.charged).unwrap_or(0));
+    }
+    if job.spec.suspend && !conditions::is_true(&status.conditions, ADMITTED) {
+        // Suspended: the slot is released and nothing is charged, as the decision says.
+        return Some(0);
+    }
+    None
+}
+
+/// Settlements due on an account's holds: job UID → tokens to charge.
+pub fn settlements<'a>(
+    holds: impl IntoIterator<Item = (&'a String, u64)>,
+    jobs_by_uid: &BTreeMap<String, &HarvestJob>,
+) -> Vec<(String, u64)> {
+    holds
+        .into_iter()
+        .filter_map(|(uid, held)| {
+            settlement(jobs_by_uid.get(uid).copied(), held).map(|c| (uid.clone(), c))
+        })
+        .collect()
+}
+
+/// Whether `job` waits for admission (the account's `pendingJobs`).
+pub fn is_pending(job: &HarvestJob) -> bool {
+    let status = job.status_or_default();
+    !job.spec.suspend
+        && !job.spec.cancel
+        && !conditions::is_true(&status.conditions, ADMITTED)
+        && !conditions::is_true(&status.conditions, FINISHED)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harvest_crds::{HarvestAccountSpec, HarvestJobSpec, HarvestJobStatus, TokenUsage};
+
+    fn account(name: &str, namespaces: &[&str]) -> std::sync::Arc<HarvestAccount> {
+        std::sync::Arc::new(HarvestAccount::new(
+            name,
+            HarvestAccountSpec::for_namespaces(namespaces),
+        ))
+    }
+
+    fn job(namespace: &str, labels: &[(&str, &str)]) -> HarvestJob {
+        let mut job = HarvestJob::new("j", HarvestJobSpec::new("m", "/p", "/o", 10));
+        job.metadata.namespace = Some(namespace.into());
+        job.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        job
+    }
+
+    #[test]
+    fn a_namespace_binds_to_the_one_account_listing_it_and_a_label_there_is_ignored() {
+        let accounts = [account("team-a", &["a"]), account("team-b", &["b"])];
+        let spoofed = job("a", &[(ACCOUNT_LABEL, "team-b")]);
+        assert_eq!(
+            bind(&spoofed, &accounts, Some("harvest-api")),
+            Ok(Binding {
+                account: "team-a".into(),
+                key: "namespace:a".into()
+            })
+        );
+        let unbound = bind(&job("c", &[]), &accounts, None).unwrap_err();
+        assert_eq!(unbound.reason(), "NoAccount");
+        assert!(unbound.to_string().contains("\"c\""), "{unbound}");
+        let twice = [account("x", &["a"]), account("y", &["a"])];
+        assert_eq!(
+            bind(&job("a", &[]), &twice, None).unwrap_err().reason(),
+            "AmbiguousAccount"
+        );
+    }
+
+    #[test]
+    fn api_jobs_are_charged_to_their_label_only_in_the_api_namespace() {
+        let accounts = [account("team-a", &["a"])];
+        let rest = job(
+            "harvest-api",
+            &[(ACCOUNT_LABEL, "team-a"), (KEY_LABEL, "ab12")],
+        );
+        assert_eq!(
+            bind(&rest, &accounts, Some("harvest-api")),
+            Ok(Binding {
+                account: "team-a".into(),
+                key: "key:ab12".into()
+            })
+        );
+        let ghost = job("harvest-api", &[(ACCOUNT_LABEL, "ghost")]);
+        assert_eq!(
+            bind(&ghost, &accounts, Some("harvest-api")),
+            Err(Unbound::UnknownAccount {
+                account: "ghost".into()
+            })
+        );
+    }
+
+    #[test]
+    fn holds_settle_at_the_charge_of_finished_jobs_and_stay_for_running_ones() {
+        let running = job("a", &[]);
+        let mut finished = job("a", &[]);
+        let mut status = HarvestJobStatus::default();
+        conditions::set(
+            &mut status.conditions,
+            conditions::ConditionUpdate {
+                type_: FINISHED,
+                status: true,
+                reason: "Succeeded",
+                message: String::new(),
+            },
+            None,
+            &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+        );
+        status.tokens = Some(TokenUsage {
+            reserved: 10,
+            charged: Some(7),
+        });
+        finished.status = Some(status);
+        assert_eq!(settlement(Some(&running), 10), None);
+        assert_eq!(settlement(Some(&finished), 10), Some(7));
+        assert_eq!(settlement(None, 10), Some(10));
+        let mut suspended = job("a", &[]);
+        suspended.spec.suspend = true;
+        assert_eq!(settlement(Some(&suspended), 10), Some(0));
+    }
+}

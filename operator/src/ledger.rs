@@ -1,0 +1,155 @@
+//! The accounts' books on the cluster: taking a job's hold in its HarvestAccount's status at
+//! admission, and the account controller that settles holds, rolls the UTC windows and counts
+//! pending jobs. Every write is a status replace with a resourceVersion precondition, so two
+//! writers (two reconciles, or a restarted leader) cannot both spend the same budget; holds are
+//! keyed by job UID, so a repeated admission or settlement changes nothing.
+//!
+//! The order of writes makes restarts safe: the hold is written before the job says Admitted
+//! (a crash in between finds the hold and admits without taking another), and the job says
+//! Finished with its charge before the hold is settled (a crash in between settles it later).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use harvest_core::quota::{Admitted, Denial, Lane};
+use harvest_crds::{HarvestAccount, HarvestJob, account::millis};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::PostParams;
+use kube::runtime::controller::Action as Requeue;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, ResourceExt};
+use tracing::{info, instrument};
+
+use crate::accounts::{self, Binding};
+use crate::error::{Error, Result};
+use crate::reconcile::Context;
+
+/// The field manager of the operator's writes.
+const MANAGER: &str = "harvest-operator";
+/// How often an account is looked at with nothing changing (window roll-over, stale holds).
+const ACCOUNT_RESYNC: Duration = Duration::from_secs(60);
+
+fn post_params() -> PostParams {
+    PostParams {
+        field_manager: Some(MANAGER.into()),
+        ..PostParams::default()
+    }
+}
+
+/// The cached account `name`.
+pub fn cached(ctx: &Context, name: &str) -> Option<Arc<HarvestAccount>> {
+    ctx.accounts.get(&ObjectRef::new(name))
+}
+
+/// Takes `job`'s hold in `account`'s books (from the cache), unless it holds one already.
+/// `Ok(Some(denial))` when the account's limits say wait.
+pub async fn hold(
+    ctx: &Context,
+    job: &HarvestJob,
+    account: &HarvestAccount,
+    binding: &Binding,
+    lane: Lane,
+    tokens: u64,
+    now: Timestamp,
+) -> Result<Option<Denial>> {
+    let uid = job.uid().ok_or_else(|| Error::MissingUid {
+        job: job.name_any(),
+    })?;
+    let now = millis(now);
+    let mut status = account.status_or_default();
+    let mut book = status.book(now);
+    book.roll(now);
+    let limits = account.spec.limits();
+    match book.admit(&uid, &binding.key, &limits, lane, tokens, now) {
+        Err(denial) => Ok(Some(denial)),
+        Ok(Admitted::AlreadyHeld) => Ok(None),
+        Ok(Admitted::New) => {
+            let names = BTreeMap::from([(
+                uid,
+                format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any()),
+            )]);
+            status.store(&book, &limits, &names, now);
+            let mut updated = account.clone();
+            updated.status = Some(status);
+            let accounts: Api<HarvestAccount> = Api::all(ctx.client.clone());
+            accounts
+                .replace_status(&account.name_any(), &post_params(), &updated)
+                .await?;
+            info!(account = %binding.account, tokens, %lane, "hold taken");
+            Ok(None)
+        }
+    }
+}
+
+/// Whether `job` still holds tokens in its account (it may not be deleted by TTL until settled).
+pub fn unsettled(ctx: &Context, job: &HarvestJob) -> bool {
+    let (Some(account), Some(uid)) = (job.status_or_default().account, job.uid()) else {
+        return false;
+    };
+    cached(ctx, &account).is_some_and(|a| a.status_or_default().holds.iter().any(|h| h.uid == uid))
+}
+
+/// One reconcile of one account: roll its windows, settle the holds of jobs that ended, count
+/// its pending jobs, and write the status if it changed.
+#[instrument(skip_all, fields(account = %account.name_any()))]
+pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) -> Result<Requeue> {
+    // Before the job cache has listed every job, a held job would look deleted.
+    ctx.jobs.wait_until_ready().await.ok();
+    let now_ts = Timestamp::now();
+    let now = millis(now_ts);
+    let name = account.name_any();
+    let jobs = ctx.jobs.state();
+    let accounts = ctx.accounts.state();
+    let api_namespace = ctx.config.api_namespace.as_deref();
+    let mine: Vec<&HarvestJob> = jobs
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|job| {
+            accounts::bind(job, &accounts, api_namespace).is_ok_and(|b| b.account == name)
+        })
+        .collect();
+    let by_uid: BTreeMap<String, &HarvestJob> = jobs
+        .iter()
+        .filter_map(|j| j.uid().map(|uid| (uid, j.as_ref())))
+        .collect();
+    let old = account.status_or_default();
+    let mut status = old.clone();
+    let mut book = status.book(now);
+    book.roll(now);
+    let due = accounts::settlements(book.holds.iter().map(|(uid, h)| (uid, h.tokens)), &by_uid);
+    for (uid, charged) in &due {
+        book.settle(uid, *charged, now);
+        info!(job = %uid, charged, "hold settled");
+    }
+    let limits = account.spec.limits();
+    status.store(&book, &limits, &BTreeMap::new(), now);
+    status.pending_jobs = mine.iter().filter(|j| accounts::is_pending(j)).count() as u32;
+    if status != old {
+        let mut updated = (*account).clone();
+        updated.status = Some(status);
+        let api: Api<HarvestAccount> = Api::all(ctx.client.clone());
+        api.replace_status(&name, &post_params(), &updated).await?;
+    }
+    let until_midnight = now_ts
+        .duration_until(Timestamp::from_millisecond(book.ledger.day.end().0).unwrap_or(now_ts));
+    let wake = Duration::try_from(until_midnight)
+        .unwrap_or(ACCOUNT_RESYNC)
+        .min(ACCOUNT_RESYNC)
+        .max(Duration::from_secs(1));
+    Ok(Requeue::requeue(wake))
+}
+
+/// Transient account errors are retried: a lost race at once, anything else after a pause.
+pub fn account_error_policy(
+    account: Arc<HarvestAccount>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Requeue {
+    ctx.metrics.reconcile_failed(error.metric_label());
+    if error.is_conflict() {
+        return Requeue::requeue(Duration::from_millis(200));
+    }
+    tracing::warn!(account = %account.name_any(), %error, "account reconcile failed; retrying");
+    Requeue::requeue(Duration::from_secs(5))
+}

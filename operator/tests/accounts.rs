@@ -1,0 +1,171 @@
+//! HarvestAccount books on the fake cluster with the real harvester: budgets make jobs wait
+//! whatever their source, jobs created for the REST API and jobs applied directly share one
+//! account queue, and a controller that fails between its two writes (hold, then job status;
+//! job status, then settlement) neither loses nor repeats a charge.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{ACCOUNT, API_NAMESPACE, Cluster};
+use harvest_crds::conditions::{self, ADMITTED, FINISHED};
+use harvest_crds::{ACCOUNT_LABEL, HarvestJob, HarvestJobSpec, KEY_LABEL};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::PostParams;
+
+fn admitted_reason(job: &HarvestJob) -> Option<String> {
+    conditions::get(&job.status.as_ref()?.conditions, ADMITTED).map(|c| c.reason.clone())
+}
+
+fn finished_reason(job: &HarvestJob) -> Option<String> {
+    conditions::get(&job.status.as_ref()?.conditions, FINISHED).map(|c| c.reason.clone())
+}
+
+fn charged(job: &HarvestJob) -> u64 {
+    job.status
+        .as_ref()
+        .and_then(|s| s.tokens)
+        .and_then(|t| t.charged)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_daily_budget_holds_a_job_back_until_the_running_one_settles() {
+    let cluster = Cluster::start(2).await;
+    cluster
+        .set_account(|spec| spec.daily_tokens = Some(150_000))
+        .await;
+    let prompts = cluster.prompts("budget", 24, 8);
+    cluster.submit("spender", prompts.clone(), |_| {}).await;
+    cluster.running_pod("spender").await;
+    cluster.submit("held", prompts, |_| {}).await;
+    let held = cluster
+        .wait("held", "held back by the daily budget", |j| {
+            admitted_reason(j).as_deref() == Some("DailyBudgetExhausted")
+        })
+        .await;
+    let message = conditions::get(&held.status.unwrap().conditions, ADMITTED)
+        .unwrap()
+        .message
+        .clone();
+    assert!(
+        message.contains(ACCOUNT) && message.contains("150000"),
+        "the reason names the account and the budget: {message}"
+    );
+    let books = cluster.account().await.status.unwrap();
+    assert_eq!(books.pending_jobs, 1, "{books:?}");
+    // The spender is charged what it ran, far below its hold, so the held job then fits.
+    let spender = cluster.finished("spender").await;
+    let held = cluster.finished("held").await;
+    assert_eq!(finished_reason(&held).as_deref(), Some("Succeeded"));
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
+    assert_eq!(books.tokens_today, charged(&spender) + charged(&held));
+    assert_eq!(books.pending_jobs, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_between_the_two_writes_neither_lose_nor_repeat_a_charge() {
+    let cluster = Cluster::start(2).await;
+    // The job's status write after its hold is taken fails once, as a crash there would.
+    cluster
+        .server
+        .store
+        .fail_next("PUT", "/namespaces/default/harvestjobs/crash/status", 1);
+    let prompts = cluster.prompts("crash", 24, 8);
+    cluster.submit("crash", prompts, |_| {}).await;
+    cluster.running_pod("crash").await;
+    // Settlement fails twice after the job ends.
+    cluster
+        .server
+        .store
+        .fail_next("PUT", &format!("/harvestaccounts/{ACCOUNT}/status"), 2);
+    let job = cluster.finished("crash").await;
+    assert_eq!(finished_reason(&job).as_deref(), Some("Succeeded"));
+    assert_eq!(job.status.as_ref().unwrap().attempts, 1);
+    assert_eq!(
+        cluster.server.started_pods().get("default/crash-1"),
+        Some(&1)
+    );
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
+    assert_eq!(
+        cluster.server.store.faults_pending(),
+        0,
+        "both injected failures hit"
+    );
+    assert_eq!(books.tokens_total, charged(&job), "charged exactly once");
+    assert_eq!(
+        books.jobs_by_key.get("namespace:default"),
+        Some(&1),
+        "admitted once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lane() {
+    let cluster = Cluster::start(4).await;
+    cluster.set_account(|spec| spec.lanes.small = 1).await;
+    let namespace = Namespace {
+        metadata: kube::api::ObjectMeta {
+            name: Some(API_NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(cluster.client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+    let prompts = cluster.prompts("shared", 24, 8);
+    let mut rest = HarvestJob::new(
+        "rest",
+        HarvestJobSpec::new(
+            "smollm2-135m",
+            prompts.clone(),
+            cluster.output("rest").display().to_string(),
+            100_000,
+        ),
+    );
+    rest.metadata.labels = Some(
+        [
+            (ACCOUNT_LABEL.to_owned(), ACCOUNT.to_owned()),
+            (KEY_LABEL.to_owned(), "k1".to_owned()),
+        ]
+        .into(),
+    );
+    let api_jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), API_NAMESPACE);
+    api_jobs
+        .create(&PostParams::default(), &rest)
+        .await
+        .unwrap();
+    let admitted = |j: &HarvestJob| {
+        j.status
+            .as_ref()
+            .is_some_and(|s| conditions::is_true(&s.conditions, ADMITTED))
+    };
+    for _ in 0..100 {
+        if api_jobs.get("rest").await.is_ok_and(|j| admitted(&j)) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    cluster.submit("gitops", prompts, |_| {}).await;
+    cluster
+        .wait("gitops", "queued behind the API job", |j| {
+            admitted_reason(j).as_deref() == Some("WaitingForAccountLane")
+        })
+        .await;
+    let gitops = cluster.finished("gitops").await;
+    let rest = api_jobs.get("rest").await.unwrap();
+    assert_eq!(finished_reason(&rest).as_deref(), Some("Succeeded"));
+    assert_eq!(finished_reason(&gitops).as_deref(), Some("Succeeded"));
+    let rest_done = rest.status.unwrap().completion_time.unwrap();
+    let gitops_started = gitops.status.as_ref().unwrap().start_time.clone().unwrap();
+    assert!(
+        gitops_started.0 >= rest_done.0,
+        "the account's one slot was used in turn"
+    );
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
+    assert_eq!(books.jobs_by_key.get("key:k1"), Some(&1));
+    assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
+    assert_eq!(books.jobs_this_month, 2);
+}
