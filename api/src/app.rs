@@ -60,7 +60,7 @@ pub enum Backend {
     /// One machine: SQLite and child processes.
     Embedded(Embedded),
     /// HarvestJobs on a cluster, run by the operator.
-    Kubernetes(KubeBackend),
+    Kubernetes(Box<KubeBackend>),
 }
 
 /// Everything the handlers share.

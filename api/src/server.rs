@@ -100,7 +100,7 @@ async fn build_kubernetes(
     // Several replicas share one link secret, from the data directory (a Secret volume).
     let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
     Ok(AppState::with_backend(
-        Backend::Kubernetes(backend),
+        Backend::Kubernetes(Box::new(backend)),
         catalogue,
         signer,
         config.public_url.clone(),

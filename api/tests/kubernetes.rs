@@ -1,0 +1,279 @@
+//! The same black-box REST suite against the Kubernetes backend: the `harvest-api` binary
+//! talks to the fake apiserver, the real operator admits and runs each HarvestJob as a Pod,
+//! whose fake kubelet runs the real `harvester` on SmolLM2. Storage is `local` (a directory
+//! shared by the API and the workers), so links are signed and served by the API.
+//! Also: two API replicas at once, one killed mid-job; budget exhaustion that gives REST a 429
+//! and makes a job applied with kubectl wait.
+
+#![allow(clippy::unwrap_used)]
+
+mod suite;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use harvest_crds::conditions::{self, ADMITTED};
+use harvest_crds::{HarvestAccount, HarvestAccountSpec, HarvestJob, HarvestJobSpec};
+use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
+use harvest_operator::{OperatorConfig, Settings};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use suite::*;
+
+const IMAGE: &str = "harvest/harvester:test";
+const API_NAMESPACE: &str = "harvest-api";
+
+struct Cluster {
+    server: FakeApiServer,
+    client: Client,
+    kubeconfig: PathBuf,
+    config: PathBuf,
+    operator: tokio::task::JoinHandle<harvest_operator::Result<()>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.operator.abort();
+    }
+}
+
+impl Cluster {
+    fn env(&self) -> [(&str, &str); 1] {
+        [("KUBECONFIG", self.kubeconfig.to_str().unwrap())]
+    }
+
+    fn api(&self, port: u16) -> Server {
+        start_with(&self.config, port, &self.env())
+    }
+
+    fn key(&self, account: &str) -> String {
+        create_key_with(&self.config, account, &self.env())
+    }
+}
+
+async fn create_namespace(client: &Client, name: &str) {
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        ..Namespace::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+}
+
+/// The fake cluster with CRDs, two accounts (acme also pays for namespace `research`), the
+/// operator, and an API configuration for the Kubernetes backend with local storage.
+fn cluster(dir: &Path, port: u16) -> Cluster {
+    reqwest::runtime().block_on(async {
+        let kubelet = KubeletConfig {
+            images: [(IMAGE.to_owned(), harvester())].into(),
+            env: vec![("HARVEST_THREADS".into(), "1".into())],
+            work_dir: dir.to_owned(),
+        };
+        let server = FakeApiServer::start(kubelet).await.unwrap();
+        let client = Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in harvest_crds::all_crds() {
+            crds.create(&PostParams::default(), &crd).await.unwrap();
+        }
+        create_namespace(&client, API_NAMESPACE).await;
+        create_namespace(&client, "research").await;
+        let accounts: Api<HarvestAccount> = Api::all(client.clone());
+        for (name, namespaces) in [("acme", vec!["research"]), ("other", vec![])] {
+            let spec = HarvestAccountSpec::for_namespaces(&namespaces);
+            accounts
+                .create(&PostParams::default(), &HarvestAccount::new(name, spec))
+                .await
+                .unwrap();
+        }
+        let config = OperatorConfig::parse(&format!(
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\n",
+            smollm2().display()
+        ))
+        .unwrap();
+        let settings = Settings {
+            config,
+            metrics_addr: None,
+            leader: None,
+            instance: "test".into(),
+        };
+        let operator = tokio::spawn(harvest_operator::run(
+            client.clone(),
+            settings,
+            std::future::pending(),
+        ));
+        let kubeconfig = server.write_kubeconfig(dir).unwrap();
+        let api_config = json!({
+            "data_dir": dir.join("data"),
+            "public_url": format!("http://127.0.0.1:{port}"),
+            "models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small"}],
+            "kubernetes": {"namespace": API_NAMESPACE, "storage": {"kind": "local"}},
+        });
+        let config = dir.join("api.json");
+        std::fs::write(&config, api_config.to_string()).unwrap();
+        Cluster {
+            server,
+            client,
+            kubeconfig,
+            config,
+            operator,
+        }
+    })
+}
+
+#[test]
+fn the_seed_flow_on_kubernetes_long_polls_and_downloads_the_bytes_of_a_direct_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    seed_flow(&server, &key, dir.path());
+    let job: HarvestJob = reqwest::runtime().block_on(async {
+        let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), API_NAMESPACE);
+        jobs.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .remove(0)
+    });
+    assert_eq!(
+        job.status.unwrap().account.as_deref(),
+        Some("acme"),
+        "charged to the key's account"
+    );
+}
+
+#[test]
+fn cancelling_a_running_job_on_kubernetes_charges_the_reservation() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    let other = cluster.key("other");
+    let id = cancel_flow(&server, &key, &other, |_| true);
+    let pod = format!("{id}-1");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while cluster
+        .server
+        .get("/api/v1", "pods", API_NAMESPACE, &pod)
+        .is_some_and(|p| p["status"]["phase"] == "Running")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cancelled job's Pod still runs"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn two_replicas_serve_one_queue_and_a_replica_killed_mid_job_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port_a, port_b) = (free_port(), free_port());
+    let cluster = cluster(dir.path(), port_a);
+    let mut a = cluster.api(port_a);
+    let b = cluster.api(port_b);
+    let key = cluster.key("acme");
+    let id = long_job(&a, &key);
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let (status, _) = request(
+        "GET",
+        &format!("{}/v1/harvest/{id}", b.base),
+        "sk-hv-wrong",
+        None,
+    );
+    assert_eq!(status, 401);
+    let url = format!("{}/v1/harvest/{id}?wait=60", b.base);
+    let mut done = json!(null);
+    for _ in 0..5 {
+        let (_, answer) = request("GET", &url, &key, None);
+        if answer["status"] == "done" {
+            done = answer;
+            break;
+        }
+    }
+    assert_eq!(done["status"], "done", "{done}");
+    assert_eq!(done["result"]["n_shards"], 6);
+    // The link was signed by replica B with the shared secret; the data came from the worker.
+    let shard = reqwest::blocking_get(done["result"]["shard_urls"][5].as_str().unwrap());
+    assert!(shard.is_err(), "replica A is gone, so its base URL is dead");
+    let rebased = done["result"]["shard_urls"][5]
+        .as_str()
+        .unwrap()
+        .replace(&a.base, &b.base);
+    assert!(!reqwest::blocking_get(&rebased).unwrap().is_empty());
+    let account = reqwest::runtime().block_on(async {
+        let accounts: Api<HarvestAccount> = Api::all(cluster.client.clone());
+        for _ in 0..100 {
+            let account = accounts.get("acme").await.unwrap();
+            if account.status.as_ref().is_some_and(|s| s.holds.is_empty()) {
+                return account;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the hold never settled")
+    });
+    let books = account.status.unwrap();
+    assert_eq!(books.tokens_total, done["tokens"].as_u64().unwrap());
+    drop(a);
+}
+
+#[test]
+fn an_exhausted_budget_gives_rest_a_429_and_keeps_a_kubectl_job_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    reqwest::runtime().block_on(async {
+        let accounts: Api<HarvestAccount> = Api::all(cluster.client.clone());
+        let patch = json!({"spec": {"dailyTokens": 10}});
+        accounts
+            .patch("acme", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        // Until this replica's cache has the new budget, a submit would pass the pre-check.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    let (status, denied) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+    );
+    assert_eq!(
+        (status, denied["error"]["code"].as_str()),
+        (429, Some("budget_exceeded")),
+        "{denied}"
+    );
+    let job = reqwest::runtime().block_on(async {
+        let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), "research");
+        let spec = HarvestJobSpec::new("smollm2-135m", "/nowhere/p.jsonl", "/nowhere/out", 1_000);
+        jobs.create(&PostParams::default(), &HarvestJob::new("gitops", spec))
+            .await
+            .unwrap();
+        for _ in 0..100 {
+            let job = jobs.get("gitops").await.unwrap();
+            if job.status.is_some() {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the operator never looked at the job")
+    });
+    let admitted = conditions::get(&job.status.unwrap().conditions, ADMITTED).cloned();
+    assert_eq!(
+        admitted.map(|c| c.reason),
+        Some("DailyBudgetExhausted".to_owned())
+    );
+}
