@@ -84,7 +84,11 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     })
     .await
     .unwrap();
-    let header = listed.lines().next().unwrap();
+    // `harvest` is the category of both kinds: the accounts' table, then the jobs'.
+    let header = listed
+        .lines()
+        .find(|l| l.starts_with("NAME") && l.contains("PHASE"))
+        .unwrap();
     for column in [
         "NAME", "PHASE", "MODEL", "PROMPTS", "TOKENS", "PROGRESS", "AGE",
     ] {
@@ -92,8 +96,19 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     }
     let row = listed
         .lines()
-        .find(|l| l.starts_with("from-kubectl"))
+        .find(|l| {
+            l.contains("harvestjob.harvest.dev/from-kubectl") || l.starts_with("from-kubectl")
+        })
         .unwrap();
+    let account_header = listed
+        .lines()
+        .find(|l| l.starts_with("NAME") && l.contains("PENDING"))
+        .unwrap();
+    for column in ["SMALL", "LARGE", "TODAY", "MONTH", "JOBS"] {
+        assert!(account_header.contains(column), "{listed}");
+    }
+    let account = listed.lines().find(|l| l.contains("default-acct")).unwrap();
+    assert!(account.contains("/8"), "the account lane and its limit: {listed}");
     assert!(
         row.contains("Succeeded") && row.contains("smollm2-135m") && row.contains("2/2 shards"),
         "{listed}"
