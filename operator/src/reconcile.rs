@@ -182,8 +182,16 @@ impl Context {
             return Ok((verdict, None));
         }
         let Some(account) = ledger::cached(self, &binding.account) else {
+            // Deleted since it was bound a moment ago.
             self.forget_admission(job);
-            return Ok((Admission::Admit, None));
+            let unbound = accounts::Unbound::UnknownAccount {
+                account: binding.account,
+            };
+            let wait = Admission::Wait {
+                reason: unbound.reason(),
+                message: unbound.to_string(),
+            };
+            return Ok((wait, None));
         };
         match ledger::hold(self, job, &account, &binding, lane, tokens, now).await {
             Ok(None) => Ok((Admission::Admit, Some(binding.account))),

@@ -108,7 +108,10 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
         assert!(account_header.contains(column), "{listed}");
     }
     let account = listed.lines().find(|l| l.contains("default-acct")).unwrap();
-    assert!(account.contains("/8"), "the account lane and its limit: {listed}");
+    assert!(
+        account.contains("/8"),
+        "the account lane and its limit: {listed}"
+    );
     assert!(
         row.contains("Succeeded") && row.contains("smollm2-135m") && row.contains("2/2 shards"),
         "{listed}"
