@@ -40,6 +40,8 @@ const RUN_ID: &str = "harvest.dev/run-id";
 const PROMPTS: &str = "harvest.dev/prompts";
 const KEY_HASH: &str = "harvest.dev/key-hash";
 const MODEL_LANE: &str = "harvest.dev/lane";
+/// How long a submit waits for its own job to reach this replica's cache.
+const READ_YOUR_WRITE: Duration = Duration::from_secs(2);
 /// How long a cancel waits for the operator to record the end.
 const CANCEL_WAIT: Duration = Duration::from_secs(10);
 const MANAGER: &str = "harvest-api";
@@ -74,7 +76,6 @@ pub struct KubeBackend {
     changes: Arc<watch::Sender<u64>>,
     /// Inputs and outputs.
     pub storage: Storage,
-    results: Arc<std::sync::Mutex<BTreeMap<String, JobResult>>>,
 }
 
 impl std::fmt::Debug for KubeBackend {
@@ -150,7 +151,6 @@ impl KubeBackend {
             keys,
             changes,
             storage,
-            results: Arc::default(),
         }
     }
 
@@ -220,19 +220,20 @@ impl KubeBackend {
         book.roll(now);
         let key = format!("key:{}", key_id(key_hash));
         let mut waiting_jobs = 0;
+        // The lane counts every unfinished API job of the account (whether or not the account's
+        // status in the cache shows its hold yet), or the books' count if that is higher.
+        let mut unfinished_in_lane = 0;
         for job in self.jobs.state() {
             let s = job.status_or_default();
-            let waiting = s.account.is_none()
-                && !conditions::is_true(&s.conditions, FINISHED)
-                && job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
-            if !waiting {
+            let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
+            if !mine || conditions::is_true(&s.conditions, FINISHED) {
                 continue;
             }
             if job_lane(&job) == lane {
-                match lane {
-                    Lane::Small => book.ledger.active_small += 1,
-                    Lane::Large => book.ledger.active_large += 1,
-                }
+                unfinished_in_lane += 1;
+            }
+            if s.account.is_some() {
+                continue;
             }
             book.ledger.tokens_today += job.spec.token_budget;
             book.ledger.tokens_month += job.spec.token_budget;
@@ -242,6 +243,11 @@ impl KubeBackend {
             }
         }
         *book.key_jobs.entry(key.clone()).or_default() += waiting_jobs;
+        let active = match lane {
+            Lane::Small => &mut book.ledger.active_small,
+            Lane::Large => &mut book.ledger.active_large,
+        };
+        *active = (*active).max(unfinished_in_lane);
         book.check(&found.spec.limits(), &key, lane, tokens, now)
             .map_err(ApiError::Denied)
     }
@@ -318,6 +324,7 @@ impl KubeBackend {
             spec,
             status: None,
         };
+        let mut changes = self.subscribe();
         Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
             .create(
                 &PostParams {
@@ -328,6 +335,15 @@ impl KubeBackend {
             )
             .await
             .map_err(KubeBackendError::from)?;
+        // Answer once this replica's cache has the job, so the client's next call, and the
+        // next submit's pre-check, see it.
+        let seen = ObjectRef::new(&job.id).within(&self.namespace);
+        let deadline = tokio::time::Instant::now() + READ_YOUR_WRITE;
+        while self.jobs.get(&seen).is_none()
+            && tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_ok_and(|r| r.is_ok())
+        {}
         Ok(())
     }
 
@@ -379,17 +395,9 @@ impl KubeBackend {
         }
     }
 
-    /// A done job's result (its `result.json`, read once from storage), or `None` when its
-    /// files are gone.
+    /// A done job's result (its `result.json`, read from storage on every answer, so files
+    /// deleted since show as `urls_expired`), or `None` when its files are gone.
     pub async fn result(&self, id: &str) -> Result<Option<JobResult>, ApiError> {
-        if let Some(known) = self
-            .results
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(id)
-        {
-            return Ok(Some(known.clone()));
-        }
         let internal = |detail: String| ApiError::Internal { detail };
         let Some(bytes) = self
             .storage
@@ -400,12 +408,9 @@ impl KubeBackend {
             return Ok(None);
         };
         let text = String::from_utf8_lossy(&bytes);
-        let result = crate::workers::parse_result(&text).map_err(|e| internal(e.to_string()))?;
-        self.results
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id.to_owned(), result.clone());
-        Ok(Some(result))
+        crate::workers::parse_result(&text)
+            .map(Some)
+            .map_err(|e| internal(e.to_string()))
     }
 
     /// Jobs not finished.

@@ -38,6 +38,15 @@ fn the_seed_flow_long_polls_and_downloads_without_a_key_the_bytes_of_a_direct_ru
 }
 
 #[test]
+fn keys_unknown_jobs_and_the_account_lane_answer_as_the_contract_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "other");
+    lane_flow(&server, &key);
+}
+
+#[test]
 fn cancelling_a_running_job_stops_its_harvester_and_charges_the_reservation() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();

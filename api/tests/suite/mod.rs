@@ -137,6 +137,17 @@ pub mod reqwest {
 }
 
 pub fn request(method: &str, url: &str, key: &str, body: Option<Value>) -> (u16, Value) {
+    let (status, body, _) = request_with_headers(method, url, key, body);
+    (status, body)
+}
+
+/// A request's status, JSON body and `Retry-After` header.
+pub fn request_with_headers(
+    method: &str,
+    url: &str,
+    key: &str,
+    body: Option<Value>,
+) -> (u16, Value, Option<String>) {
     reqwest::runtime().block_on(async {
         let client = reqwest::Client::new();
         let mut builder = client
@@ -147,7 +158,16 @@ pub fn request(method: &str, url: &str, key: &str, body: Option<Value>) -> (u16,
         }
         let response = builder.send().await.unwrap();
         let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(Value::Null))
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (
+            status,
+            response.json().await.unwrap_or(Value::Null),
+            retry_after,
+        )
     })
 }
 
@@ -331,4 +351,98 @@ pub fn cancel_flow(
         "cancel is idempotent"
     );
     id
+}
+
+/// The contract's answers that depend on the backend: a wrong key is 401, an unknown job 404,
+/// the fourth concurrent small job of an account (limit 3) 429 `harvest_concurrency_exceeded`
+/// with `Retry-After: 30` naming the lane, and a slot freed by a cancel is usable again.
+pub fn lane_flow(server: &Server, key: &str) {
+    let submit = || {
+        request_with_headers(
+            "POST",
+            &format!("{}/v1/harvest", server.base),
+            key,
+            Some(json!({"model": "smollm2-135m", "prompts": SEED, "layers": [1]})),
+        )
+    };
+    let (status, _) = request(
+        "GET",
+        &format!(
+            "{}/v1/harvest/00000000-0000-4000-8000-000000000000",
+            server.base
+        ),
+        "sk-hv-not-a-key",
+        None,
+    );
+    assert_eq!(status, 401);
+    let (status, body) = request(
+        "GET",
+        &format!(
+            "{}/v1/harvest/00000000-0000-4000-8000-000000000000",
+            server.base
+        ),
+        key,
+        None,
+    );
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (status, job, _) = submit();
+        assert_eq!(status, 202, "{job}");
+        ids.push(job["job_id"].as_str().unwrap().to_owned());
+    }
+    let (status, denied, retry_after) = submit();
+    assert_eq!(
+        (
+            status,
+            denied["error"]["code"].as_str(),
+            retry_after.as_deref()
+        ),
+        (429, Some("harvest_concurrency_exceeded"), Some("30")),
+        "{denied}"
+    );
+    assert!(
+        denied["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("small lane"),
+        "{denied}"
+    );
+    for id in &ids {
+        let (status, job) = request(
+            "DELETE",
+            &format!("{}/v1/harvest/{id}", server.base),
+            key,
+            None,
+        );
+        assert_eq!(
+            (status, job["status"].as_str()),
+            (200, Some("cancelled")),
+            "{job}"
+        );
+    }
+    // The slot comes back once the books have settled the cancels.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, job, _) = submit();
+        if status == 202 {
+            let id = job["job_id"].as_str().unwrap();
+            request(
+                "DELETE",
+                &format!("{}/v1/harvest/{id}", server.base),
+                key,
+                None,
+            );
+            break;
+        }
+        assert_eq!(status, 429, "{job}");
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled jobs never freed their slots: {job}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
