@@ -169,3 +169,43 @@ async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lan
     assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
     assert_eq!(books.jobs_this_month, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_replicas_only_the_leader_acts_and_the_follower_finishes_a_job_charged_once() {
+    let mut cluster = Cluster::start(2).await;
+    cluster.kill_operator().await;
+    let first = cluster.spawn_replica("replica-a");
+    for _ in 0..50 {
+        if cluster.leader().is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let second = cluster.spawn_replica("replica-b");
+    assert_eq!(cluster.leader().as_deref(), Some("replica-a"));
+    let prompts = cluster.prompts("leader", 48, 8);
+    cluster.submit("handover", prompts, |_| {}).await;
+    cluster.running_pod("handover").await;
+    first.abort();
+    let _ = first.await;
+    let job = cluster.finished("handover").await;
+    assert_eq!(
+        cluster.leader().as_deref(),
+        Some("replica-b"),
+        "the follower took the Lease once it expired"
+    );
+    assert_eq!(finished_reason(&job).as_deref(), Some("Succeeded"));
+    assert_eq!(
+        cluster.server.started_pods().get("default/handover-1"),
+        Some(&1),
+        "the harvest ran once"
+    );
+    let books = cluster.account_until(|s| s.holds.is_empty()).await;
+    assert_eq!(
+        books.tokens_total,
+        charged(&job),
+        "charged once across the handover"
+    );
+    assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
+    second.abort();
+}

@@ -97,6 +97,42 @@ impl Cluster {
         self.operator = Some((tx, task));
     }
 
+    /// Starts a replica that elects a leader through the Lease `default/harvest-operator`
+    /// (held 2 s unless renewed) before it does anything.
+    pub fn spawn_replica(
+        &self,
+        identity: &str,
+    ) -> tokio::task::JoinHandle<harvest_operator::Result<()>> {
+        let settings = Settings {
+            config: self.config(),
+            metrics_addr: None,
+            leader: Some(harvest_operator::LeaderElection {
+                namespace: "default".into(),
+                lease: "harvest-operator".into(),
+                identity: identity.into(),
+                duration: Duration::from_secs(2),
+            }),
+            instance: identity.into(),
+        };
+        tokio::spawn(harvest_operator::run(
+            self.client.clone(),
+            settings,
+            std::future::pending(),
+        ))
+    }
+
+    /// The identity holding the operator's Lease.
+    pub fn leader(&self) -> Option<String> {
+        self.server
+            .get(
+                "/apis/coordination.k8s.io/v1",
+                "leases",
+                "default",
+                "harvest-operator",
+            )
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+    }
+
     /// Stops the operator as a crash would: the task is dropped mid-flight.
     pub async fn kill_operator(&mut self) {
         if let Some((_, task)) = self.operator.take() {
