@@ -38,12 +38,13 @@ fn the_seed_flow_long_polls_and_downloads_without_a_key_the_bytes_of_a_direct_ru
 }
 
 #[test]
-fn keys_unknown_jobs_and_the_account_lane_answer_as_the_contract_says() {
+fn keys_unknown_jobs_the_account_lane_and_revocation_answer_as_the_contract_says() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let server = start(&write_config(dir.path(), port, 1), port);
     let key = create_key(&server.config, "other");
     lane_flow(&server, &key);
+    revoke_flow(&server, &key, &[]);
 }
 
 #[test]

@@ -421,3 +421,27 @@ pub fn lane_flow(server: &Server, key: &str) {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// Revokes a key through the binary; whether it was an active key.
+pub fn revoke_key_with(config: &Path, key: &str, env: &[(&str, &str)]) -> bool {
+    Command::new(env!("CARGO_BIN_EXE_harvest-api"))
+        .args(["--config", config.to_str().unwrap(), "revoke-key", key])
+        .envs(env.iter().copied())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}
+
+/// A revoked key is refused (401) within seconds, and revoking it again says it is not active.
+pub fn revoke_flow(server: &Server, key: &str, env: &[(&str, &str)]) {
+    let models = format!("{}/v1/models", server.base);
+    assert_eq!(request("GET", &models, key, None).0, 200);
+    assert!(revoke_key_with(&server.config, key, env));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while request("GET", &models, key, None).0 != 401 {
+        assert!(Instant::now() < deadline, "a revoked key still works");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!revoke_key_with(&server.config, key, env), "revoked twice");
+}
