@@ -465,13 +465,9 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             .then(|| finished.map(|c| c.message.clone()))
             .flatten(),
         progress: status.progress.map(|p| Progress {
-            prompts_done: if p.shards_total == 0 {
-                0
-            } else {
-                (p.prompts_total as usize * p.shards_done as usize) / p.shards_total as usize
-            },
+            prompts_done: p.prompts_done as usize,
             prompts_total: p.prompts_total as usize,
-            tokens_done: 0,
+            tokens_done: p.tokens_done,
         }),
         spec: JobSpec {
             layers: job

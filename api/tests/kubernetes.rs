@@ -110,7 +110,7 @@ fn cluster_with(
                 .unwrap();
         }
         let config = OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\n",
             smollm2().display()
         ))
         .unwrap();
@@ -247,6 +247,11 @@ fn two_replicas_serve_one_queue_and_a_replica_killed_mid_job_loses_nothing() {
     let id = long_job(&a, &key);
     a.child.kill().unwrap();
     a.child.wait().unwrap();
+    // The worker's progress reaches the REST answer through the job's status.
+    let running = wait_for(&b, &key, &id, |j| {
+        j["status"] == "running" && j["progress"]["prompts_done"].as_u64().unwrap_or(0) > 0
+    });
+    assert_eq!(running["progress"]["prompts_total"], 24, "{running}");
     let (status, _) = request(
         "GET",
         &format!("{}/v1/harvest/{id}", b.base),

@@ -244,6 +244,12 @@ pub struct TokenUsage {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Progress {
+    /// Prompts run, as the worker last reported (shards of an earlier attempt included).
+    #[serde(default)]
+    pub prompts_done: u32,
+    /// Tokens run by the current attempt.
+    #[serde(default)]
+    pub tokens_done: u64,
     /// Shards written.
     pub shards_done: u32,
     /// Shards in the job (0 until known).
@@ -258,6 +264,8 @@ impl Progress {
     /// Progress of `done` of `total` shards of a job with `prompts` prompts.
     pub fn new(done: u32, total: u32, prompts: u32) -> Self {
         Self {
+            prompts_done: if done == total { prompts } else { 0 },
+            tokens_done: 0,
             shards_done: done,
             shards_total: total,
             prompts_total: prompts,
@@ -284,6 +292,27 @@ pub struct ResultSummary {
     pub contents: String,
     /// Where the files are (the manifest is `manifest.json` under it).
     pub output: String,
+}
+
+impl Progress {
+    /// A running job's progress from its worker's report: `prompts_done` of `prompts_total`,
+    /// in shards of `shard_size` prompts.
+    pub fn running(
+        prompts_done: u32,
+        prompts_total: u32,
+        tokens_done: u64,
+        shard_size: u32,
+    ) -> Self {
+        let shard_size = shard_size.max(1);
+        let mut progress = Self::new(
+            prompts_done / shard_size,
+            prompts_total.div_ceil(shard_size),
+            prompts_total,
+        );
+        progress.prompts_done = prompts_done;
+        progress.tokens_done = tokens_done;
+        progress
+    }
 }
 
 impl HarvestJobSpec {

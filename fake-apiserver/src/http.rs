@@ -14,14 +14,38 @@ use serde_json::{Value, json};
 use crate::kinds;
 use crate::store::{ApiError, PatchKind, ResourceKey, Store, matches};
 
-/// The router.
-pub fn router(store: Arc<Store>) -> Router {
+/// The router. `logs` is the fake kubelet's work directory, where each container's output is.
+pub fn router(store: Arc<Store>, logs: std::path::PathBuf) -> Router {
     Router::new().fallback(
         move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
-            let store = store.clone();
-            async move { handle(&store, method, uri, headers, body).await }
+            let (store, logs) = (store.clone(), logs.clone());
+            async move { handle(&store, &logs, method, uri, headers, body).await }
         },
     )
+}
+
+/// `GET pods/NAME/log`: the container's stdout then stderr, or their last `tailLines` lines.
+fn pod_log(
+    logs: &std::path::Path,
+    ns: &str,
+    name: &str,
+    query: &HashMap<String, String>,
+) -> Response {
+    let read = |stream: &str| {
+        std::fs::read_to_string(logs.join(format!("{ns}_{name}.{stream}"))).unwrap_or_default()
+    };
+    let text = read("stdout") + &read("stderr");
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = query
+        .get("tailLines")
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(lines.len())
+        .min(lines.len());
+    let mut body = lines[lines.len() - tail..].join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], body).into_response()
 }
 
 fn json_response(code: StatusCode, value: &Value) -> Response {
@@ -46,6 +70,7 @@ struct Target {
     namespace: Option<String>,
     name: Option<String>,
     status: bool,
+    log: bool,
 }
 
 fn parse_path(path: &str) -> Option<Target> {
@@ -70,11 +95,13 @@ fn parse_path(path: &str) -> Option<Target> {
         namespace,
         name,
         status: sub == Some("status"),
+        log: sub == Some("log"),
     })
 }
 
 async fn handle(
     store: &Arc<Store>,
+    logs: &std::path::Path,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -120,6 +147,17 @@ async fn handle(
         ));
     };
     let ns = target.namespace.clone().unwrap_or_default();
+    if target.log {
+        let name = target.name.clone().unwrap_or_default();
+        if store.get(&target.key, &ns, &name).is_none() {
+            return error(&ApiError::new(
+                404,
+                "NotFound",
+                format!("pods \"{name}\" not found"),
+            ));
+        }
+        return pod_log(logs, &ns, &name, &query);
+    }
     let body_value = || -> Result<Value, ApiError> {
         if body.is_empty() {
             return Ok(Value::Null);

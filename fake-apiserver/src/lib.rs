@@ -47,7 +47,7 @@ impl FakeApiServer {
         let store = Arc::new(Store::new());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let app = http::router(store.clone());
+        let app = http::router(store.clone(), kubelet.work_dir.clone());
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });

@@ -102,6 +102,9 @@ pub struct OperatorConfig {
     /// Seconds a waiting job sleeps between admission checks.
     #[serde(default = "default_admission_poll")]
     pub admission_poll_seconds: u64,
+    /// Seconds between reads of a running job's progress from its worker's log.
+    #[serde(default = "default_progress_refresh")]
+    pub progress_refresh_seconds: u64,
     /// Seconds the output-cleanup finalizer may try before it gives up and lets the job go.
     #[serde(default = "default_cleanup_timeout")]
     pub cleanup_timeout_seconds: u64,
@@ -115,6 +118,9 @@ fn default_retry_base() -> u64 {
 }
 fn default_infra_retries() -> u32 {
     10
+}
+fn default_progress_refresh() -> u64 {
+    5
 }
 fn default_admission_poll() -> u64 {
     5
@@ -176,6 +182,7 @@ impl OperatorConfig {
             retry_base: Duration::from_secs(self.retry_base_seconds),
             max_infrastructure_retries: self.max_infrastructure_retries,
             admission_poll: Duration::from_secs(self.admission_poll_seconds),
+            progress_refresh: Duration::from_secs(self.progress_refresh_seconds),
         }
     }
 }

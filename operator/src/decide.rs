@@ -33,6 +33,8 @@ pub struct Policy {
     pub max_infrastructure_retries: u32,
     /// How often a waiting job checks for a slot again.
     pub admission_poll: Duration,
+    /// How often a running job's progress is read from its worker's log.
+    pub progress_refresh: Duration,
 }
 
 impl Policy {
@@ -52,6 +54,8 @@ pub struct Observed<'a> {
     pub spec: Result<u64, SpecError>,
     /// The current attempt's Pod (`status.pod`), if it exists.
     pub pod: Option<PodState>,
+    /// What the running worker last reported: prompts done, prompts in all, tokens run.
+    pub reported: Option<(u32, u32, u64)>,
     /// The admission verdict, consulted only while the job waits.
     pub admission: Admission,
     /// The account that holds the job's tokens, once admission took its hold.
@@ -236,6 +240,11 @@ impl Builder<'_> {
                     "PodRunning",
                     format!("attempt {attempts} is running"),
                 );
+                if let Some((done, total, tokens)) = self.observed.reported {
+                    let shard_size = self.observed.job.spec.harvest.shard_size;
+                    self.status.progress = Some(Progress::running(done, total, tokens, shard_size));
+                }
+                self.requeue_after = Some(policy.progress_refresh);
             }
             Some(PodState::Terminating) => {}
             Some(PodState::Succeeded { result }) => self.finish(Outcome::Succeeded(result)),

@@ -8,6 +8,7 @@ const POLICY: Policy = Policy {
     retry_base: Duration::from_secs(10),
     max_infrastructure_retries: 2,
     admission_poll: Duration::from_secs(5),
+    progress_refresh: Duration::from_secs(5),
 };
 
 fn at(second: i64) -> Timestamp {
@@ -31,6 +32,7 @@ fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64)
         job,
         spec: Ok(job.spec.token_budget),
         pod,
+        reported: None,
         admission,
         account: Some("acct".into()),
         lane: Some("small".into()),
@@ -214,6 +216,7 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
             known: vec!["a".into()],
         }),
         pod: None,
+        reported: None,
         admission: Admission::Admit,
         account: None,
         lane: None,
@@ -249,4 +252,35 @@ fn the_deadline_fails_a_running_job_and_the_pod_gets_what_is_left() {
         "DeadlineExceeded"
     );
     assert!(late.actions.contains(&Action::DeletePod("j-1".into())));
+}
+
+#[test]
+fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
+    let mut job = job();
+    job.spec.harvest.shard_size = 4;
+    let started = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &started);
+    let observed = Observed {
+        job: &job,
+        spec: Ok(job.spec.token_budget),
+        pod: Some(PodState::Running),
+        reported: Some((10, 48, 1_234)),
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(3),
+    };
+    let decision = decide(&observed, &POLICY);
+    let progress = decision.status.progress.unwrap();
+    assert_eq!(
+        (
+            progress.prompts_done,
+            progress.shards_done,
+            progress.shards_total,
+            progress.tokens_done
+        ),
+        (10, 2, 12, 1_234)
+    );
+    assert_eq!(progress.summary, "2/12 shards");
+    assert_eq!(decision.requeue_after, Some(POLICY.progress_refresh));
 }

@@ -109,6 +109,8 @@ pub fn render(
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(config.worker_service_account.clone()),
+            // The worker talks to storage only; its progress is read from its log.
+            automount_service_account_token: Some(false),
             active_deadline_seconds: deadline_seconds,
             node_selector: (!model.node_selector.is_empty()).then(|| model.node_selector.clone()),
             tolerations: (!model.tolerations.is_empty()).then(|| model.tolerations.clone()),
@@ -348,3 +350,20 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
 #[cfg(test)]
 #[path = "pod_tests.rs"]
 mod tests;
+
+/// What a running worker last reported on its log: `(prompts_done, prompts_total,
+/// tokens_done)` from its newest `{"event":"progress",...}` line.
+pub fn reported_progress(log: &str) -> Option<(u32, u32, u64)> {
+    log.lines().rev().find_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+        if value["event"] != "progress" {
+            return None;
+        }
+        let count = |key: &str| value[key].as_u64();
+        Some((
+            u32::try_from(count("prompts_done")?).ok()?,
+            u32::try_from(count("prompts_total")?).ok()?,
+            count("tokens_done")?,
+        ))
+    })
+}

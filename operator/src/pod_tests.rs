@@ -154,3 +154,15 @@ fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason()
         }
     );
 }
+
+#[test]
+fn the_newest_progress_line_of_the_log_is_the_report_and_other_lines_are_skipped() {
+    let log = concat!(
+        "{\"event\":\"progress\",\"prompts_done\":8,\"prompts_total\":48,\"tokens_done\":400}\n",
+        "INFO loading shard\n",
+        "{\"event\":\"progress\",\"prompts_done\":16,\"prompts_total\":48,\"tokens_done\":800,\"tokens_per_s\":9.5}\n",
+        "{\"event\":\"other\"}\n",
+    );
+    assert_eq!(reported_progress(log), Some((16, 48, 800)));
+    assert_eq!(reported_progress("no json here\n"), None);
+}

@@ -10,7 +10,7 @@ use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestAccount, HarvestJob, OutputRetention, SpecError};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action as Requeue;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::Store;
@@ -24,13 +24,15 @@ use crate::config::OperatorConfig;
 use crate::decide::{Action, Observed, decide};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::pod::{observe, render};
+use crate::pod::{PodState, observe, render, reported_progress};
 use crate::{cleanup, ledger};
 
 /// The finalizer that deletes a job's outputs when its retention is `Delete`.
 pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
 /// The field manager of the operator's writes.
 const MANAGER: &str = "harvest-operator";
+/// Log lines read for the newest progress report (the worker writes one per batch).
+const PROGRESS_LOG_LINES: i64 = 20;
 
 /// What every reconcile shares.
 pub struct Context {
@@ -246,6 +248,10 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         Some(pod_name) => pods.get_opt(pod_name).await?.map(|p| observe(&p)),
         None => None,
     };
+    let reported = match (&pod, &old.pod) {
+        (Some(PodState::Running), Some(pod_name)) => worker_progress(&pods, pod_name).await,
+        _ => None,
+    };
     let waiting = !conditions::is_true(&old.conditions, ADMITTED)
         && !conditions::is_true(&old.conditions, FINISHED)
         && !job.spec.suspend
@@ -271,6 +277,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
             .map(|v| v.token_budget)
             .map_err(Clone::clone),
         pod,
+        reported,
         admission,
         account,
         lane: lane.map(|l| l.to_string()),
@@ -365,6 +372,22 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     Ok(decision
         .requeue_after
         .map_or_else(Requeue::await_change, Requeue::requeue))
+}
+
+/// The running worker's last progress report, from the tail of its log. Best effort: a log
+/// that cannot be read leaves the progress as it was.
+async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<(u32, u32, u64)> {
+    let params = LogParams {
+        tail_lines: Some(PROGRESS_LOG_LINES),
+        ..LogParams::default()
+    };
+    match pods.logs(pod_name, &params).await {
+        Ok(log) => reported_progress(&log),
+        Err(error) => {
+            tracing::debug!(%error, pod = pod_name, "could not read the worker's log");
+            None
+        }
+    }
 }
 
 async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {

@@ -247,6 +247,18 @@ async fn an_operator_restart_mid_job_neither_reruns_nor_double_charges() {
     let prompts = cluster.prompts("restart", 48, 8);
     cluster.submit("restarted", prompts, |_| {}).await;
     let pod = cluster.running_pod("restarted").await;
+    let reporting = cluster
+        .wait("restarted", "progress read from the worker", |j| {
+            j.status
+                .as_ref()
+                .and_then(|s| s.progress.as_ref())
+                .is_some_and(|p| p.prompts_done > 0)
+        })
+        .await;
+    let progress = reporting.status.unwrap().progress.unwrap();
+    assert_eq!(progress.prompts_total, 48);
+    assert_eq!(progress.shards_total, 12, "48 prompts in shards of 4");
+    assert_eq!(progress.shards_done, progress.prompts_done / 4);
     cluster.kill_operator().await;
     cluster
         .wait(
