@@ -69,6 +69,13 @@ for bucket in ("harvest-inputs", "harvest-outputs"):
 lines = "".join(json.dumps({"text": t}) + "\n" for t in ["The capital of France is", "2 + 2 =", "Hello"])
 s3.put_object(Bucket="harvest-inputs", Key="e2e/prompts.jsonl", Body=lines.encode())
 PY
+# The account that pays for jobs applied in harvest-system.
+kubectl apply -f - <<YAML
+apiVersion: harvest.dev/v1alpha1
+kind: HarvestAccount
+metadata: {name: e2e}
+spec: {namespaces: [harvest-system], dailyTokens: 100000}
+YAML
 kubectl -n harvest-system apply -f - <<YAML
 apiVersion: harvest.dev/v1alpha1
 kind: HarvestJob
@@ -83,6 +90,10 @@ YAML
 kubectl -n harvest-system wait --for=condition=Finished hj/e2e --timeout=900s
 kubectl -n harvest-system get hj e2e
 test "$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.phase}')" = Succeeded
+charged="$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.tokens.charged}')"
+sleep 2 # the account controller settles the hold just after the job finishes
+kubectl get hacct e2e
+test "$(kubectl get hacct e2e -o jsonpath='{.status.tokensToday}')" = "$charged"
 python3 - <<'PY'
 import boto3
 s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:19000", aws_access_key_id="harvest",
