@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
 tools=$(scripts/test-tools.sh)
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
+# NVRTC from the wheel: the kernel test must compile every CUDA kernel, not skip.
+nvrtc_lib=$(echo "$tools"/../lib/python3*/site-packages/nvidia/cu13/lib)
+export LD_LIBRARY_PATH=$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} HARVEST_REQUIRE_NVRTC=1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0

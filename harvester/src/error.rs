@@ -6,6 +6,26 @@ use std::path::PathBuf;
 /// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The CUDA backend cannot run here: no driver, no device, or no such device.
+    #[error("no usable GPU: {reason}")]
+    NoGpu {
+        /// What is missing and what to do.
+        reason: String,
+    },
+    /// `--device cuda` was asked for, but this build has no CUDA forward pass yet.
+    #[error(
+        "cuda:{device} is present, but this build's CUDA forward pass is not written yet: use --device cpu"
+    )]
+    CudaNotBuilt {
+        /// The device asked for.
+        device: usize,
+    },
+    /// A CUDA kernel did not compile. This is a bug in the kernel source.
+    #[error("compiling the CUDA kernels with NVRTC: {log}")]
+    KernelCompile {
+        /// NVRTC's log.
+        log: String,
+    },
     /// A file could not be read or written.
     #[error("{action} {path}: {source}")]
     Io {
@@ -209,9 +229,15 @@ impl Error {
             | Self::BadDirections { .. }
             | Self::Prompts { .. }
             | Self::Plan(_)
-            | Self::ForeignOutput { .. } => "bad_input",
-            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } => "infrastructure",
-            Self::InvalidBatch { .. } | Self::StageLost { .. } => "internal",
+            | Self::ForeignOutput { .. }
+            | Self::CudaNotBuilt { .. } => "bad_input",
+            // A node without a usable GPU: another node may have one.
+            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } | Self::NoGpu { .. } => {
+                "infrastructure"
+            }
+            Self::InvalidBatch { .. } | Self::StageLost { .. } | Self::KernelCompile { .. } => {
+                "internal"
+            }
         }
     }
 

@@ -121,6 +121,10 @@ struct RunArgs {
     /// Write a summary of at most 4 KiB here at exit (a Kubernetes termination message).
     #[arg(long)]
     termination_log: Option<PathBuf>,
+    /// Where the forward pass runs: auto, cpu, cuda or cuda:N. This build runs on the CPU; the
+    /// CUDA forward pass is not written yet, so `cuda` stops with a message saying so.
+    #[arg(long, default_value = "auto")]
+    device: harvester::backend::cuda::DeviceChoice,
 }
 
 impl RunArgs {
@@ -153,7 +157,8 @@ fn run_job(args: &RunArgs) -> ExitCode {
         .raw_plan()
         .map_err(|e| (harvester::error::EXIT_BAD_INPUT, format!("{e:#}"), None))
         .and_then(|raw| {
-            let plan = HarvestPlan::try_from(raw).map_err(harvester::Error::from);
+            let plan = harvester::backend::cuda::select(args.device)
+                .and_then(|_| HarvestPlan::try_from(raw).map_err(harvester::Error::from));
             let options = RunOptions {
                 progress: args.progress,
                 model_name: args.model_name.clone(),

@@ -6,9 +6,11 @@
 //! ```text
 //! Batch { input_ids, positions, cu_seq_lengths } ──Backend::capture──► Captured [layers, tokens, width]
 //! ```
-//! The CPU backend is the reference; a CUDA backend implements the same trait.
+//! The CPU backend is the reference; the CUDA backend (`cuda`, in progress) implements the same
+//! trait.
 
 pub mod cpu;
+pub mod cuda;
 
 use harvest_core::Layers;
 

@@ -1,0 +1,158 @@
+//! The CUDA backend (issue 7), built as far as can be checked without a GPU: the NVRTC kernels
+//! (`kernels.cu`, compiled in tests wherever libnvrtc is present), the host-side plans (attention
+//! tiles, pipeline stages, activation memory) and the probe that turns a missing driver or
+//! device into a clear error instead of cudarc's panic. The forward pass that drives them
+//! (weights in bf16, cuBLAS GEMMs, capture through pinned memory) is not written yet; selecting
+//! `--device cuda` says so.
+//!
+//! ```text
+//! probe (libcuda present? devices?) ─► kernels::compile (NVRTC, once) ─► plan (tiles, stages, memory)
+//! ```
+
+pub mod kernels;
+pub mod plan;
+
+use crate::error::{Error, Result};
+
+/// Where the forward pass runs, as `--device` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// A GPU if the probe finds one, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU reference backend.
+    Cpu,
+    /// GPU `N` (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| {
+                    format!(
+                        "device {other:?} is not one of auto, cpu, cuda, cuda:N (N a GPU index)"
+                    )
+                }),
+        }
+    }
+}
+
+/// What the probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Devices the driver sees.
+    pub devices: usize,
+}
+
+/// Whether the CUDA driver library loads here.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library under its usual names; no symbol is
+    // called.
+    #[allow(unsafe_code)]
+    unsafe {
+        cudarc::driver::sys::is_culib_present()
+    }
+}
+
+/// Checks that the CUDA driver library loads and that device `ordinal` exists, without
+/// touching cudarc's panicking loaders.
+pub fn probe(ordinal: usize) -> Result<GpuInfo> {
+    if !driver_present() {
+        return Err(Error::NoGpu {
+            reason: "the NVIDIA driver library (libcuda.so.1) is not on this machine: run on a GPU node, or use --device cpu".into(),
+        });
+    }
+    let devices = cudarc::driver::result::init()
+        .and_then(|()| cudarc::driver::result::device::get_count())
+        .map_err(|e| Error::NoGpu {
+            reason: format!("the CUDA driver did not start ({e}): check the driver and the GPU, or use --device cpu"),
+        })?;
+    let devices = usize::try_from(devices).unwrap_or(0);
+    if ordinal >= devices {
+        return Err(Error::NoGpu {
+            reason: format!(
+                "cuda:{ordinal} does not exist: this machine has {devices} GPU(s) (cuda:0 to cuda:{})",
+                devices.saturating_sub(1)
+            ),
+        });
+    }
+    Ok(GpuInfo { devices })
+}
+
+/// The device `choice` resolves to here: `Auto` becomes `Cuda(0)` when the probe finds a GPU.
+pub fn resolve(choice: DeviceChoice) -> Result<DeviceChoice> {
+    match choice {
+        DeviceChoice::Cpu => Ok(DeviceChoice::Cpu),
+        DeviceChoice::Auto => Ok(if probe(0).is_ok() {
+            DeviceChoice::Cuda(0)
+        } else {
+            DeviceChoice::Cpu
+        }),
+        DeviceChoice::Cuda(n) => {
+            probe(n)?;
+            Ok(DeviceChoice::Cuda(n))
+        }
+    }
+}
+
+/// The device a run uses in this build. The CUDA forward pass is not written yet, so `auto`
+/// runs on the CPU (saying so when a GPU is present) and `cuda[:N]` is refused after its probe.
+pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
+    match (choice, resolve(choice)?) {
+        (DeviceChoice::Cuda(device), _) => Err(Error::CudaNotBuilt { device }),
+        (_, DeviceChoice::Cuda(_)) => {
+            tracing::warn!(
+                "a GPU is present, but this build's CUDA forward pass is not written yet: running on the CPU"
+            );
+            Ok(DeviceChoice::Cpu)
+        }
+        (_, resolved) => Ok(resolved),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_and_a_bad_one_names_the_choices() {
+        assert_eq!("auto".parse(), Ok(DeviceChoice::Auto));
+        assert_eq!("cpu".parse(), Ok(DeviceChoice::Cpu));
+        assert_eq!("cuda".parse(), Ok(DeviceChoice::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(DeviceChoice::Cuda(3)));
+        let error = "gpu".parse::<DeviceChoice>().unwrap_err();
+        assert!(
+            error.contains("\"gpu\"") && error.contains("cuda:N"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn without_a_driver_cuda_is_a_clear_error_and_auto_falls_back_to_the_cpu() {
+        if driver_present() {
+            return; // a GPU machine: the GPU check script covers it
+        }
+        let error = probe(0).unwrap_err().to_string();
+        assert!(
+            error.contains("libcuda.so.1") && error.contains("--device cpu"),
+            "{error}"
+        );
+        assert_eq!(resolve(DeviceChoice::Auto).unwrap(), DeviceChoice::Cpu);
+        assert!(resolve(DeviceChoice::Cuda(0)).is_err());
+        assert_eq!(select(DeviceChoice::Auto).unwrap(), DeviceChoice::Cpu);
+        assert!(matches!(
+            select(DeviceChoice::Cuda(1)),
+            Err(Error::NoGpu { .. })
+        ));
+    }
+}

@@ -1,0 +1,212 @@
+//! Host-side plans for the CUDA backend, pure and unit-tested here: the attention kernel's work
+//! list over a packed batch, how a model's layers split into pipeline stages across GPUs, and
+//! how much device memory a batch's activations take.
+
+use std::ops::Range;
+
+use super::kernels::{ATTENTION_MAX_HEAD_DIM, ATTENTION_QUERIES_PER_BLOCK};
+use crate::error::{Error, Result};
+
+/// The attention kernel's blocks for a packed batch: `(sequence, first query)` pairs, each
+/// covering up to [`ATTENTION_QUERIES_PER_BLOCK`] queries of one sequence, flattened as the
+/// kernel reads them.
+pub fn attention_tiles(cu_seq_lengths: &[u32], tiles: &mut Vec<u32>) {
+    tiles.clear();
+    for (seq, bounds) in cu_seq_lengths.windows(2).enumerate() {
+        let length = bounds[1] - bounds[0];
+        let mut first = 0;
+        while first < length {
+            tiles.extend([seq as u32, first]);
+            first += ATTENTION_QUERIES_PER_BLOCK;
+        }
+    }
+}
+
+/// Checks the head shape the attention kernel supports.
+pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
+    let reason = if !head_dim.is_multiple_of(32) || head_dim > ATTENTION_MAX_HEAD_DIM {
+        format!(
+            "head_dim {head_dim} is not supported by the CUDA attention kernel (a multiple of 32 up to {ATTENTION_MAX_HEAD_DIM}); use --device cpu"
+        )
+    } else if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
+        format!("{q_heads} query heads do not group evenly over {kv_heads} key/value heads")
+    } else {
+        return Ok(());
+    };
+    Err(Error::NoGpu { reason })
+}
+
+/// Splits blocks `0..=deepest` into `stages` contiguous ranges, one per GPU, so that the
+/// largest stage's weight bytes are as small as possible (blocks after the deepest kept one
+/// are never run, so never loaded). `block_bytes[b]` is block `b`'s weights.
+pub fn split_stages(block_bytes: &[u64], deepest: usize, stages: usize) -> Vec<Range<usize>> {
+    let blocks = &block_bytes[..=deepest.min(block_bytes.len().saturating_sub(1))];
+    let stages = stages.clamp(1, blocks.len().max(1));
+    // The smallest cap for which a greedy cut needs at most `stages` stages.
+    let fits = |cap: u64| {
+        let (mut used, mut count) = (0u64, 1usize);
+        for &b in blocks {
+            if b > cap {
+                return false;
+            }
+            if used + b > cap {
+                count += 1;
+                used = 0;
+            }
+            used += b;
+        }
+        count <= stages
+    };
+    let (mut low, mut high) = (
+        blocks.iter().copied().max().unwrap_or(0),
+        blocks.iter().sum::<u64>(),
+    );
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if fits(mid) {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let (mut start, mut used) = (0usize, 0u64);
+    for (b, &bytes) in blocks.iter().enumerate() {
+        // Cut when the cap would be passed, or when the blocks left are just enough to give
+        // every remaining stage one.
+        let stages_left = stages - ranges.len();
+        let blocks_left = blocks.len() - b;
+        if b > start && (used + bytes > low || blocks_left < stages_left) {
+            ranges.push(start..b);
+            start = b;
+            used = 0;
+        }
+        used += bytes;
+    }
+    ranges.push(start..blocks.len());
+    ranges
+}
+
+/// The shape that sizes a batch's activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Residual width.
+    pub hidden: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl Shape {
+    /// Device bytes of the activations of a batch of `tokens`, reused by every block: the f32
+    /// residual and the f32 GEMM output added to it, the bf16 normed input, fused QKV,
+    /// attention output, fused gate/up and SwiGLU output.
+    pub fn activation_bytes(&self, tokens: usize) -> u64 {
+        let qkv = (self.q_heads + 2 * self.kv_heads) * self.head_dim;
+        let per_token = 4 * self.hidden * 2
+            + 2 * (self.hidden + qkv + self.q_heads * self.head_dim + 3 * self.intermediate);
+        (per_token * tokens) as u64
+    }
+
+    /// The most tokens a batch may hold within `free_bytes` after the captured rows
+    /// (`capture_bytes_per_token`, f32, all kept layers) are set aside.
+    pub fn max_tokens(&self, free_bytes: u64, capture_bytes_per_token: u64) -> usize {
+        let per_token = self.activation_bytes(1) + capture_bytes_per_token;
+        usize::try_from(free_bytes / per_token.max(1)).unwrap_or(usize::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_cover_every_query_of_every_sequence_once() {
+        let mut tiles = Vec::new();
+        attention_tiles(&[0, 3, 20, 21], &mut tiles);
+        // 3 queries: one tile; 17 queries: three tiles (0, 8, 16); 1 query: one tile.
+        assert_eq!(tiles, [0, 0, 1, 0, 1, 8, 1, 16, 2, 0]);
+        let covered: u32 = tiles
+            .chunks(2)
+            .map(|t| {
+                let length = [3, 17, 1][t[0] as usize];
+                (length - t[1]).min(ATTENTION_QUERIES_PER_BLOCK)
+            })
+            .sum();
+        assert_eq!(covered, 21);
+    }
+
+    #[test]
+    fn head_shapes_outside_the_kernel_are_refused_by_value() {
+        check_heads(32, 8, 128).unwrap();
+        check_heads(9, 3, 64).unwrap();
+        let wide = check_heads(32, 8, 256).unwrap_err().to_string();
+        assert!(wide.contains("head_dim 256"), "{wide}");
+        assert!(check_heads(10, 4, 64).is_err());
+    }
+
+    #[test]
+    fn stages_are_contiguous_cover_the_blocks_up_to_the_deepest_and_balance_bytes() {
+        let blocks = vec![10u64; 32];
+        let stages = split_stages(&blocks, 31, 8);
+        assert_eq!(stages.len(), 8);
+        assert!(stages.iter().all(|r| r.len() == 4), "{stages:?}");
+        let partial = split_stages(&blocks, 14, 2);
+        assert_eq!(
+            partial,
+            [0..8, 8..15],
+            "blocks past the deepest kept one are not loaded"
+        );
+        let uneven = split_stages(&[50, 10, 10, 10, 10, 10], 5, 2);
+        assert_eq!(uneven, [0..1, 1..6]);
+        // A two-stage split on one device (the single-GPU pipeline test) and more GPUs than
+        // blocks.
+        assert_eq!(split_stages(&[1, 1, 1], 2, 2).len(), 2);
+        assert_eq!(split_stages(&[1, 1], 1, 8), [0..1, 1..2]);
+        for deepest in 0..32 {
+            for gpus in 1..=8 {
+                let stages = split_stages(&blocks, deepest, gpus);
+                assert_eq!(stages.first().map(|r| r.start), Some(0));
+                assert_eq!(stages.last().map(|r| r.end), Some(deepest + 1));
+                assert!(
+                    stages
+                        .windows(2)
+                        .all(|w| w[0].end == w[1].start && !w[1].is_empty())
+                );
+                assert_eq!(stages.len(), gpus.min(deepest + 1));
+            }
+        }
+    }
+
+    #[test]
+    fn activation_memory_of_an_8b_shape_batch_is_what_the_buffers_add_up_to() {
+        let llama_8b = Shape {
+            hidden: 4096,
+            intermediate: 14336,
+            q_heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        // Per token: 2 f32 hidden rows (32 KiB), bf16 normed 8 KiB, QKV 12 KiB, attention out
+        // 8 KiB, gate/up and SwiGLU 84 KiB.
+        assert_eq!(
+            llama_8b.activation_bytes(1),
+            32_768 + 8_192 + 12_288 + 8_192 + 86_016
+        );
+        let capture = 3 * 4096 * 4;
+        let tokens = llama_8b.max_tokens(8 << 30, capture as u64);
+        assert!(
+            llama_8b.activation_bytes(tokens) + (capture * tokens) as u64 <= 8 << 30,
+            "{tokens}"
+        );
+        assert!(
+            tokens > 40_000,
+            "8 GiB holds a batch of several thousand tokens: {tokens}"
+        );
+    }
+}
