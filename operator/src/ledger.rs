@@ -23,6 +23,7 @@ use tracing::{info, instrument};
 
 use crate::accounts::{self, Binding};
 use crate::error::{Error, Result};
+use crate::metrics::AccountUsage;
 use crate::reconcile::Context;
 
 /// The field manager of the operator's writes.
@@ -120,17 +121,32 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     let due = accounts::settlements(book.holds.iter().map(|(uid, h)| (uid, h.tokens)), &by_uid);
     for (uid, charged) in &due {
         book.settle(uid, *charged, now);
-        info!(job = %uid, charged, "hold settled");
     }
     let limits = account.spec.limits();
     status.store(&book, &limits, &BTreeMap::new(), now);
-    status.pending_jobs = mine.iter().filter(|j| accounts::is_pending(j)).count() as u32;
+    let status_pending = mine.iter().filter(|j| accounts::is_pending(j)).count() as u32;
+    status.pending_jobs = status_pending;
     if status != old {
         let mut updated = (*account).clone();
         updated.status = Some(status);
         let api: Api<HarvestAccount> = Api::all(ctx.client.clone());
         api.replace_status(&name, &post_params(), &updated).await?;
+        for (uid, charged) in &due {
+            info!(job = %uid, charged, "hold settled");
+        }
     }
+    ctx.metrics.account(
+        &name,
+        AccountUsage {
+            tokens: [
+                book.ledger.tokens_today,
+                book.ledger.tokens_month,
+                book.ledger.tokens_total,
+            ],
+            active: [book.ledger.active_small, book.ledger.active_large],
+            pending: status_pending,
+        },
+    );
     let until_midnight = now_ts
         .duration_until(Timestamp::from_millisecond(book.ledger.day.end().0).unwrap_or(now_ts));
     let wake = Duration::try_from(until_midnight)

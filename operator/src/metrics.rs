@@ -24,6 +24,34 @@ struct PhaseLabel {
     phase: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AccountLabel {
+    account: String,
+    window: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AccountLaneLabel {
+    account: String,
+    lane: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AccountName {
+    account: String,
+}
+
+/// What the account gauges show, from an account's stored status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccountUsage {
+    /// Tokens today, this month and in total (holds included).
+    pub tokens: [u64; 3],
+    /// Running jobs in the small and large lanes.
+    pub active: [u32; 2],
+    /// Jobs waiting for admission.
+    pub pending: u32,
+}
+
 /// The operator's metrics.
 #[derive(Clone)]
 pub struct Metrics {
@@ -33,6 +61,9 @@ pub struct Metrics {
     duration: Histogram,
     admission_wait: Histogram,
     jobs: Family<PhaseLabel, Gauge>,
+    account_tokens: Family<AccountLabel, Gauge>,
+    account_active: Family<AccountLaneLabel, Gauge>,
+    account_pending: Family<AccountName, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -66,6 +97,24 @@ impl Default for Metrics {
             admission_wait.clone(),
         );
         registry.register("jobs", "Jobs by phase", jobs.clone());
+        let account_tokens = Family::<AccountLabel, Gauge>::default();
+        let account_active = Family::<AccountLaneLabel, Gauge>::default();
+        let account_pending = Family::<AccountName, Gauge>::default();
+        registry.register(
+            "account_tokens",
+            "Tokens charged or held per account, by UTC window (today, month, total)",
+            account_tokens.clone(),
+        );
+        registry.register(
+            "account_active_jobs",
+            "Running jobs per account and lane",
+            account_active.clone(),
+        );
+        registry.register(
+            "account_pending_jobs",
+            "Jobs waiting for admission per account",
+            account_pending.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             reconciles,
@@ -73,6 +122,9 @@ impl Default for Metrics {
             duration,
             admission_wait,
             jobs,
+            account_tokens,
+            account_active,
+            account_pending,
         }
     }
 }
@@ -108,6 +160,34 @@ impl Metrics {
     /// Records how long a job waited for admission.
     pub fn admitted(&self, waited_seconds: f64) {
         self.admission_wait.observe(waited_seconds.max(0.0));
+    }
+
+    /// Records an account's books as they were just written.
+    pub fn account(&self, account: &str, usage: AccountUsage) {
+        for (window, tokens) in ["today", "month", "total"].into_iter().zip(usage.tokens) {
+            let label = AccountLabel {
+                account: account.to_owned(),
+                window,
+            };
+            self.account_tokens
+                .get_or_create(&label)
+                .set(i64::try_from(tokens).unwrap_or(i64::MAX));
+        }
+        for (lane, active) in ["small", "large"].into_iter().zip(usage.active) {
+            let label = AccountLaneLabel {
+                account: account.to_owned(),
+                lane,
+            };
+            self.account_active
+                .get_or_create(&label)
+                .set(i64::from(active));
+        }
+        let label = AccountName {
+            account: account.to_owned(),
+        };
+        self.account_pending
+            .get_or_create(&label)
+            .set(i64::from(usage.pending));
     }
 
     /// The text exposition, with the jobs-by-phase gauge taken from the cache now.
@@ -167,5 +247,44 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, jobs: Store<HarvestJ
             );
             let _ = stream.write_all(response.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn metrics_are_served_over_http_with_the_account_gauges() {
+        let metrics = Metrics::default();
+        metrics.account(
+            "team-a",
+            AccountUsage {
+                tokens: [300, 900, 5_000],
+                active: [2, 0],
+                pending: 4,
+            },
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (jobs, _writer) = kube::runtime::reflector::store::<HarvestJob>();
+        let server = tokio::spawn(serve(listener, metrics, jobs));
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        server.abort();
+        assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+        for line in [
+            "harvest_operator_account_tokens{account=\"team-a\",window=\"month\"} 900",
+            "harvest_operator_account_active_jobs{account=\"team-a\",lane=\"small\"} 2",
+            "harvest_operator_account_pending_jobs{account=\"team-a\"} 4",
+            "harvest_operator_jobs{phase=\"Running\"} 0",
+        ] {
+            assert!(response.contains(line), "missing {line}:\n{response}");
+        }
     }
 }
