@@ -1,6 +1,7 @@
-//! `harvester bench`: forward-pass throughput of the CPU engine on a fixed corpus of token ids,
-//! next to the throughput of a plain f32 GEMM of the same library on the model's largest
-//! projection shape (the practical ceiling). `scripts/bench_cpu.py` runs it beside PyTorch.
+//! `harvester bench`: forward-pass throughput of an engine on a fixed corpus of token ids, next
+//! to the throughput of a plain GEMM on the model's largest projection shape (the practical
+//! ceiling): f32 `gemm` for the CPU, bf16 cuBLAS for CUDA. Weight loading is timed too.
+//! `scripts/bench_cpu.py` runs the CPU engine beside PyTorch; `scripts/gpu-check.sh` runs CUDA.
 
 use std::path::Path;
 use std::time::Instant;
@@ -11,9 +12,11 @@ use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
-use crate::backend::{Backend, Batch, Captured};
+use crate::backend::cuda::DeviceChoice;
+use crate::backend::cuda::forward::CudaBackend;
+use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
+use crate::model::{LlamaWeights, ModelConfig};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -26,6 +29,8 @@ pub struct BenchConfig<'a> {
     pub layers: LayerSelection,
     /// Tokens per forward batch.
     pub batch_tokens: usize,
+    /// The engine.
+    pub device: DeviceChoice,
 }
 
 /// The figures, as printed (JSON).
@@ -53,6 +58,12 @@ pub struct BenchReport {
     pub fraction_of_gemm: f64,
     /// The GEMM shape measured, `[m, n, k]`.
     pub gemm_shape: [usize; 3],
+    /// Seconds to read the checkpoint and hand the weights to the engine.
+    pub load_seconds: f64,
+    /// The loaded weights at 2 bytes a parameter (bf16, as the GPU holds them).
+    pub weight_bytes_bf16: u64,
+    /// `weight_bytes_bf16 / load_seconds`, GB/s.
+    pub load_gb_per_s: f64,
 }
 
 /// FLOP of one forward pass over `lengths`, counting matrix products and attention (the causal
@@ -75,8 +86,33 @@ pub fn forward_flops(config: &ModelConfig, lengths: &[usize], blocks: usize) -> 
 
 /// Runs the benchmark: one warm-up pass over the first batch, then every batch timed.
 pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
-    let mut backend = CpuBackend::load(config.model, &config.layers, None)?;
-    let model_config = backend.weights().config.clone();
+    let load_start = Instant::now();
+    let model_config = ModelConfig::from_file(&config.model.join("config.json"))?;
+    let layers = config.layers.resolve(model_config.num_layers)?;
+    let weights = LlamaWeights::load(config.model, Some(layers.deepest() + 1))?;
+    let parameters = weights.embed.len()
+        + weights
+            .blocks
+            .iter()
+            .map(|b| {
+                b.attn_norm.len()
+                    + b.qkv.len()
+                    + b.o.len()
+                    + b.mlp_norm.len()
+                    + b.gate_up.len()
+                    + b.down.len()
+            })
+            .sum::<usize>();
+    let spec = CaptureSpec {
+        layers,
+        directions: None,
+    };
+    let mut backend: Box<dyn Backend> = match config.device {
+        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
+        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+    };
+    let load_seconds = load_start.elapsed().as_secs_f64();
+    let weight_bytes_bf16 = 2 * parameters as u64;
     let blocks = backend.spec().layers.deepest() + 1;
     if config.prompts.is_empty() {
         return Err(Error::InvalidBatch {
@@ -99,7 +135,12 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let gemm_gflops = gemm_rate(gemm_shape);
+    let gemm_gflops = match config.device {
+        DeviceChoice::Cuda(ordinal) => {
+            crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?
+        }
+        DeviceChoice::Cpu | DeviceChoice::Auto => gemm_rate(gemm_shape),
+    };
     Ok(BenchReport {
         engine: backend.name(),
         threads: rayon::current_num_threads(),
@@ -112,6 +153,9 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         gemm_gflops,
         fraction_of_gemm: gflops / gemm_gflops,
         gemm_shape,
+        load_seconds,
+        weight_bytes_bf16,
+        load_gb_per_s: weight_bytes_bf16 as f64 / load_seconds / 1e9,
     })
 }
 

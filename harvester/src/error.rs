@@ -12,13 +12,11 @@ pub enum Error {
         /// What is missing and what to do.
         reason: String,
     },
-    /// `--device cuda` was asked for, but this build has no CUDA forward pass yet.
-    #[error(
-        "cuda:{device} is present, but this build's CUDA forward pass is not written yet: use --device cpu"
-    )]
-    CudaNotBuilt {
-        /// The device asked for.
-        device: usize,
+    /// The model uses something the CUDA backend does not implement yet.
+    #[error("the CUDA backend does not support {reason} yet: use --device cpu for this model")]
+    CudaUnsupported {
+        /// What it uses.
+        reason: String,
     },
     /// A CUDA kernel did not compile. This is a bug in the kernel source.
     #[error("compiling the CUDA kernels with NVRTC: {log}")]
@@ -230,7 +228,7 @@ impl Error {
             | Self::Prompts { .. }
             | Self::Plan(_)
             | Self::ForeignOutput { .. }
-            | Self::CudaNotBuilt { .. } => "bad_input",
+            | Self::CudaUnsupported { .. } => "bad_input",
             // A node without a usable GPU: another node may have one.
             Self::Io { .. } | Self::Store { .. } | Self::Json { .. } | Self::NoGpu { .. } => {
                 "infrastructure"

@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod compare;
 pub mod dtype;
 pub mod error;
 pub mod gguf;

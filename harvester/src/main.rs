@@ -77,6 +77,20 @@ enum Command {
         /// Tokens per forward batch.
         #[arg(long, default_value_t = 4096)]
         batch_tokens: usize,
+        /// The engine: cpu, cuda or cuda:N (auto picks the CPU, as `run` does).
+        #[arg(long, default_value = "cpu")]
+        device: harvester::backend::cuda::DeviceChoice,
+    },
+    /// Compare two local harvests of the same plan: token ids, and each token row's relative
+    /// error; prints JSON, and fails when ids differ or an error exceeds --max-relative-error.
+    Compare {
+        /// The reference output directory (say, the CPU run).
+        reference: PathBuf,
+        /// The output directory to check.
+        candidate: PathBuf,
+        /// The largest per-token relative error allowed.
+        #[arg(long, default_value_t = 1e-2)]
+        max_relative_error: f64,
     },
 }
 
@@ -121,8 +135,8 @@ struct RunArgs {
     /// Write a summary of at most 4 KiB here at exit (a Kubernetes termination message).
     #[arg(long)]
     termination_log: Option<PathBuf>,
-    /// Where the forward pass runs: auto, cpu, cuda or cuda:N. This build runs on the CPU; the
-    /// CUDA forward pass is not written yet, so `cuda` stops with a message saying so.
+    /// Where the forward pass runs: auto, cpu, cuda or cuda:N. `auto` runs on the CPU until the
+    /// CUDA backend has passed its GPU check; `cuda` runs it.
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
 }
@@ -157,13 +171,16 @@ fn run_job(args: &RunArgs) -> ExitCode {
         .raw_plan()
         .map_err(|e| (harvester::error::EXIT_BAD_INPUT, format!("{e:#}"), None))
         .and_then(|raw| {
-            let plan = harvester::backend::cuda::select(args.device)
-                .and_then(|_| HarvestPlan::try_from(raw).map_err(harvester::Error::from));
-            let options = RunOptions {
-                progress: args.progress,
-                model_name: args.model_name.clone(),
-            };
-            plan.and_then(|plan| harvester::pipeline::run(&plan, &options))
+            harvester::backend::cuda::select(args.device)
+                .and_then(|device| {
+                    let plan = HarvestPlan::try_from(raw)?;
+                    let options = RunOptions {
+                        progress: args.progress,
+                        model_name: args.model_name.clone(),
+                        device,
+                    };
+                    harvester::pipeline::run(&plan, &options)
+                })
                 .map_err(|e| (e.exit_code(), e.to_string(), Some(e)))
         });
     let message = match &outcome {
@@ -247,7 +264,9 @@ fn main() -> anyhow::Result<ExitCode> {
             prompts,
             layers,
             batch_tokens,
+            device,
         } => {
+            let device = harvester::backend::cuda::select(device)?;
             let prompts = match (ids, prompts) {
                 (Some(ids), _) => {
                     let text = std::fs::read_to_string(&ids)
@@ -267,8 +286,27 @@ fn main() -> anyhow::Result<ExitCode> {
                 prompts,
                 layers,
                 batch_tokens,
+                device,
             })?;
             print_out(&format!("{}\n", serde_json::to_string(&report)?));
+        }
+        Command::Compare {
+            reference,
+            candidate,
+            max_relative_error,
+        } => {
+            let report = harvester::compare::compare(&reference, &candidate)?;
+            print_out(&format!("{}\n", serde_json::to_string(&report)?));
+            if report.prompts == 0 {
+                anyhow::bail!("{} holds no shards to compare", reference.display());
+            }
+            if report.token_mismatches > 0 || report.max_relative_error > max_relative_error {
+                anyhow::bail!(
+                    "the harvests differ: {} prompt(s) with other token ids, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
+                    report.token_mismatches,
+                    report.max_relative_error
+                );
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -55,6 +55,7 @@ fn options() -> RunOptions {
     RunOptions {
         progress: ProgressMode::Off,
         model_name: None,
+        device: harvester::backend::cuda::DeviceChoice::Cpu,
     }
 }
 

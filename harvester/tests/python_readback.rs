@@ -56,6 +56,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
         &RunOptions {
             progress: ProgressMode::Off,
             model_name: None,
+            device: harvester::backend::cuda::DeviceChoice::Cpu,
         },
     )
     .unwrap();

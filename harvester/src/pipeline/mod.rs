@@ -40,6 +40,8 @@ use self::result::{RunResult, Timings};
 use self::shard::{ShardAssembly, ShardRecord};
 use self::store::Store;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::DeviceChoice;
+use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
 use crate::model::{LlamaWeights, ModelConfig};
@@ -67,6 +69,8 @@ pub struct RunOptions {
     pub progress: ProgressMode,
     /// The model's name for the manifest (default: the checkpoint directory's name).
     pub model_name: Option<String>,
+    /// Where the forward pass runs, as [`crate::backend::cuda::select`] resolved it.
+    pub device: DeviceChoice,
 }
 
 struct Job<'a> {
@@ -202,13 +206,14 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .as_ref()
         .map_or(config.hidden_size, Directions::count);
     let weights = LlamaWeights::load(&plan.model, Some(layers.deepest() + 1))?;
-    let backend = CpuBackend::new(
-        weights,
-        CaptureSpec {
-            layers: layers.clone(),
-            directions,
-        },
-    )?;
+    let spec = CaptureSpec {
+        layers: layers.clone(),
+        directions,
+    };
+    let backend: Box<dyn Backend> = match options.device {
+        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
+        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+    };
     let load_s = load_start.elapsed().as_secs_f64();
 
     let job = Job {
@@ -301,7 +306,7 @@ struct StageOutcome {
 /// Runs forward, assembly and upload concurrently; the first real error wins.
 fn run_stages(
     job: &Job<'_>,
-    backend: CpuBackend,
+    backend: Box<dyn Backend>,
     resumed: &BTreeMap<usize, ShardRecord>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
@@ -353,7 +358,7 @@ fn root_cause(errors: [Option<Error>; 3]) -> Error {
 
 fn forward_stage(
     job: &Job<'_>,
-    mut backend: CpuBackend,
+    mut backend: Box<dyn Backend>,
     resumed: &BTreeMap<usize, ShardRecord>,
     tx: SyncSender<ForwardOutput>,
     free: Receiver<Captured>,

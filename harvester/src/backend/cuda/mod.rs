@@ -1,14 +1,16 @@
-//! The CUDA backend (issue 7), built as far as can be checked without a GPU: the NVRTC kernels
-//! (`kernels.cu`, compiled in tests wherever libnvrtc is present), the host-side plans (attention
-//! tiles, pipeline stages, activation memory) and the probe that turns a missing driver or
-//! device into a clear error instead of cudarc's panic. The forward pass that drives them
-//! (weights in bf16, cuBLAS GEMMs, capture through pinned memory) is not written yet; selecting
-//! `--device cuda` says so.
+//! The CUDA backend (issue 7). Checked without a GPU: the NVRTC kernels (`kernels.cu`, compiled
+//! in a test wherever libnvrtc is present), the host-side plans (attention tiles, pipeline
+//! stages, activation memory), and the probe that turns a missing driver or device into a clear
+//! error instead of cudarc's panic. The forward pass (`forward`: bf16 weights, cuBLAS GEMMs,
+//! the kernels) compiles but has NOT yet run on a GPU; `scripts/gpu-check.sh` is the check.
 //!
 //! ```text
-//! probe (libcuda present? devices?) ─► kernels::compile (NVRTC, once) ─► plan (tiles, stages, memory)
+//! probe (libcuda? device N?) ─► kernels::compile (NVRTC, once) ─► forward: upload bf16 weights,
+//!   per batch: embed → [rms_norm → QKV GEMM → rope → attention → O GEMM (+= x)
+//!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x) → capture] → copy back
 //! ```
 
+pub mod forward;
 pub mod kernels;
 pub mod plan;
 
@@ -105,14 +107,15 @@ pub fn resolve(choice: DeviceChoice) -> Result<DeviceChoice> {
     }
 }
 
-/// The device a run uses in this build. The CUDA forward pass is not written yet, so `auto`
-/// runs on the CPU (saying so when a GPU is present) and `cuda[:N]` is refused after its probe.
+/// The device a run uses. The CUDA forward pass has not yet been checked on a GPU, so `auto`
+/// runs on the CPU (saying so when a GPU is present); `cuda[:N]` runs on that GPU once its
+/// probe passes.
 pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
     match (choice, resolve(choice)?) {
-        (DeviceChoice::Cuda(device), _) => Err(Error::CudaNotBuilt { device }),
+        (DeviceChoice::Cuda(device), _) => Ok(DeviceChoice::Cuda(device)),
         (_, DeviceChoice::Cuda(_)) => {
             tracing::warn!(
-                "a GPU is present, but this build's CUDA forward pass is not written yet: running on the CPU"
+                "a GPU is present, but the CUDA backend has not passed its GPU check yet: running on the CPU; pass --device cuda to use it"
             );
             Ok(DeviceChoice::Cpu)
         }

@@ -1,0 +1,144 @@
+//! `harvester compare A B`: two harvests of the same plan agree — the same token ids for every
+//! prompt, and every token's captured row within a relative error (`‖a − b‖ / ‖a‖`). This is
+//! how a new backend is checked against the CPU reference (`scripts/gpu-check.sh`).
+
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+use serde::Serialize;
+
+use crate::dtype;
+use crate::error::{Error, Result};
+
+/// What the comparison found.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Comparison {
+    /// Prompts compared.
+    pub prompts: usize,
+    /// Token rows compared (tokens × kept layers).
+    pub rows: usize,
+    /// Prompts whose token ids differ.
+    pub token_mismatches: usize,
+    /// The largest per-row relative error.
+    pub max_relative_error: f64,
+    /// The mean per-row relative error.
+    pub mean_relative_error: f64,
+}
+
+fn values(view: &safetensors::tensor::TensorView<'_>, out: &mut Vec<f32>) -> Result<()> {
+    out.clear();
+    match view.dtype() {
+        Dtype::BF16 => dtype::extend_from_bf16(out, view.data()),
+        Dtype::F32 => dtype::extend_from_f32(out, view.data()),
+        other => {
+            return Err(Error::InvalidBatch {
+                reason: format!("a captured tensor has dtype {other:?}, not bf16 or f32"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    std::fs::read(&path).map_err(|e| Error::io("reading", path, e))
+}
+
+fn parse<'a>(bytes: &'a [u8], dir: &Path, name: &str) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(bytes).map_err(|e| Error::CorruptSafetensors {
+        path: dir.join(name),
+        reason: e.to_string(),
+    })
+}
+
+/// Compares the shards of two local output directories.
+pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
+    let mut names: Vec<String> = std::fs::read_dir(a)
+        .map_err(|e| Error::io("listing", a, e))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("shard_") && n.ends_with(".safetensors"))
+        .collect();
+    names.sort();
+    let mut report = Comparison::default();
+    let (mut left, mut right) = (Vec::new(), Vec::new());
+    let mut error_sum = 0.0;
+    for name in &names {
+        let (bytes_a, bytes_b) = (read(a, name)?, read(b, name)?);
+        let (shard_a, shard_b) = (parse(&bytes_a, a, name)?, parse(&bytes_b, b, name)?);
+        for (tensor, view_a) in shard_a.tensors() {
+            let view_b = shard_b.tensor(&tensor).map_err(|_| Error::MissingTensor {
+                name: format!("{tensor} of {name}"),
+                dir: b.to_owned(),
+            })?;
+            if tensor.starts_with("tokens_") {
+                report.prompts += 1;
+                if view_a.data() != view_b.data() {
+                    report.token_mismatches += 1;
+                }
+                continue;
+            }
+            values(&view_a, &mut left)?;
+            values(&view_b, &mut right)?;
+            let width = view_a.shape().last().copied().unwrap_or(1).max(1);
+            if left.len() != right.len() {
+                report.token_mismatches += 1;
+                continue;
+            }
+            for (row_a, row_b) in left.chunks(width).zip(right.chunks(width)) {
+                let (mut diff, mut norm) = (0.0f64, 0.0f64);
+                for (&x, &y) in row_a.iter().zip(row_b) {
+                    diff += f64::from(x - y).powi(2);
+                    norm += f64::from(x).powi(2);
+                }
+                let error = diff.sqrt() / norm.sqrt().max(1e-12);
+                report.max_relative_error = report.max_relative_error.max(error);
+                error_sum += error;
+                report.rows += 1;
+            }
+        }
+    }
+    if report.rows > 0 {
+        report.mean_relative_error = error_sum / report.rows as f64;
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn shard(dir: &Path, rows: &[f32], tokens: &[i32]) {
+        std::fs::create_dir_all(dir).unwrap();
+        let data: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ids: Vec<u8> = tokens.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let prompt = TensorView::new(Dtype::F32, vec![1, tokens.len(), 2], &data).unwrap();
+        let ids = TensorView::new(Dtype::I32, vec![tokens.len()], &ids).unwrap();
+        let bytes =
+            safetensors::serialize([("prompt_0", prompt), ("tokens_0", ids)], None).unwrap();
+        std::fs::write(dir.join("shard_00000.safetensors"), bytes).unwrap();
+    }
+
+    #[test]
+    fn identical_harvests_agree_and_a_changed_row_or_token_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            dir.path().join("a"),
+            dir.path().join("b"),
+            dir.path().join("c"),
+        );
+        shard(&a, &[3.0, 4.0, 1.0, 0.0], &[1, 2]);
+        shard(&b, &[3.0, 4.0, 1.0, 0.0], &[1, 2]);
+        shard(&c, &[3.0, 4.5, 1.0, 0.0], &[1, 3]);
+        let same = compare(&a, &b).unwrap();
+        assert_eq!((same.prompts, same.rows, same.token_mismatches), (1, 2, 0));
+        assert_eq!(same.max_relative_error, 0.0);
+        let differs = compare(&a, &c).unwrap();
+        assert_eq!(differs.token_mismatches, 1);
+        // Row [3, 4] against [3, 4.5]: 0.5 / 5.
+        assert!(
+            (differs.max_relative_error - 0.1).abs() < 1e-9,
+            "{differs:?}"
+        );
+    }
+}
