@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on a GPU machine (issue 7), a few minutes in all. The GPU machine has
-# no Rust toolchain and no network: build here and carry the binary and the model over (strip
-# the binary: about 15 MB stripped against 90 MB with line tables).
+# no Rust toolchain and no network: build here and carry the stripped binary (about 15 MB) and
+# a tokenizer (SmolLM2's checkpoint, 270 MB, is larger than a device run may carry; with only
+# its tokenizer files the parity model is a SmolLM2-shaped one with random weights).
 #   cargo build --release -p harvester && strip -o harvester-gpu target/release/harvester
-#   scripts/gpu-check.sh ./harvester-gpu ~/.cache/harvest/models/smollm2-135m
+#   scripts/gpu-check.sh ./harvester-gpu DIR
+# DIR holds tokenizer.json and tokenizer_config.json, and model.safetensors if it is a real
+# checkpoint to use for parity.
 # 1. Parity: the parity prompts harvested on the CPU and on CUDA (every layer); token ids must
 #    be identical and every token row within 1e-2 relative error (`harvester compare`).
-# 2. Throughput: `harvester bench` on 64 prompts of 512 tokens, 3 layers and all layers:
-#    tokens/s, the fraction of the bf16 GEMM rate measured in the same run, weight-load GB/s.
-# DEVICE=cpu runs the same steps on the CPU (how the script itself is checked without a GPU).
+# 2. Throughput: `harvester bench` on 64 prompts of 512 tokens of an 8B-shaped model with random
+#    bf16 weights (made here by `harvester synth-model`), 3 layers and all layers: tokens/s,
+#    the fraction of the bf16 GEMM rate measured in the same run, and weight-load GB/s.
+# DEVICE=cpu BENCH_SHAPE=smollm2-135m runs the same steps on a small CPU machine (how the script
+# itself is checked without a GPU).
 set -euo pipefail
-usage="usage: scripts/gpu-check.sh HARVESTER MODEL_DIR"
+usage="usage: scripts/gpu-check.sh HARVESTER DIR"
 harvester=${1:?$usage}
-model=${2:?$usage}
+dir=${2:?$usage}
 device=${DEVICE:-cuda}
+bench_shape=${BENCH_SHAPE:-llama-8b}
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-echo "== parity: cpu against $device"
-for engine in cpu "$device"; do
-  "$harvester" run --device "$engine" --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
-    --layers all --shard-size 4 --progress off --out "$work/$engine-out" >/dev/null
-done
-"$harvester" compare "$work/cpu-out" "$work/$device-out" --max-relative-error 1e-2
+model=$dir
+if [ ! -f "$dir/model.safetensors" ]; then
+  model=$work/smollm2-shaped
+  "$harvester" synth-model --shape smollm2-135m --out "$model" --tokenizer-from "$dir"
+fi
+echo "== parity on $model: cpu against $device"
+"$harvester" run --device cpu --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
+  --layers all --shard-size 4 --progress off --out "$work/reference" >/dev/null
+"$harvester" run --device "$device" --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
+  --layers all --shard-size 4 --progress off --out "$work/candidate" >/dev/null
+"$harvester" compare "$work/reference" "$work/candidate" --max-relative-error 1e-2
 
-echo "== throughput on $device"
+echo "== throughput of a $bench_shape-shaped model on $device"
+"$harvester" synth-model --shape "$bench_shape" --out "$work/bench-model"
 python3 -c 'import json, random; random.seed(7); print(json.dumps([[random.randrange(1, 40000) for _ in range(512)] for _ in range(64)]))' >"$work/ids.json"
-layers_in_model=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$model/config.json")
-three="$((layers_in_model / 4)),$((layers_in_model / 2)),$((3 * layers_in_model / 4))"
+blocks=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$work/bench-model/config.json")
+three="$((blocks / 4)),$((blocks / 2)),$((3 * blocks / 4))"
 for layers in "$three" all; do
-  "$harvester" bench --device "$device" --model "$model" --ids "$work/ids.json" --layers "$layers" --batch-tokens 8192
+  "$harvester" bench --device "$device" --model "$work/bench-model" --ids "$work/ids.json" \
+    --layers "$layers" --batch-tokens 8192
 done

@@ -19,6 +19,8 @@ pub struct Comparison {
     pub rows: usize,
     /// Prompts whose token ids differ.
     pub token_mismatches: usize,
+    /// Rows holding a NaN or infinity on either side (never counted as agreeing).
+    pub non_finite_rows: usize,
     /// The largest per-row relative error.
     pub max_relative_error: f64,
     /// The mean per-row relative error.
@@ -91,9 +93,13 @@ pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
                     norm += f64::from(x).powi(2);
                 }
                 let error = diff.sqrt() / norm.sqrt().max(1e-12);
+                report.rows += 1;
+                if !error.is_finite() || !row_b.iter().all(|v| v.is_finite()) {
+                    report.non_finite_rows += 1;
+                    continue;
+                }
                 report.max_relative_error = report.max_relative_error.max(error);
                 error_sum += error;
-                report.rows += 1;
             }
         }
     }
@@ -130,6 +136,13 @@ mod tests {
         shard(&a, &[3.0, 4.0, 1.0, 0.0], &[1, 2]);
         shard(&b, &[3.0, 4.0, 1.0, 0.0], &[1, 2]);
         shard(&c, &[3.0, 4.5, 1.0, 0.0], &[1, 3]);
+        let d = dir.path().join("d");
+        shard(&d, &[3.0, f32::NAN, 1.0, 0.0], &[1, 2]);
+        assert_eq!(
+            compare(&a, &d).unwrap().non_finite_rows,
+            1,
+            "a NaN never agrees"
+        );
         let same = compare(&a, &b).unwrap();
         assert_eq!((same.prompts, same.rows, same.token_mismatches), (1, 2, 0));
         assert_eq!(same.max_relative_error, 0.0);

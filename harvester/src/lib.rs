@@ -19,6 +19,7 @@ pub mod model;
 pub mod pipeline;
 pub mod probe;
 pub mod projection;
+pub mod synth;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -81,6 +81,23 @@ enum Command {
         #[arg(long, default_value = "cpu")]
         device: harvester::backend::cuda::DeviceChoice,
     },
+    /// Write a Llama checkpoint of a named shape with seeded random bf16 weights, for benchmarks
+    /// and backend checks where a real checkpoint cannot be brought.
+    SynthModel {
+        /// The shape: llama-8b or smollm2-135m.
+        #[arg(long)]
+        shape: String,
+        /// The checkpoint directory to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// The seed of the weights.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Copy tokenizer.json and tokenizer_config.json from this checkpoint, so `run` can
+        /// tokenize prompts (the vocabularies must match).
+        #[arg(long)]
+        tokenizer_from: Option<PathBuf>,
+    },
     /// Compare two local harvests of the same plan: token ids, and each token row's relative
     /// error; prints JSON, and fails when ids differ or an error exceeds --max-relative-error.
     Compare {
@@ -290,6 +307,27 @@ fn main() -> anyhow::Result<ExitCode> {
             })?;
             print_out(&format!("{}\n", serde_json::to_string(&report)?));
         }
+        Command::SynthModel {
+            shape,
+            out,
+            seed,
+            tokenizer_from,
+        } => {
+            let Some(preset) = harvester::synth::Shape::named(&shape) else {
+                anyhow::bail!("unknown shape {shape:?}: use llama-8b or smollm2-135m");
+            };
+            let bytes = harvester::synth::write(preset, &out, seed)?;
+            if let Some(from) = tokenizer_from {
+                for name in ["tokenizer.json", "tokenizer_config.json"] {
+                    std::fs::copy(from.join(name), out.join(name))
+                        .with_context(|| format!("copying {name} from {}", from.display()))?;
+                }
+            }
+            print_out(&format!(
+                "{}\n",
+                serde_json::json!({"model": out, "shape": shape, "weight_bytes": bytes})
+            ));
+        }
         Command::Compare {
             reference,
             candidate,
@@ -300,10 +338,14 @@ fn main() -> anyhow::Result<ExitCode> {
             if report.prompts == 0 {
                 anyhow::bail!("{} holds no shards to compare", reference.display());
             }
-            if report.token_mismatches > 0 || report.max_relative_error > max_relative_error {
+            if report.token_mismatches > 0
+                || report.non_finite_rows > 0
+                || report.max_relative_error > max_relative_error
+            {
                 anyhow::bail!(
-                    "the harvests differ: {} prompt(s) with other token ids, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
+                    "the harvests differ: {} prompt(s) with other token ids, {} row(s) with NaN or infinity, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
                     report.token_mismatches,
+                    report.non_finite_rows,
                     report.max_relative_error
                 );
             }

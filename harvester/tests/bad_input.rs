@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::TinyModel;
+use common::{WriteTiny, tiny_model};
 use harvest_core::LayerSelection;
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -16,7 +16,7 @@ use harvester::tokenizer::PromptTokenizer;
 
 fn tiny() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    TinyModel::default().write(dir.path(), 9);
+    tiny_model().write(dir.path(), 9);
     dir
 }
 
@@ -112,7 +112,7 @@ fn an_unsupported_dtype_is_named() {
         &dir.path().join("model.safetensors"),
     )
     .unwrap();
-    TinyModel::default().write(&dir.path().join("unused"), 0);
+    tiny_model().write(&dir.path().join("unused"), 0);
     std::fs::copy(
         dir.path().join("unused/config.json"),
         dir.path().join("config.json"),

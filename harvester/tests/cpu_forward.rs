@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{TinyModel, capture, worst_relative_error};
+use common::{Shape, WriteTiny, capture, tiny_model, worst_relative_error};
 use harvest_core::LayerSelection;
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -21,7 +21,7 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-fn tiny(model: &TinyModel, seed: u64) -> tempfile::TempDir {
+fn tiny(model: &Shape, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     model.write(dir.path(), seed);
     dir
@@ -29,7 +29,7 @@ fn tiny(model: &TinyModel, seed: u64) -> tempfile::TempDir {
 
 #[test]
 fn stopping_early_gives_the_same_block_output_as_running_every_block() {
-    let dir = tiny(&TinyModel::default(), 1);
+    let dir = tiny(&tiny_model(), 1);
     let all = capture(dir.path(), &LayerSelection::All, &prompts());
     let first = capture(dir.path(), &LayerSelection::Explicit(vec![0]), &prompts());
     assert_eq!(all.layers, 3);
@@ -41,7 +41,7 @@ fn stopping_early_gives_the_same_block_output_as_running_every_block() {
 
 #[test]
 fn a_prompt_gives_the_same_activations_alone_as_packed_with_others() {
-    let dir = tiny(&TinyModel::default(), 2);
+    let dir = tiny(&tiny_model(), 2);
     let prompts = prompts();
     let packed = capture(dir.path(), &LayerSelection::All, &prompts);
     let mut offset = 0;
@@ -62,7 +62,7 @@ fn a_prompt_gives_the_same_activations_alone_as_packed_with_others() {
 
 #[test]
 fn later_tokens_never_change_earlier_activations() {
-    let dir = tiny(&TinyModel::default(), 3);
+    let dir = tiny(&tiny_model(), 3);
     let long: Vec<u32> = (0..100).map(|i| (i * 13 % 64) as u32).collect();
     let full = capture(
         dir.path(),
@@ -77,9 +77,9 @@ fn later_tokens_never_change_earlier_activations() {
 #[test]
 fn grouped_query_layouts_from_multi_head_to_single_kv_head_all_run() {
     for kv_heads in [1, 2, 4] {
-        let model = TinyModel {
+        let model = Shape {
             kv_heads,
-            ..TinyModel::default()
+            ..tiny_model()
         };
         let dir = tiny(&model, 4);
         let out = capture(dir.path(), &LayerSelection::Quartiles, &prompts());
@@ -95,7 +95,7 @@ fn grouped_query_layouts_from_multi_head_to_single_kv_head_all_run() {
 
 #[test]
 fn projections_equal_activations_times_unit_directions() {
-    let dir = tiny(&TinyModel::default(), 5);
+    let dir = tiny(&tiny_model(), 5);
     let raw = capture(
         dir.path(),
         &LayerSelection::Explicit(vec![0, 2]),
@@ -137,7 +137,7 @@ fn projections_equal_activations_times_unit_directions() {
 
 #[test]
 fn reused_buffers_give_identical_results_across_batches_of_different_sizes() {
-    let dir = tiny(&TinyModel::default(), 6);
+    let dir = tiny(&tiny_model(), 6);
     let mut backend = CpuBackend::load(dir.path(), &LayerSelection::All, None).unwrap();
     let small = Batch::from_sequences(&[vec![4, 5, 6]]);
     let mut first = Captured::default();

@@ -30,6 +30,9 @@ use crate::reconcile::Context;
 const MANAGER: &str = "harvest-operator";
 /// How often an account is looked at with nothing changing (window roll-over, stale holds).
 const ACCOUNT_RESYNC: Duration = Duration::from_secs(60);
+/// How often an account with open holds is looked at: the job cache this controller reads can
+/// lag the job watch that woke it, so a job that just finished may not look finished yet.
+const HOLDS_RESYNC: Duration = Duration::from_secs(2);
 
 fn post_params() -> PostParams {
     PostParams {
@@ -149,9 +152,14 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     );
     let until_midnight = now_ts
         .duration_until(Timestamp::from_millisecond(book.ledger.day.end().0).unwrap_or(now_ts));
+    let resync = if book.holds.is_empty() {
+        ACCOUNT_RESYNC
+    } else {
+        HOLDS_RESYNC
+    };
     let wake = Duration::try_from(until_midnight)
-        .unwrap_or(ACCOUNT_RESYNC)
-        .min(ACCOUNT_RESYNC)
+        .unwrap_or(resync)
+        .min(resync)
         .max(Duration::from_secs(1));
     Ok(Requeue::requeue(wake))
 }

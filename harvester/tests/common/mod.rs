@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use harvest_core::LayerSelection;
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, Captured};
+pub use harvester::synth::Shape;
 use safetensors::{Dtype, SafeTensors};
 
 pub fn fixtures() -> PathBuf {
@@ -120,31 +121,26 @@ pub fn capture(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> C
     out
 }
 
-/// A tiny seeded random-weight Llama checkpoint, written to `dir`.
-pub struct TinyModel {
-    pub hidden: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub intermediate: usize,
-    pub vocab: usize,
-}
-
-impl Default for TinyModel {
-    fn default() -> Self {
-        Self {
-            hidden: 32,
-            layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            intermediate: 48,
-            vocab: 64,
-        }
+/// The tiny model shape the forward tests use.
+pub fn tiny_model() -> Shape {
+    Shape {
+        hidden: 32,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        intermediate: 48,
+        vocab: 64,
     }
 }
 
-impl TinyModel {
-    pub fn write(&self, dir: &Path, seed: u64) {
+/// Writes a tiny seeded random-weight Llama checkpoint in f32 (the forward tests' fixtures;
+/// `harvester synth-model` writes bf16 ones of real sizes).
+pub trait WriteTiny {
+    fn write(&self, dir: &Path, seed: u64);
+}
+
+impl WriteTiny for Shape {
+    fn write(&self, dir: &Path, seed: u64) {
         let mut state = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -159,33 +155,21 @@ impl TinyModel {
                 })
                 .collect()
         };
-        let head_dim = self.hidden / self.heads;
         let (h, i) = (self.hidden, self.intermediate);
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![(
-            "model.embed_tokens.weight".into(),
-            vec![self.vocab, h],
-            random(self.vocab * h, 1.0, 0.0),
-        )];
-        for l in 0..self.layers {
-            let p = |s: &str| format!("model.layers.{l}.{s}");
-            let q_rows = self.heads * head_dim;
-            let kv_rows = self.kv_heads * head_dim;
-            for (name, shape, offset) in [
-                (p("input_layernorm.weight"), vec![h], 1.0),
-                (p("post_attention_layernorm.weight"), vec![h], 1.0),
-                (p("self_attn.q_proj.weight"), vec![q_rows, h], 0.0),
-                (p("self_attn.k_proj.weight"), vec![kv_rows, h], 0.0),
-                (p("self_attn.v_proj.weight"), vec![kv_rows, h], 0.0),
-                (p("self_attn.o_proj.weight"), vec![h, q_rows], 0.0),
-                (p("mlp.gate_proj.weight"), vec![i, h], 0.0),
-                (p("mlp.up_proj.weight"), vec![i, h], 0.0),
-                (p("mlp.down_proj.weight"), vec![h, i], 0.0),
-            ] {
-                let n = shape.iter().product();
-                let scale = if offset == 1.0 { 0.1 } else { 0.3 };
-                tensors.push((name, shape, random(n, scale, offset)));
-            }
-        }
+        let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = harvester::synth::tensors(*self)
+            .into_iter()
+            .map(|(name, dims, norm)| {
+                let n = dims.iter().product();
+                // The embedding has unit scale; norms sit around 1, projections around 0.
+                let (scale, offset) = match (norm, name.as_str()) {
+                    (true, _) => (0.1, 1.0),
+                    (false, "model.embed_tokens.weight") => (1.0, 0.0),
+                    (false, _) => (0.3, 0.0),
+                };
+                let bytes = random(n, scale, offset);
+                (name, dims, bytes)
+            })
+            .collect();
         let views: Vec<_> = tensors
             .iter()
             .map(|(n, s, b)| {

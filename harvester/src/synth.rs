@@ -1,0 +1,213 @@
+//! `harvester synth-model`: a Llama checkpoint of a given shape with seeded random bf16
+//! weights, for benchmarks and backend checks where a real checkpoint cannot be brought
+//! (an 8B-shaped model for throughput; a SmolLM2-shaped one for CPU/GPU parity).
+//! The weights are uniform in ±√(3 / fan_in) (unit variance per output), norms are 1.
+
+use std::path::Path;
+
+use rayon::prelude::*;
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+
+use crate::error::{Error, Result};
+
+/// A model shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Residual width.
+    pub hidden: usize,
+    /// Decoder blocks.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+}
+
+impl Shape {
+    /// Llama 3 8B: 32 blocks, hidden 4096, GQA 32/8, MLP 14336, vocabulary 128256.
+    pub const LLAMA_8B: Self = Self {
+        hidden: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        intermediate: 14336,
+        vocab: 128_256,
+    };
+    /// SmolLM2-135M: 30 blocks, hidden 576, GQA 9/3, MLP 1536, vocabulary 49152.
+    pub const SMOLLM2_135M: Self = Self {
+        hidden: 576,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        intermediate: 1536,
+        vocab: 49_152,
+    };
+
+    /// A preset by name: `llama-8b` or `smollm2-135m`.
+    pub fn named(name: &str) -> Option<Self> {
+        match name {
+            "llama-8b" => Some(Self::LLAMA_8B),
+            "smollm2-135m" => Some(Self::SMOLLM2_135M),
+            _ => None,
+        }
+    }
+
+    /// Parameters, embedding included.
+    pub fn parameters(&self) -> u64 {
+        let head_dim = self.hidden / self.heads;
+        let attention = self.hidden * (self.heads + 2 * self.kv_heads) * head_dim
+            + self.heads * head_dim * self.hidden;
+        let block = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden;
+        (self.vocab * self.hidden + self.layers * block) as u64
+    }
+}
+
+/// `n` bf16 values uniform in `offset ± scale`, from `seed` (splitmix64 per 4096-value chunk,
+/// so chunks fill in parallel and the result does not depend on the thread count).
+fn random_bf16(n: usize, scale: f32, offset: f32, seed: u64) -> Vec<u8> {
+    let mut bytes = vec![0u8; 2 * n];
+    bytes
+        .par_chunks_mut(2 * 4096)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let mut state = seed ^ (chunk as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            for pair in out.chunks_exact_mut(2) {
+                state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                z ^= z >> 31;
+                let unit = (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                let value = half::bf16::from_f32(offset + scale * unit);
+                pair.copy_from_slice(&value.to_le_bytes());
+            }
+        });
+    bytes
+}
+
+/// Every tensor of a Llama checkpoint of `shape` that harvest loads, in Hugging Face naming:
+/// `(name, dims, is a norm weight)`.
+pub fn tensors(shape: Shape) -> Vec<(String, Vec<usize>, bool)> {
+    let (h, i) = (shape.hidden, shape.intermediate);
+    let head_dim = h / shape.heads.max(1);
+    let (q_rows, kv_rows) = (shape.heads * head_dim, shape.kv_heads * head_dim);
+    let mut specs = vec![(
+        "model.embed_tokens.weight".into(),
+        vec![shape.vocab, h],
+        false,
+    )];
+    for l in 0..shape.layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        specs.extend([
+            (p("input_layernorm.weight"), vec![h], true),
+            (p("post_attention_layernorm.weight"), vec![h], true),
+            (p("self_attn.q_proj.weight"), vec![q_rows, h], false),
+            (p("self_attn.k_proj.weight"), vec![kv_rows, h], false),
+            (p("self_attn.v_proj.weight"), vec![kv_rows, h], false),
+            (p("self_attn.o_proj.weight"), vec![h, q_rows], false),
+            (p("mlp.gate_proj.weight"), vec![i, h], false),
+            (p("mlp.up_proj.weight"), vec![i, h], false),
+            (p("mlp.down_proj.weight"), vec![h, i], false),
+        ]);
+    }
+    specs
+}
+
+/// Writes `config.json` and `model.safetensors` for `shape` into `dir`; returns the weight
+/// bytes written.
+pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
+    if shape.heads == 0
+        || !shape.hidden.is_multiple_of(shape.heads)
+        || !shape.heads.is_multiple_of(shape.kv_heads.max(1))
+    {
+        return Err(Error::BadConfig {
+            path: dir.join("config.json"),
+            reason: format!(
+                "{} query heads must divide hidden {} and be a multiple of {} key/value heads",
+                shape.heads, shape.hidden, shape.kv_heads
+            ),
+        });
+    }
+    let (h, i) = (shape.hidden, shape.intermediate);
+    let specs = tensors(shape);
+    let data: Vec<Vec<u8>> = specs
+        .iter()
+        .enumerate()
+        .map(|(index, (_, dims, norm))| {
+            let n: usize = dims.iter().product();
+            let fan_in = dims.last().copied().unwrap_or(1) as f32;
+            let (scale, offset) = if *norm {
+                (0.0, 1.0)
+            } else {
+                ((3.0 / fan_in).sqrt(), 0.0)
+            };
+            random_bf16(n, scale, offset, seed.wrapping_add(index as u64))
+        })
+        .collect();
+    let mut views = Vec::with_capacity(specs.len());
+    for ((name, dims, _), bytes) in specs.iter().zip(&data) {
+        let view =
+            TensorView::new(Dtype::BF16, dims.clone(), bytes).map_err(|e| Error::BadConfig {
+                path: dir.join("model.safetensors"),
+                reason: e.to_string(),
+            })?;
+        views.push((name.clone(), view));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", dir, e))?;
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &path).map_err(|e| Error::BadConfig {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": i, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "vocab_size": shape.vocab, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    });
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, config.to_string())
+        .map_err(|e| Error::io("writing", config_path, e))?;
+    Ok(data.iter().map(|d| d.len() as u64).sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LlamaWeights;
+
+    #[test]
+    fn a_synthetic_checkpoint_loads_with_its_shape_and_is_reproducible() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = Shape {
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 96,
+            vocab: 100,
+        };
+        let bytes = write(shape, dir.path(), 7).unwrap();
+        assert_eq!(bytes, 2 * shape.parameters());
+        let weights = LlamaWeights::load(dir.path(), None).unwrap();
+        assert_eq!(weights.blocks.len(), 2);
+        assert_eq!(weights.config.head_dim, 16);
+        assert!(weights.blocks[0].attn_norm.iter().all(|&w| w == 1.0));
+        let bound = (3.0f32 / 64.0).sqrt() * 1.01;
+        assert!(weights.blocks[1].qkv.iter().all(|w| w.abs() <= bound));
+        let again = tempfile::tempdir().unwrap();
+        write(shape, again.path(), 7).unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("model.safetensors")).unwrap(),
+            std::fs::read(again.path().join("model.safetensors")).unwrap()
+        );
+        // Llama 3 8B less its LM head and final norm, which harvest never loads.
+        assert_eq!(Shape::LLAMA_8B.parameters(), 7_504_920_576);
+    }
+}
