@@ -308,15 +308,22 @@ fn an_exhausted_budget_gives_rest_a_429_and_keeps_a_kubectl_job_waiting() {
             .patch("acme", &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .unwrap();
-        // Until this replica's cache has the new budget, a submit would pass the pre-check.
-        tokio::time::sleep(Duration::from_millis(500)).await;
     });
-    let (status, denied) = request(
-        "POST",
-        &format!("{}/v1/harvest", server.base),
-        &key,
-        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
-    );
+    // Until this replica's cache has the new budget a submit passes the pre-check (and its job
+    // waits in the queue), so ask until the 429 comes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (status, denied) = loop {
+        let (status, body) = request(
+            "POST",
+            &format!("{}/v1/harvest", server.base),
+            &key,
+            Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+        );
+        if status != 202 || std::time::Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert_eq!(
         (status, denied["error"]["code"].as_str()),
         (429, Some("budget_exceeded")),

@@ -12,7 +12,7 @@ use harvest_crds::{
 use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
 use harvest_operator::{OperatorConfig, Settings};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::oneshot;
@@ -171,12 +171,14 @@ impl Cluster {
         Api::namespaced(self.client.clone(), "default")
     }
 
-    /// Replaces the account's limits.
+    /// Changes the account's limits (a merge patch of the spec, as `kubectl patch` does, so the
+    /// operator's concurrent status writes cannot make it conflict).
     pub async fn set_account(&self, change: impl FnOnce(&mut HarvestAccountSpec)) {
         let api = Api::<HarvestAccount>::all(self.client.clone());
-        let mut account = api.get(ACCOUNT).await.unwrap();
-        change(&mut account.spec);
-        api.replace(ACCOUNT, &PostParams::default(), &account)
+        let mut spec = api.get(ACCOUNT).await.unwrap().spec;
+        change(&mut spec);
+        let patch = json!({ "spec": spec });
+        api.patch(ACCOUNT, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .unwrap();
     }
