@@ -10,6 +10,8 @@
 //!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x) → capture] → copy back
 //! ```
 
+#[cfg(test)]
+mod emulation;
 pub mod forward;
 pub mod kernels;
 pub mod plan;

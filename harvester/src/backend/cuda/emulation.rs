@@ -1,0 +1,187 @@
+//! The trickiest kernels replayed on the CPU, loop for loop, against plain reference maths: the
+//! attention kernel's tiling and online softmax over the host's tile list, and the hand-written
+//! bf16 rounding. This checks the algorithms without a GPU; whether the CUDA C compiles is the
+//! NVRTC test's job, and whether it runs is the GPU check's.
+
+use super::plan::attention_tiles;
+
+/// Mirrors `#define QUERIES` and `KEYS` in `kernels.cu`.
+const QUERIES: usize = 8;
+const KEYS: usize = 32;
+
+/// `attention_varlen` as the kernel computes it: one (tile, head) block at a time, one "warp"
+/// per query, keys in chunks of `KEYS`, running max and sum.
+fn kernel_attention(
+    qkv: &[f32],
+    cu: &[u32],
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    let row_width = (q_heads + 2 * kv_heads) * head_dim;
+    let tokens = *cu.last().unwrap_or(&0) as usize;
+    let mut out = vec![f32::NAN; tokens * q_heads * head_dim];
+    let mut tiles = Vec::new();
+    attention_tiles(cu, &mut tiles);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    for tile in tiles.chunks(2) {
+        let (seq, first) = (tile[0] as usize, tile[1] as usize);
+        for head in 0..q_heads {
+            let kv_head = head / (q_heads / kv_heads);
+            let start = cu[seq] as usize;
+            let length = cu[seq + 1] as usize - start;
+            let last_query = (first + QUERIES).min(length) - 1;
+            let k_offset = q_heads * head_dim + kv_head * head_dim;
+            let v_offset = (q_heads + kv_heads) * head_dim + kv_head * head_dim;
+            for warp in 0..QUERIES {
+                let query = first + warp;
+                if query >= length {
+                    continue;
+                }
+                let q: Vec<f32> = (0..head_dim)
+                    .map(|d| qkv[(start + query) * row_width + head * head_dim + d] * scale)
+                    .collect();
+                let mut acc = vec![0.0f32; head_dim];
+                let (mut running_max, mut running_sum) = (-3.0e38f32, 0.0f32);
+                let mut key0 = 0;
+                while key0 <= last_query {
+                    let keys = KEYS.min(last_query + 1 - key0);
+                    let mut j = 0;
+                    while j < keys && key0 + j <= query {
+                        let row = (start + key0 + j) * row_width;
+                        let score: f32 =
+                            (0..head_dim).map(|d| q[d] * qkv[row + k_offset + d]).sum();
+                        let new_max = running_max.max(score);
+                        let correction = (running_max - new_max).exp();
+                        let weight = (score - new_max).exp();
+                        running_sum = running_sum * correction + weight;
+                        for d in 0..head_dim {
+                            acc[d] = acc[d] * correction + weight * qkv[row + v_offset + d];
+                        }
+                        running_max = new_max;
+                        j += 1;
+                    }
+                    key0 += KEYS;
+                }
+                let dst = (start + query) * q_heads * head_dim + head * head_dim;
+                for d in 0..head_dim {
+                    out[dst + d] = acc[d] / running_sum;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past.
+fn reference_attention(
+    qkv: &[f32],
+    cu: &[u32],
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    let row_width = (q_heads + 2 * kv_heads) * head_dim;
+    let tokens = *cu.last().unwrap_or(&0) as usize;
+    let mut out = vec![0.0f32; tokens * q_heads * head_dim];
+    for bounds in cu.windows(2) {
+        let (start, end) = (bounds[0] as usize, bounds[1] as usize);
+        for t in start..end {
+            for head in 0..q_heads {
+                let kv = head / (q_heads / kv_heads);
+                let q = &qkv[t * row_width + head * head_dim..][..head_dim];
+                let scores: Vec<f64> = (start..=t)
+                    .map(|s| {
+                        let k = &qkv[s * row_width + (q_heads + kv) * head_dim..][..head_dim];
+                        let dot: f64 = q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
+                        dot / (head_dim as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::MIN, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..head_dim {
+                    let value: f64 = (start..=t)
+                        .zip(&weights)
+                        .map(|(s, w)| {
+                            w * f64::from(
+                                qkv[s * row_width + (q_heads + kv_heads + kv) * head_dim + d],
+                            )
+                        })
+                        .sum();
+                    out[t * q_heads * head_dim + head * head_dim + d] = (value / total) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `f32_to_bf16` of `kernels.cu`, bit for bit.
+fn kernel_bf16(value: f32) -> u16 {
+    let mut u = value.to_bits();
+    if (u & 0x7fff_ffff) > 0x7f80_0000 {
+        return 0x7fc0;
+    }
+    u = u.wrapping_add(0x7fff + ((u >> 16) & 1));
+    (u >> 16) as u16
+}
+
+#[test]
+fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa() {
+    // Sequences shorter than a tile, spanning several tiles and several key chunks.
+    let cu = [0u32, 5, 22, 23, 63, 133];
+    let (q_heads, kv_heads, head_dim) = (4, 2, 64);
+    let row_width = (q_heads + 2 * kv_heads) * head_dim;
+    let mut state = 11u64;
+    let qkv: Vec<f32> = (0..133 * row_width)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    let kernel = kernel_attention(&qkv, &cu, q_heads, kv_heads, head_dim);
+    let reference = reference_attention(&qkv, &cu, q_heads, kv_heads, head_dim);
+    let worst = kernel
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "worst difference {worst}");
+    assert!(
+        kernel.iter().all(|v| v.is_finite()),
+        "every query was written"
+    );
+}
+
+#[test]
+fn the_kernels_bf16_rounding_is_round_to_nearest_even_like_the_half_crate() {
+    let mut state = 5u64;
+    let mut values = vec![
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        1e-40,
+    ];
+    // Exact ties between two bf16 values, both ways.
+    values.extend([f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)]);
+    for _ in 0..100_000 {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        values.push(f32::from_bits((state >> 32) as u32));
+    }
+    for value in values {
+        let expected = half::bf16::from_f32(value);
+        if value.is_nan() {
+            assert!(half::bf16::from_bits(kernel_bf16(value)).is_nan());
+        } else {
+            assert_eq!(kernel_bf16(value), expected.to_bits(), "{value:e}");
+        }
+    }
+}
