@@ -9,18 +9,28 @@ use super::plan::attention_tiles;
 const QUERIES: usize = 8;
 const KEYS: usize = 32;
 
+/// The attention heads: query heads, key/value heads, head width.
+#[derive(Clone, Copy)]
+struct Heads(usize, usize, usize);
+
+impl Heads {
+    /// Values per token of the fused QKV buffer.
+    fn row_width(self) -> usize {
+        (self.0 + 2 * self.1) * self.2
+    }
+
+    /// An output buffer for the tokens `cu` spans, filled with `fill`.
+    fn output(self, cu: &[u32], fill: f32) -> Vec<f32> {
+        vec![fill; *cu.last().unwrap_or(&0) as usize * self.0 * self.2]
+    }
+}
+
 /// `attention_varlen` as the kernel computes it: one (tile, head) block at a time, one "warp"
 /// per query, keys in chunks of `KEYS`, running max and sum.
-fn kernel_attention(
-    qkv: &[f32],
-    cu: &[u32],
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-) -> Vec<f32> {
-    let row_width = (q_heads + 2 * kv_heads) * head_dim;
-    let tokens = *cu.last().unwrap_or(&0) as usize;
-    let mut out = vec![f32::NAN; tokens * q_heads * head_dim];
+fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+    let Heads(q_heads, kv_heads, head_dim) = heads;
+    let row_width = heads.row_width();
+    let mut out = heads.output(cu, f32::NAN);
     let mut tiles = Vec::new();
     attention_tiles(cu, &mut tiles);
     let scale = 1.0 / (head_dim as f32).sqrt();
@@ -74,16 +84,10 @@ fn kernel_attention(
 }
 
 /// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past.
-fn reference_attention(
-    qkv: &[f32],
-    cu: &[u32],
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-) -> Vec<f32> {
-    let row_width = (q_heads + 2 * kv_heads) * head_dim;
-    let tokens = *cu.last().unwrap_or(&0) as usize;
-    let mut out = vec![0.0f32; tokens * q_heads * head_dim];
+fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+    let Heads(q_heads, kv_heads, head_dim) = heads;
+    let row_width = heads.row_width();
+    let mut out = heads.output(cu, 0.0);
     for bounds in cu.windows(2) {
         let (start, end) = (bounds[0] as usize, bounds[1] as usize);
         for t in start..end {
@@ -131,8 +135,8 @@ fn kernel_bf16(value: f32) -> u16 {
 fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa() {
     // Sequences shorter than a tile, spanning several tiles and several key chunks.
     let cu = [0u32, 5, 22, 23, 63, 133];
-    let (q_heads, kv_heads, head_dim) = (4, 2, 64);
-    let row_width = (q_heads + 2 * kv_heads) * head_dim;
+    let heads = Heads(4, 2, 64);
+    let row_width = heads.row_width();
     let mut state = 11u64;
     let qkv: Vec<f32> = (0..133 * row_width)
         .map(|_| {
@@ -142,8 +146,8 @@ fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa() {
             ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
         })
         .collect();
-    let kernel = kernel_attention(&qkv, &cu, q_heads, kv_heads, head_dim);
-    let reference = reference_attention(&qkv, &cu, q_heads, kv_heads, head_dim);
+    let kernel = kernel_attention(&qkv, &cu, heads);
+    let reference = reference_attention(&qkv, &cu, heads);
     let worst = kernel
         .iter()
         .zip(&reference)
