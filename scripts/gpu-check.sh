@@ -10,8 +10,9 @@
 # 1. Parity: the parity prompts harvested on the CPU and on CUDA (every layer); token ids must
 #    be identical and every token row within 1e-2 relative error (`harvester compare`).
 # 2. Throughput: `harvester bench` on 64 prompts of 512 tokens of an 8B-shaped model with random
-#    bf16 weights (made here by `harvester synth-model`), 3 layers and all layers: tokens/s,
-#    the fraction of the bf16 GEMM rate measured in the same run, and weight-load GB/s.
+#    bf16 weights (made here by `harvester synth-model`), 3 layers and all layers, each with
+#    activations kept and with projections onto 8 directions: tokens/s, the fraction of the
+#    bf16 GEMM rate measured in the same run, and weight-load GB/s.
 # DEVICE=cpu BENCH_SHAPE=smollm2-135m runs the same steps on a small CPU machine (how the script
 # itself is checked without a GPU).
 set -euo pipefail
@@ -42,6 +43,9 @@ python3 -c 'import json, random; random.seed(7); print(json.dumps([[random.randr
 blocks=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$work/bench-model/config.json")
 three="$((blocks / 4)),$((blocks / 2)),$((3 * blocks / 4))"
 for layers in "$three" all; do
-  "$harvester" bench --device "$device" --model "$work/bench-model" --ids "$work/ids.json" \
-    --layers "$layers" --batch-tokens 8192
+  for projection in "" "--directions 8"; do
+    # shellcheck disable=SC2086
+    "$harvester" bench --device "$device" --model "$work/bench-model" --ids "$work/ids.json" \
+      --layers "$layers" --batch-tokens 8192 $projection
+  done
 done

@@ -31,6 +31,8 @@ pub struct BenchConfig<'a> {
     pub batch_tokens: usize,
     /// The engine.
     pub device: DeviceChoice,
+    /// Project onto this many seeded random directions instead of keeping activations.
+    pub directions: Option<usize>,
 }
 
 /// The figures, as printed (JSON).
@@ -38,6 +40,8 @@ pub struct BenchConfig<'a> {
 pub struct BenchReport {
     /// Engine name.
     pub engine: &'static str,
+    /// Directions projected onto (0: activations kept).
+    pub directions: usize,
     /// Worker threads.
     pub threads: usize,
     /// Prompts run.
@@ -103,10 +107,11 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
                     + b.down.len()
             })
             .sum::<usize>();
-    let spec = CaptureSpec {
-        layers,
-        directions: None,
+    let directions = match config.directions {
+        Some(count) => Some(random_directions(count, model_config.hidden_size)?),
+        None => None,
     };
+    let spec = CaptureSpec { layers, directions };
     let mut backend: Box<dyn Backend> = match config.device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
         DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
@@ -143,6 +148,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     };
     Ok(BenchReport {
         engine: backend.name(),
+        directions: config.directions.unwrap_or(0),
         threads: rayon::current_num_threads(),
         prompts: config.prompts.len(),
         tokens,
@@ -157,6 +163,20 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         weight_bytes_bf16,
         load_gb_per_s: weight_bytes_bf16 as f64 / load_seconds / 1e9,
     })
+}
+
+/// `count` seeded pseudo-random directions of width `hidden`, normalised.
+fn random_directions(count: usize, hidden: usize) -> Result<crate::projection::Directions> {
+    let mut state = 0x5eed_u64;
+    let values: Vec<f32> = (0..count * hidden)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    crate::projection::Directions::new(&values, count, hidden, hidden)
 }
 
 /// Reads a prompts file and tokenizes it as `harvester run` does (special tokens added).

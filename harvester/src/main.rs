@@ -80,6 +80,9 @@ enum Command {
         /// The engine: cpu, cuda or cuda:N (auto picks the CPU, as `run` does).
         #[arg(long, default_value = "cpu")]
         device: harvester::backend::cuda::DeviceChoice,
+        /// Project onto this many seeded random directions instead of keeping activations.
+        #[arg(long)]
+        directions: Option<usize>,
     },
     /// Write a Llama checkpoint of a named shape with seeded random bf16 weights, for benchmarks
     /// and backend checks where a real checkpoint cannot be brought.
@@ -282,6 +285,7 @@ fn main() -> anyhow::Result<ExitCode> {
             layers,
             batch_tokens,
             device,
+            directions,
         } => {
             let device = harvester::backend::cuda::select(device)?;
             let prompts = match (ids, prompts) {
@@ -304,6 +308,7 @@ fn main() -> anyhow::Result<ExitCode> {
                 layers,
                 batch_tokens,
                 device,
+                directions,
             })?;
             print_out(&format!("{}\n", serde_json::to_string(&report)?));
         }
