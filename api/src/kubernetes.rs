@@ -325,7 +325,7 @@ impl KubeBackend {
             status: None,
         };
         let mut changes = self.subscribe();
-        Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+        let created = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
             .create(
                 &PostParams {
                     field_manager: Some(MANAGER.into()),
@@ -333,8 +333,14 @@ impl KubeBackend {
                 },
                 &resource,
             )
-            .await
-            .map_err(KubeBackendError::from)?;
+            .await;
+        if let Err(error) = created {
+            // No job will ever read these inputs.
+            if let Err(cleanup) = self.storage.delete_inputs(&job.id).await {
+                tracing::warn!(job = %job.id, error = %cleanup, "could not delete the inputs of a job that was not created");
+            }
+            return Err(KubeBackendError::from(error).into());
+        }
         // Answer once this replica's cache has the job, so the client's next call, and the
         // next submit's pre-check, see it.
         let seen = ObjectRef::new(&job.id).within(&self.namespace);

@@ -201,6 +201,29 @@ impl Storage {
         }
     }
 
+    /// Deletes job `id`'s inputs (its job was never created).
+    pub async fn delete_inputs(&self, id: &str) -> Result<(), String> {
+        match self {
+            Self::Local { root } => {
+                match tokio::fs::remove_dir_all(JobPaths::new(root, id).root).await {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            Self::S3 { store, prefix, .. } => {
+                for name in ["prompts.jsonl", "directions.npy"] {
+                    let path = ObjectPath::from(Self::key(prefix, id, &format!("input/{name}")));
+                    match store.delete(&path).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Job `id`'s output file `name`, or `None` when it is not there.
     pub async fn read_output(&self, id: &str, name: &str) -> Result<Option<Bytes>, String> {
         match self {

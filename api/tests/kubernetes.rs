@@ -213,6 +213,41 @@ fn with_s3_storage_the_files_download_through_presigned_urls_that_s3_verifies() 
 }
 
 #[test]
+fn a_submit_the_apiserver_refuses_gets_an_error_and_leaves_no_inputs_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    cluster.server.store.fail_next(
+        "POST",
+        &format!("/namespaces/{API_NAMESPACE}/harvestjobs"),
+        1,
+    );
+    let (status, body) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+    );
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(cluster.server.store.faults_pending(), 0);
+    let jobs = dir.path().join("data/jobs");
+    let left: Vec<_> = std::fs::read_dir(&jobs)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "inputs left behind: {left:?}");
+    // The next submit goes through.
+    let (status, _) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+    );
+    assert_eq!(status, 202);
+}
+
+#[test]
 fn cancelling_a_running_job_on_kubernetes_charges_the_reservation() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
