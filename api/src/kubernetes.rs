@@ -40,6 +40,8 @@ const RUN_ID: &str = "harvest.dev/run-id";
 const PROMPTS: &str = "harvest.dev/prompts";
 const KEY_HASH: &str = "harvest.dev/key-hash";
 const MODEL_LANE: &str = "harvest.dev/lane";
+/// How long a submit waits for the caches' first list after start.
+const CACHE_WAIT: Duration = Duration::from_secs(5);
 /// How long a submit waits for its own job to reach this replica's cache.
 const READ_YOUR_WRITE: Duration = Duration::from_secs(2);
 /// How long a cancel waits for the operator to record the end.
@@ -259,6 +261,21 @@ impl KubeBackend {
         submission: &Submission,
         now: UnixMillis,
     ) -> Result<(), ApiError> {
+        // Just after start the caches may not have listed yet; the pre-check needs them.
+        let listed = async {
+            self.accounts.wait_until_ready().await.is_ok()
+                && self.jobs.wait_until_ready().await.is_ok()
+        };
+        if !tokio::time::timeout(CACHE_WAIT, listed)
+            .await
+            .unwrap_or(false)
+        {
+            return Err(ApiError::Internal {
+                detail:
+                    "the cluster's accounts and jobs are not loaded yet: retry in a few seconds"
+                        .into(),
+            });
+        }
         self.precheck(
             &job.account,
             &job.key_hash,

@@ -18,7 +18,7 @@ use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
 use harvest_operator::{OperatorConfig, Settings};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use suite::*;
@@ -101,9 +101,17 @@ fn cluster_with(
         }
         create_namespace(&client, API_NAMESPACE).await;
         create_namespace(&client, "research").await;
+        create_namespace(&client, "poor").await;
         let accounts: Api<HarvestAccount> = Api::all(client.clone());
-        for (name, namespaces) in [("acme", vec!["research"]), ("other", vec![])] {
-            let spec = HarvestAccountSpec::for_namespaces(&namespaces);
+        for (name, namespaces) in [
+            ("acme", vec!["research"]),
+            ("other", vec![]),
+            ("broke", vec!["poor"]),
+        ] {
+            let mut spec = HarvestAccountSpec::for_namespaces(&namespaces);
+            if name == "broke" {
+                spec.daily_tokens = Some(10);
+            }
             accounts
                 .create(&PostParams::default(), &HarvestAccount::new(name, spec))
                 .await
@@ -335,37 +343,21 @@ fn an_exhausted_budget_gives_rest_a_429_and_keeps_a_kubectl_job_waiting() {
     let port = free_port();
     let cluster = cluster(dir.path(), port);
     let server = cluster.api(port);
-    let key = cluster.key("acme");
-    reqwest::runtime().block_on(async {
-        let accounts: Api<HarvestAccount> = Api::all(cluster.client.clone());
-        let patch = json!({"spec": {"dailyTokens": 10}});
-        accounts
-            .patch("acme", &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .unwrap();
-    });
-    // Until this replica's cache has the new budget a submit passes the pre-check (and its job
-    // waits in the queue), so ask until the 429 comes.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let (status, denied) = loop {
-        let (status, body) = request(
-            "POST",
-            &format!("{}/v1/harvest", server.base),
-            &key,
-            Some(json!({"model": "smollm2-135m", "prompts": SEED})),
-        );
-        if status != 202 || std::time::Instant::now() > deadline {
-            break (status, body);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    // The account "broke" has 10 tokens a day and pays for namespace "poor".
+    let key = cluster.key("broke");
+    let (status, denied) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+    );
     assert_eq!(
         (status, denied["error"]["code"].as_str()),
         (429, Some("budget_exceeded")),
         "{denied}"
     );
     let job = reqwest::runtime().block_on(async {
-        let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), "research");
+        let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), "poor");
         let spec = HarvestJobSpec::new("smollm2-135m", "/nowhere/p.jsonl", "/nowhere/out", 1_000);
         jobs.create(&PostParams::default(), &HarvestJob::new("gitops", spec))
             .await

@@ -38,6 +38,13 @@ pub enum Error {
         /// The job.
         job: String,
     },
+    /// The cache showed a job waiting that the apiserver shows admitted, finished or changed;
+    /// retried at once, from the fresher copy.
+    #[error("the cached copy of {job} is out of date")]
+    StaleCache {
+        /// `namespace/name`.
+        job: String,
+    },
     /// Another replica holds the leader Lease.
     #[error("lost the leader lease {lease} to {holder}")]
     LostLeadership {
@@ -61,12 +68,15 @@ impl Error {
             Self::Cleanup { .. } => "cleanup",
             Self::Encode { .. } => "encode",
             Self::MissingUid { .. } => "missing_uid",
+            Self::StaleCache { .. } => "stale_cache",
             Self::LostLeadership { .. } => "leadership",
         }
     }
 
-    /// Whether the error is a lost optimistic-concurrency race (retried at once).
+    /// Whether the error is a lost optimistic-concurrency race or a stale cache (retried at
+    /// once).
     pub fn is_conflict(&self) -> bool {
         matches!(self, Self::Kube(kube::Error::Api(status)) if status.code == 409)
+            || matches!(self, Self::StaleCache { .. })
     }
 }

@@ -130,7 +130,11 @@ async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_write
  {
     let job = job("m", "s3://out/j");
     let reply = serde_json::to_value(&job).unwrap();
+    let fresh = reply.clone();
     scenario(job, |mut api| async move {
+        // The apiserver's copy confirms the job still waits before a hold is taken.
+        api.expect(Method::GET, &format!("{JOBS}/j"), StatusCode::OK, fresh)
+            .await;
         let account = api
             .expect(
                 Method::PUT,
@@ -185,6 +189,25 @@ async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_write
         api.expect_nothing_more().await;
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_job_the_cache_shows_waiting_but_the_apiserver_shows_admitted_takes_no_second_hold() {
+    let job = job("m", "s3://out/j");
+    let mut fresh = serde_json::to_value(&job).unwrap();
+    fresh["status"] = json!({"conditions": [{"type": "Admitted", "status": "True", "reason": "Admitted",
+        "message": "", "lastTransitionTime": "2026-11-30T00:00:00Z"}]});
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(Client::new(service, "default"));
+    let server = tokio::spawn(async move {
+        let mut api = ApiServerVerifier(handle);
+        api.expect(Method::GET, &format!("{JOBS}/j"), StatusCode::OK, fresh)
+            .await;
+        api.expect_nothing_more().await;
+    });
+    let error = reconcile(Arc::new(job), ctx).await.unwrap_err();
+    assert!(error.is_conflict(), "retried at once: {error}");
+    server.await.unwrap();
 }
 
 #[tokio::test]

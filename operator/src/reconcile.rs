@@ -151,6 +151,22 @@ impl Context {
         verdict
     }
 
+    /// Whether the apiserver's copy of `job` (same UID) still waits for admission.
+    async fn still_waiting(&self, job: &HarvestJob) -> Result<bool> {
+        let api: Api<HarvestJob> =
+            Api::namespaced(self.client.clone(), &job.namespace().unwrap_or_default());
+        Ok(match api.get_opt(&job.name_any()).await? {
+            Some(fresh) if fresh.uid() == job.uid() => {
+                let status = fresh.status_or_default();
+                !conditions::is_true(&status.conditions, ADMITTED)
+                    && !conditions::is_true(&status.conditions, FINISHED)
+                    && !fresh.spec.suspend
+                    && !fresh.spec.cancel
+            }
+            _ => false,
+        })
+    }
+
     fn forget_admission(&self, job: &HarvestJob) {
         self.admitting
             .lock()
@@ -182,6 +198,13 @@ impl Context {
         let verdict = self.admit(job, lane, &binding.account, now);
         if verdict != Admission::Admit {
             return Ok((verdict, None));
+        }
+        // The cache may be behind: a job that has since been admitted, finished and settled
+        // must not take a second hold. Its Admitted condition stays true once set, so the
+        // apiserver's copy tells.
+        if !self.still_waiting(job).await? {
+            self.forget_admission(job);
+            return Err(Error::StaleCache { job: key_of(job) });
         }
         let Some(account) = ledger::cached(self, &binding.account) else {
             // Deleted since it was bound a moment ago.

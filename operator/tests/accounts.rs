@@ -115,7 +115,7 @@ async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lan
         .create(&PostParams::default(), &namespace)
         .await
         .unwrap();
-    let prompts = cluster.prompts("shared", 24, 8);
+    let prompts = cluster.prompts("shared", 48, 8);
     let mut rest = HarvestJob::new(
         "rest",
         HarvestJobSpec::new(
@@ -149,6 +149,11 @@ async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lan
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     cluster.submit("gitops", prompts, |_| {}).await;
+    let rest_running = api_jobs.get("rest").await.unwrap();
+    assert!(
+        finished_reason(&rest_running).is_none(),
+        "the API job (48 long prompts) still runs when the applied one arrives"
+    );
     cluster
         .wait("gitops", "queued behind the API job", |j| {
             admitted_reason(j).as_deref() == Some("WaitingForAccountLane")

@@ -399,8 +399,9 @@ pub fn lane_flow(server: &Server, key: &str) {
             "{job}"
         );
     }
-    // The slot comes back once the books have settled the cancels.
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // The slot comes back once the books have settled the cancels (at once on the embedded
+    // backend; within the operator's settlement and a watch round trip on Kubernetes).
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (status, job, _) = submit();
         if status == 202 {
