@@ -62,30 +62,21 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!(address = %listener.local_addr()?, "serving");
             server::serve(state, listener).await?;
         }
-        Command::CreateKey { account, label } if config.kubernetes.is_some() => {
-            let namespace = &config
-                .kubernetes
-                .as_ref()
-                .map(|k| k.namespace.clone())
-                .unwrap_or_default();
-            let client = kube::Client::try_default()
-                .await
-                .context("kubernetes client")?;
-            let key =
-                harvest_api::kubernetes::create_key(client, namespace, &account, &label).await?;
+        Command::CreateKey { account, label } if let Some(kubernetes) = &config.kubernetes => {
+            let client = kube_client().await?;
+            let key = harvest_api::kubernetes::create_key(
+                client,
+                &kubernetes.namespace,
+                &account,
+                &label,
+            )
+            .await?;
             use std::io::Write;
             writeln!(std::io::stdout(), "{key}")?;
         }
-        Command::RevokeKey { key } if config.kubernetes.is_some() => {
-            let namespace = &config
-                .kubernetes
-                .as_ref()
-                .map(|k| k.namespace.clone())
-                .unwrap_or_default();
-            let client = kube::Client::try_default()
-                .await
-                .context("kubernetes client")?;
-            if !harvest_api::kubernetes::revoke_key(client, namespace, &key).await? {
+        Command::RevokeKey { key } if let Some(kubernetes) = &config.kubernetes => {
+            let client = kube_client().await?;
+            if !harvest_api::kubernetes::revoke_key(client, &kubernetes.namespace, &key).await? {
                 anyhow::bail!("no such active key");
             }
         }
@@ -109,4 +100,11 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The cluster client from the kubeconfig or the Pod's service account.
+async fn kube_client() -> anyhow::Result<kube::Client> {
+    kube::Client::try_default()
+        .await
+        .context("kubernetes client")
 }

@@ -55,6 +55,17 @@ impl ApiServerVerifier {
         body
     }
 
+    /// Expects the reconcile to record an Event, and returns it.
+    async fn expect_event(&mut self) -> Value {
+        self.expect(
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/team/events",
+            StatusCode::CREATED,
+            json!({}),
+        )
+        .await
+    }
+
     /// Fails if the reconcile makes any further request.
     async fn expect_nothing_more(&mut self) {
         if let Ok(Some((request, _))) =
@@ -104,8 +115,11 @@ fn job(model: &str, output: &str) -> HarvestJob {
     job
 }
 
-/// Runs one reconcile against the scripted apiserver `script`.
-async fn scenario<F, Fut>(job: HarvestJob, script: F) -> kube::runtime::controller::Action
+/// Runs one reconcile against the scripted apiserver `script` and returns its outcome.
+async fn try_scenario<F, Fut>(
+    job: HarvestJob,
+    script: F,
+) -> crate::Result<kube::runtime::controller::Action>
 where
     F: FnOnce(ApiServerVerifier) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
@@ -113,14 +127,23 @@ where
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let ctx = context(Client::new(service, "default"));
     let server = tokio::spawn(script(ApiServerVerifier(handle)));
-    let action = reconcile(Arc::new(job), ctx)
-        .await
-        .expect("the reconcile failed");
+    let outcome = reconcile(Arc::new(job), ctx).await;
     tokio::time::timeout(Duration::from_secs(5), server)
         .await
         .expect("the script did not finish")
         .expect("the script panicked");
-    action
+    outcome
+}
+
+/// Runs one reconcile that must succeed.
+async fn scenario<F, Fut>(job: HarvestJob, script: F) -> kube::runtime::controller::Action
+where
+    F: FnOnce(ApiServerVerifier) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    try_scenario(job, script)
+        .await
+        .expect("the reconcile failed")
 }
 
 const JOBS: &str = "/apis/harvest.dev/v1alpha1/namespaces/team/harvestjobs";
@@ -177,14 +200,7 @@ async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_write
         assert_eq!(status["status"]["pod"], "j-1");
         assert_eq!(status["status"]["account"], "team-acct");
         assert_eq!(status["status"]["phase"], "Running");
-        let event = api
-            .expect(
-                Method::POST,
-                "/apis/events.k8s.io/v1/namespaces/team/events",
-                StatusCode::CREATED,
-                json!({}),
-            )
-            .await;
+        let event = api.expect_event().await;
         assert_eq!(event["reason"], "Admitted");
         api.expect_nothing_more().await;
     })
@@ -197,17 +213,14 @@ async fn a_job_the_cache_shows_waiting_but_the_apiserver_shows_admitted_takes_no
     let mut fresh = serde_json::to_value(&job).unwrap();
     fresh["status"] = json!({"conditions": [{"type": "Admitted", "status": "True", "reason": "Admitted",
         "message": "", "lastTransitionTime": "2026-11-30T00:00:00Z"}]});
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = context(Client::new(service, "default"));
-    let server = tokio::spawn(async move {
-        let mut api = ApiServerVerifier(handle);
+    let outcome = try_scenario(job, |mut api| async move {
         api.expect(Method::GET, &format!("{JOBS}/j"), StatusCode::OK, fresh)
             .await;
         api.expect_nothing_more().await;
-    });
-    let error = reconcile(Arc::new(job), ctx).await.unwrap_err();
+    })
+    .await;
+    let error = outcome.unwrap_err();
     assert!(error.is_conflict(), "retried at once: {error}");
-    server.await.unwrap();
 }
 
 #[tokio::test]
@@ -233,14 +246,7 @@ async fn an_unknown_model_writes_a_failed_status_and_a_warning_and_creates_nothi
             .clone();
         assert_eq!(finished["reason"], "UnknownModel");
         assert!(finished["message"].as_str().unwrap().contains("llama-9000"));
-        let event = api
-            .expect(
-                Method::POST,
-                "/apis/events.k8s.io/v1/namespaces/team/events",
-                StatusCode::CREATED,
-                json!({}),
-            )
-            .await;
+        let event = api.expect_event().await;
         assert_eq!(
             (event["type"].as_str(), event["reason"].as_str()),
             (Some("Warning"), Some("UnknownModel"))
@@ -267,14 +273,7 @@ async fn a_deleted_job_with_retention_delete_loses_its_outputs_then_its_finalize
     job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
     let reply = serde_json::to_value(&job).unwrap();
     scenario(job, |mut api| async move {
-        let event = api
-            .expect(
-                Method::POST,
-                "/apis/events.k8s.io/v1/namespaces/team/events",
-                StatusCode::CREATED,
-                json!({}),
-            )
-            .await;
+        let event = api.expect_event().await;
         assert_eq!(event["reason"], "OutputsDeleted");
         let patch = api
             .expect(Method::PATCH, &format!("{JOBS}/j"), StatusCode::OK, reply)

@@ -105,6 +105,39 @@ pub struct CaptureSpec {
     pub directions: Option<Directions>,
 }
 
+impl CaptureSpec {
+    /// Checks that `weights` reach the deepest kept block and that projection directions have
+    /// the model's width; every backend calls it before it takes the weights.
+    pub fn check(&self, weights: &crate::model::LlamaWeights) -> Result<()> {
+        let deepest = self.layers.deepest();
+        if deepest >= weights.blocks.len() {
+            return Err(harvest_core::LayerError::OutOfRange {
+                layer: deepest as i64,
+                num_layers: weights.blocks.len(),
+            }
+            .into());
+        }
+        let hidden = weights.config.hidden_size;
+        if let Some(directions) = &self.directions
+            && directions.hidden() != hidden
+        {
+            return Err(Error::BadDirections {
+                reason: format!(
+                    "directions have width {}, but the model's hidden size is {hidden}",
+                    directions.hidden()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Values per captured token for a model of width `hidden`: `hidden`, or the number of
+    /// directions for projections.
+    pub fn width(&self, hidden: usize) -> usize {
+        self.directions.as_ref().map_or(hidden, Directions::count)
+    }
+}
+
 /// Captured rows, `[layers, tokens, width]` row-major f32, where `width` is the hidden size, or the
 /// number of directions for projections.
 #[derive(Debug, Clone, Default)]

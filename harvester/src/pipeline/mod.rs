@@ -45,7 +45,6 @@ use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
 use crate::model::{LlamaWeights, ModelConfig};
-use crate::projection::Directions;
 use crate::tokenizer::{Encoded, PromptTokenizer};
 
 /// Forward outputs (one batch of captures each) waiting for assembly.
@@ -202,14 +201,12 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             "resuming: skipping verified shards"
         );
     }
-    let width = directions
-        .as_ref()
-        .map_or(config.hidden_size, Directions::count);
     let weights = LlamaWeights::load(&plan.model, Some(layers.deepest() + 1))?;
     let spec = CaptureSpec {
         layers: layers.clone(),
         directions,
     };
+    let width = spec.width(config.hidden_size);
     let backend: Box<dyn Backend> = match options.device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
         DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),

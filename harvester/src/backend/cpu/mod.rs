@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use self::attention::AttentionShape;
 use self::matmul::{MatRef, matmul_transposed};
 use super::{Backend, Batch, CaptureSpec, Captured};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::{LlamaWeights, ModelConfig};
 use crate::projection::Directions;
 
@@ -61,25 +61,7 @@ struct Scratch {
 impl CpuBackend {
     /// Builds a backend over loaded weights. The weights must reach the deepest kept block.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
-        let deepest = spec.layers.deepest();
-        if deepest >= weights.blocks.len() {
-            return Err(harvest_core::LayerError::OutOfRange {
-                layer: deepest as i64,
-                num_layers: weights.blocks.len(),
-            }
-            .into());
-        }
-        if let Some(directions) = &spec.directions
-            && directions.hidden() != weights.config.hidden_size
-        {
-            return Err(Error::BadDirections {
-                reason: format!(
-                    "directions have width {}, but the model's hidden size is {}",
-                    directions.hidden(),
-                    weights.config.hidden_size
-                ),
-            });
-        }
+        spec.check(&weights)?;
         let inv_freq = weights
             .config
             .inverse_frequencies()
@@ -139,10 +121,7 @@ impl Backend for CpuBackend {
     }
 
     fn capture_width(&self) -> usize {
-        self.spec
-            .directions
-            .as_ref()
-            .map_or(self.weights.config.hidden_size, |d| d.count())
+        self.spec.width(self.weights.config.hidden_size)
     }
 
     fn spec(&self) -> &CaptureSpec {

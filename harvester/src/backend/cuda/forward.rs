@@ -122,14 +122,8 @@ impl CudaBackend {
         super::probe(ordinal)?;
         let config = weights.config.clone();
         check_model(&config, &weights)?;
+        spec.check(&weights)?;
         let deepest = spec.layers.deepest();
-        if deepest >= weights.blocks.len() {
-            return Err(harvest_core::LayerError::OutOfRange {
-                layer: deepest as i64,
-                num_layers: weights.blocks.len(),
-            }
-            .into());
-        }
         let ptx = kernels::compile()?;
         let context = CudaContext::new(ordinal).map_err(driver)?;
         let stream = context.default_stream();
@@ -166,15 +160,6 @@ impl CudaBackend {
             .collect();
         let inv_freq = stream.clone_htod(&inv_freq).map_err(driver)?;
         let directions = match &spec.directions {
-            Some(d) if d.hidden() != config.hidden_size => {
-                return Err(Error::BadDirections {
-                    reason: format!(
-                        "directions have width {}, but the model's hidden size is {}",
-                        d.hidden(),
-                        config.hidden_size
-                    ),
-                });
-            }
             Some(d) => Some(stream.clone_htod(d.unit_vectors()).map_err(driver)?),
             None => None,
         };
@@ -275,6 +260,32 @@ fn gemm<C>(
     .map_err(driver)
 }
 
+/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`.
+fn rms_norm(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    weight: &CudaSlice<u16>,
+    out: &mut CudaSlice<u16>,
+    (tokens, hidden, eps): (usize, i32, f32),
+) -> Result<()> {
+    // SAFETY: the arguments match `rms_norm`'s parameters in order and type; `x` and `out`
+    // hold `tokens` rows of `hidden` values and `weight` holds `hidden`.
+    #[allow(unsafe_code)]
+    unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(weight)
+            .arg(out)
+            .arg(&hidden)
+            .arg(&eps)
+            .launch(grid(tokens, 1, ROW_THREADS)?)
+    }
+    .map(|_| ())
+    .map_err(driver)
+}
+
 fn grid(x: usize, y: usize, threads: u32) -> Result<LaunchConfig> {
     let dim = |v: usize| {
         u32::try_from(v).map_err(|_| Error::InvalidBatch {
@@ -294,10 +305,7 @@ impl Backend for CudaBackend {
     }
 
     fn capture_width(&self) -> usize {
-        self.spec
-            .directions
-            .as_ref()
-            .map_or(self.config.hidden_size, |d| d.count())
+        self.spec.width(self.config.hidden_size)
     }
 
     fn spec(&self) -> &CaptureSpec {
@@ -378,17 +386,14 @@ impl Backend for CudaBackend {
         let inter_i = inter as i32;
         let swiglu_blocks = tokens * inter / ROW_THREADS as usize + 1;
         for (index, block) in blocks.iter().enumerate() {
-            unsafe {
-                stream
-                    .launch_builder(&k.rms_norm)
-                    .arg(&s.x)
-                    .arg(&block.attn_norm)
-                    .arg(&mut s.normed)
-                    .arg(&hidden)
-                    .arg(&eps)
-                    .launch(grid(tokens, 1, ROW_THREADS)?)
-            }
-            .map_err(driver)?;
+            rms_norm(
+                stream,
+                &k.rms_norm,
+                &s.x,
+                &block.attn_norm,
+                &mut s.normed,
+                (tokens, hidden, eps),
+            )?;
             gemm(
                 blas,
                 stream,
@@ -438,17 +443,14 @@ impl Backend for CudaBackend {
                 (tokens, c.hidden_size, c.num_heads * head_dim),
                 1.0,
             )?;
-            unsafe {
-                stream
-                    .launch_builder(&k.rms_norm)
-                    .arg(&s.x)
-                    .arg(&block.mlp_norm)
-                    .arg(&mut s.normed)
-                    .arg(&hidden)
-                    .arg(&eps)
-                    .launch(grid(tokens, 1, ROW_THREADS)?)
-            }
-            .map_err(driver)?;
+            rms_norm(
+                stream,
+                &k.rms_norm,
+                &s.x,
+                &block.mlp_norm,
+                &mut s.normed,
+                (tokens, hidden, eps),
+            )?;
             gemm(
                 blas,
                 stream,

@@ -3,7 +3,9 @@
 //
 // Layouts (row-major): the residual stream `x` is f32 [tokens, hidden]; GEMM inputs and
 // outputs are bf16 [tokens, width]; the fused QKV buffer is bf16 [tokens, (q + 2 kv) * head_dim]
-// with the query heads first, then the key heads, then the value heads.
+// with the query heads first, then the key heads, then the value heads. There is no residual-add
+// or row-gather kernel: the O and down GEMMs add into `x` (beta = 1), and a kept layer is
+// copied whole.
 
 typedef unsigned short bf16;
 
@@ -94,14 +96,6 @@ extern "C" __global__ void swiglu(const bf16* gate_up, bf16* out, int inter, lon
     }
 }
 
-// x += delta, both f32.
-extern "C" __global__ void residual_add(float* x, const float* delta, long long n) {
-    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n;
-         k += (long long)gridDim.x * blockDim.x) {
-        x[k] += delta[k];
-    }
-}
-
 // Causal grouped-query attention over packed variable-length sequences, with an online softmax
 // and no [n, n] buffer. One block handles `QUERIES` consecutive queries of one sequence for one
 // query head; each warp owns one query and each lane `head_dim / 32` of its dimensions. Keys and
@@ -170,17 +164,6 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     bf16* dst = out + (long long)(start + query) * (q_heads * head_dim) + head * head_dim;
     for (int d = 0; d < per_lane; ++d) {
         dst[lane + 32 * d] = f32_to_bf16(acc[d] * inv);
-    }
-}
-
-// out[r, :] = x[rows[r], :], f32: the captured rows of one layer.
-extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, float* out,
-                                       int hidden) {
-    const int r = blockIdx.x;
-    const float* src = x + (long long)rows[r] * hidden;
-    float* dst = out + (long long)r * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        dst[i] = src[i];
     }
 }
 

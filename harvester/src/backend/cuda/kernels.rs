@@ -6,14 +6,12 @@ use crate::error::{Error, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 6] = [
     "embed_gather",
     "rms_norm",
     "rope",
     "swiglu",
-    "residual_add",
     "attention_varlen",
-    "gather_rows",
     "project",
 ];
 
