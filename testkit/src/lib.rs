@@ -69,12 +69,39 @@ impl Drop for Seaweed {
     }
 }
 
+/// A free loopback port below the kernel's ephemeral range. Anything bound to port 0 meanwhile
+/// (fake apiservers, clients, other tests) gets an ephemeral port, so it cannot take this one
+/// between the pick and the server's own bind.
+pub fn free_port() -> u16 {
+    free_ports(1)[0]
+}
+
+/// `n` distinct ports as [`free_port`] picks them.
 fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let (low, high) = (10_000u32, ephemeral_start.max(10_001));
+    let mut state = u64::from(std::process::id())
+        ^ u64::from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos(),
+        );
+    // Held until all are picked, so the same port is not picked twice.
+    let mut held = Vec::with_capacity(n);
+    while held.len() < n {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let port = (low + ((state >> 33) as u32) % (high - low)) as u16;
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+            held.push(listener);
+        }
+    }
+    held.iter()
         .map(|l| l.local_addr().unwrap().port())
         .collect()
 }

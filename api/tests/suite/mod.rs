@@ -21,15 +21,7 @@ impl Drop for Server {
     }
 }
 
-pub use harvest_testkit::{harvester, smollm2};
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use harvest_testkit::{free_port, harvester, smollm2};
 
 pub fn start(config: &Path, port: u16) -> Server {
     start_with(config, port, &[])
@@ -53,15 +45,19 @@ pub fn start_with(config: &Path, port: u16, env: &[(&str, &str)]) -> Server {
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut server = Server {
+        child,
+        base: base.clone(),
+        config: config.to_owned(),
+    };
     while reqwest::blocking_get(&format!("{base}/healthz")).is_err() {
+        if let Ok(Some(exit)) = server.child.try_wait() {
+            panic!("the server exited at start ({exit}): is port {port} taken?");
+        }
         assert!(Instant::now() < deadline, "the server did not come up");
         std::thread::sleep(Duration::from_millis(100));
     }
-    Server {
-        child,
-        base,
-        config: config.to_owned(),
-    }
+    server
 }
 
 pub fn create_key(config: &Path, account: &str) -> String {
