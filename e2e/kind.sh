@@ -50,7 +50,7 @@ YAML
 # Point the catalogue and Deployments at the local images; CPU only in kind.
 kubectl -n harvest-system create configmap harvest-operator --dry-run=client -o yaml --from-literal=config.yaml="
 models:
-  - {name: smollm2-135m, path: /models/smollm2-135m, numLayers: 30, lane: small, image: harvest-harvester-smollm2:$tag}
+  - {name: smollm2-135m, path: /models/smollm2-135m, numLayers: 30, hiddenSize: 576, lane: small, image: harvest-harvester-smollm2:$tag}
 lanes: {small: 2, large: 1}
 workerEnvSecret: harvest-s3
 workerServiceAccount: default" | kubectl apply -f -

@@ -5,18 +5,17 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use harvest_core::LayerSelection;
+use harvest_core::{ModelShape, ServedModel};
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
-use crate::server::StartupError;
-use crate::wire::ModelEntry;
+use crate::error::StartupError;
 
 /// A loaded model entry.
 #[derive(Debug, Clone)]
 pub struct CatalogueModel {
-    /// What validation needs.
-    pub entry: ModelEntry,
+    /// Its name, shape and lane: what validation needs.
+    pub model: ServedModel,
     /// Its checkpoint directory (handed to the harvester).
     pub path: PathBuf,
     /// Its tokenizer, for counting.
@@ -84,16 +83,18 @@ impl Catalogue {
                     tokenizer_path.display()
                 ))
             })?;
-            let entry = ModelEntry {
+            let served = ServedModel {
                 name: model.name.clone(),
-                num_layers: shape.num_hidden_layers,
-                hidden_size: shape.hidden_size,
+                shape: ModelShape {
+                    num_layers: shape.num_hidden_layers,
+                    hidden_size: shape.hidden_size,
+                },
                 lane: model.lane,
             };
             out.insert(
                 model.name.clone(),
                 CatalogueModel {
-                    entry,
+                    model: served,
                     path: model.path.clone(),
                     tokenizer: Arc::new(tokenizer),
                     max_tokens: shape.max_position_embeddings,
@@ -118,14 +119,11 @@ impl Catalogue {
         self.models
             .values()
             .map(|m| ModelView {
-                name: m.entry.name.clone(),
-                layers: m.entry.num_layers,
-                hidden_size: m.entry.hidden_size,
-                default_layers: LayerSelection::Quartiles
-                    .resolve(m.entry.num_layers)
-                    .map(|l| l.as_slice().to_vec())
-                    .unwrap_or_default(),
-                lane: m.entry.lane,
+                name: m.model.name.clone(),
+                layers: m.model.shape.num_layers,
+                hidden_size: m.model.shape.hidden_size,
+                default_layers: m.model.shape.default_layers(),
+                lane: m.model.lane,
                 max_tokens: m.max_tokens,
             })
             .collect()

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use harvest_core::quota::{AccountLimits, Lane};
 use serde::Deserialize;
 
-use crate::server::StartupError;
+use crate::error::StartupError;
 
 /// How long download links live: the S3-style maximum of 7 days.
 pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;

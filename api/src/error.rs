@@ -139,6 +139,27 @@ impl ApiError {
     }
 }
 
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// The configuration or a model of the catalogue is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// The store could not be opened.
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// A file or socket failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl StartupError {
+    /// Shorthand for [`StartupError::Config`].
+    pub fn config(message: impl Into<String>) -> Self {
+        Self::Config(message.into())
+    }
+}
+
 impl From<crate::store::StoreError> for ApiError {
     fn from(error: crate::store::StoreError) -> Self {
         use crate::store::StoreError as S;

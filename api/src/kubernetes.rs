@@ -7,6 +7,7 @@
 //! is in the apiserver, so any number of API replicas can serve at once.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use futures::StreamExt;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
 use harvest_core::quota::Lane;
+use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
 use harvest_crds::{
@@ -29,7 +31,11 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::watch;
 
+use crate::backend::{Caller, JobBackend};
+use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::paths::{JobPaths, now};
+use crate::signing::Links;
 use crate::storage::Storage;
 use crate::store::{JobRecord, JobSpec};
 use crate::wire::{JobResult, Progress, Submission};
@@ -78,6 +84,10 @@ pub struct KubeBackend {
     changes: Arc<watch::Sender<u64>>,
     /// Inputs and outputs.
     pub storage: Storage,
+    /// Links this server signs, for local storage.
+    links: Links,
+    /// The data directory, where local storage keeps outputs.
+    data_dir: PathBuf,
 }
 
 impl std::fmt::Debug for KubeBackend {
@@ -128,7 +138,13 @@ where
 
 impl KubeBackend {
     /// Starts the caches. Must run inside a Tokio runtime.
-    pub fn start(client: Client, namespace: String, storage: Storage) -> Self {
+    pub fn start(
+        client: Client,
+        namespace: String,
+        storage: Storage,
+        links: Links,
+        data_dir: PathBuf,
+    ) -> Self {
         let changes = Arc::new(watch::channel(0).0);
         let jobs = reflect(
             Api::<HarvestJob>::namespaced(client.clone(), &namespace),
@@ -153,11 +169,16 @@ impl KubeBackend {
             keys,
             changes,
             storage,
+            links,
+            data_dir,
         }
     }
+}
 
-    /// Waits until every cache has listed once.
-    pub async fn ready(&self) -> bool {
+#[async_trait::async_trait]
+impl JobBackend for KubeBackend {
+    /// Whether every cache has listed once.
+    async fn ready(&self) -> bool {
         let wait = async {
             self.jobs.wait_until_ready().await.is_ok()
                 && self.accounts.wait_until_ready().await.is_ok()
@@ -169,12 +190,13 @@ impl KubeBackend {
     }
 
     /// Wakes on every watch event.
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
+    fn changes(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
     }
 
     /// The account and key hash of a valid key.
-    pub async fn authenticate(&self, hash: &str) -> Result<Option<(String, String)>, ApiError> {
+    async fn authenticate(&self, key: &str) -> Result<Option<Caller>, ApiError> {
+        let hash = &crate::store::key_hash(key);
         let name = key_secret_name(hash);
         let secret = match self
             .keys
@@ -198,69 +220,21 @@ impl KubeBackend {
             (field(&s, "hash").as_deref() == Some(hash))
                 .then(|| field(&s, "account"))
                 .flatten()
-                .map(|account| (account, hash.to_owned()))
+                .map(|account| Caller {
+                    account,
+                    key_hash: hash.to_owned(),
+                })
         }))
     }
 
-    /// The REST pre-check: the account's books from the cache, with this replica's view of
-    /// its jobs that wait for admission added, checked by the same `core` rules.
-    fn precheck(
-        &self,
-        account: &str,
-        key_hash: &str,
-        lane: Lane,
-        tokens: u64,
-        now: UnixMillis,
-    ) -> Result<(), ApiError> {
-        let Some(found) = self.accounts.get(&ObjectRef::new(account)) else {
-            return Err(ApiError::Internal {
-                detail: KubeBackendError::NoAccount(account.into()).to_string(),
-            });
-        };
-        let status = found.status_or_default();
-        let mut book = status.book(now);
-        book.roll(now);
-        let key = format!("key:{}", key_id(key_hash));
-        let mut waiting_jobs = 0;
-        // The lane counts every unfinished API job of the account (whether or not the account's
-        // status in the cache shows its hold yet), or the books' count if that is higher.
-        let mut unfinished_in_lane = 0;
-        for job in self.jobs.state() {
-            let s = job.status_or_default();
-            let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
-            if !mine || conditions::is_true(&s.conditions, FINISHED) {
-                continue;
-            }
-            if job_lane(&job) == lane {
-                unfinished_in_lane += 1;
-            }
-            if s.account.is_some() {
-                continue;
-            }
-            book.ledger.tokens_today += job.spec.token_budget;
-            book.ledger.tokens_month += job.spec.token_budget;
-            book.ledger.tokens_total += job.spec.token_budget;
-            if job.labels().get(KEY_LABEL) == Some(&key_id(key_hash)) {
-                waiting_jobs += 1;
-            }
-        }
-        *book.key_jobs.entry(key.clone()).or_default() += waiting_jobs;
-        let active = match lane {
-            Lane::Small => &mut book.ledger.active_small,
-            Lane::Large => &mut book.ledger.active_large,
-        };
-        *active = (*active).max(unfinished_in_lane);
-        book.check(&found.spec.limits(), &key, lane, tokens, now)
-            .map_err(ApiError::Denied)
-    }
-
     /// Stores the inputs and creates the HarvestJob.
-    pub async fn submit(
+    async fn submit(
         &self,
         job: &JobRecord,
         submission: &Submission,
-        now: UnixMillis,
+        _model: &CatalogueModel,
     ) -> Result<(), ApiError> {
+        let now = now();
         // Just after start the caches may not have listed yet; the pre-check needs them.
         let listed = async {
             self.accounts.wait_until_ready().await.is_ok()
@@ -284,11 +258,7 @@ impl KubeBackend {
             now,
         )?;
         let internal = |detail: String| ApiError::Internal { detail };
-        let lines: String = submission
-            .prompts
-            .iter()
-            .map(|p| json!({ "text": p }).to_string() + "\n")
-            .collect();
+        let lines = harvest_core::worker::write_prompts_jsonl(&submission.prompts);
         self.storage
             .put_input(&job.id, "prompts.jsonl", lines.into_bytes())
             .await
@@ -341,7 +311,7 @@ impl KubeBackend {
             spec,
             status: None,
         };
-        let mut changes = self.subscribe();
+        let mut changes = self.changes();
         let created = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
             .create(
                 &PostParams {
@@ -371,7 +341,7 @@ impl KubeBackend {
     }
 
     /// A job by id, from the cache (or the apiserver, for a job this replica has not seen yet).
-    pub async fn job(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
         let cached = self.jobs.get(&ObjectRef::new(id).within(&self.namespace));
         let job = match cached {
             Some(job) => Some((*job).clone()),
@@ -384,8 +354,8 @@ impl KubeBackend {
     }
 
     /// Sets `cancel` and waits briefly for the operator to record the end.
-    pub async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
-        let job = self.job(id).await?.ok_or(ApiError::NotFound)?;
+    async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
+        let job = self.get(id).await?.ok_or(ApiError::NotFound)?;
         if let Err(error) = lifecycle::next(job.status, job.reserved, JobEvent::Cancel) {
             return Err(ApiError::NotCancellable {
                 message: error.to_string(),
@@ -394,7 +364,7 @@ impl KubeBackend {
         if job.status.is_terminal() {
             return Ok(job);
         }
-        let mut changes = self.subscribe();
+        let mut changes = self.changes();
         Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
             .patch(
                 id,
@@ -405,7 +375,7 @@ impl KubeBackend {
             .map_err(KubeBackendError::from)?;
         let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
         loop {
-            let now = self.job(id).await?.ok_or(ApiError::NotFound)?;
+            let now = self.get(id).await?.ok_or(ApiError::NotFound)?;
             if now.status.is_terminal() {
                 return Ok(now);
             }
@@ -420,29 +390,108 @@ impl KubeBackend {
 
     /// A done job's result (its `result.json`, read from storage on every answer, so files
     /// deleted since show as `urls_expired`), or `None` when its files are gone.
-    pub async fn result(&self, id: &str) -> Result<Option<JobResult>, ApiError> {
+    async fn result(&self, job: &JobRecord) -> Result<Option<JobResult>, ApiError> {
         let internal = |detail: String| ApiError::Internal { detail };
         let Some(bytes) = self
             .storage
-            .read_output(id, "result.json")
+            .read_output(&job.id, RESULT_FILE)
             .await
             .map_err(internal)?
         else {
             return Ok(None);
         };
-        let text = String::from_utf8_lossy(&bytes);
-        crate::workers::parse_result(&text)
-            .map(Some)
-            .map_err(|e| internal(e.to_string()))
+        let run: RunResult = serde_json::from_slice(&bytes)
+            .map_err(|e| internal(format!("{RESULT_FILE} of job {}: {e}", job.id)))?;
+        if let Storage::Local { .. } = self.storage {
+            let out = JobPaths::new(&self.data_dir, &job.id).output();
+            if !out.join("manifest.json").is_file() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(JobResult::from_run(&run)))
+    }
+
+    /// Presigned S3 links, or links this server signs for local storage.
+    async fn links(
+        &self,
+        id: &str,
+        files: &[String],
+        expires: i64,
+    ) -> Result<Vec<String>, ApiError> {
+        let ttl = Duration::from_secs((expires - now().0 / 1000).max(1) as u64);
+        let mut urls = Vec::with_capacity(files.len());
+        for file in files {
+            let presigned = self
+                .storage
+                .presign(id, file, ttl)
+                .await
+                .map_err(|detail| ApiError::Internal { detail })?;
+            urls.push(presigned.unwrap_or_else(|| self.links.url(id, file, expires)));
+        }
+        Ok(urls)
     }
 
     /// Jobs not finished.
-    pub fn unfinished(&self) -> u64 {
+    async fn unfinished(&self) -> u64 {
         self.jobs
             .state()
             .iter()
             .filter(|j| !record(j).status.is_terminal())
             .count() as u64
+    }
+}
+
+impl KubeBackend {
+    /// The REST pre-check: the account's books from the cache, with this replica's view of
+    /// its jobs that wait for admission added, checked by the same `core` rules.
+    fn precheck(
+        &self,
+        account: &str,
+        key_hash: &str,
+        lane: Lane,
+        tokens: u64,
+        now: UnixMillis,
+    ) -> Result<(), ApiError> {
+        let Some(found) = self.accounts.get(&ObjectRef::new(account)) else {
+            return Err(ApiError::Internal {
+                detail: KubeBackendError::NoAccount(account.into()).to_string(),
+            });
+        };
+        let status = found.status_or_default();
+        let mut book = status.book(now);
+        book.roll(now);
+        let key = format!("key:{}", key_id(key_hash));
+        let mut waiting_jobs = 0;
+        // The lane counts every unfinished API job of the account (whether or not the account's
+        // status in the cache shows its hold yet), or the books' count if that is higher.
+        let mut unfinished_in_lane = 0;
+        for job in self.jobs.state() {
+            let s = job.status_or_default();
+            let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
+            if !mine || conditions::is_true(&s.conditions, FINISHED) {
+                continue;
+            }
+            if job_lane(&job) == lane {
+                unfinished_in_lane += 1;
+            }
+            if s.account.is_some() {
+                continue;
+            }
+            book.ledger.tokens_today += job.spec.token_budget;
+            book.ledger.tokens_month += job.spec.token_budget;
+            book.ledger.tokens_total += job.spec.token_budget;
+            if job.labels().get(KEY_LABEL) == Some(&key_id(key_hash)) {
+                waiting_jobs += 1;
+            }
+        }
+        *book.key_jobs.entry(key.clone()).or_default() += waiting_jobs;
+        let active = match lane {
+            Lane::Small => &mut book.ledger.active_small,
+            Lane::Large => &mut book.ledger.active_large,
+        };
+        *active = (*active).max(unfinished_in_lane);
+        book.check(&found.spec.limits(), &key, lane, tokens, now)
+            .map_err(ApiError::Denied)
     }
 }
 

@@ -5,21 +5,27 @@
 //! embedded backend) or Pods (the Kubernetes backend).
 //!
 //! ```text
-//! HTTP body ──wire::HarvestRequest (strict serde)──validate(catalogue entry)──► wire::Submission
+//! HTTP ──routes (Caller, AppJson)──wire::HarvestRequest──validate(ServedModel)──► wire::Submission
 //!                                                                    │ errors: error::ApiError
 //!                                                                    ▼   (one status/code table)
-//!                                                 job store + quota (harvest_core::quota) ──► 202
+//!            backend::JobBackend ─┬─ embedded: store (SQLite) + workers (harvester processes)
+//!                                 └─ kubernetes: HarvestJobs, watch caches, storage (S3)
 //! ```
-//! The embedded backend: `store` (SQLite), `workers` (harvester child processes), `signing`
-//! (download links the server signs and serves). `server` wires them together.
+//! `app` holds the state and the router, `routes` the handlers, `signing` the links this
+//! server signs, `paths` where a job's files live, and `server` wires one backend up and
+//! serves until shutdown.
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod backend;
 pub mod catalogue;
 pub mod config;
+pub mod embedded;
 pub mod error;
 pub mod kubernetes;
 pub mod openapi;
+pub mod paths;
+pub mod routes;
 pub mod server;
 pub mod signing;
 pub mod storage;

@@ -60,7 +60,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("listening on {listen}"))?;
             tracing::info!(address = %listener.local_addr()?, "serving");
-            server::serve(state, listener).await?;
+            server::serve(state, listener, stop_requested()).await?;
         }
         Command::CreateKey { account, label } if let Some(kubernetes) = &config.kubernetes => {
             let client = kube_client().await?;
@@ -82,7 +82,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::CreateKey { account, label } => {
             let store = server::open_store(&config)?;
-            let now = harvest_api::workers::now();
+            let now = harvest_api::paths::now();
             for a in &config.accounts {
                 store.upsert_account(&a.name, &a.limits, now)?;
             }
@@ -94,12 +94,32 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::RevokeKey { key } => {
             let store = server::open_store(&config)?;
-            if !store.revoke_key(&key, harvest_api::workers::now())? {
+            if !store.revoke_key(&key, harvest_api::paths::now())? {
                 anyhow::bail!("no such active key");
             }
         }
     }
     Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM (what Kubernetes and systemd send to stop a process).
+async fn stop_requested() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot watch for SIGTERM; only SIGINT stops the server");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+    tracing::info!("stopping: finishing open requests");
 }
 
 /// The cluster client from the kubeconfig or the Pod's service account.

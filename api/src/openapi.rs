@@ -49,7 +49,7 @@ impl Modify for BearerAuth {
 #[derive(Debug, OpenApi)]
 #[openapi(
     info(title = "harvest", description = "Bulk harvesting of residual-stream activations. See docs/api.md.", version = "1"),
-    paths(crate::app::submit, crate::app::status, crate::app::cancel, crate::app::models),
+    paths(crate::routes::submit, crate::routes::status, crate::routes::cancel, crate::routes::models),
     components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody)),
     modifiers(&BearerAuth)
 )]

@@ -1,39 +1,23 @@
-//! Assembling and running the embedded server: open the store, load the catalogue, sync accounts
-//! from the configuration, requeue jobs a previous run left unfinished, then serve.
+//! Assembling and running the server: load the catalogue and the link secret, then one backend
+//! (embedded: open the store, sync accounts from the configuration, requeue jobs a previous run
+//! left unfinished; Kubernetes: start the watch caches), then serve until shutdown.
 
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::app::{AppState, Backend, router};
+use crate::app::{AppState, router};
+use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
 use crate::config::{KubernetesConfig, ServerConfig};
+use crate::embedded::EmbeddedBackend;
+pub use crate::error::StartupError;
 use crate::kubernetes::KubeBackend;
-use crate::signing::Signer;
+use crate::paths::now;
+use crate::signing::{Links, Signer};
 use crate::storage::Storage;
 use crate::store::Store;
-use crate::workers::{self, WorkerConfig, Workers};
-
-/// Why the server could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartupError {
-    /// The configuration or a model of the catalogue is unusable.
-    #[error("{0}")]
-    Config(String),
-    /// The store could not be opened.
-    #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
-    /// A file or socket failed.
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-}
-
-impl StartupError {
-    /// Shorthand for [`StartupError::Config`].
-    pub fn config(message: impl Into<String>) -> Self {
-        Self::Config(message.into())
-    }
-}
+use crate::workers::{WorkerConfig, Workers};
 
 /// Opens the store at the configured data directory.
 pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
@@ -47,17 +31,33 @@ pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
 /// with unfinished jobs requeued (their harvesters resume from the shards already written).
 /// Must run inside a Tokio runtime.
 pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
-    if let Some(kubernetes) = &config.kubernetes {
-        return build_kubernetes(config, kubernetes).await;
-    }
+    std::fs::create_dir_all(&config.data_dir)?;
+    let catalogue = Catalogue::load(&config.models)?;
+    // Several replicas share one link secret, from the data directory (a Secret volume).
+    let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
+    let links = Links {
+        signer: signer.clone(),
+        public_url: config.public_url.clone(),
+    };
+    let backend: Arc<dyn JobBackend> = match &config.kubernetes {
+        Some(kubernetes) => Arc::new(build_kubernetes(config, kubernetes, links).await?),
+        None => Arc::new(build_embedded(config, links)?),
+    };
+    Ok(AppState::new(
+        backend,
+        catalogue,
+        signer,
+        config.url_ttl_seconds as i64,
+        config.data_dir.clone(),
+    ))
+}
+
+fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend, StartupError> {
     let store = open_store(config)?;
-    let now = workers::now();
+    let now = now();
     for account in &config.accounts {
         store.upsert_account(&account.name, &account.limits, now)?;
     }
-    let catalogue =
-        Catalogue::load(&config.models).map_err(|e| StartupError::Config(e.to_string()))?;
-    let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
     let worker_config = WorkerConfig {
         harvester: config.harvester.clone(),
         data_dir: config.data_dir.clone(),
@@ -69,24 +69,19 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
         pool.stop_orphans(&job.id);
         pool.enqueue(job.id);
     }
-    Ok(AppState::new(
+    Ok(EmbeddedBackend::new(
         store,
-        catalogue,
         pool,
-        signer,
-        config.public_url.clone(),
-        config.url_ttl_seconds as i64,
         config.data_dir.clone(),
+        links,
     ))
 }
 
 async fn build_kubernetes(
     config: &ServerConfig,
     kubernetes: &KubernetesConfig,
-) -> Result<Arc<AppState>, StartupError> {
-    std::fs::create_dir_all(&config.data_dir)?;
-    let catalogue =
-        Catalogue::load(&config.models).map_err(|e| StartupError::Config(e.to_string()))?;
+    links: Links,
+) -> Result<KubeBackend, StartupError> {
     let storage = Storage::open(
         &kubernetes.storage,
         &config.data_dir,
@@ -96,21 +91,24 @@ async fn build_kubernetes(
     let client = kube::Client::try_default()
         .await
         .map_err(|e| StartupError::config(format!("kubernetes client: {e}")))?;
-    let backend = KubeBackend::start(client, kubernetes.namespace.clone(), storage);
-    // Several replicas share one link secret, from the data directory (a Secret volume).
-    let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
-    Ok(AppState::with_backend(
-        Backend::Kubernetes(Box::new(backend)),
-        catalogue,
-        signer,
-        config.public_url.clone(),
-        config.url_ttl_seconds as i64,
+    Ok(KubeBackend::start(
+        client,
+        kubernetes.namespace.clone(),
+        storage,
+        links,
         config.data_dir.clone(),
     ))
 }
 
-/// Serves until the listener fails or the process is stopped.
-pub async fn serve(state: Arc<AppState>, listener: TcpListener) -> Result<(), StartupError> {
-    axum::serve(listener, router(state)).await?;
+/// Serves until the listener fails or `shutdown` completes; on shutdown, in-flight requests
+/// finish first.
+pub async fn serve(
+    state: Arc<AppState>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartupError> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await?;
     Ok(())
 }

@@ -106,6 +106,22 @@ impl Signer {
     }
 }
 
+/// The links this server signs, served by its own `/files` route.
+#[derive(Debug, Clone)]
+pub struct Links {
+    /// The signer.
+    pub signer: Signer,
+    /// The base URL clients reach this server at.
+    pub public_url: String,
+}
+
+impl Links {
+    /// A link to `file` of job `job` that works until `expires` (Unix seconds).
+    pub fn url(&self, job: &str, file: &str, expires: i64) -> String {
+        self.signer.url(&self.public_url, job, file, expires)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,8 +17,8 @@ use object_store::path::Path as ObjectPath;
 use object_store::signer::{Method, Signer};
 use serde::Deserialize;
 
-use crate::server::StartupError;
-use crate::workers::JobPaths;
+use crate::error::StartupError;
+use crate::paths::JobPaths;
 
 /// The longest an S3 presigned URL may live (SigV4).
 pub const MAX_PRESIGNED_SECONDS: u64 = 7 * 24 * 3600;

@@ -1,12 +1,15 @@
 //! The wire contract of `/v1/harvest`: request bodies parsed strictly, validated once against
 //! the model's catalogue entry into a [`Submission`], and the job as it is answered.
 
+use std::num::NonZeroUsize;
+
 use base64::Engine;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::MAX_PROMPTS;
 use harvest_core::quota::Lane;
-use harvest_core::{LayerSelection, Layers};
+use harvest_core::worker::RunResult;
+use harvest_core::{LayerSelection, Layers, ServedModel};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -17,19 +20,6 @@ pub const MAX_DIRECTIONS: usize = 64;
 pub const MAX_SHARD_SIZE: usize = 4096;
 /// Largest accepted `batch_size` hint.
 pub const MAX_BATCH_SIZE: usize = 4096;
-
-/// What validation needs to know about a model of the catalogue.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelEntry {
-    /// The name clients send.
-    pub name: String,
-    /// Decoder blocks.
-    pub num_layers: usize,
-    /// Residual-stream width.
-    pub hidden_size: usize,
-    /// Its concurrency lane.
-    pub lane: Lane,
-}
 
 /// `POST /v1/harvest` as sent. Unknown fields are rejected by name.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -86,7 +76,7 @@ pub struct Submission {
     /// The resolved layers, ascending.
     pub layers: Layers,
     /// Prompts per shard.
-    pub shard_size: usize,
+    pub shard_size: NonZeroUsize,
     /// Whether special tokens are added.
     pub add_special_tokens: bool,
     /// Directions as f32, `[n, hidden]` row-major, not yet normalised.
@@ -99,7 +89,7 @@ pub struct Submission {
 
 impl HarvestRequest {
     /// Validates the request against the model's catalogue entry.
-    pub fn validate(self, model: &ModelEntry) -> Result<Submission, ApiError> {
+    pub fn validate(self, model: &ServedModel) -> Result<Submission, ApiError> {
         let Self {
             model: name,
             prompts,
@@ -122,8 +112,9 @@ impl HarvestRequest {
                 ),
             });
         }
-        let layers = layers
-            .resolve(model.num_layers)
+        let layers = model
+            .shape
+            .layers(&layers)
             .map_err(|e| ApiError::invalid(e.to_string()))?;
         let shard_size = bounded(
             "shard_size",
@@ -134,7 +125,7 @@ impl HarvestRequest {
             bounded("batch_size", batch, MAX_BATCH_SIZE)?;
         }
         let directions = project_onto
-            .map(|p| p.decode(model.hidden_size))
+            .map(|p| p.decode(model.shape.hidden_size))
             .transpose()?;
         let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
         Ok(Submission {
@@ -150,14 +141,12 @@ impl HarvestRequest {
     }
 }
 
-fn bounded(field: &str, value: usize, max: usize) -> Result<usize, ApiError> {
-    if (1..=max).contains(&value) {
-        Ok(value)
-    } else {
-        Err(ApiError::invalid(format!(
-            "{field} must be between 1 and {max}, got {value}"
-        )))
-    }
+fn bounded(field: &str, value: usize, max: usize) -> Result<NonZeroUsize, ApiError> {
+    NonZeroUsize::new(value)
+        .filter(|v| v.get() <= max)
+        .ok_or_else(|| {
+            ApiError::invalid(format!("{field} must be between 1 and {max}, got {value}"))
+        })
 }
 
 impl ProjectOnto {
@@ -297,6 +286,29 @@ pub struct JobResult {
     pub timings: ResultTimings,
 }
 
+impl JobResult {
+    /// A worker's result, less the links (made fresh on every answer).
+    pub fn from_run(run: &RunResult) -> Self {
+        let timings = &run.timings;
+        Self {
+            n_shards: run.n_shards,
+            layer_indices: run.layer_indices.clone(),
+            manifest_url: String::new(),
+            shard_urls: Vec::new(),
+            stats_url: String::new(),
+            contents: run.contents.as_str().to_owned(),
+            tokens: run.tokens,
+            bytes_written: run.bytes_written,
+            timings: ResultTimings {
+                load_s: timings.load_s,
+                forward_s: timings.forward_s,
+                save_s: timings.save_s,
+                upload_s: timings.upload_s,
+            },
+        }
+    }
+}
+
 /// Progress of a running job, from its worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Progress {
@@ -306,6 +318,16 @@ pub struct Progress {
     pub prompts_total: usize,
     /// Tokens run so far.
     pub tokens_done: u64,
+}
+
+impl From<&harvest_core::worker::ProgressEvent> for Progress {
+    fn from(event: &harvest_core::worker::ProgressEvent) -> Self {
+        Self {
+            prompts_done: event.prompts_done,
+            prompts_total: event.prompts_total,
+            tokens_done: event.tokens_done,
+        }
+    }
 }
 
 /// A job as `GET`, `POST` and `DELETE` answer it.
@@ -360,11 +382,13 @@ pub fn timestamp(at: Option<UnixMillis>) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn model() -> ModelEntry {
-        ModelEntry {
+    fn model() -> ServedModel {
+        ServedModel {
             name: "smollm2-135m".into(),
-            num_layers: 30,
-            hidden_size: 4,
+            shape: harvest_core::ModelShape {
+                num_layers: 30,
+                hidden_size: 4,
+            },
             lane: Lane::Small,
         }
     }
@@ -388,7 +412,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(s.layers.as_slice(), &[8, 16, 24]);
-        assert_eq!(s.shard_size, 32);
+        assert_eq!(s.shard_size.get(), 32);
         assert!(s.add_special_tokens);
         assert_eq!(s.reserved_tokens, (44 + 1) + (52 + 1));
     }

@@ -9,14 +9,15 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{JobEvent, JobStatus};
+use harvest_core::worker::{ProgressEvent, RESULT_FILE, RunResult, Termination};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::{Semaphore, oneshot, watch};
 
+use crate::paths::{JobPaths, now};
 use crate::store::{Outcome, Store};
-use crate::wire::{JobResult, Progress, ResultTimings};
+use crate::wire::{JobResult, Progress};
 
 /// Why a worker could not run its job.
 #[derive(Debug, thiserror::Error)]
@@ -34,30 +35,6 @@ pub enum WorkerError {
 
 /// How long a cancelled worker has to exit after SIGTERM before it is killed.
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
-
-/// Where a job's files live under the data directory.
-#[derive(Debug, Clone)]
-pub struct JobPaths {
-    /// `jobs/<id>`.
-    pub root: PathBuf,
-}
-
-impl JobPaths {
-    /// The paths of job `id`.
-    pub fn new(data_dir: &std::path::Path, id: &str) -> Self {
-        Self {
-            root: data_dir.join("jobs").join(id),
-        }
-    }
-    /// The inputs folder (prompts, directions, plan).
-    pub fn input(&self) -> PathBuf {
-        self.root.join("input")
-    }
-    /// The harvester's output folder.
-    pub fn output(&self) -> PathBuf {
-        self.root.join("out")
-    }
-}
 
 /// Settings of the worker pool.
 #[derive(Debug, Clone)]
@@ -216,15 +193,8 @@ impl Workers {
             let Some(stderr) = stderr else { return };
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-                    && value["event"] == "progress"
-                {
-                    let progress = Progress {
-                        prompts_done: value["prompts_done"].as_u64().unwrap_or(0) as usize,
-                        prompts_total: value["prompts_total"].as_u64().unwrap_or(0) as usize,
-                        tokens_done: value["tokens_done"].as_u64().unwrap_or(0),
-                    };
-                    let _ = store.set_progress(&progress_id, &progress);
+                if let Some(event) = ProgressEvent::parse_line(&line) {
+                    let _ = store.set_progress(&progress_id, &Progress::from(&event));
                 }
             }
         });
@@ -257,11 +227,14 @@ impl Workers {
             )?;
             tracing::info!(job = %id, tokens, "job done");
         } else {
-            let message = std::fs::read_to_string(&termination)
+            let message = match std::fs::read_to_string(&termination)
                 .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v["error"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| format!("the harvester exited with {status}"));
+                .as_deref()
+                .and_then(Termination::parse)
+            {
+                Some(Termination::Failed(failure)) => failure.error,
+                _ => format!("the harvester exited with {status}"),
+            };
             tracing::info!(job = %id, %status, "job failed");
             self.store.apply(
                 id,
@@ -295,35 +268,7 @@ async fn terminate(child: &mut tokio::process::Child) {
 }
 
 fn read_result(paths: &JobPaths) -> Result<JobResult, WorkerError> {
-    let text = std::fs::read_to_string(paths.output().join("result.json"))?;
-    Ok(parse_result(&text)?)
-}
-
-/// A harvester's `result.json`, less the links (added per answer).
-pub fn parse_result(text: &str) -> Result<JobResult, serde_json::Error> {
-    let value: serde_json::Value = serde_json::from_str(text)?;
-    let timings: ResultTimings =
-        serde_json::from_value(value["timings"].clone()).unwrap_or_default();
-    Ok(JobResult {
-        n_shards: value["n_shards"].as_u64().unwrap_or(0) as usize,
-        layer_indices: serde_json::from_value(value["layer_indices"].clone()).unwrap_or_default(),
-        manifest_url: String::new(),
-        shard_urls: Vec::new(),
-        stats_url: String::new(),
-        contents: value["contents"]
-            .as_str()
-            .unwrap_or("activations")
-            .to_owned(),
-        tokens: value["tokens"].as_u64().unwrap_or(0),
-        bytes_written: value["bytes_written"].as_u64().unwrap_or(0),
-        timings,
-    })
-}
-
-/// The current time.
-pub fn now() -> UnixMillis {
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    UnixMillis(since.as_millis() as i64)
+    let text = std::fs::read_to_string(paths.output().join(RESULT_FILE))?;
+    let run: RunResult = serde_json::from_str(&text)?;
+    Ok(JobResult::from_run(&run))
 }

@@ -118,7 +118,7 @@ fn cluster_with(
                 .unwrap();
         }
         let config = OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\n",
             smollm2().display()
         ))
         .unwrap();

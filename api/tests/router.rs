@@ -18,6 +18,7 @@ use tower::ServiceExt;
 struct Fixture {
     _dir: tempfile::TempDir,
     state: Arc<AppState>,
+    store: Arc<harvest_api::store::Store>,
     key: String,
     other_key: String,
 }
@@ -53,22 +54,15 @@ async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
         ],
     };
     let state = server::build(&config).await.unwrap();
-    let now = harvest_api::workers::now();
-    let key = state
-        .embedded()
-        .unwrap()
-        .store
-        .create_key("acme", "test", now)
-        .unwrap();
-    let other_key = state
-        .embedded()
-        .unwrap()
-        .store
-        .create_key("other", "test", now)
-        .unwrap();
+    // A second connection to the server's SQLite file, as an operator's admin command has.
+    let store = server::open_store(&config).unwrap();
+    let now = harvest_api::paths::now();
+    let key = store.create_key("acme", "test", now).unwrap();
+    let other_key = store.create_key("other", "test", now).unwrap();
     Fixture {
         _dir: dir,
         state,
+        store,
         key,
         other_key,
     }
@@ -357,17 +351,11 @@ async fn cancel_is_idempotent_and_an_ended_job_gets_409() {
     }
     let (_, _, job) = submit(&f, seed_body()).await;
     let done = job["job_id"].as_str().unwrap();
-    let now = harvest_api::workers::now();
-    f.state
-        .embedded()
-        .unwrap()
-        .store
+    let now = harvest_api::paths::now();
+    f.store
         .apply(done, JobEvent::Started, Default::default(), now)
         .unwrap();
-    f.state
-        .embedded()
-        .unwrap()
-        .store
+    f.store
         .apply(
             done,
             JobEvent::Succeeded { tokens: 21 },
@@ -561,7 +549,7 @@ async fn concurrent_submits_never_admit_more_than_the_lane_allows() {
         }
     }
     assert_eq!(accepted, 3, "exactly the three slots of the small lane");
-    let (_, ledger) = f.state.embedded().unwrap().store.account("acme").unwrap();
+    let (_, ledger) = f.store.account("acme").unwrap();
     assert_eq!(ledger.active_small, 3);
 }
 
@@ -570,7 +558,7 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
     let f = default_fixture().await;
     let (_, _, job) = submit(&f, seed_body()).await;
     let id = job["job_id"].as_str().unwrap();
-    let now = harvest_api::workers::now();
+    let now = harvest_api::paths::now();
     let result = harvest_api::wire::JobResult {
         n_shards: 1,
         layer_indices: vec![0, 2],
@@ -582,20 +570,14 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
         bytes_written: 100,
         timings: Default::default(),
     };
-    f.state
-        .embedded()
-        .unwrap()
-        .store
+    f.store
         .apply(id, JobEvent::Started, Default::default(), now)
         .unwrap();
     let outcome = harvest_api::store::Outcome {
         result: Some(result),
         error: None,
     };
-    f.state
-        .embedded()
-        .unwrap()
-        .store
+    f.store
         .apply(id, JobEvent::Succeeded { tokens: 21 }, outcome, now)
         .unwrap();
     let (status, _, answer) = call(

@@ -20,6 +20,14 @@ pub enum Contents {
 }
 
 impl Contents {
+    /// The name the manifest and the API use: `activations` or `projections`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Activations => "activations",
+            Self::Projections => "projections",
+        }
+    }
+
     /// The dtype name of `prompt_i` tensors.
     pub fn dtype(self) -> &'static str {
         match self {

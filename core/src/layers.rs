@@ -111,6 +111,12 @@ impl Layers {
     pub fn position(&self, block: usize) -> Option<usize> {
         self.0.binary_search(&block).ok()
     }
+
+    /// The selection that resolves to exactly these layers on any model deep enough: the wire
+    /// form a resolved plan travels in.
+    pub fn to_selection(&self) -> LayerSelection {
+        LayerSelection::Explicit(self.0.iter().map(|&l| l as i64).collect())
+    }
 }
 
 impl fmt::Display for LayerSelection {

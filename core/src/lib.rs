@@ -9,7 +9,9 @@
 //!        │ parse at the edge (serde, deny_unknown_fields)
 //!        ▼
 //! RawPlan ──TryFrom──► HarvestPlan { model, prompts, layers: LayerSelection, output, … }
-//! LayerSelection ──resolve(num_layers)──► Layers (sorted, unique, in range)
+//!         ──resolve(&ModelShape)──► ResolvedPlan { layers: Layers (sorted, unique, in range), … }
+//!         ──to_raw()──► RawPlan with the layers listed: what a worker is handed (model)
+//! worker protocol: RunResult, ProgressEvent, Termination, ExitStatus, prompts JSONL (worker)
 //! shard planning (plan), RunningStats (stats), Manifest schema (format)
 //! job lifecycle: next(status, reserved, event) -> Transition (lifecycle)
 //! quota: Ledger::admit / finish over lanes, UTC day/month budgets and job quotas (quota, clock)
@@ -21,11 +23,14 @@ pub mod clock;
 pub mod format;
 pub mod layers;
 pub mod lifecycle;
+pub mod model;
 pub mod npy;
 pub mod plan;
 pub mod quota;
 pub mod stats;
+pub mod worker;
 
 pub use layers::{LayerError, LayerSelection, Layers};
-pub use plan::{HarvestPlan, Location, PlanError, RawPlan};
+pub use model::{ModelShape, ServedModel};
+pub use plan::{HarvestPlan, Location, PlanError, RawPlan, ResolvedPlan};
 pub use stats::RunningStats;

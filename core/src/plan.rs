@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::layers::LayerSelection;
+use crate::layers::{LayerError, LayerSelection, Layers};
+use crate::model::ModelShape;
 
 /// Prompts per shard unless the plan says otherwise.
 pub const DEFAULT_SHARD_SIZE: usize = 32;
@@ -116,6 +117,81 @@ pub struct HarvestPlan {
     pub output: Location,
     /// Tokens per forward batch.
     pub batch_tokens: NonZeroUsize,
+}
+
+/// A plan whose layers are resolved against its model's shape: what every stage after
+/// validation sees. It travels to a worker as [`ResolvedPlan::to_raw`], layers listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedPlan {
+    /// Checkpoint directory.
+    pub model: PathBuf,
+    /// Prompts file.
+    pub prompts: Location,
+    /// The kept layers.
+    pub layers: Layers,
+    /// Prompts per shard.
+    pub shard_size: NonZeroUsize,
+    /// Whether the tokenizer adds its special tokens.
+    pub add_special_tokens: bool,
+    /// Projection directions file.
+    pub project_onto: Option<Location>,
+    /// Output prefix.
+    pub output: Location,
+    /// Tokens per forward batch.
+    pub batch_tokens: NonZeroUsize,
+}
+
+impl HarvestPlan {
+    /// Resolves the layers against the model's shape.
+    pub fn resolve(self, shape: &ModelShape) -> Result<ResolvedPlan, LayerError> {
+        let Self {
+            model,
+            prompts,
+            layers,
+            shard_size,
+            add_special_tokens,
+            project_onto,
+            output,
+            batch_tokens,
+        } = self;
+        Ok(ResolvedPlan {
+            layers: shape.layers(&layers)?,
+            model,
+            prompts,
+            shard_size,
+            add_special_tokens,
+            project_onto,
+            output,
+            batch_tokens,
+        })
+    }
+}
+
+impl ResolvedPlan {
+    /// The wire form handed to a worker (`plan.json`, `--plan-json`): the layers listed, so the
+    /// worker resolves them to exactly these.
+    pub fn to_raw(&self) -> RawPlan {
+        let Self {
+            model,
+            prompts,
+            layers,
+            shard_size,
+            add_special_tokens,
+            project_onto,
+            output,
+            batch_tokens,
+        } = self;
+        RawPlan {
+            model: model.display().to_string(),
+            prompts: prompts.to_string(),
+            layers: layers.to_selection(),
+            shard_size: shard_size.get(),
+            add_special_tokens: *add_special_tokens,
+            project_onto: project_onto.as_ref().map(Location::to_string),
+            output: output.to_string(),
+            batch_tokens: batch_tokens.get(),
+        }
+    }
 }
 
 impl Location {
@@ -238,6 +314,43 @@ mod tests {
             }
         );
         assert_eq!(plan.output.to_string(), "s3://bucket/jobs/1");
+    }
+
+    #[test]
+    fn a_resolved_plan_travels_as_a_raw_plan_that_resolves_to_the_same_plan() {
+        let shape = ModelShape {
+            num_layers: 30,
+            hidden_size: 576,
+        };
+        let plan: HarvestPlan = raw(
+            r#"{"model": "/m", "prompts": "s3://b/in/p.jsonl", "output": "/out", "project_onto": "/d.npy", "shard_size": 4}"#,
+        )
+        .unwrap()
+        .try_into()
+        .unwrap();
+        let resolved = plan.resolve(&shape).unwrap();
+        assert_eq!(resolved.layers.as_slice(), &[7, 15, 22]);
+        let wire = serde_json::to_string(&resolved.to_raw()).unwrap();
+        let again = HarvestPlan::try_from(raw(&wire).unwrap())
+            .unwrap()
+            .resolve(&shape)
+            .unwrap();
+        assert_eq!(again, resolved);
+    }
+
+    #[test]
+    fn resolving_names_a_layer_the_model_does_not_have() {
+        let shape = ModelShape {
+            num_layers: 2,
+            hidden_size: 8,
+        };
+        let plan: HarvestPlan =
+            raw(r#"{"model": "m", "prompts": "p", "output": "o", "layers": [2]}"#)
+                .unwrap()
+                .try_into()
+                .unwrap();
+        let error = plan.resolve(&shape).unwrap_err();
+        assert!(error.to_string().contains("layer 2"), "{error}");
     }
 
     #[test]

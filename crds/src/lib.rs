@@ -9,7 +9,7 @@
 //! HarvestJob (YAML / JSON, written by kubectl, GitOps or the API)
 //!        │ serde + the CRD schema's CEL rules (enforced by the apiserver)
 //!        ▼
-//! HarvestJobSpec ──validate(&ModelShape)──► ValidJob { plan: RawPlan, lane, budget, … }
+//! HarvestJobSpec ──validate(&ServedModel, checkpoint)──► ValidJob { plan: ResolvedPlan, lane, budget }
 //! HarvestJobStatus ◄── conditions::set(...) ── the operator's decisions
 //! ```
 //!
@@ -29,7 +29,7 @@ pub use job::{
     HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
     OutputRetention, Progress, ResultSummary, TokenUsage,
 };
-pub use validate::{ModelShape, SpecError, ValidJob};
+pub use validate::{SpecError, ValidJob};
 
 /// On a job in the API's namespace: the HarvestAccount it is charged to. Trusted only there
 /// (only the API may create jobs in that namespace); anywhere else the namespace decides.

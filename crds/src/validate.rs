@@ -1,21 +1,14 @@
 //! A spec, validated once into what the operator needs to run it ([`ValidJob`]). Errors are
 //! permanent: the job ends `Finished/Failed` with the message, and is never retried.
 
+use std::num::NonZeroUsize;
+use std::path::Path;
+
+use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::quota::Lane;
-use harvest_core::{LayerError, LayerSelection, Layers, Location, RawPlan};
+use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel};
 
 use crate::job::HarvestJobSpec;
-
-/// What the operator's catalogue knows of a model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelShape {
-    /// The checkpoint directory inside the worker's image or volume.
-    pub path: String,
-    /// Decoder blocks.
-    pub num_layers: usize,
-    /// Its concurrency lane.
-    pub lane: Lane,
-}
 
 /// Why a spec cannot run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -55,10 +48,8 @@ impl SpecError {
 /// A spec that can run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidJob {
-    /// The harvester plan, as the worker's `--plan-json`.
-    pub plan: RawPlan,
-    /// The resolved layers.
-    pub layers: Layers,
+    /// The harvester plan, layers resolved; the worker gets it as `--plan-json`.
+    pub plan: ResolvedPlan,
     /// The lane it queues in.
     pub lane: Lane,
     /// Tokens reserved at admission.
@@ -66,8 +57,8 @@ pub struct ValidJob {
 }
 
 impl HarvestJobSpec {
-    /// Validates the spec against its model.
-    pub fn validate(&self, model: &ModelShape) -> Result<ValidJob, SpecError> {
+    /// Validates the spec against its model, whose checkpoint the worker finds at `checkpoint`.
+    pub fn validate(&self, model: &ServedModel, checkpoint: &Path) -> Result<ValidJob, SpecError> {
         let Self {
             model: _,
             input,
@@ -88,28 +79,23 @@ impl HarvestJobSpec {
             }
             (None, false) => LayerSelection::Quartiles,
         };
-        let layers = selection.resolve(model.num_layers)?;
         let location = |field: &'static str, value: &str| {
             // A worker has no useful working directory, so local paths must be absolute.
-            let ok = match Location::parse(value, field) {
-                Ok(Location::Local(path)) => path.is_absolute(),
-                Ok(Location::S3 { .. }) => true,
-                Err(_) => false,
-            };
-            if ok {
-                Ok(value.to_owned())
-            } else {
-                Err(SpecError::BadLocation {
+            match Location::parse(value, field) {
+                Ok(Location::Local(path)) if path.is_absolute() => Ok(Location::Local(path)),
+                Ok(s3 @ Location::S3 { .. }) => Ok(s3),
+                _ => Err(SpecError::BadLocation {
                     field,
                     value: value.to_owned(),
-                })
+                }),
             }
         };
-        let plan = RawPlan {
-            model: model.path.clone(),
+        let plan = ResolvedPlan {
+            model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
-            layers: LayerSelection::Explicit(layers.as_slice().iter().map(|&l| l as i64).collect()),
-            shard_size: harvest.shard_size as usize,
+            layers: model.shape.layers(&selection)?,
+            // The schema bounds shardSize to 1..=4096.
+            shard_size: NonZeroUsize::new(harvest.shard_size as usize).unwrap_or(NonZeroUsize::MIN),
             add_special_tokens: harvest.add_special_tokens,
             project_onto: input
                 .directions
@@ -117,11 +103,10 @@ impl HarvestJobSpec {
                 .map(|d| location("input.directions", d))
                 .transpose()?,
             output: location("output", output)?,
-            batch_tokens: harvest_core::plan::DEFAULT_BATCH_TOKENS,
+            batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
         };
         Ok(ValidJob {
             plan,
-            layers,
             lane: model.lane,
             token_budget: *token_budget,
         })
@@ -132,13 +117,18 @@ impl HarvestJobSpec {
 mod tests {
     use super::*;
 
-    fn smollm() -> ModelShape {
-        ModelShape {
-            path: "/models/smollm2-135m".into(),
-            num_layers: 30,
+    fn smollm() -> ServedModel {
+        ServedModel {
+            name: "smollm2-135m".into(),
+            shape: harvest_core::ModelShape {
+                num_layers: 30,
+                hidden_size: 576,
+            },
             lane: Lane::Small,
         }
     }
+
+    const CHECKPOINT: &str = "/models/smollm2-135m";
 
     fn spec() -> HarvestJobSpec {
         HarvestJobSpec::new(
@@ -151,9 +141,9 @@ mod tests {
 
     #[test]
     fn omitted_layers_become_the_quartiles_of_the_model() {
-        let job = spec().validate(&smollm()).unwrap();
-        assert_eq!(job.layers.as_slice(), &[7, 15, 22]);
-        assert_eq!(job.plan.model, "/models/smollm2-135m");
+        let job = spec().validate(&smollm(), Path::new(CHECKPOINT)).unwrap();
+        assert_eq!(job.plan.layers.as_slice(), &[7, 15, 22]);
+        assert_eq!(job.plan.model, Path::new(CHECKPOINT));
         assert_eq!(job.lane, Lane::Small);
     }
 
@@ -161,7 +151,7 @@ mod tests {
     fn a_layer_out_of_range_names_the_index_and_the_valid_range() {
         let mut spec = spec();
         spec.harvest.layers = Some(vec![3, 30]);
-        let error = spec.validate(&smollm()).unwrap_err();
+        let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
         assert_eq!(error.reason(), "InvalidLayers");
         assert!(
             error.to_string().contains("layer 30") && error.to_string().contains("0..=29"),
@@ -174,7 +164,7 @@ mod tests {
         for bad in ["prompts.jsonl", "s3://", "s3:///key"] {
             let mut spec = spec();
             spec.input.prompts = bad.into();
-            let error = spec.validate(&smollm()).unwrap_err();
+            let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
             assert!(error.to_string().contains("spec.input.prompts"), "{error}");
         }
     }

@@ -179,6 +179,29 @@ fn random_directions(count: usize, hidden: usize) -> Result<crate::projection::D
     crate::projection::Directions::new(&values, count, hidden, hidden)
 }
 
+/// The bench's corpus: a JSON file of token-id lists (`ids`), or else a prompts file
+/// tokenized as `harvester run` does.
+pub fn load_corpus(
+    model: &Path,
+    ids: Option<&Path>,
+    prompts: Option<&Path>,
+) -> Result<Vec<Vec<u32>>> {
+    match (ids, prompts) {
+        (Some(ids), _) => {
+            let text = std::fs::read_to_string(ids).map_err(|e| Error::io("reading", ids, e))?;
+            serde_json::from_str(&text).map_err(|e| Error::Prompts {
+                source_name: ids.display().to_string(),
+                reason: format!("{e} (expected a JSON list of lists of token ids)"),
+            })
+        }
+        (None, Some(path)) => tokenize_prompts_file(model, path),
+        (None, None) => Err(Error::Prompts {
+            source_name: "the bench".into(),
+            reason: "no corpus: give --ids or --prompts".into(),
+        }),
+    }
+}
+
 /// Reads a prompts file and tokenizes it as `harvester run` does (special tokens added).
 pub fn tokenize_prompts_file(model: &Path, path: &Path) -> Result<Vec<Vec<u32>>> {
     let config = ModelConfig::from_file(&model.join("config.json"))?;

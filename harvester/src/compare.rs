@@ -27,6 +27,25 @@ pub struct Comparison {
     pub mean_relative_error: f64,
 }
 
+impl Comparison {
+    /// Why the candidate fails the check, if it does: other token ids, non-finite rows, or an
+    /// error above `max_relative_error`.
+    pub fn failure(&self, max_relative_error: f64) -> Option<String> {
+        if self.prompts == 0 {
+            return Some("the reference holds no shards to compare".into());
+        }
+        (self.token_mismatches > 0
+            || self.non_finite_rows > 0
+            || self.max_relative_error > max_relative_error)
+            .then(|| {
+                format!(
+                    "the harvests differ: {} prompt(s) with other token ids, {} row(s) with NaN or infinity, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
+                    self.token_mismatches, self.non_finite_rows, self.max_relative_error
+                )
+            })
+    }
+}
+
 fn values(view: &safetensors::tensor::TensorView<'_>, out: &mut Vec<f32>) -> Result<()> {
     out.clear();
     match view.dtype() {

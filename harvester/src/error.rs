@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use harvest_core::worker::{ErrorKind, ExitStatus};
+
 /// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -191,26 +193,15 @@ pub enum Error {
 /// The harvester's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Exit status for bad input: fix the request; retrying the same one fails again.
-pub const EXIT_BAD_INPUT: i32 = 2;
-/// Exit status for an infrastructure failure (storage, disk): retrying may succeed.
-pub const EXIT_INFRASTRUCTURE: i32 = 3;
-/// Exit status for a bug in the harvester.
-pub const EXIT_INTERNAL: i32 = 70;
-
 impl Error {
-    /// The process exit status for this error: the one table that tells a supervisor (the API,
-    /// the operator) whether a retry can help.
-    pub fn exit_code(&self) -> i32 {
-        match self.kind() {
-            "bad_input" => EXIT_BAD_INPUT,
-            "infrastructure" => EXIT_INFRASTRUCTURE,
-            _ => EXIT_INTERNAL,
-        }
+    /// The process exit status for this error, from the worker protocol's one table.
+    pub fn exit_status(&self) -> ExitStatus {
+        ExitStatus::Failed(self.kind())
     }
 
-    /// A stable name for the error's class: `bad_input`, `infrastructure` or `internal`.
-    pub fn kind(&self) -> &'static str {
+    /// The error's class, which tells a supervisor (the API, the operator) whether a retry can
+    /// help.
+    pub fn kind(&self) -> ErrorKind {
         match self {
             Self::MissingFile { .. }
             | Self::BadConfig { .. }
@@ -228,13 +219,13 @@ impl Error {
             | Self::Prompts { .. }
             | Self::Plan(_)
             | Self::ForeignOutput { .. }
-            | Self::CudaUnsupported { .. } => "bad_input",
+            | Self::CudaUnsupported { .. } => ErrorKind::BadInput,
             // A node without a usable GPU: another node may have one.
             Self::Io { .. } | Self::Store { .. } | Self::Json { .. } | Self::NoGpu { .. } => {
-                "infrastructure"
+                ErrorKind::Infrastructure
             }
             Self::InvalidBatch { .. } | Self::StageLost { .. } | Self::KernelCompile { .. } => {
-                "internal"
+                ErrorKind::Internal
             }
         }
     }

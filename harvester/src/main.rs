@@ -5,10 +5,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use harvest_core::{HarvestPlan, LayerSelection, RawPlan};
+use harvest_core::{LayerSelection, RawPlan};
 use harvester::gguf::OutputDtype;
 use harvester::pipeline::progress::ProgressMode;
-use harvester::pipeline::{RunOptions, result::termination_message};
+use harvester::pipeline::result::Termination;
+use harvester::pipeline::store::S3Config;
+use harvester::pipeline::{PlanSource, RunOptions};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -38,7 +40,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// dtype of model.safetensors.
-        #[arg(long, value_enum, default_value_t = OutputDtype::Bf16)]
+        #[arg(long, default_value_t = OutputDtype::Bf16)]
         dtype: OutputDtype,
     },
     /// Print what a finished local harvest holds: manifest summary and each tensor's shape.
@@ -61,29 +63,7 @@ enum Command {
         text: String,
     },
     /// Measure forward-pass throughput on a JSON file of token-id lists; prints JSON.
-    Bench {
-        /// Checkpoint directory.
-        #[arg(long)]
-        model: PathBuf,
-        /// JSON file: a list of lists of token ids.
-        #[arg(long, required_unless_present = "prompts", conflicts_with = "prompts")]
-        ids: Option<PathBuf>,
-        /// A prompts file (.jsonl, .json or .txt), tokenized with the model's tokenizer.
-        #[arg(long)]
-        prompts: Option<PathBuf>,
-        /// Layers to keep: a list such as 7,15,22,29, or all.
-        #[arg(long, default_value = "all")]
-        layers: LayerSelection,
-        /// Tokens per forward batch.
-        #[arg(long, default_value_t = 4096)]
-        batch_tokens: usize,
-        /// The engine: cpu, cuda or cuda:N (auto picks the CPU, as `run` does).
-        #[arg(long, default_value = "cpu")]
-        device: harvester::backend::cuda::DeviceChoice,
-        /// Project onto this many seeded random directions instead of keeping activations.
-        #[arg(long)]
-        directions: Option<usize>,
-    },
+    Bench(BenchArgs),
     /// Write a Llama checkpoint of a named shape with seeded random bf16 weights, for benchmarks
     /// and backend checks where a real checkpoint cannot be brought.
     SynthModel {
@@ -112,6 +92,31 @@ enum Command {
         #[arg(long, default_value_t = 1e-2)]
         max_relative_error: f64,
     },
+}
+
+#[derive(Debug, Args)]
+struct BenchArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// JSON file: a list of lists of token ids.
+    #[arg(long, required_unless_present = "prompts", conflicts_with = "prompts")]
+    ids: Option<PathBuf>,
+    /// A prompts file (.jsonl, .json or .txt), tokenized with the model's tokenizer.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Layers to keep: a list such as 7,15,22,29, or all.
+    #[arg(long, default_value = "all")]
+    layers: LayerSelection,
+    /// Tokens per forward batch.
+    #[arg(long, default_value_t = 4096)]
+    batch_tokens: usize,
+    /// The engine: cpu, cuda or cuda:N (auto picks the CPU, as `run` does).
+    #[arg(long, default_value = "cpu")]
+    device: harvester::backend::cuda::DeviceChoice,
+    /// Project onto this many seeded random directions instead of keeping activations.
+    #[arg(long)]
+    directions: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -150,7 +155,7 @@ struct RunArgs {
     #[arg(long)]
     model_name: Option<String>,
     /// Progress display.
-    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    #[arg(long, default_value = "auto")]
     progress: ProgressMode,
     /// Write a summary of at most 4 KiB here at exit (a Kubernetes termination message).
     #[arg(long)]
@@ -162,17 +167,14 @@ struct RunArgs {
 }
 
 impl RunArgs {
-    fn raw_plan(&self) -> anyhow::Result<RawPlan> {
+    fn plan_source(&self) -> PlanSource {
         if let Some(path) = &self.plan {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading plan {}", path.display()))?;
-            return serde_json::from_str(&text)
-                .with_context(|| format!("invalid plan {}", path.display()));
+            return PlanSource::File(path.clone());
         }
         if let Some(text) = &self.plan_json {
-            return serde_json::from_str(text).context("invalid --plan-json");
+            return PlanSource::Json(text.clone());
         }
-        Ok(RawPlan {
+        PlanSource::Given(RawPlan {
             model: self.model.clone().unwrap_or_default(),
             prompts: self.prompts.clone().unwrap_or_default(),
             layers: self.layers.clone(),
@@ -185,49 +187,34 @@ impl RunArgs {
     }
 }
 
-/// Runs a harvest and maps its outcome to the documented exit status.
+/// Runs a harvest; the exit status and termination log follow the worker protocol.
 fn run_job(args: &RunArgs) -> ExitCode {
-    let outcome = args
-        .raw_plan()
-        .map_err(|e| (harvester::error::EXIT_BAD_INPUT, format!("{e:#}"), None))
-        .and_then(|raw| {
-            harvester::backend::cuda::select(args.device)
-                .and_then(|device| {
-                    let plan = HarvestPlan::try_from(raw)?;
-                    let options = RunOptions {
-                        progress: args.progress,
-                        model_name: args.model_name.clone(),
-                        device,
-                    };
-                    harvester::pipeline::run(&plan, &options)
-                })
-                .map_err(|e| (e.exit_code(), e.to_string(), Some(e)))
-        });
-    let message = match &outcome {
-        Ok(result) => termination_message(Ok(result)),
-        Err((_, _, Some(error))) => termination_message(Err(error)),
-        Err((code, text, None)) => {
-            serde_json::json!({"error": text, "exit_code": code, "kind": "bad_input"}).to_string()
-        }
+    let options = RunOptions {
+        progress: args.progress,
+        model_name: args.model_name.clone(),
+        device: args.device,
+        s3: S3Config::from_vars(|name| std::env::var(name).ok()),
     };
+    let termination = harvester::pipeline::run_source(&args.plan_source(), &options);
     if let Some(path) = &args.termination_log
-        && let Err(e) = std::fs::write(path, &message)
+        && let Err(e) = std::fs::write(path, termination.to_message())
     {
         tracing::warn!(path = %path.display(), error = %e, "could not write the termination log");
     }
-    match outcome {
-        Ok(result) => {
-            print_out(&format!(
-                "{}\n",
-                serde_json::to_string_pretty(&result).unwrap_or_default()
-            ));
-            ExitCode::SUCCESS
-        }
-        Err((code, text, _)) => {
-            tracing::error!(exit_code = code, "harvest failed: {text}");
-            ExitCode::from(u8::try_from(code).unwrap_or(1))
+    match &termination {
+        Termination::Done(result) => print_out(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(result).unwrap_or_default()
+        )),
+        Termination::Failed(failure) => {
+            tracing::error!(
+                exit_code = failure.exit_code,
+                "harvest failed: {}",
+                failure.error
+            );
         }
     }
+    ExitCode::from(u8::try_from(termination.exit_status().code()).unwrap_or(1))
 }
 
 /// Writes to stdout, ignoring a closed pipe (`harvester inspect DIR | head` is fine).
@@ -252,6 +239,15 @@ fn main() -> anyhow::Result<ExitCode> {
     }
     match cli.command {
         Command::Run(args) => return Ok(run_job(&args)),
+        other => tool(other)?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The subcommands other than `run`: each calls one library function and prints its answer.
+fn tool(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Run(_) => anyhow::bail!("run is handled by run_job"),
         Command::ImportGguf { file, out, dtype } => {
             let summary = harvester::gguf::import_gguf(&file, &out, dtype)
                 .with_context(|| format!("importing {}", file.display()))?;
@@ -263,11 +259,10 @@ fn main() -> anyhow::Result<ExitCode> {
                 "imported GGUF"
             );
         }
-        Command::Inspect { dir } => {
-            let summary = harvester::pipeline::inspect(&dir)
-                .with_context(|| format!("inspecting {}", dir.display()))?;
-            print_out(&summary);
-        }
+        Command::Inspect { dir } => print_out(
+            &harvester::pipeline::inspect(&dir)
+                .with_context(|| format!("inspecting {}", dir.display()))?,
+        ),
         Command::Probe {
             model,
             layers,
@@ -278,56 +273,15 @@ fn main() -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("probing {}", model.display()))?;
             print_out(&report.to_string());
         }
-        Command::Bench {
-            model,
-            ids,
-            prompts,
-            layers,
-            batch_tokens,
-            device,
-            directions,
-        } => {
-            let device = harvester::backend::cuda::select(device)?;
-            let prompts = match (ids, prompts) {
-                (Some(ids), _) => {
-                    let text = std::fs::read_to_string(&ids)
-                        .with_context(|| format!("reading {}", ids.display()))?;
-                    serde_json::from_str(&text).with_context(|| {
-                        format!(
-                            "{} must be a JSON list of lists of token ids",
-                            ids.display()
-                        )
-                    })?
-                }
-                (None, Some(path)) => harvester::bench::tokenize_prompts_file(&model, &path)?,
-                (None, None) => anyhow::bail!("give --ids or --prompts"),
-            };
-            let report = harvester::bench::run(harvester::bench::BenchConfig {
-                model: &model,
-                prompts,
-                layers,
-                batch_tokens,
-                device,
-                directions,
-            })?;
-            print_out(&format!("{}\n", serde_json::to_string(&report)?));
-        }
+        Command::Bench(args) => bench(args)?,
         Command::SynthModel {
             shape,
             out,
             seed,
             tokenizer_from,
         } => {
-            let Some(preset) = harvester::synth::Shape::named(&shape) else {
-                anyhow::bail!("unknown shape {shape:?}: use llama-8b or smollm2-135m");
-            };
-            let bytes = harvester::synth::write(preset, &out, seed)?;
-            if let Some(from) = tokenizer_from {
-                for name in ["tokenizer.json", "tokenizer_config.json"] {
-                    std::fs::copy(from.join(name), out.join(name))
-                        .with_context(|| format!("copying {name} from {}", from.display()))?;
-                }
-            }
+            let bytes =
+                harvester::synth::write_named(&shape, &out, seed, tokenizer_from.as_deref())?;
             print_out(&format!(
                 "{}\n",
                 serde_json::json!({"model": out, "shape": shape, "weight_bytes": bytes})
@@ -340,21 +294,26 @@ fn main() -> anyhow::Result<ExitCode> {
         } => {
             let report = harvester::compare::compare(&reference, &candidate)?;
             print_out(&format!("{}\n", serde_json::to_string(&report)?));
-            if report.prompts == 0 {
-                anyhow::bail!("{} holds no shards to compare", reference.display());
-            }
-            if report.token_mismatches > 0
-                || report.non_finite_rows > 0
-                || report.max_relative_error > max_relative_error
-            {
-                anyhow::bail!(
-                    "the harvests differ: {} prompt(s) with other token ids, {} row(s) with NaN or infinity, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
-                    report.token_mismatches,
-                    report.non_finite_rows,
-                    report.max_relative_error
-                );
+            if let Some(failure) = report.failure(max_relative_error) {
+                anyhow::bail!("{failure}");
             }
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let device = harvester::backend::cuda::select(args.device)?;
+    let prompts =
+        harvester::bench::load_corpus(&args.model, args.ids.as_deref(), args.prompts.as_deref())?;
+    let report = harvester::bench::run(harvester::bench::BenchConfig {
+        model: &args.model,
+        prompts,
+        layers: args.layers,
+        batch_tokens: args.batch_tokens,
+        device,
+        directions: args.directions,
+    })?;
+    print_out(&format!("{}\n", serde_json::to_string(&report)?));
+    Ok(())
 }

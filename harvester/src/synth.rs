@@ -118,6 +118,28 @@ pub fn tensors(shape: Shape) -> Vec<(String, Vec<usize>, bool)> {
     specs
 }
 
+/// Writes the checkpoint of the shape named `name` into `dir`, with the tokenizer files of
+/// `tokenizer_from` copied beside it (their vocabulary must match); returns the weight bytes.
+pub fn write_named(
+    name: &str,
+    dir: &Path,
+    seed: u64,
+    tokenizer_from: Option<&Path>,
+) -> Result<u64> {
+    let shape = Shape::named(name).ok_or_else(|| Error::BadConfig {
+        path: dir.join("config.json"),
+        reason: format!("unknown shape {name:?}: use llama-8b or smollm2-135m"),
+    })?;
+    let bytes = write(shape, dir, seed)?;
+    if let Some(from) = tokenizer_from {
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            let source = from.join(file);
+            std::fs::copy(&source, dir.join(file)).map_err(|e| Error::io("copying", source, e))?;
+        }
+    }
+    Ok(bytes)
+}
+
 /// Writes `config.json` and `model.safetensors` for `shape` into `dir`; returns the weight
 /// bytes written.
 pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {

@@ -56,6 +56,7 @@ fn options() -> RunOptions {
         progress: ProgressMode::Off,
         model_name: None,
         device: harvester::backend::cuda::DeviceChoice::Cpu,
+        s3: Default::default(),
     }
 }
 
@@ -437,5 +438,5 @@ fn a_different_plan_into_a_finished_output_is_refused() {
     pipeline::run(&plan(&prompts, &out, vec![1], 2), &options()).unwrap();
     let err = pipeline::run(&plan(&prompts, &out, vec![2], 2), &options()).unwrap_err();
     assert!(err.to_string().contains("different harvest"), "{err}");
-    assert_eq!(err.exit_code(), 2);
+    assert_eq!(err.exit_status().code(), 2);
 }

@@ -57,6 +57,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             progress: ProgressMode::Off,
             model_name: None,
             device: harvester::backend::cuda::DeviceChoice::Cpu,
+            s3: Default::default(),
         },
     )
     .unwrap();

@@ -105,7 +105,7 @@ fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_and_bad_credentials_exit
     );
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let store = Store::open_with(
+    let store = Store::open(
         &s3_location("jobs/a"),
         &s3_config(&server.endpoint, SECRET_KEY),
     )
@@ -155,7 +155,7 @@ fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_and_bad_credentials_exit
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let failed = Store::open_with(
+    let failed = Store::open(
         &s3_location("jobs/b"),
         &s3_config(&server.endpoint, SECRET_KEY),
     )

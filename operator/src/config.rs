@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use harvest_core::quota::Lane;
-use harvest_crds::ModelShape;
+use harvest_core::{ModelShape, ServedModel};
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use serde::Deserialize;
 
@@ -23,6 +23,8 @@ pub struct CatalogueEntry {
     pub path: String,
     /// Decoder blocks, for validating `layers` before anything runs.
     pub num_layers: usize,
+    /// Residual-stream width (the checkpoint's `hidden_size`), as the API's catalogue reads it.
+    pub hidden_size: usize,
     /// Its concurrency lane.
     pub lane: Lane,
     /// The harvester image.
@@ -42,11 +44,14 @@ pub struct CatalogueEntry {
 }
 
 impl CatalogueEntry {
-    /// What spec validation needs.
-    pub fn shape(&self) -> ModelShape {
-        ModelShape {
-            path: self.path.clone(),
-            num_layers: self.num_layers,
+    /// The model as every component describes it; spec validation resolves layers with it.
+    pub fn served(&self) -> ServedModel {
+        ServedModel {
+            name: self.name.clone(),
+            shape: ModelShape {
+                num_layers: self.num_layers,
+                hidden_size: self.hidden_size,
+            },
             lane: self.lane,
         }
     }
@@ -153,10 +158,10 @@ impl OperatorConfig {
                     model.name
                 ));
             }
-            if model.num_layers == 0 {
+            if model.num_layers == 0 || model.hidden_size == 0 {
                 return Err(format!(
-                    "model {:?} has numLayers 0: give its decoder block count",
-                    model.name
+                    "model {:?} has numLayers {} and hiddenSize {}: give its decoder block count and residual width (config.json's num_hidden_layers and hidden_size)",
+                    model.name, model.num_layers, model.hidden_size
                 ));
             }
         }
@@ -196,6 +201,7 @@ models:
   - name: smollm2-135m
     path: /models/smollm2-135m
     numLayers: 30
+    hiddenSize: 576
     lane: small
     image: ghcr.io/harvest/harvester:0.1.0
     gpus: 1
@@ -219,7 +225,7 @@ lanes: {small: 2, large: 1}
         assert!(OperatorConfig::parse(&typo).unwrap_err().contains("lane"));
         let twice = format!("{EXAMPLE}\n").replace(
             "lanes:",
-            "  - {name: smollm2-135m, path: /m, numLayers: 1, lane: small, image: i}\nlanes:",
+            "  - {name: smollm2-135m, path: /m, numLayers: 1, hiddenSize: 8, lane: small, image: i}\nlanes:",
         );
         assert!(
             OperatorConfig::parse(&twice)

@@ -78,7 +78,7 @@ impl ApiServerVerifier {
 
 fn context(client: Client) -> Arc<Context> {
     let config = OperatorConfig::parse(
-        "models:\n- {name: m, path: /models/m, numLayers: 30, lane: small, image: img:1}\nlanes: {small: 1, large: 1}\n",
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1}\nlanes: {small: 1, large: 1}\n",
     )
     .unwrap();
     let (jobs, _writer) = kube::runtime::reflector::store();

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use harvest_core::worker::{ErrorKind, ExitStatus, ProgressEvent, RunResult, Termination};
 use harvest_crds::{HarvestJob, ResultSummary, ValidJob};
 use k8s_openapi::api::core::v1::{
     Container, EnvFromSource, EnvVar, Pod, PodSpec, ResourceRequirements, SecretEnvSource,
@@ -10,7 +11,6 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::{Resource, ResourceExt};
-use serde::Deserialize;
 
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
@@ -39,7 +39,7 @@ pub fn render(
     attempt: u32,
     deadline_seconds: Option<i64>,
 ) -> Result<Pod> {
-    let plan = serde_json::to_string(&valid.plan).map_err(|source| Error::Encode {
+    let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
         what: "the harvester plan",
         source,
     })?;
@@ -180,25 +180,6 @@ pub enum PodState {
     Terminating,
 }
 
-/// The termination message of a successful run (a subset of `result.json`).
-#[derive(Deserialize)]
-struct RunSummary {
-    n_shards: u32,
-    #[serde(default)]
-    n_prompts: u32,
-    layer_indices: Vec<u32>,
-    tokens: u64,
-    bytes_written: u64,
-    contents: String,
-    output: String,
-}
-
-/// The termination message of a failed run.
-#[derive(Deserialize)]
-struct RunError {
-    error: String,
-}
-
 /// Pod reasons that mean the node or the scheduler took the Pod away.
 const INFRASTRUCTURE_REASONS: [&str; 6] = [
     "Evicted",
@@ -226,15 +207,9 @@ pub fn observe(pod: &Pod) -> PodState {
         Some("Succeeded") => PodState::Succeeded {
             result: terminated
                 .and_then(|t| t.message)
-                .and_then(|m| serde_json::from_str::<RunSummary>(&m).ok())
-                .map(|r| ResultSummary {
-                    n_shards: r.n_shards,
-                    prompts: r.n_prompts,
-                    tokens: r.tokens,
-                    bytes_written: r.bytes_written,
-                    layers: r.layer_indices,
-                    contents: r.contents,
-                    output: r.output,
+                .and_then(|m| match Termination::parse(&m) {
+                    Some(Termination::Done(result)) => Some(summary(&result)),
+                    _ => None,
                 }),
         },
         Some("Failed") => {
@@ -305,14 +280,27 @@ pub fn observe(pod: &Pod) -> PodState {
     }
 }
 
-/// Maps the harvester's exit status (0 done, 2 bad input, 3 storage, 70 internal) and the
-/// kubelet's reason to who is to blame.
+/// The job status's summary of a worker's result.
+fn summary(result: &RunResult) -> ResultSummary {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    ResultSummary {
+        n_shards: count(result.n_shards),
+        prompts: count(result.n_prompts),
+        tokens: result.tokens,
+        bytes_written: result.bytes_written,
+        layers: result.layer_indices.iter().map(|&l| count(l)).collect(),
+        contents: result.contents.as_str().to_owned(),
+        output: result.output.clone(),
+    }
+}
+
+/// Maps the harvester's exit status (the worker protocol's [`ExitStatus`]) and the kubelet's
+/// reason to who is to blame.
 fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) -> Failure {
     let detail = message
-        .map(|m| {
-            serde_json::from_str::<RunError>(m)
-                .map(|e| e.error)
-                .unwrap_or_else(|_| m.trim().to_owned())
+        .map(|m| match Termination::parse(m) {
+            Some(Termination::Failed(failure)) => failure.error,
+            _ => m.trim().to_owned(),
         })
         .filter(|m| !m.is_empty());
     let with_detail = |what: String| match &detail {
@@ -328,21 +316,26 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
             ),
         };
     }
-    match exit_code {
-        2 => Failure {
+    match ExitStatus::from_code(exit_code) {
+        ExitStatus::Failed(ErrorKind::BadInput) => Failure {
             blame: Blame::Input,
             reason: "InvalidInput".into(),
             message: with_detail("the harvester refused its input".into()),
         },
-        3 => Failure {
+        ExitStatus::Failed(ErrorKind::Infrastructure) => Failure {
             blame: Blame::Infrastructure,
             reason: "StorageUnavailable".into(),
             message: with_detail("the object store failed".into()),
         },
-        code => Failure {
+        status @ (ExitStatus::Success
+        | ExitStatus::Failed(ErrorKind::Internal)
+        | ExitStatus::Unexpected(_)) => Failure {
             blame: Blame::Job,
             reason: "WorkerFailed".into(),
-            message: with_detail(format!("the harvester exited with status {code}")),
+            message: with_detail(format!(
+                "the harvester exited with status {}",
+                status.code()
+            )),
         },
     }
 }
@@ -352,18 +345,12 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
 mod tests;
 
 /// What a running worker last reported on its log: `(prompts_done, prompts_total,
-/// tokens_done)` from its newest `{"event":"progress",...}` line.
+/// tokens_done)` from its newest progress line.
 pub fn reported_progress(log: &str) -> Option<(u32, u32, u64)> {
-    log.lines().rev().find_map(|line| {
-        let value: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
-        if value["event"] != "progress" {
-            return None;
-        }
-        let count = |key: &str| value[key].as_u64();
-        Some((
-            u32::try_from(count("prompts_done")?).ok()?,
-            u32::try_from(count("prompts_total")?).ok()?,
-            count("tokens_done")?,
-        ))
-    })
+    let event = ProgressEvent::latest_in(log)?;
+    Some((
+        u32::try_from(event.prompts_done).ok()?,
+        u32::try_from(event.prompts_total).ok()?,
+        event.tokens_done,
+    ))
 }

@@ -2,12 +2,12 @@
 
 use super::*;
 use crate::config::OperatorConfig;
-use harvest_crds::{HarvestJobSpec, ModelShape};
+use harvest_crds::HarvestJobSpec;
 use serde_json::json;
 
 fn config() -> OperatorConfig {
     OperatorConfig::parse(
-        "models:\n- {name: m, path: /models/m, numLayers: 30, lane: small, image: img:1, gpus: 2, nodeSelector: {gpu: h200}}\nlanes: {small: 1, large: 1}\nworkerEnvSecret: s3\n",
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, nodeSelector: {gpu: h200}}\nlanes: {small: 1, large: 1}\nworkerEnvSecret: s3\n",
     )
     .unwrap()
 }
@@ -35,11 +35,7 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
     let entry = config.model("m").unwrap();
     let valid = job()
         .spec
-        .validate(&ModelShape {
-            path: "/models/m".into(),
-            num_layers: 30,
-            lane: harvest_core::quota::Lane::Small,
-        })
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
     let pod = render(&job(), &valid, entry, &config, 2, Some(60)).unwrap();
     assert_eq!(pod.metadata.name.as_deref(), Some("j-2"));

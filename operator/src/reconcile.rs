@@ -71,7 +71,8 @@ impl Context {
                 model: job.spec.model.clone(),
                 known: self.config.model_names(),
             })?;
-        job.spec.validate(&entry.shape())
+        job.spec
+            .validate(&entry.served(), std::path::Path::new(&entry.path))
     }
 
     /// The cluster queue's verdict for a waiting job; remembers an admission until the cache

@@ -18,13 +18,34 @@ use crate::dtype;
 use crate::error::{Error, Result};
 
 /// The dtype of the written `model.safetensors`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OutputDtype {
     /// bfloat16, half the size; what GPU backends upload anyway.
     #[default]
     Bf16,
     /// f32: no rounding beyond the GGUF's own quantisation.
     F32,
+}
+
+impl std::str::FromStr for OutputDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "bf16" => Ok(Self::Bf16),
+            "f32" => Ok(Self::F32),
+            other => Err(format!("unknown dtype {other:?}: use bf16 or f32")),
+        }
+    }
+}
+
+impl std::fmt::Display for OutputDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+        })
+    }
 }
 
 /// What an import wrote.

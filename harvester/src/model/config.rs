@@ -200,6 +200,14 @@ impl ModelConfig {
         }
     }
 
+    /// The geometry every component shares (depth and width).
+    pub fn shape(&self) -> harvest_core::ModelShape {
+        harvest_core::ModelShape {
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+        }
+    }
+
     /// Width of the fused Q|K|V projection output.
     pub fn qkv_width(&self) -> usize {
         (self.num_heads + 2 * self.num_kv_heads) * self.head_dim

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
+use harvest_core::ResolvedPlan;
 use harvest_core::format;
-use harvest_core::{HarvestPlan, Layers};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
@@ -14,9 +14,8 @@ use crate::projection::Directions;
 /// size, tokenization, directions and the format version. The batch budget is left out: it
 /// does not change the output.
 pub fn plan_fingerprint(
-    plan: &HarvestPlan,
+    plan: &ResolvedPlan,
     prompt_bytes: &[u8],
-    layers: &Layers,
     directions: Option<&Directions>,
     max_tokens: usize,
 ) -> Result<String> {
@@ -45,7 +44,8 @@ pub fn plan_fingerprint(
     field("prompts", &Sha256::digest(prompt_bytes));
     field(
         "layers",
-        &layers
+        &plan
+            .layers
             .as_slice()
             .iter()
             .flat_map(|l| (*l as u64).to_le_bytes())

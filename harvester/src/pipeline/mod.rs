@@ -30,21 +30,22 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
 use bytes::Bytes;
-use harvest_core::HarvestPlan;
 use harvest_core::format::{Contents, Manifest};
 use harvest_core::plan::{shard_count, shard_file_name, shard_prompts};
+use harvest_core::{HarvestPlan, RawPlan, ResolvedPlan};
 use rayon::prelude::*;
 
 use self::progress::{Progress, ProgressMode};
-use self::result::{RunResult, Timings};
+use self::result::{RESULT_FILE, RunResult, Termination, Timings};
 use self::shard::{ShardAssembly, ShardRecord};
-use self::store::Store;
+use self::store::{S3Config, Store};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
 use crate::model::{LlamaWeights, ModelConfig};
+use crate::projection::Directions;
 use crate::tokenizer::{Encoded, PromptTokenizer};
 
 /// Forward outputs (one batch of captures each) waiting for assembly.
@@ -58,8 +59,6 @@ pub const UPLOAD_QUEUE: usize = 2;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The statistics file.
 pub const STATS_FILE: &str = "stats.safetensors";
-/// The result summary.
-pub const RESULT_FILE: &str = "result.json";
 
 /// How a run reports and names things.
 #[derive(Debug, Clone, Default)]
@@ -70,10 +69,12 @@ pub struct RunOptions {
     pub model_name: Option<String>,
     /// Where the forward pass runs, as [`crate::backend::cuda::select`] resolved it.
     pub device: DeviceChoice,
+    /// How to reach S3, when the plan names `s3://` locations.
+    pub s3: S3Config,
 }
 
 struct Job<'a> {
-    plan: &'a HarvestPlan,
+    plan: &'a ResolvedPlan,
     encoded: &'a [Encoded],
     contents: Contents,
     fingerprint: &'a str,
@@ -133,6 +134,52 @@ pub fn inspect(dir: &Path) -> Result<String> {
     Ok(out)
 }
 
+/// Where `harvester run` takes its plan from.
+#[derive(Debug, Clone)]
+pub enum PlanSource {
+    /// A JSON plan file, as the API writes it.
+    File(std::path::PathBuf),
+    /// The same JSON inline, as the operator passes it in a Pod's args.
+    Json(String),
+    /// A plan built from command-line flags.
+    Given(RawPlan),
+}
+
+impl PlanSource {
+    fn read(&self) -> std::result::Result<RawPlan, String> {
+        match self {
+            Self::File(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("reading plan {}: {e}", path.display()))?;
+                serde_json::from_str(&text)
+                    .map_err(|e| format!("invalid plan {}: {e}", path.display()))
+            }
+            Self::Json(text) => {
+                serde_json::from_str(text).map_err(|e| format!("invalid --plan-json: {e}"))
+            }
+            Self::Given(raw) => Ok(raw.clone()),
+        }
+    }
+}
+
+/// `harvester run` as a supervisor sees it: reads and validates the plan, picks the device, runs
+/// the harvest, and answers what the worker protocol says the process reports.
+pub fn run_source(source: &PlanSource, options: &RunOptions) -> Termination {
+    let raw = match source.read() {
+        Ok(raw) => raw,
+        Err(message) => return result::bad_input(&message),
+    };
+    let outcome = crate::backend::cuda::select(options.device).and_then(|device| {
+        let plan = HarvestPlan::try_from(raw)?;
+        let options = RunOptions {
+            device,
+            ..options.clone()
+        };
+        run(&plan, &options)
+    });
+    result::termination(outcome.as_ref())
+}
+
 /// Runs a harvest to completion (or resumes one), returning its result.
 pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -141,14 +188,107 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .build()
         .map_err(|e| Error::io("starting", "the I/O runtime", e))?;
     let load_start = Instant::now();
-    let store = Store::open(&plan.output)?;
-    let (prompt_name, prompt_bytes) = runtime.block_on(read_object(&plan.prompts))?;
+    let prepared = match prepare(plan, options, &runtime)? {
+        Prepared::Finished(result) => return Ok(result),
+        Prepared::Ready(prepared) => prepared,
+    };
+    let Ready {
+        plan,
+        config,
+        store,
+        encoded,
+        directions,
+        tokenizer,
+        fingerprint,
+        resumed,
+    } = *prepared;
+    let contents = if directions.is_some() {
+        Contents::Projections
+    } else {
+        Contents::Activations
+    };
+    let spec = CaptureSpec {
+        layers: plan.layers.clone(),
+        directions,
+    };
+    let width = spec.width(config.hidden_size);
+    let backend = open_backend(&plan, spec, options.device)?;
+    let load_s = load_start.elapsed().as_secs_f64();
+
+    let job = Job {
+        plan: &plan,
+        encoded: &encoded,
+        contents,
+        fingerprint: &fingerprint,
+        bos_id: tokenizer.bos_id(),
+        layers: plan.layers.len(),
+        width,
+        n_shards: shard_count(encoded.len(), plan.shard_size),
+    };
+    let progress = Progress::new(options.progress, encoded.len());
+    let resumed_shards = resumed.len();
+    let StageOutcome {
+        records: fresh,
+        forward_s,
+        save_s,
+        upload_s,
+    } = run_stages(&job, backend, &resumed, &store, &runtime, &progress)?;
+    progress.finish();
+    let mut records: BTreeMap<usize, ShardRecord> = resumed.into_iter().collect();
+    records.extend(fresh.into_iter().map(|r| (r.shard, r)));
+    let closing = Closing {
+        job: &job,
+        config: &config,
+        records: &records,
+        model_name: options
+            .model_name
+            .clone()
+            .unwrap_or_else(|| dir_name(&plan.model)),
+        max_tokens: tokenizer.max_tokens(),
+        timings: Timings {
+            load_s,
+            forward_s,
+            save_s,
+            upload_s,
+        },
+        resumed_shards,
+    };
+    commit(&closing, &store, &runtime)
+}
+
+/// What [`prepare`] found: an output already complete, or a job ready to run.
+enum Prepared {
+    Finished(RunResult),
+    Ready(Box<Ready>),
+}
+
+/// Everything a run needs before the model's weights load.
+struct Ready {
+    plan: ResolvedPlan,
+    config: ModelConfig,
+    store: Store,
+    encoded: Vec<Encoded>,
+    directions: Option<Directions>,
+    tokenizer: PromptTokenizer,
+    fingerprint: String,
+    resumed: BTreeMap<usize, ShardRecord>,
+}
+
+/// Reads the inputs, resolves the plan against the model, tokenizes the corpus and finds what
+/// an earlier run of the same plan left. Bad input fails here, before any output is written.
+fn prepare(
+    plan: &HarvestPlan,
+    options: &RunOptions,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Prepared> {
+    let store = Store::open(&plan.output, &options.s3)?;
+    let (prompt_name, prompt_bytes) = runtime.block_on(read_object(&plan.prompts, &options.s3))?;
     let prompts = prompts::parse_prompts(&prompt_name, &prompt_bytes)?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
-    let layers = plan.layers.resolve(config.num_layers)?;
+    let plan = plan.clone().resolve(&config.shape())?;
     let directions = match &plan.project_onto {
         Some(location) => {
-            let (name, bytes) = runtime.block_on(read_object(location))?;
+            let (name, bytes) = runtime.block_on(read_object(location, &options.s3))?;
             Some(directions::load_directions(
                 &name,
                 &bytes,
@@ -159,15 +299,14 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     };
     let tokenizer = PromptTokenizer::from_dir(&plan.model, config.max_position_embeddings)?;
     let fingerprint = fingerprint::plan_fingerprint(
-        plan,
+        &plan,
         &prompt_bytes,
-        &layers,
         directions.as_ref(),
         tokenizer.max_tokens(),
     )?;
     if let Some(result) = runtime.block_on(resume::finished_result(&store, &fingerprint))? {
         tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
-        return Ok(result);
+        return Ok(Prepared::Finished(result));
     }
     let encoded: Vec<Encoded> = prompts
         .par_iter()
@@ -186,13 +325,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             "prompts longer than the context window were truncated; the manifest lists them"
         );
     }
-    let contents = if directions.is_some() {
-        Contents::Projections
-    } else {
-        Contents::Activations
-    };
     let n_shards = shard_count(encoded.len(), plan.shard_size);
-
     let resumed = runtime.block_on(resume::resume_scan(&store, &fingerprint, n_shards))?;
     if !resumed.is_empty() {
         tracing::info!(
@@ -201,59 +334,64 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             "resuming: skipping verified shards"
         );
     }
-    let weights = LlamaWeights::load(&plan.model, Some(layers.deepest() + 1))?;
-    let spec = CaptureSpec {
-        layers: layers.clone(),
+    Ok(Prepared::Ready(Box::new(Ready {
+        plan,
+        config,
+        store,
+        encoded,
         directions,
-    };
-    let width = spec.width(config.hidden_size);
-    let backend: Box<dyn Backend> = match options.device {
+        tokenizer,
+        fingerprint,
+        resumed,
+    })))
+}
+
+/// Loads the blocks up to the deepest kept layer onto the chosen device.
+fn open_backend(
+    plan: &ResolvedPlan,
+    spec: CaptureSpec,
+    device: DeviceChoice,
+) -> Result<Box<dyn Backend>> {
+    let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
+    Ok(match device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
         DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
-    };
-    let load_s = load_start.elapsed().as_secs_f64();
+    })
+}
 
-    let job = Job {
-        plan,
-        encoded: &encoded,
-        contents,
-        fingerprint: &fingerprint,
-        bos_id: tokenizer.bos_id(),
-        layers: layers.len(),
-        width,
-        n_shards,
-    };
-    let progress = Progress::new(options.progress, encoded.len());
-    let resumed_shards = resumed.len();
-    let StageOutcome {
-        records,
-        forward_s,
-        save_s,
-        upload_s,
-    } = run_stages(&job, backend, &resumed, &store, &runtime, &progress)?;
-    progress.finish();
+/// What the closing files are made of.
+struct Closing<'a> {
+    job: &'a Job<'a>,
+    config: &'a ModelConfig,
+    records: &'a BTreeMap<usize, ShardRecord>,
+    model_name: String,
+    max_tokens: usize,
+    timings: Timings,
+    resumed_shards: usize,
+}
 
-    let mut all: BTreeMap<usize, ShardRecord> = resumed.into_iter().collect();
-    all.extend(records.into_iter().map(|r| (r.shard, r)));
+/// Writes the statistics, then the manifest (the commit point), then `result.json`, and
+/// removes the partial records.
+fn commit(
+    closing: &Closing<'_>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<RunResult> {
+    let Closing { job, records, .. } = closing;
     let finish_start = Instant::now();
-    let model_name = options
-        .model_name
-        .clone()
-        .unwrap_or_else(|| dir_name(&plan.model));
     let (manifest, stats_bytes) = outputs::build_outputs(
-        &job,
-        &config,
-        &layers,
-        &all,
-        &model_name,
-        tokenizer.max_tokens(),
+        job,
+        closing.config,
+        records,
+        &closing.model_name,
+        closing.max_tokens,
     )?;
     let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
         path: MANIFEST_FILE.into(),
         source,
     })?;
-    let save_s = save_s + finish_start.elapsed().as_secs_f64();
-    let shard_bytes: u64 = all.values().map(|r| r.bytes).sum();
+    let save_s = closing.timings.save_s + finish_start.elapsed().as_secs_f64();
+    let shard_bytes: u64 = records.values().map(|r| r.bytes).sum();
     let bytes_written = shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64;
     let upload_start = Instant::now();
     runtime.block_on(async {
@@ -261,20 +399,19 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
     })?;
     let result = RunResult {
-        n_shards,
+        n_shards: job.n_shards,
         n_prompts: manifest.n_prompts,
-        layer_indices: layers.as_slice().to_vec(),
+        layer_indices: job.plan.layers.as_slice().to_vec(),
         tokens: manifest.total_tokens,
         bytes_written,
-        contents,
+        contents: job.contents,
         timings: Timings {
-            load_s,
-            forward_s,
             save_s,
-            upload_s: upload_s + upload_start.elapsed().as_secs_f64(),
+            upload_s: closing.timings.upload_s + upload_start.elapsed().as_secs_f64(),
+            ..closing.timings.clone()
         },
-        output: plan.output.to_string(),
-        resumed_shards,
+        output: job.plan.output.to_string(),
+        resumed_shards: closing.resumed_shards,
     };
     let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
         path: RESULT_FILE.into(),
@@ -282,7 +419,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     })?;
     runtime.block_on(async {
         store.put(RESULT_FILE, Bytes::from(result_bytes)).await?;
-        for shard in 0..n_shards {
+        for shard in 0..job.n_shards {
             if let Err(e) = store.delete(&ShardRecord::file_name(shard)).await {
                 tracing::warn!(error = %e, shard, "could not remove a partial record");
             }
@@ -478,8 +615,11 @@ async fn upload_stage(
     Ok((records, busy))
 }
 
-async fn read_object(location: &harvest_core::Location) -> Result<(String, Vec<u8>)> {
-    let (store, name) = Store::open_object(location)?;
+async fn read_object(
+    location: &harvest_core::Location,
+    s3: &S3Config,
+) -> Result<(String, Vec<u8>)> {
+    let (store, name) = Store::open_object(location, s3)?;
     let bytes = store.get(&name).await?.ok_or_else(|| Error::Store {
         location: location.to_string(),
         reason: "no such object".into(),
@@ -507,7 +647,10 @@ mod tests {
         let lost = Error::StageLost { stage: "assemble" };
         let cause = root_cause([Some(lost), Some(store), None]);
         assert!(matches!(cause, Error::Store { .. }), "{cause}");
-        assert_eq!(cause.exit_code(), crate::error::EXIT_INFRASTRUCTURE);
+        assert_eq!(
+            cause.kind(),
+            harvest_core::worker::ErrorKind::Infrastructure
+        );
         let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
         assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
     }

@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
+use harvest_core::RunningStats;
 use harvest_core::format::{
     self, Contents, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
 };
 use harvest_core::plan::shard_file_name;
-use harvest_core::{Layers, RunningStats};
 
 use super::Job;
 use super::shard::ShardRecord;
@@ -18,7 +18,6 @@ use crate::model::ModelConfig;
 pub(super) fn build_outputs(
     job: &Job<'_>,
     config: &ModelConfig,
-    layers: &Layers,
     records: &BTreeMap<usize, ShardRecord>,
     model_name: &str,
     max_tokens: usize,
@@ -56,7 +55,7 @@ pub(super) fn build_outputs(
         },
         contents: job.contents,
         dtype: job.contents.dtype().to_owned(),
-        layer_indices: layers.as_slice().to_vec(),
+        layer_indices: job.plan.layers.as_slice().to_vec(),
         layer_convention: format::LAYER_CONVENTION.to_owned(),
         tensors: format::tensors_description(job.contents).to_owned(),
         n_prompts: job.encoded.len(),

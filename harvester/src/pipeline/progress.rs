@@ -1,16 +1,16 @@
 //! Progress of a run: a bar on a terminal, JSON lines for a supervising process.
 //!
-//! A JSON line goes to stderr after every forward batch:
-//! `{"event":"progress","prompts_done":64,"prompts_total":4096,"tokens_done":16384,"tokens_per_s":480.2,"elapsed_s":34.1}`.
-//! `prompts_done` counts prompts of shards completed by an earlier, resumed run too.
+//! A [`ProgressEvent`] line goes to stderr after every forward batch (the worker protocol's
+//! format, which the API and the operator read).
 
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
+use harvest_core::worker::ProgressEvent;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// How progress is shown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProgressMode {
     /// A bar when stderr is a terminal, JSON lines otherwise.
     #[default]
@@ -21,6 +21,22 @@ pub enum ProgressMode {
     Json,
     /// Nothing.
     Off,
+}
+
+impl std::str::FromStr for ProgressMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "bar" => Ok(Self::Bar),
+            "json" => Ok(Self::Json),
+            "off" => Ok(Self::Off),
+            other => Err(format!(
+                "unknown progress mode {other:?}: use auto, bar, json or off"
+            )),
+        }
+    }
 }
 
 /// A progress reporter, shared by the forward thread.
@@ -69,12 +85,14 @@ impl Progress {
             bar.set_message(format!("{rate:.0} tokens/s"));
         }
         if self.json {
-            let line = serde_json::json!({
-                "event": "progress", "prompts_done": prompts_done, "prompts_total": self.total,
-                "tokens_done": tokens_done, "tokens_per_s": (rate * 10.0).round() / 10.0,
-                "elapsed_s": (elapsed * 100.0).round() / 100.0,
-            });
-            let _ = writeln!(std::io::stderr().lock(), "{line}");
+            let event = ProgressEvent {
+                prompts_done,
+                prompts_total: self.total,
+                tokens_done,
+                tokens_per_s: (rate * 10.0).round() / 10.0,
+                elapsed_s: (elapsed * 100.0).round() / 100.0,
+            };
+            let _ = writeln!(std::io::stderr().lock(), "{}", event.to_line());
         }
     }
 

@@ -1,11 +1,13 @@
 //! The object store behind a harvest's inputs and outputs: a local directory (the embedded
 //! default) or any S3-compatible server, through the `object_store` crate.
 //!
-//! S3 settings come from the usual environment: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-//! `AWS_SESSION_TOKEN`, `AWS_REGION` (or `AWS_DEFAULT_REGION`), `AWS_ENDPOINT` or
-//! `AWS_ENDPOINT_URL` for non-AWS servers, `AWS_ALLOW_HTTP=true` for plain HTTP, and
-//! `AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true` to leave path-style addressing (the default, which
-//! S3-compatible servers expect). Transient errors are retried with exponential backoff.
+//! S3 settings are an [`S3Config`] value; the binary builds it from the usual variables
+//! (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` or
+//! `AWS_DEFAULT_REGION`, `AWS_ENDPOINT` or `AWS_ENDPOINT_URL` for non-AWS servers,
+//! `AWS_ALLOW_HTTP=true` for plain HTTP, and `AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true` to leave
+//! path-style addressing, the default that S3-compatible servers expect) through
+//! [`S3Config::from_vars`]; the library itself reads no environment. Transient errors are
+//! retried with exponential backoff.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,18 +68,18 @@ impl std::fmt::Debug for S3Config {
 }
 
 impl S3Config {
-    /// Reads the usual variables: `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`), `AWS_REGION` (or
+    /// Builds the settings from the usual variables, looked up by `lookup` (the binary passes
+    /// the environment): `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`), `AWS_REGION` (or
     /// `AWS_DEFAULT_REGION`), `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
-    /// `AWS_ALLOW_HTTP` and `AWS_VIRTUAL_HOSTED_STYLE_REQUEST`.
-    pub fn from_env() -> Self {
+    /// `AWS_ALLOW_HTTP` and `AWS_VIRTUAL_HOSTED_STYLE_REQUEST`. Empty values count as unset.
+    pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Self {
         let var = |names: &[&str]| {
             names
                 .iter()
-                .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
+                .find_map(|n| lookup(n).filter(|v| !v.is_empty()))
         };
-        let flag = |name: &str| {
-            std::env::var(name).is_ok_and(|v| v.eq_ignore_ascii_case("true") || v == "1")
-        };
+        let flag =
+            |name: &str| lookup(name).is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
         Self {
             endpoint: var(&["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]),
             region: var(&["AWS_REGION", "AWS_DEFAULT_REGION"]),
@@ -133,14 +135,9 @@ fn retry_config() -> RetryConfig {
 }
 
 impl Store {
-    /// Opens the store that holds `location` (a directory or `s3://bucket/prefix`), with S3
-    /// settings from the environment. A local directory is created if missing.
-    pub fn open(location: &Location) -> Result<Self> {
-        Self::open_with(location, &S3Config::from_env())
-    }
-
-    /// Opens the store that holds `location` with explicit S3 settings.
-    pub fn open_with(location: &Location, s3: &S3Config) -> Result<Self> {
+    /// Opens the store that holds `location` (a directory or `s3://bucket/prefix`). A local
+    /// directory is created if missing.
+    pub fn open(location: &Location, s3: &S3Config) -> Result<Self> {
         let fail = |reason: String| Error::Store {
             location: location.to_string(),
             reason,
@@ -169,7 +166,7 @@ impl Store {
     }
 
     /// Opens the store holding a single object (its parent) and returns the object's name.
-    pub fn open_object(location: &Location) -> Result<(Self, String)> {
+    pub fn open_object(location: &Location, s3: &S3Config) -> Result<(Self, String)> {
         let bad = || Error::Store {
             location: location.to_string(),
             reason: "names no object".into(),
@@ -191,7 +188,7 @@ impl Store {
                         hint: "check the path",
                     });
                 }
-                Ok((Self::open(&Location::Local(parent.to_owned()))?, name))
+                Ok((Self::open(&Location::Local(parent.to_owned()), s3)?, name))
             }
             Location::S3 { bucket, prefix } => {
                 let (dir, name) = prefix.rsplit_once('/').unwrap_or(("", prefix));
@@ -202,7 +199,7 @@ impl Store {
                     bucket: bucket.clone(),
                     prefix: dir.to_owned(),
                 };
-                Ok((Self::open(&parent)?, name.to_owned()))
+                Ok((Self::open(&parent, s3)?, name.to_owned()))
             }
         }
     }

@@ -1,0 +1,185 @@
+//! The embedded backend: jobs, accounts and keys in the SQLite [`Store`], each job run by a
+//! `harvester` child process of the [`Workers`] pool, outputs in the data directory, and links
+//! this server signs and serves itself. Store calls run on Tokio's blocking threads, so a slow
+//! disk never stalls the async workers.
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use harvest_core::lifecycle::{JobEvent, Transition};
+use harvest_core::plan::DEFAULT_BATCH_TOKENS;
+use harvest_core::{Location, ResolvedPlan};
+use tokio::sync::watch;
+
+use crate::backend::{Caller, JobBackend};
+use crate::catalogue::CatalogueModel;
+use crate::error::ApiError;
+use crate::paths::{JobPaths, now};
+use crate::signing::Links;
+use crate::store::{JobRecord, Outcome, Store, StoreError};
+use crate::wire::{JobResult, Submission};
+use crate::workers::Workers;
+
+/// The embedded backend.
+#[derive(Debug)]
+pub struct EmbeddedBackend {
+    store: Arc<Store>,
+    workers: Arc<Workers>,
+    data_dir: PathBuf,
+    links: Links,
+}
+
+impl EmbeddedBackend {
+    /// The backend over an open store and its worker pool.
+    pub fn new(store: Arc<Store>, workers: Arc<Workers>, data_dir: PathBuf, links: Links) -> Self {
+        Self {
+            store,
+            workers,
+            data_dir,
+            links,
+        }
+    }
+
+    /// Runs a store call on a blocking thread.
+    async fn store<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let store = Arc::clone(&self.store);
+        tokio::task::spawn_blocking(move || call(&store))
+            .await
+            .map_err(|e| ApiError::Internal {
+                detail: format!("a store call was lost: {e}"),
+            })?
+            .map_err(ApiError::from)
+    }
+}
+
+#[async_trait::async_trait]
+impl JobBackend for EmbeddedBackend {
+    async fn authenticate(&self, key: &str) -> Result<Option<Caller>, ApiError> {
+        let key = key.to_owned();
+        let found = self.store(move |s| s.authenticate(&key)).await?;
+        Ok(found.map(|(account, key_hash)| Caller { account, key_hash }))
+    }
+
+    async fn submit(
+        &self,
+        job: &JobRecord,
+        submission: &Submission,
+        model: &CatalogueModel,
+    ) -> Result<(), ApiError> {
+        let paths = JobPaths::new(&self.data_dir, &job.id);
+        write_inputs(&paths, &model.path, submission).map_err(|e| ApiError::Internal {
+            detail: format!("writing the inputs of job {}: {e}", job.id),
+        })?;
+        let admitted = job.clone();
+        if let Err(error) = self.store(move |s| s.admit(&admitted, now())).await {
+            let _ = std::fs::remove_dir_all(&paths.root);
+            return Err(error);
+        }
+        if !self.workers.available() {
+            let id = job.id.clone();
+            let outcome = Outcome {
+                result: None,
+                error: Some("the harvest worker is not installed on this server".into()),
+            };
+            self.store(move |s| s.apply(&id, JobEvent::Failed, outcome, now()))
+                .await?;
+            return Err(ApiError::Unavailable {
+                job_id: job.id.clone(),
+            });
+        }
+        self.workers.enqueue(job.id.clone());
+        Ok(())
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
+        let id = id.to_owned();
+        self.store(move |s| s.job(&id)).await
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.workers.subscribe()
+    }
+
+    async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
+        let owned = id.to_owned();
+        let (job, transition) = self
+            .store(move |s| s.apply(&owned, JobEvent::Cancel, Outcome::default(), now()))
+            .await?;
+        if let Transition::To {
+            stop_worker: true, ..
+        } = transition
+        {
+            self.workers.cancel(id);
+            self.workers.notify();
+        }
+        Ok(job)
+    }
+
+    async fn result(&self, job: &JobRecord) -> Result<Option<JobResult>, ApiError> {
+        let out = JobPaths::new(&self.data_dir, &job.id).output();
+        Ok(job
+            .result
+            .clone()
+            .filter(|_| out.join("manifest.json").is_file()))
+    }
+
+    async fn links(
+        &self,
+        id: &str,
+        files: &[String],
+        expires: i64,
+    ) -> Result<Vec<String>, ApiError> {
+        Ok(files
+            .iter()
+            .map(|file| self.links.url(id, file, expires))
+            .collect())
+    }
+
+    async fn ready(&self) -> bool {
+        self.store(|s| s.unfinished_count()).await.is_ok() && self.workers.available()
+    }
+
+    async fn unfinished(&self) -> u64 {
+        self.store(|s| s.unfinished_count()).await.unwrap_or(0)
+    }
+}
+
+/// Writes prompts, directions and the resolved plan into the job's input folder.
+fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std::io::Result<()> {
+    let input = paths.input();
+    std::fs::create_dir_all(&input)?;
+    let prompts = input.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        harvest_core::worker::write_prompts_jsonl(&submission.prompts),
+    )?;
+    let project_onto = match &submission.directions {
+        Some((n, values)) => {
+            let path = input.join("directions.npy");
+            std::fs::write(
+                &path,
+                harvest_core::npy::f32_matrix(*n, values.len() / n, values),
+            )?;
+            Some(Location::Local(path))
+        }
+        None => None,
+    };
+    let plan = ResolvedPlan {
+        model: model.to_owned(),
+        prompts: Location::Local(prompts),
+        layers: submission.layers.clone(),
+        shard_size: submission.shard_size,
+        add_special_tokens: submission.add_special_tokens,
+        project_onto,
+        output: Location::Local(paths.output()),
+        batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
+    };
+    std::fs::write(
+        input.join("plan.json"),
+        serde_json::to_vec_pretty(&plan.to_raw())?,
+    )
+}

@@ -1,0 +1,413 @@
+//! The handlers: authentication, the submit path (validate → count → backend submit), status
+//! with long-poll, cancel, the catalogue, signed downloads, health and metrics. Each reaches
+//! jobs through the state's [`JobBackend`](crate::backend::JobBackend) only.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, extract::rejection::JsonRejection};
+use harvest_core::lifecycle::JobStatus;
+use harvest_core::plan::shard_file_name;
+use serde::Deserialize;
+use tower::ServiceExt;
+
+use crate::app::{
+    AppState, COUNT_TIMEOUT, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S,
+};
+use crate::backend::Caller;
+use crate::catalogue::CatalogueModel;
+use crate::error::ApiError;
+use crate::paths::{JobPaths, now};
+use crate::store::{JobRecord, JobSpec};
+use crate::wire::{self, HarvestRequest, JobView, Submission};
+
+impl FromRequestParts<Arc<AppState>> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let key = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or(ApiError::Unauthorized)?;
+        state
+            .backend
+            .authenticate(key)
+            .await?
+            .ok_or(ApiError::Unauthorized)
+    }
+}
+
+/// A JSON body whose rejections are answered in the API's own error envelope.
+#[derive(Debug)]
+pub struct AppJson<T>(pub T);
+
+impl<T: serde::de::DeserializeOwned, S: Send + Sync> FromRequest<S> for AppJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(rejection) => Err(json_rejection(&rejection)),
+        }
+    }
+}
+
+fn json_rejection(rejection: &JsonRejection) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::PayloadTooLarge {
+            limit_mib: MAX_BODY_BYTES >> 20,
+        }
+    } else {
+        ApiError::invalid(rejection.body_text())
+    }
+}
+
+/// Queue a harvest job.
+#[utoipa::path(post, tag = "harvest", path = "/v1/harvest", request_body = HarvestRequest, security(("bearer" = [])),
+    responses((status = 202, description = "The job, pending", body = JobView),
+        (status = 400, description = "invalid_request or harvest_too_large", body = crate::openapi::ErrorEnvelope),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
+        (status = 413, description = "payload_too_large", body = crate::openapi::ErrorEnvelope),
+        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::openapi::ErrorEnvelope),
+        (status = 503, description = "harvest_unavailable, with the job id", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn submit(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    AppJson(request): AppJson<HarvestRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.catalogue.get(&request.model).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "unknown model {:?}: GET /v1/models lists the models; available: {}",
+            request.model,
+            state.catalogue.names().join(", ")
+        ))
+    })?;
+    let submission = request.validate(&model.model)?;
+    count_tokens(&state, &caller, model, &submission).await?;
+    let job = new_job(&caller, &submission);
+    if let Err(error) = state.backend.submit(&job, &submission, model).await {
+        // A job recorded as failed for want of a worker was admitted all the same.
+        let counter = match error {
+            ApiError::Denied(_) => Some(&state.metrics.denied),
+            ApiError::Unavailable { .. } => Some(&state.metrics.submitted),
+            _ => None,
+        };
+        counter.map(prometheus_client::metrics::counter::Counter::inc);
+        return Err(error);
+    }
+    state.metrics.submitted.inc();
+    let job = state
+        .backend
+        .get(&job.id)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok((StatusCode::ACCEPTED, Json(view(&state, &job).await?)).into_response())
+}
+
+/// The record of a job about to be submitted.
+fn new_job(caller: &Caller, submission: &Submission) -> JobRecord {
+    JobRecord {
+        id: uuid::Uuid::new_v4().to_string(),
+        run_id: uuid::Uuid::new_v4().to_string(),
+        account: caller.account.clone(),
+        key_hash: caller.key_hash.clone(),
+        model: submission.model.clone(),
+        status: JobStatus::Pending,
+        n_prompts: submission.prompts.len(),
+        reserved: submission.reserved_tokens,
+        tokens: None,
+        created_at: now(),
+        started_at: None,
+        completed_at: None,
+        result: None,
+        error: None,
+        progress: None,
+        spec: JobSpec {
+            layers: submission.layers.as_slice().to_vec(),
+            shard_size: submission.shard_size.get(),
+            add_special_tokens: submission.add_special_tokens,
+            has_directions: submission.directions.is_some(),
+            lane: submission.lane,
+        },
+    }
+}
+
+/// Tokenizes the corpus for real: one submit per account and two server-wide at a time, within
+/// [`COUNT_TIMEOUT`], and at most [`MAX_JOB_TOKENS`].
+async fn count_tokens(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    model: &CatalogueModel,
+    submission: &Submission,
+) -> Result<u64, ApiError> {
+    let _turn = state
+        .counting_turn(&caller.account)
+        .ok_or(ApiError::CountBusy)?;
+    let _permit = Arc::clone(&state.counting)
+        .try_acquire_owned()
+        .map_err(|_| ApiError::CountBusy)?;
+    let tokenizer = Arc::clone(&model.tokenizer);
+    let prompts = submission.prompts.clone();
+    let special = submission.add_special_tokens;
+    let max_tokens = model.max_tokens as u64;
+    let counting = tokio::task::spawn_blocking(move || {
+        tokenizer
+            .encode_batch_fast(prompts, special)
+            .map(|encodings| {
+                encodings
+                    .iter()
+                    .map(|e| (e.len() as u64).min(max_tokens))
+                    .collect::<Vec<_>>()
+            })
+    });
+    let counts = tokio::time::timeout(COUNT_TIMEOUT, counting)
+        .await
+        .map_err(|_| ApiError::CountBusy)?
+        .map_err(|e| ApiError::Internal {
+            detail: e.to_string(),
+        })?
+        .map_err(|e| ApiError::invalid(format!("a prompt could not be tokenized: {e}")))?;
+    if let Some(index) = counts.iter().position(|&n| n == 0) {
+        return Err(ApiError::invalid(format!(
+            "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
+        )));
+    }
+    let total: u64 = counts.iter().sum();
+    if total > MAX_JOB_TOKENS {
+        return Err(ApiError::TooLarge {
+            message: format!(
+                "the corpus has {total} tokens, more than the {MAX_JOB_TOKENS} a job may hold: split it into several jobs"
+            ),
+        });
+    }
+    Ok(total)
+}
+
+/// The job as answered, with fresh links for a done job whose files are kept.
+async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
+    let mut result = None;
+    let (mut urls_expire_at, mut urls_expired) = (None, None);
+    if job.status == JobStatus::Done {
+        match state.backend.result(job).await? {
+            Some(mut r) => {
+                let expires = (now().0 + state.url_ttl_s * 1000) / 1000;
+                let mut files = vec!["manifest.json".to_owned(), "stats.safetensors".to_owned()];
+                files.extend((0..r.n_shards).map(shard_file_name));
+                let mut urls = state
+                    .backend
+                    .links(&job.id, &files, expires)
+                    .await?
+                    .into_iter();
+                r.manifest_url = urls.next().unwrap_or_default();
+                r.stats_url = urls.next().unwrap_or_default();
+                r.shard_urls = urls.collect();
+                result = Some(r);
+                urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
+            }
+            None => urls_expired = Some(true),
+        }
+    }
+    Ok(JobView {
+        job_id: job.id.clone(),
+        run_id: job.run_id.clone(),
+        status: job.status,
+        model: job.model.clone(),
+        n_prompts: job.n_prompts,
+        reserved_tokens: job.reserved,
+        layers: job.spec.layers.clone(),
+        tokens: job.tokens,
+        created_at: job.created_at.to_iso8601(),
+        started_at: wire::timestamp(job.started_at),
+        completed_at: wire::timestamp(job.completed_at),
+        result,
+        urls_expire_at,
+        urls_expired,
+        error: job.error.clone(),
+        progress: (job.status == JobStatus::Running)
+            .then(|| job.progress.clone())
+            .flatten(),
+    })
+}
+
+/// Looks up the caller's own job; an unknown id and another account's job look the same.
+async fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord, ApiError> {
+    if !wire::is_valid_job_id(job_id) {
+        return Err(ApiError::NotFound);
+    }
+    match state.backend.get(job_id).await? {
+        Some(job) if job.account == caller.account => Ok(job),
+        _ => Err(ApiError::NotFound),
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct WaitQuery {
+    pub(crate) wait: Option<String>,
+}
+
+fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
+    match query.wait.as_deref() {
+        None | Some("") => Ok(0.0),
+        Some(text) => match text.parse::<f64>() {
+            Ok(w) if w.is_finite() && w >= 0.0 => Ok(w.min(MAX_WAIT_S)),
+            _ => Err(ApiError::invalid(format!(
+                "wait={text:?} must be a number of seconds from 0 to 60"
+            ))),
+        },
+    }
+}
+
+/// A harvest job, optionally waiting up to `wait` seconds (60 at most) for it to end.
+#[utoipa::path(get, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
+    params(("job_id" = String, Path, description = "The job's UUID"),
+        ("wait" = Option<String>, Query, description = "Seconds to wait for a terminal status, at most 60")),
+    responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
+        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn status(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    Path(job_id): Path<String>,
+    Query(query): Query<WaitQuery>,
+) -> Result<Response, ApiError> {
+    let job = own_job(&state, &caller, &job_id).await?;
+    let wait = wait_seconds(&query)?;
+    if wait == 0.0 || job.status.is_terminal() {
+        return Ok(Json(view(&state, &job).await?).into_response());
+    }
+    let Some(_slot) = state.long_poll_slot(&caller.key_hash) else {
+        state.metrics.long_polls_declined.inc();
+        let mut response = Json(view(&state, &job).await?).into_response();
+        response
+            .headers_mut()
+            .insert("x-acs-longpoll", HeaderValue::from_static("declined"));
+        response.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(LONG_POLL_RETRY_AFTER_S),
+        );
+        return Ok(response);
+    };
+    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    let job = state
+        .backend
+        .wait(&job_id, deadline)
+        .await?
+        .filter(|job| job.account == caller.account)
+        .ok_or(ApiError::NotFound)?;
+    Ok(Json(view(&state, &job).await?).into_response())
+}
+
+/// Cancel a pending or running harvest job.
+#[utoipa::path(delete, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
+    params(("job_id" = String, Path, description = "The job's UUID")),
+    responses((status = 200, description = "The cancelled job", body = JobView),
+        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope),
+        (status = 409, description = "harvest_not_cancellable", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn cancel(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    Path(job_id): Path<String>,
+) -> Result<Json<JobView>, ApiError> {
+    own_job(&state, &caller, &job_id).await?;
+    let job = state.backend.cancel(&job_id).await?;
+    Ok(Json(view(&state, &job).await?))
+}
+
+/// The models catalogue.
+#[utoipa::path(get, tag = "harvest", path = "/v1/models", security(("bearer" = [])),
+    responses((status = 200, description = "The models", body = crate::openapi::ModelList)))]
+pub(crate) async fn models(
+    State(state): State<Arc<AppState>>,
+    _caller: Caller,
+) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "models": state.catalogue.views() }))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct LinkQuery {
+    expires: i64,
+    sig: String,
+}
+
+fn is_output_file(name: &str) -> bool {
+    name == "manifest.json"
+        || name == "stats.safetensors"
+        || name
+            .strip_prefix("shard_")
+            .and_then(|rest| rest.strip_suffix(".safetensors"))
+            .is_some_and(|digits| digits.len() == 5 && digits.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Serves one output file through a link this server signed.
+pub(crate) async fn download(
+    State(state): State<Arc<AppState>>,
+    Path((job_id, file)): Path<(String, String)>,
+    Query(link): Query<LinkQuery>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    if !wire::is_valid_job_id(&job_id) || !is_output_file(&file) {
+        return Err(ApiError::NotFound);
+    }
+    state
+        .signer
+        .verify(&job_id, &file, link.expires, &link.sig, now().0 / 1000)?;
+    let path = JobPaths::new(&state.data_dir, &job_id).output().join(&file);
+    if !path.is_file() {
+        return Err(ApiError::NotFound);
+    }
+    state.metrics.downloads.inc();
+    let response = tower_http::services::ServeFile::new(path)
+        .oneshot(request)
+        .await
+        .map_err(|e| ApiError::Internal {
+            detail: e.to_string(),
+        })?;
+    Ok(response.into_response())
+}
+
+pub(crate) async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.backend.ready().await {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store or harvester unavailable",
+        )
+            .into_response()
+    }
+}
+
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let unfinished = state.backend.unfinished().await;
+    state
+        .metrics
+        .unfinished
+        .set(i64::try_from(unfinished).unwrap_or(i64::MAX));
+    let mut body = String::new();
+    if let Err(error) =
+        prometheus_client::encoding::text::encode(&mut body, &state.metrics.registry)
+    {
+        return ApiError::Internal {
+            detail: format!("encoding metrics: {error}"),
+        }
+        .into_response();
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
