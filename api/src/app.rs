@@ -144,6 +144,15 @@ impl AppState {
         })
     }
 
+    /// Long-polls waiting now, server-wide.
+    pub fn long_polls_waiting(&self) -> usize {
+        self.long_polls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .sum()
+    }
+
     /// Takes one of the key's long-poll slots, or `None` when the key or the server has none.
     pub(crate) fn long_poll_slot(&self, key: &str) -> Option<LongPollSlot<'_>> {
         let mut polls = self

@@ -9,6 +9,7 @@
 
 mod suite;
 
+use harvest_testkit::SETTLE_WITHIN;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -323,14 +324,15 @@ fn two_replicas_serve_one_queue_and_a_replica_killed_mid_job_loses_nothing() {
     assert!(!reqwest::blocking_get(&rebased).unwrap().is_empty());
     let account = reqwest::runtime().block_on(async {
         let accounts: Api<HarvestAccount> = Api::all(cluster.client.clone());
-        for _ in 0..100 {
+        harvest_testkit::eventually("the hold to settle", SETTLE_WITHIN, || async {
             let account = accounts.get("acme").await.unwrap();
             if account.status.as_ref().is_some_and(|s| s.holds.is_empty()) {
-                return account;
+                Ok(account)
+            } else {
+                Err(format!("{:?}", account.status))
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!("the hold never settled")
+        })
+        .await
     });
     let books = account.status.unwrap();
     assert_eq!(books.tokens_total, done["tokens"].as_u64().unwrap());
@@ -362,14 +364,15 @@ fn an_exhausted_budget_gives_rest_a_429_and_keeps_a_kubectl_job_waiting() {
         jobs.create(&PostParams::default(), &HarvestJob::new("gitops", spec))
             .await
             .unwrap();
-        for _ in 0..100 {
+        harvest_testkit::eventually("the operator to look at the job", SETTLE_WITHIN, || async {
             let job = jobs.get("gitops").await.unwrap();
             if job.status.is_some() {
-                return job;
+                Ok(job)
+            } else {
+                Err("no status yet".to_owned())
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!("the operator never looked at the job")
+        })
+        .await
     });
     let admitted = conditions::get(&job.status.unwrap().conditions, ADMITTED).cloned();
     assert_eq!(

@@ -388,7 +388,17 @@ async fn a_fifth_long_poll_of_a_key_is_declined_at_once_as_a_normal_200() {
             tokio::spawn(async move { call(&state, "GET", &uri, Some(&key), None).await })
         })
         .collect();
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    harvest_testkit::eventually(
+        "four waiting long-polls",
+        std::time::Duration::from_secs(30),
+        || async {
+            match f.state.long_polls_waiting() {
+                4 => Ok(()),
+                n => Err(format!("{n} waiting")),
+            }
+        },
+    )
+    .await;
     let start = std::time::Instant::now();
     let (status, headers, answer) = call(&f.state, "GET", &uri, Some(&f.key), None).await;
     assert!(

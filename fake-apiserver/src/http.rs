@@ -179,8 +179,8 @@ async fn handle(
             return watch(store.clone(), target, query);
         }
         (&Method::GET, None) => {
-            let items: Vec<Value> = store
-                .list_all(&target.key, target.namespace.as_deref())
+            let (rv, items) = store.list_at(&target.key, target.namespace.as_deref());
+            let items: Vec<Value> = items
                 .into_iter()
                 .filter(|o| {
                     matches(
@@ -190,7 +190,7 @@ async fn handle(
                     )
                 })
                 .collect();
-            let rv = store.resource_version().to_string();
+            let rv = rv.to_string();
             if wants_table(&headers) {
                 return json_response(StatusCode::OK, &table(&kind, &items, &rv));
             }
@@ -376,8 +376,9 @@ fn watch(store: Arc<Store>, target: Target, query: HashMap<String, String>) -> R
             let deadline = tokio::time::Instant::now() + timeout;
             let mut last = since;
             if since == 0 {
-                last = store.resource_version();
-                for object in store.list_all(&key, namespace.as_deref()) {
+                let (rv, items) = store.list_at(&key, namespace.as_deref());
+                last = rv;
+                for object in items {
                     if matches(&object, labels.as_deref(), fields.as_deref()) {
                         let line = format!("{}\n", json!({"type": "ADDED", "object": object}));
                         if tx.send(Ok(Bytes::from(line))).await.is_err() {

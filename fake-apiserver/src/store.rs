@@ -244,15 +244,17 @@ impl Store {
             .cloned()
     }
 
-    /// Every object of `key`, in one namespace or all.
-    pub fn list_all(&self, key: &ResourceKey, ns: Option<&str>) -> Vec<Value> {
+    /// Every object of `key` and the resourceVersion they are current at, read under one lock:
+    /// a watch from that version then misses no change, as with a real apiserver's LIST.
+    pub fn list_at(&self, key: &ResourceKey, ns: Option<&str>) -> (u64, Vec<Value>) {
         let inner = self.lock();
-        inner
+        let items = inner
             .objects
             .iter()
             .filter(|((k, n, _), _)| k == key && ns.is_none_or(|ns| ns == n))
             .map(|(_, v)| v.clone())
-            .collect()
+            .collect();
+        (inner.rv, items)
     }
 
     fn kind_in(inner: &Inner, key: &ResourceKey) -> Result<Kind, ApiError> {

@@ -5,27 +5,14 @@ use std::path::PathBuf;
 
 use harvest_core::worker::{ErrorKind, ExitStatus};
 
+pub use crate::backend::cuda::CudaError;
+
 /// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The CUDA backend cannot run here: no driver, no device, or no such device.
-    #[error("no usable GPU: {reason}")]
-    NoGpu {
-        /// What is missing and what to do.
-        reason: String,
-    },
-    /// The model uses something the CUDA backend does not implement yet.
-    #[error("the CUDA backend does not support {reason} yet: use --device cpu for this model")]
-    CudaUnsupported {
-        /// What it uses.
-        reason: String,
-    },
-    /// A CUDA kernel did not compile. This is a bug in the kernel source.
-    #[error("compiling the CUDA kernels with NVRTC: {log}")]
-    KernelCompile {
-        /// NVRTC's log.
-        log: String,
-    },
+    /// The CUDA backend failed: no usable GPU, an unsupported model, or a fault.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
     /// A file could not be read or written.
     #[error("{action} {path}: {source}")]
     Io {
@@ -218,15 +205,10 @@ impl Error {
             | Self::BadDirections { .. }
             | Self::Prompts { .. }
             | Self::Plan(_)
-            | Self::ForeignOutput { .. }
-            | Self::CudaUnsupported { .. } => ErrorKind::BadInput,
-            // A node without a usable GPU: another node may have one.
-            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } | Self::NoGpu { .. } => {
-                ErrorKind::Infrastructure
-            }
-            Self::InvalidBatch { .. } | Self::StageLost { .. } | Self::KernelCompile { .. } => {
-                ErrorKind::Internal
-            }
+            | Self::ForeignOutput { .. } => ErrorKind::BadInput,
+            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } => ErrorKind::Infrastructure,
+            Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
+            Self::Cuda(error) => error.kind(),
         }
     }
 

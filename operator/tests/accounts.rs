@@ -142,12 +142,17 @@ async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lan
             .as_ref()
             .is_some_and(|s| conditions::is_true(&s.conditions, ADMITTED))
     };
-    for _ in 0..100 {
-        if api_jobs.get("rest").await.is_ok_and(|j| admitted(&j)) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    harvest_testkit::eventually(
+        "the API job's admission",
+        harvest_testkit::SETTLE_WITHIN,
+        || async {
+            match api_jobs.get("rest").await {
+                Ok(job) if admitted(&job) => Ok(()),
+                other => Err(format!("{:?}", other.map(|j| j.status))),
+            }
+        },
+    )
+    .await;
     cluster.submit("gitops", prompts, |_| {}).await;
     let rest_running = api_jobs.get("rest").await.unwrap();
     assert!(
@@ -180,12 +185,10 @@ async fn of_two_replicas_only_the_leader_acts_and_the_follower_finishes_a_job_ch
     let mut cluster = Cluster::start(2).await;
     cluster.kill_operator().await;
     let first = cluster.spawn_replica("replica-a");
-    for _ in 0..50 {
-        if cluster.leader().is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    harvest_testkit::eventually("a leader", harvest_testkit::SETTLE_WITHIN, || async {
+        cluster.leader().ok_or_else(|| "none yet".to_owned())
+    })
+    .await;
     let second = cluster.spawn_replica("replica-b");
     assert_eq!(cluster.leader().as_deref(), Some("replica-a"));
     let prompts = cluster.prompts("leader", 48, 8);

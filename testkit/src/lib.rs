@@ -203,3 +203,25 @@ impl Seaweed {
         .collect()
     }
 }
+
+/// How long tests give the operator's asynchronous settlement of a finished job (the account
+/// controller's write after the job's own): generous, so a loaded machine passes too.
+pub const SETTLE_WITHIN: Duration = Duration::from_secs(60);
+
+/// Polls `probe` until it answers `Some`, at most for `within` of wall time (not a count of
+/// tries, which a loaded machine stretches), and fails naming `what` and the last answer seen.
+pub async fn eventually<T, F>(what: &str, within: Duration, mut probe: impl FnMut() -> F) -> T
+where
+    F: Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match probe().await {
+            Ok(found) => return found,
+            Err(last) if tokio::time::Instant::now() >= deadline => {
+                panic!("timed out after {within:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}

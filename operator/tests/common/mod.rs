@@ -2,6 +2,7 @@
 //! SmolLM2, the CRDs, an account paying for namespace `default`, and the operator as a task that can be killed and restarted.
 #![allow(clippy::unwrap_used, dead_code)]
 
+use harvest_testkit::SETTLE_WITHIN;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -154,17 +155,15 @@ impl Cluster {
         &self,
         done: impl Fn(&HarvestAccountStatus) -> bool,
     ) -> HarvestAccountStatus {
-        for _ in 0..200 {
+        harvest_testkit::eventually("the account's books", SETTLE_WITHIN, || async {
             let status = self.account().await.status_or_default();
             if done(&status) {
-                return status;
+                Ok(status)
+            } else {
+                Err(format!("{status:?}"))
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!(
-            "the account never got there: {:?}",
-            self.account().await.status
-        )
+        })
+        .await
     }
 
     pub fn jobs(&self) -> Api<HarvestJob> {

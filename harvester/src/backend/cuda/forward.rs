@@ -9,25 +9,20 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
-};
+use cudarc::cublas::sys::cudaDataType;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
+use super::error::CudaError;
 use super::kernels;
+use super::launch::{self, AttentionShape, gemm};
 use super::plan::{attention_tiles, check_heads};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::{LlamaWeights, ModelConfig};
 
-/// Threads per block of the row kernels.
-const ROW_THREADS: u32 = 256;
-
-fn driver(error: impl std::fmt::Display) -> Error {
-    Error::NoGpu {
-        reason: format!("CUDA: {error}"),
-    }
+/// Setting up on a device failed: that machine cannot run the backend.
+fn driver(error: impl std::fmt::Display) -> crate::Error {
+    CudaError::unavailable(error).into()
 }
 
 fn bf16(values: &[f32]) -> Vec<u16> {
@@ -98,9 +93,10 @@ impl std::fmt::Debug for CudaBackend {
 fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
     check_heads(config.num_heads, config.num_kv_heads, config.head_dim)?;
     let unsupported = |reason: &str| {
-        Err(Error::CudaUnsupported {
+        Err(CudaError::Unsupported {
             reason: reason.to_owned(),
-        })
+        }
+        .into())
     };
     if weights
         .blocks
@@ -207,98 +203,6 @@ impl CudaBackend {
     }
 }
 
-/// `c[rows, n] = a[rows, k] · w[n, k]ᵀ + beta · c`, row-major, bf16 inputs, f32 accumulation;
-/// `c_type` says whether `c` is bf16 or f32. cuBLAS is column-major, so this computes
-/// `cᵀ = w · aᵀ`.
-#[allow(clippy::too_many_arguments)]
-fn gemm<C>(
-    blas: &CudaBlas,
-    stream: &CudaStream,
-    a: &CudaSlice<u16>,
-    w: &CudaSlice<u16>,
-    c: &mut CudaSlice<C>,
-    c_type: cudaDataType,
-    (rows, n, k): (usize, usize, usize),
-    beta: f32,
-) -> Result<()> {
-    let alpha = 1.0f32;
-    let dims = |v: usize| {
-        i32::try_from(v).map_err(|_| Error::InvalidBatch {
-            reason: format!("a GEMM dimension of {v} is too large for cuBLAS"),
-        })
-    };
-    let (m, n_cols, k_dim) = (dims(n)?, dims(rows)?, dims(k)?);
-    let (a_ptr, _a_sync) = a.device_ptr(stream);
-    let (w_ptr, _w_sync) = w.device_ptr(stream);
-    let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
-    // SAFETY: the three buffers live on `stream`'s device and hold at least rows·k, n·k and
-    // rows·n elements of the types named; alpha and beta outlive the call, which only enqueues.
-    #[allow(unsafe_code)]
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            m,
-            n_cols,
-            k_dim,
-            (&raw const alpha).cast(),
-            w_ptr as *const _,
-            cudaDataType::CUDA_R_16BF,
-            k_dim,
-            a_ptr as *const _,
-            cudaDataType::CUDA_R_16BF,
-            k_dim,
-            (&raw const beta).cast(),
-            c_ptr as *mut _,
-            c_type,
-            m,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(driver)
-}
-
-/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`.
-fn rms_norm(
-    stream: &CudaStream,
-    kernel: &CudaFunction,
-    x: &CudaSlice<f32>,
-    weight: &CudaSlice<u16>,
-    out: &mut CudaSlice<u16>,
-    (tokens, hidden, eps): (usize, i32, f32),
-) -> Result<()> {
-    // SAFETY: the arguments match `rms_norm`'s parameters in order and type; `x` and `out`
-    // hold `tokens` rows of `hidden` values and `weight` holds `hidden`.
-    #[allow(unsafe_code)]
-    unsafe {
-        stream
-            .launch_builder(kernel)
-            .arg(x)
-            .arg(weight)
-            .arg(out)
-            .arg(&hidden)
-            .arg(&eps)
-            .launch(grid(tokens, 1, ROW_THREADS)?)
-    }
-    .map(|_| ())
-    .map_err(driver)
-}
-
-fn grid(x: usize, y: usize, threads: u32) -> Result<LaunchConfig> {
-    let dim = |v: usize| {
-        u32::try_from(v).map_err(|_| Error::InvalidBatch {
-            reason: format!("a launch dimension of {v} is too large"),
-        })
-    };
-    Ok(LaunchConfig {
-        grid_dim: (dim(x)?, dim(y)?, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -312,7 +216,6 @@ impl Backend for CudaBackend {
         &self.spec
     }
 
-    #[allow(unsafe_code)]
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
         batch.validate(self.config.vocab_size)?;
         let tokens = batch.num_tokens();
@@ -323,193 +226,209 @@ impl Backend for CudaBackend {
         }
         self.ensure_scratch(tokens)?;
         attention_tiles(&batch.cu_seq_lengths, &mut self.host_tiles);
-        let Self {
-            spec,
-            config: c,
-            stream,
-            blas,
-            kernels: k,
-            embed,
-            blocks,
-            inv_freq,
-            directions,
-            scratch,
-            host_tiles,
-        } = self;
-        let Some(s) = scratch.as_mut() else {
+        let Some(s) = self.scratch.as_mut() else {
             return Ok(());
         };
-        let hidden = c.hidden_size as i32;
-        let (heads, kv_heads, head_dim) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim);
-        let qkv_width = c.qkv_width();
-        let inter = c.intermediate_size;
-        let eps = c.rms_norm_eps as f32;
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        stream
-            .memcpy_htod(&batch.input_ids, &mut s.ids.slice_mut(..tokens))
-            .map_err(driver)?;
-        stream
-            .memcpy_htod(&batch.positions, &mut s.positions.slice_mut(..tokens))
-            .map_err(driver)?;
-        stream
-            .memcpy_htod(
-                &batch.cu_seq_lengths,
-                &mut s.cu_seq_lengths.slice_mut(..batch.cu_seq_lengths.len()),
-            )
-            .map_err(driver)?;
-        stream
-            .memcpy_htod(
-                host_tiles.as_slice(),
-                &mut s.tiles.slice_mut(..host_tiles.len()),
-            )
-            .map_err(driver)?;
-        let n_tiles = host_tiles.len() / 2;
-
-        // SAFETY (every launch below): the arguments match the kernel's parameters in order and
-        // type, and every buffer holds at least the elements the grid touches (the scratch is
-        // sized for `tokens`, the weights for the model's shape).
-        unsafe {
-            stream
-                .launch_builder(&k.embed_gather)
-                .arg(&*embed)
-                .arg(&s.ids)
-                .arg(&mut s.x)
-                .arg(&hidden)
-                .launch(grid(tokens, 1, ROW_THREADS)?)
-        }
-        .map_err(driver)?;
-
-        let rotated_heads = c.num_heads + c.num_kv_heads;
-        let row_width = qkv_width as i32;
-        let head_dim_i = head_dim as i32;
-        let gate_up_elements = (tokens * inter) as i64;
-        let inter_i = inter as i32;
-        let swiglu_blocks = tokens * inter / ROW_THREADS as usize + 1;
-        for (index, block) in blocks.iter().enumerate() {
-            rms_norm(
-                stream,
-                &k.rms_norm,
-                &s.x,
-                &block.attn_norm,
-                &mut s.normed,
-                (tokens, hidden, eps),
-            )?;
-            gemm(
-                blas,
-                stream,
-                &s.normed,
-                &block.qkv,
-                &mut s.qkv,
-                cudaDataType::CUDA_R_16BF,
-                (tokens, qkv_width, c.hidden_size),
-                0.0,
-            )?;
-            unsafe {
-                stream
-                    .launch_builder(&k.rope)
-                    .arg(&mut s.qkv)
-                    .arg(&s.positions)
-                    .arg(&*inv_freq)
-                    .arg(&row_width)
-                    .arg(&head_dim_i)
-                    .launch(grid(tokens, rotated_heads, (head_dim / 2) as u32)?)
-            }
-            .map_err(driver)?;
-            unsafe {
-                stream
-                    .launch_builder(&k.attention)
-                    .arg(&s.qkv)
-                    .arg(&mut s.attn)
-                    .arg(&s.cu_seq_lengths)
-                    .arg(&s.tiles)
-                    .arg(&heads)
-                    .arg(&kv_heads)
-                    .arg(&head_dim_i)
-                    .arg(&scale)
-                    .launch(grid(
-                        n_tiles,
-                        c.num_heads,
-                        32 * kernels::ATTENTION_QUERIES_PER_BLOCK,
-                    )?)
-            }
-            .map_err(driver)?;
-            gemm(
-                blas,
-                stream,
-                &s.attn,
-                &block.o,
-                &mut s.x,
-                cudaDataType::CUDA_R_32F,
-                (tokens, c.hidden_size, c.num_heads * head_dim),
-                1.0,
-            )?;
-            rms_norm(
-                stream,
-                &k.rms_norm,
-                &s.x,
-                &block.mlp_norm,
-                &mut s.normed,
-                (tokens, hidden, eps),
-            )?;
-            gemm(
-                blas,
-                stream,
-                &s.normed,
-                &block.gate_up,
-                &mut s.gate_up,
-                cudaDataType::CUDA_R_16BF,
-                (tokens, 2 * inter, c.hidden_size),
-                0.0,
-            )?;
-            unsafe {
-                stream
-                    .launch_builder(&k.swiglu)
-                    .arg(&s.gate_up)
-                    .arg(&mut s.act)
-                    .arg(&inter_i)
-                    .arg(&gate_up_elements)
-                    .launch(grid(swiglu_blocks.min(65_535), 1, ROW_THREADS)?)
-            }
-            .map_err(driver)?;
-            gemm(
-                blas,
-                stream,
-                &s.act,
-                &block.down,
-                &mut s.x,
-                cudaDataType::CUDA_R_32F,
-                (tokens, c.hidden_size, inter),
-                1.0,
-            )?;
-            if let Some(kept) = spec.layers.position(index) {
-                let size = tokens * width;
-                let mut dst = s.captured.slice_mut(kept * size..(kept + 1) * size);
-                match directions.as_ref() {
-                    None => stream
-                        .memcpy_dtod(&s.x.slice(..size), &mut dst)
-                        .map_err(driver)?,
-                    Some(units) => {
-                        let n = width as i32;
-                        unsafe {
-                            stream
-                                .launch_builder(&k.project)
-                                .arg(&s.x)
-                                .arg(units)
-                                .arg(&mut dst)
-                                .arg(&hidden)
-                                .arg(&n)
-                                .launch(grid(tokens, 1, ROW_THREADS)?)
-                        }
-                        .map_err(driver)?;
-                    }
-                }
+        upload_batch(&self.stream, batch, &self.host_tiles, s)?;
+        let c = &self.config;
+        launch::embed_gather(
+            &self.stream,
+            &self.kernels.embed_gather,
+            &self.embed,
+            &s.ids,
+            &mut s.x,
+            (tokens, c.hidden_size),
+        )?;
+        let pass = Pass {
+            config: c,
+            stream: &self.stream,
+            blas: &self.blas,
+            kernels: &self.kernels,
+            inv_freq: &self.inv_freq,
+            tokens,
+            tiles: self.host_tiles.len() / 2,
+        };
+        for (index, block) in self.blocks.iter().enumerate() {
+            pass.block(block, s)?;
+            if let Some(kept) = self.spec.layers.position(index) {
+                pass.keep(s, kept, width, self.directions.as_ref())?;
             }
         }
-        let total = spec.layers.len() * tokens * width;
-        stream
+        let total = self.spec.layers.len() * tokens * width;
+        let copy = CudaError::fault("copying the captures to the host");
+        self.stream
             .memcpy_dtoh(&s.captured.slice(..total), &mut out.data[..total])
-            .map_err(driver)?;
-        stream.synchronize().map_err(driver)
+            .map_err(&copy)?;
+        self.stream.synchronize().map_err(copy)?;
+        Ok(())
+    }
+}
+
+/// Copies a batch's ids, positions, sequence bounds and attention tiles to the device.
+fn upload_batch(
+    stream: &Arc<CudaStream>,
+    batch: &Batch,
+    host_tiles: &[u32],
+    s: &mut Scratch,
+) -> Result<()> {
+    let tokens = batch.num_tokens();
+    let copy = CudaError::fault("copying the batch to the device");
+    stream
+        .memcpy_htod(&batch.input_ids, &mut s.ids.slice_mut(..tokens))
+        .map_err(&copy)?;
+    stream
+        .memcpy_htod(&batch.positions, &mut s.positions.slice_mut(..tokens))
+        .map_err(&copy)?;
+    stream
+        .memcpy_htod(
+            &batch.cu_seq_lengths,
+            &mut s.cu_seq_lengths.slice_mut(..batch.cu_seq_lengths.len()),
+        )
+        .map_err(&copy)?;
+    stream
+        .memcpy_htod(host_tiles, &mut s.tiles.slice_mut(..host_tiles.len()))
+        .map_err(&copy)?;
+    Ok(())
+}
+
+/// One forward pass over a batch: what every block's launches share.
+struct Pass<'a> {
+    config: &'a ModelConfig,
+    stream: &'a Arc<CudaStream>,
+    blas: &'a CudaBlas,
+    kernels: &'a Kernels,
+    inv_freq: &'a CudaSlice<f32>,
+    tokens: usize,
+    tiles: usize,
+}
+
+impl Pass<'_> {
+    /// One decoder block, as the CPU reference runs it: the residual stream `x` gains the
+    /// attention output, then the MLP output (both added by their GEMM's `beta = 1`).
+    fn block(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
+        let (c, stream, blas, k, tokens) = (
+            self.config,
+            self.stream,
+            self.blas,
+            self.kernels,
+            self.tokens,
+        );
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps as f32;
+        let rows = |n, k| (tokens, n, k);
+        // x += o(attention(rope(qkv(norm(x)))))
+        launch::rms_norm(
+            stream,
+            &k.rms_norm,
+            &s.x,
+            &block.attn_norm,
+            &mut s.normed,
+            (tokens, hidden, eps),
+        )?;
+        gemm(
+            blas,
+            stream,
+            &s.normed,
+            &block.qkv,
+            &mut s.qkv,
+            cudaDataType::CUDA_R_16BF,
+            rows(c.qkv_width(), hidden),
+            0.0,
+        )?;
+        let rotated = c.num_heads + c.num_kv_heads;
+        launch::rope(
+            stream,
+            &k.rope,
+            &mut s.qkv,
+            &s.positions,
+            self.inv_freq,
+            (tokens, rotated, c.qkv_width(), c.head_dim),
+        )?;
+        let shape = AttentionShape {
+            tokens,
+            tiles: self.tiles,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        };
+        launch::attention(
+            stream,
+            &k.attention,
+            &s.qkv,
+            &mut s.attn,
+            &s.cu_seq_lengths,
+            &s.tiles,
+            shape,
+        )?;
+        gemm(
+            blas,
+            stream,
+            &s.attn,
+            &block.o,
+            &mut s.x,
+            cudaDataType::CUDA_R_32F,
+            rows(hidden, c.num_heads * c.head_dim),
+            1.0,
+        )?;
+        // x += down(swiglu(gate_up(norm(x))))
+        let inter = c.intermediate_size;
+        launch::rms_norm(
+            stream,
+            &k.rms_norm,
+            &s.x,
+            &block.mlp_norm,
+            &mut s.normed,
+            (tokens, hidden, eps),
+        )?;
+        gemm(
+            blas,
+            stream,
+            &s.normed,
+            &block.gate_up,
+            &mut s.gate_up,
+            cudaDataType::CUDA_R_16BF,
+            rows(2 * inter, hidden),
+            0.0,
+        )?;
+        launch::swiglu(stream, &k.swiglu, &s.gate_up, &mut s.act, (tokens, inter))?;
+        gemm(
+            blas,
+            stream,
+            &s.act,
+            &block.down,
+            &mut s.x,
+            cudaDataType::CUDA_R_32F,
+            rows(hidden, inter),
+            1.0,
+        )
+    }
+
+    /// Copies the residual stream into kept layer `kept`'s slot, or its projections when
+    /// `directions` are given.
+    fn keep(
+        &self,
+        s: &mut Scratch,
+        kept: usize,
+        width: usize,
+        directions: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
+        let size = self.tokens * width;
+        let mut dst = s.captured.slice_mut(kept * size..(kept + 1) * size);
+        match directions {
+            None => self
+                .stream
+                .memcpy_dtod(&s.x.slice(..size), &mut dst)
+                .map_err(|e| CudaError::fault("copying a kept layer")(e).into()),
+            Some(units) => launch::project(
+                self.stream,
+                &self.kernels.project,
+                &s.x,
+                units,
+                &mut dst,
+                (self.tokens, self.config.hidden_size, width),
+            ),
+        }
     }
 }
 
@@ -536,10 +455,11 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
         ))
         .map_err(driver)?;
     let mut c = stream.alloc_zeros::<f32>(m * n).map_err(driver)?;
+    let timing = CudaError::fault("timing the GEMM");
     const REPS: usize = 20;
     let mut best = f64::INFINITY;
     for round in 0..4 {
-        stream.synchronize().map_err(driver)?;
+        stream.synchronize().map_err(&timing)?;
         let start = std::time::Instant::now();
         for _ in 0..REPS {
             gemm(
@@ -553,7 +473,7 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
                 0.0,
             )?;
         }
-        stream.synchronize().map_err(driver)?;
+        stream.synchronize().map_err(&timing)?;
         if round > 0 {
             best = best.min(start.elapsed().as_secs_f64() / REPS as f64);
         }

@@ -1,6 +1,6 @@
 //! The kernels' CUDA C source and its compilation by NVRTC, once per process.
 
-use crate::error::{Error, Result};
+use crate::error::{CudaError, Result};
 
 /// The source of every kernel (`kernels.cu`).
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -35,14 +35,15 @@ pub fn nvrtc_present() -> bool {
 /// Compiles [`SOURCE`] to PTX for [`ARCH`].
 pub fn compile() -> Result<cudarc::nvrtc::Ptx> {
     if !nvrtc_present() {
-        return Err(Error::NoGpu {
+        return Err(CudaError::Unavailable {
             reason: "NVRTC (libnvrtc.so.13) is not on this machine: install the CUDA runtime or the nvidia-cuda-nvrtc wheel and put its lib directory on LD_LIBRARY_PATH".into(),
-        });
+        }
+        .into());
     }
     let options = cudarc::nvrtc::CompileOptions {
         arch: Some(ARCH),
         ..Default::default()
     };
     cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
-        .map_err(|e| Error::KernelCompile { log: e.to_string() })
+        .map_err(|e| CudaError::Compile { log: e.to_string() }.into())
 }

@@ -12,11 +12,14 @@
 
 #[cfg(test)]
 mod emulation;
+mod error;
 pub mod forward;
 pub mod kernels;
+mod launch;
 pub mod plan;
 
-use crate::error::{Error, Result};
+pub use self::error::CudaError;
+use crate::error::Result;
 
 /// Where the forward pass runs, as `--device` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,23 +75,25 @@ pub fn driver_present() -> bool {
 /// touching cudarc's panicking loaders.
 pub fn probe(ordinal: usize) -> Result<GpuInfo> {
     if !driver_present() {
-        return Err(Error::NoGpu {
+        return Err(CudaError::Unavailable {
             reason: "the NVIDIA driver library (libcuda.so.1) is not on this machine: run on a GPU node, or use --device cpu".into(),
-        });
+        }
+        .into());
     }
     let devices = cudarc::driver::result::init()
         .and_then(|()| cudarc::driver::result::device::get_count())
-        .map_err(|e| Error::NoGpu {
+        .map_err(|e| CudaError::Unavailable {
             reason: format!("the CUDA driver did not start ({e}): check the driver and the GPU, or use --device cpu"),
         })?;
     let devices = usize::try_from(devices).unwrap_or(0);
     if ordinal >= devices {
-        return Err(Error::NoGpu {
+        return Err(CudaError::Unavailable {
             reason: format!(
                 "cuda:{ordinal} does not exist: this machine has {devices} GPU(s) (cuda:0 to cuda:{})",
                 devices.saturating_sub(1)
             ),
-        });
+        }
+        .into());
     }
     Ok(GpuInfo { devices })
 }
@@ -157,7 +162,7 @@ mod tests {
         assert_eq!(select(DeviceChoice::Auto).unwrap(), DeviceChoice::Cpu);
         assert!(matches!(
             select(DeviceChoice::Cuda(1)),
-            Err(Error::NoGpu { .. })
+            Err(crate::Error::Cuda(CudaError::Unavailable { .. }))
         ));
     }
 }

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::kernels::{ATTENTION_MAX_HEAD_DIM, ATTENTION_QUERIES_PER_BLOCK};
-use crate::error::{Error, Result};
+use crate::error::{CudaError, Result};
 
 /// The attention kernel's blocks for a packed batch: `(sequence, first query)` pairs, each
 /// covering up to [`ATTENTION_QUERIES_PER_BLOCK`] queries of one sequence, flattened as the
@@ -33,7 +33,7 @@ pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<(
     } else {
         return Ok(());
     };
-    Err(Error::NoGpu { reason })
+    Err(CudaError::Unsupported { reason }.into())
 }
 
 /// Splits blocks `0..=deepest` into `stages` contiguous ranges, one per GPU, so that the

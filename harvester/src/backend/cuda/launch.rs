@@ -1,0 +1,352 @@
+//! One small wrapper per kernel of `kernels.cu` and one for the cuBLAS GEMM. Each checks that
+//! its buffers hold what the grid touches, then launches with its own `// SAFETY:` note. A
+//! failed launch is a [`CudaError::Fault`]: a bug, never "no GPU".
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use super::error::CudaError;
+use super::kernels::ATTENTION_QUERIES_PER_BLOCK;
+use crate::error::Result;
+
+/// Threads per block of the row kernels.
+pub(super) const ROW_THREADS: u32 = 256;
+/// Most blocks of the grid-stride SwiGLU kernel.
+const SWIGLU_MAX_BLOCKS: usize = 65_535;
+
+/// Refuses a launch whose buffer `what` holds fewer than `needed` elements.
+fn fits(kernel: &'static str, what: &str, len: usize, needed: usize) -> Result<()> {
+    if len < needed {
+        return Err(CudaError::Fault {
+            action: kernel,
+            reason: format!("{what} holds {len} elements, the launch needs {needed}"),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn int(kernel: &'static str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| {
+        CudaError::Fault {
+            action: kernel,
+            reason: format!("{value} does not fit the kernel's int parameter"),
+        }
+        .into()
+    })
+}
+
+fn grid(kernel: &'static str, x: usize, y: usize, threads: u32) -> Result<LaunchConfig> {
+    let dim = |v: usize| {
+        u32::try_from(v).map_err(|_| CudaError::Fault {
+            action: kernel,
+            reason: format!("a launch dimension of {v} is too large"),
+        })
+    };
+    Ok(LaunchConfig {
+        grid_dim: (dim(x)?, dim(y)?, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `x[t] = table[ids[t]]` (bf16 rows to f32) for `tokens` tokens of width `hidden`.
+pub(super) fn embed_gather(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    table: &CudaSlice<u16>,
+    ids: &CudaSlice<u32>,
+    x: &mut CudaSlice<f32>,
+    (tokens, hidden): (usize, usize),
+) -> Result<()> {
+    const NAME: &str = "embed_gather";
+    fits(NAME, "ids", ids.len(), tokens)?;
+    fits(NAME, "x", x.len(), tokens * hidden)?;
+    fits(NAME, "the embedding table", table.len(), hidden)?;
+    let hidden = int(NAME, hidden)?;
+    let config = grid(NAME, tokens, 1, ROW_THREADS)?;
+    // SAFETY: the arguments match `embed_gather(const bf16*, const unsigned*, float*, int)` in
+    // order and type; `ids` and `x` hold `tokens` entries and rows (checked above), and the
+    // ids were checked against the vocabulary by `Batch::validate`, so every row read exists.
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(table)
+            .arg(ids)
+            .arg(x)
+            .arg(&hidden)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`.
+pub(super) fn rms_norm(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    weight: &CudaSlice<u16>,
+    out: &mut CudaSlice<u16>,
+    (tokens, hidden, eps): (usize, usize, f32),
+) -> Result<()> {
+    const NAME: &str = "rms_norm";
+    fits(NAME, "x", x.len(), tokens * hidden)?;
+    fits(NAME, "out", out.len(), tokens * hidden)?;
+    fits(NAME, "weight", weight.len(), hidden)?;
+    let hidden = int(NAME, hidden)?;
+    let config = grid(NAME, tokens, 1, ROW_THREADS)?;
+    // SAFETY: the arguments match `rms_norm(const float*, const bf16*, bf16*, int, float)` in
+    // order and type; `x` and `out` hold `tokens` rows of `hidden` and `weight` holds `hidden`
+    // (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(weight)
+            .arg(out)
+            .arg(&hidden)
+            .arg(&eps)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// Rotates the query and key heads of `qkv` in place (HF pairs `i`, `i + head_dim/2`).
+pub(super) fn rope(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    qkv: &mut CudaSlice<u16>,
+    positions: &CudaSlice<u32>,
+    inv_freq: &CudaSlice<f32>,
+    (tokens, rotated_heads, row_width, head_dim): (usize, usize, usize, usize),
+) -> Result<()> {
+    const NAME: &str = "rope";
+    fits(NAME, "qkv", qkv.len(), tokens * row_width)?;
+    fits(NAME, "positions", positions.len(), tokens)?;
+    fits(NAME, "inv_freq", inv_freq.len(), head_dim / 2)?;
+    fits(NAME, "a qkv row", row_width, rotated_heads * head_dim)?;
+    let config = grid(NAME, tokens, rotated_heads, (head_dim / 2) as u32)?;
+    let (row_width, head_dim) = (int(NAME, row_width)?, int(NAME, head_dim)?);
+    // SAFETY: the arguments match `rope(bf16*, const unsigned*, const float*, int, int)` in
+    // order and type; the grid covers `tokens` rows of `rotated_heads` heads, all inside `qkv`'s
+    // rows, and reads `head_dim / 2` frequencies (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(qkv)
+            .arg(positions)
+            .arg(inv_freq)
+            .arg(&row_width)
+            .arg(&head_dim)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// The shape of one attention launch.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AttentionShape {
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Tiles of the host plan (`tiles` holds two entries each).
+    pub tiles: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Causal GQA attention over the packed batch: `attn[t, head] = softmax(q·kᵀ)·v`.
+pub(super) fn attention(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    qkv: &CudaSlice<u16>,
+    attn: &mut CudaSlice<u16>,
+    cu_seq_lengths: &CudaSlice<u32>,
+    tiles: &CudaSlice<u32>,
+    shape: AttentionShape,
+) -> Result<()> {
+    const NAME: &str = "attention_varlen";
+    let AttentionShape {
+        tokens,
+        tiles: n_tiles,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+    } = shape;
+    fits(
+        NAME,
+        "qkv",
+        qkv.len(),
+        tokens * (heads + 2 * kv_heads) * head_dim,
+    )?;
+    fits(NAME, "attn", attn.len(), tokens * heads * head_dim)?;
+    fits(NAME, "tiles", tiles.len(), 2 * n_tiles)?;
+    fits(NAME, "cu_seq_lengths", cu_seq_lengths.len(), 2)?;
+    let config = grid(NAME, n_tiles, heads, 32 * ATTENTION_QUERIES_PER_BLOCK)?;
+    let (heads, kv_heads, head_dim) = (
+        int(NAME, heads)?,
+        int(NAME, kv_heads)?,
+        int(NAME, head_dim)?,
+    );
+    // SAFETY: the arguments match `attention_varlen(const bf16*, bf16*, const unsigned*,
+    // const unsigned*, int, int, int, float)` in order and type; the tiles come from the host
+    // plan over this batch's `cu_seq_lengths`, so every query and key row they name lies in
+    // `qkv`, and `attn` holds every query head's output (checked above); `check_heads` bounds
+    // head_dim to the kernel's shared tile.
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(qkv)
+            .arg(attn)
+            .arg(cu_seq_lengths)
+            .arg(tiles)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&scale)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `act = silu(gate) · up` over `tokens` rows of the fused gate|up output.
+pub(super) fn swiglu(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    gate_up: &CudaSlice<u16>,
+    act: &mut CudaSlice<u16>,
+    (tokens, inter): (usize, usize),
+) -> Result<()> {
+    const NAME: &str = "swiglu";
+    fits(NAME, "gate_up", gate_up.len(), tokens * 2 * inter)?;
+    fits(NAME, "act", act.len(), tokens * inter)?;
+    let elements = i64::try_from(tokens * inter).unwrap_or(i64::MAX);
+    let blocks = (tokens * inter / ROW_THREADS as usize + 1).min(SWIGLU_MAX_BLOCKS);
+    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
+    let inter = int(NAME, inter)?;
+    // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, long long)` in order and
+    // type; the kernel strides over `tokens · inter` outputs, all inside `act`, reading rows of
+    // `2 · inter` inside `gate_up` (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(gate_up)
+            .arg(act)
+            .arg(&inter)
+            .arg(&elements)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `out[t] = x[t] · unitsᵀ`: each token's projections onto `n` unit directions.
+pub(super) fn project(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    units: &CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
+    (tokens, hidden, n): (usize, usize, usize),
+) -> Result<()> {
+    const NAME: &str = "project";
+    fits(NAME, "x", x.len(), tokens * hidden)?;
+    fits(NAME, "directions", units.len(), n * hidden)?;
+    fits(NAME, "out", out.len(), tokens * n)?;
+    let config = grid(NAME, tokens, 1, ROW_THREADS)?;
+    let (hidden, n) = (int(NAME, hidden)?, int(NAME, n)?);
+    // SAFETY: the arguments match `project(const float*, const float*, float*, int, int)` in
+    // order and type; `x` holds `tokens` rows of `hidden`, `units` holds `n` of them and `out`
+    // `tokens` rows of `n` (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(units)
+            .arg(out)
+            .arg(&hidden)
+            .arg(&n)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `c[rows, n] = a[rows, k] · w[n, k]ᵀ + beta · c`, row-major, bf16 inputs, f32 accumulation;
+/// `c_type` says whether `c` is bf16 or f32. cuBLAS is column-major, so this computes
+/// `cᵀ = w · aᵀ`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm<C>(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    a: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    c: &mut CudaSlice<C>,
+    c_type: cudaDataType,
+    (rows, n, k): (usize, usize, usize),
+    beta: f32,
+) -> Result<()> {
+    const NAME: &str = "cublasGemmEx";
+    fits(NAME, "a", a.len(), rows * k)?;
+    fits(NAME, "w", w.len(), n * k)?;
+    fits(NAME, "c", c.len(), rows * n)?;
+    let alpha = 1.0f32;
+    let (m, n_cols, k_dim) = (int(NAME, n)?, int(NAME, rows)?, int(NAME, k)?);
+    let (a_ptr, _a_sync) = a.device_ptr(stream);
+    let (w_ptr, _w_sync) = w.device_ptr(stream);
+    let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
+    // SAFETY: the three buffers live on `stream`'s device and hold at least rows·k, n·k and
+    // rows·n elements (checked above) of the types named; alpha and beta outlive the call,
+    // which only enqueues.
+    #[allow(unsafe_code)]
+    let done = unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            m,
+            n_cols,
+            k_dim,
+            (&raw const alpha).cast(),
+            w_ptr as *const _,
+            cudaDataType::CUDA_R_16BF,
+            k_dim,
+            a_ptr as *const _,
+            cudaDataType::CUDA_R_16BF,
+            k_dim,
+            (&raw const beta).cast(),
+            c_ptr as *mut _,
+            c_type,
+            m,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    };
+    done.map_err(|e| CudaError::fault(NAME)(e).into())
+}
