@@ -3,9 +3,8 @@
 //! (`kubernetes`: HarvestJobs run by the operator) each implement it; handlers never ask which
 //! one they have.
 
-use std::time::Instant;
-
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
@@ -51,8 +50,10 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
             if current.status.is_terminal() {
                 return Ok(job);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || tokio::time::timeout(left, changes.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
                 return self.get(id).await;
             }
         }
@@ -77,4 +78,128 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
 
     /// Jobs pending or running.
     async fn unfinished(&self) -> u64;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use harvest_core::lifecycle::JobStatus;
+
+    use super::*;
+
+    /// One job whose status the test sets; only what `wait` uses is implemented.
+    #[derive(Debug)]
+    struct OneJob {
+        job: Mutex<JobRecord>,
+        changes: watch::Sender<u64>,
+    }
+
+    impl OneJob {
+        fn new(status: JobStatus) -> Self {
+            let job = JobRecord {
+                id: "j".into(),
+                run_id: "r".into(),
+                account: "a".into(),
+                key_hash: "k".into(),
+                model: "m".into(),
+                status,
+                n_prompts: 1,
+                reserved: 2,
+                tokens: None,
+                created_at: harvest_core::clock::UnixMillis(0),
+                started_at: None,
+                completed_at: None,
+                result: None,
+                error: None,
+                progress: None,
+                spec: crate::store::JobSpec {
+                    layers: vec![0],
+                    shard_size: 1,
+                    add_special_tokens: true,
+                    has_directions: false,
+                    lane: harvest_core::quota::Lane::Small,
+                },
+            };
+            Self {
+                job: Mutex::new(job),
+                changes: watch::channel(0).0,
+            }
+        }
+
+        fn set(&self, status: JobStatus) {
+            self.job.lock().unwrap().status = status;
+            self.changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl JobBackend for OneJob {
+        async fn authenticate(&self, _: &str) -> Result<Option<Caller>, ApiError> {
+            Ok(None)
+        }
+        async fn submit(
+            &self,
+            _: &JobRecord,
+            _: &Submission,
+            _: &CatalogueModel,
+        ) -> Result<(), ApiError> {
+            Ok(())
+        }
+        async fn get(&self, _: &str) -> Result<Option<JobRecord>, ApiError> {
+            Ok(Some(self.job.lock().unwrap().clone()))
+        }
+        fn changes(&self) -> watch::Receiver<u64> {
+            self.changes.subscribe()
+        }
+        async fn cancel(&self, _: &str) -> Result<JobRecord, ApiError> {
+            Err(ApiError::NotFound)
+        }
+        async fn result(&self, _: &JobRecord) -> Result<Option<JobResult>, ApiError> {
+            Ok(None)
+        }
+        async fn links(&self, _: &str, _: &[String], _: i64) -> Result<Vec<String>, ApiError> {
+            Ok(Vec::new())
+        }
+        async fn ready(&self) -> bool {
+            true
+        }
+        async fn unfinished(&self) -> u64 {
+            1
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_on_a_job_that_never_changes_answers_it_as_it_is_at_the_deadline() {
+        let backend = OneJob::new(JobStatus::Running);
+        let start = Instant::now();
+        let job = backend
+            .wait("j", start + Duration::from_secs(60))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(job.status, JobStatus::Running);
+        assert_eq!(start.elapsed(), Duration::from_secs(60));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_ends_when_the_job_ends_and_not_on_a_change_that_leaves_it_running() {
+        let backend = std::sync::Arc::new(OneJob::new(JobStatus::Pending));
+        let changer = std::sync::Arc::clone(&backend);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            changer.set(JobStatus::Running);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            changer.set(JobStatus::Done);
+        });
+        let start = Instant::now();
+        let job = backend
+            .wait("j", start + Duration::from_secs(60))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(job.status, JobStatus::Done);
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+    }
 }

@@ -3,7 +3,7 @@
 //! jobs through the state's [`JobBackend`](crate::backend::JobBackend) only.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
@@ -297,7 +297,7 @@ pub(crate) async fn status(
         );
         return Ok(response);
     };
-    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
     let job = state
         .backend
         .wait(&job_id, deadline)

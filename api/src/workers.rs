@@ -272,3 +272,25 @@ fn read_result(paths: &JobPaths) -> Result<JobResult, WorkerError> {
     let run: RunResult = serde_json::from_str(&text)?;
     Ok(JobResult::from_run(&run))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
+        let mut child = Command::new("sh")
+            .args(["-c", "trap '' TERM; sleep 30"])
+            .spawn()
+            .unwrap();
+        // Let the shell install its trap before the signal comes.
+        std::thread::sleep(Duration::from_millis(200));
+        let start = tokio::time::Instant::now();
+        terminate(&mut child).await;
+        let status = child.wait().await.unwrap();
+        assert_eq!(status.signal(), Some(9), "{status:?}");
+        assert_eq!(start.elapsed(), CANCEL_GRACE);
+    }
+}

@@ -17,6 +17,7 @@ pub mod accounts;
 pub mod admission;
 pub mod cleanup;
 pub mod config;
+pub mod context;
 pub mod decide;
 pub mod error;
 #[cfg(test)]

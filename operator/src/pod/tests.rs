@@ -2,7 +2,8 @@
 
 use super::*;
 use crate::config::OperatorConfig;
-use harvest_crds::HarvestJobSpec;
+use harvest_crds::{HarvestJob, HarvestJobSpec};
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 fn config() -> OperatorConfig {

@@ -1,0 +1,179 @@
+//! Reading a Pod back: its phase, the worker's exit status and termination message (the
+//! worker protocol's types), and the kubelet's reasons, into a [`PodState`].
+
+use harvest_core::worker::{ErrorKind, ExitStatus, ProgressEvent, RunResult, Termination};
+use harvest_crds::ResultSummary;
+use k8s_openapi::api::core::v1::Pod;
+
+use super::{Blame, CONTAINER, Failure, PodState};
+
+/// Pod reasons that mean the node or the scheduler took the Pod away.
+const INFRASTRUCTURE_REASONS: [&str; 6] = [
+    "Evicted",
+    "NodeLost",
+    "Preempting",
+    "Shutdown",
+    "Terminated",
+    "UnexpectedAdmissionError",
+];
+
+/// Reads a Pod.
+pub fn observe(pod: &Pod) -> PodState {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return PodState::Terminating;
+    }
+    let status = pod.status.clone().unwrap_or_default();
+    let container = status
+        .container_statuses
+        .as_ref()
+        .and_then(|all| all.iter().find(|c| c.name == CONTAINER))
+        .and_then(|c| c.state.clone());
+    let terminated = container.as_ref().and_then(|s| s.terminated.clone());
+    match status.phase.as_deref() {
+        Some("Running") => PodState::Running,
+        Some("Succeeded") => PodState::Succeeded {
+            result: terminated
+                .and_then(|t| t.message)
+                .and_then(|m| match Termination::parse(&m) {
+                    Some(Termination::Done(result)) => Some(summary(&result)),
+                    _ => None,
+                }),
+        },
+        Some("Failed") => {
+            let disrupted = status
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "DisruptionTarget" && c.status == "True");
+            let pod_reason = status.reason.clone().unwrap_or_default();
+            let finished_at = terminated.as_ref().and_then(|t| t.finished_at.clone());
+            let failure = if let Some(condition) = disrupted {
+                Failure {
+                    blame: Blame::Infrastructure,
+                    reason: condition
+                        .reason
+                        .clone()
+                        .unwrap_or_else(|| "DisruptionTarget".into()),
+                    message: condition
+                        .message
+                        .clone()
+                        .unwrap_or_else(|| "the Pod was disrupted".into()),
+                }
+            } else if INFRASTRUCTURE_REASONS.contains(&pod_reason.as_str()) {
+                Failure {
+                    blame: Blame::Infrastructure,
+                    message: status
+                        .message
+                        .clone()
+                        .unwrap_or_else(|| format!("the Pod failed: {pod_reason}")),
+                    reason: pod_reason,
+                }
+            } else if pod_reason == "DeadlineExceeded" {
+                Failure {
+                    blame: Blame::Input,
+                    reason: pod_reason,
+                    message: "the job ran past activeDeadlineSeconds".into(),
+                }
+            } else if let Some(terminated) = terminated {
+                classify_exit(
+                    terminated.exit_code,
+                    terminated.reason.as_deref(),
+                    terminated.message.as_deref(),
+                )
+            } else {
+                Failure {
+                    blame: Blame::Infrastructure,
+                    reason: if pod_reason.is_empty() {
+                        "PodFailed".into()
+                    } else {
+                        pod_reason
+                    },
+                    message: status
+                        .message
+                        .unwrap_or_else(|| "the Pod failed before its container ran".into()),
+                }
+            };
+            PodState::Failed {
+                failure,
+                finished_at,
+            }
+        }
+        _ => PodState::Starting {
+            waiting: container.and_then(|s| s.waiting).and_then(|w| {
+                w.reason
+                    .map(|reason| (reason, w.message.unwrap_or_default()))
+            }),
+        },
+    }
+}
+
+/// The job status's summary of a worker's result.
+fn summary(result: &RunResult) -> ResultSummary {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    ResultSummary {
+        n_shards: count(result.n_shards),
+        prompts: count(result.n_prompts),
+        tokens: result.tokens,
+        bytes_written: result.bytes_written,
+        layers: result.layer_indices.iter().map(|&l| count(l)).collect(),
+        contents: result.contents.as_str().to_owned(),
+        output: result.output.clone(),
+    }
+}
+
+/// Maps the harvester's exit status (the worker protocol's [`ExitStatus`]) and the kubelet's
+/// reason to who is to blame.
+fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) -> Failure {
+    let detail = message
+        .map(|m| match Termination::parse(m) {
+            Some(Termination::Failed(failure)) => failure.error,
+            _ => m.trim().to_owned(),
+        })
+        .filter(|m| !m.is_empty());
+    let with_detail = |what: String| match &detail {
+        Some(detail) => format!("{what}: {detail}"),
+        None => what,
+    };
+    if reason == Some("OOMKilled") {
+        return Failure {
+            blame: Blame::Job,
+            reason: "OOMKilled".into(),
+            message: format!(
+                "the harvester ran out of memory (exit {exit_code}); raise the model's memory limit or lower batch tokens"
+            ),
+        };
+    }
+    match ExitStatus::from_code(exit_code) {
+        ExitStatus::Failed(ErrorKind::BadInput) => Failure {
+            blame: Blame::Input,
+            reason: "InvalidInput".into(),
+            message: with_detail("the harvester refused its input".into()),
+        },
+        ExitStatus::Failed(ErrorKind::Infrastructure) => Failure {
+            blame: Blame::Infrastructure,
+            reason: "StorageUnavailable".into(),
+            message: with_detail("the object store failed".into()),
+        },
+        status @ (ExitStatus::Success
+        | ExitStatus::Failed(ErrorKind::Internal)
+        | ExitStatus::Unexpected(_)) => Failure {
+            blame: Blame::Job,
+            reason: "WorkerFailed".into(),
+            message: with_detail(format!(
+                "the harvester exited with status {}",
+                status.code()
+            )),
+        },
+    }
+}
+
+/// What a running worker last reported on its log: `(prompts_done, prompts_total,
+/// tokens_done)` from its newest progress line.
+pub fn reported_progress(log: &str) -> Option<(u32, u32, u64)> {
+    let event = ProgressEvent::latest_in(log)?;
+    Some((
+        u32::try_from(event.prompts_done).ok()?,
+        u32::try_from(event.prompts_total).ok()?,
+        event.tokens_done,
+    ))
+}

@@ -1,0 +1,116 @@
+//! Rendering an attempt's Pod from the job, its validated plan and the catalogue.
+
+use std::collections::BTreeMap;
+
+use harvest_crds::{HarvestJob, ValidJob};
+use k8s_openapi::api::core::v1::{
+    Container, EnvFromSource, EnvVar, Pod, PodSpec, ResourceRequirements, SecretEnvSource,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Resource, ResourceExt};
+
+use super::{CONTAINER, JOB_LABEL, MANAGED_BY, TERMINATION_LOG, pod_name};
+use crate::config::{CatalogueEntry, OperatorConfig};
+use crate::error::{Error, Result};
+
+/// Builds attempt `attempt`'s Pod. `deadline_seconds` is what is left of the job's deadline.
+pub fn render(
+    job: &HarvestJob,
+    valid: &ValidJob,
+    model: &CatalogueEntry,
+    config: &OperatorConfig,
+    attempt: u32,
+    deadline_seconds: Option<i64>,
+) -> Result<Pod> {
+    let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
+        what: "the harvester plan",
+        source,
+    })?;
+    let mut args = vec![
+        "run".to_owned(),
+        "--plan-json".to_owned(),
+        plan,
+        "--model-name".to_owned(),
+        model.name.clone(),
+        "--termination-log".to_owned(),
+        TERMINATION_LOG.to_owned(),
+        "--progress".to_owned(),
+        "json".to_owned(),
+    ];
+    args.extend(config.worker_extra_args.iter().cloned());
+    let mut resources = model.resources.clone();
+    if model.gpus > 0 {
+        let gpus = Quantity(model.gpus.to_string());
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus.clone());
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus);
+    }
+    let env = vec![
+        EnvVar {
+            name: "HARVEST_JOB_NAME".into(),
+            value: Some(job.name_any()),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: "HARVEST_JOB_NAMESPACE".into(),
+            value: job.namespace(),
+            ..EnvVar::default()
+        },
+    ];
+    let env_from = config.worker_env_secret.as_ref().map(|name| {
+        vec![EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        }]
+    });
+    let owner = job
+        .controller_owner_ref(&())
+        .ok_or_else(|| Error::MissingUid {
+            job: job.name_any(),
+        })?;
+    let labels = BTreeMap::from([
+        (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
+        (JOB_LABEL.to_owned(), job.name_any()),
+        ("harvest.dev/attempt".to_owned(), attempt.to_string()),
+    ]);
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(&job.name_any(), attempt)),
+            namespace: job.namespace(),
+            labels: Some(labels),
+            owner_references: Some(vec![owner]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            service_account_name: Some(config.worker_service_account.clone()),
+            // The worker talks to storage only; its progress is read from its log.
+            automount_service_account_token: Some(false),
+            active_deadline_seconds: deadline_seconds,
+            node_selector: (!model.node_selector.is_empty()).then(|| model.node_selector.clone()),
+            tolerations: (!model.tolerations.is_empty()).then(|| model.tolerations.clone()),
+            containers: vec![Container {
+                name: CONTAINER.into(),
+                image: Some(model.image.clone()),
+                args: Some(args),
+                env: Some(env),
+                env_from,
+                resources: (resources != ResourceRequirements::default()).then_some(resources),
+                termination_message_path: Some(TERMINATION_LOG.into()),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
