@@ -27,7 +27,7 @@ use crate::signing::Signer;
 pub const MAX_BODY_BYTES: usize = 50 << 20;
 /// Most tokens (counted by the real tokenizer) per job.
 pub const MAX_JOB_TOKENS: u64 = 2_000_000;
-/// Longest a submit may spend counting tokens.
+/// Longest a submit may spend counting tokens, unless the configuration says otherwise.
 pub const COUNT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Submits counted at once, server-wide (one per account besides).
 pub const COUNTS_SERVER_WIDE: usize = 2;
@@ -55,6 +55,8 @@ pub struct AppState {
     pub url_ttl_s: i64,
     /// Data directory (`/files` serves outputs from it).
     pub data_dir: PathBuf,
+    /// Longest a submit may spend counting tokens.
+    pub count_timeout: Duration,
     pub(crate) counting: Arc<Semaphore>,
     counting_accounts: Mutex<HashSet<String>>,
     long_polls: Mutex<HashMap<String, usize>>,
@@ -118,6 +120,7 @@ impl AppState {
         signer: Signer,
         url_ttl_s: i64,
         data_dir: PathBuf,
+        count_timeout: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             backend,
@@ -125,6 +128,7 @@ impl AppState {
             signer,
             url_ttl_s,
             data_dir,
+            count_timeout,
             counting: Arc::new(Semaphore::new(COUNTS_SERVER_WIDE)),
             counting_accounts: Mutex::default(),
             long_polls: Mutex::default(),
@@ -142,6 +146,11 @@ impl AppState {
             state: self,
             account: account.to_owned(),
         })
+    }
+
+    /// Submits being counted now, server-wide.
+    pub fn counts_in_progress(&self) -> usize {
+        COUNTS_SERVER_WIDE - self.counting.available_permits()
     }
 
     /// Long-polls waiting now, server-wide.

@@ -31,6 +31,10 @@ pub struct ServerConfig {
     /// Threads each harvester process may use (default: all cores).
     #[serde(default)]
     pub worker_threads: Option<usize>,
+    /// Longest a submit may spend counting its corpus's tokens before it is answered 429
+    /// `harvest_count_busy` (the hosted service's 10 s).
+    #[serde(default = "default_count_timeout")]
+    pub count_timeout_seconds: f64,
     /// The models clients may name.
     pub models: Vec<ModelConfig>,
     /// Accounts and their limits (embedded backend; on Kubernetes they are HarvestAccounts).
@@ -80,6 +84,10 @@ fn one() -> usize {
     1
 }
 
+fn default_count_timeout() -> f64 {
+    crate::app::COUNT_TIMEOUT.as_secs_f64()
+}
+
 fn default_ttl() -> u64 {
     DEFAULT_URL_TTL_SECONDS
 }
@@ -105,6 +113,12 @@ impl ServerConfig {
             return Err(StartupError::config(
                 "the configuration needs at least one model",
             ));
+        }
+        if !(config.count_timeout_seconds.is_finite() && config.count_timeout_seconds > 0.0) {
+            return Err(StartupError::config(format!(
+                "count_timeout_seconds is {}: give a positive number of seconds (default 10)",
+                config.count_timeout_seconds
+            )));
         }
         match &config.kubernetes {
             None if config.accounts.is_empty() => {

@@ -234,7 +234,6 @@ impl JobBackend for KubeBackend {
         submission: &Submission,
         _model: &CatalogueModel,
     ) -> Result<(), ApiError> {
-        let now = now();
         // Just after start the caches may not have listed yet; the pre-check needs them.
         let listed = async {
             self.accounts.wait_until_ready().await.is_ok()
@@ -250,67 +249,10 @@ impl JobBackend for KubeBackend {
                         .into(),
             });
         }
-        self.precheck(
-            &job.account,
-            &job.key_hash,
-            job.spec.lane,
-            job.reserved,
-            now,
-        )?;
-        let internal = |detail: String| ApiError::Internal { detail };
-        let lines = harvest_core::worker::write_prompts_jsonl(&submission.prompts);
-        self.storage
-            .put_input(&job.id, "prompts.jsonl", lines.into_bytes())
-            .await
-            .map_err(internal)?;
-        let directions = match &submission.directions {
-            Some((n, values)) => {
-                let npy = harvest_core::npy::f32_matrix(*n, values.len() / n, values);
-                self.storage
-                    .put_input(&job.id, "directions.npy", npy)
-                    .await
-                    .map_err(internal)?;
-                Some(self.storage.input_location(&job.id, "directions.npy"))
-            }
-            None => None,
-        };
-        let spec = HarvestJobSpec {
-            input: InputRef {
-                prompts: self.storage.input_location(&job.id, "prompts.jsonl"),
-                directions,
-            },
-            harvest: HarvestOptions {
-                layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
-                all_layers: false,
-                shard_size: job.spec.shard_size as u32,
-                add_special_tokens: job.spec.add_special_tokens,
-            },
-            ..HarvestJobSpec::new(
-                job.model.clone(),
-                String::new(),
-                self.storage.output_location(&job.id),
-                job.reserved.max(1),
-            )
-        };
-        let resource = HarvestJob {
-            metadata: ObjectMeta {
-                name: Some(job.id.clone()),
-                namespace: Some(self.namespace.clone()),
-                labels: Some(BTreeMap::from([
-                    (ACCOUNT_LABEL.to_owned(), job.account.clone()),
-                    (KEY_LABEL.to_owned(), key_id(&job.key_hash)),
-                ])),
-                annotations: Some(BTreeMap::from([
-                    (RUN_ID.to_owned(), job.run_id.clone()),
-                    (PROMPTS.to_owned(), job.n_prompts.to_string()),
-                    (KEY_HASH.to_owned(), job.key_hash.clone()),
-                    (MODEL_LANE.to_owned(), job.spec.lane.to_string()),
-                ])),
-                ..ObjectMeta::default()
-            },
-            spec,
-            status: None,
-        };
+        let lane = job.spec.lane;
+        self.precheck(&job.account, &job.key_hash, lane, job.reserved, now())?;
+        let input = self.store_inputs(&job.id, submission).await?;
+        let resource = self.resource(job, input);
         let mut changes = self.changes();
         let created = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
             .create(
@@ -442,6 +384,70 @@ impl JobBackend for KubeBackend {
 }
 
 impl KubeBackend {
+    /// Writes a job's prompts (and directions) to storage; where the HarvestJob finds them.
+    async fn store_inputs(&self, id: &str, submission: &Submission) -> Result<InputRef, ApiError> {
+        let internal = |detail: String| ApiError::Internal { detail };
+        let lines = harvest_core::worker::write_prompts_jsonl(&submission.prompts);
+        self.storage
+            .put_input(id, "prompts.jsonl", lines.into_bytes())
+            .await
+            .map_err(internal)?;
+        let directions = match &submission.directions {
+            Some((n, values)) => {
+                let npy = harvest_core::npy::f32_matrix(*n, values.len() / n, values);
+                self.storage
+                    .put_input(id, "directions.npy", npy)
+                    .await
+                    .map_err(internal)?;
+                Some(self.storage.input_location(id, "directions.npy"))
+            }
+            None => None,
+        };
+        Ok(InputRef {
+            prompts: self.storage.input_location(id, "prompts.jsonl"),
+            directions,
+        })
+    }
+
+    /// The HarvestJob of a REST job: its resolved layers listed, its account and key on labels,
+    /// what the REST answers need on annotations.
+    fn resource(&self, job: &JobRecord, input: InputRef) -> HarvestJob {
+        let spec = HarvestJobSpec {
+            input,
+            harvest: HarvestOptions {
+                layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
+                all_layers: false,
+                shard_size: job.spec.shard_size as u32,
+                add_special_tokens: job.spec.add_special_tokens,
+            },
+            ..HarvestJobSpec::new(
+                job.model.clone(),
+                String::new(),
+                self.storage.output_location(&job.id),
+                job.reserved.max(1),
+            )
+        };
+        HarvestJob {
+            metadata: ObjectMeta {
+                name: Some(job.id.clone()),
+                namespace: Some(self.namespace.clone()),
+                labels: Some(BTreeMap::from([
+                    (ACCOUNT_LABEL.to_owned(), job.account.clone()),
+                    (KEY_LABEL.to_owned(), key_id(&job.key_hash)),
+                ])),
+                annotations: Some(BTreeMap::from([
+                    (RUN_ID.to_owned(), job.run_id.clone()),
+                    (PROMPTS.to_owned(), job.n_prompts.to_string()),
+                    (KEY_HASH.to_owned(), job.key_hash.clone()),
+                    (MODEL_LANE.to_owned(), job.spec.lane.to_string()),
+                ])),
+                ..ObjectMeta::default()
+            },
+            spec,
+            status: None,
+        }
+    }
+
     /// The REST pre-check: the account's books from the cache, with this replica's view of
     /// its jobs that wait for admission added, checked by the same `core` rules.
     fn precheck(

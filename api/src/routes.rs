@@ -15,9 +15,7 @@ use harvest_core::plan::shard_file_name;
 use serde::Deserialize;
 use tower::ServiceExt;
 
-use crate::app::{
-    AppState, COUNT_TIMEOUT, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S,
-};
+use crate::app::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
 use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
@@ -143,7 +141,7 @@ fn new_job(caller: &Caller, submission: &Submission) -> JobRecord {
 }
 
 /// Tokenizes the corpus for real: one submit per account and two server-wide at a time, within
-/// [`COUNT_TIMEOUT`], and at most [`MAX_JOB_TOKENS`].
+/// the configured counting timeout, and at most [`MAX_JOB_TOKENS`].
 async fn count_tokens(
     state: &Arc<AppState>,
     caller: &Caller,
@@ -170,7 +168,7 @@ async fn count_tokens(
                     .collect::<Vec<_>>()
             })
     });
-    let counts = tokio::time::timeout(COUNT_TIMEOUT, counting)
+    let counts = tokio::time::timeout(state.count_timeout, counting)
         .await
         .map_err(|_| ApiError::CountBusy)?
         .map_err(|e| ApiError::Internal {

@@ -477,6 +477,20 @@ mod tests {
             .unwrap();
             assert_eq!(s.directions, Some((1, vec![1.0, 0.0, 0.0, 2.0])), "{dtype}");
         }
+        // 0.1 and 1e-4 have other bits in f16 than in bf16, so only an f16 decoder gets them back.
+        let values = [0.1f32, 1e-4, -2.5, 3.0];
+        let f16s: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let s = parse(serde_json::json!({"model": "m", "prompts": ["a"],
+            "project_onto": {"data": b64(&f16s), "dtype": "float16", "shape": [1, 4]}}))
+        .unwrap();
+        let expected: Vec<f32> = values
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_f32())
+            .collect();
+        assert_eq!(s.directions, Some((1, expected)));
         let err = parse(serde_json::json!({"model": "m", "prompts": ["a"],
             "project_onto": {"data": "", "dtype": "float32", "shape": [1, 8]}}))
         .unwrap_err();

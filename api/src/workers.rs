@@ -28,6 +28,9 @@ pub enum WorkerError {
     /// Spawning or reading the harvester failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// A store call on a blocking thread was lost.
+    #[error("a store call was lost: {0}")]
+    Lost(#[from] tokio::task::JoinError),
     /// The harvester's result.json is unreadable.
     #[error("result.json: {0}")]
     Result(#[from] serde_json::Error),
@@ -131,7 +134,10 @@ impl Workers {
                     result: None,
                     error: Some(format!("worker error: {error}")),
                 };
-                let _ = pool.store.apply(&id, JobEvent::Failed, outcome, now());
+                let failed = id.clone();
+                let _ = pool
+                    .store_call(move |s| s.apply(&failed, JobEvent::Failed, outcome, now()))
+                    .await;
             }
             pool.notify();
         });
@@ -150,54 +156,32 @@ impl Workers {
     }
 
     async fn run(&self, id: &str) -> Result<(), WorkerError> {
-        let Some(job) = self.store.job(id)? else {
+        let owned = id.to_owned();
+        let Some(job) = self.store_call(move |s| s.job(&owned)).await? else {
             return Ok(());
         };
         if job.status != JobStatus::Pending && job.status != JobStatus::Running {
             return Ok(());
         }
         if job.status == JobStatus::Pending {
-            self.store
-                .apply(id, JobEvent::Started, Outcome::default(), now())?;
+            let owned = id.to_owned();
+            self.store_call(move |s| s.apply(&owned, JobEvent::Started, Outcome::default(), now()))
+                .await?;
             self.notify();
         }
         let paths = JobPaths::new(&self.config.data_dir, id);
-        let termination = paths.root.join("termination.log");
-        let mut command = Command::new(&self.config.harvester);
-        command
-            .arg("run")
-            .arg("--plan")
-            .arg(paths.input().join("plan.json"))
-            .args(["--progress", "json", "--model-name", &job.model])
-            .arg("--termination-log")
-            .arg(&termination)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        if let Some(threads) = self.config.threads {
-            command.env("HARVEST_THREADS", threads.to_string());
-        }
-        let mut child = command.spawn()?;
+        let mut child = self.command(&job.model, &paths).spawn()?;
         let (stop_tx, stop_rx) = oneshot::channel();
         self.running
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id.to_owned(), stop_tx);
         tracing::info!(job = %id, pid = child.id(), "worker started");
-        let stderr = child.stderr.take();
-        let store = Arc::clone(&self.store);
-        let progress_id = id.to_owned();
-        let reader = tokio::spawn(async move {
-            let Some(stderr) = stderr else { return };
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(event) = ProgressEvent::parse_line(&line) {
-                    let _ = store.set_progress(&progress_id, &Progress::from(&event));
-                }
-            }
-        });
+        let reader = tokio::spawn(read_progress(
+            child.stderr.take(),
+            Arc::clone(&self.store),
+            id.to_owned(),
+        ));
         let status = tokio::select! {
             status = child.wait() => Some(status?),
             _ = stop_rx => None,
@@ -213,21 +197,52 @@ impl Workers {
             return Ok(());
         };
         let _ = reader.await;
-        if status.success() {
-            let result = read_result(&paths)?;
-            let tokens = result.tokens;
-            self.store.apply(
-                id,
-                JobEvent::Succeeded { tokens },
+        self.finish(id, &paths, status).await
+    }
+
+    /// The `harvester run` of a job, its progress on stderr as JSON lines.
+    fn command(&self, model: &str, paths: &JobPaths) -> Command {
+        let mut command = Command::new(&self.config.harvester);
+        command
+            .arg("run")
+            .arg("--plan")
+            .arg(paths.input().join("plan.json"))
+            .args(["--progress", "json", "--model-name", model])
+            .arg("--termination-log")
+            .arg(termination_log(paths))
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(threads) = self.config.threads {
+            command.env("HARVEST_THREADS", threads.to_string());
+        }
+        command
+    }
+
+    /// Records how the harvester ended: done with its result, or failed with its message.
+    async fn finish(
+        &self,
+        id: &str,
+        paths: &JobPaths,
+        status: std::process::ExitStatus,
+    ) -> Result<(), WorkerError> {
+        let (event, outcome) = if status.success() {
+            let result = read_result(paths)?;
+            tracing::info!(job = %id, tokens = result.tokens, "job done");
+            let event = JobEvent::Succeeded {
+                tokens: result.tokens,
+            };
+            (
+                event,
                 Outcome {
                     result: Some(result),
                     error: None,
                 },
-                now(),
-            )?;
-            tracing::info!(job = %id, tokens, "job done");
+            )
         } else {
-            let message = match std::fs::read_to_string(&termination)
+            let message = match std::fs::read_to_string(termination_log(paths))
                 .ok()
                 .as_deref()
                 .and_then(Termination::parse)
@@ -236,17 +251,45 @@ impl Workers {
                 _ => format!("the harvester exited with {status}"),
             };
             tracing::info!(job = %id, %status, "job failed");
-            self.store.apply(
-                id,
+            (
                 JobEvent::Failed,
                 Outcome {
                     result: None,
                     error: Some(message),
                 },
-                now(),
-            )?;
-        }
+            )
+        };
+        let owned = id.to_owned();
+        self.store_call(move |s| s.apply(&owned, event, outcome, now()))
+            .await?;
         Ok(())
+    }
+
+    /// Runs a store call on a blocking thread, off the async workers.
+    async fn store_call<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&Store) -> Result<T, crate::store::StoreError> + Send + 'static,
+    ) -> Result<T, WorkerError> {
+        let store = Arc::clone(&self.store);
+        Ok(tokio::task::spawn_blocking(move || call(&store)).await??)
+    }
+}
+
+/// Where a job's harvester writes its termination message.
+fn termination_log(paths: &JobPaths) -> PathBuf {
+    paths.root.join("termination.log")
+}
+
+/// Records each progress line of a harvester's stderr in the store.
+async fn read_progress(stderr: Option<tokio::process::ChildStderr>, store: Arc<Store>, id: String) {
+    let Some(stderr) = stderr else { return };
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if let Some(event) = ProgressEvent::parse_line(&line) {
+            let (store, id) = (Arc::clone(&store), id.clone());
+            let progress = Progress::from(&event);
+            let _ = tokio::task::spawn_blocking(move || store.set_progress(&id, &progress)).await;
+        }
     }
 }
 

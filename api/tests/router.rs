@@ -13,6 +13,8 @@ use harvest_api::config::{AccountConfig, ModelConfig, ServerConfig};
 use harvest_api::server;
 use harvest_core::lifecycle::JobEvent;
 use harvest_core::quota::{AccountLimits, Lane};
+use std::time::Duration;
+
 use tower::ServiceExt;
 
 struct Fixture {
@@ -28,14 +30,24 @@ fn tiny_model() -> PathBuf {
 }
 
 async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
+    fixture_with(harvester, limits, |_| {}).await
+}
+
+/// A fixture whose configuration `change` adjusts first.
+async fn fixture_with(
+    harvester: PathBuf,
+    limits: AccountLimits,
+    change: impl FnOnce(&mut ServerConfig),
+) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let config = ServerConfig {
+    let mut config = ServerConfig {
         data_dir: dir.path().join("data"),
         harvester,
         max_workers: 0,
         public_url: "http://harvest.test".into(),
         url_ttl_seconds: 3600,
         worker_threads: None,
+        count_timeout_seconds: 10.0,
         kubernetes: None,
         models: vec![ModelConfig {
             name: "tiny".into(),
@@ -53,6 +65,7 @@ async fn fixture(harvester: PathBuf, limits: AccountLimits) -> Fixture {
             },
         ],
     };
+    change(&mut config);
     let state = server::build(&config).await.unwrap();
     // A second connection to the server's SQLite file, as an operator's admin command has.
     let store = server::open_store(&config).unwrap();
@@ -390,7 +403,7 @@ async fn a_fifth_long_poll_of_a_key_is_declined_at_once_as_a_normal_200() {
         .collect();
     harvest_testkit::eventually(
         "four waiting long-polls",
-        std::time::Duration::from_secs(30),
+        Duration::from_secs(30),
         || async {
             match f.state.long_polls_waiting() {
                 4 => Ok(()),
@@ -401,10 +414,7 @@ async fn a_fifth_long_poll_of_a_key_is_declined_at_once_as_a_normal_200() {
     .await;
     let start = std::time::Instant::now();
     let (status, headers, answer) = call(&f.state, "GET", &uri, Some(&f.key), None).await;
-    assert!(
-        start.elapsed() < std::time::Duration::from_secs(1),
-        "declined at once"
-    );
+    assert!(start.elapsed() < Duration::from_secs(1), "declined at once");
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers["x-acs-longpoll"], "declined");
     assert_eq!(headers["retry-after"], "3");
@@ -527,7 +537,7 @@ async fn a_submit_while_the_account_is_being_counted_gets_429_count_busy_with_re
 }
 
 #[tokio::test]
-async fn concurrent_submits_never_admit_more_than_the_lane_allows() {
+async fn submits_racing_from_one_account_are_counted_in_turn_and_admit_exactly_the_lanes_three() {
     let f = default_fixture().await;
     let prompts: Vec<String> = (0..2_000)
         .map(|i| format!("prompt {i} about the residual stream"))
@@ -602,4 +612,162 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
     assert_eq!(answer["status"], "done");
     assert_eq!(answer["urls_expired"], true);
     assert!(answer.get("result").is_none() && answer.get("urls_expire_at").is_none());
+}
+
+/// SmolLM2 beside the tiny model: its 8,192-token context lets a corpus pass 2M tokens.
+fn with_smollm2(config: &mut ServerConfig) {
+    config.models.push(ModelConfig {
+        name: "smollm2".into(),
+        path: harvest_testkit::smollm2(),
+        lane: Lane::Small,
+    });
+}
+
+/// 4,096 prompts of about 600 tokens each: 2.4M tokens in under 5 MB.
+fn long_corpus_body() -> String {
+    let prompt = " a".repeat(600);
+    let prompts: Vec<&str> = (0..4096).map(|_| prompt.as_str()).collect();
+    serde_json::json!({"model": "smollm2", "prompts": prompts}).to_string()
+}
+
+#[tokio::test]
+async fn a_corpus_over_two_million_counted_tokens_gets_400_harvest_too_large() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), with_smollm2).await;
+    let (status, _, answer) = submit(&f, long_corpus_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("harvest_too_large")),
+        "{answer}"
+    );
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("2000000") && message.contains("split"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_count_past_the_counting_timeout_gets_429_count_busy_and_frees_the_turn() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        with_smollm2(config);
+        config.count_timeout_seconds = 0.001;
+    })
+    .await;
+    let (status, headers, answer) = submit(&f, long_corpus_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("harvest_count_busy")),
+        "{answer}"
+    );
+    assert_eq!(headers["retry-after"], "5");
+    assert!(
+        f.state.counting_turn("acme").is_some(),
+        "the turn was released"
+    );
+}
+
+#[tokio::test]
+async fn a_third_account_is_refused_while_two_others_are_counted() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        with_smollm2(config);
+        config.accounts.push(AccountConfig {
+            name: "third".into(),
+            limits: AccountLimits::default(),
+        });
+    })
+    .await;
+    let third = f
+        .store
+        .create_key("third", "test", harvest_api::paths::now())
+        .unwrap();
+    let counting: Vec<_> = [f.key.clone(), f.other_key.clone()]
+        .into_iter()
+        .map(|key| {
+            let state = Arc::clone(&f.state);
+            tokio::spawn(async move {
+                call(
+                    &state,
+                    "POST",
+                    "/v1/harvest",
+                    Some(&key),
+                    Some(long_corpus_body()),
+                )
+                .await
+            })
+        })
+        .collect();
+    harvest_testkit::eventually("two counts at once", Duration::from_secs(30), || async {
+        match f.state.counts_in_progress() {
+            2 => Ok(()),
+            n => Err(format!("{n} counting")),
+        }
+    })
+    .await;
+    let (status, _, answer) = call(
+        &f.state,
+        "POST",
+        "/v1/harvest",
+        Some(&third),
+        Some(seed_body()),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("harvest_count_busy")),
+        "{answer}"
+    );
+    for handle in counting {
+        let (status, _, answer) = handle.await.unwrap();
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    }
+    assert_eq!(
+        call(
+            &f.state,
+            "POST",
+            "/v1/harvest",
+            Some(&third),
+            Some(seed_body())
+        )
+        .await
+        .0,
+        StatusCode::ACCEPTED,
+        "the third account is counted once the others are done"
+    );
+}
+
+#[tokio::test]
+async fn a_ninth_long_poll_on_the_server_is_declined_whoever_sends_it() {
+    let f = default_fixture().await;
+    let now = harvest_api::paths::now();
+    let second = f.store.create_key("acme", "second", now).unwrap();
+    let third = f.store.create_key("acme", "third", now).unwrap();
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let uri = format!("/v1/harvest/{}?wait=5", job["job_id"].as_str().unwrap());
+    let waiting: Vec<_> = [&f.key, &second]
+        .into_iter()
+        .flat_map(|key| std::iter::repeat_n(key.clone(), 4))
+        .map(|key| {
+            let (state, uri) = (Arc::clone(&f.state), uri.clone());
+            tokio::spawn(async move { call(&state, "GET", &uri, Some(&key), None).await })
+        })
+        .collect();
+    harvest_testkit::eventually(
+        "eight waiting long-polls",
+        Duration::from_secs(30),
+        || async {
+            match f.state.long_polls_waiting() {
+                8 => Ok(()),
+                n => Err(format!("{n} waiting")),
+            }
+        },
+    )
+    .await;
+    let (status, headers, _) = call(&f.state, "GET", &uri, Some(&third), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-acs-longpoll"], "declined");
+    assert_eq!(headers["retry-after"], "3");
+    for handle in waiting {
+        let (_, headers, _) = handle.await.unwrap();
+        assert!(!headers.contains_key("x-acs-longpoll"));
+    }
 }

@@ -117,10 +117,12 @@ pub struct RunResult {
     /// Activations or projections.
     pub contents: Contents,
     /// Per-stage seconds of this process.
+    #[serde(default)]
     pub timings: Timings,
     /// Where the files are.
     pub output: String,
     /// Shards found complete from an earlier run and not recomputed.
+    #[serde(default)]
     pub resumed_shards: usize,
 }
 

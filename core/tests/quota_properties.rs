@@ -167,50 +167,57 @@ proptest! {
 
     /// Several controllers reconcile the same jobs against one account's books through an
     /// optimistic store (read a version, decide, write only if the version is unchanged), in
-    /// random interleavings, some finishing jobs as they go: the limits hold, no job is admitted
-    /// twice, and every finished job is charged exactly once.
+    /// random interleavings. Each controller also has its own, possibly stale, view of which
+    /// jobs have finished (a watch cache), so it may try to admit a job that finished and was
+    /// settled since: only the check of the job's current state (the operator's GET of the
+    /// apiserver's copy before a hold) stops it. The limits hold, and every finished job is
+    /// charged exactly once.
     #[test]
     fn optimistic_concurrent_admissions_never_overbook_or_double_charge(
-        schedule in proptest::collection::vec((0usize..4, 0u8..8, any::<bool>()), 1..300)
+        schedule in proptest::collection::vec((0usize..4, 0u8..6, 0u8..4), 1..300)
     ) {
-        let limits = AccountLimits { small_concurrency: 2, daily_tokens: Some(5_000), ..limits() };
+        let limits = AccountLimits { small_concurrency: 2, daily_tokens: Some(20_000), ..limits() };
         let mut version = 0u64;
         let mut stored = serde_json::to_string(&Book::new(START)).unwrap();
         let mut finished = std::collections::BTreeSet::new();
-        let mut admissions = std::collections::BTreeMap::<String, u32>::new();
-        let mut seen: Vec<Option<(u64, Book)>> = (0..4).map(|_| None).collect();
-        for (who, job, finish) in schedule {
+        let mut charges = 0u64;
+        let mut books: Vec<Option<(u64, Book)>> = (0..4).map(|_| None).collect();
+        let mut job_views: Vec<std::collections::BTreeSet<String>> = (0..4).map(|_| Default::default()).collect();
+        for (who, job, step) in schedule {
             let id = format!("job-{job}");
-            match seen[who].take() {
-                None => seen[who] = Some((version, serde_json::from_str(&stored).unwrap())),
-                Some((read, mut book)) => {
-                    // Finishing settles the job's hold; otherwise the controller tries to admit it.
-                    let (admitted, settled) = if finish {
-                        (false, book.settle(&id, 600, START))
-                    } else if finished.contains(&id) {
-                        (false, false)
+            match step {
+                // The controller's job cache catches up.
+                0 => job_views[who] = finished.clone(),
+                // It reads the account's books.
+                1 => books[who] = Some((version, serde_json::from_str(&stored).unwrap())),
+                // It admits a job its cache shows waiting, or finishes (settles) one.
+                _ => {
+                    let Some((read, mut book)) = books[who].take() else { continue };
+                    let settling = step == 3;
+                    let changed = if settling {
+                        book.settle(&id, 600, START)
+                    } else if job_views[who].contains(&id) || finished.contains(&id) {
+                        // The second test is the apiserver's copy of the job, read fresh.
+                        false
                     } else {
-                        let verdict = book.admit(&id, "k", &limits, Lane::Small, 1_000, START);
-                        (verdict == Ok(Admitted::New), false)
+                        book.admit(&id, "k", &limits, Lane::Small, 1_000, START) == Ok(Admitted::New)
                     };
-                    if read == version {
+                    if changed && read == version {
                         version += 1;
                         stored = serde_json::to_string(&book).unwrap();
-                        if admitted {
-                            *admissions.entry(id.clone()).or_default() += 1;
-                        }
-                        if settled {
-                            prop_assert!(finished.insert(id), "settled twice");
+                        if settling {
+                            prop_assert!(finished.insert(id.clone()), "{id} was settled twice");
+                            charges += 600;
                         }
                     }
                 }
             }
             let book: Book = serde_json::from_str(&stored).unwrap();
             prop_assert!(book.ledger.active_small <= 2);
-            prop_assert!(book.ledger.tokens_today <= 5_000);
+            prop_assert!(book.ledger.tokens_today <= 20_000);
             prop_assert_eq!(book.ledger.active_small as usize, book.holds.len());
-            prop_assert_eq!(book.ledger.tokens_today, 1_000 * book.holds.len() as u64 + 600 * finished.len() as u64);
+            prop_assert_eq!(book.ledger.tokens_today, 1_000 * book.holds.len() as u64 + charges);
+            prop_assert!(book.holds.keys().all(|held| !finished.contains(held)), "a finished job holds tokens again");
         }
-        prop_assert!(admissions.values().all(|&n| n == 1), "{admissions:?}");
     }
 }

@@ -111,6 +111,23 @@ fn llama3_rope_scaling_f16_sharded_weights_and_a_bos_adding_tokenizer_match_tran
 
 #[test]
 fn qwen2_qkv_bias_and_tied_embeddings_match_transformers() {
+    // Tied: the checkpoint says so and carries no separate LM head, so loading needs none.
+    let dir = fixtures().join("tiny-qwen2-f32");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["tie_word_embeddings"], true);
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&weights)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    assert!(names.iter().all(|n| !n.starts_with("lm_head")), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.ends_with("q_proj.bias")),
+        "{names:?}"
+    );
     check_tiny("tiny-qwen2-f32");
 }
 

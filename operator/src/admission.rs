@@ -155,12 +155,35 @@ mod tests {
         ));
     }
 
+    /// Every ordering of `0..n` (Heap's algorithm).
+    fn permutations(n: usize) -> Vec<Vec<usize>> {
+        fn heap(k: usize, items: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+            if k <= 1 {
+                out.push(items.clone());
+                return;
+            }
+            for i in 0..k {
+                heap(k - 1, items, out);
+                let j = if k.is_multiple_of(2) { i } else { 0 };
+                items.swap(j, k - 1);
+            }
+        }
+        let mut out = Vec::new();
+        heap(n, &mut (0..n).collect(), &mut out);
+        out
+    }
+
     #[test]
     fn admitting_every_job_the_verdicts_allow_never_exceeds_the_capacity() {
-        // Admit jobs one by one, as the controller does, in every arrival order of six jobs.
-        for rotation in 0..6 {
-            let mut entries: Vec<_> = (0..6)
-                .map(|i| entry(&format!("j{i}"), (i + rotation) % 6, QueueState::Waiting))
+        // Admit jobs one by one, as the controller does, for every one of the 720 orders in
+        // which six jobs can arrive (their creation order) and be reconciled.
+        let orders = permutations(6);
+        assert_eq!(orders.len(), 720);
+        for order in &orders {
+            let mut entries: Vec<_> = order
+                .iter()
+                .enumerate()
+                .map(|(i, &arrival)| entry(&format!("j{i}"), arrival as i64, QueueState::Waiting))
                 .collect();
             for _ in 0..6 {
                 for i in 0..entries.len() {
@@ -171,12 +194,15 @@ mod tests {
                     }
                 }
             }
-            assert_eq!(
-                entries
-                    .iter()
-                    .filter(|e| e.state == QueueState::Active)
-                    .count(),
-                2
+            let active: Vec<i64> = entries
+                .iter()
+                .filter(|e| e.state == QueueState::Active)
+                .map(|e| e.created.as_second())
+                .collect();
+            assert_eq!(active.len(), 2, "{order:?}");
+            assert!(
+                active.iter().all(|&created| created < 2),
+                "the two oldest run first: {order:?}"
             );
         }
     }

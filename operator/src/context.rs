@@ -16,9 +16,9 @@ use crate::accounts::{self, Binding};
 use crate::admission::{self, Admission, QueueEntry, QueueState};
 use crate::config::OperatorConfig;
 use crate::error::{Error, Result};
-use crate::reconcile::key_of;
 use crate::ledger;
 use crate::metrics::Metrics;
+use crate::reconcile::key_of;
 
 /// What every reconcile shares.
 pub struct Context {

@@ -81,68 +81,23 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> Result<()> {
     let leadership = match &settings.leader {
-        Some(leader) => {
-            let leases: Api<Lease> = Api::namespaced(client.clone(), &leader.namespace);
-            Some(
-                leader::Leadership::acquire(
-                    leases,
-                    &leader.lease,
-                    &leader.identity,
-                    leader.duration,
-                )
-                .await?,
+        Some(leader) => Some(
+            leader::Leadership::acquire(
+                Api::<Lease>::namespaced(client.clone(), &leader.namespace),
+                &leader.lease,
+                &leader.identity,
+                leader.duration,
             )
-        }
+            .await?,
+        ),
         None => None,
     };
-    let pods: Api<Pod> = Api::all(client.clone());
-    let (managed_key, managed_value) = pod::MANAGED_BY;
-    let controller = Controller::new(
-        Api::<HarvestJob>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
-    )
-    .owns(
-        pods,
-        watcher::Config::default().labels(&format!("{managed_key}={managed_value}")),
-    );
-    let metrics = metrics::Metrics::default();
+    let controller = job_controller(&client);
     let jobs = controller.store();
-    let account_controller = Controller::new(
-        Api::<HarvestAccount>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
-    );
-    let accounts = account_controller.store();
-    // A job's change (it finished, or started waiting) wakes the account that pays for it.
-    let account_cache = accounts.clone();
-    let api_namespace = settings.config.api_namespace.clone();
-    let account_controller = account_controller.watches(
-        Api::<HarvestJob>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
-        move |job: HarvestJob| {
-            let charged = job.status.as_ref().and_then(|s| s.account.clone());
-            let payer = charged.or_else(|| {
-                accounts::bind(&job, &account_cache.state(), api_namespace.as_deref())
-                    .ok()
-                    .map(|b| b.account)
-            });
-            payer.map(|name| ObjectRef::new(&name))
-        },
-    );
+    let account_controller = account_controller(&client, settings.config.api_namespace.clone());
+    let metrics = metrics::Metrics::default();
     let metrics_task = match settings.metrics_addr {
-        Some(addr) => {
-            let listener =
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| Error::Config {
-                        path: "--metrics-addr".into(),
-                        reason: format!("cannot listen on {addr}: {e}"),
-                    })?;
-            Some(tokio::spawn(metrics::serve(
-                listener,
-                metrics.clone(),
-                jobs.clone(),
-            )))
-        }
+        Some(addr) => Some(serve_metrics(addr, &metrics, &jobs).await?),
         None => None,
     };
     let reporter = Reporter {
@@ -155,7 +110,7 @@ pub async fn run(
         recorder: Recorder::new(client, reporter),
         metrics,
         jobs,
-        accounts,
+        accounts: account_controller.store(),
         admitting: Mutex::new(HashSet::new()),
     });
     info!("controller started");
@@ -193,4 +148,62 @@ pub async fn run(
         task.abort();
     }
     outcome
+}
+
+/// The job controller: every HarvestJob, and the worker Pods this operator labels as its own.
+fn job_controller(client: &Client) -> Controller<HarvestJob> {
+    let (managed_key, managed_value) = pod::MANAGED_BY;
+    Controller::new(
+        Api::<HarvestJob>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .owns(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().labels(&format!("{managed_key}={managed_value}")),
+    )
+}
+
+/// The account controller: every HarvestAccount, woken by a change of any job it pays for
+/// (one that finished, or started waiting).
+fn account_controller(
+    client: &Client,
+    api_namespace: Option<String>,
+) -> Controller<HarvestAccount> {
+    let controller = Controller::new(
+        Api::<HarvestAccount>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let accounts = controller.store();
+    controller.watches(
+        Api::<HarvestJob>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+        move |job: HarvestJob| {
+            let charged = job.status.as_ref().and_then(|s| s.account.clone());
+            let payer = charged.or_else(|| {
+                accounts::bind(&job, &accounts.state(), api_namespace.as_deref())
+                    .ok()
+                    .map(|b| b.account)
+            });
+            payer.map(|name| ObjectRef::new(&name))
+        },
+    )
+}
+
+/// Serves `/metrics` on `addr` in a task of its own.
+async fn serve_metrics(
+    addr: SocketAddr,
+    metrics: &metrics::Metrics,
+    jobs: &kube::runtime::reflector::Store<HarvestJob>,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Config {
+            path: "--metrics-addr".into(),
+            reason: format!("cannot listen on {addr}: {e}"),
+        })?;
+    Ok(tokio::spawn(metrics::serve(
+        listener,
+        metrics.clone(),
+        jobs.clone(),
+    )))
 }

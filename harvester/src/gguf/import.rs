@@ -119,31 +119,7 @@ pub fn import_gguf(
         .iter()
         .map(|(n, shape, _)| (n.as_str(), shape))
         .collect();
-    let embed_shape = names
-        .get("model.embed_tokens.weight")
-        .ok_or_else(|| fail("tensor token_embd.weight is missing".into()))?;
-    if **embed_shape != [vocab_size, hyper.hidden] {
-        return Err(fail(format!(
-            "token_embd.weight has shape {embed_shape:?}, expected [{vocab_size}, {}]",
-            hyper.hidden
-        )));
-    }
-    for layer in 0..hyper.layers {
-        for part in [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ] {
-            let name = format!("model.layers.{layer}.{part}.weight");
-            if !names.contains_key(name.as_str()) {
-                return Err(fail(format!("tensor for {name} is missing")));
-            }
-        }
-    }
+    check_tensors(&names, &hyper, vocab_size).map_err(fail)?;
     let tie_word_embeddings = !names.contains_key("lm_head.weight");
 
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating", out_dir, e))?;
@@ -161,6 +137,60 @@ pub fn import_gguf(
         &tokenizer_config(&gguf, &specials, hyper.context),
     )?;
 
+    let parameters = converted
+        .iter()
+        .map(|(_, shape, _)| shape.iter().product::<usize>())
+        .sum();
+    write_safetensors(&converted, out_dir, out_dtype).map_err(fail)?;
+    Ok(ImportSummary {
+        out_dir: out_dir.to_owned(),
+        tensors: converted.len(),
+        parameters,
+        num_layers: hyper.layers,
+    })
+}
+
+/// Every tensor a Llama checkpoint needs is there, and the embedding has the vocabulary's shape.
+fn check_tensors(
+    names: &HashMap<&str, &Vec<usize>>,
+    hyper: &Hyper,
+    vocab_size: usize,
+) -> std::result::Result<(), String> {
+    let embed_shape = names
+        .get("model.embed_tokens.weight")
+        .ok_or_else(|| "tensor token_embd.weight is missing".to_owned())?;
+    if **embed_shape != [vocab_size, hyper.hidden] {
+        return Err(format!(
+            "token_embd.weight has shape {embed_shape:?}, expected [{vocab_size}, {}]",
+            hyper.hidden
+        ));
+    }
+    for layer in 0..hyper.layers {
+        for part in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
+            let name = format!("model.layers.{layer}.{part}.weight");
+            if !names.contains_key(name.as_str()) {
+                return Err(format!("tensor for {name} is missing"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `model.safetensors` (through a `.partial` file renamed at the end, so a crash never
+/// leaves a truncated checkpoint).
+fn write_safetensors(
+    converted: &[ConvertedTensor],
+    out_dir: &Path,
+    out_dtype: OutputDtype,
+) -> std::result::Result<(), String> {
     let st_dtype = match out_dtype {
         OutputDtype::Bf16 => Dtype::BF16,
         OutputDtype::F32 => Dtype::F32,
@@ -170,25 +200,16 @@ pub fn import_gguf(
         .map(|(name, shape, bytes)| {
             TensorView::new(st_dtype, shape.clone(), bytes)
                 .map(|view| (name.clone(), view))
-                .map_err(|e| fail(format!("tensor {name}: {e}")))
+                .map_err(|e| format!("tensor {name}: {e}"))
         })
-        .collect::<Result<Vec<_>>>()?;
-    let parameters = converted
-        .iter()
-        .map(|(_, shape, _)| shape.iter().product::<usize>())
-        .sum();
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let final_path = out_dir.join("model.safetensors");
     let partial = out_dir.join("model.safetensors.partial");
     let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
     safetensors::serialize_to_file(views, Some(metadata), &partial)
-        .map_err(|e| Error::io("writing", &partial, std::io::Error::other(e.to_string())))?;
-    std::fs::rename(&partial, &final_path).map_err(|e| Error::io("renaming", &partial, e))?;
-    Ok(ImportSummary {
-        out_dir: out_dir.to_owned(),
-        tensors: converted.len(),
-        parameters,
-        num_layers: hyper.layers,
-    })
+        .map_err(|e| format!("writing {}: {e}", partial.display()))?;
+    std::fs::rename(&partial, &final_path)
+        .map_err(|e| format!("renaming {}: {e}", partial.display()))
 }
 
 fn read_hyper(gguf: &GgufFile) -> Result<Hyper> {

@@ -43,40 +43,7 @@ pub fn build_tokenizer_json(gguf: &GgufFile) -> Result<(Json, SpecialTokens)> {
     }
     let tokens = gguf.require_strings("tokenizer.ggml.tokens")?;
     let merges = gguf.require_strings("tokenizer.ggml.merges")?;
-    let types: Vec<i64> = match gguf.metadata.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| match v {
-                Value::Int(i) => *i,
-                Value::UInt(u) => *u as i64,
-                _ => 1,
-            })
-            .collect(),
-        _ => vec![1; tokens.len()],
-    };
-
-    let special_id = |key: &str| -> Option<(u32, String)> {
-        match gguf.metadata.get(key) {
-            Some(Value::UInt(id)) => {
-                let id = *id as usize;
-                tokens.get(id).map(|t| (id as u32, (*t).to_owned()))
-            }
-            _ => None,
-        }
-    };
-    let flag = |key: &str, default: bool| match gguf.metadata.get(key) {
-        Some(Value::Bool(b)) => *b,
-        _ => default,
-    };
-    let specials = SpecialTokens {
-        bos: special_id("tokenizer.ggml.bos_token_id"),
-        eos: special_id("tokenizer.ggml.eos_token_id"),
-        unk: special_id("tokenizer.ggml.unknown_token_id"),
-        pad: special_id("tokenizer.ggml.padding_token_id"),
-        add_bos: flag("tokenizer.ggml.add_bos_token", false),
-        add_eos: flag("tokenizer.ggml.add_eos_token", false),
-    };
-
+    let specials = special_tokens(gguf, &tokens);
     let vocab: serde_json::Map<String, Json> = tokens
         .iter()
         .enumerate()
@@ -92,20 +59,7 @@ pub fn build_tokenizer_json(gguf: &GgufFile) -> Result<(Json, SpecialTokens)> {
             }),
         })
         .collect::<Result<_>>()?;
-    let added_tokens: Vec<Json> = types
-        .iter()
-        .enumerate()
-        .filter(|&(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
-        .filter_map(|(id, &t)| {
-            tokens.get(id).map(|content| {
-                json!({
-                    "id": id, "content": content, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": t == TOKEN_TYPE_CONTROL,
-                })
-            })
-        })
-        .collect();
-
+    let added_tokens = added_tokens(gguf, &tokens);
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -122,6 +76,60 @@ pub fn build_tokenizer_json(gguf: &GgufFile) -> Result<(Json, SpecialTokens)> {
         },
     });
     Ok((tokenizer, specials))
+}
+
+/// BOS, EOS, UNK and PAD with their ids, and whether encoding adds BOS and EOS.
+fn special_tokens(gguf: &GgufFile, tokens: &[&str]) -> SpecialTokens {
+    let special_id = |key: &str| -> Option<(u32, String)> {
+        match gguf.metadata.get(key) {
+            Some(Value::UInt(id)) => {
+                let id = *id as usize;
+                tokens.get(id).map(|t| (id as u32, (*t).to_owned()))
+            }
+            _ => None,
+        }
+    };
+    let flag = |key: &str, default: bool| match gguf.metadata.get(key) {
+        Some(Value::Bool(b)) => *b,
+        _ => default,
+    };
+    SpecialTokens {
+        bos: special_id("tokenizer.ggml.bos_token_id"),
+        eos: special_id("tokenizer.ggml.eos_token_id"),
+        unk: special_id("tokenizer.ggml.unknown_token_id"),
+        pad: special_id("tokenizer.ggml.padding_token_id"),
+        add_bos: flag("tokenizer.ggml.add_bos_token", false),
+        add_eos: flag("tokenizer.ggml.add_eos_token", false),
+    }
+}
+
+/// The control and user-defined tokens, as `tokenizer.json`'s `added_tokens` (control ones
+/// marked special).
+fn added_tokens(gguf: &GgufFile, tokens: &[&str]) -> Vec<Json> {
+    let types: Vec<i64> = match gguf.metadata.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v {
+                Value::Int(i) => *i,
+                Value::UInt(u) => *u as i64,
+                _ => 1,
+            })
+            .collect(),
+        _ => vec![1; tokens.len()],
+    };
+    types
+        .iter()
+        .enumerate()
+        .filter(|&(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
+        .filter_map(|(id, &t)| {
+            tokens.get(id).map(|content| {
+                json!({
+                    "id": id, "content": content, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": t == TOKEN_TYPE_CONTROL,
+                })
+            })
+        })
+        .collect()
 }
 
 /// A template that adds BOS and/or EOS as the GGUF flags say.

@@ -240,21 +240,7 @@ impl RawConfig {
             max_window_layers,
             layer_types,
         } = self;
-        let named = architectures
-            .first()
-            .cloned()
-            .or(model_type)
-            .unwrap_or_default();
-        let architecture = Architecture::from_hf_name(&named)
-            .or(match named.as_str() {
-                "llama" => Some(Architecture::Llama),
-                "mistral" => Some(Architecture::Mistral),
-                "qwen2" => Some(Architecture::Qwen2),
-                _ => None,
-            })
-            .ok_or_else(|| Error::UnsupportedArchitecture {
-                architecture: named.clone(),
-            })?;
+        let architecture = architecture(&architectures, model_type)?;
         let bad = |reason: String| Error::BadConfig {
             path: path.to_owned(),
             reason,
@@ -267,19 +253,13 @@ impl RawConfig {
         if mlp_bias {
             return Err(bad("mlp_bias true is not supported".into()));
         }
-        let num_kv_heads = num_key_value_heads.unwrap_or(num_attention_heads);
-        if num_attention_heads == 0 || num_kv_heads == 0 || num_attention_heads % num_kv_heads != 0
-        {
-            return Err(bad(format!(
-                "num_attention_heads {num_attention_heads} must be a positive multiple of num_key_value_heads {num_kv_heads}"
-            )));
-        }
-        let head_dim = head_dim.unwrap_or(hidden_size / num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad(format!(
-                "head_dim {head_dim} must be even and positive for RoPE"
-            )));
-        }
+        let (num_kv_heads, head_dim) = heads(
+            hidden_size,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+        )
+        .map_err(bad)?;
         if hidden_size == 0 || intermediate_size == 0 || vocab_size == 0 {
             return Err(bad(
                 "hidden_size, intermediate_size and vocab_size must be positive".into(),
@@ -324,6 +304,48 @@ impl RawConfig {
             attention_windows,
         })
     }
+}
+
+/// The architecture named by `architectures` (or, failing that, `model_type`).
+fn architecture(architectures: &[String], model_type: Option<String>) -> Result<Architecture> {
+    let named = architectures
+        .first()
+        .cloned()
+        .or(model_type)
+        .unwrap_or_default();
+    Architecture::from_hf_name(&named)
+        .or(match named.as_str() {
+            "llama" => Some(Architecture::Llama),
+            "mistral" => Some(Architecture::Mistral),
+            "qwen2" => Some(Architecture::Qwen2),
+            _ => None,
+        })
+        .ok_or(Error::UnsupportedArchitecture {
+            architecture: named,
+        })
+}
+
+/// The key/value head count and head width, checked: the query heads group evenly over the
+/// key/value heads, and RoPE needs an even head width.
+fn heads(
+    hidden_size: usize,
+    num_heads: usize,
+    num_kv_heads: Option<usize>,
+    head_dim: Option<usize>,
+) -> std::result::Result<(usize, usize), String> {
+    let num_kv_heads = num_kv_heads.unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+        return Err(format!(
+            "num_attention_heads {num_heads} must be a positive multiple of num_key_value_heads {num_kv_heads}"
+        ));
+    }
+    let head_dim = head_dim.unwrap_or(hidden_size / num_heads);
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(format!(
+            "head_dim {head_dim} must be even and positive for RoPE"
+        ));
+    }
+    Ok((num_kv_heads, head_dim))
 }
 
 /// Which blocks attend through a sliding window, following transformers: an explicit

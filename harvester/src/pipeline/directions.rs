@@ -182,4 +182,38 @@ mod tests {
             .to_string();
         assert!(err.contains("width 3") && err.contains("576"), "{err}");
     }
+
+    /// 0.1 has different bits in f16 and bf16: reading one as the other gives another number.
+    fn f16_bytes(values: &[f32]) -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn float16_directions_load_from_npy_and_safetensors_as_their_f32_values() {
+        let values = [0.1f32, 0.2, 3.0, 4.0];
+        let decoded: Vec<f64> = values
+            .iter()
+            .map(|v| f64::from(half::f16::from_f32(*v).to_f32()))
+            .collect();
+        let norm = decoded[0].hypot(decoded[1]);
+        let expected = [decoded[0] / norm, decoded[1] / norm, 0.6, 0.8];
+        let data = f16_bytes(&values);
+        let view = safetensors::tensor::TensorView::new(Dtype::F16, vec![2, 2], &data).unwrap();
+        let from_safetensors = safetensors::serialize([("d", view)], None).unwrap();
+        for (name, bytes) in [
+            ("d.npy", npy("<f2", "2, 2", &data)),
+            ("d.safetensors", from_safetensors),
+        ] {
+            let loaded = load_directions(name, &bytes, 2).unwrap();
+            for (got, want) in loaded.unit_vectors().iter().zip(expected) {
+                assert!(
+                    (f64::from(*got) - want).abs() < 1e-6,
+                    "{name}: {got} vs {want}"
+                );
+            }
+        }
+    }
 }

@@ -39,71 +39,77 @@ pub fn observe(pod: &Pod) -> PodState {
                     _ => None,
                 }),
         },
-        Some("Failed") => {
-            let disrupted = status
-                .conditions
-                .iter()
-                .flatten()
-                .find(|c| c.type_ == "DisruptionTarget" && c.status == "True");
-            let pod_reason = status.reason.clone().unwrap_or_default();
-            let finished_at = terminated.as_ref().and_then(|t| t.finished_at.clone());
-            let failure = if let Some(condition) = disrupted {
-                Failure {
-                    blame: Blame::Infrastructure,
-                    reason: condition
-                        .reason
-                        .clone()
-                        .unwrap_or_else(|| "DisruptionTarget".into()),
-                    message: condition
-                        .message
-                        .clone()
-                        .unwrap_or_else(|| "the Pod was disrupted".into()),
-                }
-            } else if INFRASTRUCTURE_REASONS.contains(&pod_reason.as_str()) {
-                Failure {
-                    blame: Blame::Infrastructure,
-                    message: status
-                        .message
-                        .clone()
-                        .unwrap_or_else(|| format!("the Pod failed: {pod_reason}")),
-                    reason: pod_reason,
-                }
-            } else if pod_reason == "DeadlineExceeded" {
-                Failure {
-                    blame: Blame::Input,
-                    reason: pod_reason,
-                    message: "the job ran past activeDeadlineSeconds".into(),
-                }
-            } else if let Some(terminated) = terminated {
-                classify_exit(
-                    terminated.exit_code,
-                    terminated.reason.as_deref(),
-                    terminated.message.as_deref(),
-                )
-            } else {
-                Failure {
-                    blame: Blame::Infrastructure,
-                    reason: if pod_reason.is_empty() {
-                        "PodFailed".into()
-                    } else {
-                        pod_reason
-                    },
-                    message: status
-                        .message
-                        .unwrap_or_else(|| "the Pod failed before its container ran".into()),
-                }
-            };
-            PodState::Failed {
-                failure,
-                finished_at,
-            }
-        }
+        Some("Failed") => PodState::Failed {
+            finished_at: terminated.as_ref().and_then(|t| t.finished_at.clone()),
+            failure: failure(&status, terminated),
+        },
         _ => PodState::Starting {
             waiting: container.and_then(|s| s.waiting).and_then(|w| {
                 w.reason
                     .map(|reason| (reason, w.message.unwrap_or_default()))
             }),
         },
+    }
+}
+
+/// Why a failed Pod failed: a disruption or a node problem (the cluster's fault), the job's
+/// deadline, or else the worker's own exit status.
+fn failure(
+    status: &k8s_openapi::api::core::v1::PodStatus,
+    terminated: Option<k8s_openapi::api::core::v1::ContainerStateTerminated>,
+) -> Failure {
+    let disrupted = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "DisruptionTarget" && c.status == "True");
+    let pod_reason = status.reason.clone().unwrap_or_default();
+    if let Some(condition) = disrupted {
+        Failure {
+            blame: Blame::Infrastructure,
+            reason: condition
+                .reason
+                .clone()
+                .unwrap_or_else(|| "DisruptionTarget".into()),
+            message: condition
+                .message
+                .clone()
+                .unwrap_or_else(|| "the Pod was disrupted".into()),
+        }
+    } else if INFRASTRUCTURE_REASONS.contains(&pod_reason.as_str()) {
+        Failure {
+            blame: Blame::Infrastructure,
+            message: status
+                .message
+                .clone()
+                .unwrap_or_else(|| format!("the Pod failed: {pod_reason}")),
+            reason: pod_reason,
+        }
+    } else if pod_reason == "DeadlineExceeded" {
+        Failure {
+            blame: Blame::Input,
+            reason: pod_reason,
+            message: "the job ran past activeDeadlineSeconds".into(),
+        }
+    } else if let Some(terminated) = terminated {
+        classify_exit(
+            terminated.exit_code,
+            terminated.reason.as_deref(),
+            terminated.message.as_deref(),
+        )
+    } else {
+        Failure {
+            blame: Blame::Infrastructure,
+            reason: if pod_reason.is_empty() {
+                "PodFailed".into()
+            } else {
+                pod_reason
+            },
+            message: status
+                .message
+                .clone()
+                .unwrap_or_else(|| "the Pod failed before its container ran".into()),
+        }
     }
 }
 

@@ -23,34 +23,8 @@ pub fn render(
     attempt: u32,
     deadline_seconds: Option<i64>,
 ) -> Result<Pod> {
-    let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
-        what: "the harvester plan",
-        source,
-    })?;
-    let mut args = vec![
-        "run".to_owned(),
-        "--plan-json".to_owned(),
-        plan,
-        "--model-name".to_owned(),
-        model.name.clone(),
-        "--termination-log".to_owned(),
-        TERMINATION_LOG.to_owned(),
-        "--progress".to_owned(),
-        "json".to_owned(),
-    ];
-    args.extend(config.worker_extra_args.iter().cloned());
-    let mut resources = model.resources.clone();
-    if model.gpus > 0 {
-        let gpus = Quantity(model.gpus.to_string());
-        resources
-            .limits
-            .get_or_insert_with(BTreeMap::new)
-            .insert("nvidia.com/gpu".into(), gpus.clone());
-        resources
-            .requests
-            .get_or_insert_with(BTreeMap::new)
-            .insert("nvidia.com/gpu".into(), gpus);
-    }
+    let args = worker_args(valid, model, config)?;
+    let resources = resources(model);
     let env = vec![
         EnvVar {
             name: "HARVEST_JOB_NAME".into(),
@@ -113,4 +87,47 @@ pub fn render(
         }),
         status: None,
     })
+}
+
+/// The harvester's arguments: the resolved plan inline, the model's name, the termination log
+/// and JSON progress, then the configuration's extra arguments.
+fn worker_args(
+    valid: &ValidJob,
+    model: &CatalogueEntry,
+    config: &OperatorConfig,
+) -> Result<Vec<String>> {
+    let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
+        what: "the harvester plan",
+        source,
+    })?;
+    let mut args = vec![
+        "run".to_owned(),
+        "--plan-json".to_owned(),
+        plan,
+        "--model-name".to_owned(),
+        model.name.clone(),
+        "--termination-log".to_owned(),
+        TERMINATION_LOG.to_owned(),
+        "--progress".to_owned(),
+        "json".to_owned(),
+    ];
+    args.extend(config.worker_extra_args.iter().cloned());
+    Ok(args)
+}
+
+/// The catalogue's CPU and memory, with the model's GPUs requested and limited.
+fn resources(model: &CatalogueEntry) -> ResourceRequirements {
+    let mut resources = model.resources.clone();
+    if model.gpus > 0 {
+        let gpus = Quantity(model.gpus.to_string());
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus.clone());
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert("nvidia.com/gpu".into(), gpus);
+    }
+    resources
 }

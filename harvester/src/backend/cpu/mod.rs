@@ -25,11 +25,13 @@ use self::attention::AttentionShape;
 use self::matmul::{MatRef, matmul_transposed};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
-use crate::model::{LlamaWeights, ModelConfig};
+use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
 use crate::projection::Directions;
 
 /// Rows handed to one rayon task in the element-wise passes.
 const ROWS_PER_TASK: usize = 16;
+/// Matrix products use every rayon thread.
+const ALL_THREADS: Parallelism = Parallelism::Rayon(0);
 
 /// The f32 reference backend.
 #[derive(Debug)]
@@ -133,21 +135,11 @@ impl Backend for CpuBackend {
         self.ensure_rope(batch.max_length as usize);
         let config = &self.weights.config;
         let tokens = batch.num_tokens();
-        let hidden = config.hidden_size;
-        let (qkv_width, attn_width) = (config.qkv_width(), config.num_heads * config.head_dim);
-        let inter = config.intermediate_size;
-        let eps = config.rms_norm_eps as f32;
         let width = self.capture_width();
         out.reset(self.spec.layers.len(), tokens, width);
-
         let s = &mut self.scratch;
-        s.x.resize(tokens * hidden, 0.0);
-        s.normed.resize(tokens * hidden, 0.0);
-        s.qkv.resize(tokens * qkv_width, 0.0);
-        s.attn.resize(tokens * attn_width, 0.0);
-        s.gate_up.resize(tokens * 2 * inter, 0.0);
-        s.act.resize(tokens * inter, 0.0);
-        let all = Parallelism::Rayon(0);
+        s.resize(config, tokens);
+        let hidden = config.hidden_size;
         let embed = &self.weights.embed;
         s.x.par_chunks_mut(hidden)
             .zip(&batch.input_ids)
@@ -155,101 +147,152 @@ impl Backend for CpuBackend {
                 let id = id as usize;
                 row.copy_from_slice(&embed[id * hidden..(id + 1) * hidden]);
             });
-
+        let pass = Pass {
+            config,
+            batch,
+            rope: &self.rope,
+            tokens,
+        };
         for (index, block) in self.weights.blocks[..=self.spec.layers.deepest()]
             .iter()
             .enumerate()
         {
-            rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
-                kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
-            });
-            let normed = MatRef::dense(&s.normed, tokens, hidden);
-            let w_qkv = MatRef::dense(&block.qkv, qkv_width, hidden);
-            matmul_transposed(normed, w_qkv, &mut s.qkv, qkv_width, 1.0, false, all);
-            let rotated_heads = config.num_heads + config.num_kv_heads;
-            let head_dim = config.head_dim;
-            let (cos, sin) = (&self.rope.cos, &self.rope.sin);
-            s.qkv
-                .par_chunks_mut(qkv_width * ROWS_PER_TASK)
-                .zip(batch.positions.par_chunks(ROWS_PER_TASK))
-                .for_each(|(rows, positions)| {
-                    if let Some(bias) = &block.qkv_bias {
-                        kernels::add_bias_rows(rows, bias);
-                    }
-                    kernels::rope_rows(
-                        rows,
-                        qkv_width,
-                        rotated_heads,
-                        head_dim,
-                        positions,
-                        cos,
-                        sin,
-                    );
-                });
-            let shape = AttentionShape {
-                num_heads: config.num_heads,
-                num_kv_heads: config.num_kv_heads,
-                head_dim: config.head_dim,
-                window: config.attention_windows[index],
-            };
-            attention::attention(&s.qkv, batch, shape, &mut s.attn);
-            let attn = MatRef::dense(&s.attn, tokens, attn_width);
-            matmul_transposed(
-                attn,
-                MatRef::dense(&block.o, hidden, attn_width),
-                &mut s.x,
-                hidden,
-                1.0,
-                true,
-                all,
-            );
-            if let Some(bias) = &block.o_bias {
-                s.x.par_chunks_mut(hidden * ROWS_PER_TASK)
-                    .for_each(|rows| kernels::add_bias_rows(rows, bias));
-            }
-
-            rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
-                kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
-            });
-            let normed = MatRef::dense(&s.normed, tokens, hidden);
-            let w_gate_up = MatRef::dense(&block.gate_up, 2 * inter, hidden);
-            matmul_transposed(
-                normed,
-                w_gate_up,
-                &mut s.gate_up,
-                2 * inter,
-                1.0,
-                false,
-                all,
-            );
-            rows_pass(&s.gate_up, 2 * inter, &mut s.act, inter, |gu, act| {
-                kernels::silu_mul_rows(gu, inter, act);
-            });
-            let act = MatRef::dense(&s.act, tokens, inter);
-            matmul_transposed(
-                act,
-                MatRef::dense(&block.down, hidden, inter),
-                &mut s.x,
-                hidden,
-                1.0,
-                true,
-                all,
-            );
-
+            pass.block(block, index, s);
             if let Some(kept) = self.spec.layers.position(index) {
                 let dst = &mut out.data[kept * tokens * width..(kept + 1) * tokens * width];
-                match &self.spec.directions {
-                    None => dst.copy_from_slice(&s.x),
-                    Some(directions) => {
-                        let x = MatRef::dense(&s.x, tokens, hidden);
-                        let units =
-                            MatRef::dense(directions.unit_vectors(), directions.count(), hidden);
-                        matmul_transposed(x, units, dst, width, 1.0, false, all);
-                    }
-                }
+                pass.keep(&s.x, self.spec.directions.as_ref(), dst);
             }
         }
         Ok(())
+    }
+}
+
+impl Scratch {
+    /// Sizes every buffer for `tokens` rows (they only grow in capacity).
+    fn resize(&mut self, config: &ModelConfig, tokens: usize) {
+        let hidden = config.hidden_size;
+        let inter = config.intermediate_size;
+        self.x.resize(tokens * hidden, 0.0);
+        self.normed.resize(tokens * hidden, 0.0);
+        self.qkv.resize(tokens * config.qkv_width(), 0.0);
+        self.attn
+            .resize(tokens * config.num_heads * config.head_dim, 0.0);
+        self.gate_up.resize(tokens * 2 * inter, 0.0);
+        self.act.resize(tokens * inter, 0.0);
+    }
+}
+
+/// One forward pass over a batch: what every block shares.
+struct Pass<'a> {
+    config: &'a ModelConfig,
+    batch: &'a Batch,
+    rope: &'a RopeTable,
+    tokens: usize,
+}
+
+impl Pass<'_> {
+    /// One decoder block on the residual stream `s.x`: the attention output is added, then
+    /// the MLP output.
+    fn block(&self, block: &BlockWeights, index: usize, s: &mut Scratch) {
+        self.attention(block, index, s);
+        self.mlp(block, s);
+    }
+
+    /// `x += o(attention(rope(qkv(rms_norm(x)))))`.
+    fn attention(&self, block: &BlockWeights, index: usize, s: &mut Scratch) {
+        let (c, tokens) = (self.config, self.tokens);
+        let hidden = c.hidden_size;
+        let (qkv_width, attn_width) = (c.qkv_width(), c.num_heads * c.head_dim);
+        let eps = c.rms_norm_eps as f32;
+        rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
+            kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
+        });
+        let normed = MatRef::dense(&s.normed, tokens, hidden);
+        let w_qkv = MatRef::dense(&block.qkv, qkv_width, hidden);
+        matmul_transposed(
+            normed,
+            w_qkv,
+            &mut s.qkv,
+            qkv_width,
+            1.0,
+            false,
+            ALL_THREADS,
+        );
+        let rotated_heads = c.num_heads + c.num_kv_heads;
+        let (cos, sin) = (&self.rope.cos, &self.rope.sin);
+        s.qkv
+            .par_chunks_mut(qkv_width * ROWS_PER_TASK)
+            .zip(self.batch.positions.par_chunks(ROWS_PER_TASK))
+            .for_each(|(rows, positions)| {
+                if let Some(bias) = &block.qkv_bias {
+                    kernels::add_bias_rows(rows, bias);
+                }
+                kernels::rope_rows(
+                    rows,
+                    qkv_width,
+                    rotated_heads,
+                    c.head_dim,
+                    positions,
+                    cos,
+                    sin,
+                );
+            });
+        let shape = AttentionShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            window: c.attention_windows[index],
+        };
+        attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
+        let attn = MatRef::dense(&s.attn, tokens, attn_width);
+        let w_o = MatRef::dense(&block.o, hidden, attn_width);
+        matmul_transposed(attn, w_o, &mut s.x, hidden, 1.0, true, ALL_THREADS);
+        if let Some(bias) = &block.o_bias {
+            s.x.par_chunks_mut(hidden * ROWS_PER_TASK)
+                .for_each(|rows| kernels::add_bias_rows(rows, bias));
+        }
+    }
+
+    /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`.
+    fn mlp(&self, block: &BlockWeights, s: &mut Scratch) {
+        let (c, tokens) = (self.config, self.tokens);
+        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let eps = c.rms_norm_eps as f32;
+        rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
+            kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
+        });
+        let normed = MatRef::dense(&s.normed, tokens, hidden);
+        let w_gate_up = MatRef::dense(&block.gate_up, 2 * inter, hidden);
+        matmul_transposed(
+            normed,
+            w_gate_up,
+            &mut s.gate_up,
+            2 * inter,
+            1.0,
+            false,
+            ALL_THREADS,
+        );
+        rows_pass(&s.gate_up, 2 * inter, &mut s.act, inter, |gu, act| {
+            kernels::silu_mul_rows(gu, inter, act);
+        });
+        let act = MatRef::dense(&s.act, tokens, inter);
+        let w_down = MatRef::dense(&block.down, hidden, inter);
+        matmul_transposed(act, w_down, &mut s.x, hidden, 1.0, true, ALL_THREADS);
+    }
+
+    /// Copies the residual stream `x` into a kept layer's slot `dst`, or its projections onto
+    /// `directions`.
+    fn keep(&self, x: &[f32], directions: Option<&Directions>, dst: &mut [f32]) {
+        let hidden = self.config.hidden_size;
+        match directions {
+            None => dst.copy_from_slice(x),
+            Some(directions) => {
+                let x = MatRef::dense(x, self.tokens, hidden);
+                let units = MatRef::dense(directions.unit_vectors(), directions.count(), hidden);
+                let width = directions.count();
+                matmul_transposed(x, units, dst, width, 1.0, false, ALL_THREADS);
+            }
+        }
     }
 }
 

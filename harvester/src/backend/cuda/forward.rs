@@ -20,6 +20,11 @@ use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
 use crate::model::{LlamaWeights, ModelConfig};
 
+/// GEMM outputs that feed the next kernel are bf16.
+const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
+/// GEMM outputs added into the f32 residual stream.
+const F32: cudaDataType = cudaDataType::CUDA_R_32F;
+
 /// Setting up on a device failed: that machine cannot run the backend.
 fn driver(error: impl std::fmt::Display) -> crate::Error {
     CudaError::unavailable(error).into()
@@ -306,46 +311,33 @@ impl Pass<'_> {
     /// One decoder block, as the CPU reference runs it: the residual stream `x` gains the
     /// attention output, then the MLP output (both added by their GEMM's `beta = 1`).
     fn block(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
-        let (c, stream, blas, k, tokens) = (
-            self.config,
-            self.stream,
-            self.blas,
-            self.kernels,
-            self.tokens,
-        );
-        let hidden = c.hidden_size;
-        let eps = c.rms_norm_eps as f32;
-        let rows = |n, k| (tokens, n, k);
-        // x += o(attention(rope(qkv(norm(x)))))
-        launch::rms_norm(
-            stream,
-            &k.rms_norm,
-            &s.x,
-            &block.attn_norm,
-            &mut s.normed,
-            (tokens, hidden, eps),
-        )?;
-        gemm(
-            blas,
-            stream,
+        self.attention(block, s)?;
+        self.mlp(block, s)
+    }
+
+    /// `x += o(attention(rope(qkv(rms_norm(x)))))`.
+    fn attention(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
+        let (c, k) = (self.config, self.kernels);
+        self.norm(&block.attn_norm, &s.x, &mut s.normed)?;
+        self.gemm(
             &s.normed,
             &block.qkv,
             &mut s.qkv,
-            cudaDataType::CUDA_R_16BF,
-            rows(c.qkv_width(), hidden),
+            BF16,
+            (c.qkv_width(), c.hidden_size),
             0.0,
         )?;
         let rotated = c.num_heads + c.num_kv_heads;
         launch::rope(
-            stream,
+            self.stream,
             &k.rope,
             &mut s.qkv,
             &s.positions,
             self.inv_freq,
-            (tokens, rotated, c.qkv_width(), c.head_dim),
+            (self.tokens, rotated, c.qkv_width(), c.head_dim),
         )?;
         let shape = AttentionShape {
-            tokens,
+            tokens: self.tokens,
             tiles: self.tiles,
             heads: c.num_heads,
             kv_heads: c.num_kv_heads,
@@ -353,7 +345,7 @@ impl Pass<'_> {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
         launch::attention(
-            stream,
+            self.stream,
             &k.attention,
             &s.qkv,
             &mut s.attn,
@@ -361,46 +353,76 @@ impl Pass<'_> {
             &s.tiles,
             shape,
         )?;
-        gemm(
-            blas,
-            stream,
+        let attn_width = c.num_heads * c.head_dim;
+        self.gemm(
             &s.attn,
             &block.o,
             &mut s.x,
-            cudaDataType::CUDA_R_32F,
-            rows(hidden, c.num_heads * c.head_dim),
+            F32,
+            (c.hidden_size, attn_width),
             1.0,
-        )?;
-        // x += down(swiglu(gate_up(norm(x))))
-        let inter = c.intermediate_size;
-        launch::rms_norm(
-            stream,
-            &k.rms_norm,
-            &s.x,
-            &block.mlp_norm,
-            &mut s.normed,
-            (tokens, hidden, eps),
-        )?;
-        gemm(
-            blas,
-            stream,
+        )
+    }
+
+    /// `x += down(swiglu(gate_up(rms_norm(x))))`.
+    fn mlp(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
+        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
+        self.norm(&block.mlp_norm, &s.x, &mut s.normed)?;
+        self.gemm(
             &s.normed,
             &block.gate_up,
             &mut s.gate_up,
-            cudaDataType::CUDA_R_16BF,
-            rows(2 * inter, hidden),
+            BF16,
+            (2 * inter, hidden),
             0.0,
         )?;
-        launch::swiglu(stream, &k.swiglu, &s.gate_up, &mut s.act, (tokens, inter))?;
+        launch::swiglu(
+            self.stream,
+            &self.kernels.swiglu,
+            &s.gate_up,
+            &mut s.act,
+            (self.tokens, inter),
+        )?;
+        self.gemm(&s.act, &block.down, &mut s.x, F32, (hidden, inter), 1.0)
+    }
+
+    /// `out = rms_norm(x) · weight` over the batch.
+    fn norm(
+        &self,
+        weight: &CudaSlice<u16>,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let c = self.config;
+        launch::rms_norm(
+            self.stream,
+            &self.kernels.rms_norm,
+            x,
+            weight,
+            out,
+            (self.tokens, c.hidden_size, c.rms_norm_eps as f32),
+        )
+    }
+
+    /// `c[tokens, n] = a · w[n, k]ᵀ + beta · c` over the batch.
+    fn gemm<C>(
+        &self,
+        a: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        c: &mut CudaSlice<C>,
+        c_type: cudaDataType,
+        (n, k): (usize, usize),
+        beta: f32,
+    ) -> Result<()> {
         gemm(
-            blas,
-            stream,
-            &s.act,
-            &block.down,
-            &mut s.x,
-            cudaDataType::CUDA_R_32F,
-            rows(hidden, inter),
-            1.0,
+            self.blas,
+            self.stream,
+            a,
+            w,
+            c,
+            c_type,
+            (self.tokens, n, k),
+            beta,
         )
     }
 
