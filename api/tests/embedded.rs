@@ -38,6 +38,15 @@ fn the_seed_flow_long_polls_and_downloads_without_a_key_the_bytes_of_a_direct_ru
 }
 
 #[test]
+fn a_rest_submit_with_project_onto_returns_the_activations_times_the_unit_directions() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    projection_flow(&server, &key, dir.path());
+}
+
+#[test]
 fn keys_unknown_jobs_the_account_lane_and_revocation_answer_as_the_contract_says() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();

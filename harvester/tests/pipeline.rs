@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::smollm2_dir;
+use common::{Reference, fixtures, smollm2_dir, worst_relative_error};
 use harvest_core::format::{Contents, Manifest};
 use harvest_core::{HarvestPlan, LayerSelection, Location};
 use harvester::backend::cpu::CpuBackend;
@@ -141,6 +141,52 @@ fn a_run_writes_shards_in_prompt_order_with_the_tokenizers_ids_and_checksums() {
         (again.timings.forward_s - result.timings.forward_s).abs() < 1e-9,
         "a finished plan is not run again: {again:?} vs {result:?}"
     );
+}
+
+/// bf16 little-endian bytes as f32.
+fn bf16s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
+}
+
+#[test]
+fn shard_values_equal_the_transformers_forward_pass_of_the_same_prompts() {
+    let reference = Reference::open(&fixtures().join("smollm2_reference.safetensors"));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let layers = reference.layers.iter().map(|&l| l as i64).collect();
+    let plan = plan(
+        &write_prompts(dir.path(), &reference.prompts),
+        &out,
+        layers,
+        2,
+    );
+    pipeline::run(&plan, &options()).unwrap();
+    let mut compared = 0;
+    for entry in &manifest(&out).shards {
+        let bytes = std::fs::read(out.join(&entry.file)).unwrap();
+        let shard = SafeTensors::deserialize(&bytes).unwrap();
+        for k in 0..entry.token_counts.len() {
+            let i = entry.first_prompt + k;
+            let expected_ids = reference.ids(i, true);
+            if expected_ids.len() > reference.truncate_at {
+                // The reference cut this prompt shorter than the model's context does.
+                continue;
+            }
+            let view = shard.tensor(&format!("prompt_{i}")).unwrap();
+            let (shape, expected) = reference.residual(i);
+            assert_eq!(view.shape(), shape.as_slice(), "prompt {i}");
+            let error = worst_relative_error(&bf16s(view.data()), &expected, shape[2]);
+            assert!(
+                error <= 1e-2,
+                "prompt {i}: worst relative error {error:.3e}"
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared >= 2, "only {compared} prompts compared");
 }
 
 #[test]

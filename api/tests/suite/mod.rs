@@ -209,58 +209,11 @@ pub fn seed_flow(server: &Server, key: &str, dir: &Path) -> Value {
         Some(json!({"model": "smollm2-135m", "prompts": SEED, "layers": [8, 16, 24]})),
     );
     assert_eq!(status, 202, "{job}");
-    let url = format!(
-        "{}/v1/harvest/{}?wait=60",
-        server.base,
-        job["job_id"].as_str().unwrap()
-    );
-    let mut done = Value::Null;
-    for _ in 0..5 {
-        let (_, answer) = request("GET", &url, key, None);
-        if answer["status"] == "done" {
-            done = answer;
-            break;
-        }
-        assert!(
-            ["pending", "running"].contains(&answer["status"].as_str().unwrap()),
-            "{answer}"
-        );
-    }
-    assert_eq!(done["status"], "done", "{done}");
+    let done = long_poll_done(server, key, job["job_id"].as_str().unwrap());
     assert_eq!(done["tokens"], done["result"]["tokens"]);
     assert!(done["urls_expire_at"].as_str().unwrap().ends_with("+00:00"));
 
-    let prompts = dir.join("direct.jsonl");
-    std::fs::write(
-        &prompts,
-        SEED.iter()
-            .map(|p| json!({"text": p}).to_string() + "\n")
-            .collect::<String>(),
-    )
-    .unwrap();
-    let direct = dir.join("direct");
-    let status = Command::new(harvester())
-        .args([
-            "run",
-            "--model",
-            smollm2().to_str().unwrap(),
-            "--prompts",
-            prompts.to_str().unwrap(),
-            "--out",
-        ])
-        .arg(&direct)
-        .args([
-            "--layers",
-            "8,16,24",
-            "--progress",
-            "off",
-            "--model-name",
-            "smollm2-135m",
-        ])
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let direct = direct_run(dir, "8,16,24");
     let shard = reqwest::blocking_get(done["result"]["shard_urls"][0].as_str().unwrap()).unwrap();
     assert_eq!(
         shard,
@@ -277,6 +230,125 @@ pub fn seed_flow(server: &Server, key: &str, dir: &Path) -> Value {
     .unwrap();
     assert_eq!(manifest["layer_indices"], json!([8, 16, 24]));
     done
+}
+
+/// Long-polls job `id` until it is done (a few waits of 60 s at most).
+pub fn long_poll_done(server: &Server, key: &str, id: &str) -> Value {
+    let url = format!("{}/v1/harvest/{id}?wait=60", server.base);
+    for _ in 0..5 {
+        let (_, answer) = request("GET", &url, key, None);
+        if answer["status"] == "done" {
+            return answer;
+        }
+        assert!(
+            ["pending", "running"].contains(&answer["status"].as_str().unwrap()),
+            "{answer}"
+        );
+    }
+    panic!("job {id} is not done after five long-polls")
+}
+
+/// `harvester run` of the seed prompts on SmolLM2 into `dir/direct`, keeping `layers`.
+pub fn direct_run(dir: &Path, layers: &str) -> PathBuf {
+    let prompts = dir.join("direct.jsonl");
+    std::fs::write(&prompts, harvest_core::worker::write_prompts_jsonl(&SEED)).unwrap();
+    let direct = dir.join("direct");
+    let status = Command::new(harvester())
+        .args([
+            "run",
+            "--model",
+            smollm2().to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--out",
+        ])
+        .arg(&direct)
+        .args([
+            "--layers",
+            layers,
+            "--progress",
+            "off",
+            "--model-name",
+            "smollm2-135m",
+        ])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    direct
+}
+
+/// A tensor of a safetensors file as f32 (bf16 or f32 on disk), with its shape.
+fn tensor_f32(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f32>) {
+    let file = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let view = file.tensor(name).unwrap();
+    let values = match view.dtype() {
+        safetensors::Dtype::BF16 => view
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::F32 => view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        other => panic!("{name} has dtype {other:?}"),
+    };
+    (view.shape().to_vec(), values)
+}
+
+/// A REST submit with `project_onto` (float32, base64, not unit length), checked end to end:
+/// each projection equals the raw activation of a direct run times the unit direction, within
+/// the bf16 rounding of that activation. The directions are sparse (`5·e₃` and `3·e₅ + 4·e₁₀`),
+/// so that rounding bound is tight enough to catch a wrong scale or a missing normalisation.
+pub fn projection_flow(server: &Server, key: &str, dir: &Path) {
+    const HIDDEN: usize = 576;
+    let mut directions = vec![0.0f32; 2 * HIDDEN];
+    directions[3] = 5.0;
+    directions[HIDDEN + 5] = 3.0;
+    directions[HIDDEN + 10] = 4.0;
+    let bytes: Vec<u8> = directions.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let data = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &bytes);
+    let (status, job) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        key,
+        Some(
+            json!({"model": "smollm2-135m", "prompts": SEED, "layers": [8, 16],
+            "project_onto": {"data": data, "dtype": "float32", "shape": [2, HIDDEN]}}),
+        ),
+    );
+    assert_eq!(status, 202, "{job}");
+    let done = long_poll_done(server, key, job["job_id"].as_str().unwrap());
+    assert_eq!(done["result"]["contents"], "projections");
+    let shard = reqwest::blocking_get(done["result"]["shard_urls"][0].as_str().unwrap()).unwrap();
+    let raw = std::fs::read(direct_run(dir, "8,16").join("shard_00000.safetensors")).unwrap();
+    let units: Vec<Vec<f64>> = directions
+        .chunks_exact(HIDDEN)
+        .map(|d| {
+            let norm = d.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+            d.iter().map(|&v| f64::from(v) / norm).collect()
+        })
+        .collect();
+    for prompt in 0..SEED.len() {
+        let (shape, projected) = tensor_f32(&shard, &format!("prompt_{prompt}"));
+        let (raw_shape, activations) = tensor_f32(&raw, &format!("prompt_{prompt}"));
+        assert_eq!(shape, [2, raw_shape[1], 2], "prompt {prompt}");
+        for (row, x) in activations.chunks_exact(HIDDEN).enumerate() {
+            for (d, unit) in units.iter().enumerate() {
+                let terms = x.iter().zip(unit).map(|(&a, &u)| f64::from(a) * u);
+                let expected: f64 = terms.clone().sum();
+                // The shard's activations are bf16: each within 2⁻⁹ of the f32 one projected.
+                let bound = terms.map(f64::abs).sum::<f64>() / 256.0 + 1e-6;
+                let got = f64::from(projected[row * 2 + d]);
+                assert!(
+                    (got - expected).abs() <= bound,
+                    "prompt {prompt}, row {row}, direction {d}: {got} vs {expected} (bound {bound})"
+                );
+            }
+        }
+    }
 }
 
 /// Cancels a running job: 200 `cancelled`, charged the reservation, and invisible to another

@@ -245,14 +245,12 @@ impl RawConfig {
             path: path.to_owned(),
             reason,
         };
-        if let Some(act) = hidden_act.filter(|act| act != "silu") {
-            return Err(bad(format!(
-                "hidden_act {act:?} is not supported; Llama blocks use \"silu\""
-            )));
-        }
-        if mlp_bias {
-            return Err(bad("mlp_bias true is not supported".into()));
-        }
+        check_supported(
+            hidden_act,
+            mlp_bias,
+            [hidden_size, intermediate_size, vocab_size],
+        )
+        .map_err(bad)?;
         let (num_kv_heads, head_dim) = heads(
             hidden_size,
             num_attention_heads,
@@ -260,18 +258,8 @@ impl RawConfig {
             head_dim,
         )
         .map_err(bad)?;
-        if hidden_size == 0 || intermediate_size == 0 || vocab_size == 0 {
-            return Err(bad(
-                "hidden_size, intermediate_size and vocab_size must be positive".into(),
-            ));
-        }
-        let rope_theta = rope_theta
-            .or(rope_parameters.as_ref().and_then(|p| p.rope_theta))
-            .unwrap_or(10_000.0);
-        let rope_scaling = match rope_scaling.or(rope_parameters) {
-            None => RopeScaling::None,
-            Some(raw) => raw.validate().map_err(bad)?,
-        };
+        let (rope_theta, rope_scaling) =
+            rope(rope_theta, rope_scaling, rope_parameters).map_err(bad)?;
         let attention_windows = attention_windows(
             architecture,
             num_hidden_layers,
@@ -304,6 +292,43 @@ impl RawConfig {
             attention_windows,
         })
     }
+}
+
+/// RoPE's base and scaling, from the transformers 4 keys or the transformers 5
+/// `rope_parameters` (base 10,000 when neither gives one).
+fn rope(
+    theta: Option<f64>,
+    scaling: Option<RawRopeScaling>,
+    parameters: Option<RawRopeScaling>,
+) -> std::result::Result<(f64, RopeScaling), String> {
+    let theta = theta
+        .or(parameters.as_ref().and_then(|p| p.rope_theta))
+        .unwrap_or(10_000.0);
+    let scaling = scaling
+        .or(parameters)
+        .map_or(Ok(RopeScaling::None), RawRopeScaling::validate)?;
+    Ok((theta, scaling))
+}
+
+/// What the CPU and CUDA blocks implement: a SwiGLU MLP without biases, and positive widths
+/// (`hidden_size`, `intermediate_size`, `vocab_size`).
+fn check_supported(
+    hidden_act: Option<String>,
+    mlp_bias: bool,
+    widths: [usize; 3],
+) -> std::result::Result<(), String> {
+    if widths.contains(&0) {
+        return Err("hidden_size, intermediate_size and vocab_size must be positive".into());
+    }
+    if let Some(act) = hidden_act.filter(|act| act != "silu") {
+        return Err(format!(
+            "hidden_act {act:?} is not supported; Llama blocks use \"silu\""
+        ));
+    }
+    if mlp_bias {
+        return Err("mlp_bias true is not supported".into());
+    }
+    Ok(())
 }
 
 /// The architecture named by `architectures` (or, failing that, `model_type`).

@@ -5,9 +5,52 @@
 
 use super::plan::attention_tiles;
 
-/// Mirrors `#define QUERIES` and `KEYS` in `kernels.cu`.
+/// Mirrors `#define QUERIES` and `KEYS` in `kernels.cu` (checked against the source below).
 const QUERIES: usize = 8;
 const KEYS: usize = 32;
+
+/// SHA-256 of the kernel functions this file replays, whitespace-collapsed: a change to the
+/// CUDA C fails [`the_replayed_kernels_are_the_ones_in_kernels_cu`] until the replay here is
+/// brought in line and these are updated.
+const MIRRORED: [(&str, &str); 2] = [
+    (
+        "f32_to_bf16",
+        "cf110c3fbd9029c7be42bc38fca22b370bedf7bb64baffeae0ad9c9177c3e0cd",
+    ),
+    (
+        "attention_varlen",
+        "5fd89e746fff9d4e47b9c5a0cbef5a920c76ec7915fc86742b49925dda9148ba",
+    ),
+];
+
+/// The text of function `name` in `kernels.cu`, from the start of its signature's line to its
+/// closing brace.
+fn kernel_function(name: &str) -> &'static str {
+    let source = super::kernels::SOURCE;
+    let at = source
+        .find(&format!("{name}("))
+        .unwrap_or_else(|| panic!("{name} is not in kernels.cu"));
+    let start = source[..at].rfind('\n').map_or(0, |n| n + 1);
+    let mut depth = 0usize;
+    for (offset, byte) in source[at..].bytes().enumerate() {
+        match byte {
+            b'{' => depth += 1,
+            b'}' if depth == 1 => return &source[start..=at + offset],
+            b'}' => depth -= 1,
+            _ => {}
+        }
+    }
+    panic!("{name} has no closing brace in kernels.cu")
+}
+
+/// The value of `#define name N` in `kernels.cu`.
+fn kernel_define(name: &str) -> usize {
+    super::kernels::SOURCE
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("#define {name} ")))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no numeric #define {name} in kernels.cu"))
+}
 
 /// The attention heads: query heads, key/value heads, head width.
 #[derive(Clone, Copy)]
@@ -129,6 +172,33 @@ fn kernel_bf16(value: f32) -> u16 {
     }
     u = u.wrapping_add(0x7fff + ((u >> 16) & 1));
     (u >> 16) as u16
+}
+
+#[test]
+fn the_replayed_kernels_are_the_ones_in_kernels_cu() {
+    use sha2::{Digest, Sha256};
+    assert_eq!(kernel_define("QUERIES"), QUERIES);
+    assert_eq!(kernel_define("KEYS"), KEYS);
+    assert_eq!(
+        kernel_define("QUERIES"),
+        super::kernels::ATTENTION_QUERIES_PER_BLOCK as usize
+    );
+    assert_eq!(
+        kernel_define("MAX_HEAD_DIM"),
+        super::kernels::ATTENTION_MAX_HEAD_DIM
+    );
+    for (name, pinned) in MIRRORED {
+        let text = kernel_function(name);
+        let collapsed = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let digest: String = Sha256::digest(collapsed.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            digest, pinned,
+            "{name} in kernels.cu changed: bring its replay in emulation.rs in line, then pin the new digest"
+        );
+    }
 }
 
 #[test]
