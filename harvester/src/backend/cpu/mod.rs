@@ -9,7 +9,7 @@
 //! normed = rms_norm(x)                  gate_up = normed · W(gate|up)ᵀ
 //! act    = silu(gate) ⊙ up              x  += act · Wdownᵀ          ← block output, captured
 //! ```
-//! Every buffer lives in [`Scratch`] and only grows, so steady-state batches allocate nothing.
+//! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
 mod attention;
 pub mod kernels;
