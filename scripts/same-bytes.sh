@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs the same three plans (quartile layers; every layer in shards of 4; projections onto 3
+# directions without special tokens) with two harvester binaries on SmolLM2 and says whether
+# every output file but result.json (whose timings differ) is byte-identical. For refactors
+# that must not change a harvest's bytes:
+#   scripts/same-bytes.sh OLD_HARVESTER NEW_HARVESTER
+set -euo pipefail
+old=$1 new=$2
+model=${HARVEST_CACHE:-$HOME/.cache/harvest}/models/smollm2-135m
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 - "$work" <<'PY'
+import json, random, struct, sys
+work = sys.argv[1]
+random.seed(7)
+words = "the residual stream of a language model carries features across layers while attention moves information between tokens".split()
+with open(f"{work}/prompts.jsonl", "w") as f:
+    for _ in range(40):
+        f.write(json.dumps({"text": " ".join(random.choice(words) for _ in range(random.randint(3, 60)))}) + "\n")
+values = [((i * 7919) % 101 - 50) / 7.0 for i in range(3 * 576)]
+header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 576), }"
+header += " " * ((64 - (10 + len(header) + 1) % 64) % 64) + "\n"
+with open(f"{work}/dirs.npy", "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+    f.write(struct.pack(f"<{len(values)}f", *values))
+PY
+status=0
+for plan in quartiles all projections; do
+  for side in old new; do
+    bin=${!side}
+    out=$work/$side-$plan
+    case $plan in
+      quartiles) args=() ;;
+      all) args=(--layers all --shard-size 4) ;;
+      projections) args=(--layers 3,17 --project-onto "$work/dirs.npy" --shard-size 16 --no-special-tokens) ;;
+    esac
+    "$bin" run --model "$model" --prompts "$work/prompts.jsonl" --out "$out" --progress off "${args[@]}" >/dev/null
+    (cd "$out" && find . -type f ! -name result.json | sort | xargs sha256sum) > "$work/$side-$plan.sha"
+  done
+  files=$(wc -l < "$work/old-$plan.sha")
+  if cmp -s "$work/old-$plan.sha" "$work/new-$plan.sha"; then
+    echo "$plan: $files files, byte-identical"
+  else
+    echo "$plan: $files files, DIFFERENT:"; diff "$work/old-$plan.sha" "$work/new-$plan.sha" || true; status=1
+  fi
+done
+exit "$status"
