@@ -1,6 +1,8 @@
 //! `harvester`: the worker that turns a model and prompts into residual-stream activations.
 //!
-//! It never depends on kube or axum; the API and the operator start it as a process.
+//! It never depends on kube or axum; the API and the operator start it as a process and talk
+//! to it through the worker protocol of `harvest_core::worker`. The library reads no flags and
+//! no environment: `main.rs` parses both and passes values in.
 //!
 //! ```text
 //! HF checkpoint dir ──model::LlamaWeights──┐

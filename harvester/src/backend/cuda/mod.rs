@@ -2,7 +2,9 @@
 //! in a test wherever libnvrtc is present), the host-side plans (attention tiles, pipeline
 //! stages, activation memory), and the probe that turns a missing driver or device into a clear
 //! error instead of cudarc's panic. The forward pass (`forward`: bf16 weights, cuBLAS GEMMs,
-//! the kernels) compiles but has NOT yet run on a GPU; `scripts/gpu-check.sh` is the check.
+//! the kernels, each launched through its own checked wrapper in `launch`) compiles but has NOT
+//! yet run on a GPU; `scripts/gpu-check.sh` is the check. Errors are a typed [`CudaError`]: no
+//! usable GPU is an infrastructure failure, a failed launch or kernel fault a bug (exit 70).
 //!
 //! ```text
 //! probe (libcuda? device N?) ─► kernels::compile (NVRTC, once) ─► forward: upload bf16 weights,
