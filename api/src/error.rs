@@ -38,6 +38,26 @@ pub enum ApiError {
     /// No such job for this key (unknown, or another account's).
     #[error("no such harvest job for this API key")]
     NotFound,
+    /// No route has this path.
+    #[error(
+        "no route {method} {path}: the API serves /v1/harvest, /v1/harvest/{{job_id}} and /v1/models"
+    )]
+    NoRoute {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The route exists, but not with this method.
+    #[error(
+        "{path} does not take {method}: docs/api.md and api/openapi.json list each route's methods"
+    )]
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
     /// The job has already ended.
     #[error("{message}")]
     NotCancellable {
@@ -90,7 +110,8 @@ impl ApiError {
         match self {
             Self::InvalidRequest { .. } | Self::TooLarge { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::NotFound | Self::NoRoute { .. } => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::Link(_) => StatusCode::FORBIDDEN,
             Self::NotCancellable { .. } => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -106,7 +127,8 @@ impl ApiError {
             Self::InvalidRequest { .. } => "invalid_request",
             Self::TooLarge { .. } => "harvest_too_large",
             Self::Unauthorized => "invalid_api_key",
-            Self::NotFound => "not_found",
+            Self::NotFound | Self::NoRoute { .. } => "not_found",
+            Self::MethodNotAllowed { .. } => "method_not_allowed",
             Self::Link(crate::signing::LinkError::Expired) => "link_expired",
             Self::Link(crate::signing::LinkError::Invalid) => "link_invalid",
             Self::NotCancellable { .. } => "harvest_not_cancellable",
@@ -209,6 +231,22 @@ mod tests {
             ),
             (ApiError::Unauthorized, 401, "invalid_api_key"),
             (ApiError::NotFound, 404, "not_found"),
+            (
+                ApiError::NoRoute {
+                    method: "GET".into(),
+                    path: "/v2".into(),
+                },
+                404,
+                "not_found",
+            ),
+            (
+                ApiError::MethodNotAllowed {
+                    method: "PUT".into(),
+                    path: "/v1/models".into(),
+                },
+                405,
+                "method_not_allowed",
+            ),
             (
                 crate::signing::LinkError::Expired.into(),
                 403,

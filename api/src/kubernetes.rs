@@ -63,6 +63,9 @@ pub enum KubeBackendError {
     /// The account does not exist.
     #[error("no HarvestAccount named {0:?}: create it first (kubectl get harvestaccounts)")]
     NoAccount(String),
+    /// A key to import is not of a known format.
+    #[error("{0}")]
+    BadKey(String),
 }
 
 impl From<KubeBackendError> for ApiError {
@@ -565,12 +568,14 @@ pub fn record(job: &HarvestJob) -> JobRecord {
     }
 }
 
-/// Creates a key for `account` as a Secret holding only its hash; returns the key.
+/// Creates a key for `account` as a Secret holding only its hash (and the few characters
+/// `list-keys` shows), or stores `import`ed, a key made elsewhere; returns the key.
 pub async fn create_key(
     client: Client,
     namespace: &str,
     account: &str,
     label: &str,
+    import: Option<&str>,
 ) -> Result<String, KubeBackendError> {
     if Api::<HarvestAccount>::all(client.clone())
         .get_opt(account)
@@ -579,7 +584,14 @@ pub async fn create_key(
     {
         return Err(KubeBackendError::NoAccount(account.into()));
     }
-    let key = crate::store::new_key();
+    let key = match import {
+        Some(key) => {
+            crate::store::check_key_format(key)
+                .map_err(|e| KubeBackendError::BadKey(e.to_string()))?;
+            key.to_owned()
+        }
+        None => crate::store::new_key(),
+    };
     let hash = crate::store::key_hash(&key);
     let data = BTreeMap::from([
         ("hash".to_owned(), ByteString(hash.clone().into_bytes())),
@@ -588,6 +600,10 @@ pub async fn create_key(
             ByteString(account.as_bytes().to_vec()),
         ),
         ("label".to_owned(), ByteString(label.as_bytes().to_vec())),
+        (
+            "prefix".to_owned(),
+            ByteString(crate::store::shown_prefix(&key).into_bytes()),
+        ),
     ]);
     let secret = Secret {
         metadata: ObjectMeta {
@@ -623,4 +639,85 @@ pub async fn revoke_key(
         Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
         Err(error) => Err(error.into()),
     }
+}
+
+/// Every key Secret, as `list-keys` shows it (a Secret records no last use).
+pub async fn list_keys(
+    client: Client,
+    namespace: &str,
+    account: Option<&str>,
+) -> Result<Vec<crate::store::KeyInfo>, KubeBackendError> {
+    let secrets = Api::<Secret>::namespaced(client, namespace)
+        .list(&kube::api::ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
+        .await?;
+    let field = |secret: &Secret, key: &str| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+            .unwrap_or_default()
+    };
+    let mut keys: Vec<crate::store::KeyInfo> = secrets
+        .items
+        .iter()
+        .map(|s| crate::store::KeyInfo {
+            account: field(s, "account"),
+            label: field(s, "label"),
+            prefix: field(s, "prefix"),
+            created_at: s
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| millis(t.0))
+                .unwrap_or_default(),
+            last_used: None,
+            revoked_at: None,
+        })
+        .filter(|k| account.is_none_or(|a| a == k.account))
+        .collect();
+    keys.sort_by_key(|k| std::cmp::Reverse(k.created_at));
+    Ok(keys)
+}
+
+/// Revokes every key Secret labelled `label` (of `account`, when given); returns how many.
+pub async fn revoke_label(
+    client: Client,
+    namespace: &str,
+    label: &str,
+    account: Option<&str>,
+) -> Result<usize, KubeBackendError> {
+    let api = Api::<Secret>::namespaced(client, namespace);
+    let secrets = api
+        .list(&kube::api::ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
+        .await?;
+    let data = |secret: &Secret, key: &str| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+    };
+    let matching: Vec<&Secret> = secrets
+        .items
+        .iter()
+        .filter(|s| data(s, "label").as_deref() == Some(label))
+        .filter(|s| account.is_none_or(|a| data(s, "account").as_deref() == Some(a)))
+        .collect();
+    let mut accounts: Vec<String> = matching.iter().filter_map(|s| data(s, "account")).collect();
+    accounts.sort();
+    accounts.dedup();
+    if accounts.len() > 1 {
+        return Err(KubeBackendError::BadKey(
+            crate::store::StoreError::AmbiguousLabel {
+                label: label.to_owned(),
+                accounts,
+            }
+            .to_string(),
+        ));
+    }
+    for secret in &matching {
+        api.delete(&secret.name_any(), &Default::default()).await?;
+    }
+    Ok(matching.len())
 }

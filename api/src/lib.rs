@@ -16,10 +16,12 @@
 //! serves until shutdown.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
 pub mod backend;
 pub mod catalogue;
 pub mod config;
+pub mod counting;
 pub mod embedded;
 pub mod error;
 pub mod kubernetes;

@@ -1,12 +1,12 @@
 //! The `harvest-api` binary: serve the REST API (embedded or Kubernetes backend, as the
-//! configuration says), and create and revoke API keys.
+//! configuration says), and create, import, list and revoke API keys (`harvest_api::admin`).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use harvest_api::config::ServerConfig;
-use harvest_api::server;
+use harvest_api::{admin, server};
 
 #[derive(Debug, Parser)]
 #[command(version, about = "The harvest REST API")]
@@ -34,11 +34,29 @@ enum Command {
         /// A label to recognise the key by.
         #[arg(long, default_value = "")]
         label: String,
+        /// Store this key instead of making one: a key of the hosted service (`sk-acs-…`), of
+        /// its old platform (`acs-bm-…`) or of another harvest server (`sk-hv-…`). `-` reads it
+        /// from standard input, which keeps it out of the process list.
+        #[arg(long, value_name = "KEY")]
+        import: Option<String>,
     },
-    /// Revoke an API key.
+    /// List the keys: account, label, first characters, when made and last used, state.
+    ListKeys {
+        /// Only this account's.
+        #[arg(long)]
+        account: Option<String>,
+    },
+    /// Revoke an API key, or every key with a label.
     RevokeKey {
         /// The key.
-        key: String,
+        #[arg(required_unless_present = "label", conflicts_with = "label")]
+        key: Option<String>,
+        /// Revoke every active key with this label instead.
+        #[arg(long)]
+        label: Option<String>,
+        /// With --label: only this account's keys.
+        #[arg(long, requires = "label")]
+        account: Option<String>,
     },
 }
 
@@ -62,41 +80,37 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!(address = %listener.local_addr()?, "serving");
             server::serve(state, listener, stop_requested()).await?;
         }
-        Command::CreateKey { account, label } if let Some(kubernetes) = &config.kubernetes => {
-            let client = kube_client().await?;
-            let key = harvest_api::kubernetes::create_key(
-                client,
-                &kubernetes.namespace,
-                &account,
-                &label,
-            )
-            .await?;
-            use std::io::Write;
-            writeln!(std::io::stdout(), "{key}")?;
-        }
-        Command::RevokeKey { key } if let Some(kubernetes) = &config.kubernetes => {
-            let client = kube_client().await?;
-            if !harvest_api::kubernetes::revoke_key(client, &kubernetes.namespace, &key).await? {
-                anyhow::bail!("no such active key");
-            }
-        }
-        Command::CreateKey { account, label } => {
-            let store = server::open_store(&config)?;
-            let now = harvest_api::paths::now();
-            for a in &config.accounts {
-                store.upsert_account(&a.name, &a.limits, now)?;
-            }
-            let key = store
-                .create_key(&account, &label, now)
+        Command::CreateKey {
+            account,
+            label,
+            import,
+        } => {
+            let import = match import.as_deref() {
+                Some("-") => Some(std::io::read_to_string(std::io::stdin())?.trim().to_owned()),
+                other => other.map(str::to_owned),
+            };
+            let key = admin::create_key(&config, &account, &label, import.as_deref())
+                .await
                 .with_context(|| format!("account {account}"))?;
-            use std::io::Write;
-            writeln!(std::io::stdout(), "{key}")?;
-        }
-        Command::RevokeKey { key } => {
-            let store = server::open_store(&config)?;
-            if !store.revoke_key(&key, harvest_api::paths::now())? {
-                anyhow::bail!("no such active key");
+            if import.is_none() {
+                print_out(&format!("{key}\n"))?;
             }
+        }
+        Command::ListKeys { account } => {
+            print_out(&admin::list_keys(&config, account.as_deref()).await?)?;
+        }
+        Command::RevokeKey {
+            key,
+            label,
+            account,
+        } => {
+            let what = match (key, label) {
+                (_, Some(label)) => admin::Revoke::Label { label, account },
+                (Some(key), None) => admin::Revoke::Key(key),
+                (None, None) => anyhow::bail!("give the key, or --label"),
+            };
+            let revoked = admin::revoke(&config, &what).await?;
+            tracing::info!(revoked, "revoked");
         }
     }
     Ok(())
@@ -122,9 +136,7 @@ async fn stop_requested() {
     tracing::info!("stopping: finishing open requests");
 }
 
-/// The cluster client from the kubeconfig or the Pod's service account.
-async fn kube_client() -> anyhow::Result<kube::Client> {
-    kube::Client::try_default()
-        .await
-        .context("kubernetes client")
+fn print_out(text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    std::io::stdout().write_all(text.as_bytes())
 }

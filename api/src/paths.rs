@@ -29,6 +29,42 @@ impl JobPaths {
     }
 }
 
+/// Writes a file only its owner can read or write (mode 0600 from its creation, so it is never
+/// readable by others even for a moment).
+pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
+}
+
+/// Creates an empty file of mode 0600 at `path` unless one exists (SQLite then opens it, and
+/// gives its journal files the same mode).
+pub fn create_private(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether others than the owner (group or world) may read `path`.
+pub fn readable_by_others(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o044 != 0)
+}
+
 /// The current time.
 pub fn now() -> UnixMillis {
     let since = std::time::SystemTime::now()

@@ -3,6 +3,7 @@
 //! jobs through the state's [`JobBackend`](crate::backend::JobBackend) only.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
@@ -18,6 +19,7 @@ use tower::ServiceExt;
 use crate::app::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
 use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
+use crate::counting::{self, Counted};
 use crate::error::ApiError;
 use crate::paths::{JobPaths, now};
 use crate::store::{JobRecord, JobSpec};
@@ -158,37 +160,40 @@ async fn count_tokens(
     let prompts = submission.prompts.clone();
     let special = submission.add_special_tokens;
     let max_tokens = model.max_tokens as u64;
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&cancelled);
     let counting = tokio::task::spawn_blocking(move || {
-        tokenizer
-            .encode_batch_fast(prompts, special)
-            .map(|encodings| {
-                encodings
-                    .iter()
-                    .map(|e| (e.len() as u64).min(max_tokens))
-                    .collect::<Vec<_>>()
-            })
+        counting::count(
+            &tokenizer,
+            &prompts,
+            special,
+            max_tokens,
+            MAX_JOB_TOKENS,
+            &flag,
+        )
     });
-    let counts = tokio::time::timeout(state.count_timeout, counting)
-        .await
-        .map_err(|_| ApiError::CountBusy)?
+    let Ok(joined) = tokio::time::timeout(state.count_timeout, counting).await else {
+        // The blocking count sees the flag at its next chunk and stops.
+        cancelled.store(true, Ordering::Relaxed);
+        return Err(ApiError::CountBusy);
+    };
+    let counted = joined
         .map_err(|e| ApiError::Internal {
             detail: e.to_string(),
         })?
         .map_err(|e| ApiError::invalid(format!("a prompt could not be tokenized: {e}")))?;
-    if let Some(index) = counts.iter().position(|&n| n == 0) {
-        return Err(ApiError::invalid(format!(
+    match counted {
+        Counted::Total(total) => Ok(total),
+        Counted::Empty { index } => Err(ApiError::invalid(format!(
             "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
-        )));
-    }
-    let total: u64 = counts.iter().sum();
-    if total > MAX_JOB_TOKENS {
-        return Err(ApiError::TooLarge {
+        ))),
+        Counted::OverCap { at_least } => Err(ApiError::TooLarge {
             message: format!(
-                "the corpus has {total} tokens, more than the {MAX_JOB_TOKENS} a job may hold: split it into several jobs"
+                "the corpus has at least {at_least} tokens, more than the {MAX_JOB_TOKENS} a job may hold: split it into several jobs"
             ),
-        });
+        }),
+        Counted::Cancelled => Err(ApiError::CountBusy),
     }
-    Ok(total)
 }
 
 /// The job as answered, with fresh links for a done job whose files are kept.
@@ -371,6 +376,25 @@ pub(crate) async fn download(
             detail: e.to_string(),
         })?;
     Ok(response.into_response())
+}
+
+/// Any path no route serves: the JSON envelope, naming the path.
+pub(crate) async fn no_route(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::NoRoute {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
+
+/// A route asked with a method it does not take: the JSON envelope, naming both.
+pub(crate) async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
 }
 
 pub(crate) async fn ready(State(state): State<Arc<AppState>>) -> Response {

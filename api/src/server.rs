@@ -19,12 +19,13 @@ use crate::storage::Storage;
 use crate::store::Store;
 use crate::workers::{WorkerConfig, Workers};
 
-/// Opens the store at the configured data directory.
+/// Opens the store at the configured data directory; the database is created readable by its
+/// owner only.
 pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
     std::fs::create_dir_all(&config.data_dir)?;
-    Ok(Arc::new(Store::open(
-        &config.data_dir.join("harvest.sqlite"),
-    )?))
+    let path = config.data_dir.join("harvest.sqlite");
+    crate::paths::create_private(&path)?;
+    Ok(Arc::new(Store::open(&path)?))
 }
 
 /// Builds the application state: on Kubernetes, the watch-backed caches; embedded, the store,
@@ -32,6 +33,12 @@ pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
 /// Must run inside a Tokio runtime.
 pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError> {
     std::fs::create_dir_all(&config.data_dir)?;
+    if crate::paths::readable_by_others(&config.data_dir) {
+        tracing::warn!(
+            data_dir = %config.data_dir.display(),
+            "the data directory is readable by other users, and it holds every job's prompts and activations: chmod 700 it"
+        );
+    }
     let catalogue = Catalogue::load(&config.models)?;
     // Several replicas share one link secret, from the data directory (a Secret volume).
     let signer = Signer::load_or_create(&config.data_dir.join("link-secret"))?;
@@ -55,10 +62,13 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
 
 fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend, StartupError> {
     let store = open_store(config)?;
-    let now = now();
-    for account in &config.accounts {
-        store.upsert_account(&account.name, &account.limits, now)?;
-    }
+    let accounts: Vec<_> = config
+        .accounts
+        .iter()
+        .map(|a| (a.name.clone(), a.limits.clone()))
+        .collect();
+    // Accounts no longer in the configuration are disabled: their keys get 401.
+    store.sync_accounts(&accounts, now())?;
     let worker_config = WorkerConfig {
         harvester: config.harvester.clone(),
         data_dir: config.data_dir.clone(),

@@ -47,7 +47,7 @@ impl Signer {
             .copied()
             .collect();
         let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-        std::fs::write(path, hex)?;
+        crate::paths::write_private(path, hex.as_bytes())?;
         Ok(Self { secret })
     }
 
@@ -93,7 +93,11 @@ impl Signer {
         sig: &str,
         now_s: i64,
     ) -> Result<(), LinkError> {
-        let bytes: Vec<u8> = (0..sig.len() / 2)
+        // Exactly the 64 hex digits `sign` writes: nothing appended, nothing skipped.
+        if sig.len() != 64 || !sig.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(LinkError::Invalid);
+        }
+        let bytes: Vec<u8> = (0..32)
             .filter_map(|i| u8::from_str_radix(sig.get(2 * i..2 * i + 2)?, 16).ok())
             .collect();
         self.mac(job, file, expires)
@@ -153,11 +157,39 @@ mod tests {
     }
 
     #[test]
-    fn the_secret_persists_across_restarts() {
+    fn a_signature_with_junk_appended_or_a_digit_missing_is_refused() {
+        let signer = Signer::with_secret(b"0123456789abcdef0123456789abcdef");
+        let sig = signer.sign("job", "manifest.json", 1_000);
+        assert_eq!(sig.len(), 64);
+        for bad in [
+            format!("{sig}zz"),
+            format!("{sig}00"),
+            sig[..63].to_owned(),
+            format!("{}g", &sig[..63]),
+            sig.to_uppercase()
+                .replace(|c: char| c.is_ascii_digit(), "x"),
+        ] {
+            assert_eq!(
+                signer.verify("job", "manifest.json", 1_000, &bad, 10),
+                Err(LinkError::Invalid),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            signer.verify("job", "manifest.json", 1_000, &sig, 10),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_secret_persists_across_restarts_and_only_its_owner_can_read_it() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("secret");
         let first = Signer::load_or_create(&path).unwrap().sign("j", "f", 1);
         let second = Signer::load_or_create(&path).unwrap().sign("j", "f", 1);
         assert_eq!(first, second);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
     }
 }

@@ -35,6 +35,20 @@ pub enum StoreError {
         /// What was looked for.
         what: &'static str,
     },
+    /// A key to import is not of a known format, or is already stored.
+    #[error("{reason}")]
+    BadKey {
+        /// What is wrong and what would do.
+        reason: String,
+    },
+    /// A label names keys of several accounts.
+    #[error("label {label:?} names keys of accounts {}: add --account to say whose", accounts.join(", "))]
+    AmbiguousLabel {
+        /// The label.
+        label: String,
+        /// The accounts it names keys of.
+        accounts: Vec<String>,
+    },
 }
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -120,6 +134,79 @@ pub fn key_hash(key: &str) -> String {
         .collect()
 }
 
+/// How many characters of a key after its scheme (`sk-hv-`, `sk-acs-`, `acs-bm-`) are kept
+/// to tell keys apart in `list-keys`.
+const SHOWN_KEY_CHARS: usize = 4;
+
+/// The key formats `create-key --import` takes: ours, the hosted service's, and its old
+/// platform's, each a scheme and at least 16 characters of letters, digits, `-` or `_`.
+pub const KEY_SCHEMES: [&str; 3] = ["sk-hv-", "sk-acs-", "acs-bm-"];
+
+/// Checks a key to import against [`KEY_SCHEMES`].
+pub fn check_key_format(key: &str) -> Result<()> {
+    let body = KEY_SCHEMES
+        .iter()
+        .find_map(|scheme| key.strip_prefix(scheme))
+        .ok_or_else(|| StoreError::BadKey {
+            reason: format!(
+                "a key to import starts with {}; this one starts with {:?}",
+                KEY_SCHEMES.join(", "),
+                key.chars().take(7).collect::<String>()
+            ),
+        })?;
+    if body.len() < 16
+        || !body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(StoreError::BadKey {
+            reason: format!(
+                "after its scheme a key has at least 16 letters, digits, '-' or '_'; this one has {} characters{}",
+                body.len(),
+                if body
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                {
+                    ""
+                } else {
+                    ", some of them others"
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// What `list-keys` shows of a key: its scheme and first characters, never the whole key.
+pub fn shown_prefix(key: &str) -> String {
+    let scheme = KEY_SCHEMES
+        .iter()
+        .find(|scheme| key.starts_with(*scheme))
+        .map_or(0, |scheme| scheme.len());
+    key.chars().take(scheme + SHOWN_KEY_CHARS).collect()
+}
+
+/// A key as `list-keys` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    /// Its account.
+    pub account: String,
+    /// Its label.
+    pub label: String,
+    /// Its scheme and first characters (empty for keys made before prefixes were kept).
+    pub prefix: String,
+    /// When it was made.
+    pub created_at: UnixMillis,
+    /// When it last authenticated a request (to the minute), if ever.
+    pub last_used: Option<UnixMillis>,
+    /// When it was revoked, if it was.
+    pub revoked_at: Option<UnixMillis>,
+}
+
+/// How often a key's `last_used` is written at most: a request a minute per key, not one per
+/// request.
+const LAST_USED_RESOLUTION_MS: i64 = 60_000;
+
 /// A fresh API key: `sk-hv-` and 64 random hex digits.
 pub fn new_key() -> String {
     format!(
@@ -127,6 +214,27 @@ pub fn new_key() -> String {
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     )
+}
+
+/// Adds the columns later versions added to a store an earlier one made.
+fn migrate(conn: &Connection) -> Result<()> {
+    let columns = |table: &str| -> Result<Vec<String>> {
+        let mut stmt = conn.prepare(&format!("PRAGMA table_info({table})"))?;
+        let names = stmt
+            .query_map([], |r| r.get::<_, String>(1))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(names)
+    };
+    let keys = columns("keys")?;
+    for (column, kind) in [("prefix", "TEXT"), ("last_used", "INTEGER")] {
+        if !keys.iter().any(|c| c == column) {
+            conn.execute_batch(&format!("ALTER TABLE keys ADD COLUMN {column} {kind}"))?;
+        }
+    }
+    if !columns("accounts")?.iter().any(|c| c == "disabled") {
+        conn.execute_batch("ALTER TABLE accounts ADD COLUMN disabled INTEGER NOT NULL DEFAULT 0")?;
+    }
+    Ok(())
 }
 
 fn status_from(text: &str) -> JobStatus {
@@ -187,6 +295,7 @@ impl Store {
         let conn = Connection::open(path)?;
         conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")?;
         conn.execute_batch(SCHEMA)?;
+        migrate(&conn)?;
         Ok(Self {
             conn: Mutex::new(conn),
         })
@@ -215,12 +324,47 @@ impl Store {
         Ok(())
     }
 
+    /// Enables the accounts of the configuration (creating them, or updating their limits and
+    /// keeping their ledgers) and disables every other: their keys then get 401.
+    pub fn sync_accounts(
+        &self,
+        accounts: &[(String, AccountLimits)],
+        now: UnixMillis,
+    ) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute("UPDATE accounts SET disabled = 1", [])?;
+        let ledger = serde_json::to_string(&Ledger::new(now))?;
+        for (name, limits) in accounts {
+            tx.execute(
+                "INSERT INTO accounts (name, limits, ledger, disabled) VALUES (?1, ?2, ?3, 0)
+                 ON CONFLICT(name) DO UPDATE SET limits = excluded.limits, disabled = 0",
+                params![name, serde_json::to_string(limits)?, ledger],
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
     /// Creates a key for `account` and returns it; only its hash is stored.
     pub fn create_key(&self, account: &str, label: &str, now: UnixMillis) -> Result<String> {
+        let key = new_key();
+        self.store_key(account, label, &key, now)?;
+        Ok(key)
+    }
+
+    /// Stores a key made elsewhere (the hosted service's `sk-acs-…`, its old platform's
+    /// `acs-bm-…`, or another harvest server's `sk-hv-…`) for `account`.
+    pub fn import_key(&self, account: &str, label: &str, key: &str, now: UnixMillis) -> Result<()> {
+        check_key_format(key)?;
+        self.store_key(account, label, key, now)
+    }
+
+    fn store_key(&self, account: &str, label: &str, key: &str, now: UnixMillis) -> Result<()> {
         let conn = self.conn();
         let exists: Option<String> = conn
             .query_row(
-                "SELECT name FROM accounts WHERE name = ?1",
+                "SELECT name FROM accounts WHERE name = ?1 AND disabled = 0",
                 [account],
                 |r| r.get(0),
             )
@@ -228,12 +372,71 @@ impl Store {
         if exists.is_none() {
             return Err(StoreError::NotFound { what: "account" });
         }
-        let key = new_key();
-        conn.execute(
-            "INSERT INTO keys (hash, account, label, created_at) VALUES (?1, ?2, ?3, ?4)",
-            params![key_hash(&key), account, label, now.0],
+        let inserted = conn.execute(
+            "INSERT INTO keys (hash, account, label, created_at, prefix) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(hash) DO NOTHING",
+            params![key_hash(key), account, label, now.0, shown_prefix(key)],
         )?;
-        Ok(key)
+        if inserted == 0 {
+            return Err(StoreError::BadKey {
+                reason: "this key is already stored: revoke it first to move it to another account"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every key, newest first, of one account or all.
+    pub fn list_keys(&self, account: Option<&str>) -> Result<Vec<KeyInfo>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT account, label, COALESCE(prefix, ''), created_at, last_used, revoked_at
+             FROM keys WHERE ?1 IS NULL OR account = ?1 ORDER BY created_at DESC, hash",
+        )?;
+        let rows = stmt.query_map([account], |r| {
+            Ok(KeyInfo {
+                account: r.get(0)?,
+                label: r.get(1)?,
+                prefix: r.get(2)?,
+                created_at: UnixMillis(r.get(3)?),
+                last_used: r.get::<_, Option<i64>>(4)?.map(UnixMillis),
+                revoked_at: r.get::<_, Option<i64>>(5)?.map(UnixMillis),
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Revokes every active key labelled `label` (of `account`, when given); returns how many.
+    /// A label that names keys of several accounts is refused without `account`.
+    pub fn revoke_label(
+        &self,
+        label: &str,
+        account: Option<&str>,
+        now: UnixMillis,
+    ) -> Result<usize> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let accounts: Vec<String> = {
+            let mut stmt = tx.prepare(
+                "SELECT DISTINCT account FROM keys WHERE label = ?1 AND revoked_at IS NULL
+                 AND (?2 IS NULL OR account = ?2) ORDER BY account",
+            )?;
+            stmt.query_map(params![label, account], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()?
+        };
+        if accounts.len() > 1 {
+            return Err(StoreError::AmbiguousLabel {
+                label: label.to_owned(),
+                accounts,
+            });
+        }
+        let n = tx.execute(
+            "UPDATE keys SET revoked_at = ?3 WHERE label = ?1 AND revoked_at IS NULL
+             AND (?2 IS NULL OR account = ?2)",
+            params![label, account, now.0],
+        )?;
+        tx.commit()?;
+        Ok(n)
     }
 
     /// Revokes the key; returns whether it existed.
@@ -245,17 +448,30 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// The account of a valid key, and the key's hash.
+    /// The account of a valid key (not revoked, its account still configured), and the key's
+    /// hash. Records the use, to the minute.
     pub fn authenticate(&self, key: &str) -> Result<Option<(String, String)>> {
+        self.authenticate_at(key, crate::paths::now())
+    }
+
+    fn authenticate_at(&self, key: &str, now: UnixMillis) -> Result<Option<(String, String)>> {
         let hash = key_hash(key);
-        let account = self
-            .conn()
+        let conn = self.conn();
+        let account: Option<String> = conn
             .query_row(
-                "SELECT account FROM keys WHERE hash = ?1 AND revoked_at IS NULL",
+                "SELECT k.account FROM keys k JOIN accounts a ON a.name = k.account
+                 WHERE k.hash = ?1 AND k.revoked_at IS NULL AND a.disabled = 0",
                 [&hash],
                 |r| r.get(0),
             )
             .optional()?;
+        if account.is_some() {
+            conn.execute(
+                "UPDATE keys SET last_used = ?2 WHERE hash = ?1
+                 AND (last_used IS NULL OR last_used <= ?2 - ?3)",
+                params![hash, now.0, LAST_USED_RESOLUTION_MS],
+            )?;
+        }
         Ok(account.map(|a| (a, hash)))
     }
 
@@ -494,6 +710,125 @@ mod tests {
         assert!(store.authenticate("sk-hv-wrong").unwrap().is_none());
         assert!(store.revoke_key(&key, NOW).unwrap());
         assert!(store.authenticate(&key).unwrap().is_none());
+    }
+
+    #[test]
+    fn keys_of_the_documented_formats_import_and_others_are_refused_by_name() {
+        let (_dir, store, _) = store();
+        let hosted = "sk-acs-0123456789abcdefABCDEF";
+        let legacy = "acs-bm-0123456789abcdef_-xy";
+        store.import_key("acme", "hosted", hosted, NOW).unwrap();
+        store.import_key("acme", "legacy", legacy, NOW).unwrap();
+        assert_eq!(store.authenticate(hosted).unwrap().unwrap().0, "acme");
+        assert_eq!(store.authenticate(legacy).unwrap().unwrap().0, "acme");
+        let again = store.import_key("acme", "again", hosted, NOW).unwrap_err();
+        assert!(again.to_string().contains("already stored"), "{again}");
+        for (bad, says) in [
+            ("pk-live-0123456789abcdef", "starts with"),
+            ("sk-acs-short", "at least 16"),
+            ("sk-acs-0123456789abcdef!!", "others"),
+        ] {
+            let error = store.import_key("acme", "bad", bad, NOW).unwrap_err();
+            assert!(error.to_string().contains(says), "{bad}: {error}");
+        }
+        assert!(matches!(
+            store.import_key("nobody", "x", "sk-acs-0123456789abcdefXYZ", NOW),
+            Err(StoreError::NotFound { what: "account" })
+        ));
+    }
+
+    #[test]
+    fn listed_keys_show_a_prefix_and_their_last_use_never_the_key() {
+        let (_dir, store, key) = store();
+        assert!(store.authenticate_at(&key, NOW).unwrap().is_some());
+        let later = UnixMillis(NOW.0 + 30_000);
+        assert!(store.authenticate_at(&key, later).unwrap().is_some());
+        let keys = store.list_keys(Some("acme")).unwrap();
+        assert_eq!(keys.len(), 1);
+        let listed = &keys[0];
+        assert_eq!(listed.prefix, key[..10]);
+        assert!(!format!("{listed:?}").contains(&key));
+        assert_eq!(listed.last_used, Some(NOW), "written at most once a minute");
+        let much_later = UnixMillis(NOW.0 + 61_000);
+        store.authenticate_at(&key, much_later).unwrap();
+        assert_eq!(
+            store.list_keys(None).unwrap()[0].last_used,
+            Some(much_later)
+        );
+    }
+
+    #[test]
+    fn a_label_revokes_every_key_it_names_and_an_ambiguous_one_asks_for_the_account() {
+        let (_dir, store, first) = store();
+        store
+            .upsert_account("other", &AccountLimits::default(), NOW)
+            .unwrap();
+        let second = store.create_key("acme", "test", NOW).unwrap();
+        let theirs = store.create_key("other", "test", NOW).unwrap();
+        let error = store.revoke_label("test", None, NOW).unwrap_err();
+        assert!(
+            error.to_string().contains("acme, other") && error.to_string().contains("--account"),
+            "{error}"
+        );
+        assert_eq!(store.revoke_label("test", Some("acme"), NOW).unwrap(), 2);
+        assert!(store.authenticate(&first).unwrap().is_none());
+        assert!(store.authenticate(&second).unwrap().is_none());
+        assert!(store.authenticate(&theirs).unwrap().is_some());
+        assert_eq!(store.revoke_label("test", Some("acme"), NOW).unwrap(), 0);
+    }
+
+    #[test]
+    fn an_account_removed_from_the_configuration_loses_its_keys_until_it_returns() {
+        let (_dir, store, key) = store();
+        let limits = AccountLimits::default();
+        store
+            .sync_accounts(&[("other".to_owned(), limits.clone())], NOW)
+            .unwrap();
+        assert!(
+            store.authenticate(&key).unwrap().is_none(),
+            "acme is disabled"
+        );
+        assert!(matches!(
+            store.create_key("acme", "x", NOW),
+            Err(StoreError::NotFound { what: "account" })
+        ));
+        store
+            .sync_accounts(&[("acme".to_owned(), limits)], NOW)
+            .unwrap();
+        assert!(store.authenticate(&key).unwrap().is_some(), "acme is back");
+    }
+
+    #[test]
+    fn a_store_made_before_key_prefixes_and_disabled_accounts_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.sqlite");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE accounts (name TEXT PRIMARY KEY, limits TEXT NOT NULL, ledger TEXT NOT NULL);
+                 CREATE TABLE keys (hash TEXT PRIMARY KEY, account TEXT NOT NULL, label TEXT NOT NULL,
+                   created_at INTEGER NOT NULL, revoked_at INTEGER);",
+            )
+            .unwrap();
+            let ledger = serde_json::to_string(&Ledger::new(NOW)).unwrap();
+            let limits = serde_json::to_string(&AccountLimits::default()).unwrap();
+            conn.execute(
+                "INSERT INTO accounts VALUES ('acme', ?1, ?2)",
+                params![limits, ledger],
+            )
+            .unwrap();
+            conn.execute(
+                "INSERT INTO keys VALUES (?1, 'acme', 'old', 1, NULL)",
+                [key_hash("sk-hv-old-key")],
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.authenticate("sk-hv-old-key").unwrap().unwrap().0,
+            "acme"
+        );
+        assert_eq!(store.list_keys(None).unwrap()[0].prefix, "");
     }
 
     #[test]

@@ -771,3 +771,37 @@ async fn a_ninth_long_poll_on_the_server_is_declined_whoever_sends_it() {
         assert!(!headers.contains_key("x-acs-longpoll"));
     }
 }
+
+#[tokio::test]
+async fn unknown_routes_and_wrong_methods_answer_in_the_json_envelope() {
+    let f = default_fixture().await;
+    let (status, _, body) = call(&f.state, "GET", "/v2/harvest", Some(&f.key), None).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found")),
+        "{body}"
+    );
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("GET /v2/harvest"),
+        "{body}"
+    );
+    for (method, uri) in [
+        ("PUT", "/v1/models"),
+        ("PATCH", "/v1/harvest/071fa547-0000-4000-8000-000000000000"),
+        ("GET", "/v1/harvest"),
+    ] {
+        let (status, _, body) = call(&f.state, method, uri, Some(&f.key), None).await;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (StatusCode::METHOD_NOT_ALLOWED, Some("method_not_allowed")),
+            "{method} {uri}: {body}"
+        );
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(method),
+            "{body}"
+        );
+    }
+}

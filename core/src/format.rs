@@ -130,10 +130,62 @@ pub struct ShardEntry {
     pub first_prompt: usize,
     /// Tokens of each of its prompts, in order.
     pub token_counts: Vec<usize>,
+    /// Global index of each of its prompts, in order (`first_prompt` onwards).
+    #[serde(default)]
+    pub prompts: Vec<usize>,
+    /// Every tensor it holds, in prompt order: `prompt_i` then `tokens_i`.
+    #[serde(default)]
+    pub tensors: Vec<TensorEntry>,
     /// File size.
     pub bytes: u64,
     /// Hex sha256 of the file.
     pub sha256: String,
+}
+
+/// One tensor of a shard, as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorEntry {
+    /// Its name in the shard (`prompt_7`, `tokens_7`).
+    pub name: String,
+    /// `bfloat16`, `float32` or `int32`.
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+}
+
+impl ShardEntry {
+    /// The prompt indices and tensors of a shard whose first prompt is `first_prompt` and whose
+    /// prompts have `token_counts` tokens, each `prompt_i` holding `layers` kept layers of
+    /// `width` values per token.
+    pub fn contents_of(
+        first_prompt: usize,
+        token_counts: &[usize],
+        contents: Contents,
+        layers: usize,
+        width: usize,
+    ) -> (Vec<usize>, Vec<TensorEntry>) {
+        let prompts: Vec<usize> = (first_prompt..first_prompt + token_counts.len()).collect();
+        let tensors = prompts
+            .iter()
+            .zip(token_counts)
+            .flat_map(|(&i, &tokens)| {
+                [
+                    TensorEntry {
+                        name: format!("prompt_{i}"),
+                        dtype: contents.dtype().to_owned(),
+                        shape: vec![layers, tokens, width],
+                    },
+                    TensorEntry {
+                        name: format!("tokens_{i}"),
+                        dtype: "int32".to_owned(),
+                        shape: vec![tokens],
+                    },
+                ]
+            })
+            .collect();
+        (prompts, tensors)
+    }
 }
 
 /// A prompt cut to the context window.
@@ -180,5 +232,29 @@ pub fn tensors_description(contents: Contents) -> &'static str {
         Contents::Projections => {
             "prompt_{i}: float32 [n_layers, n_tokens, n_directions], projections onto the unit directions; tokens_{i}: int32 [n_tokens], the ids that ran, in the order of the token axis; i is the global prompt index"
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shard_entry_lists_its_prompts_and_the_shape_of_each_tensor() {
+        let (prompts, tensors) = ShardEntry::contents_of(4, &[3, 5], Contents::Projections, 2, 8);
+        assert_eq!(prompts, [4, 5]);
+        let listed: Vec<(&str, &str, &[usize])> = tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("prompt_4", "float32", &[2, 3, 8][..]),
+                ("tokens_4", "int32", &[3][..]),
+                ("prompt_5", "float32", &[2, 5, 8][..]),
+                ("tokens_5", "int32", &[5][..]),
+            ]
+        );
     }
 }

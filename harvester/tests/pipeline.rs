@@ -105,6 +105,27 @@ fn a_run_writes_shards_in_prompt_order_with_the_tokenizers_ids_and_checksums() {
             2 * entry.token_counts.len(),
             "exactly prompt_i and tokens_i per prompt"
         );
+        let first = entry.first_prompt;
+        assert_eq!(
+            entry.prompts,
+            (first..first + entry.token_counts.len()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            entry.tensors.len(),
+            shard.len(),
+            "the manifest lists every tensor"
+        );
+        for listed in &entry.tensors {
+            let tensor = shard.tensor(&listed.name).unwrap();
+            assert_eq!(tensor.shape(), listed.shape.as_slice(), "{}", listed.name);
+            let dtype = match tensor.dtype() {
+                Dtype::BF16 => "bfloat16",
+                Dtype::F32 => "float32",
+                Dtype::I32 => "int32",
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(dtype, listed.dtype, "{}", listed.name);
+        }
         for (k, &count) in entry.token_counts.iter().enumerate() {
             let i = entry.first_prompt + k;
             let ids = tokenizer.encode(i, &prompts[i], true).unwrap().ids;

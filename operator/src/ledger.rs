@@ -122,6 +122,13 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     let mut book = status.book(now);
     book.roll(now);
     let due = accounts::settlements(book.holds.iter().map(|(uid, h)| (uid, h.tokens)), &by_uid);
+    tracing::debug!(
+        holds = book.holds.len(),
+        due = due.len(),
+        jobs_cached = jobs.len(),
+        resource_version = account.resource_version().unwrap_or_default(),
+        "account looked at"
+    );
     for (uid, charged) in &due {
         book.settle(uid, *charged, now);
     }

@@ -63,12 +63,23 @@ pub(super) fn build_outputs(
         total_tokens,
         shards: records
             .values()
-            .map(|r| ShardEntry {
-                file: shard_file_name(r.shard),
-                first_prompt: r.first_prompt,
-                token_counts: r.token_counts.clone(),
-                bytes: r.bytes,
-                sha256: r.sha256.clone(),
+            .map(|r| {
+                let (prompts, tensors) = ShardEntry::contents_of(
+                    r.first_prompt,
+                    &r.token_counts,
+                    job.contents,
+                    job.layers,
+                    job.width,
+                );
+                ShardEntry {
+                    file: shard_file_name(r.shard),
+                    first_prompt: r.first_prompt,
+                    token_counts: r.token_counts.clone(),
+                    prompts,
+                    tensors,
+                    bytes: r.bytes,
+                    sha256: r.sha256.clone(),
+                }
             })
             .collect(),
         truncated_prompts: records

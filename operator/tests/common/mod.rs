@@ -41,6 +41,14 @@ pub struct Cluster {
 
 impl Cluster {
     pub async fn start(small_lane: u32) -> Self {
+        // The operator's log, shown with a failing test's output (HARVEST_TEST_LOG filters it).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("HARVEST_TEST_LOG")
+                    .unwrap_or_else(|_| "harvest_operator=info".into()),
+            )
+            .with_test_writer()
+            .try_init();
         let dir = tempfile::tempdir().unwrap();
         let kubelet = KubeletConfig {
             images: [(IMAGE.to_owned(), harvester())].into(),

@@ -1,0 +1,127 @@
+//! Counting a corpus's tokens with the model's real tokenizer, in chunks so that the work
+//! stops soon after the submit's timeout fires (or once the corpus is known to be over the
+//! cap), and memory stays bounded by one chunk's encodings whatever the corpus size.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Prompts tokenized per call: small enough that a cancelled count stops within a fraction of
+/// a second, large enough that the tokenizer's own threads stay busy.
+pub const COUNT_CHUNK: usize = 256;
+
+/// What a count found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Every prompt was counted.
+    Total(u64),
+    /// Prompt `index` has no tokens at all.
+    Empty {
+        /// The prompt.
+        index: usize,
+    },
+    /// The count passed `cap` and stopped: at least `at_least` tokens.
+    OverCap {
+        /// Tokens counted when it stopped.
+        at_least: u64,
+    },
+    /// The caller gave up (its timeout fired) and the count stopped.
+    Cancelled,
+}
+
+/// Counts `prompts`, each cut to `max_tokens` as the worker will, stopping at `cap` or when
+/// `cancelled` is set.
+pub fn count(
+    tokenizer: &tokenizers::Tokenizer,
+    prompts: &[String],
+    add_special_tokens: bool,
+    max_tokens: u64,
+    cap: u64,
+    cancelled: &AtomicBool,
+) -> Result<Counted, tokenizers::Error> {
+    let mut total = 0u64;
+    for (chunk_index, chunk) in prompts.chunks(COUNT_CHUNK).enumerate() {
+        if cancelled.load(Ordering::Relaxed) {
+            return Ok(Counted::Cancelled);
+        }
+        let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let encodings = tokenizer.encode_batch_fast(inputs, add_special_tokens)?;
+        for (offset, encoding) in encodings.iter().enumerate() {
+            let n = (encoding.len() as u64).min(max_tokens);
+            if n == 0 {
+                return Ok(Counted::Empty {
+                    index: chunk_index * COUNT_CHUNK + offset,
+                });
+            }
+            total += n;
+        }
+        if total > cap {
+            return Ok(Counted::OverCap { at_least: total });
+        }
+    }
+    Ok(Counted::Total(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> tokenizers::Tokenizer {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../harvester/tests/fixtures/tiny-qwen2-f32/tokenizer.json");
+        tokenizers::Tokenizer::from_file(path).unwrap()
+    }
+
+    fn prompts(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| format!("prompt {i} of the corpus"))
+            .collect()
+    }
+
+    #[test]
+    fn a_corpus_is_counted_across_chunks_with_each_prompt_cut_to_the_context() {
+        let tokenizer = tokenizer();
+        let corpus = prompts(2 * COUNT_CHUNK + 3);
+        let one_by_one: u64 = corpus
+            .iter()
+            .map(|p| tokenizer.encode(p.as_str(), true).unwrap().len() as u64)
+            .sum();
+        let never = AtomicBool::new(false);
+        let counted = count(&tokenizer, &corpus, true, 1_000, u64::MAX, &never).unwrap();
+        assert_eq!(counted, Counted::Total(one_by_one));
+        assert_eq!(
+            count(&tokenizer, &corpus, true, 2, u64::MAX, &never).unwrap(),
+            Counted::Total(2 * corpus.len() as u64)
+        );
+    }
+
+    #[test]
+    fn a_cancelled_count_stops_and_an_over_cap_one_stops_early() {
+        let tokenizer = tokenizer();
+        let corpus = prompts(4 * COUNT_CHUNK);
+        let cancelled = AtomicBool::new(true);
+        assert_eq!(
+            count(&tokenizer, &corpus, true, 1_000, u64::MAX, &cancelled).unwrap(),
+            Counted::Cancelled
+        );
+        let never = AtomicBool::new(false);
+        let Counted::OverCap { at_least } =
+            count(&tokenizer, &corpus, true, 1_000, 10, &never).unwrap()
+        else {
+            panic!("the cap did not stop the count")
+        };
+        assert!(at_least > 10);
+    }
+
+    #[test]
+    fn an_empty_prompt_is_named_by_its_index_in_the_whole_corpus() {
+        let tokenizer = tokenizer();
+        let mut corpus = prompts(COUNT_CHUNK + 5);
+        corpus[COUNT_CHUNK + 2] = String::new();
+        let never = AtomicBool::new(false);
+        assert_eq!(
+            count(&tokenizer, &corpus, false, 1_000, u64::MAX, &never).unwrap(),
+            Counted::Empty {
+                index: COUNT_CHUNK + 2
+            }
+        );
+    }
+}
