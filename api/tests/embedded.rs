@@ -204,7 +204,7 @@ fn an_account_taken_out_of_the_configuration_gets_401_after_a_restart() {
     drop(server);
     edited["accounts"] = json!([{"name": "acme"}, {"name": "other"}]);
     std::fs::write(&config, edited.to_string()).unwrap();
-    let server = start(&config, port);
+    let _server = start(&config, port);
     assert_eq!(
         request("GET", &models, &key, None).0,
         200,
