@@ -141,6 +141,7 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
         updated.status = Some(status);
         let api: Api<HarvestAccount> = Api::all(ctx.client.clone());
         api.replace_status(&name, &post_params(), &updated).await?;
+        tracing::debug!(settled = due.len(), "account written");
         for (uid, charged) in &due {
             info!(job = %uid, charged, "hold settled");
         }
@@ -179,6 +180,7 @@ pub fn account_error_policy(
 ) -> Requeue {
     ctx.metrics.reconcile_failed(error.metric_label());
     if error.is_conflict() {
+        tracing::debug!(account = %account.name_any(), "account write lost a race; retrying");
         return Requeue::requeue(Duration::from_millis(200));
     }
     tracing::warn!(account = %account.name_any(), %error, "account reconcile failed; retrying");

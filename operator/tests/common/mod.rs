@@ -164,6 +164,13 @@ impl Cluster {
         done: impl Fn(&HarvestAccountStatus) -> bool,
     ) -> HarvestAccountStatus {
         harvest_testkit::eventually("the account's books", SETTLE_WITHIN, || async {
+            // An operator that died (a panic in a reconcile) can settle nothing: say so at once.
+            if let Some((_, task)) = &self.operator {
+                assert!(
+                    !task.is_finished(),
+                    "the operator stopped while the books were awaited"
+                );
+            }
             let status = self.account().await.status_or_default();
             if done(&status) {
                 Ok(status)
