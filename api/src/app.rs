@@ -57,6 +57,8 @@ pub struct AppState {
     pub data_dir: PathBuf,
     /// Longest a submit may spend counting tokens.
     pub count_timeout: Duration,
+    /// Flips to true when the server starts stopping: open long-polls answer at once.
+    stopping: tokio::sync::watch::Sender<bool>,
     pub(crate) counting: Arc<Semaphore>,
     counting_accounts: Mutex<HashSet<String>>,
     long_polls: Mutex<HashMap<String, usize>>,
@@ -129,6 +131,7 @@ impl AppState {
             url_ttl_s,
             data_dir,
             count_timeout,
+            stopping: tokio::sync::watch::channel(false).0,
             counting: Arc::new(Semaphore::new(COUNTS_SERVER_WIDE)),
             counting_accounts: Mutex::default(),
             long_polls: Mutex::default(),
@@ -146,6 +149,17 @@ impl AppState {
             state: self,
             account: account.to_owned(),
         })
+    }
+
+    /// Starts stopping: every open long-poll answers now.
+    pub fn begin_stop(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Resolves once the server is stopping.
+    pub async fn stopped(&self) {
+        let mut stopping = self.stopping.subscribe();
+        let _ = stopping.wait_for(|stopping| *stopping).await;
     }
 
     /// Submits being counted now, server-wide.

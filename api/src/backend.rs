@@ -78,6 +78,9 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
 
     /// Jobs pending or running.
     async fn unfinished(&self) -> u64;
+
+    /// Stops what the backend runs in this process, for a server that is exiting.
+    async fn shutdown(&self) {}
 }
 
 #[cfg(test)]

@@ -35,6 +35,17 @@ pub struct ServerConfig {
     /// `harvest_count_busy` (the hosted service's 10 s).
     #[serde(default = "default_count_timeout")]
     pub count_timeout_seconds: f64,
+    /// Longest a job may run on the embedded backend, over all its attempts; past it the job
+    /// fails (default: no limit).
+    #[serde(default)]
+    pub job_timeout_seconds: Option<u64>,
+    /// Runs of a job's harvester, the first included, when it dies of a signal (the OOM killer)
+    /// or an infrastructure failure; each resumes from the shards already written.
+    #[serde(default = "default_attempts")]
+    pub worker_attempts: u32,
+    /// On SIGTERM, how long workers have to stop before the server exits anyway.
+    #[serde(default = "default_grace")]
+    pub shutdown_grace_seconds: u64,
     /// The models clients may name.
     pub models: Vec<ModelConfig>,
     /// Accounts and their limits (embedded backend; on Kubernetes they are HarvestAccounts).
@@ -84,6 +95,14 @@ fn one() -> usize {
     1
 }
 
+fn default_attempts() -> u32 {
+    3
+}
+
+fn default_grace() -> u64 {
+    30
+}
+
 fn default_count_timeout() -> f64 {
     crate::app::COUNT_TIMEOUT.as_secs_f64()
 }
@@ -113,6 +132,12 @@ impl ServerConfig {
             return Err(StartupError::config(
                 "the configuration needs at least one model",
             ));
+        }
+        if config.worker_attempts == 0 || config.job_timeout_seconds == Some(0) {
+            return Err(StartupError::config(format!(
+                "worker_attempts is {} and job_timeout_seconds {:?}: give at least 1 attempt, and a positive timeout or none",
+                config.worker_attempts, config.job_timeout_seconds
+            )));
         }
         if !(config.count_timeout_seconds.is_finite() && config.count_timeout_seconds > 0.0) {
             return Err(StartupError::config(format!(

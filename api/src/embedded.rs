@@ -28,16 +28,25 @@ pub struct EmbeddedBackend {
     workers: Arc<Workers>,
     data_dir: PathBuf,
     links: Links,
+    shutdown_grace: std::time::Duration,
 }
 
 impl EmbeddedBackend {
-    /// The backend over an open store and its worker pool.
-    pub fn new(store: Arc<Store>, workers: Arc<Workers>, data_dir: PathBuf, links: Links) -> Self {
+    /// The backend over an open store and its worker pool; on shutdown workers get
+    /// `shutdown_grace` to stop.
+    pub fn new(
+        store: Arc<Store>,
+        workers: Arc<Workers>,
+        data_dir: PathBuf,
+        links: Links,
+        shutdown_grace: std::time::Duration,
+    ) -> Self {
         Self {
             store,
             workers,
             data_dir,
             links,
+            shutdown_grace,
         }
     }
 
@@ -109,10 +118,9 @@ impl JobBackend for EmbeddedBackend {
         let (job, transition) = self
             .store(move |s| s.apply(&owned, JobEvent::Cancel, Outcome::default(), now()))
             .await?;
-        if let Transition::To {
-            stop_worker: true, ..
-        } = transition
-        {
+        if let Transition::To { .. } = transition {
+            // Also a job whose worker is about to start it: its stop handle is registered
+            // before it marks the job started.
             self.workers.cancel(id);
             self.workers.notify();
         }
@@ -145,6 +153,10 @@ impl JobBackend for EmbeddedBackend {
 
     async fn unfinished(&self) -> u64 {
         self.store(|s| s.unfinished_count()).await.unwrap_or(0)
+    }
+
+    async fn shutdown(&self) {
+        self.workers.shutdown(self.shutdown_grace).await;
     }
 }
 

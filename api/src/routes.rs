@@ -301,10 +301,12 @@ pub(crate) async fn status(
         return Ok(response);
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
-    let job = state
-        .backend
-        .wait(&job_id, deadline)
-        .await?
+    let waited = tokio::select! {
+        waited = state.backend.wait(&job_id, deadline) => waited?,
+        // A stopping server answers at once, with the job as it is.
+        () = state.stopped() => state.backend.get(&job_id).await?,
+    };
+    let job = waited
         .filter(|job| job.account == caller.account)
         .ok_or(ApiError::NotFound)?;
     Ok(Json(view(&state, &job).await?).into_response())

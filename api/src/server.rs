@@ -73,6 +73,10 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
         harvester: config.harvester.clone(),
         data_dir: config.data_dir.clone(),
         threads: config.worker_threads,
+        deadline: config
+            .job_timeout_seconds
+            .map(std::time::Duration::from_secs),
+        attempts: config.worker_attempts,
     };
     let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);
     for job in store.unfinished_jobs()? {
@@ -85,6 +89,7 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
         pool,
         config.data_dir.clone(),
         links,
+        std::time::Duration::from_secs(config.shutdown_grace_seconds),
     ))
 }
 
@@ -111,15 +116,22 @@ async fn build_kubernetes(
     ))
 }
 
-/// Serves until the listener fails or `shutdown` completes; on shutdown, in-flight requests
-/// finish first.
+/// Serves until the listener fails or `shutdown` completes. Then it stops accepting
+/// connections, answers the open long-polls at once, lets the requests in flight finish, and
+/// stops the backend's workers (their jobs resume at the next start).
 pub async fn serve(
     state: Arc<AppState>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
-    axum::serve(listener, router(state))
+    let stopping = Arc::clone(&state);
+    let shutdown = async move {
+        shutdown.await;
+        stopping.begin_stop();
+    };
+    axum::serve(listener, router(Arc::clone(&state)))
         .with_graceful_shutdown(shutdown)
         .await?;
+    state.backend.shutdown().await;
     Ok(())
 }

@@ -1,7 +1,16 @@
 //! Embedded workers: each job runs as a `harvester run` child process, at most `max_workers` at
 //! once machine-wide. The worker reads the harvester's JSON progress lines, and on exit applies
 //! the job's ending through the store (and so through the core lifecycle and quota rules).
-//! Cancel terminates the process (SIGTERM, then SIGKILL after a grace period).
+//!
+//! - Cancel and shutdown terminate the process (SIGTERM, then SIGKILL after a grace period).
+//!   A stop handle is registered before the job is marked started, so no cancel is lost.
+//! - A harvester killed by a signal (the OOM killer, say) or ending with an infrastructure
+//!   failure (exit 3) is run again, up to `attempts`; it resumes from its shards, and the job is
+//!   charged what its result says ran, once.
+//! - A job past its deadline is stopped and fails with a message naming the deadline.
+//! - The final store write is retried; if it still fails the job is queued again, so it is never
+//!   left running without a worker.
+//! - Children get a clean environment: only [`PASSED_ENV`] of the server's.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -38,6 +47,17 @@ pub enum WorkerError {
 
 /// How long a cancelled worker has to exit after SIGTERM before it is killed.
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
+/// The server's environment variables a harvester child gets; nothing else (no credentials,
+/// no configuration of the server's own) reaches it.
+pub const PASSED_ENV: [&str; 5] = [
+    "PATH",
+    "LD_LIBRARY_PATH",
+    "TMPDIR",
+    "CUDA_VISIBLE_DEVICES",
+    "LANG",
+];
+/// Tries of the final store write before the job is queued again.
+const FINAL_WRITE_TRIES: u32 = 5;
 
 /// Settings of the worker pool.
 #[derive(Debug, Clone)]
@@ -48,6 +68,20 @@ pub struct WorkerConfig {
     pub data_dir: PathBuf,
     /// Threads per harvester (None: all cores).
     pub threads: Option<usize>,
+    /// Longest a job may run, over all its attempts (None: no limit).
+    pub deadline: Option<Duration>,
+    /// Runs of a job's harvester, the first included, when it dies of a signal or an
+    /// infrastructure failure.
+    pub attempts: u32,
+}
+
+/// Why a harvester is stopped from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The job was cancelled: the store already says so.
+    Cancel,
+    /// The server is stopping: the job stays running in the store, and the next start resumes it.
+    Shutdown,
 }
 
 /// The worker pool.
@@ -56,8 +90,17 @@ pub struct Workers {
     store: Arc<Store>,
     config: WorkerConfig,
     slots: Arc<Semaphore>,
-    running: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    running: Mutex<HashMap<String, oneshot::Sender<Stop>>>,
+    stopping: std::sync::atomic::AtomicBool,
+    capacity: usize,
     changes: watch::Sender<u64>,
+}
+
+/// How one attempt of a harvester ended.
+enum Ended {
+    Exited(std::process::ExitStatus),
+    Stopped(Stop),
+    PastDeadline,
 }
 
 impl Workers {
@@ -69,6 +112,8 @@ impl Workers {
             config,
             slots: Arc::new(Semaphore::new(max_workers)),
             running: Mutex::default(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
+            capacity: max_workers,
             changes,
         })
     }
@@ -125,79 +170,211 @@ impl Workers {
     pub fn enqueue(self: &Arc<Self>, id: String) {
         let pool = Arc::clone(self);
         tokio::spawn(async move {
-            let Ok(_permit) = Arc::clone(&pool.slots).acquire_owned().await else {
+            let Ok(permit) = Arc::clone(&pool.slots).acquire_owned().await else {
                 return;
             };
-            if let Err(error) = pool.run(&id).await {
-                tracing::error!(job = %id, %error, "worker failed");
-                let outcome = Outcome {
-                    result: None,
-                    error: Some(format!("worker error: {error}")),
-                };
-                let failed = id.clone();
-                let _ = pool
-                    .store_call(move |s| s.apply(&failed, JobEvent::Failed, outcome, now()))
-                    .await;
+            if pool.is_stopping() {
+                drop(permit);
+                pool.notify();
+                return;
             }
+            match pool.run(&id).await {
+                Ok(()) => {}
+                // The store is what failed: try the job again later, from its shards.
+                Err(WorkerError::Store(error)) => {
+                    tracing::error!(job = %id, %error, "could not record the job; queueing it again");
+                    let again = Arc::clone(&pool);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                        again.enqueue(id);
+                    });
+                }
+                Err(error) => {
+                    tracing::error!(job = %id, %error, "worker failed");
+                    let outcome = Outcome {
+                        result: None,
+                        error: Some(format!("worker error: {error}")),
+                    };
+                    let failed = id.clone();
+                    let _ = pool
+                        .store_call(move |s| s.apply(&failed, JobEvent::Failed, outcome, now()))
+                        .await;
+                }
+            }
+            drop(permit);
             pool.notify();
         });
     }
 
-    /// Stops the worker of job `id`, if one is running.
+    /// Stops the worker of job `id`, if one is running (or about to start the job).
     pub fn cancel(&self, id: &str) {
+        self.stop(id, Stop::Cancel);
+    }
+
+    fn stop(&self, id: &str, why: Stop) {
         if let Some(stop) = self
             .running
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(id)
         {
-            let _ = stop.send(());
+            let _ = stop.send(why);
         }
     }
 
+    fn is_stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stops every harvester (their jobs stay running in the store, and resume at the next
+    /// start) and waits up to `grace` for the workers to exit; queued jobs do not start.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let ids: Vec<String> = self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
+        for id in &ids {
+            self.stop(id, Stop::Shutdown);
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut changes = self.subscribe();
+        while self.slots.available_permits() < self.capacity()
+            && tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_ok_and(|r| r.is_ok())
+        {}
+    }
+
+    fn capacity(&self) -> usize {
+        // Every permit a worker holds is back once its task has ended.
+        self.capacity
+    }
+
     async fn run(&self, id: &str) -> Result<(), WorkerError> {
-        let owned = id.to_owned();
-        let Some(job) = self.store_call(move |s| s.job(&owned)).await? else {
-            return Ok(());
-        };
-        if job.status != JobStatus::Pending && job.status != JobStatus::Running {
-            return Ok(());
-        }
-        if job.status == JobStatus::Pending {
-            let owned = id.to_owned();
-            self.store_call(move |s| s.apply(&owned, JobEvent::Started, Outcome::default(), now()))
-                .await?;
-            self.notify();
-        }
-        let paths = JobPaths::new(&self.config.data_dir, id);
-        let mut child = self.command(&job.model, &paths).spawn()?;
-        let (stop_tx, stop_rx) = oneshot::channel();
+        // Registered before the job is marked started, so a cancel from here on reaches us.
+        let (stop_tx, mut stop_rx) = oneshot::channel();
         self.running
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id.to_owned(), stop_tx);
+        let outcome = self.attempts(id, &mut stop_rx).await;
+        self.running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(id);
+        outcome
+    }
+
+    /// Marks the job started and runs its harvester, again after a signal or an infrastructure
+    /// failure, until it ends, is stopped, or passes its deadline.
+    async fn attempts(
+        &self,
+        id: &str,
+        stop_rx: &mut oneshot::Receiver<Stop>,
+    ) -> Result<(), WorkerError> {
+        let owned = id.to_owned();
+        let Some(job) = self.store_call(move |s| s.job(&owned)).await? else {
+            return Ok(());
+        };
+        match job.status {
+            JobStatus::Pending => {
+                let owned = id.to_owned();
+                let started = self
+                    .store_call(move |s| {
+                        s.apply(&owned, JobEvent::Started, Outcome::default(), now())
+                    })
+                    .await;
+                if let Err(WorkerError::Store(crate::store::StoreError::Lifecycle(_))) = started {
+                    // Cancelled while it waited for its slot.
+                    return Ok(());
+                }
+                started?;
+                self.notify();
+            }
+            JobStatus::Running => {}
+            JobStatus::Done | JobStatus::Failed | JobStatus::Cancelled => return Ok(()),
+        }
+        let paths = JobPaths::new(&self.config.data_dir, id);
+        let deadline = self
+            .config
+            .deadline
+            .map(|d| tokio::time::Instant::now() + d);
+        for attempt in 1..=self.config.attempts.max(1) {
+            match self
+                .attempt(id, &job.model, &paths, stop_rx, deadline)
+                .await?
+            {
+                Ended::Exited(status) if retryable(status) && attempt < self.config.attempts => {
+                    tracing::warn!(job = %id, attempt, %status, "the harvester died; running it again, resuming");
+                }
+                Ended::Exited(status) => return self.finish(id, &paths, status).await,
+                Ended::Stopped(Stop::Cancel) => {
+                    tracing::info!(job = %id, "worker stopped on cancel");
+                    return Ok(());
+                }
+                Ended::Stopped(Stop::Shutdown) => {
+                    tracing::info!(job = %id, "worker stopped for shutdown; the next start resumes it");
+                    return Ok(());
+                }
+                Ended::PastDeadline => return self.past_deadline(id).await,
+            }
+        }
+        Ok(())
+    }
+
+    /// One run of the job's harvester.
+    async fn attempt(
+        &self,
+        id: &str,
+        model: &str,
+        paths: &JobPaths,
+        stop_rx: &mut oneshot::Receiver<Stop>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Ended, WorkerError> {
+        let mut child = self.command(model, paths).spawn()?;
         tracing::info!(job = %id, pid = child.id(), "worker started");
         let reader = tokio::spawn(read_progress(
             child.stderr.take(),
             Arc::clone(&self.store),
             id.to_owned(),
         ));
-        let status = tokio::select! {
-            status = child.wait() => Some(status?),
-            _ = stop_rx => None,
+        let past_deadline = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
         };
-        self.running
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(id);
-        let Some(status) = status else {
+        let ended = tokio::select! {
+            status = child.wait() => Ended::Exited(status?),
+            // A dropped sender means the pool is gone: stop as for a shutdown.
+            why = &mut *stop_rx => Ended::Stopped(why.unwrap_or(Stop::Shutdown)),
+            () = past_deadline => Ended::PastDeadline,
+        };
+        if let Ended::Exited(_) = ended {
+            let _ = reader.await;
+        } else {
             terminate(&mut child).await;
             reader.abort();
-            tracing::info!(job = %id, "worker stopped on cancel");
-            return Ok(());
+        }
+        Ok(ended)
+    }
+
+    /// Fails a job that ran past its deadline.
+    async fn past_deadline(&self, id: &str) -> Result<(), WorkerError> {
+        let seconds = self.config.deadline.map_or(0, |d| d.as_secs());
+        tracing::warn!(job = %id, seconds, "the job ran past its deadline; stopped");
+        let outcome = Outcome {
+            result: None,
+            error: Some(format!(
+                "the job ran past the server's job_timeout_seconds ({seconds} s) and was stopped: split the corpus, or ask the operator for a longer deadline"
+            )),
         };
-        let _ = reader.await;
-        self.finish(id, &paths, status).await
+        self.record(id, JobEvent::Failed, outcome).await
     }
 
     /// The `harvester run` of a job, its progress on stderr as JSON lines.
@@ -210,6 +387,12 @@ impl Workers {
             .args(["--progress", "json", "--model-name", model])
             .arg("--termination-log")
             .arg(termination_log(paths))
+            .env_clear()
+            .envs(
+                PASSED_ENV
+                    .iter()
+                    .filter_map(|name| Some((name, std::env::var_os(name)?))),
+            )
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -259,9 +442,30 @@ impl Workers {
                 },
             )
         };
-        let owned = id.to_owned();
-        self.store_call(move |s| s.apply(&owned, event, outcome, now()))
-            .await?;
+        self.record(id, event, outcome).await
+    }
+
+    /// Applies a job's ending, retrying a failed write with backoff (a busy or full disk may
+    /// pass); a cancel that won the race leaves nothing to record.
+    async fn record(&self, id: &str, event: JobEvent, outcome: Outcome) -> Result<(), WorkerError> {
+        let mut wait = Duration::from_millis(100);
+        for attempt in 1..=FINAL_WRITE_TRIES {
+            let (owned, outcome) = (id.to_owned(), outcome.clone());
+            match self
+                .store_call(move |s| s.apply(&owned, event, outcome, now()))
+                .await
+            {
+                Ok(_) | Err(WorkerError::Store(crate::store::StoreError::Lifecycle(_))) => {
+                    return Ok(());
+                }
+                Err(error) if attempt == FINAL_WRITE_TRIES => return Err(error),
+                Err(error) => {
+                    tracing::warn!(job = %id, %error, attempt, "recording the job failed; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -291,6 +495,19 @@ async fn read_progress(stderr: Option<tokio::process::ChildStderr>, store: Arc<S
             let _ = tokio::task::spawn_blocking(move || store.set_progress(&id, &progress)).await;
         }
     }
+}
+
+/// Whether a harvester's ending is worth another run: it was killed by a signal, or it reported
+/// an infrastructure failure (storage, disk, device), which a rerun may not meet.
+fn retryable(status: std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal().is_some()
+        || status
+            .code()
+            .map(harvest_core::worker::ExitStatus::from_code)
+            == Some(harvest_core::worker::ExitStatus::Failed(
+                harvest_core::worker::ErrorKind::Infrastructure,
+            ))
 }
 
 /// SIGTERM, then SIGKILL after [`CANCEL_GRACE`].

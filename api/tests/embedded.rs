@@ -14,7 +14,17 @@ use serde_json::json;
 use suite::*;
 
 fn write_config(dir: &Path, port: u16, max_workers: usize) -> PathBuf {
-    let config = json!({
+    write_config_with(dir, port, max_workers, json!({}))
+}
+
+/// The test configuration with `extra`'s keys added (or replaced).
+fn write_config_with(
+    dir: &Path,
+    port: u16,
+    max_workers: usize,
+    extra: serde_json::Value,
+) -> PathBuf {
+    let mut config = json!({
         "data_dir": dir.join("data"),
         "harvester": harvester(),
         "max_workers": max_workers,
@@ -23,6 +33,9 @@ fn write_config(dir: &Path, port: u16, max_workers: usize) -> PathBuf {
         "models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small"}],
         "accounts": [{"name": "acme", "limits": {"daily_tokens": 10_000_000}}, {"name": "other"}],
     });
+    if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        config.extend(extra.clone());
+    }
     let path = dir.join("config.json");
     std::fs::write(&path, config.to_string()).unwrap();
     path
@@ -210,4 +223,141 @@ fn an_account_taken_out_of_the_configuration_gets_401_after_a_restart() {
         200,
         "restored with it"
     );
+}
+
+/// Kills the job's harvester with SIGKILL, as the OOM killer would.
+fn kill_harvester(id: &str) {
+    for pid in harvester_pids(id) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+#[test]
+fn a_harvester_killed_by_a_signal_is_run_again_and_the_job_is_charged_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    let id = long_job(&server, &key);
+    wait_for(&server, &key, &id, |j| {
+        j["progress"]["prompts_done"].as_u64().unwrap_or(0) >= 4
+    });
+    let first = harvester_pids(&id);
+    kill_harvester(&id);
+    let done = wait_for(&server, &key, &id, |j| {
+        j["status"]
+            .as_str()
+            .is_some_and(|s| s != "pending" && s != "running")
+    });
+    assert_eq!(done["status"], "done", "{done}");
+    assert!(!first.is_empty() && harvester_pids(&id).is_empty());
+    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let (_, ledger) = store.account("acme").unwrap();
+    assert_eq!(
+        ledger.tokens_today,
+        done["tokens"].as_u64().unwrap(),
+        "charged once"
+    );
+    assert_eq!(ledger.active_small, 0);
+}
+
+#[test]
+fn a_job_past_the_servers_deadline_fails_naming_it_and_its_harvester_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = write_config_with(dir.path(), port, 1, json!({"job_timeout_seconds": 2}));
+    let server = start(&config, port);
+    let key = create_key(&server.config, "acme");
+    let id = long_job(&server, &key);
+    let failed = wait_for(&server, &key, &id, |j| j["status"] == "failed");
+    let error = failed["error"].as_str().unwrap();
+    assert!(error.contains("job_timeout_seconds (2 s)"), "{error}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !harvester_pids(&id).is_empty() {
+        assert!(Instant::now() < deadline, "the harvester still runs");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_harvester_gets_none_of_the_servers_environment_but_what_it_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1);
+    let server = start_with(&config, port, &[("HARVEST_TEST_SECRET", "hunter2")]);
+    let key = create_key(&config, "acme");
+    let id = long_job(&server, &key);
+    wait_for(&server, &key, &id, |_| !harvester_pids(&id).is_empty());
+    let pid = harvester_pids(&id)[0];
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let names: Vec<String> = environ
+        .split(|&b| b == 0)
+        .filter_map(|entry| entry.split(|&b| b == b'=').next())
+        .map(|name| String::from_utf8_lossy(name).into_owned())
+        .filter(|name| !name.is_empty())
+        .collect();
+    assert!(
+        !names.contains(&"HARVEST_TEST_SECRET".to_owned()),
+        "{names:?}"
+    );
+    for name in &names {
+        assert!(
+            harvest_api::workers::PASSED_ENV.contains(&name.as_str())
+                || ["RUST_LOG", "HARVEST_THREADS"].contains(&name.as_str()),
+            "{name} reached the harvester"
+        );
+    }
+}
+
+#[test]
+fn sigterm_answers_open_long_polls_stops_workers_and_the_next_start_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = write_config(dir.path(), port, 1);
+    let mut server = start(&config, port);
+    let key = create_key(&config, "acme");
+    let id = long_job(&server, &key);
+    wait_for(&server, &key, &id, |j| {
+        j["progress"]["prompts_done"].as_u64().unwrap_or(0) >= 4
+    });
+    let url = format!("{}/v1/harvest/{id}?wait=60", server.base);
+    let poll = {
+        let key = key.clone();
+        std::thread::spawn(move || {
+            let asked = Instant::now();
+            let (status, job) = request("GET", &url, &key, None);
+            (status, job, asked.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let signalled = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let (status, job, waited) = poll.join().unwrap();
+    assert_eq!(
+        (status, job["status"].as_str()),
+        (200, Some("running")),
+        "{job}"
+    );
+    assert!(
+        waited < Duration::from_secs(30),
+        "the long-poll was answered at once: {waited:?}"
+    );
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "{exit}");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(30),
+        "the server exited within its grace"
+    );
+    assert!(harvester_pids(&id).is_empty(), "its worker was stopped");
+    drop(server);
+    let server = start(&config, port);
+    let done = wait_for(&server, &key, &id, |j| j["status"] == "done");
+    assert_eq!(done["result"]["n_shards"], 6);
 }

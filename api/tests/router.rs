@@ -48,6 +48,9 @@ async fn fixture_with(
         url_ttl_seconds: 3600,
         worker_threads: None,
         count_timeout_seconds: 10.0,
+        job_timeout_seconds: None,
+        worker_attempts: 3,
+        shutdown_grace_seconds: 30,
         kubernetes: None,
         models: vec![ModelConfig {
             name: "tiny".into(),
