@@ -123,6 +123,7 @@ mod tests {
                     add_special_tokens: true,
                     has_directions: false,
                     lane: harvest_core::quota::Lane::Small,
+                    estimated_bytes: 0,
                 },
             };
             Self {

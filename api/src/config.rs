@@ -46,6 +46,17 @@ pub struct ServerConfig {
     /// On SIGTERM, how long workers have to stop before the server exits anyway.
     #[serde(default = "default_grace")]
     pub shutdown_grace_seconds: u64,
+    /// Days an ended job's files (inputs and outputs) are kept before they are deleted; its
+    /// record stays and answers `urls_expired: true`. `null` keeps them for ever.
+    #[serde(default = "default_retention")]
+    pub retention_days: Option<f64>,
+    /// How often the retention sweeper looks for files past their time.
+    #[serde(default = "default_sweep")]
+    pub sweep_interval_seconds: u64,
+    /// Free space the data directory keeps: a submit whose estimated files would eat into it
+    /// is answered 507 `insufficient_storage`.
+    #[serde(default = "default_min_free")]
+    pub min_free_bytes: u64,
     /// The models clients may name.
     pub models: Vec<ModelConfig>,
     /// Accounts and their limits (embedded backend; on Kubernetes they are HarvestAccounts).
@@ -89,10 +100,25 @@ pub struct AccountConfig {
     /// Its limits.
     #[serde(default)]
     pub limits: AccountLimits,
+    /// Bytes its kept files may take on the embedded backend (default: no budget).
+    #[serde(default)]
+    pub storage_bytes: Option<u64>,
 }
 
 fn one() -> usize {
     1
+}
+
+fn default_retention() -> Option<f64> {
+    Some(7.0)
+}
+
+fn default_sweep() -> u64 {
+    3600
+}
+
+fn default_min_free() -> u64 {
+    1 << 30
 }
 
 fn default_attempts() -> u32 {
@@ -132,6 +158,16 @@ impl ServerConfig {
             return Err(StartupError::config(
                 "the configuration needs at least one model",
             ));
+        }
+        if config
+            .retention_days
+            .is_some_and(|days| !(days.is_finite() && days > 0.0))
+            || config.sweep_interval_seconds == 0
+        {
+            return Err(StartupError::config(format!(
+                "retention_days is {:?} and sweep_interval_seconds {}: give a positive number of days (or null to keep files for ever) and a positive interval",
+                config.retention_days, config.sweep_interval_seconds
+            )));
         }
         if config.worker_attempts == 0 || config.job_timeout_seconds == Some(0) {
             return Err(StartupError::config(format!(

@@ -3,9 +3,11 @@
 //! this server signs and serves itself. Store calls run on Tokio's blocking threads, so a slow
 //! disk never stalls the async workers.
 
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use harvest_core::lifecycle::{JobEvent, Transition};
 use harvest_core::plan::DEFAULT_BATCH_TOKENS;
@@ -21,6 +23,19 @@ use crate::store::{JobRecord, Outcome, Store, StoreError};
 use crate::wire::{JobResult, Submission};
 use crate::workers::Workers;
 
+/// How the embedded backend keeps its disk from filling.
+#[derive(Debug, Clone, Default)]
+pub struct StoragePolicy {
+    /// Free bytes the data directory keeps; a job that would eat into them is refused.
+    pub min_free_bytes: u64,
+    /// Per account, the bytes its kept files may take.
+    pub budgets: HashMap<String, u64>,
+    /// How long an ended job's files are kept (`None`: for ever).
+    pub retention: Option<Duration>,
+    /// How often the sweeper runs.
+    pub sweep_every: Duration,
+}
+
 /// The embedded backend.
 #[derive(Debug)]
 pub struct EmbeddedBackend {
@@ -28,7 +43,8 @@ pub struct EmbeddedBackend {
     workers: Arc<Workers>,
     data_dir: PathBuf,
     links: Links,
-    shutdown_grace: std::time::Duration,
+    shutdown_grace: Duration,
+    storage: StoragePolicy,
 }
 
 impl EmbeddedBackend {
@@ -39,7 +55,8 @@ impl EmbeddedBackend {
         workers: Arc<Workers>,
         data_dir: PathBuf,
         links: Links,
-        shutdown_grace: std::time::Duration,
+        shutdown_grace: Duration,
+        storage: StoragePolicy,
     ) -> Self {
         Self {
             store,
@@ -47,7 +64,71 @@ impl EmbeddedBackend {
             data_dir,
             links,
             shutdown_grace,
+            storage,
         }
+    }
+
+    /// Starts the retention sweeper: every `sweep_every`, the files (inputs and outputs) of
+    /// jobs that ended longer than `retention` ago are deleted, and their records say so.
+    pub fn start_sweeper(&self) {
+        let Some(retention) = self.storage.retention else {
+            return;
+        };
+        let (store, data_dir, every) = (
+            Arc::clone(&self.store),
+            self.data_dir.clone(),
+            self.storage.sweep_every,
+        );
+        tokio::spawn(async move {
+            loop {
+                let (store, data_dir) = (Arc::clone(&store), data_dir.clone());
+                let swept =
+                    tokio::task::spawn_blocking(move || sweep(&store, &data_dir, retention)).await;
+                match swept {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(n)) => {
+                        tracing::info!(jobs = n, "deleted the files of jobs past their retention");
+                    }
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, "the retention sweep failed; trying again later");
+                    }
+                    Err(error) => tracing::warn!(%error, "the retention sweep was lost"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        });
+    }
+
+    /// Refuses a job whose estimated files would not fit the disk's free space (less the kept
+    /// reserve) or its account's storage budget.
+    async fn check_storage(&self, job: &JobRecord) -> Result<(), ApiError> {
+        let needed = job.spec.estimated_bytes;
+        let free = nix::sys::statvfs::statvfs(&self.data_dir)
+            .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
+            .map_err(|e| ApiError::Internal {
+                detail: format!("free space of {}: {e}", self.data_dir.display()),
+            })?;
+        let reserve = self.storage.min_free_bytes;
+        if needed.saturating_add(reserve) > free {
+            return Err(ApiError::InsufficientStorage {
+                message: format!(
+                    "the job's files need about {needed} bytes, and the server has {free} bytes free of which it keeps {reserve} (min_free_bytes): split the corpus, keep fewer layers, or ask the operator to free space"
+                ),
+            });
+        }
+        if let Some(&budget) = self.storage.budgets.get(&job.account) {
+            let account = job.account.clone();
+            let used = self.store(move |s| s.stored_bytes(&account)).await?;
+            if used.saturating_add(needed) > budget {
+                return Err(ApiError::InsufficientStorage {
+                    message: format!(
+                        "account {:?} keeps {used} bytes of files and this job needs about {needed} more, past its storage budget of {budget} bytes: wait for old jobs' retention, or keep fewer layers",
+                        job.account
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Runs a store call on a blocking thread.
@@ -79,6 +160,7 @@ impl JobBackend for EmbeddedBackend {
         submission: &Submission,
         model: &CatalogueModel,
     ) -> Result<(), ApiError> {
+        self.check_storage(job).await?;
         let paths = JobPaths::new(&self.data_dir, &job.id);
         write_inputs(&paths, &model.path, submission).map_err(|e| ApiError::Internal {
             detail: format!("writing the inputs of job {}: {e}", job.id),
@@ -158,6 +240,25 @@ impl JobBackend for EmbeddedBackend {
     async fn shutdown(&self) {
         self.workers.shutdown(self.shutdown_grace).await;
     }
+}
+
+/// Deletes the files of the jobs that ended more than `retention` ago; returns how many.
+fn sweep(store: &Store, data_dir: &Path, retention: Duration) -> Result<usize, StoreError> {
+    let cutoff = harvest_core::clock::UnixMillis(now().0 - retention.as_millis() as i64);
+    let expired = store.expired_jobs(cutoff)?;
+    for id in &expired {
+        let root = JobPaths::new(data_dir, id).root;
+        match std::fs::remove_dir_all(&root) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => {
+                tracing::warn!(job = %id, %error, "could not delete an expired job's files");
+                continue;
+            }
+        }
+        store.mark_files_deleted(id, now())?;
+    }
+    Ok(expired.len())
 }
 
 /// Writes prompts, directions and the resolved plan into the job's input folder.

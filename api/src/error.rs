@@ -78,6 +78,13 @@ pub enum ApiError {
     /// A quota or lane denied the job.
     #[error("{0}")]
     Denied(#[from] Denial),
+    /// The job's files would not fit the disk or the account's storage budget (our extension of
+    /// the contract).
+    #[error("{message}")]
+    InsufficientStorage {
+        /// What would not fit, in bytes, and what to do.
+        message: String,
+    },
     /// The worker backend for the model cannot be reached.
     #[error(
         "the harvest backend for this model is unavailable right now; quote job {job_id} when reporting it"
@@ -117,6 +124,7 @@ impl ApiError {
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::CountBusy | Self::Denied(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -138,6 +146,7 @@ impl ApiError {
             Self::Denied(Denial::Budget { .. }) => "budget_exceeded",
             Self::Denied(Denial::JobQuota { .. }) => "harvest_quota_exceeded",
             Self::Unavailable { .. } => "harvest_unavailable",
+            Self::InsufficientStorage { .. } => "insufficient_storage",
             Self::Internal { .. } => "internal_error",
         }
     }
@@ -299,6 +308,13 @@ mod tests {
                 ApiError::Unavailable { job_id: "j".into() },
                 503,
                 "harvest_unavailable",
+            ),
+            (
+                ApiError::InsufficientStorage {
+                    message: "x".into(),
+                },
+                507,
+                "insufficient_storage",
             ),
             (
                 ApiError::Internal {

@@ -564,6 +564,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),
             lane: job_lane(job),
+            estimated_bytes: 0,
         },
     }
 }

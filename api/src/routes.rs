@@ -79,6 +79,7 @@ fn json_rejection(rejection: &JsonRejection) -> ApiError {
         (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
         (status = 413, description = "payload_too_large", body = crate::openapi::ErrorEnvelope),
         (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::openapi::ErrorEnvelope),
+        (status = 507, description = "insufficient_storage (our extension): the job's files would not fit the server's disk or the account's storage budget", body = crate::openapi::ErrorEnvelope),
         (status = 503, description = "harvest_unavailable, with the job id", body = crate::openapi::ErrorEnvelope)))]
 pub(crate) async fn submit(
     State(state): State<Arc<AppState>>,
@@ -93,8 +94,24 @@ pub(crate) async fn submit(
         ))
     })?;
     let submission = request.validate(&model.model)?;
-    count_tokens(&state, &caller, model, &submission).await?;
-    let job = new_job(&caller, &submission);
+    let tokens = count_tokens(&state, &caller, model, &submission).await?;
+    let width = submission
+        .directions
+        .as_ref()
+        .map_or(model.model.shape.hidden_size, |(n, _)| *n);
+    let contents = if submission.directions.is_some() {
+        harvest_core::format::Contents::Projections
+    } else {
+        harvest_core::format::Contents::Activations
+    };
+    let estimated = harvest_core::format::estimated_output_bytes(
+        tokens,
+        submission.prompts.len() as u64,
+        submission.layers.len() as u64,
+        width as u64,
+        contents,
+    );
+    let job = new_job(&caller, &submission, estimated);
     if let Err(error) = state.backend.submit(&job, &submission, model).await {
         // A job recorded as failed for want of a worker was admitted all the same.
         let counter = match error {
@@ -115,7 +132,7 @@ pub(crate) async fn submit(
 }
 
 /// The record of a job about to be submitted.
-fn new_job(caller: &Caller, submission: &Submission) -> JobRecord {
+fn new_job(caller: &Caller, submission: &Submission, estimated_bytes: u64) -> JobRecord {
     JobRecord {
         id: uuid::Uuid::new_v4().to_string(),
         run_id: uuid::Uuid::new_v4().to_string(),
@@ -138,6 +155,7 @@ fn new_job(caller: &Caller, submission: &Submission) -> JobRecord {
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),
             lane: submission.lane,
+            estimated_bytes,
         },
     }
 }

@@ -10,7 +10,7 @@ use crate::app::{AppState, router};
 use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
 use crate::config::{KubernetesConfig, ServerConfig};
-use crate::embedded::EmbeddedBackend;
+use crate::embedded::{EmbeddedBackend, StoragePolicy};
 pub use crate::error::StartupError;
 use crate::kubernetes::KubeBackend;
 use crate::paths::now;
@@ -84,13 +84,28 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
         pool.stop_orphans(&job.id);
         pool.enqueue(job.id);
     }
-    Ok(EmbeddedBackend::new(
+    let storage = StoragePolicy {
+        min_free_bytes: config.min_free_bytes,
+        budgets: config
+            .accounts
+            .iter()
+            .filter_map(|a| Some((a.name.clone(), a.storage_bytes?)))
+            .collect(),
+        retention: config
+            .retention_days
+            .map(|days| std::time::Duration::from_secs_f64(days * 86_400.0)),
+        sweep_every: std::time::Duration::from_secs(config.sweep_interval_seconds),
+    };
+    let backend = EmbeddedBackend::new(
         store,
         pool,
         config.data_dir.clone(),
         links,
         std::time::Duration::from_secs(config.shutdown_grace_seconds),
-    ))
+        storage,
+    );
+    backend.start_sweeper();
+    Ok(backend)
 }
 
 async fn build_kubernetes(

@@ -66,6 +66,9 @@ pub struct JobSpec {
     pub has_directions: bool,
     /// The model's lane.
     pub lane: Lane,
+    /// About how many bytes its files will take (0 for jobs stored before estimates were).
+    #[serde(default)]
+    pub estimated_bytes: u64,
 }
 
 /// A job row.
@@ -231,6 +234,9 @@ fn migrate(conn: &Connection) -> Result<()> {
             conn.execute_batch(&format!("ALTER TABLE keys ADD COLUMN {column} {kind}"))?;
         }
     }
+    if !columns("jobs")?.iter().any(|c| c == "files_deleted") {
+        conn.execute_batch("ALTER TABLE jobs ADD COLUMN files_deleted INTEGER")?;
+    }
     if !columns("accounts")?.iter().any(|c| c == "disabled") {
         conn.execute_batch("ALTER TABLE accounts ADD COLUMN disabled INTEGER NOT NULL DEFAULT 0")?;
     }
@@ -277,6 +283,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
             add_special_tokens: true,
             has_directions: false,
             lane: Lane::Small,
+            estimated_bytes: 0,
         },
     };
     Ok((record, row.get(12)?, row.get(14)?, row.get(15)?))
@@ -564,6 +571,51 @@ impl Store {
         rows.into_iter().map(finish_job).collect()
     }
 
+    /// Ended jobs whose files are still kept and that ended before `cutoff`: what the
+    /// retention sweeper deletes.
+    pub fn expired_jobs(&self, cutoff: UnixMillis) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT id FROM jobs WHERE status IN ('done', 'failed', 'cancelled')
+             AND files_deleted IS NULL AND completed_at < ?1 ORDER BY completed_at",
+        )?;
+        let ids = stmt
+            .query_map([cutoff.0], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(ids)
+    }
+
+    /// Records that job `id`'s files were deleted; its record stays.
+    pub fn mark_files_deleted(&self, id: &str, now: UnixMillis) -> Result<()> {
+        self.conn().execute(
+            "UPDATE jobs SET files_deleted = ?2 WHERE id = ?1",
+            params![id, now.0],
+        )?;
+        Ok(())
+    }
+
+    /// Bytes the account's kept files take or will take: what its done jobs wrote, plus the
+    /// estimates of its unfinished ones.
+    pub fn stored_bytes(&self, account: &str) -> Result<u64> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE account = ?1 AND files_deleted IS NULL
+             AND status IN ('pending', 'running', 'done')"
+        ))?;
+        let rows = stmt
+            .query_map([account], job_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let mut total = 0u64;
+        for job in rows.into_iter().map(finish_job) {
+            let job = job?;
+            total += match &job.result {
+                Some(result) => result.bytes_written,
+                None => job.spec.estimated_bytes,
+            };
+        }
+        Ok(total)
+    }
+
     /// How many jobs are pending or running (a cheap query for health and metrics).
     pub fn unfinished_count(&self) -> Result<u64> {
         let n: i64 = self.conn().query_row(
@@ -685,6 +737,7 @@ mod tests {
                 add_special_tokens: true,
                 has_directions: false,
                 lane: Lane::Small,
+                estimated_bytes: 0,
             },
         }
     }

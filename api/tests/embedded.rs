@@ -361,3 +361,34 @@ fn sigterm_answers_open_long_polls_stops_workers_and_the_next_start_resumes() {
     let done = wait_for(&server, &key, &id, |j| j["status"] == "done");
     assert_eq!(done["result"]["n_shards"], 6);
 }
+
+#[test]
+fn an_ended_jobs_files_are_deleted_after_the_retention_and_its_record_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = write_config_with(
+        dir.path(),
+        port,
+        1,
+        json!({"retention_days": 3.0 / 86_400.0, "sweep_interval_seconds": 1}),
+    );
+    let server = start(&config, port);
+    let key = create_key(&config, "acme");
+    let (status, job) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": SEED})),
+    );
+    assert_eq!(status, 202, "{job}");
+    let id = job["job_id"].as_str().unwrap().to_owned();
+    let done = long_poll_done(&server, &key, &id);
+    assert!(done["result"].is_object(), "{done}");
+    let files = dir.path().join("data/jobs").join(&id);
+    assert!(files.join("input/prompts.jsonl").is_file());
+    let expired = wait_for(&server, &key, &id, |j| j["urls_expired"] == true);
+    assert_eq!(expired["status"], "done");
+    assert!(expired.get("result").is_none(), "{expired}");
+    assert!(!files.exists(), "inputs and outputs are gone");
+    assert_eq!(expired["tokens"], done["tokens"], "the record stays");
+}

@@ -51,6 +51,9 @@ async fn fixture_with(
         job_timeout_seconds: None,
         worker_attempts: 3,
         shutdown_grace_seconds: 30,
+        retention_days: Some(7.0),
+        sweep_interval_seconds: 3600,
+        min_free_bytes: 0,
         kubernetes: None,
         models: vec![ModelConfig {
             name: "tiny".into(),
@@ -61,10 +64,12 @@ async fn fixture_with(
             AccountConfig {
                 name: "acme".into(),
                 limits,
+                storage_bytes: None,
             },
             AccountConfig {
                 name: "other".into(),
                 limits: AccountLimits::default(),
+                storage_bytes: None,
             },
         ],
     };
@@ -676,6 +681,7 @@ async fn a_third_account_is_refused_while_two_others_are_counted() {
         config.accounts.push(AccountConfig {
             name: "third".into(),
             limits: AccountLimits::default(),
+            storage_bytes: None,
         });
     })
     .await;
@@ -807,4 +813,65 @@ async fn unknown_routes_and_wrong_methods_answer_in_the_json_envelope() {
             "{body}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_job_whose_files_would_not_fit_gets_507_naming_the_bytes() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        config.min_free_bytes = u64::MAX / 4;
+    })
+    .await;
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (
+            StatusCode::INSUFFICIENT_STORAGE,
+            Some("insufficient_storage")
+        ),
+        "{answer}"
+    );
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("bytes") && message.contains("min_free_bytes"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn an_account_past_its_storage_budget_gets_507_and_others_do_not() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        config.accounts[0].storage_bytes = Some(100_000);
+    })
+    .await;
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        status,
+        StatusCode::ACCEPTED,
+        "the first job's estimate fits: {answer}"
+    );
+    let (status, _, answer) = submit(&f, seed_body()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (
+            StatusCode::INSUFFICIENT_STORAGE,
+            Some("insufficient_storage")
+        ),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("100000"),
+        "{answer}"
+    );
+    let (status, _, _) = call(
+        &f.state,
+        "POST",
+        "/v1/harvest",
+        Some(&f.other_key),
+        Some(seed_body()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
 }
