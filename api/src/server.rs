@@ -78,6 +78,7 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
             .map(std::time::Duration::from_secs),
         attempts: config.worker_attempts,
     };
+    remove_orphan_files(&store, &config.data_dir)?;
     let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);
     for job in store.unfinished_jobs()? {
         tracing::info!(job = %job.id, status = job.status.as_str(), "requeueing a job left unfinished");
@@ -106,6 +107,24 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
     );
     backend.start_sweeper();
     Ok(backend)
+}
+
+/// Deletes job folders without a job record: the inputs of a submit that a crash stopped before
+/// its job was admitted. No file outlives its job.
+fn remove_orphan_files(store: &Store, data_dir: &std::path::Path) -> Result<(), StartupError> {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("jobs")) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if store.job(&id)?.is_none() {
+            tracing::warn!(job = %id, "deleting the files of a job that was never admitted");
+            std::fs::remove_dir_all(entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 async fn build_kubernetes(

@@ -571,6 +571,18 @@ impl Store {
         rows.into_iter().map(finish_job).collect()
     }
 
+    /// Every job of `account`, oldest first.
+    pub fn jobs_of(&self, account: &str) -> Result<Vec<JobRecord>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE account = ?1 ORDER BY created_at, id"
+        ))?;
+        let rows = stmt
+            .query_map([account], job_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        rows.into_iter().map(finish_job).collect()
+    }
+
     /// Ended jobs whose files are still kept and that ended before `cutoff`: what the
     /// retention sweeper deletes.
     pub fn expired_jobs(&self, cutoff: UnixMillis) -> Result<Vec<String>> {
