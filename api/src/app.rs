@@ -39,6 +39,9 @@ pub const LONG_POLLS_SERVER_WIDE: usize = 8;
 pub const MAX_WAIT_S: f64 = 60.0;
 /// What a declined long-poll asks the client to wait.
 pub const LONG_POLL_RETRY_AFTER_S: u32 = 3;
+/// Longest a client may take to send a request's body (a 50 MiB corpus over a slow link
+/// included).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The header that carries each request's id, set when the client sends none.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -260,6 +263,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(routes::no_route)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            BODY_TIMEOUT,
+        ))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(trace)
         .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))

@@ -150,22 +150,67 @@ async fn build_kubernetes(
     ))
 }
 
-/// Serves until the listener fails or `shutdown` completes. Then it stops accepting
-/// connections, answers the open long-polls at once, lets the requests in flight finish, and
-/// stops the backend's workers (their jobs resume at the next start).
+/// Longest a client may take to send a request's headers.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Most connections served at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Longest the requests in flight may take to finish once the server stops.
+pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves until `shutdown` completes, each connection with a header timeout, at most
+/// [`MAX_CONNECTIONS`] at once. Then it stops accepting, answers the open long-polls at once,
+/// lets the requests in flight finish (within [`DRAIN_TIMEOUT`]), and stops the backend's
+/// workers (their jobs resume at the next start).
 pub async fn serve(
     state: Arc<AppState>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
-    let stopping = Arc::clone(&state);
-    let shutdown = async move {
-        shutdown.await;
-        stopping.begin_stop();
-    };
-    axum::serve(listener, router(Arc::clone(&state)))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let app = router(Arc::clone(&state));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of file descriptors, say: wait a moment rather than spin.
+                tracing::warn!(%error, "accepting a connection failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
+            tracing::warn!(
+                limit = MAX_CONNECTIONS,
+                "too many connections; closing a new one"
+            );
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT);
+        let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _ = connection.await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    state.begin_stop();
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still open after the drain timeout; stopping anyway");
+    }
     state.backend.shutdown().await;
     Ok(())
 }

@@ -392,3 +392,31 @@ fn an_ended_jobs_files_are_deleted_after_the_retention_and_its_record_says_so() 
     assert!(!files.exists(), "inputs and outputs are gone");
     assert_eq!(expired["tokens"], done["tokens"], "the record stays");
 }
+
+#[test]
+fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _server = start(&write_config(dir.path(), port, 1), port);
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let asked = Instant::now();
+    let mut answer = Vec::new();
+    // The server closes the connection (EOF, or a reset) instead of waiting for ever.
+    let _ = stream.read_to_end(&mut answer);
+    let waited = asked.elapsed();
+    assert!(
+        waited >= Duration::from_secs(5) && waited < Duration::from_secs(45),
+        "closed after {waited:?}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&answer).contains("200 OK"),
+        "an unfinished request was served"
+    );
+}
