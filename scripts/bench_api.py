@@ -2,9 +2,11 @@
 """API benchmarks, in one run on loopback:
   1. counting: the time to answer a submit of 4,096 prompts holding about 2M tokens (the caps),
      which the server tokenizes for real before admitting it;
-  2. status polls under load: wrk against GET /v1/harvest/{id} (p50, p99, requests/s).
+  2. status polls under load: wrk against GET /v1/harvest/{id} (p50, p99, requests/s);
+  3. status polls at a paced 1,000 requests/s (4 keep-alive connections, 250/s each) for
+     HARVEST_BENCH_PACED_S seconds (default 30): p50, p99 and p99.9, measured client-side.
 
-    python3 scripts/bench_api.py        (needs wrk: apt-get install wrk)
+    python3 scripts/bench_api.py        (needs wrk for step 2: apt-get install wrk)
 
 Workers are held back (max_workers 0), so the job stays pending and only the API is measured.
 """
@@ -67,6 +69,7 @@ def main():
                 return 1
             print(f"  reserved_tokens {job['reserved_tokens']} (bytes + 1 per prompt)")
             url = f"http://127.0.0.1:{PORT}/v1/harvest/{job['job_id']}"
+            paced_polls(f"/v1/harvest/{job['job_id']}", key)
             if not shutil.which("wrk"):
                 print("status polls: wrk is not installed (apt-get install wrk); skipped")
                 return 0
@@ -81,6 +84,51 @@ def main():
             server.terminate()
             server.wait()
     return 0
+
+
+def paced_polls(path, key, rate=1000, connections=4):
+    """Status polls at a fixed rate, each connection on its own thread and schedule, so a slow
+    answer delays the next request of its connection only (no coordinated omission: latency is
+    counted from the scheduled send time)."""
+    import http.client
+    import threading
+    seconds = float(os.environ.get("HARVEST_BENCH_PACED_S", "30"))
+    per = rate / connections
+    latencies, errors = [], []
+    lock = threading.Lock()
+
+    def run():
+        conn = http.client.HTTPConnection("127.0.0.1", PORT)
+        mine, start, sent = [], time.perf_counter(), 0
+        while True:
+            due = start + sent / per
+            if due - start >= seconds:
+                break
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                errors.append(response.status)
+            mine.append(time.perf_counter() - due)
+            sent += 1
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=run) for _ in range(connections)]
+    begun = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - begun
+    latencies.sort()
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+    print(f"status polls paced at {rate}/s over {connections} connections for {seconds:.0f} s: "
+          f"{len(latencies) / took:.0f} requests/s done, p50 {pick(0.5):.2f} ms, p99 {pick(0.99):.2f} ms, "
+          f"p99.9 {pick(0.999):.2f} ms, {len(errors)} non-200")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -81,9 +82,9 @@ impl From<KubeBackendError> for ApiError {
 pub struct KubeBackend {
     client: Client,
     namespace: String,
-    jobs: Store<HarvestJob>,
-    accounts: Store<HarvestAccount>,
-    keys: Store<Secret>,
+    jobs: Cache<HarvestJob>,
+    accounts: Cache<HarvestAccount>,
+    keys: Cache<Secret>,
     changes: Arc<watch::Sender<u64>>,
     /// Inputs and outputs.
     pub storage: Storage,
@@ -112,7 +113,21 @@ fn key_id(hash: &str) -> String {
     hash[..hash.len().min(20)].to_owned()
 }
 
-fn reflect<K>(api: Api<K>, config: watcher::Config, changes: Arc<watch::Sender<u64>>) -> Store<K>
+/// A watch-backed cache and whether it has listed once. Readiness is our own flag, not the
+/// store's `wait_until_ready`, which wakes only the last of several concurrent waiters.
+#[derive(Clone)]
+struct Cache<K: kube::Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    listed: Arc<AtomicBool>,
+}
+
+impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Cache<K> {
+    fn is_listed(&self) -> bool {
+        self.listed.load(Ordering::Acquire)
+    }
+}
+
+fn reflect<K>(api: Api<K>, config: watcher::Config, changes: Arc<watch::Sender<u64>>) -> Cache<K>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -123,20 +138,24 @@ where
         + 'static,
 {
     let (reader, writer) = reflector::store();
-    let stream = watcher(api, config)
-        .default_backoff()
-        .reflect(writer)
-        .touched_objects();
+    let listed = Arc::new(AtomicBool::new(false));
+    let stream = watcher(api, config).default_backoff().reflect(writer);
+    let flag = Arc::clone(&listed);
     tokio::spawn(async move {
         futures::pin_mut!(stream);
         while let Some(event) = stream.next().await {
-            if let Err(error) = event {
-                tracing::warn!(%error, "watch interrupted; resuming");
+            match event {
+                Ok(watcher::Event::InitDone) => flag.store(true, Ordering::Release),
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "watch interrupted; resuming"),
             }
             changes.send_modify(|n| *n += 1);
         }
     });
-    reader
+    Cache {
+        store: reader,
+        listed,
+    }
 }
 
 impl KubeBackend {
@@ -182,14 +201,7 @@ impl KubeBackend {
 impl JobBackend for KubeBackend {
     /// Whether every cache has listed once.
     async fn ready(&self) -> bool {
-        let wait = async {
-            self.jobs.wait_until_ready().await.is_ok()
-                && self.accounts.wait_until_ready().await.is_ok()
-                && self.keys.wait_until_ready().await.is_ok()
-        };
-        tokio::time::timeout(Duration::from_secs(1), wait)
-            .await
-            .unwrap_or(false)
+        self.jobs.is_listed() && self.accounts.is_listed() && self.keys.is_listed()
     }
 
     /// Wakes on every watch event.
@@ -203,6 +215,7 @@ impl JobBackend for KubeBackend {
         let name = key_secret_name(hash);
         let secret = match self
             .keys
+            .store
             .get(&ObjectRef::new(&name).within(&self.namespace))
         {
             Some(secret) => Some((*secret).clone()),
@@ -238,14 +251,14 @@ impl JobBackend for KubeBackend {
         _model: &CatalogueModel,
     ) -> Result<(), ApiError> {
         // Just after start the caches may not have listed yet; the pre-check needs them.
-        let listed = async {
-            self.accounts.wait_until_ready().await.is_ok()
-                && self.jobs.wait_until_ready().await.is_ok()
-        };
-        if !tokio::time::timeout(CACHE_WAIT, listed)
-            .await
-            .unwrap_or(false)
-        {
+        let mut changes = self.changes();
+        let deadline = tokio::time::Instant::now() + CACHE_WAIT;
+        while !(self.accounts.is_listed() && self.jobs.is_listed())
+            && tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_ok_and(|r| r.is_ok())
+        {}
+        if !(self.accounts.is_listed() && self.jobs.is_listed()) {
             return Err(ApiError::Internal {
                 detail:
                     "the cluster's accounts and jobs are not loaded yet: retry in a few seconds"
@@ -277,7 +290,7 @@ impl JobBackend for KubeBackend {
         // next submit's pre-check, see it.
         let seen = ObjectRef::new(&job.id).within(&self.namespace);
         let deadline = tokio::time::Instant::now() + READ_YOUR_WRITE;
-        while self.jobs.get(&seen).is_none()
+        while self.jobs.store.get(&seen).is_none()
             && tokio::time::timeout_at(deadline, changes.changed())
                 .await
                 .is_ok_and(|r| r.is_ok())
@@ -287,7 +300,10 @@ impl JobBackend for KubeBackend {
 
     /// A job by id, from the cache (or the apiserver, for a job this replica has not seen yet).
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
-        let cached = self.jobs.get(&ObjectRef::new(id).within(&self.namespace));
+        let cached = self
+            .jobs
+            .store
+            .get(&ObjectRef::new(id).within(&self.namespace));
         let job = match cached {
             Some(job) => Some((*job).clone()),
             None => Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
@@ -379,6 +395,7 @@ impl JobBackend for KubeBackend {
     /// Jobs not finished.
     async fn unfinished(&self) -> u64 {
         self.jobs
+            .store
             .state()
             .iter()
             .filter(|j| !record(j).status.is_terminal())
@@ -461,7 +478,7 @@ impl KubeBackend {
         tokens: u64,
         now: UnixMillis,
     ) -> Result<(), ApiError> {
-        let Some(found) = self.accounts.get(&ObjectRef::new(account)) else {
+        let Some(found) = self.accounts.store.get(&ObjectRef::new(account)) else {
             return Err(ApiError::Internal {
                 detail: KubeBackendError::NoAccount(account.into()).to_string(),
             });
@@ -474,7 +491,7 @@ impl KubeBackend {
         // The lane counts every unfinished API job of the account (whether or not the account's
         // status in the cache shows its hold yet), or the books' count if that is higher.
         let mut unfinished_in_lane = 0;
-        for job in self.jobs.state() {
+        for job in self.jobs.store.state() {
             let s = job.status_or_default();
             let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
             if !mine || conditions::is_true(&s.conditions, FINISHED) {

@@ -98,8 +98,10 @@ pub fn unsettled(ctx: &Context, job: &HarvestJob) -> bool {
 /// its pending jobs, and write the status if it changed.
 #[instrument(skip_all, fields(account = %account.name_any()))]
 pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) -> Result<Requeue> {
-    // Before the job cache has listed every job, a held job would look deleted.
-    ctx.jobs.wait_until_ready().await.ok();
+    // No wait on the job cache's readiness here: kube-runtime's store readiness wakes only the
+    // last of several concurrent waiters, and the job controller's own runner is one of them,
+    // so such a wait could hang this reconcile (or that runner) for good. A held job missing
+    // from the cache is looked up instead (`confirm_deleted`).
     let now_ts = Timestamp::now();
     let now = millis(now_ts);
     let name = account.name_any();
@@ -121,7 +123,19 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     let mut status = old.clone();
     let mut book = status.book(now);
     book.roll(now);
-    let due = accounts::settlements(book.holds.iter().map(|(uid, h)| (uid, h.tokens)), &by_uid);
+    let missing: Vec<&harvest_crds::account::HoldEntry> = old
+        .holds
+        .iter()
+        .filter(|h| !by_uid.contains_key(&h.uid))
+        .collect();
+    let deleted = confirm_deleted(&ctx, &missing).await?;
+    let due = accounts::settlements(
+        book.holds
+            .iter()
+            .filter(|(uid, _)| by_uid.contains_key(*uid) || deleted.contains(*uid))
+            .map(|(uid, h)| (uid, h.tokens)),
+        &by_uid,
+    );
     tracing::debug!(
         holds = book.holds.len(),
         due = due.len(),
@@ -170,6 +184,28 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
         .min(resync)
         .max(Duration::from_secs(1));
     Ok(Requeue::requeue(wake))
+}
+
+/// Of the held jobs the cache does not show, those the apiserver confirms are gone (no job by
+/// that name, or one with another UID): a cache still listing, or lagging, never makes a live
+/// job look deleted and charged its whole hold.
+async fn confirm_deleted(
+    ctx: &Context,
+    missing: &[&harvest_crds::account::HoldEntry],
+) -> Result<std::collections::BTreeSet<String>> {
+    let mut deleted = std::collections::BTreeSet::new();
+    for hold in missing {
+        let Some((namespace, name)) = hold.job.split_once('/') else {
+            continue;
+        };
+        let found = Api::<HarvestJob>::namespaced(ctx.client.clone(), namespace)
+            .get_opt(name)
+            .await?;
+        if found.is_none_or(|job| job.uid().as_deref() != Some(hold.uid.as_str())) {
+            deleted.insert(hold.uid.clone());
+        }
+    }
+    Ok(deleted)
 }
 
 /// Transient account errors are retried: a lost race at once, anything else after a pause.
