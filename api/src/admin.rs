@@ -64,12 +64,6 @@ pub async fn create_key(
         return Ok(key);
     }
     let store = open_store(config)?;
-    let accounts: Vec<_> = config
-        .accounts
-        .iter()
-        .map(|a| (a.name.clone(), a.limits.clone()))
-        .collect();
-    store.sync_accounts(&accounts, now())?;
     match import {
         Some(key) => {
             store.import_key(account, label, key, now())?;

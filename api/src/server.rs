@@ -19,13 +19,21 @@ use crate::storage::Storage;
 use crate::store::Store;
 use crate::workers::{WorkerConfig, Workers};
 
-/// Opens the store at the configured data directory; the database is created readable by its
-/// owner only.
+/// Opens the store at the configured data directory (the database created readable by its
+/// owner only) with its accounts as the configuration lists them: accounts no longer listed
+/// are disabled, and their keys get 401.
 pub fn open_store(config: &ServerConfig) -> Result<Arc<Store>, StartupError> {
     std::fs::create_dir_all(&config.data_dir)?;
     let path = config.data_dir.join("harvest.sqlite");
     crate::paths::create_private(&path)?;
-    Ok(Arc::new(Store::open(&path)?))
+    let store = Store::open(&path)?;
+    let accounts: Vec<_> = config
+        .accounts
+        .iter()
+        .map(|a| (a.name.clone(), a.limits.clone()))
+        .collect();
+    store.sync_accounts(&accounts, now())?;
+    Ok(Arc::new(store))
 }
 
 /// Builds the application state: on Kubernetes, the watch-backed caches; embedded, the store,
@@ -62,13 +70,6 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
 
 fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend, StartupError> {
     let store = open_store(config)?;
-    let accounts: Vec<_> = config
-        .accounts
-        .iter()
-        .map(|a| (a.name.clone(), a.limits.clone()))
-        .collect();
-    // Accounts no longer in the configuration are disabled: their keys get 401.
-    store.sync_accounts(&accounts, now())?;
     let worker_config = WorkerConfig {
         harvester: config.harvester.clone(),
         data_dir: config.data_dir.clone(),

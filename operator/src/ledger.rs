@@ -123,19 +123,7 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     let mut status = old.clone();
     let mut book = status.book(now);
     book.roll(now);
-    let missing: Vec<&harvest_crds::account::HoldEntry> = old
-        .holds
-        .iter()
-        .filter(|h| !by_uid.contains_key(&h.uid))
-        .collect();
-    let deleted = confirm_deleted(&ctx, &missing).await?;
-    let due = accounts::settlements(
-        book.holds
-            .iter()
-            .filter(|(uid, _)| by_uid.contains_key(*uid) || deleted.contains(*uid))
-            .map(|(uid, h)| (uid, h.tokens)),
-        &by_uid,
-    );
+    let due = due_settlements(&ctx, &old, &book, &by_uid).await?;
     tracing::debug!(
         holds = book.holds.len(),
         due = due.len(),
@@ -172,18 +160,46 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
             pending: status_pending,
         },
     );
-    let until_midnight = now_ts
-        .duration_until(Timestamp::from_millisecond(book.ledger.day.end().0).unwrap_or(now_ts));
+    Ok(Requeue::requeue(next_look(&book, now_ts)))
+}
+
+/// When to look at the account again: at its UTC midnight, and every resync (sooner while
+/// holds are open).
+fn next_look(book: &harvest_core::quota::Book, now: Timestamp) -> Duration {
+    let until_midnight =
+        now.duration_until(Timestamp::from_millisecond(book.ledger.day.end().0).unwrap_or(now));
     let resync = if book.holds.is_empty() {
         ACCOUNT_RESYNC
     } else {
         HOLDS_RESYNC
     };
-    let wake = Duration::try_from(until_midnight)
+    Duration::try_from(until_midnight)
         .unwrap_or(resync)
         .min(resync)
-        .max(Duration::from_secs(1));
-    Ok(Requeue::requeue(wake))
+        .max(Duration::from_secs(1))
+}
+
+/// The holds to settle now, with their charges: those of jobs the cache shows ended, and of
+/// held jobs the apiserver confirms are gone.
+async fn due_settlements(
+    ctx: &Context,
+    status: &harvest_crds::HarvestAccountStatus,
+    book: &harvest_core::quota::Book,
+    by_uid: &BTreeMap<String, &HarvestJob>,
+) -> Result<Vec<(String, u64)>> {
+    let missing: Vec<&harvest_crds::account::HoldEntry> = status
+        .holds
+        .iter()
+        .filter(|h| !by_uid.contains_key(&h.uid))
+        .collect();
+    let deleted = confirm_deleted(ctx, &missing).await?;
+    Ok(accounts::settlements(
+        book.holds
+            .iter()
+            .filter(|(uid, _)| by_uid.contains_key(*uid) || deleted.contains(*uid))
+            .map(|(uid, h)| (uid, h.tokens)),
+        by_uid,
+    ))
 }
 
 /// Of the held jobs the cache does not show, those the apiserver confirms are gone (no job by

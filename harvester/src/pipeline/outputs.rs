@@ -61,27 +61,7 @@ pub(super) fn build_outputs(
         n_prompts: job.encoded.len(),
         shard_size: job.plan.shard_size.get(),
         total_tokens,
-        shards: records
-            .values()
-            .map(|r| {
-                let (prompts, tensors) = ShardEntry::contents_of(
-                    r.first_prompt,
-                    &r.token_counts,
-                    job.contents,
-                    job.layers,
-                    job.width,
-                );
-                ShardEntry {
-                    file: shard_file_name(r.shard),
-                    first_prompt: r.first_prompt,
-                    token_counts: r.token_counts.clone(),
-                    prompts,
-                    tensors,
-                    bytes: r.bytes,
-                    sha256: r.sha256.clone(),
-                }
-            })
-            .collect(),
+        shards: records.values().map(|r| shard_entry(job, r)).collect(),
         truncated_prompts: records
             .values()
             .flat_map(|r| r.truncations.clone())
@@ -95,6 +75,26 @@ pub(super) fn build_outputs(
         mean_token_norm: stats.iter().map(RunningStats::mean_norm).collect(),
     };
     Ok((manifest, stats_file(&stats)?))
+}
+
+/// A shard's manifest entry, from its record.
+fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
+    let (prompts, tensors) = ShardEntry::contents_of(
+        record.first_prompt,
+        &record.token_counts,
+        job.contents,
+        job.layers,
+        job.width,
+    );
+    ShardEntry {
+        file: shard_file_name(record.shard),
+        first_prompt: record.first_prompt,
+        token_counts: record.token_counts.clone(),
+        prompts,
+        tensors,
+        bytes: record.bytes,
+        sha256: record.sha256.clone(),
+    }
 }
 
 /// `stats.safetensors`: `mean` and `std` as f32 `[layers, width]`, `count` as i64 `[1]`.
