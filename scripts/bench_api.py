@@ -7,6 +7,10 @@
      HARVEST_BENCH_PACED_S seconds (default 30): p50, p99 and p99.9, measured client-side.
 
     python3 scripts/bench_api.py        (needs wrk for step 2: apt-get install wrk)
+    python3 scripts/bench_api.py --soak 600
+        the soak instead: the paced 1,000 polls/s for that many seconds while another client
+        submits jobs that really run (max_workers 1), cancels, long-polls and downloads; the
+        server's resident memory and open file descriptors are sampled every 10 s.
 
 Workers are held back (max_workers 0), so the job stays pending and only the API is measured.
 """
@@ -31,6 +35,8 @@ WORDS = ("residual stream features attention heads move information between posi
 
 
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--soak":
+        return soak(float(sys.argv[2]))
     subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester", "-p", "harvest-api"], cwd=ROOT, check=True)
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +86,95 @@ def main():
                 p50 = re.search(r"50%\s+(\S+)", out).group(1)
                 p99 = re.search(r"99%\s+(\S+)", out).group(1)
                 print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
+        finally:
+            server.terminate()
+            server.wait()
+    return 0
+
+
+def api_call(method, path, key, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def footprint(pid):
+    rss = next(int(l.split()[1]) for l in open(f"/proc/{pid}/status") if l.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def soak(seconds):
+    """Polls paced at 1,000/s for `seconds`, beside mixed traffic with real jobs."""
+    import threading
+    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester", "-p", "harvest-api"], cwd=ROOT, check=True)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        (tmp / "config.json").write_text(json.dumps({
+            "data_dir": str(tmp / "data"), "harvester": str(target / "harvester"), "max_workers": 1,
+            "worker_threads": 1, "public_url": f"http://127.0.0.1:{PORT}",
+            "models": [{"name": "smollm2-135m", "path": str(MODEL)}],
+            "accounts": [{"name": "bench", "limits": {"monthly_jobs_per_key": 1000000, "daily_tokens": 1000000000}}]}))
+        api = [str(target / "harvest-api"), "--config", str(tmp / "config.json")]
+        key = subprocess.run(api + ["create-key", "--account", "bench"], check=True, capture_output=True, text=True).stdout.strip()
+        server = subprocess.Popen(api + ["serve", "--listen", f"127.0.0.1:{PORT}"], stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "RUST_LOG": "warn"})
+        try:
+            for _ in range(100):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz")
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]})
+            target_path = f"/v1/harvest/{job['job_id']}"
+            stop = threading.Event()
+            counts = {"requests": 0, "jobs": 0}
+            samples = []
+
+            def mixed():
+                rng = random.Random(1)
+                last = None
+                while not stop.is_set():
+                    status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "layers": [3],
+                        "prompts": [" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(4)]})
+                    counts["requests"] += 1
+                    if status == 202:
+                        counts["jobs"] += 1
+                        last = job["job_id"]
+                    if last:
+                        _, seen = api_call("GET", f"/v1/harvest/{last}?wait=1", key)
+                        counts["requests"] += 1
+                        if rng.random() < 0.2 and seen.get("status") in ("pending", "running"):
+                            api_call("DELETE", f"/v1/harvest/{last}", key)
+                            counts["requests"] += 1
+                        for url in (seen.get("result") or {}).get("shard_urls", [])[:1]:
+                            urllib.request.urlopen(url).read()
+                            counts["requests"] += 1
+                    time.sleep(0.2)
+
+            def sample():
+                while not stop.wait(10):
+                    samples.append(footprint(server.pid))
+
+            threads = [threading.Thread(target=mixed), threading.Thread(target=sample)]
+            samples.append(footprint(server.pid))
+            for t in threads:
+                t.start()
+            os.environ["HARVEST_BENCH_PACED_S"] = str(seconds)
+            paced_polls(target_path, key)
+            stop.set()
+            for t in threads:
+                t.join()
+            samples.append(footprint(server.pid))
+            print(f"soak: {seconds:.0f} s, mixed traffic {counts['requests']} requests, {counts['jobs']} jobs submitted")
+            print(f"  server RSS KiB first {samples[0][0]}, after a quarter {samples[len(samples) // 4][0]}, last {samples[-1][0]}; "
+                  f"fds first {samples[0][1]}, max {max(s[1] for s in samples)}, last {samples[-1][1]}")
         finally:
             server.terminate()
             server.wait()
