@@ -14,6 +14,7 @@
 
 Workers are held back (max_workers 0), so the job stays pending and only the API is measured.
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -34,18 +35,19 @@ WORDS = ("residual stream features attention heads move information between posi
          "mlp writes new directions that probes read").split()
 
 
-def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--soak":
-        return soak(float(sys.argv[2]))
+@contextlib.contextmanager
+def running_server(max_workers, limits, **extra):
+    """Builds the release binaries, starts the embedded server on PORT with one account, and
+    yields it with a key; the server is stopped on exit."""
     subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester", "-p", "harvest-api"], cwd=ROOT, check=True)
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         (tmp / "config.json").write_text(json.dumps({
-            "data_dir": str(tmp / "data"), "harvester": str(target / "harvester"), "max_workers": 0,
-            "public_url": f"http://127.0.0.1:{PORT}",
+            "data_dir": str(tmp / "data"), "harvester": str(target / "harvester"), "max_workers": max_workers,
+            "public_url": f"http://127.0.0.1:{PORT}", **extra,
             "models": [{"name": "smollm2-135m", "path": str(MODEL)}],
-            "accounts": [{"name": "bench", "limits": {"monthly_jobs_per_key": 100000}}]}))
+            "accounts": [{"name": "bench", "limits": limits}]}))
         api = [str(target / "harvest-api"), "--config", str(tmp / "config.json")]
         key = subprocess.run(api + ["create-key", "--account", "bench"], check=True, capture_output=True, text=True).stdout.strip()
         server = subprocess.Popen(api + ["serve", "--listen", f"127.0.0.1:{PORT}"], stderr=subprocess.DEVNULL,
@@ -57,38 +59,45 @@ def main():
                     break
                 except OSError:
                     time.sleep(0.1)
-            rng = random.Random(0)
-            prompts = [" ".join(rng.choice(WORDS) for _ in range(462)) for _ in range(4096)]
-            body = json.dumps({"model": "smollm2-135m", "prompts": prompts}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/harvest", data=body, method="POST",
-                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-            start = time.perf_counter()
-            try:
-                with urllib.request.urlopen(req) as r:
-                    status, job = r.status, json.load(r)
-            except urllib.error.HTTPError as e:
-                status, job = e.code, json.load(e)
-            took = time.perf_counter() - start
-            print(f"counting: 4096 prompts, {len(body) / 1e6:.1f} MB body -> HTTP {status} in {took:.2f} s")
-            if status != 202:
-                print(f"  {job}")
-                return 1
-            print(f"  reserved_tokens {job['reserved_tokens']} (bytes + 1 per prompt)")
-            url = f"http://127.0.0.1:{PORT}/v1/harvest/{job['job_id']}"
-            paced_polls(f"/v1/harvest/{job['job_id']}", key)
-            if not shutil.which("wrk"):
-                print("status polls: wrk is not installed (apt-get install wrk); skipped")
-                return 0
-            for connections in (8, 32):
-                out = subprocess.run(["wrk", "-t2", f"-c{connections}", "-d10s", "--latency", "-H",
-                                      f"Authorization: Bearer {key}", url], capture_output=True, text=True).stdout
-                rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
-                p50 = re.search(r"50%\s+(\S+)", out).group(1)
-                p99 = re.search(r"99%\s+(\S+)", out).group(1)
-                print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
+            yield server, key
         finally:
             server.terminate()
             server.wait()
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--soak":
+        return soak(float(sys.argv[2]))
+    with running_server(max_workers=0, limits={"monthly_jobs_per_key": 100000}) as (server, key):
+        rng = random.Random(0)
+        prompts = [" ".join(rng.choice(WORDS) for _ in range(462)) for _ in range(4096)]
+        body = json.dumps({"model": "smollm2-135m", "prompts": prompts}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/harvest", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        start = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req) as r:
+                status, job = r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            status, job = e.code, json.load(e)
+        took = time.perf_counter() - start
+        print(f"counting: 4096 prompts, {len(body) / 1e6:.1f} MB body -> HTTP {status} in {took:.2f} s")
+        if status != 202:
+            print(f"  {job}")
+            return 1
+        print(f"  reserved_tokens {job['reserved_tokens']} (bytes + 1 per prompt)")
+        url = f"http://127.0.0.1:{PORT}/v1/harvest/{job['job_id']}"
+        paced_polls(f"/v1/harvest/{job['job_id']}", key)
+        if not shutil.which("wrk"):
+            print("status polls: wrk is not installed (apt-get install wrk); skipped")
+            return 0
+        for connections in (8, 32):
+            out = subprocess.run(["wrk", "-t2", f"-c{connections}", "-d10s", "--latency", "-H",
+                                  f"Authorization: Bearer {key}", url], capture_output=True, text=True).stdout
+            rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
+            p50 = re.search(r"50%\s+(\S+)", out).group(1)
+            p99 = re.search(r"99%\s+(\S+)", out).group(1)
+            print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
     return 0
 
 
@@ -111,73 +120,52 @@ def footprint(pid):
 def soak(seconds):
     """Polls paced at 1,000/s for `seconds`, beside mixed traffic with real jobs."""
     import threading
-    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester", "-p", "harvest-api"], cwd=ROOT, check=True)
-    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        (tmp / "config.json").write_text(json.dumps({
-            "data_dir": str(tmp / "data"), "harvester": str(target / "harvester"), "max_workers": 1,
-            "worker_threads": 1, "public_url": f"http://127.0.0.1:{PORT}",
-            "models": [{"name": "smollm2-135m", "path": str(MODEL)}],
-            "accounts": [{"name": "bench", "limits": {"monthly_jobs_per_key": 1000000, "daily_tokens": 1000000000}}]}))
-        api = [str(target / "harvest-api"), "--config", str(tmp / "config.json")]
-        key = subprocess.run(api + ["create-key", "--account", "bench"], check=True, capture_output=True, text=True).stdout.strip()
-        server = subprocess.Popen(api + ["serve", "--listen", f"127.0.0.1:{PORT}"], stderr=subprocess.DEVNULL,
-                                  env={**os.environ, "RUST_LOG": "warn"})
-        try:
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz")
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]})
-            target_path = f"/v1/harvest/{job['job_id']}"
-            stop = threading.Event()
-            counts = {"requests": 0, "jobs": 0}
-            samples = []
+    with running_server(max_workers=1, limits={"monthly_jobs_per_key": 1000000, "daily_tokens": 1000000000},
+                        worker_threads=1) as (server, key):
+        status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]})
+        target_path = f"/v1/harvest/{job['job_id']}"
+        stop = threading.Event()
+        counts = {"requests": 0, "jobs": 0}
+        samples = []
 
-            def mixed():
-                rng = random.Random(1)
-                last = None
-                while not stop.is_set():
-                    status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "layers": [3],
-                        "prompts": [" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(4)]})
+        def mixed():
+            rng = random.Random(1)
+            last = None
+            while not stop.is_set():
+                status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "layers": [3],
+                    "prompts": [" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(4)]})
+                counts["requests"] += 1
+                if status == 202:
+                    counts["jobs"] += 1
+                    last = job["job_id"]
+                if last:
+                    _, seen = api_call("GET", f"/v1/harvest/{last}?wait=1", key)
                     counts["requests"] += 1
-                    if status == 202:
-                        counts["jobs"] += 1
-                        last = job["job_id"]
-                    if last:
-                        _, seen = api_call("GET", f"/v1/harvest/{last}?wait=1", key)
+                    if rng.random() < 0.2 and seen.get("status") in ("pending", "running"):
+                        api_call("DELETE", f"/v1/harvest/{last}", key)
                         counts["requests"] += 1
-                        if rng.random() < 0.2 and seen.get("status") in ("pending", "running"):
-                            api_call("DELETE", f"/v1/harvest/{last}", key)
-                            counts["requests"] += 1
-                        for url in (seen.get("result") or {}).get("shard_urls", [])[:1]:
-                            urllib.request.urlopen(url).read()
-                            counts["requests"] += 1
-                    time.sleep(0.2)
+                    for url in (seen.get("result") or {}).get("shard_urls", [])[:1]:
+                        urllib.request.urlopen(url).read()
+                        counts["requests"] += 1
+                time.sleep(0.2)
 
-            def sample():
-                while not stop.wait(10):
-                    samples.append(footprint(server.pid))
+        def sample():
+            while not stop.wait(10):
+                samples.append(footprint(server.pid))
 
-            threads = [threading.Thread(target=mixed), threading.Thread(target=sample)]
-            samples.append(footprint(server.pid))
-            for t in threads:
-                t.start()
-            os.environ["HARVEST_BENCH_PACED_S"] = str(seconds)
-            paced_polls(target_path, key)
-            stop.set()
-            for t in threads:
-                t.join()
-            samples.append(footprint(server.pid))
-            print(f"soak: {seconds:.0f} s, mixed traffic {counts['requests']} requests, {counts['jobs']} jobs submitted")
-            print(f"  server RSS KiB first {samples[0][0]}, after a quarter {samples[len(samples) // 4][0]}, last {samples[-1][0]}; "
-                  f"fds first {samples[0][1]}, max {max(s[1] for s in samples)}, last {samples[-1][1]}")
-        finally:
-            server.terminate()
-            server.wait()
+        threads = [threading.Thread(target=mixed), threading.Thread(target=sample)]
+        samples.append(footprint(server.pid))
+        for t in threads:
+            t.start()
+        os.environ["HARVEST_BENCH_PACED_S"] = str(seconds)
+        paced_polls(target_path, key)
+        stop.set()
+        for t in threads:
+            t.join()
+        samples.append(footprint(server.pid))
+        print(f"soak: {seconds:.0f} s, mixed traffic {counts['requests']} requests, {counts['jobs']} jobs submitted")
+        print(f"  server RSS KiB first {samples[0][0]}, after a quarter {samples[len(samples) // 4][0]}, last {samples[-1][0]}; "
+              f"fds first {samples[0][1]}, max {max(s[1] for s in samples)}, last {samples[-1][1]}")
     return 0
 
 
