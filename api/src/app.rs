@@ -250,13 +250,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         tracing::info_span!("request", request_id = %id, method = %request.method(), path = %request.uri().path())
     });
     Router::new()
-        .route("/v1/harvest", post(routes::submit))
+        .route("/v1/harvest", post(routes::submit).get(routes::list))
+        .route("/v1/account", get(routes::account))
         .route(
             "/v1/harvest/{job_id}",
             get(routes::status).delete(routes::cancel),
         )
         .route("/v1/models", get(routes::models))
         .route("/files/{job_id}/{file}", get(routes::download))
+        .route("/", get(crate::page::index))
+        .route("/page/{file}", get(crate::page::asset))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(routes::ready))
         .route("/metrics", get(routes::metrics))

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::listing::{JobFilter, JobPage, Usage};
 use crate::store::JobRecord;
 use crate::wire::{JobResult, Submission};
 
@@ -37,6 +38,12 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
 
     /// A job by id, whoever owns it (the handlers check ownership).
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, ApiError>;
+
+    /// A page of `account`'s jobs, newest first (`GET /v1/harvest`).
+    async fn list(&self, account: &str, filter: &JobFilter) -> Result<JobPage, ApiError>;
+
+    /// The caller's account: its lanes, budgets and storage against their limits.
+    async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError>;
 
     /// A receiver that ticks whenever any job may have changed.
     fn changes(&self) -> watch::Receiver<u64>;
@@ -153,6 +160,12 @@ mod tests {
         }
         async fn get(&self, _: &str) -> Result<Option<JobRecord>, ApiError> {
             Ok(Some(self.job.lock().unwrap().clone()))
+        }
+        async fn list(&self, _: &str, _: &JobFilter) -> Result<JobPage, ApiError> {
+            Err(ApiError::NotFound)
+        }
+        async fn usage(&self, _: &Caller) -> Result<Usage, ApiError> {
+            Err(ApiError::NotFound)
         }
         fn changes(&self) -> watch::Receiver<u64> {
             self.changes.subscribe()

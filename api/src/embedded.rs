@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use crate::backend::{Caller, JobBackend};
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::listing::{self, JobFilter, JobPage, Measure, Usage};
 use crate::paths::{JobPaths, now};
 use crate::signing::Links;
 use crate::store::{JobRecord, Outcome, Store, StoreError};
@@ -189,6 +190,52 @@ impl JobBackend for EmbeddedBackend {
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, ApiError> {
         let id = id.to_owned();
         self.store(move |s| s.job(&id)).await
+    }
+
+    async fn list(&self, account: &str, filter: &JobFilter) -> Result<JobPage, ApiError> {
+        let (account, query) = (account.to_owned(), filter.clone());
+        let page = self
+            .store(move |s| {
+                let filter = query;
+                let cursor = match &filter.after {
+                    Some(after) => match s.job(after)? {
+                        Some(job) if job.account == account => Some((job.created_at, job.id)),
+                        _ => return Ok(None),
+                    },
+                    None => None,
+                };
+                let cursor = cursor.as_ref().map(|(at, id)| (*at, id.as_str()));
+                let mut jobs = s.jobs_page(&account, filter.status, cursor, filter.limit + 1)?;
+                let has_more = jobs.len() > filter.limit;
+                jobs.truncate(filter.limit);
+                Ok(Some(JobPage { jobs, has_more }))
+            })
+            .await?;
+        page.ok_or_else(|| listing::unknown_cursor(filter.after.as_deref().unwrap_or_default()))
+    }
+
+    async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError> {
+        let caller = caller.clone();
+        let budget = self.storage.budgets.get(&caller.account).copied();
+        self.store(move |s| {
+            let at = now();
+            let (limits, ledger) = s.account(&caller.account)?;
+            let key_jobs = s.key_jobs_since(&caller.key_hash, at.month().start())?;
+            let stored = s.stored_bytes(&caller.account)?;
+            let storage = Some(Measure {
+                used: stored,
+                limit: budget,
+            });
+            Ok(Usage::new(
+                &caller.account,
+                &limits,
+                ledger,
+                key_jobs,
+                storage,
+                at,
+            ))
+        })
+        .await
     }
 
     fn changes(&self) -> watch::Receiver<u64> {

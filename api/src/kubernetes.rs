@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
-use harvest_core::quota::Lane;
+use harvest_core::quota::{AccountLimits, Book, Lane};
 use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
@@ -35,6 +35,7 @@ use tokio::sync::watch;
 use crate::backend::{Caller, JobBackend};
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::listing::{self, JobFilter, JobPage, Usage};
 use crate::paths::{JobPaths, now};
 use crate::signing::Links;
 use crate::storage::Storage;
@@ -314,6 +315,36 @@ impl JobBackend for KubeBackend {
         Ok(job.map(|j| record(&j)))
     }
 
+    /// The account's jobs from the cache, paged by the same rule as the embedded backend.
+    async fn list(&self, account: &str, filter: &JobFilter) -> Result<JobPage, ApiError> {
+        let jobs = self
+            .jobs
+            .store
+            .state()
+            .iter()
+            .filter(|j| j.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account))
+            .map(|j| record(j))
+            .collect();
+        listing::page(jobs, filter)
+    }
+
+    /// The account's books as the pre-check sees them (so the key's job count is what its
+    /// quota is checked against: admitted jobs and those waiting for admission). Storage is not
+    /// budgeted on Kubernetes.
+    async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError> {
+        let at = now();
+        let (book, limits) = self.books(&caller.account, &caller.key_hash, at)?;
+        let key_jobs = book.jobs_of(&key_ref(&caller.key_hash), at);
+        Ok(Usage::new(
+            &caller.account,
+            &limits,
+            book.ledger,
+            key_jobs,
+            None,
+            at,
+        ))
+    }
+
     /// Sets `cancel` and waits briefly for the operator to record the end.
     async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
         let job = self.get(id).await?.ok_or(ApiError::NotFound)?;
@@ -468,8 +499,8 @@ impl KubeBackend {
         }
     }
 
-    /// The REST pre-check: the account's books from the cache, with this replica's view of
-    /// its jobs that wait for admission added, checked by the same `core` rules.
+    /// The REST pre-check: the account's books as [`Self::books`] sees them, checked by the
+    /// same `core` rules.
     fn precheck(
         &self,
         account: &str,
@@ -478,6 +509,21 @@ impl KubeBackend {
         tokens: u64,
         now: UnixMillis,
     ) -> Result<(), ApiError> {
+        let (book, limits) = self.books(account, key_hash, now)?;
+        book.check(&limits, &key_ref(key_hash), lane, tokens, now)
+            .map_err(ApiError::Denied)
+    }
+
+    /// The account's books from the cache, with this replica's view of its jobs that wait for
+    /// admission added, and its limits. Each lane counts every unfinished API job of the
+    /// account in it (whether or not the account's status shows its hold yet), or the books'
+    /// count if that is higher.
+    fn books(
+        &self,
+        account: &str,
+        key_hash: &str,
+        now: UnixMillis,
+    ) -> Result<(Book, AccountLimits), ApiError> {
         let Some(found) = self.accounts.store.get(&ObjectRef::new(account)) else {
             return Err(ApiError::Internal {
                 detail: KubeBackendError::NoAccount(account.into()).to_string(),
@@ -486,19 +532,17 @@ impl KubeBackend {
         let status = found.status_or_default();
         let mut book = status.book(now);
         book.roll(now);
-        let key = format!("key:{}", key_id(key_hash));
         let mut waiting_jobs = 0;
-        // The lane counts every unfinished API job of the account (whether or not the account's
-        // status in the cache shows its hold yet), or the books' count if that is higher.
-        let mut unfinished_in_lane = 0;
+        let (mut unfinished_small, mut unfinished_large) = (0, 0);
         for job in self.jobs.store.state() {
             let s = job.status_or_default();
             let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
             if !mine || conditions::is_true(&s.conditions, FINISHED) {
                 continue;
             }
-            if job_lane(&job) == lane {
-                unfinished_in_lane += 1;
+            match job_lane(&job) {
+                Lane::Small => unfinished_small += 1,
+                Lane::Large => unfinished_large += 1,
             }
             if s.account.is_some() {
                 continue;
@@ -510,15 +554,16 @@ impl KubeBackend {
                 waiting_jobs += 1;
             }
         }
-        *book.key_jobs.entry(key.clone()).or_default() += waiting_jobs;
-        let active = match lane {
-            Lane::Small => &mut book.ledger.active_small,
-            Lane::Large => &mut book.ledger.active_large,
-        };
-        *active = (*active).max(unfinished_in_lane);
-        book.check(&found.spec.limits(), &key, lane, tokens, now)
-            .map_err(ApiError::Denied)
+        *book.key_jobs.entry(key_ref(key_hash)).or_default() += waiting_jobs;
+        book.ledger.active_small = book.ledger.active_small.max(unfinished_small);
+        book.ledger.active_large = book.ledger.active_large.max(unfinished_large);
+        Ok((book, found.spec.limits()))
     }
+}
+
+/// A key's entry in an account's books.
+fn key_ref(key_hash: &str) -> String {
+    format!("key:{}", key_id(key_hash))
 }
 
 fn job_lane(job: &HarvestJob) -> Lane {

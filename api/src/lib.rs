@@ -11,7 +11,8 @@
 //!            backend::JobBackend ─┬─ embedded: store (SQLite) + workers (harvester processes)
 //!                                 └─ kubernetes: HarvestJobs, watch caches, storage (S3)
 //! ```
-//! `app` holds the state and the router, `routes` the handlers, `signing` the links this
+//! `app` holds the state and the router, `routes` the handlers (`listing` the job list and the
+//! account's usage, `page` the status page's built-in files), `signing` the links this
 //! server signs, `paths` where a job's files live, and `server` wires one backend up and
 //! serves until shutdown.
 #![forbid(unsafe_code)]
@@ -25,8 +26,10 @@ pub mod counting;
 pub mod embedded;
 pub mod error;
 pub mod kubernetes;
+pub mod listing;
 pub mod openapi;
 pub mod paths;
+pub mod page;
 pub mod routes;
 pub mod server;
 pub mod signing;

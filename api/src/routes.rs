@@ -10,7 +10,8 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::{Json, extract::rejection::JsonRejection};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::Json;
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::shard_file_name;
 use serde::Deserialize;
@@ -21,6 +22,7 @@ use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
 use crate::counting::{self, Counted};
 use crate::error::ApiError;
+use crate::listing::{JobFilter, JobList, Usage};
 use crate::paths::{JobPaths, now};
 use crate::store::{JobRecord, JobSpec};
 use crate::wire::{self, HarvestRequest, JobView, Submission};
@@ -134,7 +136,8 @@ pub(crate) async fn submit(
 /// The record of a job about to be submitted.
 fn new_job(caller: &Caller, submission: &Submission, estimated_bytes: u64) -> JobRecord {
     JobRecord {
-        id: uuid::Uuid::new_v4().to_string(),
+        // Time-ordered, so jobs made in the same millisecond still list in the order they came.
+        id: uuid::Uuid::now_v7().to_string(),
         run_id: uuid::Uuid::new_v4().to_string(),
         account: caller.account.clone(),
         key_hash: caller.key_hash.clone(),
@@ -216,8 +219,7 @@ async fn count_tokens(
 
 /// The job as answered, with fresh links for a done job whose files are kept.
 async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
-    let mut result = None;
-    let (mut urls_expire_at, mut urls_expired) = (None, None);
+    let mut view = summary(job);
     if job.status == JobStatus::Done {
         match state.backend.result(job).await? {
             Some(mut r) => {
@@ -232,13 +234,19 @@ async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
                 r.manifest_url = urls.next().unwrap_or_default();
                 r.stats_url = urls.next().unwrap_or_default();
                 r.shard_urls = urls.collect();
-                result = Some(r);
-                urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
+                view.result = Some(r);
+                view.urls_expire_at =
+                    Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
             }
-            None => urls_expired = Some(true),
+            None => view.urls_expired = Some(true),
         }
     }
-    Ok(JobView {
+    Ok(view)
+}
+
+/// The job as answered, without its result: what the list shows of each job.
+fn summary(job: &JobRecord) -> JobView {
+    JobView {
         job_id: job.id.clone(),
         run_id: job.run_id.clone(),
         status: job.status,
@@ -250,14 +258,14 @@ async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
         created_at: job.created_at.to_iso8601(),
         started_at: wire::timestamp(job.started_at),
         completed_at: wire::timestamp(job.completed_at),
-        result,
-        urls_expire_at,
-        urls_expired,
+        result: None,
+        urls_expire_at: None,
+        urls_expired: None,
         error: job.error.clone(),
         progress: (job.status == JobStatus::Running)
             .then(|| job.progress.clone())
             .flatten(),
-    })
+    }
 }
 
 /// Looks up the caller's own job; an unknown id and another account's job look the same.
@@ -328,6 +336,45 @@ pub(crate) async fn status(
         .filter(|job| job.account == caller.account)
         .ok_or(ApiError::NotFound)?;
     Ok(Json(view(&state, &job).await?).into_response())
+}
+
+/// The caller's account's jobs, newest first, a page at a time (our extension).
+#[utoipa::path(get, tag = "harvest", path = "/v1/harvest", security(("bearer" = [])),
+    params(("limit" = Option<usize>, Query, description = "Jobs in the page, 1 to 100 (default 20)"),
+        ("after" = Option<String>, Query, description = "Only jobs older than this one: the next_after of the previous page"),
+        ("status" = Option<String>, Query, description = "Only jobs in this status: pending, running, done, failed or cancelled")),
+    responses((status = 200, description = "A page of jobs, each without its result (GET the job for its links)", body = JobList),
+        (status = 400, description = "invalid_request, naming the parameter", body = crate::openapi::ErrorEnvelope),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn list(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+    query: Result<Query<std::collections::BTreeMap<String, String>>, QueryRejection>,
+) -> Result<Json<JobList>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let filter = JobFilter::parse(&query)?;
+    let page = state.backend.list(&caller.account, &filter).await?;
+    let next_after = page
+        .has_more
+        .then(|| page.jobs.last().map(|j| j.id.clone()))
+        .flatten();
+    Ok(Json(JobList {
+        data: page.jobs.iter().map(summary).collect(),
+        has_more: page.has_more,
+        next_after,
+    }))
+}
+
+/// The caller's account: lanes, token budgets, the key's job quota and storage, each used
+/// against its limit (our extension).
+#[utoipa::path(get, tag = "harvest", path = "/v1/account", security(("bearer" = [])),
+    responses((status = 200, description = "The account's usage", body = Usage),
+        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope)))]
+pub(crate) async fn account(
+    State(state): State<Arc<AppState>>,
+    caller: Caller,
+) -> Result<Json<Usage>, ApiError> {
+    Ok(Json(state.backend.usage(&caller).await?))
 }
 
 /// Cancel a pending or running harvest job.

@@ -127,6 +127,7 @@ CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, run_id TEXT NOT NULL, acco
   completed_at INTEGER, result TEXT, error TEXT, progress TEXT, hold TEXT, spec TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_key ON jobs (key_hash, created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
+CREATE INDEX IF NOT EXISTS jobs_by_account ON jobs (account, created_at);
 ";
 
 /// The hash under which a key is stored: hex sha256 of the key.
@@ -581,6 +582,47 @@ impl Store {
             .query_map([account], job_from_row)?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         rows.into_iter().map(finish_job).collect()
+    }
+
+    /// Up to `limit` of `account`'s jobs, newest first (ties by id, descending), only those in
+    /// `status` if given, and only those before `cursor` (a job's creation time and id) if
+    /// given: one page of `GET /v1/harvest`.
+    pub fn jobs_page(
+        &self,
+        account: &str,
+        status: Option<JobStatus>,
+        cursor: Option<(UnixMillis, &str)>,
+        limit: usize,
+    ) -> Result<Vec<JobRecord>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE account = ?1 AND (?2 IS NULL OR status = ?2)
+             AND (?3 IS NULL OR created_at < ?3 OR (created_at = ?3 AND id < ?4))
+             ORDER BY created_at DESC, id DESC LIMIT ?5"
+        ))?;
+        let rows = stmt
+            .query_map(
+                params![
+                    account,
+                    status.map(JobStatus::as_str),
+                    cursor.map(|(at, _)| at.0),
+                    cursor.map(|(_, id)| id),
+                    limit as i64
+                ],
+                job_from_row,
+            )?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        rows.into_iter().map(finish_job).collect()
+    }
+
+    /// Jobs the key submitted since `since` (its monthly quota's count).
+    pub fn key_jobs_since(&self, key_hash: &str, since: UnixMillis) -> Result<u32> {
+        let n: i64 = self.conn().query_row(
+            "SELECT COUNT(*) FROM jobs WHERE key_hash = ?1 AND created_at >= ?2",
+            params![key_hash, since.0],
+            |r| r.get(0),
+        )?;
+        Ok(n as u32)
     }
 
     /// Ended jobs whose files are still kept and that ended before `cutoff`: what the

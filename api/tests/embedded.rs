@@ -60,12 +60,13 @@ fn a_rest_submit_with_project_onto_returns_the_activations_times_the_unit_direct
 }
 
 #[test]
-fn keys_unknown_jobs_the_account_lane_and_revocation_answer_as_the_contract_says() {
+fn keys_unknown_jobs_the_account_lane_the_job_list_and_revocation_answer_as_the_contract_says() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let server = start(&write_config(dir.path(), port, 1), port);
     let key = create_key(&server.config, "other");
     lane_flow(&server, &key);
+    list_flow(&server, &key, &create_key(&server.config, "acme"));
     revoke_flow(&server, &key, &[]);
 }
 

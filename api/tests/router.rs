@@ -800,7 +800,7 @@ async fn unknown_routes_and_wrong_methods_answer_in_the_json_envelope() {
     for (method, uri) in [
         ("PUT", "/v1/models"),
         ("PATCH", "/v1/harvest/071fa547-0000-4000-8000-000000000000"),
-        ("GET", "/v1/harvest"),
+        ("PUT", "/v1/harvest"),
     ] {
         let (status, _, body) = call(&f.state, method, uri, Some(&f.key), None).await;
         assert_eq!(
@@ -874,4 +874,144 @@ async fn an_account_past_its_storage_budget_gets_507_and_others_do_not() {
     )
     .await;
     assert_eq!(status, StatusCode::ACCEPTED);
+}
+
+/// Every page of `GET /v1/harvest` for `key` with `query`, walked by `next_after`: the ids.
+async fn list_all(f: &Fixture, key: &str, query: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    let mut after = String::new();
+    loop {
+        let uri = format!("/v1/harvest?{query}{after}");
+        let (status, _, page) = call(&f.state, "GET", &uri, Some(key), None).await;
+        assert_eq!(status, StatusCode::OK, "{uri}: {page}");
+        for job in page["data"].as_array().unwrap() {
+            assert!(job.get("result").is_none(), "{job}");
+            ids.push(job["job_id"].as_str().unwrap().to_owned());
+        }
+        if !page["has_more"].as_bool().unwrap() {
+            assert!(page["next_after"].is_null(), "{page}");
+            return ids;
+        }
+        after = format!("&after={}", page["next_after"].as_str().unwrap());
+    }
+}
+
+#[tokio::test]
+async fn the_job_list_pages_the_accounts_own_jobs_newest_first_and_filters_by_status() {
+    let f = default_fixture().await;
+    let mut submitted = Vec::new();
+    for _ in 0..3 {
+        let (status, _, job) = submit(&f, seed_body()).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+        submitted.push(job["job_id"].as_str().unwrap().to_owned());
+    }
+    let (status, _, _) = call(
+        &f.state,
+        "DELETE",
+        &format!("/v1/harvest/{}", submitted[1]),
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let newest_first: Vec<String> = submitted.iter().rev().cloned().collect();
+    assert_eq!(list_all(&f, &f.key, "limit=1").await, newest_first);
+    assert_eq!(list_all(&f, &f.key, "").await, newest_first);
+    assert_eq!(
+        list_all(&f, &f.key, "status=cancelled&limit=1").await,
+        [submitted[1].clone()]
+    );
+    assert_eq!(
+        list_all(&f, &f.key, "status=pending").await,
+        [submitted[2].clone(), submitted[0].clone()]
+    );
+    assert!(list_all(&f, &f.other_key, "").await.is_empty());
+    // Another account's job is not a cursor for this one.
+    let uri = format!("/v1/harvest?after={}", submitted[0]);
+    let (status, _, answer) = call(&f.state, "GET", &uri, Some(&f.other_key), None).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_request")),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&submitted[0]),
+        "{answer}"
+    );
+    for (query, needle) in [
+        ("limit=0", "limit=\"0\""),
+        ("limit=500", "limit=\"500\""),
+        ("status=finished", "status=\"finished\""),
+        ("after=nope", "after=\"nope\""),
+        ("cursor=x", "\"cursor\""),
+    ] {
+        let uri = format!("/v1/harvest?{query}");
+        let (status, _, answer) = call(&f.state, "GET", &uri, Some(&f.key), None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {answer}");
+        assert!(
+            answer["error"]["message"].as_str().unwrap().contains(needle),
+            "{uri}: {answer}"
+        );
+    }
+    let (status, _, _) = call(&f.state, "GET", "/v1/harvest", None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn the_account_answer_counts_running_lanes_held_tokens_and_the_keys_jobs() {
+    let f = fixture(
+        present_harvester(),
+        AccountLimits {
+            daily_tokens: Some(1_000_000),
+            ..AccountLimits::default()
+        },
+    )
+    .await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let reserved = job["reserved_tokens"].as_u64().unwrap();
+    let (status, _, usage) = call(&f.state, "GET", "/v1/account", Some(&f.key), None).await;
+    assert_eq!(status, StatusCode::OK, "{usage}");
+    assert_eq!(usage["lanes"]["small"], serde_json::json!({"used": 1, "limit": 3}));
+    assert_eq!(usage["lanes"]["large"], serde_json::json!({"used": 0, "limit": 1}));
+    assert_eq!(
+        usage["tokens"]["daily"],
+        serde_json::json!({"used": reserved, "limit": 1_000_000})
+    );
+    assert_eq!(usage["tokens"]["monthly"]["limit"], serde_json::Value::Null);
+    assert_eq!(usage["key_jobs_this_month"]["used"], 1);
+    assert!(usage["storage_bytes"]["used"].as_u64().unwrap() > 0, "{usage}");
+    let (_, _, theirs) = call(&f.state, "GET", "/v1/account", Some(&f.other_key), None).await;
+    assert_eq!(theirs["lanes"]["small"]["used"], 0, "{theirs}");
+    assert_ne!(theirs["account"], usage["account"]);
+}
+
+#[tokio::test]
+async fn the_status_page_and_its_files_are_served_with_a_same_origin_policy() {
+    let f = default_fixture().await;
+    for (uri, kind) in [
+        ("/", "text/html"),
+        ("/page/app.js", "text/javascript"),
+        ("/page/style.css", "text/css"),
+    ] {
+        let response = router(Arc::clone(&f.state))
+            .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{uri}");
+        let headers = response.headers();
+        assert!(
+            headers["content-type"].to_str().unwrap().starts_with(kind),
+            "{uri}"
+        );
+        let policy = headers["content-security-policy"].to_str().unwrap();
+        assert!(policy.contains("default-src 'none'") && policy.contains("script-src 'self'"));
+    }
+    let (status, _, answer) = call(&f.state, "GET", "/page/other.js", None, None).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
 }

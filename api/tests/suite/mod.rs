@@ -514,3 +514,54 @@ pub fn revoke_flow(server: &Server, key: &str, env: &[(&str, &str)]) {
     }
     assert!(!revoke_key_with(&server.config, key, env), "revoked twice");
 }
+
+/// After [`lane_flow`] (its jobs all cancelled): `GET /v1/harvest` walks the key's account's jobs
+/// newest first, a page at a time, filters by status, and shows none of them to another
+/// account; `GET /v1/account` counts them against the key's monthly quota.
+pub fn list_flow(server: &Server, key: &str, other_key: &str) {
+    let walk = |key: &str, query: &str| {
+        let mut jobs: Vec<Value> = Vec::new();
+        let mut after = String::new();
+        loop {
+            let url = format!("{}/v1/harvest?limit=2{query}{after}", server.base);
+            let (status, page) = request("GET", &url, key, None);
+            assert_eq!(status, 200, "{url}: {page}");
+            jobs.extend(page["data"].as_array().unwrap().iter().cloned());
+            match page["next_after"].as_str() {
+                Some(next) => after = format!("&after={next}"),
+                None => return jobs,
+            }
+        }
+    };
+    let all = walk(key, "");
+    assert!(all.len() >= 4, "lane_flow made at least four jobs: {all:?}");
+    let created: Vec<&str> = all
+        .iter()
+        .map(|j| j["created_at"].as_str().unwrap())
+        .collect();
+    assert!(
+        created.windows(2).all(|w| w[0] >= w[1]),
+        "newest first: {created:?}"
+    );
+    let ids: Vec<&str> = all.iter().map(|j| j["job_id"].as_str().unwrap()).collect();
+    let unique: std::collections::BTreeSet<&str> = ids.iter().copied().collect();
+    assert_eq!(unique.len(), ids.len(), "each job once: {ids:?}");
+    assert!(all.iter().all(|j| j["status"] == "cancelled"), "{all:?}");
+    let cancelled = walk(key, "&status=cancelled");
+    assert_eq!(cancelled, all);
+    assert!(walk(key, "&status=done").is_empty());
+    let theirs = walk(other_key, "");
+    assert!(
+        theirs
+            .iter()
+            .all(|j| !unique.contains(j["job_id"].as_str().unwrap())),
+        "another account sees none of them: {theirs:?}"
+    );
+    let (status, usage) = request("GET", &format!("{}/v1/account", server.base), key, None);
+    assert_eq!(status, 200, "{usage}");
+    // Embedded counts every job the key made this month; Kubernetes only those the operator
+    // admitted or that wait for it, so a job cancelled before admission is not counted there.
+    let counted = usage["key_jobs_this_month"]["used"].as_u64().unwrap();
+    assert!(counted <= ids.len() as u64, "{usage}");
+    assert_eq!(usage["lanes"]["small"]["limit"], 3, "{usage}");
+}
