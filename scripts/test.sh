@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model and installs the
-# test-only tools (both cached in ~/.cache/harvest), then runs every test of the workspace and
-# closes with one line that adds up all test binaries.
+# test-only tools (both cached in ~/.cache/harvest), runs every test of the workspace, then
+# installs the Python client (clients/python) and runs its pytest suite against the binaries
+# cargo just built (the status page's browser test included), and closes with one line that
+# adds up both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
@@ -14,6 +16,12 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --all-targets "$@" 2>&1 | tee "$log" || status=$?
+# The client as a user installs it (its `harvest` command included), against the debug binaries.
+"$tools/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+  --force-reinstall ./clients/python >&2
+PATH=$tools:$PATH HARVEST_BIN_DIR=${CARGO_TARGET_DIR:-$PWD/target}/debug \
+  "$tools/python" -m pytest -q -p no:cacheprovider clients/python/tests 2>&1 | tee -a "$log" || status=$?
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     /^[0-9]+ (passed|failed)|^=+ .*(passed|failed)/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "harvest: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

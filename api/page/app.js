@@ -60,13 +60,31 @@ function count(n) {
   return n === null || n === undefined ? "—" : Number(n).toLocaleString();
 }
 
+function bytes(n) {
+  const units = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+  let value = Number(n);
+  let i = 0;
+  while (value >= 1024 && i < units.length - 1) {
+    value /= 1024;
+    i += 1;
+  }
+  return i === 0 ? `${value} bytes` : `${value.toFixed(1)} ${units[i]}`;
+}
+
+function amount(n, unit) {
+  return unit === "bytes" ? bytes(n) : `${count(n)} ${unit}`;
+}
+
 function measure(label, m, unit) {
   const wrap = document.createElement("div");
   const dt = document.createElement("dt");
   dt.textContent = label;
   const dd = document.createElement("dd");
-  const limit = m.limit === null ? "no limit" : `${count(m.limit)} ${unit}`;
-  dd.textContent = `${count(m.used)} of ${limit}`;
+  dd.textContent =
+    m.limit === null
+      ? `${amount(m.used, unit)} (no limit)`
+      : `${count(m.used)} of ${amount(m.limit, unit)}`;
+  if (unit === "bytes" && m.limit !== null) dd.textContent = `${bytes(m.used)} of ${bytes(m.limit)}`;
   wrap.append(dt, dd);
   if (m.limit !== null) {
     const meter = document.createElement("meter");
@@ -172,6 +190,33 @@ function row(job) {
   return tr;
 }
 
+/**
+ * Puts the rows in place, keeping each row whose job has not changed (so a refresh does not
+ * take the keyboard focus away), and moving the focus to the same control of a replaced row.
+ */
+function renderRows(jobs) {
+  const body = $("job-rows");
+  const old = new Map([...body.children].map((tr) => [tr.dataset.jobId, tr]));
+  const focused = document.activeElement;
+  const focusedRow = focused && body.contains(focused) ? focused.closest("tr") : null;
+  const rows = jobs.map((job) => {
+    const signature = JSON.stringify([job.status, job.progress, job.tokens, job.completed_at, job.error]);
+    const existing = old.get(job.job_id);
+    if (existing && existing.dataset.signature === signature) return existing;
+    const fresh = row(job);
+    fresh.dataset.signature = signature;
+    return fresh;
+  });
+  rows.forEach((tr, i) => {
+    if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null);
+  });
+  while (body.children.length > rows.length) body.lastElementChild.remove();
+  if (focusedRow && !focusedRow.isConnected) {
+    const again = body.querySelector(`tr[data-job-id="${focusedRow.dataset.jobId}"] button.${focused.className}`);
+    if (again) again.focus();
+  }
+}
+
 async function refresh() {
   if (!key()) return;
   try {
@@ -191,7 +236,7 @@ async function refresh() {
     }
     const usage = await api("GET", "/v1/account");
     renderUsage(usage);
-    $("job-rows").replaceChildren(...jobs.map(row));
+    renderRows(jobs);
     $("no-jobs").hidden = jobs.length > 0;
     $("more").hidden = !hasMore;
     $("jobs-section").hidden = false;

@@ -6,6 +6,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
 use crate::catalogue::ModelView;
+use crate::listing::{JobList, LaneUsage, Measure, TokenUsage, Usage};
 use crate::wire::{HarvestRequest, JobResult, JobView, Progress, ProjectOnto, ResultTimings};
 
 /// The error envelope every error is answered with.
@@ -49,8 +50,8 @@ impl Modify for BearerAuth {
 #[derive(Debug, OpenApi)]
 #[openapi(
     info(title = "harvest", description = "Bulk harvesting of residual-stream activations. See docs/api.md.", version = "1"),
-    paths(crate::routes::submit, crate::routes::status, crate::routes::cancel, crate::routes::models),
-    components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody)),
+    paths(crate::routes::submit, crate::routes::status, crate::routes::cancel, crate::routes::models, crate::routes::list, crate::routes::account),
+    components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody, JobList, Usage, Measure, LaneUsage, TokenUsage)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

@@ -27,7 +27,10 @@ fn serve(body: &'static str, content_type: &'static str) -> Response {
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
-    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     // A new binary may ship a new page; the files are small.
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response

@@ -178,7 +178,8 @@ fn the_seed_flow_on_kubernetes_long_polls_and_downloads_the_bytes_of_a_direct_ru
 }
 
 #[test]
-fn keys_unknown_jobs_the_account_lane_the_job_list_and_revocation_answer_on_kubernetes_as_the_contract_says() {
+fn keys_unknown_jobs_the_account_lane_the_job_list_and_revocation_answer_on_kubernetes_as_the_contract_says()
+ {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let cluster = cluster(dir.path(), port);

@@ -952,7 +952,10 @@ async fn the_job_list_pages_the_accounts_own_jobs_newest_first_and_filters_by_st
         let (status, _, answer) = call(&f.state, "GET", &uri, Some(&f.key), None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {answer}");
         assert!(
-            answer["error"]["message"].as_str().unwrap().contains(needle),
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(needle),
             "{uri}: {answer}"
         );
     }
@@ -974,15 +977,24 @@ async fn the_account_answer_counts_running_lanes_held_tokens_and_the_keys_jobs()
     let reserved = job["reserved_tokens"].as_u64().unwrap();
     let (status, _, usage) = call(&f.state, "GET", "/v1/account", Some(&f.key), None).await;
     assert_eq!(status, StatusCode::OK, "{usage}");
-    assert_eq!(usage["lanes"]["small"], serde_json::json!({"used": 1, "limit": 3}));
-    assert_eq!(usage["lanes"]["large"], serde_json::json!({"used": 0, "limit": 1}));
+    assert_eq!(
+        usage["lanes"]["small"],
+        serde_json::json!({"used": 1, "limit": 3})
+    );
+    assert_eq!(
+        usage["lanes"]["large"],
+        serde_json::json!({"used": 0, "limit": 1})
+    );
     assert_eq!(
         usage["tokens"]["daily"],
         serde_json::json!({"used": reserved, "limit": 1_000_000})
     );
     assert_eq!(usage["tokens"]["monthly"]["limit"], serde_json::Value::Null);
     assert_eq!(usage["key_jobs_this_month"]["used"], 1);
-    assert!(usage["storage_bytes"]["used"].as_u64().unwrap() > 0, "{usage}");
+    assert!(
+        usage["storage_bytes"]["used"].as_u64().unwrap() > 0,
+        "{usage}"
+    );
     let (_, _, theirs) = call(&f.state, "GET", "/v1/account", Some(&f.other_key), None).await;
     assert_eq!(theirs["lanes"]["small"]["used"], 0, "{theirs}");
     assert_ne!(theirs["account"], usage["account"]);

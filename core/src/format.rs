@@ -90,6 +90,22 @@ pub struct Manifest {
     pub stats_tokens: u64,
     /// Per kept layer, the mean L2 norm of the captured vectors.
     pub mean_token_norm: Vec<f64>,
+    /// `stats.safetensors`'s size and checksum, so a download can be verified like a shard's.
+    /// Absent from manifests written before it was added.
+    #[serde(default)]
+    pub stats_file: Option<FileDigest>,
+}
+
+/// A file's name, size and sha256, as the manifest records them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileDigest {
+    /// File name, relative to the manifest.
+    pub file: String,
+    /// Its size.
+    pub bytes: u64,
+    /// Lowercase hex sha256 of its bytes.
+    pub sha256: String,
 }
 
 /// The model, as recorded in the manifest.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use harvest_core::RunningStats;
 use harvest_core::format::{
-    self, Contents, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
 };
 use harvest_core::plan::shard_file_name;
 
@@ -73,8 +73,18 @@ pub(super) fn build_outputs(
         statistics: job.contents.statistics().to_owned(),
         stats_tokens: stats.first().map_or(0, RunningStats::count),
         mean_token_norm: stats.iter().map(RunningStats::mean_norm).collect(),
+        stats_file: None,
     };
-    Ok((manifest, stats_file(&stats)?))
+    let stats_bytes = stats_file(&stats)?;
+    let manifest = Manifest {
+        stats_file: Some(FileDigest {
+            file: super::STATS_FILE.to_owned(),
+            bytes: stats_bytes.len() as u64,
+            sha256: super::shard::sha256_hex(&stats_bytes),
+        }),
+        ..manifest
+    };
+    Ok((manifest, stats_bytes))
 }
 
 /// A shard's manifest entry, from its record.

@@ -1,0 +1,249 @@
+"""The ``harvest`` command: models, submit, status, cancel and download, with human output by
+default and ``--json`` for scripts. Errors print one line and exit 1 (2 for bad usage)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import errors
+from .client import Client, Job
+
+
+def read_prompts(path: Path) -> List[str]:
+    """Prompts from a file: JSONL (one JSON string, or an object with ``prompt`` or ``text``,
+    per line), JSON (a list of strings, or ``{"prompts": [...]}``), or plain text (one prompt
+    per non-empty line). The format comes from the extension (``.jsonl``/``.ndjson``,
+    ``.json``, ``.txt``), else from the content. A line that does not parse is named."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise errors.HarvestError(f"{path}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise errors.HarvestError(
+            f"{path} line {line}: not UTF-8 text (byte {data[error.start]:#04x}): give a JSONL, JSON or text file"
+        ) from None
+    if "\x00" in text:
+        line = text[: text.index("\x00")].count("\n") + 1
+        raise errors.HarvestError(f"{path} line {line}: a NUL byte: this looks like a binary file, not JSONL, JSON or text")
+    suffix = path.suffix.lower()
+    stripped = text.lstrip()
+    if suffix in (".jsonl", ".ndjson") or (suffix not in (".json", ".txt") and stripped[:1] in ('"', "{") and "\n" in stripped.strip()):
+        return _jsonl(path, text)
+    if suffix == ".json" or (suffix != ".txt" and stripped[:1] in ("[", "{", '"')):
+        return _json(path, text)
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise errors.HarvestError(f"{path} holds no prompts")
+    return prompts
+
+
+def _prompt_of(path: Path, where: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        for key in ("prompt", "text"):
+            if isinstance(value.get(key), str):
+                return value[key]
+        raise errors.HarvestError(f"{path} {where}: an object without a string \"prompt\" or \"text\" field")
+    raise errors.HarvestError(f"{path} {where}: a {type(value).__name__}, not a string prompt")
+
+
+def _jsonl(path: Path, text: str) -> List[str]:
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise errors.HarvestError(f"{path} line {number}: not JSON ({error.msg} at column {error.colno})") from None
+        prompts.append(_prompt_of(path, f"line {number}", value))
+    if not prompts:
+        raise errors.HarvestError(f"{path} holds no prompts")
+    return prompts
+
+
+def _json(path: Path, text: str) -> List[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise errors.HarvestError(f"{path} line {error.lineno}: not JSON ({error.msg} at column {error.colno})") from None
+    if isinstance(value, dict) and "prompts" in value:
+        value = value["prompts"]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise errors.HarvestError(f'{path}: JSON must be a list of prompts or {{"prompts": [...]}}')
+    return [_prompt_of(path, f"item {i}", v) for i, v in enumerate(value)]
+
+
+def _layers(text: Optional[str]) -> Union[None, str, List[int]]:
+    if text is None:
+        return None
+    if text == "all":
+        return "all"
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise errors.HarvestError(f"--layers {text!r}: give block indices like 8,16,24, or all") from None
+
+
+def _print_job(job: Job, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(job.data, indent=2))
+        return
+    data = job.data
+    line = f"{job.id}  {job.status:<9}  {data.get('model')}  {data.get('n_prompts')} prompts  layers {data.get('layers')}"
+    print(line)
+    progress = data.get("progress")
+    if progress and job.status == "running":
+        print(f"  progress: {progress['prompts_done']}/{progress['prompts_total']} prompts, {progress['tokens_done']} tokens")
+    if data.get("tokens") is not None:
+        print(f"  tokens charged: {data['tokens']}")
+    if job.error:
+        print(f"  error: {job.error}")
+    if job.result:
+        result = job.result
+        print(f"  {result['n_shards']} shards, {result.get('bytes_written', 0)} bytes; links expire {data.get('urls_expire_at')}")
+
+
+def _models(client: Client, args: argparse.Namespace) -> int:
+    models = client.models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    print(f"{'name':<24} {'lane':<6} {'layers':>6} {'hidden':>7} {'max_tokens':>10}  default layers")
+    for m in models:
+        print(f"{m['name']:<24} {m['lane']:<6} {m['layers']:>6} {m['hidden_size']:>7} {m['max_tokens']:>10}  {m['default_layers']}")
+    return 0
+
+
+def _submit(client: Client, args: argparse.Namespace) -> int:
+    prompts = read_prompts(Path(args.prompts))
+    directions = None
+    if args.project_onto:
+        import numpy as np
+
+        try:
+            directions = np.load(args.project_onto, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise errors.HarvestError(f"--project-onto {args.project_onto}: not a .npy array ({error})") from None
+    job = client.submit(
+        prompts,
+        model=args.model,
+        layers=_layers(args.layers),
+        shard_size=args.shard_size,
+        add_special_tokens=not args.no_special_tokens,
+        project_onto=directions,
+        retry=args.retry,
+    )
+    if not args.json:
+        print(f"submitted {job.id} ({len(prompts)} prompts, {job.data.get('reserved_tokens')} tokens reserved)", file=sys.stderr)
+    if args.wait or args.download:
+        job.wait(progress=not args.json)
+    if args.download:
+        report = job.download(args.download)
+        if not args.json:
+            print(f"downloaded to {report.directory} ({report.fetched_bytes} bytes fetched)", file=sys.stderr)
+    _print_job(job, args.json)
+    return 0
+
+
+def _status(client: Client, args: argparse.Namespace) -> int:
+    job = client.job(args.job_id)
+    if args.wait:
+        job.wait(progress=not args.json, raise_on_failure=False)
+    _print_job(job, args.json)
+    return 0 if job.status != "failed" else 1
+
+
+def _cancel(client: Client, args: argparse.Namespace) -> int:
+    job = client.job(args.job_id)
+    job.cancel()
+    _print_job(job, args.json)
+    return 0
+
+
+def _download(client: Client, args: argparse.Namespace) -> int:
+    job = client.job(args.job_id)
+    report = job.download(args.directory, workers=args.workers, progress=not args.json)
+    summary: Dict[str, Any] = {
+        "directory": str(report.directory),
+        "fetched_bytes": report.fetched_bytes,
+        "kept": report.kept,
+        "resumed": report.resumed,
+        "refetched": report.refetched,
+        "renewed_links": report.renewed_links,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(
+            f"{report.directory}: {report.fetched_bytes} bytes fetched, {len(report.kept)} files already complete, "
+            f"{len(report.resumed)} resumed, {len(report.refetched)} fetched again"
+        )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="harvest", description="Harvest residual-stream activations through a harvest server.")
+    top.add_argument("--base-url", help="the API base, ending in /v1 (default: $ACS_API_BASE)")
+    top.add_argument("--api-key", help="the API key (default: $ACS_API_KEY)")
+    top.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    commands.add_parser("models", help="list the models").set_defaults(run=_models)
+
+    submit = commands.add_parser("submit", help="submit a prompt file as a job")
+    submit.add_argument("prompts", help="a .jsonl, .json or .txt file of prompts")
+    submit.add_argument("--model", required=True)
+    submit.add_argument("--layers", help="block indices like 8,16,24, or all (default: the model's quartiles)")
+    submit.add_argument("--shard-size", type=int, help="prompts per shard file (default 32)")
+    submit.add_argument("--no-special-tokens", action="store_true", help="add no BOS: tokenize the text verbatim")
+    submit.add_argument("--project-onto", metavar="DIRS.npy", help="project onto these directions [n, hidden]")
+    submit.add_argument("--retry", action="store_true", help="retry while the lane is full or counting is busy")
+    submit.add_argument("--wait", action="store_true", help="wait for the job to end")
+    submit.add_argument("--download", metavar="DIR", help="wait, then download the files into DIR")
+    submit.set_defaults(run=_submit)
+
+    status = commands.add_parser("status", help="show a job")
+    status.add_argument("job_id")
+    status.add_argument("--wait", action="store_true", help="wait for it to end")
+    status.set_defaults(run=_status)
+
+    cancel = commands.add_parser("cancel", help="cancel a pending or running job")
+    cancel.add_argument("job_id")
+    cancel.set_defaults(run=_cancel)
+
+    download = commands.add_parser("download", help="download and verify a done job's files")
+    download.add_argument("job_id")
+    download.add_argument("directory")
+    download.add_argument("--workers", type=int, default=4, help="files fetched at once (default 4)")
+    download.set_defaults(run=_download)
+    return top
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        client = Client(args.base_url, args.api_key)
+        return int(args.run(client, args))
+    except errors.HarvestError as error:
+        print(f"harvest: {error}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError) as error:
+        print(f"harvest: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The REST client: :class:`Client` for the server, :class:`Job` for one harvest job."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import requests
+
+from . import errors
+from .encoding import encode_directions
+
+#: ``?wait=`` asked of each long-poll (the server's maximum).
+LONG_POLL_S = 60
+#: Seconds to wait after a declined long-poll when the server sent no ``Retry-After``.
+DECLINED_RETRY_S = 3.0
+#: How long ``submit(retry=True)`` keeps retrying a 429 it may retry, by default.
+SUBMIT_RETRY_FOR_S = 600.0
+#: 429 codes worth retrying: they clear by themselves. Budgets and quotas do not.
+RETRYABLE_SUBMIT_CODES = ("harvest_count_busy", "harvest_concurrency_exceeded")
+#: Answers that end a job.
+TERMINAL = ("done", "failed", "cancelled")
+
+Layers = Union[None, str, Sequence[int]]
+
+
+class Client:
+    """A harvest server.
+
+    ``base_url`` is the API's base, ending in ``/v1`` (default: ``$ACS_API_BASE``), and
+    ``api_key`` the bearer key (default: ``$ACS_API_KEY``)::
+
+        client = Client()
+        job = client.submit(["The quick brown fox."], model="llama-8b", layers=[8, 16])
+        job.wait().download("out")
+    """
+
+    def __init__(
+        self,
+        base_url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        *,
+        timeout: float = 120.0,
+        session: Optional[requests.Session] = None,
+    ) -> None:
+        base_url = base_url or os.environ.get("ACS_API_BASE")
+        api_key = api_key or os.environ.get("ACS_API_KEY")
+        if not base_url:
+            raise errors.HarvestError(
+                "no server given: pass base_url, or set ACS_API_BASE (for example "
+                "http://127.0.0.1:8080/v1)"
+            )
+        if not api_key:
+            raise errors.HarvestError(
+                "no API key given: pass api_key, or set ACS_API_KEY (harvest-api create-key "
+                "prints one)"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.session = session or requests.Session()
+        self._models: Optional[List[Dict[str, Any]]] = None
+
+    def __repr__(self) -> str:
+        return f"Client(base_url={self.base_url!r})"
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Optional[Dict[str, Any]] = None,
+        timeout: Optional[float] = None,
+    ) -> requests.Response:
+        url = f"{self.base_url}{path}"
+        try:
+            response = self.session.request(
+                method,
+                url,
+                json=json,
+                params=params,
+                headers={"Authorization": f"Bearer {self.api_key}"},
+                timeout=timeout or self.timeout,
+            )
+        except requests.ConnectionError as error:
+            raise errors.ConnectionFailed(
+                f"could not reach {url}: is the server running, and is ACS_API_BASE right? ({error})"
+            ) from None
+        except requests.Timeout:
+            raise errors.ConnectionFailed(f"{method} {url} got no answer in {timeout or self.timeout:g} s") from None
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            raise errors.from_response(response.status_code, body, response.headers.get("Retry-After"))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._call(method, path, **kwargs)
+        try:
+            return response.json()
+        except ValueError:
+            raise errors.HarvestError(
+                f"{method} {self.base_url}{path} answered {response.status_code} with a body that is not JSON"
+            ) from None
+
+    # -- the API ---------------------------------------------------------------------------
+
+    def models(self) -> List[Dict[str, Any]]:
+        """The catalogue: each model's ``name``, ``layers``, ``hidden_size``, ``default_layers``,
+        ``lane`` and ``max_tokens``."""
+        self._models = list(self._json("GET", "/models")["models"])
+        return self._models
+
+    def _model(self, name: str) -> Optional[Dict[str, Any]]:
+        models = self._models if self._models is not None else self.models()
+        return next((m for m in models if m["name"] == name), None)
+
+    def account(self) -> Dict[str, Any]:
+        """The key's account: lanes, token budgets, the key's monthly jobs and storage, each
+        as ``{"used": n, "limit": m or None}``."""
+        return self._json("GET", "/account")
+
+    def job(self, job_id: str) -> "Job":
+        """A job by id (``NotFound`` for an unknown id or another account's job)."""
+        return Job(self, self._json("GET", f"/harvest/{job_id}"))
+
+    def jobs(self, status: Optional[str] = None, *, page_size: int = 100) -> Iterator["Job"]:
+        """Every job of the key's account, newest first, fetched a page at a time. Each is
+        answered without its result; ``job.refresh()`` fetches it with its links."""
+        params: Dict[str, Any] = {"limit": page_size}
+        if status is not None:
+            params["status"] = status
+        while True:
+            page = self._json("GET", "/harvest", params=params)
+            for data in page["data"]:
+                yield Job(self, data)
+            if not page.get("next_after"):
+                return
+            params["after"] = page["next_after"]
+
+    def submit(
+        self,
+        prompts: Sequence[str],
+        model: str,
+        layers: Layers = None,
+        shard_size: Optional[int] = None,
+        add_special_tokens: bool = True,
+        project_onto: Any = None,
+        *,
+        batch_size: Optional[int] = None,
+        retry: bool = False,
+        retry_for: float = SUBMIT_RETRY_FOR_S,
+    ) -> "Job":
+        """Queues a job and returns it (``pending``).
+
+        ``layers`` is a list of block indices, ``"all"``, or None for the model's default.
+        ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
+        checked and encoded here. With ``retry=True``, a 429 that clears by itself
+        (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
+        ``Retry-After`` for up to ``retry_for`` seconds; nothing else is retried."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of strings, not one string: wrap it as [prompt]")
+        prompts = list(prompts)
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompts[{i}] is a {type(prompt).__name__}: every prompt must be a string")
+        body: Dict[str, Any] = {"model": model, "prompts": prompts}
+        if layers is not None:
+            body["layers"] = layers if isinstance(layers, str) else [int(layer) for layer in layers]
+        if shard_size is not None:
+            body["shard_size"] = int(shard_size)
+        if batch_size is not None:
+            body["batch_size"] = int(batch_size)
+        if not add_special_tokens:
+            body["add_special_tokens"] = False
+        if project_onto is not None:
+            entry = self._model(model)
+            body["project_onto"] = encode_directions(project_onto, entry["hidden_size"] if entry else None)
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                return Job(self, self._json("POST", "/harvest", json=body))
+            except errors.ApiError as error:
+                wait = error.retry_after if error.retry_after is not None else 5.0
+                if not retry or error.code not in RETRYABLE_SUBMIT_CODES or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
+
+
+class Job:
+    """One harvest job, as the server last answered it (``data``)."""
+
+    def __init__(self, client: Client, data: Dict[str, Any]) -> None:
+        self.client = client
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, status={self.status!r}, model={self.data.get('model')!r})"
+
+    @property
+    def id(self) -> str:
+        """The job's id."""
+        return self.data["job_id"]
+
+    @property
+    def status(self) -> str:
+        """pending, running, done, failed or cancelled."""
+        return self.data["status"]
+
+    @property
+    def done(self) -> bool:
+        """Whether the job has ended (in any way)."""
+        return self.status in TERMINAL
+
+    @property
+    def result(self) -> Optional[Dict[str, Any]]:
+        """The result of a done job (links included), else None."""
+        return self.data.get("result")
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why a failed job failed."""
+        return self.data.get("error")
+
+    def refresh(self) -> "Job":
+        """Asks the server for the job again (with fresh links when it is done)."""
+        self.data = self.client._json("GET", f"/harvest/{self.id}")
+        return self
+
+    def cancel(self) -> "Job":
+        """Cancels the job if it is pending or running (``NotCancellable`` once it ended)."""
+        self.data = self.client._json("DELETE", f"/harvest/{self.id}")
+        return self
+
+    def wait(
+        self,
+        progress: bool = True,
+        timeout: Optional[float] = None,
+        raise_on_failure: bool = True,
+    ) -> "Job":
+        """Long-polls until the job ends, with a progress bar of its prompts when ``progress``.
+        A declined long-poll (``X-Acs-Longpoll: declined``) waits its ``Retry-After`` before
+        asking again. Raises ``JobFailed`` or ``JobCancelled`` when it ends that way (unless
+        ``raise_on_failure`` is false) and ``TimeoutError`` after ``timeout`` seconds."""
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total = int(self.data.get("n_prompts") or 0)
+        with tqdm(total=total, unit="prompt", desc=f"job {self.id[:8]}", disable=not progress, leave=True) as bar:
+            self._show(bar)
+            while not self.done:
+                wait = LONG_POLL_S
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"job {self.id} is still {self.status} after {timeout:g} s")
+                    wait = max(1, min(wait, int(left)))
+                response = self.client._call(
+                    "GET", f"/harvest/{self.id}", params={"wait": wait}, timeout=wait + 30
+                )
+                self.data = response.json()
+                self._show(bar)
+                if response.headers.get("X-Acs-Longpoll") == "declined" and not self.done:
+                    retry = response.headers.get("Retry-After")
+                    time.sleep(float(retry) if retry else DECLINED_RETRY_S)
+        if raise_on_failure and self.status == "failed":
+            raise errors.JobFailed(self.id, self.error)
+        if raise_on_failure and self.status == "cancelled":
+            raise errors.JobCancelled(self.id)
+        return self
+
+    def _show(self, bar: Any) -> None:
+        progress = self.data.get("progress") or {}
+        done = bar.total if self.status == "done" else int(progress.get("prompts_done", bar.n))
+        if done != bar.n:
+            bar.update(done - bar.n)
+        bar.set_postfix_str(self.status, refresh=True)
+
+    def download(self, directory: Union[str, Path], workers: int = 4, progress: bool = False):
+        """Downloads the job's files into ``directory`` in parallel and returns a
+        :class:`~harvest_client.download.Download` report. Partial files resume with Range
+        requests; every file is checked against the manifest's size and sha256 (a bad one is
+        fetched again once); expired links are renewed. ``manifest.json`` is written last, so
+        a directory with a manifest is complete."""
+        from .download import download_job
+
+        return download_job(self, Path(directory), workers=workers, progress=progress)
+
+    def open(self, directory: Union[str, Path]):
+        """A :class:`~harvest_client.reader.Reader` over the files downloaded to ``directory``."""
+        from .reader import Reader
+
+        return Reader(directory)

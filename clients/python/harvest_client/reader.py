@@ -1,0 +1,229 @@
+"""Reading a downloaded job: single prompts, the statistics, and shuffled token batches for SAE
+training or probes. Shards are memory-mapped, so memory stays bounded by the batch (plus an
+index of 8 bytes per token), whatever the job's size."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import errors
+
+_DTYPES = {
+    "BF16": np.uint16,  # widened to float32 on read
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I32": np.int32,
+    "I64": np.int64,
+}
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as float32 values, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class SafetensorsFile:
+    """A safetensors file, memory-mapped: tensors are views until they are converted."""
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise errors.HarvestError(f"{self.path} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise errors.HarvestError(f"{self.path} is not a safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+        self.metadata: Dict[str, str] = header.pop("__metadata__", {}) or {}
+        self.header: Dict[str, Dict[str, Any]] = header
+        self._base = 8 + n
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            if self._base + end > size:
+                raise errors.HarvestError(f"{self.path}: tensor {name} runs past the end of the file")
+
+    def names(self) -> List[str]:
+        return list(self.header)
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (bfloat16 as its uint16 bits), a view of the mapped file."""
+        try:
+            info = self.header[name]
+        except KeyError:
+            raise KeyError(f"{self.path.name} has no tensor {name!r}") from None
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise errors.HarvestError(f"{self.path.name}: tensor {name} has dtype {info['dtype']}, which this reader does not read")
+        start, end = info["data_offsets"]
+        return self._map[self._base + start : self._base + end].view(dtype).reshape(info["shape"])
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor as float32 (a new array)."""
+        raw = self.raw(name)
+        return bf16_to_f32(raw) if self.dtype(name) == "BF16" else np.array(raw, dtype=np.float32)
+
+
+class Reader:
+    """A job's files in one directory, as :meth:`Job.download` leaves them."""
+
+    def __init__(self, directory: Union[str, Path]) -> None:
+        self.directory = Path(directory)
+        manifest_path = self.directory / "manifest.json"
+        if not manifest_path.exists():
+            raise errors.HarvestError(
+                f"{manifest_path} is missing: the download is incomplete (run job.download again)"
+            )
+        self.manifest: Dict[str, Any] = json.loads(manifest_path.read_text())
+        #: The kept blocks, ascending: the first axis of every activation tensor.
+        self.layer_indices: List[int] = list(self.manifest["layer_indices"])
+        #: Prompts in the job.
+        self.n_prompts: int = int(self.manifest["n_prompts"])
+        #: "activations" or "projections".
+        self.contents: str = self.manifest["contents"]
+        self._where: Dict[int, Tuple[str, int]] = {}
+        for shard in self.manifest["shards"]:
+            counts = shard["token_counts"]
+            prompts = shard.get("prompts") or list(range(shard["first_prompt"], shard["first_prompt"] + len(counts)))
+            for prompt, n_tokens in zip(prompts, counts):
+                self._where[int(prompt)] = (shard["file"], int(n_tokens))
+        self._files: Dict[str, SafetensorsFile] = {}
+
+    def __len__(self) -> int:
+        return self.n_prompts
+
+    def __repr__(self) -> str:
+        return f"Reader({str(self.directory)!r}, prompts={self.n_prompts}, layers={self.layer_indices}, {self.contents})"
+
+    @property
+    def width(self) -> int:
+        """The last axis: the hidden size, or the number of directions for projections."""
+        projection = self.manifest.get("projection")
+        return int(projection["n_directions"]) if projection else int(self.manifest["model"]["hidden_size"])
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            self._files[name] = SafetensorsFile(self.directory / name)
+        return self._files[name]
+
+    def _shard_of(self, i: int) -> SafetensorsFile:
+        if i not in self._where:
+            raise IndexError(f"prompt {i} is not in this job (it has prompts 0 to {self.n_prompts - 1})")
+        return self._file(self._where[i][0])
+
+    def layer_position(self, layer: int) -> int:
+        """Where block ``layer`` sits on the first axis (it must be one of ``layer_indices``)."""
+        try:
+            return self.layer_indices.index(layer)
+        except ValueError:
+            raise ValueError(
+                f"layer {layer} was not harvested: this job kept blocks {self.layer_indices} "
+                "(pass a block index, not a position in that list)"
+            ) from None
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Prompt ``i``'s token ids (int32)."""
+        return np.array(self._shard_of(i).raw(f"tokens_{i}"))
+
+    def prompt(self, i: int, *, torch: bool = False) -> Tuple[Any, Any]:
+        """Prompt ``i``: its tokens ``[n_tokens]`` and activations ``[n_layers_kept, n_tokens,
+        width]``. As numpy (bfloat16 widened to float32 exactly), or with ``torch=True`` as
+        torch tensors, bfloat16 kept as bfloat16."""
+        shard = self._shard_of(i)
+        name = f"prompt_{i}"
+        if torch:
+            import torch as th
+
+            tokens = th.from_numpy(np.array(shard.raw(f"tokens_{i}")))
+            raw = np.array(shard.raw(name))
+            if shard.dtype(name) == "BF16":
+                return tokens, th.from_numpy(raw.view(np.int16)).view(th.bfloat16)
+            return tokens, th.from_numpy(raw)
+        return self.tokens(i), shard.float32(name)
+
+    def stats(self) -> Dict[str, Any]:
+        """``mean`` and ``std`` (float32 ``[n_layers_kept, width]``) and ``count`` (tokens
+        counted: all but each prompt's leading BOS)."""
+        stats = SafetensorsFile(self.directory / "stats.safetensors")
+        return {
+            "mean": stats.float32("mean"),
+            "std": stats.float32("std"),
+            "count": int(np.array(stats.raw("count")).reshape(-1)[0]),
+        }
+
+    def _index(self, drop_bos: bool) -> Tuple[np.ndarray, np.ndarray]:
+        """Every token as (prompt, position), leaving out each leading BOS when asked, by the
+        same rule as the statistics: a prompt whose first id is the tokenizer's BOS."""
+        bos = self.manifest.get("tokenizer", {}).get("bos_token_id")
+        prompts: List[np.ndarray] = []
+        positions: List[np.ndarray] = []
+        for i in range(self.n_prompts):
+            n = self._where[i][1]
+            first = 1 if drop_bos and bos is not None and n > 0 and int(self._shard_of(i).raw(f"tokens_{i}")[0]) == bos else 0
+            positions.append(np.arange(first, n, dtype=np.int32))
+            prompts.append(np.full(n - first, i, dtype=np.int32))
+        if not prompts:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        return np.concatenate(prompts), np.concatenate(positions)
+
+    def n_tokens(self, drop_bos: bool = True) -> int:
+        """Tokens :meth:`token_batches` yields per epoch."""
+        return int(self._index(drop_bos)[0].size)
+
+    def token_batches(
+        self,
+        layer: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_bos: bool = True,
+        normalize: bool = False,
+        *,
+        drop_last: bool = False,
+    ) -> Iterator[np.ndarray]:
+        """One epoch of float32 ``[batch, width]`` rows of block ``layer`` (one of
+        ``layer_indices``), every token once, in an order drawn from ``seed`` across all shards
+        when ``shuffle``. ``drop_bos`` leaves out each prompt's leading BOS (as the statistics
+        do); ``normalize`` subtracts the statistics' mean and divides by their std. The last
+        batch may be short unless ``drop_last``."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        position = self.layer_position(layer)
+        prompts, positions = self._index(drop_bos)
+        order = np.random.default_rng(seed).permutation(prompts.size) if shuffle else np.arange(prompts.size)
+        mean = std = None
+        if normalize:
+            stats = self.stats()
+            mean = stats["mean"][position]
+            std = np.where(stats["std"][position] > 0, stats["std"][position], 1.0).astype(np.float32)
+        width = self.width
+        for start in range(0, order.size, batch_size):
+            rows = order[start : start + batch_size]
+            if drop_last and rows.size < batch_size:
+                return
+            batch = np.empty((rows.size, width), dtype=np.float32)
+            # Gather prompt by prompt (rows of one prompt are one mapped tensor), in place.
+            by_prompt = np.argsort(prompts[rows], kind="stable")
+            sorted_prompts = prompts[rows][by_prompt]
+            cuts = np.flatnonzero(np.diff(sorted_prompts)) + 1
+            for group in np.split(by_prompt, cuts):
+                i = int(prompts[rows[group[0]]])
+                shard = self._shard_of(i)
+                raw = shard.raw(f"prompt_{i}")[position]
+                taken = raw[positions[rows[group]]]
+                batch[group] = bf16_to_f32(taken) if shard.dtype(f"prompt_{i}") == "BF16" else taken
+            if normalize:
+                batch -= mean
+                batch /= std
+            yield batch

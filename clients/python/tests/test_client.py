@@ -1,0 +1,251 @@
+"""The client against the real embedded server with SmolLM2: submit, wait, download, verify,
+resume, re-fetch, renew links, read back, and shuffled token batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from harvest_client import Client, IntegrityError, InvalidApiKey, InvalidRequest, NotFound
+from harvest_client.reader import SafetensorsFile
+
+from conftest import MODEL, SEED, corpus, start_server, wait_until
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def harvested(client, tmp_path_factory):
+    """A done job of ten prompts over four shards, downloaded once. SmolLM2's tokenizer adds no
+    BOS, so every third prompt starts with the BOS token's text: its first id is BOS, which the
+    statistics and the token batches leave out."""
+    prompts = [("<|im_start|>" if i % 3 == 0 else "") + p for i, p in enumerate(corpus(10))]
+    job = client.submit(prompts, MODEL, layers=[3, 10], shard_size=3).wait(progress=False)
+    directory = tmp_path_factory.mktemp("harvested")
+    report = job.download(directory)
+    return job, directory, report
+
+
+def test_a_job_submitted_waited_and_downloaded_matches_its_manifest_file_by_file(harvested):
+    job, directory, report = harvested
+    assert job.status == "done" and job.result["n_shards"] == 4
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        path = directory / shard["file"]
+        assert path.stat().st_size == shard["bytes"]
+        assert sha256(path) == shard["sha256"]
+    stats = manifest["stats_file"]
+    assert sha256(directory / "stats.safetensors") == stats["sha256"]
+    assert not list(directory.glob("*.part"))
+    total = sum(p.stat().st_size for p in directory.iterdir())
+    assert report.fetched_bytes == total
+    assert report.kept == [] and report.resumed == [] and report.refetched == []
+
+
+def test_a_second_download_keeps_every_verified_file_and_fetches_only_the_manifest(harvested):
+    job, directory, _ = harvested
+    again = job.download(directory)
+    assert sorted(again.kept) == sorted(p.name for p in directory.glob("*.safetensors"))
+    assert again.fetched_bytes == (directory / "manifest.json").stat().st_size
+
+
+def test_a_corrupted_file_is_detected_and_fetched_again(harvested):
+    job, directory, _ = harvested
+    shard = directory / "shard_00001.safetensors"
+    good = sha256(shard)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    report = job.download(directory)
+    assert report.refetched == ["shard_00001.safetensors"]
+    assert sha256(shard) == good
+
+
+def test_an_interrupted_download_resumes_with_a_range_request(harvested):
+    job, directory, _ = harvested
+    shard = directory / "shard_00002.safetensors"
+    whole = shard.read_bytes()
+    shard.unlink()
+    # What an interrupted download leaves: the first part of the file, under .part.
+    (directory / "shard_00002.safetensors.part").write_bytes(whole[: len(whole) // 3])
+    report = job.download(directory)
+    assert report.resumed == ["shard_00002.safetensors"]
+    manifest_size = (directory / "manifest.json").stat().st_size
+    assert report.fetched_bytes == manifest_size + len(whole) - len(whole) // 3
+    assert shard.read_bytes() == whole
+
+
+def test_a_part_file_that_is_not_a_prefix_is_refetched_whole_after_the_check_fails(harvested):
+    job, directory, _ = harvested
+    shard = directory / "shard_00003.safetensors"
+    whole = shard.read_bytes()
+    shard.unlink()
+    (directory / "shard_00003.safetensors.part").write_bytes(b"\0" * (len(whole) // 2))
+    report = job.download(directory)
+    assert report.resumed == ["shard_00003.safetensors"]
+    assert report.refetched == ["shard_00003.safetensors"]
+    assert shard.read_bytes() == whole
+
+
+def test_prompts_read_back_with_their_tokens_layers_and_shapes(harvested):
+    job, directory, _ = harvested
+    reader = job.open(directory)
+    manifest = reader.manifest
+    assert len(reader) == 10 and reader.layer_indices == [3, 10] and reader.width == 576
+    counts = [n for shard in manifest["shards"] for n in shard["token_counts"]]
+    bos = manifest["tokenizer"]["bos_token_id"]
+    for i in (0, 4, 9):
+        tokens, activations = reader.prompt(i)
+        assert tokens.dtype == np.int32 and tokens.shape == (counts[i],)
+        assert (tokens[0] == bos) == (i % 3 == 0), tokens[:3]
+        assert activations.dtype == np.float32 and activations.shape == (2, counts[i], 576)
+        assert np.isfinite(activations).all()
+    with pytest.raises(IndexError, match="prompt 10"):
+        reader.prompt(10)
+
+
+def test_token_batches_cover_every_non_bos_token_once_per_epoch_and_their_mean_is_the_stats_mean(harvested):
+    job, directory, _ = harvested
+    reader = job.open(directory)
+    stats = reader.stats()
+    for layer, position in ((3, 0), (10, 1)):
+        batches = list(reader.token_batches(layer, batch_size=7, shuffle=True, seed=1))
+        assert all(b.shape == (7, 576) for b in batches[:-1]) and 1 <= len(batches[-1]) <= 7
+        rows = np.concatenate(batches)
+        assert rows.shape[0] == stats["count"]
+        bos = reader.manifest["tokenizer"]["bos_token_id"]
+        kept = []
+        for i in range(len(reader)):
+            tokens, activations = reader.prompt(i)
+            kept.append(activations[position, 1:] if tokens[0] == bos else activations[position])
+        expected = np.concatenate(kept)
+        assert expected.shape[0] == reader.manifest["total_tokens"] - 4, "four prompts lead with BOS"
+        # The same rows, each exactly once: equal after sorting both the same way.
+        assert np.array_equal(rows[np.lexsort(rows.T)], expected[np.lexsort(expected.T)])
+        # Not in prompt order: shuffled across shards.
+        assert not np.array_equal(rows, expected)
+        # Statistics are accumulated before bf16 rounding, the rows after it.
+        mean = rows.astype(np.float64).mean(axis=0)
+        scale = np.abs(stats["mean"][position]).max() + stats["std"][position].mean()
+        assert np.abs(mean - stats["mean"][position]).max() <= 1e-3 * scale
+    again = np.concatenate(list(reader.token_batches(10, batch_size=7, seed=1)))
+    other = np.concatenate(list(reader.token_batches(10, batch_size=7, seed=2)))
+    assert np.array_equal(again, rows) and not np.array_equal(other, rows)
+    normalized = np.concatenate(list(reader.token_batches(10, batch_size=64, normalize=True)))
+    assert np.abs(normalized.astype(np.float64).mean(axis=0)).max() < 0.05
+    with pytest.raises(ValueError, match=r"\[3, 10\]"):
+        next(reader.token_batches(5, batch_size=4))
+
+
+def test_projections_submitted_from_numpy_are_the_activations_times_the_unit_directions(client, tmp_path):
+    rng = np.random.default_rng(7)
+    directions = rng.standard_normal((3, 576)).astype(np.float32) * 4.0
+    raw = client.submit(SEED, MODEL, layers=[5]).wait(progress=False)
+    projected = client.submit(SEED, MODEL, layers=[5], project_onto=directions).wait(progress=False)
+    raw.download(tmp_path / "raw")
+    projected.download(tmp_path / "projected")
+    activations = raw.open(tmp_path / "raw")
+    projections = projected.open(tmp_path / "projected")
+    assert projections.contents == "projections" and projections.width == 3
+    unit = directions / np.linalg.norm(directions, axis=1, keepdims=True)
+    for i in range(2):
+        tokens, values = projections.prompt(i)
+        raw_tokens, acts = activations.prompt(i)
+        assert np.array_equal(tokens, raw_tokens)
+        expected = acts[0].astype(np.float64) @ unit.T.astype(np.float64)
+        # The server projects the f32 residual; the stored activations are bf16-rounded.
+        bound = 1e-2 * np.linalg.norm(acts[0], axis=1, keepdims=True)
+        assert (np.abs(values[0] - expected) <= bound).all()
+
+
+def test_directions_with_nan_or_the_wrong_width_are_refused_before_upload(client):
+    before = len(list(client.jobs()))
+    bad = np.ones((2, 576), dtype=np.float32)
+    bad[1, 17] = np.nan
+    with pytest.raises(ValueError, match=r"project_onto\[1, 17\] is nan"):
+        client.submit(SEED, MODEL, project_onto=bad)
+    with pytest.raises(ValueError, match="hidden size is 576"):
+        client.submit(SEED, MODEL, project_onto=np.ones((2, 512), dtype=np.float32))
+    with pytest.raises(ValueError, match="row 0 is all zeros"):
+        client.submit(SEED, MODEL, project_onto=np.zeros((1, 576), dtype=np.float32))
+    with pytest.raises(TypeError, match="not one string"):
+        client.submit("one prompt", MODEL)
+    assert len(list(client.jobs())) == before
+
+
+def test_a_wrong_key_raises_a_clear_exception_without_http_internals(server):
+    with pytest.raises(InvalidApiKey) as caught:
+        Client(server.base, "sk-hv-" + "0" * 48).models()
+    error = caught.value
+    assert error.status == 401 and error.code == "invalid_api_key"
+    assert "invalid_api_key" in str(error) and error.__cause__ is None and error.__context__ is None
+
+
+def test_server_errors_arrive_as_typed_exceptions_with_the_servers_message(client):
+    with pytest.raises(InvalidRequest, match="unknown model"):
+        client.submit(SEED, "no-such-model")
+    with pytest.raises(InvalidRequest, match="layer"):
+        client.submit(SEED, MODEL, layers=[99])
+    with pytest.raises(NotFound):
+        client.job("00000000-0000-4000-8000-000000000000")
+
+
+def test_the_job_list_has_the_accounts_jobs_newest_first_and_not_another_accounts(client, server):
+    first = client.submit(SEED, MODEL, layers=[1])
+    second = client.submit(SEED, MODEL, layers=[1])
+    listed = [job.id for job in client.jobs(page_size=1)]
+    assert listed.index(second.id) < listed.index(first.id)
+    theirs = Client(server.base, server.other_key)
+    assert not {first.id, second.id} & {job.id for job in theirs.jobs()}
+    for job in (first, second):
+        job.wait(progress=False)
+    assert {first.id, second.id} <= {job.id for job in client.jobs(status="done")}
+    usage = client.account()
+    assert usage["account"] == "lab" and usage["lanes"]["small"]["limit"] == 3
+
+
+def test_expired_links_are_renewed_by_the_download(tmp_path):
+    server = start_server(tmp_path / "server", {"url_ttl_seconds": 3})
+    try:
+        client = Client(server.base, server.key)
+        job = client.submit(SEED, MODEL, layers=[2]).wait(progress=False)
+        stale = job.result["stats_url"]
+        wait_until(lambda: requests.get(stale, timeout=10).status_code == 403, timeout=30,
+                   interval=0.25, message="the links to expire")
+        report = job.download(tmp_path / "files")
+        assert report.renewed_links >= 1
+        manifest = json.loads((tmp_path / "files/manifest.json").read_text())
+        assert sha256(tmp_path / "files/stats.safetensors") == manifest["stats_file"]["sha256"]
+    finally:
+        server.stop()
+
+
+def test_the_memory_mapped_reader_reads_what_the_safetensors_library_reads(harvested):
+    from safetensors import safe_open
+
+    _, directory, _ = harvested
+    path = directory / "stats.safetensors"
+    ours = SafetensorsFile(path)
+    with safe_open(str(path), framework="numpy") as theirs:
+        for name in theirs.keys():
+            assert np.array_equal(np.asarray(ours.raw(name)), theirs.get_tensor(name)), name
+
+
+def test_a_file_the_server_itself_holds_corrupted_fails_the_check_twice_and_is_named(client, server, tmp_path):
+    job = client.submit(SEED, MODEL, layers=[4]).wait(progress=False)
+    served = Path(json.loads(server.config.read_text())["data_dir"]) / "jobs" / job.id / "out"
+    shard = served / "shard_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="shard_00000.safetensors does not match the manifest"):
+        job.download(tmp_path)
+    assert not (tmp_path / "shard_00000.safetensors").exists()
+    assert not (tmp_path / "manifest.json").exists(), "an unverified download has no manifest"
