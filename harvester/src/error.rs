@@ -167,6 +167,20 @@ pub enum Error {
         /// The stage.
         stage: &'static str,
     },
+    /// The model would not fit this machine's memory.
+    #[error(
+        "the model needs about {needed} bytes of memory ({weights} for the weights of the blocks up to the deepest kept layer, {working} for one batch), but this machine has {available} bytes available: use a machine with more memory, keep shallower layers (only blocks up to the deepest kept one are loaded), a smaller batch_tokens, or --device cuda"
+    )]
+    InsufficientMemory {
+        /// Bytes needed in all.
+        needed: u64,
+        /// Of which the weights.
+        weights: u64,
+        /// Of which one batch.
+        working: u64,
+        /// Bytes available (MemAvailable).
+        available: u64,
+    },
     /// A JSON file could not be written or parsed.
     #[error("JSON {path}: {source}")]
     Json {
@@ -206,7 +220,10 @@ impl Error {
             | Self::Prompts { .. }
             | Self::Plan(_)
             | Self::ForeignOutput { .. } => ErrorKind::BadInput,
-            Self::Io { .. } | Self::Store { .. } | Self::Json { .. } => ErrorKind::Infrastructure,
+            Self::Io { .. }
+            | Self::Store { .. }
+            | Self::Json { .. }
+            | Self::InsufficientMemory { .. } => ErrorKind::Infrastructure,
             Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }

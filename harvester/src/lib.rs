@@ -17,6 +17,7 @@ pub mod compare;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+pub mod memory;
 pub mod model;
 pub mod pipeline;
 pub mod probe;

@@ -222,7 +222,13 @@ mod tests {
         assert_eq!(weights.config.head_dim, 16);
         assert!(weights.blocks[0].attn_norm.iter().all(|&w| w == 1.0));
         let bound = (3.0f32 / 64.0).sqrt() * 1.01;
-        assert!(weights.blocks[1].qkv.iter().all(|w| w.abs() <= bound));
+        assert!(
+            weights.blocks[1]
+                .qkv
+                .to_f32_vec()
+                .iter()
+                .all(|w| w.abs() <= bound)
+        );
         let again = tempfile::tempdir().unwrap();
         write(shape, again.path(), 7).unwrap();
         assert_eq!(

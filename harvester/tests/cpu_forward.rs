@@ -149,3 +149,69 @@ fn reused_buffers_give_identical_results_across_batches_of_different_sizes() {
     backend.capture(&small, &mut out).unwrap();
     assert_eq!(out.data, first.data);
 }
+
+/// The bf16 checkpoint `synth` writes for `shape`, and the same weights widened to f32.
+fn bf16_and_f32(shape: Shape) -> (tempfile::TempDir, tempfile::TempDir) {
+    let half = tempfile::tempdir().unwrap();
+    harvester::synth::write(shape, half.path(), 5).unwrap();
+    let full = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(half.path().join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let widened: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::BF16);
+            let f32s: Vec<u8> = view
+                .data()
+                .chunks_exact(2)
+                .flat_map(|b| {
+                    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16).to_le_bytes()
+                })
+                .collect();
+            (name, view.shape().to_vec(), f32s)
+        })
+        .collect();
+    let views: Vec<_> = widened
+        .iter()
+        .map(|(n, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &full.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        half.path().join("config.json"),
+        full.path().join("config.json"),
+    )
+    .unwrap();
+    (half, full)
+}
+
+#[test]
+fn bf16_weights_stay_half_size_in_memory_and_give_the_same_bits_as_their_f32_widening() {
+    let (half, full) = bf16_and_f32(tiny_model());
+    let kept = LlamaWeights::load(half.path(), None).unwrap();
+    let decoded = LlamaWeights::load(full.path(), None).unwrap();
+    let block = &kept.blocks[1];
+    for matrix in [
+        &block.qkv,
+        &block.o,
+        &block.gate_up,
+        &block.down,
+        &kept.embed,
+    ] {
+        assert_eq!(matrix.half(), Some(harvester::model::Half::Bf16));
+        assert_eq!(matrix.resident_bytes(), 2 * matrix.len() as u64);
+    }
+    assert!(decoded.blocks[1].gate_up.as_f32().is_some());
+    assert_eq!(
+        kept.blocks[1].gate_up.to_f32_vec(),
+        decoded.blocks[1].gate_up.as_f32().unwrap()
+    );
+    assert!(kept.resident_bytes() * 2 > decoded.resident_bytes() * 9 / 10);
+    assert!(kept.resident_bytes() < decoded.resident_bytes() * 6 / 10);
+    let from_half = capture(half.path(), &LayerSelection::All, &prompts());
+    let from_full = capture(full.path(), &LayerSelection::All, &prompts());
+    assert_eq!(from_half.data, from_full.data, "bit for bit");
+}

@@ -1,15 +1,18 @@
 //! Memory-mapped Hugging Face safetensors checkpoints: one `model.safetensors`, or shards listed
-//! by `model.safetensors.index.json`. Tensors are decoded to f32 straight from the mapping, so
-//! no file is ever held in memory twice.
+//! by `model.safetensors.index.json`. Norms and f32 tensors are decoded to f32 straight from the
+//! mapping; bf16 and f16 matrices stay in it ([`Matrix`]), so no file is ever held in memory
+//! twice.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
+use super::matrix::{Half, Matrix};
 use crate::dtype;
 use crate::error::{Error, Result};
 
@@ -27,7 +30,7 @@ pub struct Checkpoint {
 #[derive(Debug)]
 struct MappedFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     data_start: usize,
 }
 
@@ -113,7 +116,7 @@ impl Checkpoint {
         }
         self.files.push(MappedFile {
             path: path.to_owned(),
-            mmap,
+            mmap: Arc::new(mmap),
             data_start,
         });
         Ok(())
@@ -129,8 +132,9 @@ impl Checkpoint {
         self.locations.get(name).map(|loc| loc.shape.as_slice())
     }
 
-    /// Decodes tensor `name`, which must have shape `expected`, to f32 and appends it to `dst`.
-    pub fn append_f32(&self, name: &str, expected: &[usize], dst: &mut Vec<f32>) -> Result<()> {
+    /// Where tensor `name`, which must have shape `expected`, lives: its file, dtype and byte
+    /// range in the mapping (checked against its shape and dtype).
+    fn locate(&self, name: &str, expected: &[usize]) -> Result<(&MappedFile, Dtype, usize, usize)> {
         let location = self
             .locations
             .get(name)
@@ -146,8 +150,6 @@ impl Checkpoint {
             });
         }
         let file = &self.files[location.file];
-        let bytes =
-            &file.mmap[file.data_start + location.range.0..file.data_start + location.range.1];
         let elements: usize = expected.iter().product();
         let width = match location.dtype {
             Dtype::BF16 | Dtype::F16 => 2,
@@ -159,23 +161,67 @@ impl Checkpoint {
                 });
             }
         };
-        if bytes.len() != elements * width {
+        let (start, end) = (
+            file.data_start + location.range.0,
+            file.data_start + location.range.1,
+        );
+        if end - start != elements * width {
             return Err(Error::CorruptSafetensors {
                 path: file.path.clone(),
                 reason: format!(
                     "tensor {name} holds {} bytes, but its shape and dtype need {}",
-                    bytes.len(),
+                    end - start,
                     elements * width
                 ),
             });
         }
-        dst.reserve(elements);
-        match location.dtype {
+        Ok((file, location.dtype, start, end))
+    }
+
+    /// Decodes tensor `name`, which must have shape `expected`, to f32 and appends it to `dst`.
+    pub fn append_f32(&self, name: &str, expected: &[usize], dst: &mut Vec<f32>) -> Result<()> {
+        let (file, dtype, start, end) = self.locate(name, expected)?;
+        let bytes = &file.mmap[start..end];
+        dst.reserve(expected.iter().product());
+        match dtype {
             Dtype::BF16 => dtype::extend_from_bf16(dst, bytes),
             Dtype::F16 => dtype::extend_from_f16(dst, bytes),
             _ => dtype::extend_from_f32(dst, bytes),
         }
         Ok(())
+    }
+
+    /// The matrix made of tensors `parts` (each a name and its rows, all `cols` wide) stacked
+    /// in order. When all are bf16, or all f16, it stays in the mapping; otherwise it is
+    /// decoded to f32.
+    pub fn matrix(&self, parts: &[(String, usize)], cols: usize) -> Result<Matrix> {
+        let located = parts
+            .iter()
+            .map(|(name, rows)| self.locate(name, &[*rows, cols]))
+            .collect::<Result<Vec<_>>>()?;
+        let half = |dtype: Dtype| match dtype {
+            Dtype::BF16 => Some(Half::Bf16),
+            Dtype::F16 => Some(Half::F16),
+            _ => None,
+        };
+        let format = half(located.first().map_or(Dtype::F32, |l| l.1));
+        match format {
+            Some(format) if located.iter().all(|l| half(l.1) == Some(format)) => {
+                let mut matrix = Matrix::mapped(format, cols);
+                for ((file, _, start, _), (_, rows)) in located.iter().zip(parts) {
+                    matrix.push_rows(&file.mmap, *start, *rows);
+                }
+                Ok(matrix)
+            }
+            _ => {
+                let rows: usize = parts.iter().map(|(_, r)| r).sum();
+                let mut values = Vec::with_capacity(rows * cols);
+                for (name, r) in parts {
+                    self.append_f32(name, &[*r, cols], &mut values)?;
+                }
+                Ok(Matrix::from_f32(rows, cols, values))
+            }
+        }
     }
 
     /// Decodes tensor `name` of shape `expected` into a new f32 vector.

@@ -1,18 +1,21 @@
 //! Llama-family checkpoints: the validated config and the weights in the layout the forward pass
-//! wants (Q|K|V fused into one matrix, gate|up fused into another), in f32.
+//! wants (Q|K|V as one matrix, gate|up as another). Matrices keep the checkpoint's precision
+//! ([`Matrix`]: bf16 and f16 stay mapped, f32 is decoded); norms and biases are f32.
 //!
 //! ```text
 //! config.json ──► ModelConfig
-//! model.safetensors[.index.json] ──mmap──► Checkpoint ──decode──► LlamaWeights { embed, blocks }
+//! model.safetensors[.index.json] ──mmap──► Checkpoint ──► LlamaWeights { embed, blocks }
 //! ```
 
 pub mod checkpoint;
 pub mod config;
+pub mod matrix;
 
 use std::path::Path;
 
 pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use matrix::{Half, Matrix};
 
 use crate::error::Result;
 
@@ -22,19 +25,19 @@ pub struct BlockWeights {
     /// Input RMSNorm weight, `[hidden]`.
     pub attn_norm: Vec<f32>,
     /// Q, K and V projections stacked, `[(heads + 2 kv_heads) head_dim, hidden]`.
-    pub qkv: Vec<f32>,
+    pub qkv: Matrix,
     /// Their biases, stacked likewise (Qwen2, or Llama with `attention_bias`).
     pub qkv_bias: Option<Vec<f32>>,
     /// Attention output projection, `[hidden, heads head_dim]`.
-    pub o: Vec<f32>,
+    pub o: Matrix,
     /// Its bias (Llama with `attention_bias`).
     pub o_bias: Option<Vec<f32>>,
     /// Post-attention RMSNorm weight, `[hidden]`.
     pub mlp_norm: Vec<f32>,
     /// Gate and up projections stacked, `[2 intermediate, hidden]`.
-    pub gate_up: Vec<f32>,
+    pub gate_up: Matrix,
     /// Down projection, `[hidden, intermediate]`.
-    pub down: Vec<f32>,
+    pub down: Matrix,
 }
 
 /// Everything the residual stream depends on up to a given block. The final norm and LM head are
@@ -44,7 +47,7 @@ pub struct LlamaWeights {
     /// The validated config.
     pub config: ModelConfig,
     /// Token embedding, `[vocab, hidden]`.
-    pub embed: Vec<f32>,
+    pub embed: Matrix,
     /// The first blocks of the model, as many as were asked for.
     pub blocks: Vec<BlockWeights>,
 }
@@ -67,9 +70,9 @@ impl LlamaWeights {
         let num_blocks = num_blocks
             .unwrap_or(config.num_layers)
             .min(config.num_layers);
-        let embed = checkpoint.tensor_f32(
-            "model.embed_tokens.weight",
-            &[config.vocab_size, config.hidden_size],
+        let embed = checkpoint.matrix(
+            &[("model.embed_tokens.weight".to_owned(), config.vocab_size)],
+            config.hidden_size,
         )?;
         let blocks = (0..num_blocks)
             .map(|layer| load_block(&config, checkpoint, layer))
@@ -80,6 +83,28 @@ impl LlamaWeights {
             blocks,
         })
     }
+
+    /// The bytes the weights take in memory (mapped half-precision pages included, once
+    /// touched).
+    pub fn resident_bytes(&self) -> u64 {
+        let vector = |v: &[f32]| (v.len() * 4) as u64;
+        let optional = |v: &Option<Vec<f32>>| v.as_deref().map_or(0, vector);
+        self.embed.resident_bytes()
+            + self
+                .blocks
+                .iter()
+                .map(|b| {
+                    vector(&b.attn_norm)
+                        + vector(&b.mlp_norm)
+                        + optional(&b.qkv_bias)
+                        + optional(&b.o_bias)
+                        + [&b.qkv, &b.o, &b.gate_up, &b.down]
+                            .iter()
+                            .map(|m| m.resident_bytes())
+                            .sum::<u64>()
+                })
+                .sum::<u64>()
+    }
 }
 
 fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<BlockWeights> {
@@ -89,21 +114,13 @@ fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<B
     let inter = config.intermediate_size;
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
 
-    let mut qkv = Vec::with_capacity(config.qkv_width() * hidden);
-    ckpt.append_f32(
-        &name("self_attn.q_proj.weight"),
-        &[q_rows, hidden],
-        &mut qkv,
-    )?;
-    ckpt.append_f32(
-        &name("self_attn.k_proj.weight"),
-        &[kv_rows, hidden],
-        &mut qkv,
-    )?;
-    ckpt.append_f32(
-        &name("self_attn.v_proj.weight"),
-        &[kv_rows, hidden],
-        &mut qkv,
+    let qkv = ckpt.matrix(
+        &[
+            (name("self_attn.q_proj.weight"), q_rows),
+            (name("self_attn.k_proj.weight"), kv_rows),
+            (name("self_attn.v_proj.weight"), kv_rows),
+        ],
+        hidden,
     )?;
     let qkv_bias = if config.qkv_bias {
         let mut bias = Vec::with_capacity(config.qkv_width());
@@ -119,21 +136,21 @@ fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<B
     } else {
         None
     };
-    let mut gate_up = Vec::with_capacity(2 * inter * hidden);
-    ckpt.append_f32(
-        &name("mlp.gate_proj.weight"),
-        &[inter, hidden],
-        &mut gate_up,
+    let gate_up = ckpt.matrix(
+        &[
+            (name("mlp.gate_proj.weight"), inter),
+            (name("mlp.up_proj.weight"), inter),
+        ],
+        hidden,
     )?;
-    ckpt.append_f32(&name("mlp.up_proj.weight"), &[inter, hidden], &mut gate_up)?;
     Ok(BlockWeights {
         attn_norm: ckpt.tensor_f32(&name("input_layernorm.weight"), &[hidden])?,
         qkv,
         qkv_bias,
-        o: ckpt.tensor_f32(&name("self_attn.o_proj.weight"), &[hidden, q_rows])?,
+        o: ckpt.matrix(&[(name("self_attn.o_proj.weight"), hidden)], q_rows)?,
         o_bias,
         mlp_norm: ckpt.tensor_f32(&name("post_attention_layernorm.weight"), &[hidden])?,
         gate_up,
-        down: ckpt.tensor_f32(&name("mlp.down_proj.weight"), &[hidden, inter])?,
+        down: ckpt.matrix(&[(name("mlp.down_proj.weight"), hidden)], inter)?,
     })
 }

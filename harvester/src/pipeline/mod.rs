@@ -355,7 +355,10 @@ fn open_backend(
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
-        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+        DeviceChoice::Cpu | DeviceChoice::Auto => {
+            CpuBackend::check_memory(&weights, &spec, plan.batch_tokens.get())?;
+            Box::new(CpuBackend::new(weights, spec)?)
+        }
     })
 }
 

@@ -1,6 +1,7 @@
 //! The CPU backend: the Llama block in f32, multi-threaded with rayon, matrix products through
-//! `gemm` (AVX-512/AVX2 picked at run time). It is the reference the CUDA backend is checked
-//! against.
+//! `gemm` (AVX-512/AVX2 picked at run time). Weights stay in the checkpoint's precision; a bf16
+//! or f16 matrix is widened to f32 just before each product ([`matmul::matmul_weight`]).
+//! It is the reference the CUDA backend is checked against.
 //!
 //! One block, on packed rows `x: [tokens, hidden]`:
 //! ```text
@@ -22,7 +23,7 @@ use harvest_core::LayerSelection;
 use rayon::prelude::*;
 
 use self::attention::AttentionShape;
-use self::matmul::{MatRef, matmul_transposed};
+use self::matmul::{MatRef, matmul_transposed, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
 use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
@@ -58,6 +59,8 @@ struct Scratch {
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// Half-precision weight rows widened for one GEMM.
+    weight_tile: Vec<f32>,
 }
 
 impl CpuBackend {
@@ -88,7 +91,40 @@ impl CpuBackend {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let layers = layers.resolve(config.num_layers)?;
         let weights = LlamaWeights::load(dir, Some(layers.deepest() + 1))?;
-        Self::new(weights, CaptureSpec { layers, directions })
+        let spec = CaptureSpec { layers, directions };
+        Self::check_memory(&weights, &spec, harvest_core::plan::DEFAULT_BATCH_TOKENS)?;
+        Self::new(weights, spec)
+    }
+
+    /// What a pass over batches of up to `tokens` tokens holds besides the weights: the
+    /// scratch rows of every intermediate, the captured layers, and the widened tile of the
+    /// largest half-precision matrix.
+    pub fn working_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
+        let c = &weights.config;
+        let per_token = 2 * c.hidden_size
+            + c.qkv_width()
+            + c.num_heads * c.head_dim
+            + 3 * c.intermediate_size
+            + spec.layers.len() * spec.width(c.hidden_size);
+        let tile = weights
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.qkv, &b.o, &b.gate_up, &b.down])
+            .filter(|m| m.half().is_some())
+            .map(|m| m.len())
+            .max()
+            .unwrap_or(0);
+        ((tokens * per_token + tile) * 4) as u64
+    }
+
+    /// Refuses, before anything is read, weights and batches of `tokens` that would not fit
+    /// this machine's available memory.
+    pub fn check_memory(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> Result<()> {
+        let needed = crate::memory::Needed {
+            weights: weights.resident_bytes(),
+            working: Self::working_bytes(weights, spec, tokens),
+        };
+        crate::memory::check(needed, crate::memory::available_bytes())
     }
 
     /// The loaded weights.
@@ -143,10 +179,7 @@ impl Backend for CpuBackend {
         let embed = &self.weights.embed;
         s.x.par_chunks_mut(hidden)
             .zip(&batch.input_ids)
-            .for_each(|(row, &id)| {
-                let id = id as usize;
-                row.copy_from_slice(&embed[id * hidden..(id + 1) * hidden]);
-            });
+            .for_each(|(row, &id)| embed.decode_rows(id as usize, row));
         let pass = Pass {
             config,
             batch,
@@ -208,15 +241,14 @@ impl Pass<'_> {
             kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let w_qkv = MatRef::dense(&block.qkv, qkv_width, hidden);
-        matmul_transposed(
+        matmul_weight(
             normed,
-            w_qkv,
+            &block.qkv,
             &mut s.qkv,
             qkv_width,
-            1.0,
             false,
             ALL_THREADS,
+            &mut s.weight_tile,
         );
         let rotated_heads = c.num_heads + c.num_kv_heads;
         let (cos, sin) = (&self.rope.cos, &self.rope.sin);
@@ -245,8 +277,8 @@ impl Pass<'_> {
         };
         attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
         let attn = MatRef::dense(&s.attn, tokens, attn_width);
-        let w_o = MatRef::dense(&block.o, hidden, attn_width);
-        matmul_transposed(attn, w_o, &mut s.x, hidden, 1.0, true, ALL_THREADS);
+        let tile = &mut s.weight_tile;
+        matmul_weight(attn, &block.o, &mut s.x, hidden, true, ALL_THREADS, tile);
         if let Some(bias) = &block.o_bias {
             s.x.par_chunks_mut(hidden * ROWS_PER_TASK)
                 .for_each(|rows| kernels::add_bias_rows(rows, bias));
@@ -262,22 +294,21 @@ impl Pass<'_> {
             kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let w_gate_up = MatRef::dense(&block.gate_up, 2 * inter, hidden);
-        matmul_transposed(
+        matmul_weight(
             normed,
-            w_gate_up,
+            &block.gate_up,
             &mut s.gate_up,
             2 * inter,
-            1.0,
             false,
             ALL_THREADS,
+            &mut s.weight_tile,
         );
         rows_pass(&s.gate_up, 2 * inter, &mut s.act, inter, |gu, act| {
             kernels::silu_mul_rows(gu, inter, act);
         });
         let act = MatRef::dense(&s.act, tokens, inter);
-        let w_down = MatRef::dense(&block.down, hidden, inter);
-        matmul_transposed(act, w_down, &mut s.x, hidden, 1.0, true, ALL_THREADS);
+        let tile = &mut s.weight_tile;
+        matmul_weight(act, &block.down, &mut s.x, hidden, true, ALL_THREADS, tile);
     }
 
     /// Copies the residual stream `x` into a kept layer's slot `dst`, or its projections onto

@@ -18,7 +18,7 @@ use super::launch::{self, AttentionShape, gemm};
 use super::plan::{attention_tiles, check_heads};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
-use crate::model::{LlamaWeights, ModelConfig};
+use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
 
 /// GEMM outputs that feed the next kernel are bf16.
 const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
@@ -35,6 +35,25 @@ fn bf16(values: &[f32]) -> Vec<u16> {
         .iter()
         .map(|&v| half::bf16::from_f32(v).to_bits())
         .collect()
+}
+
+/// A weight's bf16 bits for upload: a bf16 checkpoint's bytes as they are mapped (no f32 round
+/// trip); an f32 or f16 one rounded to bf16 once.
+fn bf16_matrix(matrix: &Matrix) -> Vec<u16> {
+    if matrix.half() == Some(Half::Bf16) {
+        let mut bits = Vec::with_capacity(matrix.len());
+        for part in matrix.half_bytes() {
+            bits.extend(
+                part.chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]])),
+            );
+        }
+        return bits;
+    }
+    match matrix.as_f32() {
+        Some(values) => bf16(values),
+        None => bf16(&matrix.to_f32_vec()),
+    }
 }
 
 struct Kernels {
@@ -140,17 +159,19 @@ impl CudaBackend {
         };
         let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
         let upload = |values: &[f32]| stream.clone_htod(&bf16(values)).map_err(driver);
-        let embed = upload(&weights.embed)?;
+        let upload_matrix =
+            |matrix: &Matrix| stream.clone_htod(&bf16_matrix(matrix)).map_err(driver);
+        let embed = upload_matrix(&weights.embed)?;
         let blocks = weights.blocks[..=deepest]
             .iter()
             .map(|b| {
                 Ok(DeviceBlock {
                     attn_norm: upload(&b.attn_norm)?,
-                    qkv: upload(&b.qkv)?,
-                    o: upload(&b.o)?,
+                    qkv: upload_matrix(&b.qkv)?,
+                    o: upload_matrix(&b.o)?,
                     mlp_norm: upload(&b.mlp_norm)?,
-                    gate_up: upload(&b.gate_up)?,
-                    down: upload(&b.down)?,
+                    gate_up: upload_matrix(&b.gate_up)?,
+                    down: upload_matrix(&b.down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

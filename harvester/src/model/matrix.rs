@@ -1,0 +1,248 @@
+//! A weight matrix as the checkpoint stores it. An f32 checkpoint is decoded into memory; a bf16
+//! or f16 one stays in the mapped file, in half the bytes, and is widened to f32 (exactly) by
+//! whoever computes with it, as it is used. So an 8B model in bf16 is resident in 16 GB, not 32,
+//! and only the pages of the blocks a plan keeps are ever read.
+//!
+//! A matrix may span several row blocks of the file (Q|K|V and gate|up are fused by listing their
+//! tensors in order), so no fused copy is ever made.
+
+use std::sync::Arc;
+
+use half::f16;
+use memmap2::Mmap;
+
+/// A half-precision storage format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl Half {
+    /// The safetensors name of the format.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bfloat16",
+            Self::F16 => "float16",
+        }
+    }
+}
+
+/// Rows `[first, first + rows)` of a matrix that live contiguously in one mapped file.
+#[derive(Debug, Clone)]
+struct Part {
+    map: Arc<Mmap>,
+    /// Byte offset of the part's first element in the mapping.
+    offset: usize,
+    rows: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Data {
+    F32(Vec<f32>),
+    Mapped { format: Half, parts: Vec<Part> },
+}
+
+/// A row-major `[rows, cols]` weight matrix.
+#[derive(Debug, Clone)]
+pub struct Matrix {
+    rows: usize,
+    cols: usize,
+    data: Data,
+}
+
+impl Matrix {
+    /// A matrix decoded to f32 (`values.len()` must be `rows * cols`).
+    ///
+    /// # Panics
+    /// If the length is wrong: a bug in the caller.
+    pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Self {
+        assert_eq!(values.len(), rows * cols, "matrix size. This is a bug.");
+        Self {
+            rows,
+            cols,
+            data: Data::F32(values),
+        }
+    }
+
+    /// An empty half-precision matrix of `cols` columns, to which row blocks are appended.
+    pub(crate) fn mapped(format: Half, cols: usize) -> Self {
+        Self {
+            rows: 0,
+            cols,
+            data: Data::Mapped {
+                format,
+                parts: Vec::new(),
+            },
+        }
+    }
+
+    /// Appends `rows` rows stored at byte `offset` of `map` (the caller has checked that
+    /// `rows * cols` elements of this matrix's format fit there).
+    pub(crate) fn push_rows(&mut self, map: &Arc<Mmap>, offset: usize, rows: usize) {
+        if let Data::Mapped { parts, .. } = &mut self.data {
+            parts.push(Part {
+                map: Arc::clone(map),
+                offset,
+                rows,
+            });
+            self.rows += rows;
+        }
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes it takes in memory (decoded, or mapped).
+    pub fn resident_bytes(&self) -> u64 {
+        let width = match self.data {
+            Data::F32(_) => 4,
+            Data::Mapped { .. } => 2,
+        };
+        (self.len() * width) as u64
+    }
+
+    /// The values, when they are held as f32.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.data {
+            Data::F32(values) => Some(values),
+            Data::Mapped { .. } => None,
+        }
+    }
+
+    /// The storage format, when it is half precision.
+    pub fn half(&self) -> Option<Half> {
+        match &self.data {
+            Data::F32(_) => None,
+            Data::Mapped { format, .. } => Some(*format),
+        }
+    }
+
+    /// The little-endian half-precision bytes of each row block in order, when mapped (what a
+    /// device upload copies, with no f32 round trip).
+    pub fn half_bytes(&self) -> Vec<&[u8]> {
+        match &self.data {
+            Data::F32(_) => Vec::new(),
+            Data::Mapped { parts, .. } => parts
+                .iter()
+                .map(|p| &p.map[p.offset..p.offset + p.rows * self.cols * 2])
+                .collect(),
+        }
+    }
+
+    /// Rows `[first, first + dst.len() / cols)` as f32, into `dst`. Exact: bf16 and f16 widen to
+    /// f32 without rounding.
+    ///
+    /// # Panics
+    /// If the rows are out of range or `dst` is not a whole number of rows: a bug in the caller.
+    pub fn decode_rows(&self, first: usize, dst: &mut [f32]) {
+        let cols = self.cols;
+        assert!(
+            cols > 0 && dst.len().is_multiple_of(cols) && first + dst.len() / cols <= self.rows,
+            "matrix rows out of range. This is a bug."
+        );
+        match &self.data {
+            Data::F32(values) => {
+                dst.copy_from_slice(&values[first * cols..first * cols + dst.len()]);
+            }
+            Data::Mapped { format, parts } => {
+                let (mut row, mut done) = (first, 0);
+                let mut part_start = 0;
+                for part in parts {
+                    let part_end = part_start + part.rows;
+                    if row < part_end && done < dst.len() {
+                        let take = (part_end - row).min((dst.len() - done) / cols);
+                        let from = part.offset + (row - part_start) * cols * 2;
+                        let bytes = &part.map[from..from + take * cols * 2];
+                        widen(*format, bytes, &mut dst[done..done + take * cols]);
+                        row += take;
+                        done += take * cols;
+                    }
+                    part_start = part_end;
+                }
+            }
+        }
+    }
+
+    /// Every value as f32 (tests and tools; the forward pass decodes blocks of rows instead).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        if !out.is_empty() {
+            self.decode_rows(0, &mut out);
+        }
+        out
+    }
+}
+
+/// Widens little-endian half-precision `bytes` into `dst` (one value per two bytes).
+fn widen(format: Half, bytes: &[u8], dst: &mut [f32]) {
+    let pairs = bytes.chunks_exact(2).zip(dst.iter_mut());
+    match format {
+        // bf16 is the top half of an f32: a shift, which the compiler vectorises.
+        Half::Bf16 => pairs.for_each(|(b, d)| {
+            *d = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+        }),
+        Half::F16 => pairs.for_each(|(b, d)| {
+            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapped(bytes: &[u8]) -> Arc<Mmap> {
+        let mut map = memmap2::MmapMut::map_anon(bytes.len()).unwrap();
+        map.copy_from_slice(bytes);
+        Arc::new(map.make_read_only().unwrap())
+    }
+
+    #[test]
+    fn rows_decode_across_fused_parts_exactly_as_the_whole_would() {
+        let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let bytes = crate::dtype::to_bf16_bytes(&values);
+        let map = mapped(&bytes);
+        // Rows 0-1 from the front of the file, rows 2-5 from further on: 6 rows of 4.
+        let mut m = Matrix::mapped(Half::Bf16, 4);
+        m.push_rows(&map, 0, 2);
+        m.push_rows(&map, 8 * 2, 4);
+        assert_eq!((m.rows(), m.cols(), m.resident_bytes()), (6, 4, 48));
+        assert_eq!(m.to_f32_vec(), values);
+        let mut three = vec![0.0; 12];
+        m.decode_rows(1, &mut three);
+        assert_eq!(three, values[4..16]);
+        assert_eq!(m.half_bytes().concat(), bytes);
+    }
+
+    #[test]
+    fn f16_widens_exactly() {
+        let values = [1.0f32, -0.5, 65504.0, 0.000_061_035_156];
+        let bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        let mut m = Matrix::mapped(Half::F16, 2);
+        m.push_rows(&mapped(&bytes), 0, 2);
+        assert_eq!(m.to_f32_vec(), values);
+    }
+}
