@@ -28,12 +28,74 @@ pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
     })
 }
 
-/// The memory this machine can give a new process now (`MemAvailable`), where the kernel says.
+/// Limits at or above this are the kernel's way of saying "none" (cgroup v1 writes 2^63 - 4096).
+const NO_LIMIT: u64 = 1 << 60;
+
+/// A cgroup memory limit file's value: `max` (v2) or a huge number (v1) is no limit.
+pub fn parse_limit(text: &str) -> Option<u64> {
+    let limit: u64 = text.trim().parse().ok()?;
+    (limit < NO_LIMIT).then_some(limit)
+}
+
+/// A field of a cgroup `memory.stat` text.
+pub fn parse_stat(stat: &str, key: &str) -> Option<u64> {
+    stat.lines().find_map(|line| {
+        let (name, value) = line.split_once(' ')?;
+        (name == key).then(|| value.trim().parse().ok()).flatten()
+    })
+}
+
+/// Where this process's memory cgroup is, from `/proc/self/cgroup`: the v1 `memory`
+/// controller's directory if there is one, else the v2 unified one.
+pub fn cgroup_dir(proc_self_cgroup: &str) -> Option<String> {
+    let mut unified = None;
+    for line in proc_self_cgroup.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        if controllers.split(',').any(|c| c == "memory") {
+            return Some(format!("/sys/fs/cgroup/memory{path}"));
+        }
+        if controllers.is_empty() {
+            unified = Some(format!("/sys/fs/cgroup{path}"));
+        }
+    }
+    unified
+}
+
+/// What the cgroup's limit leaves for anonymous memory: the limit less what the group holds
+/// other than file cache (which the kernel reclaims before it kills), or `None` without one.
+fn cgroup_available(dir: &str) -> Option<u64> {
+    let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).ok();
+    let stat = read("memory.stat").unwrap_or_default();
+    let (limit, held) = match read("memory.max") {
+        // v2: `anon` is what cannot be reclaimed without swap.
+        Some(max) => (parse_limit(&max)?, parse_stat(&stat, "anon").unwrap_or(0)),
+        None => (
+            parse_limit(&read("memory.limit_in_bytes")?)?,
+            parse_stat(&stat, "total_rss")
+                .or_else(|| parse_stat(&stat, "rss"))
+                .unwrap_or(0),
+        ),
+    };
+    Some(limit.saturating_sub(held))
+}
+
+/// The memory a new pass can use now: `MemAvailable`, or less where this process's cgroup (a
+/// container's or a Pod's limit) leaves less.
 pub fn available_bytes() -> Option<u64> {
-    std::fs::read_to_string("/proc/meminfo")
+    let machine = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .as_deref()
-        .and_then(parse_mem_available)
+        .and_then(parse_mem_available);
+    let group = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .as_deref()
+        .and_then(cgroup_dir)
+        .and_then(|dir| cgroup_available(&dir));
+    match (machine, group) {
+        (Some(m), Some(g)) => Some(m.min(g)),
+        (m, g) => m.or(g),
+    }
 }
 
 /// Refuses a run that needs more than `available` (when it is known).
@@ -58,6 +120,26 @@ mod tests {
         let text = "MemTotal:       24576000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n";
         assert_eq!(parse_mem_available(text), Some(20_000_000 * 1024));
         assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn cgroup_limits_and_their_directories_are_read_for_v1_and_v2() {
+        assert_eq!(parse_limit("max\n"), None);
+        assert_eq!(parse_limit("9223372036854771712\n"), None);
+        assert_eq!(parse_limit("17179869184\n"), Some(17_179_869_184));
+        let v1 = "5:devices:/\n4:memory:/process_api/7252\n0::/\n";
+        assert_eq!(
+            cgroup_dir(v1).as_deref(),
+            Some("/sys/fs/cgroup/memory/process_api/7252")
+        );
+        assert_eq!(
+            cgroup_dir("0::/kubepods/pod1\n").as_deref(),
+            Some("/sys/fs/cgroup/kubepods/pod1")
+        );
+        let stat = "cache 100\nrss 42\ntotal_rss 4096\n";
+        assert_eq!(parse_stat(stat, "total_rss"), Some(4096));
+        assert_eq!(parse_stat(stat, "rss"), Some(42));
+        assert_eq!(parse_stat(stat, "anon"), None);
     }
 
     #[test]

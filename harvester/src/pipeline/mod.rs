@@ -212,7 +212,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         directions,
     };
     let width = spec.width(config.hidden_size);
-    let backend = open_backend(&plan, spec, options.device)?;
+    let backend = open_backend(&plan, spec, options.device, largest_batch(&plan, &encoded))?;
     let load_s = load_start.elapsed().as_secs_f64();
 
     let job = Job {
@@ -346,17 +346,27 @@ fn prepare(
     })))
 }
 
-/// Loads the blocks up to the deepest kept layer onto the chosen device.
+/// The most tokens one batch of this job can hold: the batch budget, or one prompt longer than
+/// it, and never more than the whole job.
+fn largest_batch(plan: &ResolvedPlan, encoded: &[crate::tokenizer::Encoded]) -> usize {
+    let total: usize = encoded.iter().map(|e| e.ids.len()).sum();
+    let longest = encoded.iter().map(|e| e.ids.len()).max().unwrap_or(0);
+    total.min(plan.batch_tokens.get().max(longest))
+}
+
+/// Loads the blocks up to the deepest kept layer onto the chosen device; on the CPU, first
+/// checks that they and batches of `batch_tokens` fit the memory.
 fn open_backend(
     plan: &ResolvedPlan,
     spec: CaptureSpec,
     device: DeviceChoice,
+    batch_tokens: usize,
 ) -> Result<Box<dyn Backend>> {
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
         DeviceChoice::Cpu | DeviceChoice::Auto => {
-            CpuBackend::check_memory(&weights, &spec, plan.batch_tokens.get())?;
+            CpuBackend::check_memory(&weights, &spec, batch_tokens)?;
             Box::new(CpuBackend::new(weights, spec)?)
         }
     })
