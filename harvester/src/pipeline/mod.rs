@@ -348,7 +348,7 @@ fn prepare(
 
 /// The most tokens one batch of this job can hold: the batch budget, or one prompt longer than
 /// it, and never more than the whole job.
-fn largest_batch(plan: &ResolvedPlan, encoded: &[crate::tokenizer::Encoded]) -> usize {
+fn largest_batch(plan: &ResolvedPlan, encoded: &[Encoded]) -> usize {
     let total: usize = encoded.iter().map(|e| e.ids.len()).sum();
     let longest = encoded.iter().map(|e| e.ids.len()).max().unwrap_or(0);
     total.min(plan.batch_tokens.get().max(longest))
