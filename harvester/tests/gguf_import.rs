@@ -89,3 +89,51 @@ fn a_truncated_gguf_is_rejected_with_a_clear_error() {
         "no partial checkpoint is left"
     );
 }
+
+/// The ids of a few prompts, long enough (300 positions) for the scaled low frequencies to turn.
+fn long_prompts() -> Vec<Vec<u32>> {
+    vec![
+        (0..300).map(|i| (i * 7 % 64) as u32).collect(),
+        (0..40).map(|i| (i * 3 % 64) as u32).collect(),
+    ]
+}
+
+#[test]
+fn a_llama3_gguf_with_rope_freqs_runs_as_the_same_model_with_its_hugging_face_scaling() {
+    let python = std::env::var_os("HARVEST_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var_os("HOME").unwrap())
+                .join(".cache/harvest/tools/bin/python")
+        });
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/tiny_llama3_gguf.py");
+    let made = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let imported = dir.path().join("imported");
+    import_gguf(&dir.path().join("tiny.gguf"), &imported, OutputDtype::F32).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(imported.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["rope_scaling"]["rope_type"], "frequency_factors");
+    let layers = harvest_core::LayerSelection::All;
+    let ours = common::capture(&imported, &layers, &long_prompts());
+    let hugging_face = common::capture(&dir.path().join("hf"), &layers, &long_prompts());
+    let unscaled = common::capture(&dir.path().join("hf-unscaled"), &layers, &long_prompts());
+    let error = common::worst_relative_error(&ours.data, &hugging_face.data, ours.width);
+    assert!(error < 1e-5, "against the scaled checkpoint: {error:e}");
+    let without = common::worst_relative_error(&ours.data, &unscaled.data, ours.width);
+    assert!(
+        without > 1e-3,
+        "the scaling matters at these positions: {without:e}"
+    );
+}

@@ -101,11 +101,7 @@ pub fn import_gguf(
         Some(Value::UInt(v)) => *v as usize,
         _ => gguf.require_strings("tokenizer.ggml.tokens")?.len(),
     };
-    if gguf.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
-        return Err(fail(
-            "the GGUF carries rope_freqs (Llama 3.1 RoPE scaling), whose parameters it does not record; import the original Hugging Face checkpoint instead".into(),
-        ));
-    }
+    let rope_scaling = rope_scaling(&gguf, &hyper)?;
 
     let converted: Vec<ConvertedTensor> = gguf
         .tensors
@@ -123,13 +119,14 @@ pub fn import_gguf(
     let tie_word_embeddings = !names.contains_key("lm_head.weight");
 
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io("creating", out_dir, e))?;
-    let config = config_json(
+    let mut config = config_json(
         &hyper,
         vocab_size,
         tie_word_embeddings,
         &specials,
         out_dtype,
     );
+    config["rope_scaling"] = rope_scaling;
     write_json(&out_dir.join("config.json"), &config)?;
     write_json(&out_dir.join("tokenizer.json"), &tokenizer)?;
     write_json(
@@ -272,6 +269,43 @@ fn hf_name(name: &str, hyper: &Hyper) -> Option<(String, Option<usize>)> {
         _ => return None,
     };
     Some((format!("model.layers.{layer}.{hf_part}"), permute))
+}
+
+/// The RoPE scaling a GGUF carries as its `rope_freqs` tensor (Llama 3.x): one divisor per
+/// frequency, applied as llama.cpp applies it (`frequency_factors` in our config), or null.
+fn rope_scaling(gguf: &GgufFile, hyper: &Hyper) -> Result<serde_json::Value> {
+    let Some(info) = gguf.tensors.iter().find(|t| t.name == "rope_freqs.weight") else {
+        return Ok(serde_json::Value::Null);
+    };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_owned(),
+        reason,
+    };
+    let elements: usize = info.dims.iter().map(|&d| d as usize).product();
+    if elements != hyper.head_dim / 2 {
+        return Err(bad(format!(
+            "rope_freqs.weight has {elements} values, but head_dim {} has {} frequencies",
+            hyper.head_dim,
+            hyper.head_dim / 2
+        )));
+    }
+    let ggml_type =
+        GgmlType::from_id(info.ggml_type).map_err(|ggml_type| Error::UnsupportedGgufType {
+            name: info.name.clone(),
+            ggml_type,
+        })?;
+    let byte_len = ggml_type
+        .byte_len(elements)
+        .ok_or_else(|| bad("rope_freqs.weight is not whole quantisation blocks".into()))?;
+    let mut factors = Vec::with_capacity(elements);
+    ggml_type.dequantize(gguf.tensor_bytes(info, byte_len)?, &mut factors);
+    if let Some(i) = factors.iter().position(|f| !(f.is_finite() && *f > 0.0)) {
+        return Err(bad(format!(
+            "rope_freqs.weight[{i}] is {}: every factor must be finite and positive",
+            factors[i]
+        )));
+    }
+    Ok(json!({"rope_type": "frequency_factors", "factors": factors}))
 }
 
 fn convert_tensor(

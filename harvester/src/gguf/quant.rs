@@ -17,10 +17,20 @@ pub enum GgmlType {
     Q4_0,
     /// 32 values: f16 scale, f16 minimum, 16 bytes of 4-bit values.
     Q4_1,
+    /// 256 values in 8 sub-blocks of 32: f16 scale and minimum, 6-bit sub-block scales and
+    /// minimums packed in 12 bytes, 128 bytes of 4-bit values.
+    Q4K,
+    /// As Q4_K with a fifth bit per value in 32 more bytes.
+    Q5K,
+    /// 256 values in 16 sub-blocks of 16: 4 low bits in 128 bytes, 2 high bits in 64, 16 signed
+    /// 8-bit sub-block scales, then the f16 scale.
+    Q6K,
 }
 
-/// Values per quantised block.
+/// Values per quantised block of the simple types.
 const BLOCK: usize = 32;
+/// Values per super-block of the K-quants (llama.cpp's `QK_K`).
+const SUPER_BLOCK: usize = 256;
 
 impl GgmlType {
     /// Maps a GGML type id, or returns a printable name of the unsupported type.
@@ -32,6 +42,9 @@ impl GgmlType {
             8 => Self::Q8_0,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
             other => {
                 let name = match other {
                     6 => "Q5_0",
@@ -39,9 +52,6 @@ impl GgmlType {
                     9 => "Q8_1",
                     10 => "Q2_K",
                     11 => "Q3_K",
-                    12 => "Q4_K",
-                    13 => "Q5_K",
-                    14 => "Q6_K",
                     15 => "Q8_K",
                     16..=23 | 29 => "an IQ quantisation",
                     24 => "I8",
@@ -58,23 +68,26 @@ impl GgmlType {
 
     /// Bytes needed for `elements` values, or `None` if they do not fill whole blocks.
     pub fn byte_len(self, elements: usize) -> Option<usize> {
-        let blocks = |bytes_per_block: usize| {
+        let blocks_of = |values: usize, bytes_per_block: usize| {
             elements
-                .is_multiple_of(BLOCK)
-                .then_some(elements / BLOCK * bytes_per_block)
+                .is_multiple_of(values)
+                .then_some(elements / values * bytes_per_block)
         };
+        let blocks = |bytes_per_block: usize| blocks_of(BLOCK, bytes_per_block);
         match self {
             Self::F32 => Some(elements * 4),
             Self::F16 | Self::Bf16 => Some(elements * 2),
             Self::Q8_0 => blocks(34),
             Self::Q4_0 => blocks(18),
             Self::Q4_1 => blocks(20),
+            Self::Q4K => blocks_of(SUPER_BLOCK, 144),
+            Self::Q5K => blocks_of(SUPER_BLOCK, 176),
+            Self::Q6K => blocks_of(SUPER_BLOCK, 210),
         }
     }
 
     /// Decodes `bytes` (exactly `byte_len` of them) into `out`.
     pub fn dequantize(self, bytes: &[u8], out: &mut Vec<f32>) {
-        let half = |b: &[u8]| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
         match self {
             Self::F32 => crate::dtype::extend_from_f32(out, bytes),
             Self::F16 => crate::dtype::extend_from_f16(out, bytes),
@@ -101,6 +114,76 @@ impl GgmlType {
                     out.extend(qs.iter().map(|&q| f32::from(q >> 4) * d + m));
                 }
             }
+            Self::Q4K => bytes
+                .chunks_exact(144)
+                .for_each(|b| q4_k(&b[..16], &b[16..], None, out)),
+            Self::Q5K => bytes
+                .chunks_exact(176)
+                .for_each(|b| q4_k(&b[..16], &b[48..], Some(&b[16..48]), out)),
+            Self::Q6K => bytes.chunks_exact(210).for_each(|b| q6_k(b, out)),
+        }
+    }
+}
+
+fn half(b: &[u8]) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Sub-block `j`'s 6-bit scale and minimum from the 12 packed bytes (llama.cpp's
+/// `get_scale_min_k4`): the first four in the low 6 bits of bytes 0-3 and 4-7, the last four in
+/// the nibbles of bytes 8-11 with their top two bits in the top of bytes 0-7.
+fn scale_min(j: usize, q: &[u8]) -> (f32, f32) {
+    let (scale, min) = if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    };
+    (f32::from(scale), f32::from(min))
+}
+
+/// One Q4_K super-block (`head`: `d`, `dmin` and 12 scale bytes; `qs`: 128 bytes of nibbles),
+/// or a Q5_K one when `high` holds its 32 bytes of fifth bits. The order of operations is
+/// llama.cpp's and gguf-py's (`d * scale`, then `d1 * q - dmin * min`, never fused), so the
+/// values are bit-identical.
+fn q4_k(head: &[u8], qs: &[u8], high: Option<&[u8]>, out: &mut Vec<f32>) {
+    let (d, dmin) = (half(&head[0..2]), half(&head[2..4]));
+    let scales = &head[4..16];
+    for pair in 0..4 {
+        let (sc1, m1) = scale_min(2 * pair, scales);
+        let (sc2, m2) = scale_min(2 * pair + 1, scales);
+        let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let q = &qs[32 * pair..32 * pair + 32];
+        let fifth =
+            |l: usize, bit: usize| high.map_or(0, |h| if h[l] & (1 << bit) != 0 { 16 } else { 0 });
+        out.extend((0..32).map(|l| d1 * f32::from((q[l] & 0x0f) + fifth(l, 2 * pair)) - min1));
+        out.extend((0..32).map(|l| d2 * f32::from((q[l] >> 4) + fifth(l, 2 * pair + 1)) - min2));
+    }
+}
+
+/// One Q6_K super-block: value `v` is `d * scale[v / 16] * (q - 32)`, `q` its 4 low bits from
+/// `ql` and 2 high bits from `qh`, in llama.cpp's interleaving (and its order of operations).
+fn q6_k(block: &[u8], out: &mut Vec<f32>) {
+    let (ql, qh, scales) = (&block[..128], &block[128..192], &block[192..208]);
+    let d = half(&block[208..210]);
+    let start = out.len();
+    out.resize(start + SUPER_BLOCK, 0.0);
+    let y = &mut out[start..];
+    for half_block in 0..2 {
+        let (ql, qh) = (&ql[64 * half_block..], &qh[32 * half_block..]);
+        let y = &mut y[128 * half_block..];
+        let sc = &scales[8 * half_block..];
+        for l in 0..32 {
+            let is = l / 16;
+            let q =
+                |low: u8, shift: u8| i32::from((low & 0x0f) | (((qh[l] >> shift) & 3) << 4)) - 32;
+            let scale = |k: usize| f32::from(sc[is + k] as i8);
+            y[l] = d * scale(0) * q(ql[l], 0) as f32;
+            y[l + 32] = d * scale(2) * q(ql[l + 32], 2) as f32;
+            y[l + 64] = d * scale(4) * q(ql[l] >> 4, 4) as f32;
+            y[l + 96] = d * scale(6) * q(ql[l + 32] >> 4, 6) as f32;
         }
     }
 }
@@ -149,7 +232,9 @@ mod tests {
 
     #[test]
     fn unsupported_types_are_named() {
-        assert_eq!(GgmlType::from_id(12).unwrap_err(), "Q4_K (GGML type 12)");
+        assert_eq!(GgmlType::from_id(11).unwrap_err(), "Q3_K (GGML type 11)");
+        assert!(GgmlType::Q4K.byte_len(255).is_none());
+        assert_eq!(GgmlType::Q6K.byte_len(512), Some(420));
         assert!(GgmlType::Q4_0.byte_len(33).is_none());
     }
 }

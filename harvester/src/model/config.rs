@@ -39,7 +39,7 @@ impl Architecture {
 }
 
 /// How RoPE frequencies are rescaled for long contexts.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Plain RoPE.
     None,
@@ -58,6 +58,13 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         /// The context length the model was pre-trained with.
         original_max_position_embeddings: f64,
+    },
+    /// Frequency `i` divided by `factors[i]`, as llama.cpp applies a GGUF's `rope_freqs` tensor
+    /// (which is how Llama 3.x GGUFs carry the scaling above). The GGUF importer writes it as
+    /// `{"rope_type": "frequency_factors", "factors": [...]}`.
+    FrequencyFactors {
+        /// One per frequency (`head_dim / 2`), each finite and positive.
+        factors: Vec<f64>,
     },
 }
 
@@ -140,6 +147,7 @@ struct RawRopeScaling {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
+    factors: Option<Vec<f64>>,
 }
 
 impl ModelConfig {
@@ -171,10 +179,13 @@ impl ModelConfig {
         let base: Vec<f64> = (0..self.head_dim / 2)
             .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim))
             .collect();
-        match self.rope_scaling {
+        match &self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
-            RopeScaling::Llama3 {
+            RopeScaling::FrequencyFactors { factors } => {
+                base.iter().zip(factors).map(|(f, k)| f / k).collect()
+            }
+            &RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
@@ -259,7 +270,7 @@ impl RawConfig {
         )
         .map_err(bad)?;
         let (rope_theta, rope_scaling) =
-            rope(rope_theta, rope_scaling, rope_parameters).map_err(bad)?;
+            rope(rope_theta, rope_scaling, rope_parameters, head_dim).map_err(bad)?;
         let attention_windows = attention_windows(
             architecture,
             num_hidden_layers,
@@ -300,6 +311,7 @@ fn rope(
     theta: Option<f64>,
     scaling: Option<RawRopeScaling>,
     parameters: Option<RawRopeScaling>,
+    head_dim: usize,
 ) -> std::result::Result<(f64, RopeScaling), String> {
     let theta = theta
         .or(parameters.as_ref().and_then(|p| p.rope_theta))
@@ -307,6 +319,15 @@ fn rope(
     let scaling = scaling
         .or(parameters)
         .map_or(Ok(RopeScaling::None), RawRopeScaling::validate)?;
+    if let RopeScaling::FrequencyFactors { factors } = &scaling
+        && factors.len() != head_dim / 2
+    {
+        return Err(format!(
+            "rope_scaling has {} frequency factors, but head_dim {head_dim} has {} frequencies",
+            factors.len(),
+            head_dim / 2
+        ));
+    }
     Ok((theta, scaling))
 }
 
@@ -435,8 +456,20 @@ impl RawRopeScaling {
                     "original_max_position_embeddings",
                 )?,
             }),
+            "frequency_factors" => {
+                let factors = self
+                    .factors
+                    .ok_or("rope_scaling of type \"frequency_factors\" needs factors")?;
+                match factors.iter().position(|f| !(f.is_finite() && *f > 0.0)) {
+                    Some(i) => Err(format!(
+                        "rope_scaling factors[{i}] is {}: every factor must be finite and positive",
+                        factors[i]
+                    )),
+                    None => Ok(RopeScaling::FrequencyFactors { factors }),
+                }
+            }
             other => Err(format!(
-                "rope_scaling type {other:?} is not supported; use none, \"linear\" or \"llama3\""
+                "rope_scaling type {other:?} is not supported; use none, \"linear\", \"llama3\" or \"frequency_factors\""
             )),
         }
     }
@@ -448,6 +481,31 @@ mod tests {
 
     fn parse(text: &str) -> Result<ModelConfig> {
         ModelConfig::parse(text, Path::new("config.json"))
+    }
+
+    #[test]
+    fn frequency_factors_divide_each_frequency_and_must_match_head_dim() {
+        // head_dim 16: eight frequencies.
+        let factors = "[1, 1, 1, 2, 4, 8, 8, 0.5]";
+        let config = parse(&llama(&format!(
+            r#", "rope_scaling": {{"rope_type": "frequency_factors", "factors": {factors}}}"#
+        )))
+        .unwrap();
+        let plain = parse(&llama("")).unwrap().inverse_frequencies();
+        let scaled = config.inverse_frequencies();
+        let divisors = [1.0, 1.0, 1.0, 2.0, 4.0, 8.0, 8.0, 0.5];
+        for ((s, p), k) in scaled.iter().zip(&plain).zip(divisors) {
+            assert_eq!(*s, p / k);
+        }
+        let short = r#", "rope_scaling": {"rope_type": "frequency_factors", "factors": [1, 2]}"#;
+        let error = parse(&llama(short)).unwrap_err().to_string();
+        assert!(
+            error.contains("2 frequency factors") && error.contains("8 frequencies"),
+            "{error}"
+        );
+        let zero = r#", "rope_scaling": {"rope_type": "frequency_factors", "factors": [1, 0, 1, 1, 1, 1, 1, 1]}"#;
+        let error = parse(&llama(zero)).unwrap_err().to_string();
+        assert!(error.contains("factors[1] is 0"), "{error}");
     }
 
     fn llama(extra: &str) -> String {
