@@ -28,6 +28,16 @@ pub struct CatalogueModel {
 #[derive(Debug, Clone, Default)]
 pub struct Catalogue {
     models: BTreeMap<String, CatalogueModel>,
+    /// Optional entries whose files are missing: the reason, by name.
+    unavailable: BTreeMap<String, Unavailable>,
+    devices: BTreeMap<String, u32>,
+}
+
+/// An optional model whose files are not there.
+#[derive(Debug, Clone)]
+struct Unavailable {
+    lane: harvest_core::quota::Lane,
+    reason: String,
 }
 
 #[derive(Deserialize)]
@@ -37,30 +47,65 @@ struct Shape {
     max_position_embeddings: usize,
 }
 
-/// A model as `GET /v1/models` lists it.
+/// A model as `GET /v1/models` lists it. An unavailable one (an optional entry whose files are
+/// missing) has `available: false` and `unavailable_reason`, and no shape.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ModelView {
     /// The name to send.
     pub name: String,
     /// Decoder blocks; valid layers are `0..layers`.
-    pub layers: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
     /// Residual-stream width (the `hidden` of `project_onto`).
-    pub hidden_size: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hidden_size: Option<usize>,
     /// The layers kept when `layers` is omitted.
-    pub default_layers: Vec<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_layers: Option<Vec<usize>>,
     /// Its concurrency lane: `small` or `large`.
     #[schema(value_type = String, example = "small")]
     pub lane: harvest_core::quota::Lane,
     /// Its context window; longer prompts are truncated.
-    pub max_tokens: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// Devices one job of it occupies (our extension).
+    pub devices: u32,
+    /// Whether jobs can be submitted for it (our extension).
+    pub available: bool,
+    /// Why not, when it is unavailable (our extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable_reason: Option<String>,
 }
 
 impl Catalogue {
     /// Loads every configured model's config.json and tokenizer.json.
     pub fn load(models: &[ModelConfig]) -> Result<Self, StartupError> {
         let mut out = BTreeMap::new();
+        let mut unavailable = BTreeMap::new();
+        let mut devices = BTreeMap::new();
         for model in models {
+            devices.insert(model.name.clone(), model.devices);
             let config_path = model.path.join("config.json");
+            let missing = ["config.json", "tokenizer.json"]
+                .iter()
+                .map(|f| model.path.join(f))
+                .find(|p| !p.is_file());
+            if let Some(missing) = missing {
+                let reason = format!(
+                    "its checkpoint is missing: {} does not exist (docs/models.md says how to get it)",
+                    missing.display()
+                );
+                if model.optional {
+                    tracing::warn!(model = %model.name, %reason, "model unavailable");
+                    let lane = model.lane;
+                    unavailable.insert(model.name.clone(), Unavailable { lane, reason });
+                    continue;
+                }
+                return Err(StartupError::config(format!(
+                    "model {}: {reason}; or mark the entry \"optional\": true to serve without it",
+                    model.name
+                )));
+            }
             let text = std::fs::read_to_string(&config_path).map_err(|e| {
                 StartupError::config(format!(
                     "model {}: reading {}: {e}",
@@ -101,7 +146,16 @@ impl Catalogue {
                 },
             );
         }
-        Ok(Self { models: out })
+        Ok(Self {
+            models: out,
+            unavailable,
+            devices,
+        })
+    }
+
+    /// Why a listed model cannot take jobs, if it is an unavailable optional entry.
+    pub fn unavailable(&self, name: &str) -> Option<&str> {
+        self.unavailable.get(name).map(|u| u.reason.as_str())
     }
 
     /// A model by name.
@@ -109,23 +163,38 @@ impl Catalogue {
         self.models.get(name)
     }
 
-    /// The names, for error messages.
+    /// The names of the models that take jobs, for error messages.
     pub fn names(&self) -> Vec<&str> {
         self.models.keys().map(String::as_str).collect()
     }
 
     /// Every model, as listed by the API.
     pub fn views(&self) -> Vec<ModelView> {
-        self.models
-            .values()
-            .map(|m| ModelView {
-                name: m.model.name.clone(),
-                layers: m.model.shape.num_layers,
-                hidden_size: m.model.shape.hidden_size,
-                default_layers: m.model.shape.default_layers(),
-                lane: m.model.lane,
-                max_tokens: m.max_tokens,
-            })
-            .collect()
+        let devices = |name: &str| self.devices.get(name).copied().unwrap_or(1);
+        let available = self.models.values().map(|m| ModelView {
+            name: m.model.name.clone(),
+            layers: Some(m.model.shape.num_layers),
+            hidden_size: Some(m.model.shape.hidden_size),
+            default_layers: Some(m.model.shape.default_layers()),
+            lane: m.model.lane,
+            max_tokens: Some(m.max_tokens),
+            devices: devices(&m.model.name),
+            available: true,
+            unavailable_reason: None,
+        });
+        let missing = self.unavailable.iter().map(|(name, u)| ModelView {
+            name: name.clone(),
+            layers: None,
+            hidden_size: None,
+            default_layers: None,
+            lane: u.lane,
+            max_tokens: None,
+            devices: devices(name),
+            available: false,
+            unavailable_reason: Some(u.reason.clone()),
+        });
+        let mut views: Vec<ModelView> = available.chain(missing).collect();
+        views.sort_by(|a, b| a.name.cmp(&b.name));
+        views
     }
 }

@@ -89,6 +89,18 @@ pub struct ModelConfig {
     /// Its concurrency lane.
     #[serde(default = "small")]
     pub lane: Lane,
+    /// Devices one job of it occupies (informational: `GET /v1/models` shows it; 1 for a
+    /// single-GPU model, 8 for a whole 8-GPU machine).
+    #[serde(default = "one_device")]
+    pub devices: u32,
+    /// When its files are missing: if true, it is listed as unavailable and a submit is
+    /// refused naming it; if false (the default), the server refuses to start.
+    #[serde(default)]
+    pub optional: bool,
+}
+
+fn one_device() -> u32 {
+    1
 }
 
 /// An account.

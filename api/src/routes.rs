@@ -89,11 +89,18 @@ pub(crate) async fn submit(
     AppJson(request): AppJson<HarvestRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.catalogue.get(&request.model).ok_or_else(|| {
-        ApiError::invalid(format!(
-            "unknown model {:?}: GET /v1/models lists the models; available: {}",
-            request.model,
-            state.catalogue.names().join(", ")
-        ))
+        match state.catalogue.unavailable(&request.model) {
+            Some(reason) => ApiError::invalid(format!(
+                "model {:?} is not available on this server: {reason}; available: {}",
+                request.model,
+                state.catalogue.names().join(", ")
+            )),
+            None => ApiError::invalid(format!(
+                "unknown model {:?}: GET /v1/models lists the models; available: {}",
+                request.model,
+                state.catalogue.names().join(", ")
+            )),
+        }
     })?;
     let submission = request.validate(&model.model)?;
     let tokens = count_tokens(&state, &caller, model, &submission).await?;

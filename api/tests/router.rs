@@ -59,6 +59,8 @@ async fn fixture_with(
             name: "tiny".into(),
             path: tiny_model(),
             lane: Lane::Small,
+            devices: 1,
+            optional: false,
         }],
         accounts: vec![
             AccountConfig {
@@ -628,6 +630,8 @@ fn with_smollm2(config: &mut ServerConfig) {
         name: "smollm2".into(),
         path: harvest_testkit::smollm2(),
         lane: Lane::Small,
+        devices: 1,
+        optional: false,
     });
 }
 
@@ -1025,5 +1029,74 @@ async fn the_status_page_and_its_files_are_served_with_a_same_origin_policy() {
     assert_eq!(
         (status, answer["error"]["code"].as_str()),
         (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+}
+
+/// A model entry whose checkpoint directory does not exist.
+fn missing_model(name: &str, optional: bool) -> ModelConfig {
+    ModelConfig {
+        name: name.into(),
+        path: PathBuf::from("/nonexistent/harvest-models").join(name),
+        lane: Lane::Large,
+        devices: 8,
+        optional,
+    }
+}
+
+#[tokio::test]
+async fn an_optional_model_without_files_is_listed_unavailable_and_a_submit_is_refused_naming_it() {
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        config.models.push(missing_model("llama-405b", true));
+    })
+    .await;
+    let (status, _, listed) = call(&f.state, "GET", "/v1/models", Some(&f.key), None).await;
+    assert_eq!(status, StatusCode::OK);
+    let models = listed["models"].as_array().unwrap();
+    let big = models.iter().find(|m| m["name"] == "llama-405b").unwrap();
+    assert_eq!(
+        (&big["available"], &big["devices"], &big["lane"]),
+        (
+            &serde_json::json!(false),
+            &serde_json::json!(8),
+            &serde_json::json!("large")
+        )
+    );
+    assert!(
+        big["unavailable_reason"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/harvest-models/llama-405b/config.json")
+    );
+    let tiny = models.iter().find(|m| m["name"] == "tiny").unwrap();
+    assert_eq!(
+        (&tiny["available"], &tiny["devices"]),
+        (&serde_json::json!(true), &serde_json::json!(1))
+    );
+    let body = serde_json::json!({"model": "llama-405b", "prompts": ["a"]}).to_string();
+    let (status, _, answer) = submit(&f, body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"llama-405b\" is not available") && message.contains("/nonexistent"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_required_model_without_files_stops_the_server_at_start_naming_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: ServerConfig = serde_json::from_value(serde_json::json!({
+        "data_dir": dir.path().join("data"), "public_url": "http://harvest.test",
+        "harvester": present_harvester(), "max_workers": 0,
+        "models": [], "accounts": [{"name": "acme"}],
+    }))
+    .unwrap();
+    config.models.push(missing_model("llama-8b", false));
+    let error = server::build(&config).await.unwrap_err().to_string();
+    assert!(
+        error.contains("llama-8b")
+            && error.contains("/nonexistent/harvest-models/llama-8b/config.json")
+            && error.contains("\"optional\": true"),
+        "{error}"
     );
 }

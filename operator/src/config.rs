@@ -236,3 +236,38 @@ lanes: {small: 2, large: 1}
         );
     }
 }
+
+#[cfg(test)]
+mod shipped {
+    use super::*;
+
+    /// `config.yaml` of the harvest-operator ConfigMap in `manifests/operator.yaml`.
+    fn shipped_config() -> String {
+        let manifest = include_str!("../../manifests/operator.yaml");
+        for document in serde_yaml::Deserializer::from_str(manifest) {
+            let value = serde_yaml::Value::deserialize(document).unwrap();
+            if value["kind"] == "ConfigMap" && value["metadata"]["name"] == "harvest-operator" {
+                return value["data"]["config.yaml"].as_str().unwrap().to_owned();
+            }
+        }
+        panic!("manifests/operator.yaml has no harvest-operator ConfigMap");
+    }
+
+    #[test]
+    fn the_shipped_catalogue_parses_and_serves_the_seeds_three_models_in_their_lanes() {
+        let config = OperatorConfig::parse(&shipped_config()).unwrap();
+        let entry = |name: &str| config.models.iter().find(|m| m.name == name).unwrap();
+        for (name, lane, gpus, layers) in [
+            ("llama-8b", Lane::Small, 1, 32),
+            ("llama-405b", Lane::Large, 8, 126),
+            ("trinity-truebase", Lane::Large, 8, 60),
+        ] {
+            let model = entry(name);
+            assert_eq!(
+                (model.lane, model.gpus, model.num_layers),
+                (lane, gpus, layers),
+                "{name}"
+            );
+        }
+    }
+}
