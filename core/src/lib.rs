@@ -12,7 +12,7 @@
 //!         ──resolve(&ModelShape)──► ResolvedPlan { layers: Layers (sorted, unique, in range), … }
 //!         ──to_raw()──► RawPlan with the layers listed: what a worker is handed (model)
 //! worker protocol: RunResult, ProgressEvent, Termination, ExitStatus, prompts JSONL (worker)
-//! shard planning (plan), RunningStats (stats), Manifest schema (format)
+//! shard planning (plan), RunningStats (stats), Manifest schema (format), file sizes (estimate)
 //! job lifecycle: next(status, reserved, event) -> Transition (lifecycle)
 //! quota: Ledger::admit / finish over lanes, UTC day/month budgets and job quotas (quota, clock)
 //! ```
@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod clock;
+pub mod estimate;
 pub mod format;
 pub mod layers;
 pub mod lifecycle;

@@ -507,3 +507,60 @@ fn a_different_plan_into_a_finished_output_is_refused() {
     assert!(err.to_string().contains("different harvest"), "{err}");
     assert_eq!(err.exit_status().code(), 2);
 }
+
+/// The sizes `harvest_core::estimate` predicts from the token counts alone, against what a run
+/// writes: shards and statistics to the byte, the manifest within a few bytes per layer.
+fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usize) {
+    let manifest = manifest(out);
+    let counts: Vec<usize> = manifest
+        .shards
+        .iter()
+        .flat_map(|s| s.token_counts.clone())
+        .collect();
+    let shape = harvest_core::estimate::JobShape {
+        token_counts: &counts,
+        truncated: &[],
+        shard_size: manifest.shard_size,
+        layers,
+        contents,
+        width,
+        model: manifest.model.clone(),
+        add_special_tokens: manifest.tokenizer.add_special_tokens,
+        bos_token_id: manifest.tokenizer.bos_token_id,
+        max_tokens: manifest.tokenizer.max_tokens,
+    };
+    let predicted = harvest_core::estimate::predict(&shape);
+    let actual: Vec<u64> = manifest.shards.iter().map(|s| s.bytes).collect();
+    assert_eq!(predicted.shards, actual, "shards to the byte");
+    let stats = std::fs::metadata(out.join("stats.safetensors")).unwrap().len();
+    assert_eq!(predicted.stats, stats, "statistics to the byte");
+    let written = std::fs::metadata(out.join("manifest.json")).unwrap().len();
+    let slack = 4 * layers.len() as u64;
+    assert!(
+        predicted.manifest.abs_diff(written) <= slack,
+        "manifest {written} predicted {}",
+        predicted.manifest
+    );
+}
+
+#[test]
+fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_and_projections() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..7)
+        .map(|i| format!("{} {}", PROMPTS[i % PROMPTS.len()], "word ".repeat(i * 3)))
+        .collect();
+    let out = dir.path().join("out");
+    let plan = plan(&write_prompts(dir.path(), &prompts), &out, vec![3, 0, 17], 3);
+    pipeline::run(&plan, &options()).unwrap();
+    check_prediction(&out, &[0, 3, 17], Contents::Activations, 576);
+
+    let directions = dir.path().join("dirs.npy");
+    let values: Vec<f32> = (0..4 * 576).map(|i| ((i % 13) as f32) - 6.0).collect();
+    std::fs::write(&directions, harvest_core::npy::f32_matrix(4, 576, &values)).unwrap();
+    let projected = dir.path().join("projected");
+    let mut plan = plan.clone();
+    plan.output = Location::Local(projected.clone());
+    plan.project_onto = Some(Location::Local(directions));
+    pipeline::run(&plan, &options()).unwrap();
+    check_prediction(&projected, &[0, 3, 17], Contents::Projections, 4);
+}

@@ -1,0 +1,285 @@
+//! What a job's files will take, predicted before it runs from its prompts' token counts: the
+//! answer of a dry run, the estimate a job's status shows, and what the embedded server's
+//! free-space check reserves.
+//!
+//! Shards and the statistics are predicted to the byte: their data sizes follow from the shapes,
+//! and their safetensors headers are laid out here exactly as the `safetensors` crate writes
+//! them (tensors sorted by descending dtype, then by name; compact JSON padded with spaces to a
+//! multiple of 8). The manifest is built with placeholders of the real lengths (checksums,
+//! fingerprint) and measured; only its floats' digits can differ, a few bytes per kept layer.
+
+use crate::format::{
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
+    Truncation,
+};
+
+/// Hex digits of a sha256 (checksums and the plan fingerprint).
+const SHA256_HEX: usize = 64;
+/// A representative `mean_token_norm` value (ryu prints most f64 norms in 16 to 18 characters).
+const TYPICAL_NORM: f64 = 1234.567_890_123_456_7;
+
+/// Everything the files' sizes depend on.
+#[derive(Debug, Clone)]
+pub struct JobShape<'a> {
+    /// Tokens of each prompt, as they will run (cut to the context window).
+    pub token_counts: &'a [usize],
+    /// Prompts cut to the context window: (prompt, tokens before the cut).
+    pub truncated: &'a [(usize, usize)],
+    /// Prompts per shard.
+    pub shard_size: usize,
+    /// Kept layers, ascending.
+    pub layers: &'a [usize],
+    /// Activations or projections.
+    pub contents: Contents,
+    /// The last axis: the hidden size, or the number of directions.
+    pub width: usize,
+    /// The model as the manifest names it.
+    pub model: ModelInfo,
+    /// Whether special tokens are added.
+    pub add_special_tokens: bool,
+    /// The tokenizer's BOS id, if any.
+    pub bos_token_id: Option<u32>,
+    /// The context window.
+    pub max_tokens: usize,
+}
+
+/// The predicted sizes of a job's files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Predicted {
+    /// Each shard, in order.
+    pub shards: Vec<u64>,
+    /// `stats.safetensors`.
+    pub stats: u64,
+    /// `manifest.json`.
+    pub manifest: u64,
+}
+
+impl Predicted {
+    /// Every file together (what a job's `bytes_written` reports).
+    pub fn total(&self) -> u64 {
+        self.shards.iter().sum::<u64>() + self.stats + self.manifest
+    }
+}
+
+/// A tensor as the safetensors header lists it.
+struct Tensor {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+}
+
+impl Tensor {
+    fn new(name: String, dtype: &'static str, shape: Vec<usize>) -> Self {
+        Self { name, dtype, shape }
+    }
+
+    fn data_len(&self) -> u64 {
+        let width = match self.dtype {
+            "BF16" | "F16" => 2,
+            "I32" | "F32" => 4,
+            _ => 8,
+        };
+        self.shape.iter().product::<usize>() as u64 * width
+    }
+
+    /// The dtype's place in the crate's `Dtype` order (which sorts the header).
+    fn rank(&self) -> u8 {
+        match self.dtype {
+            "F16" => 0,
+            "BF16" => 1,
+            "I32" => 2,
+            "F32" => 3,
+            _ => 4,
+        }
+    }
+}
+
+/// Bytes of a safetensors file holding `tensors` and one metadata entry `(key, value length)`.
+fn safetensors_len(mut tensors: Vec<Tensor>, metadata: (&str, usize)) -> u64 {
+    tensors.sort_by(|a, b| b.rank().cmp(&a.rank()).then(a.name.cmp(&b.name)));
+    let (key, value_len) = metadata;
+    // {"__metadata__":{"KEY":"VALUE"}
+    let mut header = 1 + "\"__metadata__\":{".len() + key.len() + 5 + value_len + 1;
+    let mut offset = 0u64;
+    for tensor in &tensors {
+        let end = offset + tensor.data_len();
+        let shape: Vec<String> = tensor.shape.iter().map(ToString::to_string).collect();
+        let entry = format!(
+            ",\"{}\":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
+            tensor.name,
+            tensor.dtype,
+            shape.join(",")
+        );
+        header += entry.len();
+        offset = end;
+    }
+    header += 1; // the closing brace
+    8 + header.next_multiple_of(8) as u64 + offset
+}
+
+/// Predicts the sizes of the files of a job of `shape`.
+pub fn predict(shape: &JobShape<'_>) -> Predicted {
+    let shard_size = shape.shard_size.max(1);
+    let layers = shape.layers.len();
+    let value_dtype = match shape.contents {
+        Contents::Activations => "BF16",
+        Contents::Projections => "F32",
+    };
+    let shards: Vec<u64> = shape
+        .token_counts
+        .chunks(shard_size)
+        .enumerate()
+        .map(|(shard, counts)| {
+            let tensors = counts
+                .iter()
+                .enumerate()
+                .flat_map(|(offset, &tokens)| {
+                    let i = shard * shard_size + offset;
+                    [
+                        Tensor::new(
+                            format!("prompt_{i}"),
+                            value_dtype,
+                            vec![layers, tokens, shape.width],
+                        ),
+                        Tensor::new(format!("tokens_{i}"), "I32", vec![tokens]),
+                    ]
+                })
+                .collect();
+            safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
+        })
+        .collect();
+    let stats = safetensors_len(
+        vec![
+            Tensor::new("mean".into(), "F32", vec![layers, shape.width]),
+            Tensor::new("std".into(), "F32", vec![layers, shape.width]),
+            Tensor::new("count".into(), "I64", vec![1]),
+        ],
+        ("format", 2),
+    );
+    let manifest = manifest_len(shape, &shards, stats);
+    Predicted {
+        shards,
+        stats,
+        manifest,
+    }
+}
+
+/// The length of the job's pretty-printed manifest, with placeholders of the real lengths.
+fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
+    let shard_size = shape.shard_size.max(1);
+    let total_tokens: usize = shape.token_counts.iter().sum();
+    let entries = shape
+        .token_counts
+        .chunks(shard_size)
+        .zip(shards)
+        .enumerate()
+        .map(|(shard, (counts, &bytes))| {
+            let first_prompt = shard * shard_size;
+            let (prompts, tensors) = ShardEntry::contents_of(
+                first_prompt,
+                counts,
+                shape.contents,
+                shape.layers.len(),
+                shape.width,
+            );
+            ShardEntry {
+                file: crate::plan::shard_file_name(shard),
+                first_prompt,
+                token_counts: counts.to_vec(),
+                prompts,
+                tensors,
+                bytes,
+                sha256: "0".repeat(SHA256_HEX),
+            }
+        })
+        .collect();
+    let manifest = Manifest {
+        format_version: format::FORMAT_VERSION,
+        plan_fingerprint: "0".repeat(SHA256_HEX),
+        model: shape.model.clone(),
+        tokenizer: TokenizerInfo {
+            add_special_tokens: shape.add_special_tokens,
+            bos_token_id: shape.bos_token_id,
+            bos: format::bos_treatment(shape.add_special_tokens, shape.bos_token_id),
+            max_tokens: shape.max_tokens,
+        },
+        contents: shape.contents,
+        dtype: shape.contents.dtype().to_owned(),
+        layer_indices: shape.layers.to_vec(),
+        layer_convention: format::LAYER_CONVENTION.to_owned(),
+        tensors: format::tensors_description(shape.contents).to_owned(),
+        n_prompts: shape.token_counts.len(),
+        shard_size: shape.shard_size,
+        total_tokens: total_tokens as u64,
+        shards: entries,
+        truncated_prompts: shape
+            .truncated
+            .iter()
+            .map(|&(prompt, original_tokens)| Truncation {
+                prompt,
+                original_tokens,
+                kept_tokens: shape.max_tokens,
+            })
+            .collect(),
+        projection: (shape.contents == Contents::Projections).then_some(ProjectionInfo {
+            n_directions: shape.width,
+            normalized: true,
+        }),
+        statistics: shape.contents.statistics().to_owned(),
+        stats_tokens: total_tokens as u64,
+        mean_token_norm: vec![TYPICAL_NORM; shape.layers.len()],
+        stats_file: Some(FileDigest {
+            file: "stats.safetensors".into(),
+            bytes: stats,
+            sha256: "0".repeat(SHA256_HEX),
+        }),
+    };
+    serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape<'a>(counts: &'a [usize], layers: &'a [usize], contents: Contents) -> JobShape<'a> {
+        JobShape {
+            token_counts: counts,
+            truncated: &[],
+            shard_size: 2,
+            layers,
+            contents,
+            width: 8,
+            model: ModelInfo {
+                name: "m".into(),
+                architecture: "LlamaForCausalLM".into(),
+                num_layers: 4,
+                hidden_size: 8,
+            },
+            add_special_tokens: true,
+            bos_token_id: Some(1),
+            max_tokens: 512,
+        }
+    }
+
+    #[test]
+    fn shards_split_by_shard_size_and_grow_with_tokens_and_layers() {
+        let one = predict(&shape(&[3, 5, 7], &[1], Contents::Activations));
+        assert_eq!(one.shards.len(), 2);
+        let two = predict(&shape(&[3, 5, 7], &[1, 2], Contents::Activations));
+        // Each extra layer adds every token's row of 8 bf16 values, and nothing else but digits.
+        let extra: u64 = two.shards.iter().sum::<u64>() - one.shards.iter().sum::<u64>();
+        assert!((15 * 16..15 * 16 + 64).contains(&extra), "{extra}");
+        let projected = predict(&shape(&[3, 5, 7], &[1], Contents::Projections));
+        assert!(projected.shards[0] > one.shards[0], "f32 rows are twice as wide");
+        assert_eq!(one.total(), one.shards.iter().sum::<u64>() + one.stats + one.manifest);
+    }
+
+    #[test]
+    fn a_header_is_padded_to_eight_bytes_after_its_eight_byte_length() {
+        let bytes = safetensors_len(
+            vec![Tensor::new("tokens_0".into(), "I32", vec![3])],
+            ("harvest_plan", 64),
+        );
+        assert_eq!((bytes - 8 - 12) % 8, 0);
+    }
+}
