@@ -45,6 +45,11 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
     /// The caller's account: its lanes, budgets and storage against their limits.
     async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError>;
 
+    /// Tokens per second of `model`'s most recent done job, start to end, if any ran.
+    async fn throughput(&self, _model: &str) -> Result<Option<f64>, ApiError> {
+        Ok(None)
+    }
+
     /// A receiver that ticks whenever any job may have changed.
     fn changes(&self) -> watch::Receiver<u64>;
 
@@ -131,6 +136,7 @@ mod tests {
                     has_directions: false,
                     lane: harvest_core::quota::Lane::Small,
                     estimated_bytes: 0,
+                    estimated_ms: None,
                 },
             };
             Self {

@@ -22,6 +22,10 @@ pub struct CatalogueModel {
     pub tokenizer: Arc<tokenizers::Tokenizer>,
     /// Its context window.
     pub max_tokens: usize,
+    /// Its Hugging Face architecture class (what a manifest names).
+    pub architecture: String,
+    /// Its BOS id from `config.json`, if it has one.
+    pub bos_token_id: Option<u32>,
 }
 
 /// The catalogue, by name.
@@ -45,6 +49,10 @@ struct Shape {
     num_hidden_layers: usize,
     hidden_size: usize,
     max_position_embeddings: usize,
+    #[serde(default)]
+    architectures: Vec<String>,
+    #[serde(default)]
+    bos_token_id: Option<serde_json::Value>,
 }
 
 /// A model as `GET /v1/models` lists it. An unavailable one (an optional entry whose files are
@@ -143,6 +151,12 @@ impl Catalogue {
                     path: model.path.clone(),
                     tokenizer: Arc::new(tokenizer),
                     max_tokens: shape.max_position_embeddings,
+                    architecture: shape.architectures.first().cloned().unwrap_or_default(),
+                    bos_token_id: shape
+                        .bos_token_id
+                        .as_ref()
+                        .and_then(serde_json::Value::as_u64)
+                        .and_then(|id| u32::try_from(id).ok()),
                 },
             );
         }

@@ -8,11 +8,27 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// a second, large enough that the tokenizer's own threads stay busy.
 pub const COUNT_CHUNK: usize = 256;
 
+/// Every prompt's tokens, as the worker will run them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Counts {
+    /// Tokens of each prompt, cut to the context window.
+    pub per_prompt: Vec<usize>,
+    /// Prompts that were cut: (prompt, tokens before the cut).
+    pub truncated: Vec<(usize, usize)>,
+}
+
+impl Counts {
+    /// Tokens in all.
+    pub fn total(&self) -> u64 {
+        self.per_prompt.iter().map(|&n| n as u64).sum()
+    }
+}
+
 /// What a count found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Counted {
     /// Every prompt was counted.
-    Total(u64),
+    Total(Counts),
     /// Prompt `index` has no tokens at all.
     Empty {
         /// The prompt.
@@ -38,6 +54,10 @@ pub fn count(
     cancelled: &AtomicBool,
 ) -> Result<Counted, tokenizers::Error> {
     let mut total = 0u64;
+    let mut counts = Counts {
+        per_prompt: Vec::with_capacity(prompts.len()),
+        truncated: Vec::new(),
+    };
     for (chunk_index, chunk) in prompts.chunks(COUNT_CHUNK).enumerate() {
         if cancelled.load(Ordering::Relaxed) {
             return Ok(Counted::Cancelled);
@@ -45,19 +65,22 @@ pub fn count(
         let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
         let encodings = tokenizer.encode_batch_fast(inputs, add_special_tokens)?;
         for (offset, encoding) in encodings.iter().enumerate() {
+            let index = chunk_index * COUNT_CHUNK + offset;
             let n = (encoding.len() as u64).min(max_tokens);
             if n == 0 {
-                return Ok(Counted::Empty {
-                    index: chunk_index * COUNT_CHUNK + offset,
-                });
+                return Ok(Counted::Empty { index });
             }
+            if (encoding.len() as u64) > max_tokens {
+                counts.truncated.push((index, encoding.len()));
+            }
+            counts.per_prompt.push(n as usize);
             total += n;
         }
         if total > cap {
             return Ok(Counted::OverCap { at_least: total });
         }
     }
-    Ok(Counted::Total(total))
+    Ok(Counted::Total(counts))
 }
 
 #[cfg(test)]
@@ -85,12 +108,25 @@ mod tests {
             .map(|p| tokenizer.encode(p.as_str(), true).unwrap().len() as u64)
             .sum();
         let never = AtomicBool::new(false);
-        let counted = count(&tokenizer, &corpus, true, 1_000, u64::MAX, &never).unwrap();
-        assert_eq!(counted, Counted::Total(one_by_one));
+        let Counted::Total(counted) =
+            count(&tokenizer, &corpus, true, 1_000, u64::MAX, &never).unwrap()
+        else {
+            panic!("not counted")
+        };
+        assert_eq!(counted.total(), one_by_one);
+        assert_eq!(counted.per_prompt.len(), corpus.len());
+        assert!(counted.truncated.is_empty());
+        let Counted::Total(cut) = count(&tokenizer, &corpus, true, 2, u64::MAX, &never).unwrap()
+        else {
+            panic!("not counted")
+        };
+        assert_eq!(cut.total(), 2 * corpus.len() as u64);
         assert_eq!(
-            count(&tokenizer, &corpus, true, 2, u64::MAX, &never).unwrap(),
-            Counted::Total(2 * corpus.len() as u64)
+            cut.truncated.len(),
+            corpus.len(),
+            "every prompt is longer than 2"
         );
+        assert_eq!(cut.truncated[3].1, counted.per_prompt[3]);
     }
 
     #[test]

@@ -214,6 +214,11 @@ impl JobBackend for EmbeddedBackend {
         page.ok_or_else(|| listing::unknown_cursor(filter.after.as_deref().unwrap_or_default()))
     }
 
+    async fn throughput(&self, model: &str) -> Result<Option<f64>, ApiError> {
+        let model = model.to_owned();
+        self.store(move |s| s.throughput(&model)).await
+    }
+
     async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError> {
         let caller = caller.clone();
         let budget = self.storage.budgets.get(&caller.account).copied();

@@ -48,6 +48,9 @@ const RUN_ID: &str = "harvest.dev/run-id";
 const PROMPTS: &str = "harvest.dev/prompts";
 const KEY_HASH: &str = "harvest.dev/key-hash";
 const MODEL_LANE: &str = "harvest.dev/lane";
+/// The job's predicted output bytes and duration (milliseconds), for its REST status.
+const ESTIMATED_BYTES: &str = "harvest.dev/estimated-bytes";
+const ESTIMATED_MS: &str = "harvest.dev/estimated-ms";
 /// How long a submit waits for the caches' first list after start.
 const CACHE_WAIT: Duration = Duration::from_secs(5);
 /// How long a submit waits for its own job to reach this replica's cache.
@@ -328,6 +331,27 @@ impl JobBackend for KubeBackend {
         listing::page(jobs, filter)
     }
 
+    /// The model's most recent done API job in the cache, start to end. Status times are whole
+    /// seconds, so a job that started and ended within one counts as one second (a
+    /// conservative rate).
+    async fn throughput(&self, model: &str) -> Result<Option<f64>, ApiError> {
+        let latest = self
+            .jobs
+            .store
+            .state()
+            .iter()
+            .map(|j| record(j))
+            .filter(|j| j.model == model && j.status == JobStatus::Done)
+            .filter_map(|j| {
+                let (start, end) = (j.started_at?, j.completed_at?);
+                let tokens = j.tokens.filter(|&t| t > 0)?;
+                let millis = (end.0 - start.0).max(1000);
+                Some((end, tokens as f64 / (millis as f64 / 1000.0)))
+            })
+            .max_by_key(|(end, _)| end.0);
+        Ok(latest.map(|(_, rate)| rate))
+    }
+
     /// The account's books as the pre-check sees them (so the key's job count is what its
     /// quota is checked against: admitted jobs and those waiting for admission). Storage is not
     /// budgeted on Kubernetes.
@@ -478,6 +502,19 @@ impl KubeBackend {
                 job.reserved.max(1),
             )
         };
+        let mut annotations = BTreeMap::from([
+            (RUN_ID.to_owned(), job.run_id.clone()),
+            (PROMPTS.to_owned(), job.n_prompts.to_string()),
+            (KEY_HASH.to_owned(), job.key_hash.clone()),
+            (MODEL_LANE.to_owned(), job.spec.lane.to_string()),
+            (
+                ESTIMATED_BYTES.to_owned(),
+                job.spec.estimated_bytes.to_string(),
+            ),
+        ]);
+        if let Some(ms) = job.spec.estimated_ms {
+            annotations.insert(ESTIMATED_MS.to_owned(), ms.to_string());
+        }
         HarvestJob {
             metadata: ObjectMeta {
                 name: Some(job.id.clone()),
@@ -486,12 +523,7 @@ impl KubeBackend {
                     (ACCOUNT_LABEL.to_owned(), job.account.clone()),
                     (KEY_LABEL.to_owned(), key_id(&job.key_hash)),
                 ])),
-                annotations: Some(BTreeMap::from([
-                    (RUN_ID.to_owned(), job.run_id.clone()),
-                    (PROMPTS.to_owned(), job.n_prompts.to_string()),
-                    (KEY_HASH.to_owned(), job.key_hash.clone()),
-                    (MODEL_LANE.to_owned(), job.spec.lane.to_string()),
-                ])),
+                annotations: Some(annotations),
                 ..ObjectMeta::default()
             },
             spec,
@@ -626,7 +658,8 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),
             lane: job_lane(job),
-            estimated_bytes: 0,
+            estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
+            estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
         },
     }
 }

@@ -250,6 +250,7 @@ mod tests {
                 has_directions: false,
                 lane: harvest_core::quota::Lane::Small,
                 estimated_bytes: 0,
+                estimated_ms: None,
             },
         }
     }

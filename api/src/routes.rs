@@ -20,12 +20,16 @@ use tower::ServiceExt;
 use crate::app::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
 use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
-use crate::counting::{self, Counted};
+use crate::counting::{self, Counted, Counts};
 use crate::error::ApiError;
 use crate::listing::{JobFilter, JobList, Usage};
 use crate::paths::{JobPaths, now};
 use crate::store::{JobRecord, JobSpec};
-use crate::wire::{self, HarvestRequest, JobView, Submission};
+use crate::wire::{
+    self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, ShardFiles, Submission,
+};
+use harvest_core::estimate::{self, JobShape, Predicted};
+use harvest_core::format::{Contents, ModelInfo};
 
 impl FromRequestParts<Arc<AppState>> for Caller {
     type Rejection = ApiError;
@@ -77,6 +81,7 @@ fn json_rejection(rejection: &JsonRejection) -> ApiError {
 /// Queue a harvest job.
 #[utoipa::path(post, tag = "harvest", path = "/v1/harvest", request_body = HarvestRequest, security(("bearer" = [])),
     responses((status = 202, description = "The job, pending", body = JobView),
+        (status = 200, description = "With dry_run (our extension): what the job would be; no job is made and no quota is used", body = DryRun),
         (status = 400, description = "invalid_request or harvest_too_large", body = crate::openapi::ErrorEnvelope),
         (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
         (status = 413, description = "payload_too_large", body = crate::openapi::ErrorEnvelope),
@@ -88,39 +93,23 @@ pub(crate) async fn submit(
     caller: Caller,
     AppJson(request): AppJson<HarvestRequest>,
 ) -> Result<Response, ApiError> {
-    let model = state.catalogue.get(&request.model).ok_or_else(|| {
-        match state.catalogue.unavailable(&request.model) {
-            Some(reason) => ApiError::invalid(format!(
-                "model {:?} is not available on this server: {reason}; available: {}",
-                request.model,
-                state.catalogue.names().join(", ")
-            )),
-            None => ApiError::invalid(format!(
-                "unknown model {:?}: GET /v1/models lists the models; available: {}",
-                request.model,
-                state.catalogue.names().join(", ")
-            )),
-        }
-    })?;
+    let model = catalogue_model(&state, &request.model)?;
+    let dry_run = request.dry_run.unwrap_or(false);
     let submission = request.validate(&model.model)?;
-    let tokens = count_tokens(&state, &caller, model, &submission).await?;
-    let width = submission
-        .directions
-        .as_ref()
-        .map_or(model.model.shape.hidden_size, |(n, _)| *n);
-    let contents = if submission.directions.is_some() {
-        harvest_core::format::Contents::Projections
-    } else {
-        harvest_core::format::Contents::Activations
+    let counts = count_tokens(&state, &caller, model, &submission).await?;
+    let predicted = predict(model, &submission, &counts);
+    let throughput = state.backend.throughput(&submission.model).await?;
+    let seconds = throughput.map(|rate| counts.total() as f64 / rate);
+    if dry_run {
+        return Ok(
+            Json(dry_run_answer(&submission, &counts, &predicted, throughput)).into_response(),
+        );
+    }
+    let estimate = Estimate {
+        bytes: predicted.total(),
+        seconds,
     };
-    let estimated = harvest_core::format::estimated_output_bytes(
-        tokens,
-        submission.prompts.len() as u64,
-        submission.layers.len() as u64,
-        width as u64,
-        contents,
-    );
-    let job = new_job(&caller, &submission, estimated);
+    let job = new_job(&caller, &submission, &estimate);
     if let Err(error) = state.backend.submit(&job, &submission, model).await {
         // A job recorded as failed for want of a worker was admitted all the same.
         let counter = match error {
@@ -140,8 +129,76 @@ pub(crate) async fn submit(
     Ok((StatusCode::ACCEPTED, Json(view(&state, &job).await?)).into_response())
 }
 
+/// The catalogue entry a request names, or a 400 that says why there is none.
+fn catalogue_model<'a>(state: &'a AppState, name: &str) -> Result<&'a CatalogueModel, ApiError> {
+    state.catalogue.get(name).ok_or_else(|| {
+        let available = state.catalogue.names().join(", ");
+        match state.catalogue.unavailable(name) {
+            Some(reason) => ApiError::invalid(format!(
+                "model {name:?} is not available on this server: {reason}; available: {available}"
+            )),
+            None => ApiError::invalid(format!(
+                "unknown model {name:?}: GET /v1/models lists the models; available: {available}"
+            )),
+        }
+    })
+}
+
+/// The sizes of the files the job will write, from its counted tokens.
+fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> Predicted {
+    let (contents, width) = match &submission.directions {
+        Some((n, _)) => (Contents::Projections, *n),
+        None => (Contents::Activations, model.model.shape.hidden_size),
+    };
+    estimate::predict(&JobShape {
+        token_counts: &counts.per_prompt,
+        truncated: &counts.truncated,
+        shard_size: submission.shard_size.get(),
+        layers: submission.layers.as_slice(),
+        contents,
+        width,
+        model: ModelInfo {
+            name: submission.model.clone(),
+            architecture: model.architecture.clone(),
+            num_layers: model.model.shape.num_layers,
+            hidden_size: model.model.shape.hidden_size,
+        },
+        add_special_tokens: submission.add_special_tokens,
+        bos_token_id: model.bos_token_id,
+        max_tokens: model.max_tokens,
+    })
+}
+
+/// What a dry run answers.
+fn dry_run_answer(
+    submission: &Submission,
+    counts: &Counts,
+    predicted: &Predicted,
+    throughput: Option<f64>,
+) -> DryRun {
+    DryRun {
+        dry_run: true,
+        model: submission.model.clone(),
+        n_prompts: submission.prompts.len(),
+        layers: submission.layers.as_slice().to_vec(),
+        tokens: counts.total(),
+        reserved_tokens: submission.reserved_tokens,
+        files: FileSizes {
+            shards: ShardFiles {
+                count: predicted.shards.len(),
+                bytes: predicted.shards.iter().sum(),
+            },
+            stats_bytes: predicted.stats,
+            manifest_bytes: predicted.manifest,
+        },
+        total_bytes: predicted.total(),
+        estimated_seconds: throughput.map(|rate| counts.total() as f64 / rate),
+        tokens_per_second: throughput,
+    }
+}
+
 /// The record of a job about to be submitted.
-fn new_job(caller: &Caller, submission: &Submission, estimated_bytes: u64) -> JobRecord {
+fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> JobRecord {
     JobRecord {
         // Time-ordered, so jobs made in the same millisecond still list in the order they came.
         id: uuid::Uuid::now_v7().to_string(),
@@ -165,7 +222,8 @@ fn new_job(caller: &Caller, submission: &Submission, estimated_bytes: u64) -> Jo
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),
             lane: submission.lane,
-            estimated_bytes,
+            estimated_bytes: estimate.bytes,
+            estimated_ms: estimate.seconds.map(|s| (s * 1000.0).round() as u64),
         },
     }
 }
@@ -177,7 +235,7 @@ async fn count_tokens(
     caller: &Caller,
     model: &CatalogueModel,
     submission: &Submission,
-) -> Result<u64, ApiError> {
+) -> Result<Counts, ApiError> {
     let _turn = state
         .counting_turn(&caller.account)
         .ok_or(ApiError::CountBusy)?;
@@ -211,7 +269,7 @@ async fn count_tokens(
         })?
         .map_err(|e| ApiError::invalid(format!("a prompt could not be tokenized: {e}")))?;
     match counted {
-        Counted::Total(total) => Ok(total),
+        Counted::Total(counts) => Ok(counts),
         Counted::Empty { index } => Err(ApiError::invalid(format!(
             "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
         ))),
@@ -272,6 +330,10 @@ fn summary(job: &JobRecord) -> JobView {
         progress: (job.status == JobStatus::Running)
             .then(|| job.progress.clone())
             .flatten(),
+        estimate: (job.spec.estimated_bytes > 0).then(|| Estimate {
+            bytes: job.spec.estimated_bytes,
+            seconds: job.spec.estimated_ms.map(|ms| ms as f64 / 1000.0),
+        }),
     }
 }
 

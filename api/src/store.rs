@@ -66,9 +66,14 @@ pub struct JobSpec {
     pub has_directions: bool,
     /// The model's lane.
     pub lane: Lane,
-    /// About how many bytes its files will take (0 for jobs stored before estimates were).
+    /// The bytes its files will take, as predicted at submit (0 for jobs stored before
+    /// estimates were).
     #[serde(default)]
     pub estimated_bytes: u64,
+    /// How long it should take, in milliseconds, from the last measured throughput of its model
+    /// (none when nothing was measured yet).
+    #[serde(default)]
+    pub estimated_ms: Option<u64>,
 }
 
 /// A job row.
@@ -285,6 +290,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
             has_directions: false,
             lane: Lane::Small,
             estimated_bytes: 0,
+            estimated_ms: None,
         },
     };
     Ok((record, row.get(12)?, row.get(14)?, row.get(15)?))
@@ -615,6 +621,22 @@ impl Store {
         rows.into_iter().map(finish_job).collect()
     }
 
+    /// Tokens per second of the model's most recent done job, wall clock from its start to its
+    /// end (model loading included, as a user waits for it).
+    pub fn throughput(&self, model: &str) -> Result<Option<f64>> {
+        let row: Option<(i64, i64, i64)> = self
+            .conn()
+            .query_row(
+                "SELECT tokens, started_at, completed_at FROM jobs WHERE model = ?1 AND status = 'done'
+                 AND tokens > 0 AND started_at IS NOT NULL AND completed_at > started_at
+                 ORDER BY completed_at DESC LIMIT 1",
+                [model],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?;
+        Ok(row.map(|(tokens, start, end)| tokens as f64 / ((end - start) as f64 / 1000.0)))
+    }
+
     /// Jobs the key submitted since `since` (its monthly quota's count).
     pub fn key_jobs_since(&self, key_hash: &str, since: UnixMillis) -> Result<u32> {
         let n: i64 = self.conn().query_row(
@@ -792,6 +814,7 @@ mod tests {
                 has_directions: false,
                 lane: Lane::Small,
                 estimated_bytes: 0,
+                estimated_ms: None,
             },
         }
     }

@@ -45,6 +45,10 @@ pub struct HarvestRequest {
     /// Directions to project onto instead of returning raw activations.
     #[serde(default)]
     pub project_onto: Option<ProjectOnto>,
+    /// Our extension: validate and count, then answer what the job would be (`DryRun`), with
+    /// no job made and no quota used.
+    #[serde(default)]
+    pub dry_run: Option<bool>,
 }
 
 /// Projection directions as sent: a raw little-endian buffer in base64.
@@ -98,6 +102,7 @@ impl HarvestRequest {
             batch_size,
             add_special_tokens,
             project_onto,
+            dry_run: _,
         } = self;
         if prompts.is_empty() {
             return Err(ApiError::invalid(
@@ -371,6 +376,66 @@ pub struct JobView {
     /// Progress of a running job.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// Its predicted output (our extension), when it was made at submit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<Estimate>,
+}
+
+/// A job's predicted output (our extension): its files' bytes, and how long it should take
+/// from the last measured throughput of its model (null before any job of it ran).
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Estimate {
+    /// Bytes of its shards, statistics and manifest.
+    pub bytes: u64,
+    /// Seconds from start to end.
+    pub seconds: Option<f64>,
+}
+
+/// Predicted shard files.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ShardFiles {
+    /// How many.
+    pub count: usize,
+    /// Their bytes together.
+    pub bytes: u64,
+}
+
+/// Predicted bytes per file kind.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct FileSizes {
+    /// The shards.
+    pub shards: ShardFiles,
+    /// `stats.safetensors`.
+    pub stats_bytes: u64,
+    /// `manifest.json`.
+    pub manifest_bytes: u64,
+}
+
+/// `POST /v1/harvest` with `"dry_run": true` (our extension): what the job would be. Nothing
+/// is created and no quota is used.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct DryRun {
+    /// Always true.
+    pub dry_run: bool,
+    /// The model's catalogue name.
+    pub model: String,
+    /// Prompts in the job.
+    pub n_prompts: usize,
+    /// Kept layers, ascending.
+    pub layers: Vec<usize>,
+    /// Tokens the engine would read (each prompt cut to the context window).
+    pub tokens: u64,
+    /// Tokens it would hold against the budget while it runs.
+    pub reserved_tokens: u64,
+    /// Bytes per file kind.
+    pub files: FileSizes,
+    /// Bytes of every file together.
+    pub total_bytes: u64,
+    /// Seconds it should take, from the last measured throughput (null before any job of this
+    /// model ran here).
+    pub estimated_seconds: Option<f64>,
+    /// That throughput, tokens per second, start to end.
+    pub tokens_per_second: Option<f64>,
 }
 
 /// Formats an optional instant for the wire.
@@ -559,6 +624,7 @@ mod tests {
             urls_expired: None,
             error: None,
             progress: None,
+            estimate: None,
         };
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["status"], "pending");

@@ -1100,3 +1100,57 @@ async fn a_required_model_without_files_stops_the_server_at_start_naming_the_pat
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_dry_run_answers_the_files_and_makes_no_job_and_uses_no_quota() {
+    let f = fixture(
+        present_harvester(),
+        AccountLimits {
+            daily_tokens: Some(1_000_000),
+            ..AccountLimits::default()
+        },
+    )
+    .await;
+    let mut body: serde_json::Value = serde_json::from_str(&seed_body()).unwrap();
+    body["dry_run"] = serde_json::json!(true);
+    let (status, _, answer) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["dry_run"], true);
+    assert_eq!(
+        (answer["n_prompts"].as_u64(), &answer["layers"]),
+        (Some(2), &serde_json::json!([0, 2]))
+    );
+    let files = &answer["files"];
+    let total = answer["total_bytes"].as_u64().unwrap();
+    assert_eq!(files["shards"]["count"], 1);
+    assert_eq!(
+        total,
+        files["shards"]["bytes"].as_u64().unwrap()
+            + files["stats_bytes"].as_u64().unwrap()
+            + files["manifest_bytes"].as_u64().unwrap()
+    );
+    assert!(answer["tokens"].as_u64().unwrap() > 0);
+    assert!(
+        answer["estimated_seconds"].is_null(),
+        "nothing ran yet: {answer}"
+    );
+    let (_, _, listed) = call(&f.state, "GET", "/v1/harvest", Some(&f.key), None).await;
+    assert_eq!(listed["data"], serde_json::json!([]), "no job was made");
+    let (_, _, usage) = call(&f.state, "GET", "/v1/account", Some(&f.key), None).await;
+    assert_eq!(usage["tokens"]["daily"]["used"], 0, "{usage}");
+    assert_eq!(usage["key_jobs_this_month"]["used"], 0, "{usage}");
+    // The real submit carries the same estimate in its status.
+    let (status, _, job) = submit(&f, seed_body()).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    assert_eq!(job["estimate"]["bytes"].as_u64(), Some(total), "{job}");
+    body["dry_run"] = serde_json::json!("yes");
+    let (status, _, refused) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("dry_run"),
+        "{refused}"
+    );
+}

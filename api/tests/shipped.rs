@@ -46,7 +46,10 @@ fn the_example_configuration_loads_with_smollm2_served_and_the_seed_models_liste
         let present = dir.path.join("config.json").is_file();
         assert_eq!(view.available, present, "{}", view.name);
     }
-    assert!(catalogue.get("smollm2-135m").is_some(), "scripts/fetch-model.sh put it there");
+    assert!(
+        catalogue.get("smollm2-135m").is_some(),
+        "scripts/fetch-model.sh put it there"
+    );
 }
 
 #[test]

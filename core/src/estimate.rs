@@ -16,7 +16,7 @@ use crate::format::{
 /// Hex digits of a sha256 (checksums and the plan fingerprint).
 const SHA256_HEX: usize = 64;
 /// A representative `mean_token_norm` value (ryu prints most f64 norms in 16 to 18 characters).
-const TYPICAL_NORM: f64 = 1234.567_890_123_456_7;
+const TYPICAL_NORM: f64 = 1_234.567_890_123_456_7;
 
 /// Everything the files' sizes depend on.
 #[derive(Debug, Clone)]
@@ -270,8 +270,14 @@ mod tests {
         let extra: u64 = two.shards.iter().sum::<u64>() - one.shards.iter().sum::<u64>();
         assert!((15 * 16..15 * 16 + 64).contains(&extra), "{extra}");
         let projected = predict(&shape(&[3, 5, 7], &[1], Contents::Projections));
-        assert!(projected.shards[0] > one.shards[0], "f32 rows are twice as wide");
-        assert_eq!(one.total(), one.shards.iter().sum::<u64>() + one.stats + one.manifest);
+        assert!(
+            projected.shards[0] > one.shards[0],
+            "f32 rows are twice as wide"
+        );
+        assert_eq!(
+            one.total(),
+            one.shards.iter().sum::<u64>() + one.stats + one.manifest
+        );
     }
 
     #[test]

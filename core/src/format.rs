@@ -158,28 +158,6 @@ pub struct ShardEntry {
     pub sha256: String,
 }
 
-/// About how many bytes a job's files take: every token's kept rows (bf16 activations or f32
-/// projections) and its id, each tensor's header, the statistics and the manifest. An upper
-/// estimate for free-space and budget checks, not an exact prediction.
-pub fn estimated_output_bytes(
-    tokens: u64,
-    prompts: u64,
-    layers: u64,
-    width: u64,
-    contents: Contents,
-) -> u64 {
-    let value_bytes = match contents {
-        Contents::Activations => 2,
-        Contents::Projections => 4,
-    };
-    let rows = tokens.saturating_mul(layers.saturating_mul(width).saturating_mul(value_bytes) + 4);
-    let headers = prompts.saturating_mul(256);
-    let stats = layers.saturating_mul(width).saturating_mul(8);
-    rows.saturating_add(headers)
-        .saturating_add(stats)
-        .saturating_add(64 << 10)
-}
-
 /// One tensor of a shard, as the manifest lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -532,7 +532,9 @@ fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usi
     let predicted = harvest_core::estimate::predict(&shape);
     let actual: Vec<u64> = manifest.shards.iter().map(|s| s.bytes).collect();
     assert_eq!(predicted.shards, actual, "shards to the byte");
-    let stats = std::fs::metadata(out.join("stats.safetensors")).unwrap().len();
+    let stats = std::fs::metadata(out.join("stats.safetensors"))
+        .unwrap()
+        .len();
     assert_eq!(predicted.stats, stats, "statistics to the byte");
     let written = std::fs::metadata(out.join("manifest.json")).unwrap().len();
     let slack = 4 * layers.len() as u64;
@@ -550,7 +552,12 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_and_projection
         .map(|i| format!("{} {}", PROMPTS[i % PROMPTS.len()], "word ".repeat(i * 3)))
         .collect();
     let out = dir.path().join("out");
-    let plan = plan(&write_prompts(dir.path(), &prompts), &out, vec![3, 0, 17], 3);
+    let plan = plan(
+        &write_prompts(dir.path(), &prompts),
+        &out,
+        vec![3, 0, 17],
+        3,
+    );
     pipeline::run(&plan, &options()).unwrap();
     check_prediction(&out, &[0, 3, 17], Contents::Activations, 576);
 

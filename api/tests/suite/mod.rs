@@ -202,14 +202,34 @@ pub fn wait_for(server: &Server, key: &str, id: &str, what: impl Fn(&Value) -> b
 /// The seed client's flow, black-box: submit, long-poll to done, then download the files with
 /// a plain client and no key and compare them byte for byte with a direct harvester run.
 pub fn seed_flow(server: &Server, key: &str, dir: &Path) -> Value {
-    let (status, job) = request(
-        "POST",
-        &format!("{}/v1/harvest", server.base),
-        key,
-        Some(json!({"model": "smollm2-135m", "prompts": SEED, "layers": [8, 16, 24]})),
-    );
+    let body = json!({"model": "smollm2-135m", "prompts": SEED, "layers": [8, 16, 24]});
+    let url = format!("{}/v1/harvest", server.base);
+    let mut dry = body.clone();
+    dry["dry_run"] = json!(true);
+    let (status, predicted) = request("POST", &url, key, Some(dry.clone()));
+    assert_eq!(status, 200, "{predicted}");
+    let (status, job) = request("POST", &url, key, Some(body));
     assert_eq!(status, 202, "{job}");
+    assert_eq!(job["estimate"]["bytes"], predicted["total_bytes"], "{job}");
     let done = long_poll_done(server, key, job["job_id"].as_str().unwrap());
+    let (written, total) = (
+        done["result"]["bytes_written"].as_u64().unwrap(),
+        predicted["total_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        written.abs_diff(total) * 100 <= written,
+        "the dry run said {total} bytes, the job wrote {written}"
+    );
+    // Now that a job of the model ran, a dry run also estimates the time.
+    let (_, again) = request("POST", &url, key, Some(dry));
+    assert!(
+        again["tokens_per_second"].as_f64().unwrap() > 0.0,
+        "{again}"
+    );
+    assert!(
+        again["estimated_seconds"].as_f64().unwrap() > 0.0,
+        "{again}"
+    );
     assert_eq!(done["tokens"], done["result"]["tokens"]);
     assert!(done["urls_expire_at"].as_str().unwrap().ends_with("+00:00"));
 

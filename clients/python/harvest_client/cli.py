@@ -121,6 +121,9 @@ def _models(client: Client, args: argparse.Namespace) -> int:
         return 0
     print(f"{'name':<24} {'lane':<6} {'layers':>6} {'hidden':>7} {'max_tokens':>10}  default layers")
     for m in models:
+        if m.get("available", True) is False:
+            print(f"{m['name']:<24} {m['lane']:<6} unavailable: {m.get('unavailable_reason', 'no reason given')}")
+            continue
         print(f"{m['name']:<24} {m['lane']:<6} {m['layers']:>6} {m['hidden_size']:>7} {m['max_tokens']:>10}  {m['default_layers']}")
     return 0
 
@@ -135,6 +138,25 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
             directions = np.load(args.project_onto, allow_pickle=False)
         except (OSError, ValueError) as error:
             raise errors.HarvestError(f"--project-onto {args.project_onto}: not a .npy array ({error})") from None
+    if args.dry_run:
+        estimate = client.estimate(
+            prompts,
+            model=args.model,
+            layers=_layers(args.layers),
+            shard_size=args.shard_size,
+            add_special_tokens=not args.no_special_tokens,
+            project_onto=directions,
+        )
+        if args.json:
+            print(json.dumps(estimate, indent=2))
+        else:
+            seconds = estimate.get("estimated_seconds")
+            when = f"about {seconds:.0f} s" if seconds is not None else "no time estimate yet (no job of this model ran here)"
+            print(
+                f"{estimate['n_prompts']} prompts, {estimate['tokens']} tokens, {estimate['files']['shards']['count']} shards, "
+                f"{estimate['total_bytes']} bytes; {when}"
+            )
+        return 0
     job = client.submit(
         prompts,
         model=args.model,
@@ -209,6 +231,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-special-tokens", action="store_true", help="add no BOS: tokenize the text verbatim")
     submit.add_argument("--project-onto", metavar="DIRS.npy", help="project onto these directions [n, hidden]")
     submit.add_argument("--retry", action="store_true", help="retry while the lane is full or counting is busy")
+    submit.add_argument("--dry-run", action="store_true", help="only say what the job would be: tokens, bytes, time")
     submit.add_argument("--wait", action="store_true", help="wait for the job to end")
     submit.add_argument("--download", metavar="DIR", help="wait, then download the files into DIR")
     submit.set_defaults(run=_submit)

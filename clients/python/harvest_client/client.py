@@ -114,7 +114,8 @@ class Client:
 
     def models(self) -> List[Dict[str, Any]]:
         """The catalogue: each model's ``name``, ``layers``, ``hidden_size``, ``default_layers``,
-        ``lane`` and ``max_tokens``."""
+        ``lane``, ``max_tokens`` and ``devices``; a model listed with ``available: false``
+        (its files are missing on the server) has an ``unavailable_reason`` instead of a shape."""
         self._models = list(self._json("GET", "/models")["models"])
         return self._models
 
@@ -145,6 +146,21 @@ class Client:
                 return
             params["after"] = page["next_after"]
 
+    def estimate(
+        self,
+        prompts: Sequence[str],
+        model: str,
+        layers: Layers = None,
+        shard_size: Optional[int] = None,
+        add_special_tokens: bool = True,
+        project_onto: Any = None,
+    ) -> Dict[str, Any]:
+        """A dry run: what the job would be (``tokens``, ``files`` bytes per kind, ``total_bytes``,
+        ``estimated_seconds``), with no job made and no quota used."""
+        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, None)
+        body["dry_run"] = True
+        return self._json("POST", "/harvest", json=body)
+
     def submit(
         self,
         prompts: Sequence[str],
@@ -165,6 +181,28 @@ class Client:
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
         ``Retry-After`` for up to ``retry_for`` seconds; nothing else is retried."""
+        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, batch_size)
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                return Job(self, self._json("POST", "/harvest", json=body))
+            except errors.ApiError as error:
+                wait = error.retry_after if error.retry_after is not None else 5.0
+                if not retry or error.code not in RETRYABLE_SUBMIT_CODES or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
+
+    def _body(
+        self,
+        prompts: Sequence[str],
+        model: str,
+        layers: Layers,
+        shard_size: Optional[int],
+        add_special_tokens: bool,
+        project_onto: Any,
+        batch_size: Optional[int],
+    ) -> Dict[str, Any]:
+        """The request body, checked and encoded here (before anything is sent)."""
         if isinstance(prompts, (str, bytes)):
             raise TypeError("prompts must be a list of strings, not one string: wrap it as [prompt]")
         prompts = list(prompts)
@@ -182,16 +220,8 @@ class Client:
             body["add_special_tokens"] = False
         if project_onto is not None:
             entry = self._model(model)
-            body["project_onto"] = encode_directions(project_onto, entry["hidden_size"] if entry else None)
-        deadline = time.monotonic() + retry_for
-        while True:
-            try:
-                return Job(self, self._json("POST", "/harvest", json=body))
-            except errors.ApiError as error:
-                wait = error.retry_after if error.retry_after is not None else 5.0
-                if not retry or error.code not in RETRYABLE_SUBMIT_CODES or time.monotonic() + wait > deadline:
-                    raise
-                time.sleep(wait)
+            body["project_onto"] = encode_directions(project_onto, entry.get("hidden_size") if entry else None)
+        return body
 
 
 class Job:

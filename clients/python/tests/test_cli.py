@@ -46,6 +46,17 @@ def test_submit_waits_and_downloads_a_jsonl_file_then_status_and_download_agree(
     assert cancel.returncode == 1 and "harvest_not_cancellable" in cancel.stderr
 
 
+def test_a_dry_run_prints_the_estimate_and_submits_nothing(server, client, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one prompt\nanother prompt\n")
+    before = len(list(client.jobs()))
+    text = harvest(server, "submit", str(prompts), "--model", MODEL, "--layers", "3", "--dry-run")
+    assert text.returncode == 0 and "2 prompts" in text.stdout and "bytes" in text.stdout, text.stdout
+    as_json = json.loads(harvest(server, "--json", "submit", str(prompts), "--model", MODEL, "--dry-run").stdout)
+    assert as_json["dry_run"] is True and as_json["total_bytes"] > 0
+    assert len(list(client.jobs())) == before
+
+
 def test_submit_takes_text_and_json_files_and_directions_from_npy(server, tmp_path):
     text = tmp_path / "prompts.txt"
     text.write_text("first prompt\n\nsecond prompt\n")

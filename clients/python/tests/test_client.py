@@ -249,3 +249,16 @@ def test_a_file_the_server_itself_holds_corrupted_fails_the_check_twice_and_is_n
         job.download(tmp_path)
     assert not (tmp_path / "shard_00000.safetensors").exists()
     assert not (tmp_path / "manifest.json").exists(), "an unverified download has no manifest"
+
+
+def test_an_estimate_predicts_the_bytes_the_job_then_writes_and_makes_no_job(client):
+    before = len(list(client.jobs()))
+    prompts = corpus(9)
+    estimate = client.estimate(prompts, MODEL, layers=[2, 20], shard_size=4)
+    assert estimate["dry_run"] is True and estimate["files"]["shards"]["count"] == 3
+    assert len(list(client.jobs())) == before
+    job = client.submit(prompts, MODEL, layers=[2, 20], shard_size=4)
+    assert job.data["estimate"]["bytes"] == estimate["total_bytes"]
+    job.wait(progress=False)
+    written = job.result["bytes_written"]
+    assert abs(written - estimate["total_bytes"]) <= written / 100
