@@ -15,6 +15,10 @@
 #    bf16 GEMM rate measured in the same run, and weight-load GB/s.
 # DEVICE=cpu BENCH_SHAPE=smollm2-135m runs the same steps on a small CPU machine (how the script
 # itself is checked without a GPU).
+# The CUDA libraries (driver, cuBLAS, NVRTC) are looked for wherever the machine has them: the
+# dynamic linker's cache, a CUDA toolkit, and the nvidia-* wheels of any Python on PATH; the
+# paths used are printed and put on LD_LIBRARY_PATH. A parity failure is reported, and the
+# throughput steps still run, so one device run gives both figures; the exit status is then 1.
 set -euo pipefail
 usage="usage: scripts/gpu-check.sh HARVESTER DIR"
 harvester=${1:?$usage}
@@ -25,6 +29,43 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# Directories that may hold the CUDA libraries, most specific first.
+candidate_dirs() {
+  for py in python3 python; do
+    command -v "$py" >/dev/null || continue
+    "$py" - <<'PY' 2>/dev/null || true
+import glob, os, site
+roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+for root in roots:
+    for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib"))) + sorted(glob.glob(os.path.join(root, "nvidia", "*", "*", "lib"))):
+        print(lib)
+PY
+  done
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
+    [ -d "$d" ] && echo "$d"
+  done
+  ldconfig -p 2>/dev/null | awk '/libcuda\.so|libcublas|libnvrtc/ {print $NF}' | xargs -r -n1 dirname
+}
+if [ "$device" != cpu ]; then
+  echo "== CUDA libraries"
+  dirs=$(candidate_dirs | awk '!seen[$0]++')
+  libpath=
+  for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libnvrtc.so.13; do
+    found=
+    for d in $dirs; do
+      if [ -e "$d/$lib" ]; then found=$d; break; fi
+    done
+    if [ -n "$found" ]; then
+      echo "  $lib: $found/$lib"
+      case ":$libpath:" in *":$found:"*) ;; *) libpath=${libpath:+$libpath:}$found ;; esac
+    else
+      echo "  $lib: NOT FOUND (the harvester's probe will name it)"
+    fi
+  done
+  export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "  LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+fi
+
 model=$dir
 if [ ! -f "$dir/model.safetensors" ]; then
   model=$work/smollm2-shaped
@@ -33,19 +74,28 @@ fi
 echo "== parity on $model: cpu against $device"
 "$harvester" run --device cpu --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
   --layers all --shard-size 4 --progress off --out "$work/reference" >/dev/null
-"$harvester" run --device "$device" --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
-  --layers all --shard-size 4 --progress off --out "$work/candidate" >/dev/null
-"$harvester" compare "$work/reference" "$work/candidate" --max-relative-error 1e-2
+parity=passed
+if ! "$harvester" run --device "$device" --model "$model" --prompts "$here/gpu/parity_prompts.jsonl" \
+  --layers all --shard-size 4 --progress off --out "$work/candidate" >/dev/null; then
+  parity="FAILED (the $device run did not finish)"
+elif ! "$harvester" compare "$work/reference" "$work/candidate" --max-relative-error 1e-2; then
+  parity=FAILED
+fi
+echo "== parity: $parity (the throughput steps run either way)"
 
 echo "== throughput of a $bench_shape-shaped model on $device"
 "$harvester" synth-model --shape "$bench_shape" --out "$work/bench-model"
 python3 -c 'import json, random; random.seed(7); print(json.dumps([[random.randrange(1, 40000) for _ in range(512)] for _ in range(64)]))' >"$work/ids.json"
 blocks=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$work/bench-model/config.json")
 three="$((blocks / 4)),$((blocks / 2)),$((3 * blocks / 4))"
+benches_failed=0
 for layers in "$three" all; do
   for projection in "" "--directions 8"; do
     # shellcheck disable=SC2086
     "$harvester" bench --device "$device" --model "$work/bench-model" --ids "$work/ids.json" \
-      --layers "$layers" --batch-tokens 8192 $projection
+      --layers "$layers" --batch-tokens 8192 $projection || benches_failed=$((benches_failed + 1))
   done
 done
+
+echo "== summary: parity $parity on $device; $benches_failed of 4 throughput runs failed; figures above"
+[ "$parity" = passed ] && [ "$benches_failed" = 0 ]

@@ -843,8 +843,9 @@ async fn a_job_whose_files_would_not_fit_gets_507_naming_the_bytes() {
 
 #[tokio::test]
 async fn an_account_past_its_storage_budget_gets_507_and_others_do_not() {
+    // A seed job's files take 24,876 bytes (as predicted at submit): one fits, two do not.
     let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
-        config.accounts[0].storage_bytes = Some(100_000);
+        config.accounts[0].storage_bytes = Some(40_000);
     })
     .await;
     let (status, _, answer) = submit(&f, seed_body()).await;
@@ -852,6 +853,10 @@ async fn an_account_past_its_storage_budget_gets_507_and_others_do_not() {
         status,
         StatusCode::ACCEPTED,
         "the first job's estimate fits: {answer}"
+    );
+    assert!(
+        answer["estimate"]["bytes"].as_u64().unwrap() < 40_000,
+        "{answer}"
     );
     let (status, _, answer) = submit(&f, seed_body()).await;
     assert_eq!(
@@ -866,7 +871,7 @@ async fn an_account_past_its_storage_budget_gets_507_and_others_do_not() {
         answer["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("100000"),
+            .contains("40000"),
         "{answer}"
     );
     let (status, _, _) = call(

@@ -73,14 +73,72 @@ pub fn driver_present() -> bool {
     }
 }
 
-/// Checks that the CUDA driver library loads and that device `ordinal` exists, without
-/// touching cudarc's panicking loaders.
-pub fn probe(ordinal: usize) -> Result<GpuInfo> {
-    if !driver_present() {
+/// Whether cuBLAS loads here.
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen libcublas under its usual names; no symbol is called.
+    #[allow(unsafe_code)]
+    unsafe {
+        cudarc::cublas::sys::is_culib_present()
+    }
+}
+
+/// The CUDA libraries the backend loads at run time: what each is, and whether it loads here.
+pub fn libraries() -> [(&'static str, bool); 3] {
+    [
+        (
+            "the NVIDIA driver library (libcuda.so.1): run on a GPU node",
+            driver_present(),
+        ),
+        (
+            "cuBLAS (libcublas.so.13): install the CUDA runtime or the nvidia-cublas wheel",
+            cublas_present(),
+        ),
+        (
+            "NVRTC (libnvrtc.so.13): install the CUDA runtime or the nvidia-cuda-nvrtc wheel",
+            kernels::nvrtc_present(),
+        ),
+    ]
+}
+
+/// The refusal for the first library that does not load, naming it and the fix.
+pub fn missing_library(libraries: &[(&str, bool)]) -> Option<String> {
+    let missing: Vec<&str> = libraries
+        .iter()
+        .filter(|(_, present)| !present)
+        .map(|(name, _)| *name)
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "the CUDA backend cannot load {}; put the library's directory on LD_LIBRARY_PATH, or use --device cpu",
+            missing.join("; nor ")
+        )
+    })
+}
+
+/// The oldest GPU generation the kernels run on: they are compiled for [`kernels::ARCH`].
+const MIN_COMPUTE_CAPABILITY: (i32, i32) = (9, 0);
+
+/// The refusal of a GPU older than the kernels were compiled for.
+pub fn check_capability(ordinal: usize, capability: (i32, i32)) -> Result<()> {
+    if capability < MIN_COMPUTE_CAPABILITY {
         return Err(CudaError::Unavailable {
-            reason: "the NVIDIA driver library (libcuda.so.1) is not on this machine: run on a GPU node, or use --device cpu".into(),
+            reason: format!(
+                "cuda:{ordinal} has compute capability {}.{}, but this harvester's kernels are built for {} (9.0, Hopper: H100, H200) and newer: use such a GPU, or --device cpu",
+                capability.0,
+                capability.1,
+                kernels::ARCH
+            ),
         }
         .into());
+    }
+    Ok(())
+}
+
+/// Checks that the CUDA libraries load, that device `ordinal` exists and that the kernels can
+/// run on it, without touching cudarc's panicking loaders.
+pub fn probe(ordinal: usize) -> Result<GpuInfo> {
+    if let Some(reason) = missing_library(&libraries()) {
+        return Err(CudaError::Unavailable { reason }.into());
     }
     let devices = cudarc::driver::result::init()
         .and_then(|()| cudarc::driver::result::device::get_count())
@@ -97,7 +155,33 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo> {
         }
         .into());
     }
+    let capability = compute_capability(ordinal).map_err(|e| CudaError::Unavailable {
+        reason: format!("cuda:{ordinal} did not say its compute capability ({e})"),
+    })?;
+    check_capability(ordinal, capability)?;
     Ok(GpuInfo { devices })
+}
+
+/// Device `ordinal`'s compute capability (major, minor).
+fn compute_capability(
+    ordinal: usize,
+) -> std::result::Result<(i32, i32), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::CUdevice_attribute as Attribute;
+    let device = cudarc::driver::result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX))?;
+    // SAFETY: `device` was returned by `get` just above, as `get_attribute` requires.
+    #[allow(unsafe_code)]
+    unsafe {
+        Ok((
+            cudarc::driver::result::device::get_attribute(
+                device,
+                Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )?,
+            cudarc::driver::result::device::get_attribute(
+                device,
+                Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            )?,
+        ))
+    }
 }
 
 /// The device `choice` resolves to here: `Auto` becomes `Cuda(0)` when the probe finds a GPU.
@@ -135,6 +219,33 @@ pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_library_is_named_with_its_fix_and_all_present_is_no_refusal() {
+        let reason =
+            missing_library(&[("the driver", true), ("cuBLAS (libcublas.so.13)", false)]).unwrap();
+        assert!(
+            reason.contains("cannot load cuBLAS (libcublas.so.13)"),
+            "{reason}"
+        );
+        assert!(reason.contains("LD_LIBRARY_PATH"), "{reason}");
+        assert_eq!(missing_library(&[("the driver", true)]), None);
+        // Here (no GPU), the probe names the driver instead of panicking in cudarc's loader.
+        if !driver_present() {
+            let error = probe(0).unwrap_err().to_string();
+            assert!(error.contains("libcuda.so.1"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_gpu_older_than_hopper_is_refused_naming_its_capability() {
+        let error = check_capability(0, (8, 0)).unwrap_err().to_string();
+        assert!(
+            error.contains("compute capability 8.0") && error.contains("compute_90"),
+            "{error}"
+        );
+        assert!(check_capability(0, (9, 0)).is_ok() && check_capability(1, (10, 0)).is_ok());
+    }
 
     #[test]
     fn device_names_parse_and_a_bad_one_names_the_choices() {
