@@ -77,12 +77,14 @@ pub(crate) struct Metrics {
     pub(crate) long_polls_declined: Counter,
     pub(crate) downloads: Counter,
     pub(crate) unfinished: Gauge,
+    /// Long-polls holding a slot now (so a test or an operator can see a wait has begun).
+    pub(crate) long_polls_waiting: Gauge,
 }
 
 impl Metrics {
     fn new() -> Self {
         let (submitted, denied, long_polls_declined, downloads) = Default::default();
-        let unfinished = Gauge::default();
+        let (unfinished, long_polls_waiting) = (Gauge::default(), Gauge::default());
         let mut registry = Registry::default();
         let counters: [(&str, &str, &Counter); 4] = [
             ("harvest_jobs_submitted", "Jobs admitted", &submitted),
@@ -106,6 +108,11 @@ impl Metrics {
             "Jobs pending or running",
             unfinished.clone(),
         );
+        registry.register(
+            "harvest_long_polls_waiting",
+            "Long-polls waiting for their job now",
+            long_polls_waiting.clone(),
+        );
         Self {
             registry,
             submitted,
@@ -113,6 +120,7 @@ impl Metrics {
             long_polls_declined,
             downloads,
             unfinished,
+            long_polls_waiting,
         }
     }
 }
@@ -191,6 +199,7 @@ impl AppState {
             return None;
         }
         *polls.entry(key.to_owned()).or_default() += 1;
+        self.metrics.long_polls_waiting.inc();
         Some(LongPollSlot {
             state: self,
             key: key.to_owned(),
@@ -235,6 +244,7 @@ impl Drop for LongPollSlot<'_> {
                 polls.remove(&self.key);
             }
         }
+        self.state.metrics.long_polls_waiting.dec();
     }
 }
 

@@ -313,6 +313,15 @@ fn a_harvester_gets_none_of_the_servers_environment_but_what_it_needs() {
     }
 }
 
+/// A value of the server's `/metrics`, if it is listed.
+fn metric(server: &Server, name: &str) -> Option<f64> {
+    let text = reqwest::blocking_get(&format!("{}/metrics", server.base)).ok()?;
+    String::from_utf8(text).ok()?.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok()).flatten()
+    })
+}
+
 #[test]
 fn sigterm_answers_open_long_polls_stops_workers_and_the_next_start_resumes() {
     let dir = tempfile::tempdir().unwrap();
@@ -333,7 +342,15 @@ fn sigterm_answers_open_long_polls_stops_workers_and_the_next_start_resumes() {
             (status, job, asked.elapsed())
         })
     };
-    std::thread::sleep(Duration::from_millis(500));
+    // Signal once the server says the long-poll is waiting.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !metric(&server, "harvest_long_polls_waiting").is_some_and(|n| n >= 1.0) {
+        assert!(
+            Instant::now() < deadline,
+            "the long-poll never began waiting"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let signalled = Instant::now();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(server.child.id() as i32),

@@ -34,8 +34,11 @@ fn manifest(output: &Path) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_queue_in_their_lane_and_finish_succeeded_with_shards_and_a_charge() {
     let cluster = Cluster::start(1).await;
+    // The first job runs long enough (8 prompts of ~500 tokens: longer than the 5 s admission
+    // poll here) that the second is certainly reconciled while the lane is full.
+    let long = cluster.prompts("long", 8, 50);
     let prompts = cluster.prompts("seed", 6, 2);
-    cluster.submit("first", prompts.clone(), |_| {}).await;
+    cluster.submit("first", long, |_| {}).await;
     cluster
         .submit("second", prompts, |s| s.harvest.layers = Some(vec![3, 29]))
         .await;
@@ -51,13 +54,13 @@ async fn jobs_queue_in_their_lane_and_finish_succeeded_with_shards_and_a_charge(
         waiting.status.as_ref().unwrap().phase,
         Some(JobPhase::Pending)
     );
-    for name in ["first", "second"] {
+    for (name, shards, prompts) in [("first", 2, 8), ("second", 2, 6)] {
         let job = cluster.finished(name).await;
         let status = job.status.clone().unwrap();
         assert_eq!(finished_reason(&job), "Succeeded", "{status:?}");
         assert_eq!(status.phase, Some(JobPhase::Succeeded));
         let result = status.result.unwrap();
-        assert_eq!((result.n_shards, result.prompts), (2, 6));
+        assert_eq!((result.n_shards, result.prompts), (shards, prompts));
         assert_eq!(
             status.tokens.unwrap().charged,
             Some(result.tokens),
@@ -65,7 +68,7 @@ async fn jobs_queue_in_their_lane_and_finish_succeeded_with_shards_and_a_charge(
         );
         assert_eq!(status.attempts, 1);
         let manifest = manifest(&cluster.output(name));
-        assert_eq!(manifest["n_prompts"], 6);
+        assert_eq!(manifest["n_prompts"], prompts);
         assert_eq!(manifest["total_tokens"], result.tokens);
         assert!(
             status
