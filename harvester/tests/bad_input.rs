@@ -233,15 +233,27 @@ fn llama_metadata() -> Vec<(&'static str, u32, Vec<u8>)> {
 #[test]
 fn a_gguf_tensor_of_an_unsupported_quantisation_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("q4k.gguf");
-    std::fs::write(&path, gguf_bytes(&llama_metadata(), 12, 4096)).unwrap();
+    let path = dir.path().join("q3k.gguf");
+    std::fs::write(&path, gguf_bytes(&llama_metadata(), 11, 4096)).unwrap();
     let err = import_gguf(&path, &dir.path().join("out"), OutputDtype::Bf16)
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("blk.0.attn_q.weight") && err.contains("Q4_K"),
+        err.contains("blk.0.attn_q.weight") && err.contains("Q3_K"),
         "{err}"
     );
+}
+
+#[test]
+fn a_k_quant_tensor_shorter_than_its_shape_needs_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q6k.gguf");
+    // [256, 4] in Q6_K needs 4 super-blocks of 210 bytes; the file holds 100.
+    std::fs::write(&path, gguf_bytes(&llama_metadata(), 14, 100)).unwrap();
+    let err = import_gguf(&path, &dir.path().join("out"), OutputDtype::Bf16)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.0.attn_q.weight"), "{err}");
 }
 
 #[test]
