@@ -126,77 +126,13 @@ fn a_server_killed_mid_job_finishes_it_after_a_restart_without_double_charging()
     assert_eq!(ledger.active_small, 0);
 }
 
-/// `harvest-api` run as an admin would: its exit status, stdout and stderr.
-fn admin(config: &Path, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_harvest-api"))
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-    drop(input);
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn a_hosted_key_imports_lists_without_its_secret_and_revokes_by_label() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let config = write_config(dir.path(), port, 1);
     let server = start(&config, port);
-    let models = format!("{}/v1/models", server.base);
-    let hosted = "sk-acs-9f8e7d6c5b4a39281706f5e4";
-    let (ok, out, err) = admin(
-        &config,
-        &[
-            "create-key",
-            "--account",
-            "acme",
-            "--label",
-            "moved",
-            "--import",
-            "-",
-        ],
-        Some(hosted),
-    );
-    assert!(ok && out.is_empty(), "{err}");
-    assert_eq!(request("GET", &models, hosted, None).0, 200);
-    let (ok, _, err) = admin(
-        &config,
-        &[
-            "create-key",
-            "--account",
-            "acme",
-            "--import",
-            "ak-live-1234567890abcdefgh",
-        ],
-        None,
-    );
-    assert!(!ok && err.contains("sk-acs-"), "{err}");
-    let (ok, listing, _) = admin(&config, &["list-keys", "--account", "acme"], None);
-    assert!(ok);
-    assert!(
-        listing.contains("moved") && listing.contains("sk-acs-9f8e"),
-        "{listing}"
-    );
-    assert!(!listing.contains(hosted), "the key itself is never listed");
-    let (ok, _, err) = admin(&config, &["revoke-key", "--label", "moved"], None);
-    assert!(ok, "{err}");
-    assert_eq!(request("GET", &models, hosted, None).0, 401);
-    let (ok, _, err) = admin(&config, &["revoke-key", "--label", "moved"], None);
-    assert!(!ok && err.contains("no active key is labelled"), "{err}");
+    key_admin_flow(&server, &[]);
 }
 
 #[test]

@@ -191,6 +191,15 @@ fn keys_unknown_jobs_the_account_lane_the_job_list_and_revocation_answer_on_kube
 }
 
 #[test]
+fn the_key_commands_import_list_and_revoke_by_label_on_kubernetes() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    key_admin_flow(&server, &cluster.env());
+}
+
+#[test]
 fn with_s3_storage_the_files_download_through_presigned_urls_that_s3_verifies() {
     let s3 = harvest_testkit::Seaweed::start();
     let dir = tempfile::tempdir().unwrap();

@@ -585,3 +585,85 @@ pub fn list_flow(server: &Server, key: &str, other_key: &str) {
     assert!(counted <= ids.len() as u64, "{usage}");
     assert_eq!(usage["lanes"]["small"]["limit"], 3, "{usage}");
 }
+
+/// `harvest-api` run as an admin would, with extra environment: its exit status, stdout and
+/// stderr.
+pub fn admin(
+    config: &Path,
+    env: &[(&str, &str)],
+    args: &[&str],
+    stdin: Option<&str>,
+) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_harvest-api"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The key commands as an operator uses them: a hosted key imported from stdin works, a key
+/// of another service is refused naming the accepted prefixes, `list-keys` shows the label and
+/// prefix but never the key, and `revoke-key --label` revokes it (a second time says none is
+/// left).
+pub fn key_admin_flow(server: &Server, env: &[(&str, &str)]) {
+    let config = &server.config;
+    let models = format!("{}/v1/models", server.base);
+    let hosted = "sk-acs-9f8e7d6c5b4a39281706f5e4";
+    let import = [
+        "create-key",
+        "--account",
+        "acme",
+        "--label",
+        "moved",
+        "--import",
+        "-",
+    ];
+    let (ok, out, err) = admin(config, env, &import, Some(hosted));
+    assert!(ok && out.is_empty(), "{err}");
+    // A key made moments ago may take a watch round trip to reach the server's cache.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while request("GET", &models, hosted, None).0 != 200 {
+        assert!(Instant::now() < deadline, "the imported key never worked");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let foreign = [
+        "create-key",
+        "--account",
+        "acme",
+        "--import",
+        "ak-live-1234567890abcdefgh",
+    ];
+    let (ok, _, err) = admin(config, env, &foreign, None);
+    assert!(!ok && err.contains("sk-acs-"), "{err}");
+    let (ok, listing, err) = admin(config, env, &["list-keys", "--account", "acme"], None);
+    assert!(ok, "{err}");
+    assert!(
+        listing.contains("moved") && listing.contains("sk-acs-9f8e"),
+        "{listing}"
+    );
+    assert!(!listing.contains(hosted), "the key itself is never listed");
+    let (ok, _, err) = admin(config, env, &["revoke-key", "--label", "moved"], None);
+    assert!(ok, "{err}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while request("GET", &models, hosted, None).0 != 401 {
+        assert!(Instant::now() < deadline, "the revoked key still works");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, _, err) = admin(config, env, &["revoke-key", "--label", "moved"], None);
+    assert!(!ok && err.contains("no active key is labelled"), "{err}");
+}

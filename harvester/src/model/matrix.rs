@@ -183,6 +183,22 @@ impl Matrix {
         }
     }
 
+    /// Reads one byte of every page of a mapped matrix, so its pages are resident (what a
+    /// benchmark's load time must include; a run lets its first pass fault them in).
+    pub fn touch(&self) -> u8 {
+        let Data::Mapped { parts, .. } = &self.data else {
+            return 0;
+        };
+        let mut sum = 0u8;
+        for part in parts {
+            let bytes = &part.map[part.offset..part.offset + part.rows * self.cols * 2];
+            for page in bytes.iter().step_by(4096) {
+                sum = sum.wrapping_add(*page);
+            }
+        }
+        std::hint::black_box(sum)
+    }
+
     /// Every value as f32 (tests and tools; the forward pass decodes blocks of rows instead).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];

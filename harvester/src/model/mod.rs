@@ -84,6 +84,16 @@ impl LlamaWeights {
         })
     }
 
+    /// Makes every mapped page resident (see [`Matrix::touch`]).
+    pub fn touch(&self) {
+        self.embed.touch();
+        for b in &self.blocks {
+            for m in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+                m.touch();
+            }
+        }
+    }
+
     /// The bytes the weights take in memory (mapped half-precision pages included, once
     /// touched).
     pub fn resident_bytes(&self) -> u64 {
