@@ -26,6 +26,8 @@ pub struct Kind {
     pub status_subresource: bool,
     /// CRD printer columns (`additionalPrinterColumns`).
     pub printer_columns: Vec<Value>,
+    /// A CRD version's `openAPIV3Schema`, checked on every write (`schema`).
+    pub schema: Option<Value>,
 }
 
 impl Kind {
@@ -48,6 +50,7 @@ impl Kind {
             categories: Vec::new(),
             status_subresource: status,
             printer_columns: Vec::new(),
+            schema: None,
         }
     }
 
@@ -188,6 +191,9 @@ pub fn from_crd(crd: &Value) -> Vec<Kind> {
                 .as_array()
                 .cloned()
                 .unwrap_or_default(),
+            schema: v["schema"]["openAPIV3Schema"]
+                .is_object()
+                .then(|| v["schema"]["openAPIV3Schema"].clone()),
         })
         .collect()
 }

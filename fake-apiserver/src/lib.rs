@@ -18,6 +18,7 @@
 pub mod http;
 pub mod kinds;
 pub mod kubelet;
+pub mod schema;
 pub mod store;
 
 use std::collections::HashMap;

@@ -41,7 +41,7 @@ pub struct Change {
 }
 
 /// An API error, served as a `Status`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     /// HTTP status.
     pub code: u16,
@@ -49,6 +49,8 @@ pub struct ApiError {
     pub reason: &'static str,
     /// A sentence.
     pub message: String,
+    /// `details` of an `Invalid` status: the object and one cause per field.
+    pub details: Option<Value>,
 }
 
 impl ApiError {
@@ -57,12 +59,59 @@ impl ApiError {
             code,
             reason,
             message,
+            details: None,
+        }
+    }
+
+    /// The 422 of an object that breaks its kind's schema, shaped as the apiserver's.
+    pub fn invalid(kind: &Kind, name: &str, violations: &[crate::schema::Violation]) -> Self {
+        let messages: Vec<&str> = violations.iter().map(|(_, m)| m.as_str()).collect();
+        let listed = match messages.as_slice() {
+            [one] => (*one).to_owned(),
+            many => format!("[{}]", many.join(", ")),
+        };
+        let causes: Vec<Value> = violations
+            .iter()
+            .map(|(field, message)| {
+                let text = message
+                    .strip_prefix(&format!("{field}: "))
+                    .unwrap_or(message);
+                json!({"reason": "FieldValueInvalid", "message": text, "field": field})
+            })
+            .collect();
+        Self {
+            code: 422,
+            reason: "Invalid",
+            message: format!(
+                "{}.{} \"{name}\" is invalid: {listed}",
+                kind.kind, kind.group
+            ),
+            details: Some(
+                json!({"name": name, "group": kind.group, "kind": kind.kind, "causes": causes}),
+            ),
         }
     }
 
     /// The `Status` body.
     pub fn status(&self) -> Value {
-        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message, "reason": self.reason, "code": self.code})
+        let mut status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message, "reason": self.reason, "code": self.code});
+        if let Some(details) = &self.details {
+            status["details"] = details.clone();
+        }
+        status
+    }
+}
+
+/// Refuses `object` when its kind has a schema it breaks.
+fn check_schema(kind: &Kind, name: &str, object: &Value) -> Result<(), ApiError> {
+    let Some(schema) = &kind.schema else {
+        return Ok(());
+    };
+    let violations = crate::schema::validate(schema, object);
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(kind, name, &violations))
     }
 }
 
@@ -372,6 +421,7 @@ impl Store {
         if kind.plural == "pods" && kind.group.is_empty() {
             object["status"] = json!({"phase": "Pending"});
         }
+        check_schema(&kind, &name, &object)?;
         if kind.plural == "customresourcedefinitions" {
             object["status"] = json!({"conditions": [{"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted"}], "acceptedNames": object["spec"]["names"].clone()});
             for new in kinds::from_crd(&object) {
@@ -509,6 +559,7 @@ impl Store {
         if next == current {
             return Ok(current);
         }
+        check_schema(&kind, name, &next)?;
         Self::bump(&mut inner, &mut next);
         let finalized = next["metadata"]["deletionTimestamp"].is_string()
             && next["metadata"]["finalizers"]

@@ -118,3 +118,90 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     );
     assert!(output.join("manifest.json").exists());
 }
+
+/// kubectl run for its failure: (succeeded, stderr).
+fn kubectl_err(kubeconfig: &std::path::Path, args: &[&str], stdin: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl is not on PATH: install it (see README, Kubernetes)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_a_field_past_its_schema_maximum_is_refused_with_422_naming_the_field() {
+    let cluster = Cluster::start(1).await;
+    let kubeconfig = cluster.server.write_kubeconfig(cluster.dir.path()).unwrap();
+    let job = |harvest: &str| {
+        format!(
+            "apiVersion: harvest.dev/v1alpha1\nkind: HarvestJob\nmetadata:\n  name: too-big\nspec:\n  model: smollm2-135m\n  input: {{prompts: /in.jsonl}}\n  harvest: {harvest}\n  output: /out\n  tokenBudget: 10000\n"
+        )
+    };
+    let (config, past_max, past_u32) = (
+        kubeconfig.clone(),
+        job("{layers: [1], shardSize: 5000}"),
+        job("{layers: [4294967296]}"),
+    );
+    let (refused, too_wide) = tokio::task::spawn_blocking(move || {
+        let apply = ["apply", "--validate=false", "-f", "-"];
+        (
+            kubectl_err(&config, &apply, &past_max),
+            kubectl_err(&config, &apply, &past_u32),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(!refused.0, "applied: {}", refused.1);
+    assert!(
+        refused.1.contains("spec.harvest.shardSize")
+            && refused.1.contains("less than or equal to 4096"),
+        "{}",
+        refused.1
+    );
+    assert!(!too_wide.0, "applied: {}", too_wide.1);
+    assert!(
+        too_wide.1.contains("spec.harvest.layers[0]") && too_wide.1.contains("4294967295"),
+        "{}",
+        too_wide.1
+    );
+    // The apiserver's 422 shape, with a cause per field, as clients read it.
+    let jobs: kube::Api<kube::api::DynamicObject> = kube::Api::namespaced_with(
+        cluster.client.clone(),
+        "default",
+        &kube::discovery::ApiResource::erase::<harvest_crds::HarvestJob>(&()),
+    );
+    let mut object: kube::api::DynamicObject =
+        serde_yaml::from_str(&job("{shardSize: 0}")).unwrap();
+    object.metadata.namespace = Some("default".into());
+    let error = jobs.create(&Default::default(), &object).await.unwrap_err();
+    let kube::Error::Api(status) = error else {
+        panic!("not a Status: {error}")
+    };
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    assert!(
+        status
+            .message
+            .contains("HarvestJob.harvest.dev \"too-big\" is invalid"),
+        "{}",
+        status.message
+    );
+    assert!(
+        jobs.get_opt("too-big").await.unwrap().is_none(),
+        "nothing was stored"
+    );
+}
