@@ -9,7 +9,12 @@ use std::process::Command;
 
 use common::Cluster;
 
-fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+/// kubectl run with `stdin` (if any): its output, whether it succeeded or not.
+fn run_kubectl(
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> std::process::Output {
     use std::io::Write;
     let mut child = Command::new("kubectl")
         .args(args)
@@ -28,7 +33,12 @@ fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> 
             .unwrap();
     }
     drop(child.stdin.take());
-    let output = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// kubectl, which must succeed: its stdout.
+fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+    let output = run_kubectl(kubeconfig, args, stdin);
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -121,22 +131,7 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
 
 /// kubectl run for its failure: (succeeded, stderr).
 fn kubectl_err(kubeconfig: &std::path::Path, args: &[&str], stdin: &str) -> (bool, String) {
-    use std::io::Write;
-    let mut child = Command::new("kubectl")
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl is not on PATH: install it (see README, Kubernetes)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run_kubectl(kubeconfig, args, Some(stdin));
     (
         output.status.success(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
