@@ -94,8 +94,12 @@ def test_the_page_lists_a_running_job_follows_its_progress_and_cancels_it(browse
     row = f'tr[data-job-id="{job.id}"]'
 
     def progress():
-        bars = browser.find_elements(By.CSS_SELECTOR, f'{row}[data-status="running"] progress')
-        return float(bars[0].get_attribute("value")) if bars else None
+        # One script reads the bar, so a row re-rendered meanwhile cannot leave a stale handle.
+        value = browser.execute_script(
+            "const bar = document.querySelector(arguments[0]); return bar ? bar.value : null;",
+            f'{row}[data-status="running"] progress',
+        )
+        return float(value) if value is not None else None
 
     first = wait_until(lambda: (progress() or 0) > 0 and progress(), timeout=120, interval=0.1,
                        message="the page to show the job running with some progress")
@@ -106,7 +110,10 @@ def test_the_page_lists_a_running_job_follows_its_progress_and_cancels_it(browse
     assert "Small lane (running jobs)" in usage and "1 of 3 jobs" in usage, usage
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SCREENSHOT))
-    labels = [b.get_attribute("aria-label") for b in browser.find_elements(By.CSS_SELECTOR, f"{row} button.cancel")]
+    labels = browser.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(b => b.getAttribute('aria-label'));",
+        f"{row} button.cancel",
+    )
     assert labels == [f"Cancel job {job.id}"]
     click(browser, f"{row} button.cancel", "the Cancel button")
     wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, f'{row}[data-status="cancelled"]'),
@@ -148,10 +155,12 @@ def test_the_page_has_labels_keyboard_order_and_readable_contrast(browser, serve
     for control in browser.find_elements(By.CSS_SELECTOR, "input, select"):
         labels = browser.find_elements(By.CSS_SELECTOR, f'label[for="{control.get_attribute("id")}"]')
         assert labels and labels[0].text.strip(), f"{control.get_attribute('id')} has a visible label"
-    for button in browser.find_elements(By.TAG_NAME, "button"):
-        if button.is_displayed():
-            name = button.get_attribute("aria-label") or button.text
-            assert name.strip(), button.get_attribute("outerHTML")
+    # Read in one script: rows re-render every refresh, which would leave stale handles.
+    unnamed = browser.execute_script(
+        "return [...document.querySelectorAll('button')].filter(b => b.offsetParent)"
+        ".filter(b => !((b.getAttribute('aria-label') || b.textContent).trim())).map(b => b.outerHTML);"
+    )
+    assert unnamed == [], f"buttons without an accessible name: {unnamed}"
     # From a fresh load, Tab reaches the key field, its buttons, then the job list's controls.
     from selenium.webdriver.common.action_chains import ActionChains
 
