@@ -26,6 +26,8 @@ pub struct CatalogueModel {
     pub architecture: String,
     /// Its BOS id from `config.json`, if it has one.
     pub bos_token_id: Option<u32>,
+    /// Devices one job of it occupies.
+    pub devices: u32,
 }
 
 /// The catalogue, by name.
@@ -34,13 +36,13 @@ pub struct Catalogue {
     models: BTreeMap<String, CatalogueModel>,
     /// Optional entries whose files are missing: the reason, by name.
     unavailable: BTreeMap<String, Unavailable>,
-    devices: BTreeMap<String, u32>,
 }
 
 /// An optional model whose files are not there.
 #[derive(Debug, Clone)]
 struct Unavailable {
     lane: harvest_core::quota::Lane,
+    devices: u32,
     reason: String,
 }
 
@@ -90,9 +92,7 @@ impl Catalogue {
     pub fn load(models: &[ModelConfig]) -> Result<Self, StartupError> {
         let mut out = BTreeMap::new();
         let mut unavailable = BTreeMap::new();
-        let mut devices = BTreeMap::new();
         for model in models {
-            devices.insert(model.name.clone(), model.devices);
             let config_path = model.path.join("config.json");
             let missing = ["config.json", "tokenizer.json"]
                 .iter()
@@ -105,8 +105,13 @@ impl Catalogue {
                 );
                 if model.optional {
                     tracing::warn!(model = %model.name, %reason, "model unavailable");
-                    let lane = model.lane;
-                    unavailable.insert(model.name.clone(), Unavailable { lane, reason });
+                    let (lane, devices) = (model.lane, model.devices);
+                    let entry = Unavailable {
+                        lane,
+                        devices,
+                        reason,
+                    };
+                    unavailable.insert(model.name.clone(), entry);
                     continue;
                 }
                 return Err(StartupError::config(format!(
@@ -152,6 +157,7 @@ impl Catalogue {
                     tokenizer: Arc::new(tokenizer),
                     max_tokens: shape.max_position_embeddings,
                     architecture: shape.architectures.first().cloned().unwrap_or_default(),
+                    devices: model.devices,
                     bos_token_id: shape
                         .bos_token_id
                         .as_ref()
@@ -163,7 +169,6 @@ impl Catalogue {
         Ok(Self {
             models: out,
             unavailable,
-            devices,
         })
     }
 
@@ -184,7 +189,6 @@ impl Catalogue {
 
     /// Every model, as listed by the API.
     pub fn views(&self) -> Vec<ModelView> {
-        let devices = |name: &str| self.devices.get(name).copied().unwrap_or(1);
         let available = self.models.values().map(|m| ModelView {
             name: m.model.name.clone(),
             layers: Some(m.model.shape.num_layers),
@@ -192,7 +196,7 @@ impl Catalogue {
             default_layers: Some(m.model.shape.default_layers()),
             lane: m.model.lane,
             max_tokens: Some(m.max_tokens),
-            devices: devices(&m.model.name),
+            devices: m.devices,
             available: true,
             unavailable_reason: None,
         });
@@ -203,7 +207,7 @@ impl Catalogue {
             default_layers: None,
             lane: u.lane,
             max_tokens: None,
-            devices: devices(name),
+            devices: u.devices,
             available: false,
             unavailable_reason: Some(u.reason.clone()),
         });

@@ -340,8 +340,9 @@ impl JobBackend for KubeBackend {
             .store
             .state()
             .iter()
+            .filter(|j| j.spec.model == model)
             .map(|j| record(j))
-            .filter(|j| j.model == model && j.status == JobStatus::Done)
+            .filter(|j| j.status == JobStatus::Done)
             .filter_map(|j| {
                 let (start, end) = (j.started_at?, j.completed_at?);
                 let tokens = j.tokens.filter(|&t| t > 0)?;

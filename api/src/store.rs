@@ -249,6 +249,17 @@ fn migrate(conn: &Connection) -> Result<()> {
     Ok(())
 }
 
+/// Jobs the key submitted since `since`: what its monthly quota counts, for admission (inside
+/// its transaction) and for the account's usage alike.
+fn key_jobs_since(conn: &Connection, key_hash: &str, since: UnixMillis) -> Result<u32> {
+    let n: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM jobs WHERE key_hash = ?1 AND created_at >= ?2",
+        params![key_hash, since.0],
+        |r| r.get(0),
+    )?;
+    Ok(n as u32)
+}
+
 fn status_from(text: &str) -> JobStatus {
     match text {
         "running" => JobStatus::Running,
@@ -521,13 +532,8 @@ impl Store {
             .ok_or(StoreError::NotFound { what: "account" })?;
         let limits: AccountLimits = serde_json::from_str(&limits)?;
         let mut ledger: Ledger = serde_json::from_str(&ledger)?;
-        let month_start = now.month().start().0;
-        let key_jobs: i64 = tx.query_row(
-            "SELECT COUNT(*) FROM jobs WHERE key_hash = ?1 AND created_at >= ?2",
-            params![job.key_hash, month_start],
-            |r| r.get(0),
-        )?;
-        let hold = ledger.admit(&limits, job.spec.lane, job.reserved, key_jobs as u32, now)?;
+        let key_jobs = key_jobs_since(&tx, &job.key_hash, now.month().start())?;
+        let hold = ledger.admit(&limits, job.spec.lane, job.reserved, key_jobs, now)?;
         tx.execute(
             "UPDATE accounts SET ledger = ?2 WHERE name = ?1",
             params![job.account, serde_json::to_string(&ledger)?],
@@ -639,12 +645,7 @@ impl Store {
 
     /// Jobs the key submitted since `since` (its monthly quota's count).
     pub fn key_jobs_since(&self, key_hash: &str, since: UnixMillis) -> Result<u32> {
-        let n: i64 = self.conn().query_row(
-            "SELECT COUNT(*) FROM jobs WHERE key_hash = ?1 AND created_at >= ?2",
-            params![key_hash, since.0],
-            |r| r.get(0),
-        )?;
-        Ok(n as u32)
+        key_jobs_since(&self.conn(), key_hash, since)
     }
 
     /// Ended jobs whose files are still kept and that ended before `cutoff`: what the

@@ -100,12 +100,7 @@ fn long_prompts() -> Vec<Vec<u32>> {
 
 #[test]
 fn a_llama3_gguf_with_rope_freqs_runs_as_the_same_model_with_its_hugging_face_scaling() {
-    let python = std::env::var_os("HARVEST_PYTHON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var_os("HOME").unwrap())
-                .join(".cache/harvest/tools/bin/python")
-        });
+    let python = common::python();
     let dir = tempfile::tempdir().unwrap();
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/tiny_llama3_gguf.py");

@@ -4,31 +4,19 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 use harvester::gguf::quant::GgmlType;
-
-fn python() -> PathBuf {
-    let python = std::env::var_os("HARVEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest/tools/bin/python")
-        });
-    assert!(
-        python.exists(),
-        "{} is missing: run scripts/test.sh or set HARVEST_PYTHON",
-        python.display()
-    );
-    python
-}
 
 #[test]
 fn k_quants_dequantise_to_the_same_bits_as_gguf_py_on_random_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/kquants.py");
     for seed in [1, 2] {
-        let out = Command::new(python())
+        let out = Command::new(common::python())
             .arg(&script)
             .arg(dir.path())
             .arg(seed.to_string())

@@ -16,16 +16,7 @@ use harvester::pipeline::{self, RunOptions, progress::ProgressMode};
 
 #[test]
 fn python_reads_the_documented_shards_tokens_and_statistics() {
-    let python = std::env::var_os("HARVEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest/tools/bin/python")
-        });
-    assert!(
-        python.exists(),
-        "{} is missing: run scripts/test.sh or set HARVEST_PYTHON",
-        python.display()
-    );
+    let python = common::python();
     let dir = tempfile::tempdir().unwrap();
     let prompts = [
         "The quick brown fox jumps over the lazy dog.",

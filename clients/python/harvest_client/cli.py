@@ -138,15 +138,15 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
             directions = np.load(args.project_onto, allow_pickle=False)
         except (OSError, ValueError) as error:
             raise errors.HarvestError(f"--project-onto {args.project_onto}: not a .npy array ({error})") from None
+    request = dict(
+        model=args.model,
+        layers=_layers(args.layers),
+        shard_size=args.shard_size,
+        add_special_tokens=not args.no_special_tokens,
+        project_onto=directions,
+    )
     if args.dry_run:
-        estimate = client.estimate(
-            prompts,
-            model=args.model,
-            layers=_layers(args.layers),
-            shard_size=args.shard_size,
-            add_special_tokens=not args.no_special_tokens,
-            project_onto=directions,
-        )
+        estimate = client.estimate(prompts, **request)
         if args.json:
             print(json.dumps(estimate, indent=2))
         else:
@@ -157,15 +157,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
                 f"{estimate['total_bytes']} bytes; {when}"
             )
         return 0
-    job = client.submit(
-        prompts,
-        model=args.model,
-        layers=_layers(args.layers),
-        shard_size=args.shard_size,
-        add_special_tokens=not args.no_special_tokens,
-        project_onto=directions,
-        retry=args.retry,
-    )
+    job = client.submit(prompts, **request, retry=args.retry)
     if not args.json:
         print(f"submitted {job.id} ({len(prompts)} prompts, {job.data.get('reserved_tokens')} tokens reserved)", file=sys.stderr)
     if args.wait or args.download:

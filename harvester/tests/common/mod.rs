@@ -15,6 +15,22 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
+/// The Python with numpy, safetensors, tokenizers and gguf that scripts/test.sh installs
+/// (`HARVEST_PYTHON`, else the cache's tools venv).
+pub fn python() -> PathBuf {
+    let python = std::env::var_os("HARVEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/harvest/tools/bin/python")
+        });
+    assert!(
+        python.exists(),
+        "{} is missing: run scripts/test.sh or set HARVEST_PYTHON",
+        python.display()
+    );
+    python
+}
+
 /// Where `scripts/fetch-model.sh` leaves the imported SmolLM2 checkpoint and its GGUF.
 pub fn model_cache() -> PathBuf {
     let cache = std::env::var_os("HARVEST_CACHE")
