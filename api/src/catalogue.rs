@@ -93,7 +93,6 @@ impl Catalogue {
         let mut out = BTreeMap::new();
         let mut unavailable = BTreeMap::new();
         for model in models {
-            let config_path = model.path.join("config.json");
             let missing = ["config.json", "tokenizer.json"]
                 .iter()
                 .map(|f| model.path.join(f))
@@ -119,56 +118,59 @@ impl Catalogue {
                     model.name
                 )));
             }
-            let text = std::fs::read_to_string(&config_path).map_err(|e| {
-                StartupError::config(format!(
-                    "model {}: reading {}: {e}",
-                    model.name,
-                    config_path.display()
-                ))
-            })?;
-            let shape: Shape = serde_json::from_str(&text).map_err(|e| {
-                StartupError::config(format!(
-                    "model {}: {}: {e}",
-                    model.name,
-                    config_path.display()
-                ))
-            })?;
-            let tokenizer_path = model.path.join("tokenizer.json");
-            let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
-                StartupError::config(format!(
-                    "model {}: {}: {e}",
-                    model.name,
-                    tokenizer_path.display()
-                ))
-            })?;
-            let served = ServedModel {
-                name: model.name.clone(),
-                shape: ModelShape {
-                    num_layers: shape.num_hidden_layers,
-                    hidden_size: shape.hidden_size,
-                },
-                lane: model.lane,
-            };
-            out.insert(
-                model.name.clone(),
-                CatalogueModel {
-                    model: served,
-                    path: model.path.clone(),
-                    tokenizer: Arc::new(tokenizer),
-                    max_tokens: shape.max_position_embeddings,
-                    architecture: shape.architectures.first().cloned().unwrap_or_default(),
-                    devices: model.devices,
-                    bos_token_id: shape
-                        .bos_token_id
-                        .as_ref()
-                        .and_then(serde_json::Value::as_u64)
-                        .and_then(|id| u32::try_from(id).ok()),
-                },
-            );
+            out.insert(model.name.clone(), Self::open(model)?);
         }
         Ok(Self {
             models: out,
             unavailable,
+        })
+    }
+
+    /// Reads one present model's config.json and tokenizer.json.
+    fn open(model: &ModelConfig) -> Result<CatalogueModel, StartupError> {
+        let config_path = model.path.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| {
+            StartupError::config(format!(
+                "model {}: reading {}: {e}",
+                model.name,
+                config_path.display()
+            ))
+        })?;
+        let shape: Shape = serde_json::from_str(&text).map_err(|e| {
+            StartupError::config(format!(
+                "model {}: {}: {e}",
+                model.name,
+                config_path.display()
+            ))
+        })?;
+        let tokenizer_path = model.path.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+            StartupError::config(format!(
+                "model {}: {}: {e}",
+                model.name,
+                tokenizer_path.display()
+            ))
+        })?;
+        let served = ServedModel {
+            name: model.name.clone(),
+            shape: ModelShape {
+                num_layers: shape.num_hidden_layers,
+                hidden_size: shape.hidden_size,
+            },
+            lane: model.lane,
+        };
+        Ok(CatalogueModel {
+            model: served,
+            path: model.path.clone(),
+            tokenizer: Arc::new(tokenizer),
+            max_tokens: shape.max_position_embeddings,
+            architecture: shape.architectures.first().cloned().unwrap_or_default(),
+            devices: model.devices,
+            bos_token_id: shape
+                .bos_token_id
+                .as_ref()
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|id| u32::try_from(id).ok()),
         })
     }
 

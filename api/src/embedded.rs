@@ -337,6 +337,7 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
         model: model.to_owned(),
         prompts: Location::Local(prompts),
         layers: submission.layers.clone(),
+        sites: submission.sites.clone(),
         shard_size: submission.shard_size,
         add_special_tokens: submission.add_special_tokens,
         project_onto,

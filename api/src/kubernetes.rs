@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
 use harvest_core::quota::{AccountLimits, Book, Lane};
@@ -493,6 +494,14 @@ impl KubeBackend {
             harvest: HarvestOptions {
                 layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
                 all_layers: false,
+                sites: (!job.spec.sites.is_default()).then(|| {
+                    job.spec
+                        .sites
+                        .as_slice()
+                        .iter()
+                        .map(|&s| s.into())
+                        .collect()
+                }),
                 shard_size: job.spec.shard_size as u32,
                 add_special_tokens: job.spec.add_special_tokens,
             },
@@ -655,6 +664,15 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                 .into_iter()
                 .map(|l| l as usize)
                 .collect(),
+            sites: job
+                .spec
+                .harvest
+                .sites
+                .as_ref()
+                .and_then(|sites| {
+                    Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>()).ok()
+                })
+                .unwrap_or_default(),
             shard_size: job.spec.harvest.shard_size as usize,
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),

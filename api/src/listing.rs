@@ -245,6 +245,7 @@ mod tests {
             progress: None,
             spec: crate::store::JobSpec {
                 layers: vec![0],
+                sites: harvest_core::Sites::default(),
                 shard_size: 1,
                 add_special_tokens: true,
                 has_directions: false,

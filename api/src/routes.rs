@@ -155,6 +155,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         truncated: &counts.truncated,
         shard_size: submission.shard_size.get(),
         layers: submission.layers.as_slice(),
+        sites: &submission.sites,
         contents,
         width,
         model: ModelInfo {
@@ -181,6 +182,12 @@ fn dry_run_answer(
         model: submission.model.clone(),
         n_prompts: submission.prompts.len(),
         layers: submission.layers.as_slice().to_vec(),
+        sites: submission
+            .sites
+            .names()
+            .into_iter()
+            .map(str::to_owned)
+            .collect(),
         tokens: counts.total(),
         reserved_tokens: submission.reserved_tokens,
         files: FileSizes {
@@ -218,6 +225,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
         progress: None,
         spec: JobSpec {
             layers: submission.layers.as_slice().to_vec(),
+            sites: submission.sites.clone(),
             shard_size: submission.shard_size.get(),
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),
@@ -319,6 +327,14 @@ fn summary(job: &JobRecord) -> JobView {
         n_prompts: job.n_prompts,
         reserved_tokens: job.reserved,
         layers: job.spec.layers.clone(),
+        sites: (!job.spec.sites.is_default()).then(|| {
+            job.spec
+                .sites
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect()
+        }),
         tokens: job.tokens,
         created_at: job.created_at.to_iso8601(),
         started_at: wire::timestamp(job.started_at),

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
+use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
 use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
@@ -58,6 +59,9 @@ type Result<T, E = StoreError> = std::result::Result<T, E>;
 pub struct JobSpec {
     /// Kept layers.
     pub layers: Vec<usize>,
+    /// Kept hook sites (`resid_post` alone for jobs stored before sites were).
+    #[serde(default, skip_serializing_if = "Sites::is_default")]
+    pub sites: Sites,
     /// Prompts per shard.
     pub shard_size: usize,
     /// Whether special tokens are added.
@@ -296,6 +300,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
         progress: None,
         spec: JobSpec {
             layers: vec![],
+            sites: Sites::default(),
             shard_size: 0,
             add_special_tokens: true,
             has_directions: false,
@@ -810,6 +815,7 @@ mod tests {
             progress: None,
             spec: JobSpec {
                 layers: vec![1],
+                sites: Sites::default(),
                 shard_size: 32,
                 add_special_tokens: true,
                 has_directions: false,

@@ -9,7 +9,7 @@ use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::MAX_PROMPTS;
 use harvest_core::quota::Lane;
 use harvest_core::worker::RunResult;
-use harvest_core::{LayerSelection, Layers, ServedModel};
+use harvest_core::{LayerSelection, Layers, ServedModel, Sites};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -33,6 +33,12 @@ pub struct HarvestRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>, example = json!([8, 16, 24]))]
     pub layers: LayerSelection,
+    /// Our extension: the hook sites kept of each kept layer, any of `resid_pre`, `attn_out`,
+    /// `resid_mid`, `mlp_out` and `resid_post` (the default, alone). `resid_post` stays
+    /// `prompt_i`; every other site is `<site>_i`, of the same shape.
+    #[serde(default)]
+    #[schema(example = json!(["attn_out", "mlp_out", "resid_post"]))]
+    pub sites: Option<Vec<String>>,
     /// Prompts per shard.
     #[serde(default)]
     pub shard_size: Option<usize>,
@@ -79,6 +85,8 @@ pub struct Submission {
     pub prompts: Vec<String>,
     /// The resolved layers, ascending.
     pub layers: Layers,
+    /// The kept hook sites.
+    pub sites: Sites,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether special tokens are added.
@@ -98,6 +106,7 @@ impl HarvestRequest {
             model: name,
             prompts,
             layers,
+            sites,
             shard_size,
             batch_size,
             add_special_tokens,
@@ -121,6 +130,10 @@ impl HarvestRequest {
             .shape
             .layers(&layers)
             .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let sites = match sites {
+            None => Sites::default(),
+            Some(names) => Sites::parse(&names).map_err(|e| ApiError::invalid(e.to_string()))?,
+        };
         let shard_size = bounded(
             "shard_size",
             shard_size.unwrap_or(harvest_core::plan::DEFAULT_SHARD_SIZE),
@@ -137,6 +150,7 @@ impl HarvestRequest {
             model: name,
             prompts,
             layers,
+            sites,
             shard_size,
             add_special_tokens: add_special_tokens.unwrap_or(true),
             directions,
@@ -353,6 +367,9 @@ pub struct JobView {
     pub reserved_tokens: u64,
     /// Kept layers, ascending.
     pub layers: Vec<usize>,
+    /// Our extension: the kept hook sites, present when they are not `resid_post` alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sites: Option<Vec<String>>,
     /// Tokens charged; null until the job ends.
     pub tokens: Option<u64>,
     /// ISO 8601 UTC with milliseconds.
@@ -423,6 +440,8 @@ pub struct DryRun {
     pub n_prompts: usize,
     /// Kept layers, ascending.
     pub layers: Vec<usize>,
+    /// The kept hook sites, in block order.
+    pub sites: Vec<String>,
     /// Tokens the engine would read (each prompt cut to the context window).
     pub tokens: u64,
     /// Tokens it would hold against the budget while it runs.
@@ -488,6 +507,26 @@ mod tests {
             parse(serde_json::json!({"model": "m", "prompts": ["a"], "layer": [1]})).unwrap_err();
         assert_eq!(err.code(), "invalid_request");
         assert!(err.to_string().contains("layer"), "{err}");
+    }
+
+    #[test]
+    fn sites_default_to_resid_post_and_an_unknown_site_is_named_with_the_choices() {
+        let s = parse(serde_json::json!({"model": "m", "prompts": ["a"]})).unwrap();
+        assert!(s.sites.is_default());
+        let s = parse(
+            serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["mlp_out", "resid_pre"]}),
+        )
+        .unwrap();
+        assert_eq!(s.sites.names(), ["resid_pre", "mlp_out"]);
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["attn"]}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sites[0] \"attn\""), "{err}");
+        assert!(err.contains("attn_out"), "{err}");
+        let err = parse(serde_json::json!({"model": "m", "prompts": ["a"], "sites": []}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sites is empty"), "{err}");
     }
 
     #[test]
@@ -615,6 +654,7 @@ mod tests {
             n_prompts: 2,
             reserved_tokens: 11,
             layers: vec![8, 16, 24],
+            sites: None,
             tokens: None,
             created_at: UnixMillis(0).to_iso8601(),
             started_at: None,

@@ -1159,3 +1159,48 @@ async fn a_dry_run_answers_the_files_and_makes_no_job_and_uses_no_quota() {
         "{refused}"
     );
 }
+
+#[tokio::test]
+async fn sites_are_answered_in_block_order_and_a_dry_run_prices_each_one() {
+    let f = fixture(present_harvester(), AccountLimits::default()).await;
+    let mut body: serde_json::Value = serde_json::from_str(&seed_body()).unwrap();
+    body["dry_run"] = serde_json::json!(true);
+    let (_, _, alone) = submit(&f, body.to_string()).await;
+    assert_eq!(alone["sites"], serde_json::json!(["resid_post"]), "{alone}");
+    body["sites"] = serde_json::json!(["mlp_out", "resid_post"]);
+    let (status, _, two) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{two}");
+    assert_eq!(two["sites"], serde_json::json!(["mlp_out", "resid_post"]));
+    let bytes = |answer: &serde_json::Value| answer["files"]["shards"]["bytes"].as_u64().unwrap();
+    // Two sites hold twice the activation rows; the token ids are not repeated.
+    let (one, both) = (bytes(&alone), bytes(&two));
+    assert!(both > one * 3 / 2 && both < 2 * one, "{both} vs {one}");
+    assert!(two["files"]["stats_bytes"].as_u64() > alone["files"]["stats_bytes"].as_u64());
+
+    body["dry_run"] = serde_json::json!(false);
+    let (status, _, job) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+    assert_eq!(job["sites"], serde_json::json!(["mlp_out", "resid_post"]));
+    let (status, _, plain) = submit(&f, seed_body()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{plain}");
+    assert!(
+        plain.get("sites").is_none(),
+        "the seed's answer is unchanged: {plain}"
+    );
+
+    for (sites, needle) in [
+        (
+            serde_json::json!(["resid_post", "attn"]),
+            "sites[1] \"attn\"",
+        ),
+        (serde_json::json!([]), "sites is empty"),
+        (serde_json::json!(["mlp_out", "mlp_out"]), "mlp_out twice"),
+        (serde_json::json!("resid_post"), "sites"),
+    ] {
+        body["sites"] = sites;
+        let (status, _, refused) = submit(&f, body.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+        let message = refused["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{message}");
+    }
+}

@@ -9,9 +9,10 @@
 //! fingerprint) and measured; only its floats' digits can differ, a few bytes per kept layer.
 
 use crate::format::{
-    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
-    Truncation,
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, SiteInfo,
+    TokenizerInfo, Truncation,
 };
+use crate::sites::{Site, Sites};
 
 /// Hex digits of a sha256 (checksums and the plan fingerprint).
 const SHA256_HEX: usize = 64;
@@ -29,6 +30,8 @@ pub struct JobShape<'a> {
     pub shard_size: usize,
     /// Kept layers, ascending.
     pub layers: &'a [usize],
+    /// Kept hook sites.
+    pub sites: &'a Sites,
     /// Activations or projections.
     pub contents: Contents,
     /// The last axis: the hidden size, or the number of directions.
@@ -135,27 +138,33 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
                 .enumerate()
                 .flat_map(|(offset, &tokens)| {
                     let i = shard * shard_size + offset;
-                    [
+                    let values = shape.sites.as_slice().iter().map(move |site| {
                         Tensor::new(
-                            format!("prompt_{i}"),
+                            format!("{}_{i}", site.tensor_prefix()),
                             value_dtype,
                             vec![layers, tokens, shape.width],
-                        ),
-                        Tensor::new(format!("tokens_{i}"), "I32", vec![tokens]),
-                    ]
+                        )
+                    });
+                    values.chain([Tensor::new(format!("tokens_{i}"), "I32", vec![tokens])])
                 })
                 .collect();
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
         })
         .collect();
-    let stats = safetensors_len(
-        vec![
-            Tensor::new("mean".into(), "F32", vec![layers, shape.width]),
-            Tensor::new("std".into(), "F32", vec![layers, shape.width]),
-            Tensor::new("count".into(), "I64", vec![1]),
-        ],
-        ("format", 2),
-    );
+    let mut stats_tensors: Vec<Tensor> = shape
+        .sites
+        .as_slice()
+        .iter()
+        .flat_map(|&site| {
+            let (mean, std) = format::stats_names(site);
+            [
+                Tensor::new(mean, "F32", vec![layers, shape.width]),
+                Tensor::new(std, "F32", vec![layers, shape.width]),
+            ]
+        })
+        .collect();
+    stats_tensors.push(Tensor::new("count".into(), "I64", vec![1]));
+    let stats = safetensors_len(stats_tensors, ("format", 2));
     let manifest = manifest_len(shape, &shards, stats);
     Predicted {
         shards,
@@ -164,11 +173,10 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
     }
 }
 
-/// The length of the job's pretty-printed manifest, with placeholders of the real lengths.
-fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
+/// The manifest's shard entries, checksums as placeholders of their length.
+fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
     let shard_size = shape.shard_size.max(1);
-    let total_tokens: usize = shape.token_counts.iter().sum();
-    let entries = shape
+    shape
         .token_counts
         .chunks(shard_size)
         .zip(shards)
@@ -179,6 +187,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
                 first_prompt,
                 counts,
                 shape.contents,
+                shape.sites,
                 shape.layers.len(),
                 shape.width,
             );
@@ -192,7 +201,13 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
                 sha256: "0".repeat(SHA256_HEX),
             }
         })
-        .collect();
+        .collect()
+}
+
+/// The length of the job's pretty-printed manifest, with placeholders of the real lengths.
+fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
+    let total_tokens: usize = shape.token_counts.iter().sum();
+    let entries = shard_entries(shape, shards);
     let manifest = Manifest {
         format_version: format::FORMAT_VERSION,
         plan_fingerprint: "0".repeat(SHA256_HEX),
@@ -207,7 +222,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         dtype: shape.contents.dtype().to_owned(),
         layer_indices: shape.layers.to_vec(),
         layer_convention: format::LAYER_CONVENTION.to_owned(),
-        tensors: format::tensors_description(shape.contents).to_owned(),
+        tensors: format::tensors_description(shape.contents, shape.sites),
         n_prompts: shape.token_counts.len(),
         shard_size: shape.shard_size,
         total_tokens: total_tokens as u64,
@@ -225,14 +240,24 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
             n_directions: shape.width,
             normalized: true,
         }),
-        statistics: shape.contents.statistics().to_owned(),
+        statistics: format::statistics_description(shape.contents, shape.sites),
         stats_tokens: total_tokens as u64,
-        mean_token_norm: vec![TYPICAL_NORM; shape.layers.len()],
+        mean_token_norm: if shape.sites.contains(Site::ResidPost) {
+            vec![TYPICAL_NORM; shape.layers.len()]
+        } else {
+            Vec::new()
+        },
         stats_file: Some(FileDigest {
             file: "stats.safetensors".into(),
             bytes: stats,
             sha256: "0".repeat(SHA256_HEX),
         }),
+        sites: shape
+            .sites
+            .as_slice()
+            .iter()
+            .map(|&site| SiteInfo::new(site, vec![TYPICAL_NORM; shape.layers.len()]))
+            .collect(),
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -242,11 +267,13 @@ mod tests {
     use super::*;
 
     fn shape<'a>(counts: &'a [usize], layers: &'a [usize], contents: Contents) -> JobShape<'a> {
+        static DEFAULT: std::sync::LazyLock<Sites> = std::sync::LazyLock::new(Sites::default);
         JobShape {
             token_counts: counts,
             truncated: &[],
             shard_size: 2,
             layers,
+            sites: &DEFAULT,
             contents,
             width: 8,
             model: ModelInfo {
@@ -278,6 +305,26 @@ mod tests {
             one.total(),
             one.shards.iter().sum::<u64>() + one.stats + one.manifest
         );
+    }
+
+    #[test]
+    fn each_extra_site_adds_its_rows_to_every_shard_and_its_mean_and_std_to_the_stats() {
+        let one = predict(&shape(&[3, 5, 7], &[1], Contents::Activations));
+        let sites = Sites::parse(&["attn_out", "resid_post"]).unwrap();
+        let two = predict(&JobShape {
+            sites: &sites,
+            ..shape(&[3, 5, 7], &[1], Contents::Activations)
+        });
+        let extra: u64 = two.shards.iter().sum::<u64>() - one.shards.iter().sum::<u64>();
+        // 15 tokens of 8 bf16 values, and a header entry (under 96 bytes) per prompt.
+        assert!((15 * 16..15 * 16 + 3 * 96).contains(&extra), "{extra}");
+        assert!(
+            two.stats >= one.stats + 2 * 8 * 4,
+            "{} {}",
+            two.stats,
+            one.stats
+        );
+        assert!(two.manifest > one.manifest);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::sites::{Site, Sites};
+
 /// Bumped on any incompatible change to the files a harvest writes.
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -94,6 +96,49 @@ pub struct Manifest {
     /// Absent from manifests written before it was added.
     #[serde(default)]
     pub stats_file: Option<FileDigest>,
+    /// The hook sites kept, in block order, each with its tensors and statistics. Absent from
+    /// manifests written before sites were added, which kept `resid_post` alone.
+    #[serde(default)]
+    pub sites: Vec<SiteInfo>,
+}
+
+/// One kept hook site, as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SiteInfo {
+    /// `resid_pre`, `attn_out`, `resid_mid`, `mlp_out` or `resid_post`.
+    pub site: Site,
+    /// Its per-prompt tensors are `{tensor_prefix}_{i}` (`prompt_i` for `resid_post`).
+    pub tensor_prefix: String,
+    /// Its mean and std in `stats.safetensors`.
+    pub stats_mean: String,
+    /// See `stats_mean`.
+    pub stats_std: String,
+    /// Per kept layer, the mean L2 norm of its captured vectors.
+    pub mean_token_norm: Vec<f64>,
+}
+
+impl SiteInfo {
+    /// The manifest entry of `site`, with its per-layer mean norms.
+    pub fn new(site: Site, mean_token_norm: Vec<f64>) -> Self {
+        let (mean, std) = stats_names(site);
+        Self {
+            site,
+            tensor_prefix: site.tensor_prefix().to_owned(),
+            stats_mean: mean,
+            stats_std: std,
+            mean_token_norm,
+        }
+    }
+}
+
+/// The names of `site`'s mean and std in `stats.safetensors`: `mean` and `std` for `resid_post`
+/// (the seed's names), `{site}_mean` and `{site}_std` for the others.
+pub fn stats_names(site: Site) -> (String, String) {
+    match site {
+        Site::ResidPost => ("mean".into(), "std".into()),
+        other => (format!("{other}_mean"), format!("{other}_std")),
+    }
 }
 
 /// A file's name, size and sha256, as the manifest records them.
@@ -149,7 +194,8 @@ pub struct ShardEntry {
     /// Global index of each of its prompts, in order (`first_prompt` onwards).
     #[serde(default)]
     pub prompts: Vec<usize>,
-    /// Every tensor it holds, in prompt order: `prompt_i` then `tokens_i`.
+    /// Every tensor it holds, in prompt order: each site's tensor in block order (`prompt_i`
+    /// for `resid_post`), then `tokens_i`.
     #[serde(default)]
     pub tensors: Vec<TensorEntry>,
     /// File size.
@@ -162,7 +208,7 @@ pub struct ShardEntry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorEntry {
-    /// Its name in the shard (`prompt_7`, `tokens_7`).
+    /// Its name in the shard (`prompt_7`, `attn_out_7`, `tokens_7`).
     pub name: String,
     /// `bfloat16`, `float32` or `int32`.
     pub dtype: String,
@@ -172,34 +218,30 @@ pub struct TensorEntry {
 
 impl ShardEntry {
     /// The prompt indices and tensors of a shard whose first prompt is `first_prompt` and whose
-    /// prompts have `token_counts` tokens, each `prompt_i` holding `layers` kept layers of
+    /// prompts have `token_counts` tokens, each site's tensor holding `layers` kept layers of
     /// `width` values per token.
     pub fn contents_of(
         first_prompt: usize,
         token_counts: &[usize],
         contents: Contents,
+        sites: &Sites,
         layers: usize,
         width: usize,
     ) -> (Vec<usize>, Vec<TensorEntry>) {
         let prompts: Vec<usize> = (first_prompt..first_prompt + token_counts.len()).collect();
-        let tensors = prompts
-            .iter()
-            .zip(token_counts)
-            .flat_map(|(&i, &tokens)| {
-                [
-                    TensorEntry {
-                        name: format!("prompt_{i}"),
-                        dtype: contents.dtype().to_owned(),
-                        shape: vec![layers, tokens, width],
-                    },
-                    TensorEntry {
-                        name: format!("tokens_{i}"),
-                        dtype: "int32".to_owned(),
-                        shape: vec![tokens],
-                    },
-                ]
-            })
-            .collect();
+        let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 1));
+        for (&i, &tokens) in prompts.iter().zip(token_counts) {
+            tensors.extend(sites.as_slice().iter().map(|site| TensorEntry {
+                name: format!("{}_{i}", site.tensor_prefix()),
+                dtype: contents.dtype().to_owned(),
+                shape: vec![layers, tokens, width],
+            }));
+            tensors.push(TensorEntry {
+                name: format!("tokens_{i}"),
+                dtype: "int32".to_owned(),
+                shape: vec![tokens],
+            });
+        }
         (prompts, tensors)
     }
 }
@@ -226,6 +268,18 @@ pub struct ProjectionInfo {
     pub normalized: bool,
 }
 
+/// The `statistics` sentence of the manifest: the seed's, plus where each other site's
+/// statistics are when a job keeps any.
+pub fn statistics_description(contents: Contents, sites: &Sites) -> String {
+    let base = contents.statistics();
+    if sites.is_default() {
+        return base.to_owned();
+    }
+    format!(
+        "{base}. Every kept hook site has its own mean and std (named in sites[].stats_mean and sites[].stats_std) and its own sites[].mean_token_norm; the top-level mean and mean_token_norm are resid_post's, empty when resid_post is not kept"
+    )
+}
+
 /// The BOS sentence of the manifest.
 pub fn bos_treatment(add_special_tokens: bool, bos_token_id: Option<u32>) -> String {
     match (add_special_tokens, bos_token_id) {
@@ -239,8 +293,31 @@ pub fn bos_treatment(add_special_tokens: bool, bos_token_id: Option<u32>) -> Str
     }
 }
 
-/// The `tensors` sentence of the manifest.
-pub fn tensors_description(contents: Contents) -> &'static str {
+/// The `tensors` sentence of the manifest: the seed's, plus a sentence on the other sites when
+/// a job keeps any.
+pub fn tensors_description(contents: Contents, sites: &Sites) -> String {
+    let base = seed_tensors_description(contents);
+    let others: Vec<&str> = sites
+        .as_slice()
+        .iter()
+        .filter(|&&s| s != Site::ResidPost)
+        .map(|s| s.as_str())
+        .collect();
+    if others.is_empty() {
+        return base.to_owned();
+    }
+    let kept = if sites.contains(Site::ResidPost) {
+        "prompt_{i} is the resid_post site"
+    } else {
+        "resid_post was not kept, so there is no prompt_{i}"
+    };
+    format!(
+        "{base}. Other hook sites ({}) have tensors {{site}}_{{i}} of the same shape and dtype; {kept}",
+        others.join(", ")
+    )
+}
+
+fn seed_tensors_description(contents: Contents) -> &'static str {
     match contents {
         Contents::Activations => {
             "prompt_{i}: bfloat16 [n_layers, n_tokens, hidden], the layers of layer_indices in order; tokens_{i}: int32 [n_tokens], the ids that ran, in the order of the token axis; i is the global prompt index"
@@ -257,7 +334,8 @@ mod tests {
 
     #[test]
     fn a_shard_entry_lists_its_prompts_and_the_shape_of_each_tensor() {
-        let (prompts, tensors) = ShardEntry::contents_of(4, &[3, 5], Contents::Projections, 2, 8);
+        let (prompts, tensors) =
+            ShardEntry::contents_of(4, &[3, 5], Contents::Projections, &Sites::default(), 2, 8);
         assert_eq!(prompts, [4, 5]);
         let listed: Vec<(&str, &str, &[usize])> = tensors
             .iter()

@@ -28,10 +28,12 @@ pub mod model;
 pub mod npy;
 pub mod plan;
 pub mod quota;
+pub mod sites;
 pub mod stats;
 pub mod worker;
 
 pub use layers::{LayerError, LayerSelection, Layers};
 pub use model::{ModelShape, ServedModel};
 pub use plan::{HarvestPlan, Location, PlanError, RawPlan, ResolvedPlan};
+pub use sites::{Site, SiteError, Sites};
 pub use stats::RunningStats;

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
 use crate::model::ModelShape;
+use crate::sites::Sites;
 
 /// Prompts per shard unless the plan says otherwise.
 pub const DEFAULT_SHARD_SIZE: usize = 32;
@@ -70,6 +71,9 @@ pub struct RawPlan {
     /// Which block outputs to keep.
     #[serde(default)]
     pub layers: LayerSelection,
+    /// Which hook sites of each kept block to keep (default `["resid_post"]`).
+    #[serde(default, skip_serializing_if = "Sites::is_default")]
+    pub sites: Sites,
     /// Prompts per shard.
     #[serde(default = "default_shard_size")]
     pub shard_size: usize,
@@ -107,6 +111,8 @@ pub struct HarvestPlan {
     pub prompts: Location,
     /// Which block outputs to keep (resolved once the model is known).
     pub layers: LayerSelection,
+    /// The hook sites of each kept block.
+    pub sites: Sites,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether the tokenizer adds its special tokens.
@@ -129,6 +135,8 @@ pub struct ResolvedPlan {
     pub prompts: Location,
     /// The kept layers.
     pub layers: Layers,
+    /// The hook sites of each kept block.
+    pub sites: Sites,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether the tokenizer adds its special tokens.
@@ -148,6 +156,7 @@ impl HarvestPlan {
             model,
             prompts,
             layers,
+            sites,
             shard_size,
             add_special_tokens,
             project_onto,
@@ -156,6 +165,7 @@ impl HarvestPlan {
         } = self;
         Ok(ResolvedPlan {
             layers: shape.layers(&layers)?,
+            sites,
             model,
             prompts,
             shard_size,
@@ -175,6 +185,7 @@ impl ResolvedPlan {
             model,
             prompts,
             layers,
+            sites,
             shard_size,
             add_special_tokens,
             project_onto,
@@ -185,6 +196,7 @@ impl ResolvedPlan {
             model: model.display().to_string(),
             prompts: prompts.to_string(),
             layers: layers.to_selection(),
+            sites: sites.clone(),
             shard_size: shard_size.get(),
             add_special_tokens: *add_special_tokens,
             project_onto: project_onto.as_ref().map(Location::to_string),
@@ -242,6 +254,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             model,
             prompts,
             layers,
+            sites,
             shard_size,
             add_special_tokens,
             project_onto,
@@ -255,6 +268,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             model: PathBuf::from(model),
             prompts: Location::parse(&prompts, "prompts")?,
             layers,
+            sites,
             shard_size: bounded("shard_size", shard_size, MAX_PROMPTS)?,
             add_special_tokens,
             project_onto: project_onto

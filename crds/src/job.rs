@@ -111,6 +111,11 @@ pub struct HarvestOptions {
     /// Keep every block.
     #[serde(default)]
     pub all_layers: bool,
+    /// Hook sites to keep of each kept block. Omitted: `resid_post` alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 5))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub sites: Option<Vec<HookSite>>,
     /// Prompts per shard.
     #[serde(default = "default_shard_size")]
     #[schemars(range(min = 1, max = 4096))]
@@ -125,6 +130,7 @@ impl Default for HarvestOptions {
         Self {
             layers: None,
             all_layers: false,
+            sites: None,
             shard_size: default_shard_size(),
             add_special_tokens: true,
         }
@@ -137,6 +143,46 @@ fn default_shard_size() -> u32 {
 
 fn default_true() -> bool {
     true
+}
+
+/// A hook site: where in a decoder block its activations are read.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum HookSite {
+    /// The block's input.
+    ResidPre,
+    /// The attention output after `o_proj`, before it is added.
+    AttnOut,
+    /// `resid_pre + attn_out`.
+    ResidMid,
+    /// The MLP output, before it is added.
+    MlpOut,
+    /// The block's output.
+    ResidPost,
+}
+
+impl From<HookSite> for harvest_core::Site {
+    fn from(site: HookSite) -> Self {
+        match site {
+            HookSite::ResidPre => Self::ResidPre,
+            HookSite::AttnOut => Self::AttnOut,
+            HookSite::ResidMid => Self::ResidMid,
+            HookSite::MlpOut => Self::MlpOut,
+            HookSite::ResidPost => Self::ResidPost,
+        }
+    }
+}
+
+impl From<harvest_core::Site> for HookSite {
+    fn from(site: harvest_core::Site) -> Self {
+        match site {
+            harvest_core::Site::ResidPre => Self::ResidPre,
+            harvest_core::Site::AttnOut => Self::AttnOut,
+            harvest_core::Site::ResidMid => Self::ResidMid,
+            harvest_core::Site::MlpOut => Self::MlpOut,
+            harvest_core::Site::ResidPost => Self::ResidPost,
+        }
+    }
 }
 
 /// What happens to a job's output files when the job is deleted.

@@ -26,7 +26,7 @@ pub use account::{
     HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HoldEntry, LaneLimits,
 };
 pub use job::{
-    HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
+    HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, HookSite, InputRef, JobPhase,
     OutputRetention, Progress, ResultSummary, TokenUsage,
 };
 pub use validate::{SpecError, ValidJob};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::quota::Lane;
-use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel};
+use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel, Sites};
 
 use crate::job::HarvestJobSpec;
 
@@ -24,6 +24,9 @@ pub enum SpecError {
     /// A layer index out of range, or an empty list.
     #[error("spec.harvest.layers: {0}")]
     Layers(#[from] LayerError),
+    /// Hook sites listed twice (the apiserver refuses that too, as a set).
+    #[error("spec.harvest.sites: {0}")]
+    Sites(#[from] harvest_core::SiteError),
     /// A location that is neither `s3://bucket/...` nor an absolute path.
     #[error("spec.{field}: {value:?} is not a location: write s3://bucket/key or an absolute path")]
     BadLocation {
@@ -40,6 +43,7 @@ impl SpecError {
         match self {
             Self::UnknownModel { .. } => "UnknownModel",
             Self::Layers(_) => "InvalidLayers",
+            Self::Sites(_) => "InvalidSites",
             Self::BadLocation { .. } => "InvalidLocation",
         }
     }
@@ -94,6 +98,10 @@ impl HarvestJobSpec {
             model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
             layers: model.shape.layers(&selection)?,
+            sites: match &harvest.sites {
+                None => Sites::default(),
+                Some(sites) => Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>())?,
+            },
             // The schema bounds shardSize to 1..=4096.
             shard_size: NonZeroUsize::new(harvest.shard_size as usize).unwrap_or(NonZeroUsize::MIN),
             add_special_tokens: harvest.add_special_tokens,

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use gemm::Parallelism;
-use harvest_core::LayerSelection;
+use harvest_core::{LayerSelection, Sites};
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
@@ -27,6 +27,9 @@ pub struct BenchConfig<'a> {
     pub prompts: Vec<Vec<u32>>,
     /// Kept layers (their depth decides how many blocks run).
     pub layers: LayerSelection,
+    /// Kept hook sites. Other than `resid_post` alone, the same corpus also runs with
+    /// `resid_post` alone, in alternating rounds, as the baseline.
+    pub sites: Sites,
     /// Tokens per forward batch.
     pub batch_tokens: usize,
     /// The engine.
@@ -42,6 +45,10 @@ pub struct BenchReport {
     pub engine: &'static str,
     /// Directions projected onto (0: activations kept).
     pub directions: usize,
+    /// The hook sites kept, comma-separated.
+    pub sites: String,
+    /// Layers kept.
+    pub layers: usize,
     /// Worker threads.
     pub threads: usize,
     /// Prompts run.
@@ -69,6 +76,84 @@ pub struct BenchReport {
     pub weight_bytes_bf16: u64,
     /// `weight_bytes_bf16 / load_seconds`, GB/s.
     pub load_gb_per_s: f64,
+    /// With sites other than `resid_post` alone: the same corpus with `resid_post` alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<Baseline>,
+}
+
+/// The `resid_post`-alone run beside a many-site one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Baseline {
+    /// Always `resid_post`.
+    pub sites: String,
+    /// Tokens per second of the baseline.
+    pub tokens_per_s: f64,
+    /// The many-site run's tokens per second over the baseline's.
+    pub fraction_of_baseline: f64,
+}
+
+/// Timed passes over the corpus per configuration when a baseline runs beside it; the two
+/// alternate, so drifts in the machine's speed hit both alike.
+const BASELINE_ROUNDS: usize = 3;
+
+/// Seconds for one timed pass of `backend` over every batch.
+fn timed_pass(backend: &mut dyn Backend, batches: &[Batch], out: &mut Captured) -> Result<f64> {
+    let start = Instant::now();
+    for batch in batches {
+        backend.capture(batch, out)?;
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Mean seconds per pass of `ours` and of `base`, over [`BASELINE_ROUNDS`] rounds each, the
+/// order swapped every round.
+fn alternate(
+    ours: &mut dyn Backend,
+    base: &mut dyn Backend,
+    batches: &[Batch],
+    out: &mut Captured,
+) -> Result<(f64, f64)> {
+    let (mut mine, mut theirs) = (0.0, 0.0);
+    for round in 0..BASELINE_ROUNDS {
+        if round % 2 == 0 {
+            mine += timed_pass(ours, batches, out)?;
+            theirs += timed_pass(base, batches, out)?;
+        } else {
+            theirs += timed_pass(base, batches, out)?;
+            mine += timed_pass(ours, batches, out)?;
+        }
+    }
+    let rounds = BASELINE_ROUNDS as f64;
+    Ok((mine / rounds, theirs / rounds))
+}
+
+/// Parameters of the loaded blocks and embedding.
+fn parameters(weights: &LlamaWeights) -> usize {
+    weights.embed.len()
+        + weights
+            .blocks
+            .iter()
+            .map(|b| {
+                b.attn_norm.len()
+                    + b.qkv.len()
+                    + b.o.len()
+                    + b.mlp_norm.len()
+                    + b.gate_up.len()
+                    + b.down.len()
+            })
+            .sum::<usize>()
+}
+
+/// Opens the engine `device` names over `weights`.
+fn open(
+    weights: LlamaWeights,
+    spec: CaptureSpec,
+    device: DeviceChoice,
+) -> Result<Box<dyn Backend>> {
+    Ok(match device {
+        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
+        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+    })
 }
 
 /// FLOP of one forward pass over `lengths`, counting matrix products and attention (the causal
@@ -89,39 +174,64 @@ pub fn forward_flops(config: &ModelConfig, lengths: &[usize], blocks: usize) -> 
     total * blocks as f64
 }
 
-/// Runs the benchmark: one warm-up pass over the first batch, then every batch timed.
-pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
+/// The engines a benchmark times, loaded.
+struct Loaded {
+    model_config: ModelConfig,
+    backend: Box<dyn Backend>,
+    /// `resid_post` alone, when the benchmark keeps other sites.
+    baseline: Option<Box<dyn Backend>>,
+    parameters: usize,
+    load_seconds: f64,
+}
+
+/// Loads the checkpoint and opens the engines, timing it.
+fn load(config: &BenchConfig<'_>) -> Result<Loaded> {
     let load_start = Instant::now();
     let model_config = ModelConfig::from_file(&config.model.join("config.json"))?;
     let layers = config.layers.resolve(model_config.num_layers)?;
     let weights = LlamaWeights::load(config.model, Some(layers.deepest() + 1))?;
-    let parameters = weights.embed.len()
-        + weights
-            .blocks
-            .iter()
-            .map(|b| {
-                b.attn_norm.len()
-                    + b.qkv.len()
-                    + b.o.len()
-                    + b.mlp_norm.len()
-                    + b.gate_up.len()
-                    + b.down.len()
-            })
-            .sum::<usize>();
+    let parameters = parameters(&weights);
     let directions = match config.directions {
         Some(count) => Some(random_directions(count, model_config.hidden_size)?),
         None => None,
     };
-    let spec = CaptureSpec { layers, directions };
-    let mut backend: Box<dyn Backend> = match config.device {
-        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
-        DeviceChoice::Cpu | DeviceChoice::Auto => {
-            // Mapped weights load lazily; the load figure counts reading them all in.
-            weights.touch();
-            Box::new(CpuBackend::new(weights, spec)?)
-        }
+    let spec = CaptureSpec {
+        layers,
+        sites: config.sites.clone(),
+        directions,
     };
-    let load_seconds = load_start.elapsed().as_secs_f64();
+    if !matches!(config.device, DeviceChoice::Cuda(_)) {
+        // Mapped weights load lazily; the load figure counts reading them all in.
+        weights.touch();
+    }
+    let baseline = if config.sites.is_default() {
+        None
+    } else {
+        let spec = CaptureSpec {
+            sites: Sites::default(),
+            ..spec.clone()
+        };
+        Some(open(weights.clone(), spec, config.device)?)
+    };
+    let backend = open(weights, spec, config.device)?;
+    Ok(Loaded {
+        model_config,
+        backend,
+        baseline,
+        parameters,
+        load_seconds: load_start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Runs the benchmark: one warm-up pass over the first batch, then every batch timed.
+pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
+    let Loaded {
+        model_config,
+        mut backend,
+        mut baseline,
+        parameters,
+        load_seconds,
+    } = load(&config)?;
     let weight_bytes_bf16 = 2 * parameters as u64;
     let blocks = backend.spec().layers.deepest() + 1;
     if config.prompts.is_empty() {
@@ -132,13 +242,21 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     let batches = pack(&config.prompts, config.batch_tokens.max(1));
     let mut out = Captured::default();
     backend.capture(&batches[0], &mut out)?;
-    let start = Instant::now();
-    for batch in &batches {
-        backend.capture(batch, &mut out)?;
-    }
-    let seconds = start.elapsed().as_secs_f64();
     let lengths: Vec<usize> = config.prompts.iter().map(Vec::len).collect();
     let tokens: usize = lengths.iter().sum();
+    let (seconds, baseline) = match baseline.as_mut() {
+        None => (timed_pass(backend.as_mut(), &batches, &mut out)?, None),
+        Some(base) => {
+            base.capture(&batches[0], &mut out)?;
+            let (ours, theirs) = alternate(backend.as_mut(), base.as_mut(), &batches, &mut out)?;
+            let baseline = Baseline {
+                sites: Sites::default().to_string(),
+                tokens_per_s: tokens as f64 / theirs,
+                fraction_of_baseline: theirs / ours,
+            };
+            (ours, Some(baseline))
+        }
+    };
     let gflops = forward_flops(&model_config, &lengths, blocks) / seconds / 1e9;
     let gemm_shape = [
         config.batch_tokens.clamp(256, 4096),
@@ -154,6 +272,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     Ok(BenchReport {
         engine: backend.name(),
         directions: config.directions.unwrap_or(0),
+        sites: config.sites.to_string(),
+        layers: backend.spec().layers.len(),
         threads: rayon::current_num_threads(),
         prompts: config.prompts.len(),
         tokens,
@@ -167,6 +287,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         load_seconds,
         weight_bytes_bf16,
         load_gb_per_s: weight_bytes_bf16 as f64 / load_seconds / 1e9,
+        baseline,
     })
 }
 

@@ -108,6 +108,10 @@ struct BenchArgs {
     /// Layers to keep: a list such as 7,15,22,29, or all.
     #[arg(long, default_value = "all")]
     layers: LayerSelection,
+    /// Hook sites to keep, comma-separated. Other than resid_post alone, the report also
+    /// times resid_post alone on the same corpus, in alternating rounds (`baseline`).
+    #[arg(long, default_value = "resid_post")]
+    sites: harvest_core::Sites,
     /// Tokens per forward batch.
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
@@ -136,6 +140,10 @@ struct RunArgs {
     /// Layers to keep: a list such as 8,16,24, all, or quartiles (the default).
     #[arg(long, default_value = "quartiles")]
     layers: LayerSelection,
+    /// Hook sites to keep of each kept layer, comma-separated: resid_pre, attn_out, resid_mid,
+    /// mlp_out, resid_post (the default).
+    #[arg(long, default_value = "resid_post")]
+    sites: harvest_core::Sites,
     /// Prompts per shard.
     #[arg(long, default_value_t = harvest_core::plan::DEFAULT_SHARD_SIZE)]
     shard_size: usize,
@@ -178,6 +186,7 @@ impl RunArgs {
             model: self.model.clone().unwrap_or_default(),
             prompts: self.prompts.clone().unwrap_or_default(),
             layers: self.layers.clone(),
+            sites: self.sites.clone(),
             shard_size: self.shard_size,
             add_special_tokens: !self.no_special_tokens,
             project_onto: self.project_onto.clone(),
@@ -310,6 +319,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         model: &args.model,
         prompts,
         layers: args.layers,
+        sites: args.sites,
         batch_tokens: args.batch_tokens,
         device,
         directions: args.directions,

@@ -35,7 +35,7 @@ pub fn run(
     layers: &LayerSelection,
     add_special_tokens: bool,
 ) -> Result<ProbeReport> {
-    let mut backend = CpuBackend::load(model, layers, None)?;
+    let mut backend = CpuBackend::load(model, layers, harvest_core::Sites::default(), None)?;
     let config = backend.weights().config.clone();
     let tokenizer = PromptTokenizer::from_dir(model, config.max_position_embeddings)?;
     let encoded = tokenizer.encode(0, text, add_special_tokens)?;

@@ -143,6 +143,7 @@ fn a_backend_refuses_weights_shallower_than_the_deepest_layer() {
         weights,
         CaptureSpec {
             layers,
+            sites: harvest_core::Sites::default(),
             directions: None,
         },
     )
@@ -154,7 +155,13 @@ fn a_backend_refuses_weights_shallower_than_the_deepest_layer() {
 #[test]
 fn a_token_id_outside_the_vocabulary_is_rejected_by_value() {
     let dir = tiny();
-    let mut backend = CpuBackend::load(dir.path(), &LayerSelection::All, None).unwrap();
+    let mut backend = CpuBackend::load(
+        dir.path(),
+        &LayerSelection::All,
+        harvest_core::Sites::default(),
+        None,
+    )
+    .unwrap();
     let err = backend
         .capture(
             &Batch::from_sequences(&[vec![1, 64]]),

@@ -1,12 +1,12 @@
 //! Properties of the CPU forward pass on tiny seeded random-weight models: early exit, batch
-//! invariance, causality, GQA layouts and projections.
+//! invariance, causality, GQA layouts, hook sites and projections.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use common::{Shape, WriteTiny, capture, tiny_model, worst_relative_error};
-use harvest_core::LayerSelection;
+use common::{Shape, WriteTiny, capture, capture_sites, tiny_model, worst_relative_error};
+use harvest_core::{LayerSelection, Site, Sites};
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
 use harvester::model::LlamaWeights;
@@ -37,6 +37,38 @@ fn stopping_early_gives_the_same_block_output_as_running_every_block() {
     assert_eq!(first.layer(0), all.layer(0));
     let partial = LlamaWeights::load(dir.path(), Some(2)).unwrap();
     assert_eq!(partial.blocks.len(), 2, "only the blocks needed are loaded");
+}
+
+#[test]
+fn the_sites_of_one_pass_add_up_and_keeping_them_leaves_the_block_output_unchanged() {
+    let dir = tiny(&tiny_model(), 11);
+    let every = Sites::new(&Site::ALL).unwrap();
+    let layers = LayerSelection::Explicit(vec![0, 2]);
+    let sites = capture_sites(dir.path(), &layers, every.clone(), &prompts());
+    let alone = capture(dir.path(), &layers, &prompts());
+    assert_eq!((sites.sites, sites.layers), (5, 2));
+    let at = |site, layer| sites.layer(sites.slot(every.position(site).unwrap(), layer));
+    let sum = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
+    for layer in 0..2 {
+        let mid = sum(at(Site::ResidPre, layer), at(Site::AttnOut, layer));
+        assert_eq!(
+            at(Site::ResidMid, layer),
+            mid,
+            "layer {layer}: pre + attn_out"
+        );
+        let post = sum(at(Site::ResidMid, layer), at(Site::MlpOut, layer));
+        assert_eq!(
+            at(Site::ResidPost, layer),
+            post,
+            "layer {layer}: mid + mlp_out"
+        );
+        let error = worst_relative_error(at(Site::ResidPost, layer), alone.layer(layer), 32);
+        assert!(error < 1e-6, "layer {layer}: resid_post moved by {error:e}");
+        assert_ne!(at(Site::AttnOut, layer), at(Site::MlpOut, layer));
+    }
+    // Block 2's input is block 1's output, which the resid_post-alone run does not keep.
+    let block1 = capture(dir.path(), &LayerSelection::Explicit(vec![1]), &prompts());
+    assert_eq!(at(Site::ResidPre, 1), block1.layer(0));
 }
 
 #[test]
@@ -109,6 +141,7 @@ fn projections_equal_activations_times_unit_directions() {
     let layers = LayerSelection::Explicit(vec![0, 2]).resolve(3).unwrap();
     let spec = CaptureSpec {
         layers,
+        sites: Sites::default(),
         directions: Some(directions.clone()),
     };
     let mut backend = CpuBackend::new(weights, spec).unwrap();
@@ -138,7 +171,8 @@ fn projections_equal_activations_times_unit_directions() {
 #[test]
 fn reused_buffers_give_identical_results_across_batches_of_different_sizes() {
     let dir = tiny(&tiny_model(), 6);
-    let mut backend = CpuBackend::load(dir.path(), &LayerSelection::All, None).unwrap();
+    let mut backend =
+        CpuBackend::load(dir.path(), &LayerSelection::All, Sites::default(), None).unwrap();
     let small = Batch::from_sequences(&[vec![4, 5, 6]]);
     let mut first = Captured::default();
     backend.capture(&small, &mut first).unwrap();

@@ -1,4 +1,4 @@
-//! Numerical parity with Hugging Face transformers: token ids and residual-stream activations
+//! Numerical parity with Hugging Face transformers: token ids and every hook site's activations
 //! against the float64 references written by scripts/reference/make_fixtures.py.
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
@@ -7,8 +7,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{Reference, capture, fixtures, smollm2_dir, worst_relative_error};
-use harvest_core::LayerSelection;
+use common::{Reference, capture_sites, fixtures, smollm2_dir, worst_relative_error};
+use harvest_core::{LayerSelection, Site, Sites};
 use harvester::dtype::round_bf16;
 use harvester::tokenizer::PromptTokenizer;
 
@@ -17,8 +17,9 @@ const F32_TOLERANCE: f64 = 2e-3;
 /// After rounding our output to bf16, as the shards store it.
 const BF16_TOLERANCE: f64 = 1e-2;
 
-/// Checks ids for both `add_special_tokens` values, then the residuals of every prompt, each run
-/// packed together with all the others. Returns the worst f32 and bf16 errors.
+/// Checks ids for both `add_special_tokens` values, then every hook site of every prompt, all
+/// sites from one pass with each prompt packed together with all the others. Returns the worst
+/// f32 and bf16 errors.
 fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
     let tokenizer = PromptTokenizer::from_dir(dir, reference.truncate_at).unwrap();
     let mut sequences = Vec::new();
@@ -46,24 +47,38 @@ fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
         "some prompt exercises truncation"
     );
     let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
-    let out = capture(dir, &LayerSelection::Explicit(layers), &sequences);
+    let every = Sites::new(&Site::ALL).unwrap();
+    let out = capture_sites(
+        dir,
+        &LayerSelection::Explicit(layers),
+        every.clone(),
+        &sequences,
+    );
     let (mut worst_f32, mut worst_bf16) = (0.0f64, 0.0f64);
-    let mut offset = 0;
-    for (p, ids) in sequences.iter().enumerate() {
-        let (shape, expected) = reference.residual(p);
-        assert_eq!(
-            shape,
-            [reference.layers.len(), ids.len(), out.width],
-            "prompt {p} reference shape"
-        );
-        let mut ours = Vec::with_capacity(expected.len());
-        for layer in 0..reference.layers.len() {
-            ours.extend_from_slice(out.rows(layer, offset..offset + ids.len()));
+    for (position, &site) in every.as_slice().iter().enumerate() {
+        let (mut site_f32, mut site_bf16) = (0.0f64, 0.0f64);
+        let mut offset = 0;
+        for (p, ids) in sequences.iter().enumerate() {
+            let (shape, expected) = reference.site(site, p);
+            assert_eq!(
+                shape,
+                [reference.layers.len(), ids.len(), out.width],
+                "prompt {p} {site} reference shape"
+            );
+            let mut ours = Vec::with_capacity(expected.len());
+            for layer in 0..reference.layers.len() {
+                let slot = out.slot(position, layer);
+                ours.extend_from_slice(out.rows(slot, offset..offset + ids.len()));
+            }
+            offset += ids.len();
+            site_f32 = site_f32.max(worst_relative_error(&ours, &expected, out.width));
+            let rounded: Vec<f32> = ours.iter().map(|&v| round_bf16(v)).collect();
+            site_bf16 = site_bf16.max(worst_relative_error(&rounded, &expected, out.width));
         }
-        offset += ids.len();
-        worst_f32 = worst_f32.max(worst_relative_error(&ours, &expected, out.width));
-        let rounded: Vec<f32> = ours.iter().map(|&v| round_bf16(v)).collect();
-        worst_bf16 = worst_bf16.max(worst_relative_error(&rounded, &expected, out.width));
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        println!("{name} {site:<10}: f32 {site_f32:.2e}, bf16 {site_bf16:.2e}");
+        worst_f32 = worst_f32.max(site_f32);
+        worst_bf16 = worst_bf16.max(site_bf16);
     }
     println!(
         "{}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{Reference, fixtures, smollm2_dir, worst_relative_error};
 use harvest_core::format::{Contents, Manifest};
-use harvest_core::{HarvestPlan, LayerSelection, Location};
+use harvest_core::{HarvestPlan, LayerSelection, Location, Sites};
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, Captured};
 use harvester::pipeline::{self, RunOptions, progress::ProgressMode};
@@ -43,6 +43,7 @@ fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> Harv
         model: smollm2_dir(),
         prompts: Location::Local(prompts.to_owned()),
         layers: LayerSelection::Explicit(layers),
+        sites: Sites::default(),
         shard_size: NonZeroUsize::new(shard_size).unwrap(),
         add_special_tokens: true,
         project_onto: None,
@@ -235,8 +236,13 @@ fn projections_equal_raw_activations_times_unit_directions_and_stats_describe_th
         .enumerate()
         .map(|(i, p)| tokenizer.encode(i, p, true).unwrap().ids)
         .collect();
-    let mut backend =
-        CpuBackend::load(&smollm2_dir(), &LayerSelection::Explicit(vec![7, 22]), None).unwrap();
+    let mut backend = CpuBackend::load(
+        &smollm2_dir(),
+        &LayerSelection::Explicit(vec![7, 22]),
+        Sites::default(),
+        None,
+    )
+    .unwrap();
     let mut raw = Captured::default();
     backend
         .capture(&Batch::from_sequences(&ids), &mut raw)
@@ -510,7 +516,7 @@ fn a_different_plan_into_a_finished_output_is_refused() {
 
 /// The sizes `harvest_core::estimate` predicts from the token counts alone, against what a run
 /// writes: shards and statistics to the byte, the manifest within a few bytes per layer.
-fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usize) {
+fn check_prediction(out: &Path, layers: &[usize], sites: &Sites, contents: Contents, width: usize) {
     let manifest = manifest(out);
     let counts: Vec<usize> = manifest
         .shards
@@ -522,6 +528,7 @@ fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usi
         truncated: &[],
         shard_size: manifest.shard_size,
         layers,
+        sites,
         contents,
         width,
         model: manifest.model.clone(),
@@ -537,7 +544,8 @@ fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usi
         .len();
     assert_eq!(predicted.stats, stats, "statistics to the byte");
     let written = std::fs::metadata(out.join("manifest.json")).unwrap().len();
-    let slack = 4 * layers.len() as u64;
+    // Only the digits of each mean_token_norm can differ: per layer, per site and at the top.
+    let slack = 4 * (layers.len() * (sites.len() + 1)) as u64;
     assert!(
         predicted.manifest.abs_diff(written) <= slack,
         "manifest {written} predicted {}",
@@ -546,7 +554,7 @@ fn check_prediction(out: &Path, layers: &[usize], contents: Contents, width: usi
 }
 
 #[test]
-fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_and_projections() {
+fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_projections_and_sites() {
     let dir = tempfile::tempdir().unwrap();
     let prompts: Vec<String> = (0..7)
         .map(|i| format!("{} {}", PROMPTS[i % PROMPTS.len()], "word ".repeat(i * 3)))
@@ -559,7 +567,21 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_and_projection
         3,
     );
     pipeline::run(&plan, &options()).unwrap();
-    check_prediction(&out, &[0, 3, 17], Contents::Activations, 576);
+    check_prediction(
+        &out,
+        &[0, 3, 17],
+        &Sites::default(),
+        Contents::Activations,
+        576,
+    );
+
+    let many = Sites::parse(&["attn_out", "resid_mid", "resid_post"]).unwrap();
+    let sited = dir.path().join("sited");
+    let mut sited_plan = plan.clone();
+    sited_plan.output = Location::Local(sited.clone());
+    sited_plan.sites = many.clone();
+    pipeline::run(&sited_plan, &options()).unwrap();
+    check_prediction(&sited, &[0, 3, 17], &many, Contents::Activations, 576);
 
     let directions = dir.path().join("dirs.npy");
     let values: Vec<f32> = (0..4 * 576).map(|i| ((i % 13) as f32) - 6.0).collect();
@@ -568,6 +590,13 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_and_projection
     let mut plan = plan.clone();
     plan.output = Location::Local(projected.clone());
     plan.project_onto = Some(Location::Local(directions));
+    plan.sites = Sites::parse(&["resid_pre", "mlp_out"]).unwrap();
     pipeline::run(&plan, &options()).unwrap();
-    check_prediction(&projected, &[0, 3, 17], Contents::Projections, 4);
+    check_prediction(
+        &projected,
+        &[0, 3, 17],
+        &plan.sites,
+        Contents::Projections,
+        4,
+    );
 }

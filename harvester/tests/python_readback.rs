@@ -36,6 +36,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
         model: smollm2_dir(),
         prompts: Location::Local(prompts_path.clone()),
         layers: LayerSelection::Quartiles,
+        sites: harvest_core::Sites::default(),
         shard_size: NonZeroUsize::new(2).unwrap(),
         add_special_tokens: true,
         project_onto: None,

@@ -17,6 +17,16 @@ It writes, under harvester/tests/fixtures/:
                                  (llama3 RoPE scaling, f16 and sharded weights, a BOS-adding
                                  tokenizer, Qwen2 QKV bias, Mistral's sliding window), each with
                                  its own reference.safetensors.
+
+Every reference holds, per prompt p, residual_p (the block outputs, resid_post) and the other hook
+sites as {site}_p: resid_pre (the block's input), attn_out (self_attn's output, after o_proj),
+resid_mid (the input of post_attention_layernorm) and mlp_out (the mlp's output), each
+[layers, tokens, hidden], from float64 hooks on those modules.
+
+    python3 scripts/reference/make_fixtures.py --sites-only
+
+adds the site tensors to the existing references from the committed checkpoints, leaving
+everything else as it is.
 """
 import hashlib
 import json
@@ -54,20 +64,49 @@ PROMPTS = [
 torch.manual_seed(0)
 
 
-def residuals(model, ids, layers):
-    """Raw outputs of the given decoder blocks for one prompt, [layers, tokens, hidden] float64."""
+OTHER_SITES = ["resid_pre", "attn_out", "resid_mid", "mlp_out"]
+
+
+def first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def sites(model, ids, layers):
+    """Every hook site of the given decoder blocks for one prompt: {site: [layers, tokens, hidden]}
+    float64, resid_post being the raw block output (before the final norm)."""
     captured = {}
-    hooks = [
-        model.model.layers[k].register_forward_hook(
-            lambda _m, _i, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out)
-        )
-        for k in layers
-    ]
+
+    def keep(site, k, value):
+        captured[(site, k)] = first(value)[0].double().numpy().copy()
+
+    hooks = []
+    for k in layers:
+        block = model.model.layers[k]
+        hooks += [
+            block.register_forward_pre_hook(
+                lambda _m, args, kwargs, k=k: keep("resid_pre", k, args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True,
+            ),
+            block.self_attn.register_forward_hook(lambda _m, _i, out, k=k: keep("attn_out", k, out)),
+            block.post_attention_layernorm.register_forward_pre_hook(
+                lambda _m, args, k=k: keep("resid_mid", k, args[0])
+            ),
+            block.mlp.register_forward_hook(lambda _m, _i, out, k=k: keep("mlp_out", k, out)),
+            block.register_forward_hook(lambda _m, _i, out, k=k: keep("resid_post", k, out)),
+        ]
     with torch.no_grad():
         model.model(input_ids=torch.tensor([ids]), use_cache=False)
     for h in hooks:
         h.remove()
-    return np.stack([captured[k][0].double().numpy() for k in layers])
+    return {site: np.stack([captured[(site, k)] for k in layers]) for site in OTHER_SITES + ["resid_post"]}
+
+
+def prompt_tensors(model, p, ids, layers):
+    """residual_p and {site}_p of one prompt, float32 as the fixtures store them."""
+    found = sites(model, ids, layers)
+    tensors = {f"residual_{p}": found["resid_post"].astype(np.float32)}
+    tensors.update({f"{site}_{p}": found[site].astype(np.float32) for site in OTHER_SITES})
+    return tensors
 
 
 def smollm2():
@@ -94,7 +133,7 @@ def smollm2():
             assert ours_tok(text, add_special_tokens=special)["input_ids"] == ids, (p, special)
             tensors[f"ids_{p}_{tag}"] = np.array(ids, dtype=np.int32)
         ids = tensors[f"ids_{p}_special"].tolist()[:TRUNCATE_AT]
-        tensors[f"residual_{p}"] = residuals(model, ids, SMOLLM2_LAYERS).astype(np.float32)
+        tensors.update(prompt_tensors(model, p, ids, SMOLLM2_LAYERS))
     meta = {"prompts": json.dumps(PROMPTS), "layers": json.dumps(SMOLLM2_LAYERS), "truncate_at": str(TRUNCATE_AT)}
     save_file(tensors, FIXTURES / "smollm2_reference.safetensors", metadata=meta)
 
@@ -142,7 +181,7 @@ def tiny(name, config_cls, model_cls, config_kwargs, dtype, shard, add_bos, laye
         for special, tag in ((True, "special"), (False, "plain")):
             tensors[f"ids_{p}_{tag}"] = np.array(tok(text, add_special_tokens=special)["input_ids"], dtype=np.int32)
         ids = tensors[f"ids_{p}_special"].tolist()[:TRUNCATE_AT]
-        tensors[f"residual_{p}"] = residuals(ref, ids, layers).astype(np.float32)
+        tensors.update(prompt_tensors(ref, p, ids, layers))
     meta = {"prompts": json.dumps(PROMPTS), "layers": json.dumps(layers), "truncate_at": str(TRUNCATE_AT)}
     save_file(tensors, out_dir / "reference.safetensors", metadata=meta)
 
@@ -160,9 +199,51 @@ def tiny_models():
          torch.bfloat16, False, True, [1, 2])
 
 
+def add_sites(reference, checkpoint, load_dtype):
+    """Adds {site}_p to an existing reference from its checkpoint, after checking that the
+    checkpoint still reproduces the stored residuals. `load_dtype` is the dtype the reference
+    model went through before float64 (its buffers, RoPE's inverse frequencies among them,
+    were rounded to it)."""
+    from safetensors.numpy import load_file
+    from safetensors import safe_open
+
+    print(f"sites for {reference}", file=sys.stderr)
+    with safe_open(reference, "np") as f:
+        meta = f.metadata()
+    tensors = load_file(reference)
+    layers = json.loads(meta["layers"])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=load_dtype, attn_implementation="eager")
+    # Loading keeps the inverse frequencies in float32; the reference model had them cast too.
+    model = model.to(load_dtype).to(torch.float64)
+    model.config._attn_implementation = "eager"
+    model.eval()
+    for p in range(len(json.loads(meta["prompts"]))):
+        ids = tensors[f"ids_{p}_special"].tolist()[: int(meta["truncate_at"])]
+        found = prompt_tensors(model, p, ids, layers)
+        # Every site comes from one pass, so residual_p is replaced too, once it is checked to be
+        # the stored one within float64 noise (library versions move the last digits).
+        old, new = tensors[f"residual_{p}"].astype(np.float64), found[f"residual_{p}"].astype(np.float64)
+        per_token = np.linalg.norm(new - old, axis=-1) / np.linalg.norm(old, axis=-1)
+        assert per_token.max() < 1e-4, (reference, p, per_token.max())
+        tensors.update(found)
+    save_file(tensors, reference, metadata=meta)
+
+
+def sites_only():
+    tiny = {"tiny-llama3-f16-sharded": torch.float16, "tiny-qwen2-f32": torch.float32,
+            "tiny-mistral-window-bf16": torch.bfloat16}
+    for name, dtype in tiny.items():
+        add_sites(FIXTURES / name / "reference.safetensors", FIXTURES / name, dtype)
+    add_sites(FIXTURES / "smollm2_reference.safetensors", IMPORTED, torch.float64)
+
+
 if __name__ == "__main__":
     FIXTURES.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
+    if sys.argv[1:] == ["--sites-only"]:
+        sites_only()
+        print("site references added under", FIXTURES, file=sys.stderr)
+        sys.exit(0)
     tiny_models()
     smollm2()
     print("fixtures written to", FIXTURES, file=sys.stderr)

@@ -141,6 +141,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
     request = dict(
         model=args.model,
         layers=_layers(args.layers),
+        sites=[site.strip() for site in args.sites.split(",") if site.strip()] if args.sites else None,
         shard_size=args.shard_size,
         add_special_tokens=not args.no_special_tokens,
         project_onto=directions,
@@ -219,6 +220,9 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("prompts", help="a .jsonl, .json or .txt file of prompts")
     submit.add_argument("--model", required=True)
     submit.add_argument("--layers", help="block indices like 8,16,24, or all (default: the model's quartiles)")
+    submit.add_argument(
+        "--sites", help="hook sites of each kept block, like attn_out,mlp_out,resid_post (default: resid_post)"
+    )
     submit.add_argument("--shard-size", type=int, help="prompts per shard file (default 32)")
     submit.add_argument("--no-special-tokens", action="store_true", help="add no BOS: tokenize the text verbatim")
     submit.add_argument("--project-onto", metavar="DIRS.npy", help="project onto these directions [n, hidden]")

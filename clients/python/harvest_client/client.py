@@ -154,10 +154,12 @@ class Client:
         shard_size: Optional[int] = None,
         add_special_tokens: bool = True,
         project_onto: Any = None,
+        *,
+        sites: Optional[Sequence[str]] = None,
     ) -> Dict[str, Any]:
         """A dry run: what the job would be (``tokens``, ``files`` bytes per kind, ``total_bytes``,
         ``estimated_seconds``), with no job made and no quota used."""
-        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, None)
+        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, None, sites)
         body["dry_run"] = True
         return self._json("POST", "/harvest", json=body)
 
@@ -170,6 +172,7 @@ class Client:
         add_special_tokens: bool = True,
         project_onto: Any = None,
         *,
+        sites: Optional[Sequence[str]] = None,
         batch_size: Optional[int] = None,
         retry: bool = False,
         retry_for: float = SUBMIT_RETRY_FOR_S,
@@ -177,11 +180,13 @@ class Client:
         """Queues a job and returns it (``pending``).
 
         ``layers`` is a list of block indices, ``"all"``, or None for the model's default.
+        ``sites`` lists hook sites of each kept block (``resid_pre``, ``attn_out``,
+        ``resid_mid``, ``mlp_out``, ``resid_post``); None keeps ``resid_post`` alone.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
         ``Retry-After`` for up to ``retry_for`` seconds; nothing else is retried."""
-        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, batch_size)
+        body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, batch_size, sites)
         deadline = time.monotonic() + retry_for
         while True:
             try:
@@ -201,6 +206,7 @@ class Client:
         add_special_tokens: bool,
         project_onto: Any,
         batch_size: Optional[int],
+        sites: Optional[Sequence[str]] = None,
     ) -> Dict[str, Any]:
         """The request body, checked and encoded here (before anything is sent)."""
         if isinstance(prompts, (str, bytes)):
@@ -212,6 +218,10 @@ class Client:
         body: Dict[str, Any] = {"model": model, "prompts": prompts}
         if layers is not None:
             body["layers"] = layers if isinstance(layers, str) else [int(layer) for layer in layers]
+        if sites is not None:
+            if isinstance(sites, str):
+                raise TypeError(f"sites must be a list of site names, not one string: wrap it as [{sites!r}]")
+            body["sites"] = [str(site) for site in sites]
         if shard_size is not None:
             body["shard_size"] = int(shard_size)
         if batch_size is not None:

@@ -92,6 +92,8 @@ class Reader:
         self.n_prompts: int = int(self.manifest["n_prompts"])
         #: "activations" or "projections".
         self.contents: str = self.manifest["contents"]
+        #: The kept hook sites, in block order (manifests from before sites kept resid_post alone).
+        self.sites: List[str] = [entry["site"] for entry in self.manifest.get("sites") or []] or ["resid_post"]
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
             counts = shard["token_counts"]
@@ -132,16 +134,22 @@ class Reader:
                 "(pass a block index, not a position in that list)"
             ) from None
 
+    def _tensor_name(self, site: str, i: int) -> str:
+        """Prompt ``i``'s tensor of hook site ``site`` (``prompt_i`` for ``resid_post``)."""
+        if site not in self.sites:
+            raise ValueError(f"site {site!r} was not harvested: this job kept {self.sites}")
+        return f"prompt_{i}" if site == "resid_post" else f"{site}_{i}"
+
     def tokens(self, i: int) -> np.ndarray:
         """Prompt ``i``'s token ids (int32)."""
         return np.array(self._shard_of(i).raw(f"tokens_{i}"))
 
-    def prompt(self, i: int, *, torch: bool = False) -> Tuple[Any, Any]:
+    def prompt(self, i: int, *, torch: bool = False, site: str = "resid_post") -> Tuple[Any, Any]:
         """Prompt ``i``: its tokens ``[n_tokens]`` and activations ``[n_layers_kept, n_tokens,
-        width]``. As numpy (bfloat16 widened to float32 exactly), or with ``torch=True`` as
-        torch tensors, bfloat16 kept as bfloat16."""
+        width]`` of hook site ``site``. As numpy (bfloat16 widened to float32 exactly), or with
+        ``torch=True`` as torch tensors, bfloat16 kept as bfloat16."""
         shard = self._shard_of(i)
-        name = f"prompt_{i}"
+        name = self._tensor_name(site, i)
         if torch:
             import torch as th
 
@@ -152,13 +160,15 @@ class Reader:
             return tokens, th.from_numpy(raw)
         return self.tokens(i), shard.float32(name)
 
-    def stats(self) -> Dict[str, Any]:
-        """``mean`` and ``std`` (float32 ``[n_layers_kept, width]``) and ``count`` (tokens
-        counted: all but each prompt's leading BOS)."""
+    def stats(self, site: str = "resid_post") -> Dict[str, Any]:
+        """``mean`` and ``std`` of hook site ``site`` (float32 ``[n_layers_kept, width]``) and
+        ``count`` (tokens counted: all but each prompt's leading BOS)."""
+        self._tensor_name(site, 0)
         stats = SafetensorsFile(self.directory / "stats.safetensors")
+        prefix = "" if site == "resid_post" else f"{site}_"
         return {
-            "mean": stats.float32("mean"),
-            "std": stats.float32("std"),
+            "mean": stats.float32(f"{prefix}mean"),
+            "std": stats.float32(f"{prefix}std"),
             "count": int(np.array(stats.raw("count")).reshape(-1)[0]),
         }
 
@@ -191,20 +201,23 @@ class Reader:
         normalize: bool = False,
         *,
         drop_last: bool = False,
+        site: str = "resid_post",
     ) -> Iterator[np.ndarray]:
         """One epoch of float32 ``[batch, width]`` rows of block ``layer`` (one of
         ``layer_indices``), every token once, in an order drawn from ``seed`` across all shards
         when ``shuffle``. ``drop_bos`` leaves out each prompt's leading BOS (as the statistics
         do); ``normalize`` subtracts the statistics' mean and divides by their std. The last
-        batch may be short unless ``drop_last``."""
+        batch may be short unless ``drop_last``. ``site`` picks the hook site (default
+        ``resid_post``)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         position = self.layer_position(layer)
+        self._tensor_name(site, 0)
         prompts, positions = self._index(drop_bos)
         order = np.random.default_rng(seed).permutation(prompts.size) if shuffle else np.arange(prompts.size)
         mean = std = None
         if normalize:
-            stats = self.stats()
+            stats = self.stats(site)
             mean = stats["mean"][position]
             std = np.where(stats["std"][position] > 0, stats["std"][position], 1.0).astype(np.float32)
         width = self.width
@@ -220,9 +233,10 @@ class Reader:
             for group in np.split(by_prompt, cuts):
                 i = int(prompts[rows[group[0]]])
                 shard = self._shard_of(i)
-                raw = shard.raw(f"prompt_{i}")[position]
+                name = self._tensor_name(site, i)
+                raw = shard.raw(name)[position]
                 taken = raw[positions[rows[group]]]
-                batch[group] = bf16_to_f32(taken) if shard.dtype(f"prompt_{i}") == "BF16" else taken
+                batch[group] = bf16_to_f32(taken) if shard.dtype(name) == "BF16" else taken
             if normalize:
                 batch -= mean
                 batch /= std

@@ -262,3 +262,36 @@ def test_an_estimate_predicts_the_bytes_the_job_then_writes_and_makes_no_job(cli
     job.wait(progress=False)
     written = job.result["bytes_written"]
     assert abs(written - estimate["total_bytes"]) <= written / 100
+
+
+def test_a_job_with_hook_sites_reads_back_each_site_with_its_own_statistics(client, tmp_path):
+    sites = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+    job = client.submit(corpus(3), MODEL, layers=[4, 9], sites=["mlp_out", "resid_pre", "attn_out", "resid_mid", "resid_post"])
+    assert job.data["sites"] == sites, "the job lists its sites in block order"
+    job.wait(progress=False).download(tmp_path)
+    reader = job.open(tmp_path)
+    assert reader.sites == sites
+    tokens, post = reader.prompt(1)
+    _, pre = reader.prompt(1, site="resid_pre")
+    _, attn = reader.prompt(1, site="attn_out")
+    _, mid = reader.prompt(1, site="resid_mid")
+    _, mlp = reader.prompt(1, site="mlp_out")
+    assert pre.shape == attn.shape == mid.shape == mlp.shape == post.shape == (2, tokens.size, 576)
+    # The shards hold bf16, so the sums hold to bf16 rounding of each term.
+    for a, b, total in [(pre, attn, mid), (mid, mlp, post)]:
+        error = np.linalg.norm(a + b - total, axis=-1) / np.linalg.norm(total, axis=-1)
+        assert error.max() < 1e-2, error.max()
+    rows = np.concatenate([b for b in reader.token_batches(layer=9, batch_size=64, shuffle=False, site="mlp_out")])
+    # The statistics are of the f32 values, the rows bf16: close to their own site's mean, far
+    # from another site's.
+    mean = reader.stats("mlp_out")["mean"][1]
+    own = np.linalg.norm(rows.mean(axis=0) - mean) / np.linalg.norm(mean)
+    other = np.linalg.norm(rows.mean(axis=0) - reader.stats()["mean"][1]) / np.linalg.norm(mean)
+    assert own < 1e-2 and other > 10 * own, (own, other)
+    with pytest.raises(ValueError, match="was not harvested"):
+        job.open(tmp_path).prompt(0, site="resid_prex")
+
+
+def test_an_unknown_site_is_a_400_that_names_it_and_the_choices(client):
+    with pytest.raises(InvalidRequest, match=r"sites\[0\] \"attn\".*attn_out"):
+        client.submit(corpus(1), MODEL, sites=["attn"])

@@ -4,7 +4,7 @@
 //! the hot loop allocates nothing per batch once buffers have grown to the largest batch.
 //!
 //! ```text
-//! Batch { input_ids, positions, cu_seq_lengths } ──Backend::capture──► Captured [layers, tokens, width]
+//! Batch { input_ids, positions, cu_seq_lengths } ──Backend::capture──► Captured [sites, layers, tokens, width]
 //! ```
 //! The CPU backend is the reference; the CUDA backend (`cuda`, in progress) implements the same
 //! trait.
@@ -12,7 +12,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use harvest_core::Layers;
+use harvest_core::{Layers, Sites};
 
 use crate::error::{Error, Result};
 use crate::projection::Directions;
@@ -101,6 +101,8 @@ impl Batch {
 pub struct CaptureSpec {
     /// The blocks whose outputs are kept; the pass stops after the deepest.
     pub layers: Layers,
+    /// The hook sites kept of each kept block.
+    pub sites: Sites,
     /// If present, each kept row is projected onto these unit directions instead of copied.
     pub directions: Option<Directions>,
 }
@@ -131,6 +133,11 @@ impl CaptureSpec {
         Ok(())
     }
 
+    /// Captured rows per token: one per kept site of each kept layer.
+    pub fn slots(&self) -> usize {
+        self.sites.len() * self.layers.len()
+    }
+
     /// Values per captured token for a model of width `hidden`: `hidden`, or the number of
     /// directions for projections.
     pub fn width(&self, hidden: usize) -> usize {
@@ -138,10 +145,13 @@ impl CaptureSpec {
     }
 }
 
-/// Captured rows, `[layers, tokens, width]` row-major f32, where `width` is the hidden size, or the
-/// number of directions for projections.
+/// Captured rows, `[sites, layers, tokens, width]` row-major f32, where `width` is the hidden size,
+/// or the number of directions for projections. A *slot* is one (site, layer) pair,
+/// `site * layers + layer`; with one site, slot `k` is kept layer `k`.
 #[derive(Debug, Clone, Default)]
 pub struct Captured {
+    /// Kept sites.
+    pub sites: usize,
     /// Kept layers.
     pub layers: usize,
     /// Tokens in the batch.
@@ -154,22 +164,39 @@ pub struct Captured {
 
 impl Captured {
     /// Resizes for a batch, keeping the allocation when it is large enough.
-    pub fn reset(&mut self, layers: usize, tokens: usize, width: usize) {
+    pub fn reset(&mut self, sites: usize, layers: usize, tokens: usize, width: usize) {
+        self.sites = sites;
         self.layers = layers;
         self.tokens = tokens;
         self.width = width;
-        self.data.resize(layers * tokens * width, 0.0);
+        self.data.resize(sites * layers * tokens * width, 0.0);
     }
 
-    /// The `[tokens, width]` rows of kept layer `layer`.
-    pub fn layer(&self, layer: usize) -> &[f32] {
+    /// Slots: kept sites times kept layers.
+    pub fn slots(&self) -> usize {
+        self.sites * self.layers
+    }
+
+    /// The slot of kept site `site` at kept layer `layer`.
+    pub fn slot(&self, site: usize, layer: usize) -> usize {
+        site * self.layers + layer
+    }
+
+    /// The `[tokens, width]` rows of slot `slot`.
+    pub fn layer(&self, slot: usize) -> &[f32] {
         let size = self.tokens * self.width;
-        &self.data[layer * size..(layer + 1) * size]
+        &self.data[slot * size..(slot + 1) * size]
     }
 
-    /// Token rows `rows` of kept layer `layer`.
-    pub fn rows(&self, layer: usize, rows: std::ops::Range<usize>) -> &[f32] {
-        let base = layer * self.tokens * self.width;
+    /// The `[tokens, width]` rows of slot `slot`, to fill.
+    pub fn layer_mut(&mut self, slot: usize) -> &mut [f32] {
+        let size = self.tokens * self.width;
+        &mut self.data[slot * size..(slot + 1) * size]
+    }
+
+    /// Token rows `rows` of slot `slot`.
+    pub fn rows(&self, slot: usize, rows: std::ops::Range<usize>) -> &[f32] {
+        let base = slot * self.tokens * self.width;
         &self.data[base + rows.start * self.width..base + rows.end * self.width]
     }
 }

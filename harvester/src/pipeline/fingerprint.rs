@@ -51,6 +51,10 @@ pub fn plan_fingerprint(
             .flat_map(|l| (*l as u64).to_le_bytes())
             .collect::<Vec<_>>(),
     );
+    // Only a non-default choice is hashed, so outputs begun before sites existed still resume.
+    if !plan.sites.is_default() {
+        field("sites", plan.sites.to_string().as_bytes());
+    }
     field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
     field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
     field("max_tokens", &(max_tokens as u64).to_le_bytes());

@@ -80,6 +80,8 @@ struct Job<'a> {
     fingerprint: &'a str,
     bos_id: Option<u32>,
     layers: usize,
+    /// Kept sites times kept layers: the statistics' first axis.
+    slots: usize,
     width: usize,
     n_shards: usize,
 }
@@ -122,7 +124,7 @@ pub fn inspect(dir: &Path) -> Result<String> {
         let _ = writeln!(out, "{} ({} bytes)", entry.file, entry.bytes);
         let mut names = shard.names();
         names.sort_by_key(|n| {
-            let (kind, index) = n.split_once('_').unwrap_or((n, "0"));
+            let (kind, index) = n.rsplit_once('_').unwrap_or((n, "0"));
             (index.parse::<usize>().unwrap_or(0), kind.to_owned())
         });
         for name in names {
@@ -209,6 +211,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     };
     let spec = CaptureSpec {
         layers: plan.layers.clone(),
+        sites: plan.sites.clone(),
         directions,
     };
     let width = spec.width(config.hidden_size);
@@ -222,6 +225,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         fingerprint: &fingerprint,
         bos_id: tokenizer.bos_id(),
         layers: plan.layers.len(),
+        slots: plan.sites.len() * plan.layers.len(),
         width,
         n_shards: shard_count(encoded.len(), plan.shard_size),
     };
@@ -362,6 +366,9 @@ fn open_backend(
     device: DeviceChoice,
     batch_tokens: usize,
 ) -> Result<Box<dyn Backend>> {
+    if let DeviceChoice::Cuda(_) = device {
+        CudaBackend::supports(&spec)?;
+    }
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
@@ -572,7 +579,8 @@ fn assemble_stage(
                     range.start,
                     range.len(),
                     job.contents,
-                    job.layers,
+                    &job.plan.sites,
+                    job.slots,
                     job.width,
                 )
             });

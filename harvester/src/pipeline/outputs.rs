@@ -3,11 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use harvest_core::RunningStats;
 use harvest_core::format::{
-    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, TokenizerInfo,
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, SiteInfo,
+    TokenizerInfo,
 };
 use harvest_core::plan::shard_file_name;
+use harvest_core::{RunningStats, Site, Sites};
 
 use super::Job;
 use super::shard::ShardRecord;
@@ -25,19 +26,14 @@ pub(super) fn build_outputs(
     if records.len() != job.n_shards {
         return Err(Error::StageLost { stage: "upload" });
     }
-    let mut stats: Vec<RunningStats> = (0..job.layers)
-        .map(|_| RunningStats::new(job.width))
-        .collect();
-    for record in records.values() {
-        for (total, part) in stats.iter_mut().zip(&record.stats) {
-            total.merge(part);
-        }
-    }
+    let stats = merged_stats(job, records);
     let total_tokens: u64 = records
         .values()
         .flat_map(|r| &r.token_counts)
         .map(|&n| n as u64)
         .sum();
+    let sites = &job.plan.sites;
+    let site_entries = site_entries(job, &stats);
     let manifest = Manifest {
         format_version: format::FORMAT_VERSION,
         plan_fingerprint: job.fingerprint.to_owned(),
@@ -57,7 +53,7 @@ pub(super) fn build_outputs(
         dtype: job.contents.dtype().to_owned(),
         layer_indices: job.plan.layers.as_slice().to_vec(),
         layer_convention: format::LAYER_CONVENTION.to_owned(),
-        tensors: format::tensors_description(job.contents).to_owned(),
+        tensors: format::tensors_description(job.contents, sites),
         n_prompts: job.encoded.len(),
         shard_size: job.plan.shard_size.get(),
         total_tokens,
@@ -70,12 +66,16 @@ pub(super) fn build_outputs(
             n_directions: job.width,
             normalized: true,
         }),
-        statistics: job.contents.statistics().to_owned(),
+        statistics: format::statistics_description(job.contents, sites),
         stats_tokens: stats.first().map_or(0, RunningStats::count),
-        mean_token_norm: stats.iter().map(RunningStats::mean_norm).collect(),
+        mean_token_norm: site_entries
+            .iter()
+            .find(|entry| entry.site == Site::ResidPost)
+            .map_or_else(Vec::new, |entry| entry.mean_token_norm.clone()),
         stats_file: None,
+        sites: site_entries,
     };
-    let stats_bytes = stats_file(&stats)?;
+    let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
         stats_file: Some(FileDigest {
             file: super::STATS_FILE.to_owned(),
@@ -87,12 +87,43 @@ pub(super) fn build_outputs(
     Ok((manifest, stats_bytes))
 }
 
+/// Every shard's statistics merged in shard order, slot by slot.
+fn merged_stats(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Vec<RunningStats> {
+    let mut stats: Vec<RunningStats> = (0..job.slots)
+        .map(|_| RunningStats::new(job.width))
+        .collect();
+    for record in records.values() {
+        for (total, part) in stats.iter_mut().zip(&record.stats) {
+            total.merge(part);
+        }
+    }
+    stats
+}
+
+/// The manifest's site entries. Slots are site-major: site `s` holds
+/// `stats[s * layers..(s + 1) * layers]`.
+fn site_entries(job: &Job<'_>, stats: &[RunningStats]) -> Vec<SiteInfo> {
+    job.plan
+        .sites
+        .as_slice()
+        .iter()
+        .zip(stats.chunks(job.layers.max(1)))
+        .map(|(&site, site_stats)| {
+            SiteInfo::new(
+                site,
+                site_stats.iter().map(RunningStats::mean_norm).collect(),
+            )
+        })
+        .collect()
+}
+
 /// A shard's manifest entry, from its record.
 fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
     let (prompts, tensors) = ShardEntry::contents_of(
         record.first_prompt,
         &record.token_counts,
         job.contents,
+        &job.plan.sites,
         job.layers,
         job.width,
     );
@@ -107,41 +138,37 @@ fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
     }
 }
 
-/// `stats.safetensors`: `mean` and `std` as f32 `[layers, width]`, `count` as i64 `[1]`.
-pub(super) fn stats_file(stats: &[RunningStats]) -> Result<Vec<u8>> {
+/// `stats.safetensors`: each site's mean and std as f32 `[layers, width]` (`mean` and `std` for
+/// `resid_post`, [`format::stats_names`] for the others), `count` as i64 `[1]`. `stats` is
+/// site-major, as [`Sites::as_slice`] orders the sites.
+pub(super) fn stats_file(stats: &[RunningStats], sites: &Sites) -> Result<Vec<u8>> {
     use safetensors::{Dtype, tensor::TensorView};
     let width = stats.first().map_or(0, |s| s.mean().len());
-    let mean: Vec<u8> = stats
-        .iter()
-        .flat_map(|s| {
-            s.mean()
-                .iter()
-                .flat_map(|&v| (v as f32).to_le_bytes())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let std: Vec<u8> = stats
-        .iter()
-        .flat_map(|s| s.std().into_iter().flat_map(|v| (v as f32).to_le_bytes()))
-        .collect();
+    let layers = stats.len() / sites.len().max(1);
+    let f32_bytes = |values: &mut dyn Iterator<Item = f64>| -> Vec<u8> {
+        values.flat_map(|v| (v as f32).to_le_bytes()).collect()
+    };
+    let mut tensors = Vec::with_capacity(2 * sites.len());
+    for (&site, site_stats) in sites.as_slice().iter().zip(stats.chunks(layers.max(1))) {
+        let (mean_name, std_name) = format::stats_names(site);
+        let mean = f32_bytes(&mut site_stats.iter().flat_map(|s| s.mean().iter().copied()));
+        let std = f32_bytes(&mut site_stats.iter().flat_map(RunningStats::std));
+        tensors.push((mean_name, mean));
+        tensors.push((std_name, std));
+    }
     let count = (stats.first().map_or(0, RunningStats::count) as i64).to_le_bytes();
     let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
         reason: e.to_string(),
     };
-    let views = vec![
-        (
-            "mean",
-            TensorView::new(Dtype::F32, vec![stats.len(), width], &mean).map_err(invalid)?,
-        ),
-        (
-            "std",
-            TensorView::new(Dtype::F32, vec![stats.len(), width], &std).map_err(invalid)?,
-        ),
-        (
-            "count",
-            TensorView::new(Dtype::I64, vec![1], &count).map_err(invalid)?,
-        ),
-    ];
+    let mut views = Vec::with_capacity(tensors.len() + 1);
+    for (name, bytes) in &tensors {
+        let view = TensorView::new(Dtype::F32, vec![layers, width], bytes).map_err(invalid)?;
+        views.push((name.clone(), view));
+    }
+    views.push((
+        "count".to_owned(),
+        TensorView::new(Dtype::I64, vec![1], &count).map_err(invalid)?,
+    ));
     safetensors::serialize(
         views,
         Some(std::collections::HashMap::from([(

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use harvest_core::RunningStats;
 use harvest_core::format::{Contents, Truncation};
+use harvest_core::{RunningStats, Sites};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 struct PromptTensors {
     index: usize,
     ids: Vec<u8>,
-    values: Vec<u8>,
+    /// Per kept site, in block order.
+    values: Vec<Vec<u8>>,
     shape: [usize; 3],
 }
 
@@ -29,6 +30,7 @@ pub struct ShardAssembly {
     first_prompt: usize,
     expected: usize,
     contents: Contents,
+    sites: Sites,
     prompts: Vec<PromptTensors>,
     token_counts: Vec<usize>,
     truncations: Vec<Truncation>,
@@ -51,7 +53,7 @@ pub struct ShardRecord {
     pub sha256: String,
     /// Shard file size.
     pub bytes: u64,
-    /// Per kept layer.
+    /// Per slot: each kept site's kept layers, site by site.
     pub stats: Vec<RunningStats>,
     /// The plan that produced it.
     pub fingerprint: String,
@@ -76,7 +78,8 @@ impl ShardAssembly {
         first_prompt: usize,
         expected: usize,
         contents: Contents,
-        layers: usize,
+        sites: &Sites,
+        slots: usize,
         width: usize,
     ) -> Self {
         Self {
@@ -84,10 +87,11 @@ impl ShardAssembly {
             first_prompt,
             expected,
             contents,
+            sites: sites.clone(),
             prompts: Vec::with_capacity(expected),
             token_counts: Vec::with_capacity(expected),
             truncations: Vec::new(),
-            stats: (0..layers).map(|_| RunningStats::new(width)).collect(),
+            stats: (0..slots).map(|_| RunningStats::new(width)).collect(),
         }
     }
 
@@ -108,10 +112,13 @@ impl ShardAssembly {
             "prompts arrive in order"
         );
         let width = captured.width;
-        let mut values =
-            Vec::with_capacity(captured.layers * rows.len() * width * self.contents_itemsize());
-        for (layer, stats) in self.stats.iter_mut().enumerate() {
-            let block = captured.rows(layer, rows.clone());
+        let per_site = captured.layers * rows.len() * width * self.contents_itemsize();
+        let mut values: Vec<Vec<u8>> = (0..captured.sites)
+            .map(|_| Vec::with_capacity(per_site))
+            .collect();
+        for (slot, stats) in self.stats.iter_mut().enumerate() {
+            let block = captured.rows(slot, rows.clone());
+            let values = &mut values[slot / captured.layers];
             match self.contents {
                 Contents::Activations => {
                     values.extend(
@@ -168,12 +175,14 @@ impl ShardAssembly {
                 reason: e.to_string(),
             })
         }
-        let mut views = Vec::with_capacity(2 * self.prompts.len());
+        let mut views = Vec::with_capacity((1 + self.sites.len()) * self.prompts.len());
         for p in &self.prompts {
-            views.push((
-                format!("prompt_{}", p.index),
-                tensor(dtype, p.shape.to_vec(), &p.values)?,
-            ));
+            for (site, values) in self.sites.as_slice().iter().zip(&p.values) {
+                views.push((
+                    format!("{}_{}", site.tensor_prefix(), p.index),
+                    tensor(dtype, p.shape.to_vec(), values)?,
+                ));
+            }
             views.push((
                 format!("tokens_{}", p.index),
                 tensor(Dtype::I32, vec![p.shape[1]], &p.ids)?,
@@ -325,14 +334,21 @@ mod tests {
 
     fn captured() -> Captured {
         let mut c = Captured::default();
-        c.reset(2, 3, 2);
+        c.reset(1, 2, 3, 2);
         c.data = (0..12).map(|v| v as f32).collect();
         c
     }
 
+    fn bf16s(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()
+    }
+
     #[test]
     fn a_shard_holds_each_prompt_with_its_tokens_in_layer_token_order() {
-        let mut shard = ShardAssembly::new(0, 4, 2, Contents::Activations, 2, 2);
+        let mut shard = ShardAssembly::new(0, 4, 2, Contents::Activations, &Sites::default(), 2, 2);
         let c = captured();
         shard.push(4, &[7, 8], None, &c, 0..2, false);
         assert!(!shard.is_complete());
@@ -343,12 +359,7 @@ mod tests {
         let p4 = st.tensor("prompt_4").unwrap();
         assert_eq!(p4.shape(), [2, 2, 2]);
         assert_eq!(p4.dtype(), Dtype::BF16);
-        let values: Vec<f32> = p4
-            .data()
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect();
-        assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]);
+        assert_eq!(bf16s(p4.data()), [0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]);
         assert_eq!(st.tensor("tokens_5").unwrap().data(), 9i32.to_le_bytes());
         assert_eq!(record.token_counts, [2, 1]);
         assert_eq!(
@@ -367,8 +378,35 @@ mod tests {
     }
 
     #[test]
+    fn each_site_gets_its_own_tensor_and_its_own_statistics() {
+        let sites = Sites::parse(&["attn_out", "resid_post"]).unwrap();
+        let mut c = Captured::default();
+        c.reset(2, 1, 2, 2);
+        c.data = vec![1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0];
+        let mut shard = ShardAssembly::new(0, 0, 1, Contents::Activations, &sites, 2, 2);
+        shard.push(0, &[5, 6], None, &c, 0..2, false);
+        let (bytes, record) = shard.finish("fp").unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort();
+        assert_eq!(names, ["attn_out_0", "prompt_0", "tokens_0"]);
+        assert_eq!(
+            bf16s(st.tensor("attn_out_0").unwrap().data()),
+            [1.0, 2.0, 3.0, 4.0]
+        );
+        assert_eq!(
+            bf16s(st.tensor("prompt_0").unwrap().data()),
+            [10.0, 20.0, 30.0, 40.0]
+        );
+        assert_eq!(st.tensor("prompt_0").unwrap().shape(), [1, 2, 2]);
+        assert_eq!(record.stats.len(), 2);
+        assert_eq!(record.stats[0].mean(), [2.0, 3.0]);
+        assert_eq!(record.stats[1].mean(), [20.0, 30.0]);
+    }
+
+    #[test]
     fn records_round_trip_exactly() {
-        let mut shard = ShardAssembly::new(3, 0, 1, Contents::Projections, 2, 2);
+        let mut shard = ShardAssembly::new(3, 0, 1, Contents::Projections, &Sites::default(), 2, 2);
         shard.push(0, &[1, 2, 3], None, &captured(), 0..3, false);
         let (bytes, mut record) = shard.finish("fp").unwrap();
         record.seal(&bytes);

@@ -95,12 +95,21 @@ impl Reference {
 
     /// `[layers, tokens, hidden]` f32.
     pub fn residual(&self, prompt: usize) -> (Vec<usize>, Vec<f32>) {
-        let (shape, data) = self.tensor(&format!("residual_{prompt}"));
+        self.f32s(&format!("residual_{prompt}"))
+    }
+
+    /// Hook site `site` of `prompt` (`residual_p` for `resid_post`), `[layers, tokens, hidden]`.
+    pub fn site(&self, site: harvest_core::Site, prompt: usize) -> (Vec<usize>, Vec<f32>) {
+        match site {
+            harvest_core::Site::ResidPost => self.residual(prompt),
+            other => self.f32s(&format!("{other}_{prompt}")),
+        }
+    }
+
+    fn f32s(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
+        let (shape, data) = self.tensor(name);
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        assert_eq!(
-            st.tensor(&format!("residual_{prompt}")).unwrap().dtype(),
-            Dtype::F32
-        );
+        assert_eq!(st.tensor(name).unwrap().dtype(), Dtype::F32);
         (
             shape,
             data.chunks_exact(4)
@@ -129,7 +138,17 @@ pub fn worst_relative_error(ours: &[f32], reference: &[f32], width: usize) -> f6
 
 /// Runs the CPU backend over `sequences` packed in one batch, keeping `layers`.
 pub fn capture(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> Captured {
-    let mut backend = CpuBackend::load(dir, layers, None).unwrap();
+    capture_sites(dir, layers, harvest_core::Sites::default(), sequences)
+}
+
+/// [`capture`], keeping `sites` of each kept layer.
+pub fn capture_sites(
+    dir: &Path,
+    layers: &LayerSelection,
+    sites: harvest_core::Sites,
+    sequences: &[Vec<u32>],
+) -> Captured {
+    let mut backend = CpuBackend::load(dir, layers, sites, None).unwrap();
     let mut out = Captured::default();
     backend
         .capture(&Batch::from_sequences(sequences), &mut out)

@@ -5,11 +5,14 @@
 //!
 //! One block, on packed rows `x: [tokens, hidden]`:
 //! ```text
+//!                                                                   ← resid_pre
 //! normed = rms_norm(x)                  qkv = normed · Wqkvᵀ (+ bias), RoPE on Q and K
-//! attn   = causal GQA attention(qkv)    x  += attn · Woᵀ (+ bias)
+//! attn   = causal GQA attention(qkv)    x  += attn · Woᵀ (+ bias)    ← attn_out, resid_mid
 //! normed = rms_norm(x)                  gate_up = normed · W(gate|up)ᵀ
-//! act    = silu(gate) ⊙ up              x  += act · Wdownᵀ          ← block output, captured
+//! act    = silu(gate) ⊙ up              x  += act · Wdownᵀ          ← mlp_out, resid_post
 //! ```
+//! A branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added only at
+//! the blocks that keep it; elsewhere the product accumulates straight into `x`.
 //! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
 mod attention;
@@ -19,7 +22,7 @@ pub mod matmul;
 use std::path::Path;
 
 use gemm::Parallelism;
-use harvest_core::LayerSelection;
+use harvest_core::{LayerSelection, Site, Sites};
 use rayon::prelude::*;
 
 use self::attention::AttentionShape;
@@ -59,6 +62,8 @@ struct Scratch {
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// A branch output (attention or MLP) kept before it is added to `x`.
+    branch: Vec<f32>,
     /// Half-precision weight rows widened for one GEMM.
     weight_tile: Vec<f32>,
 }
@@ -86,12 +91,17 @@ impl CpuBackend {
     pub fn load(
         dir: &Path,
         layers: &LayerSelection,
+        sites: Sites,
         directions: Option<Directions>,
     ) -> Result<Self> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let layers = layers.resolve(config.num_layers)?;
         let weights = LlamaWeights::load(dir, Some(layers.deepest() + 1))?;
-        let spec = CaptureSpec { layers, directions };
+        let spec = CaptureSpec {
+            layers,
+            sites,
+            directions,
+        };
         Self::check_memory(&weights, &spec, harvest_core::plan::DEFAULT_BATCH_TOKENS)?;
         Self::new(weights, spec)
     }
@@ -105,7 +115,12 @@ impl CpuBackend {
             + c.qkv_width()
             + c.num_heads * c.head_dim
             + 3 * c.intermediate_size
-            + spec.layers.len() * spec.width(c.hidden_size);
+            + if needs_branch(&spec.sites) {
+                c.hidden_size
+            } else {
+                0
+            }
+            + spec.slots() * spec.width(c.hidden_size);
         let tile = weights
             .blocks
             .iter()
@@ -172,9 +187,9 @@ impl Backend for CpuBackend {
         let config = &self.weights.config;
         let tokens = batch.num_tokens();
         let width = self.capture_width();
-        out.reset(self.spec.layers.len(), tokens, width);
+        out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
         let s = &mut self.scratch;
-        s.resize(config, tokens);
+        s.resize(config, tokens, needs_branch(&self.spec.sites));
         let hidden = config.hidden_size;
         let embed = &self.weights.embed;
         s.x.par_chunks_mut(hidden)
@@ -190,19 +205,41 @@ impl Backend for CpuBackend {
             .iter()
             .enumerate()
         {
-            pass.block(block, index, s);
-            if let Some(kept) = self.spec.layers.position(index) {
-                let dst = &mut out.data[kept * tokens * width..(kept + 1) * tokens * width];
-                pass.keep(&s.x, self.spec.directions.as_ref(), dst);
-            }
+            let mut keep = self.spec.layers.position(index).map(|layer| Keep {
+                sites: &self.spec.sites,
+                directions: self.spec.directions.as_ref(),
+                layer,
+                out: &mut *out,
+            });
+            pass.block(block, index, s, keep.as_mut());
         }
         Ok(())
     }
 }
 
+/// Whether any kept site is a branch output, which needs its own buffer.
+fn needs_branch(sites: &Sites) -> bool {
+    sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
+}
+
+/// Where a kept block's sites go.
+struct Keep<'a> {
+    sites: &'a Sites,
+    directions: Option<&'a Directions>,
+    /// The block's place among the kept layers.
+    layer: usize,
+    out: &'a mut Captured,
+}
+
+impl Keep<'_> {
+    fn wants(&self, site: Site) -> bool {
+        self.sites.contains(site)
+    }
+}
+
 impl Scratch {
     /// Sizes every buffer for `tokens` rows (they only grow in capacity).
-    fn resize(&mut self, config: &ModelConfig, tokens: usize) {
+    fn resize(&mut self, config: &ModelConfig, tokens: usize, branch: bool) {
         let hidden = config.hidden_size;
         let inter = config.intermediate_size;
         self.x.resize(tokens * hidden, 0.0);
@@ -212,6 +249,9 @@ impl Scratch {
             .resize(tokens * config.num_heads * config.head_dim, 0.0);
         self.gate_up.resize(tokens * 2 * inter, 0.0);
         self.act.resize(tokens * inter, 0.0);
+        if branch {
+            self.branch.resize(tokens * hidden, 0.0);
+        }
     }
 }
 
@@ -225,14 +265,34 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     /// One decoder block on the residual stream `s.x`: the attention output is added, then
-    /// the MLP output.
-    fn block(&self, block: &BlockWeights, index: usize, s: &mut Scratch) {
-        self.attention(block, index, s);
-        self.mlp(block, s);
+    /// the MLP output. A kept block copies each kept site into `keep` as the pass reaches it.
+    fn block(
+        &self,
+        block: &BlockWeights,
+        index: usize,
+        s: &mut Scratch,
+        mut keep: Option<&mut Keep<'_>>,
+    ) {
+        let wants = |site| keep.as_ref().is_some_and(|k| k.wants(site));
+        let (split_attn, split_mlp) = (wants(Site::AttnOut), wants(Site::MlpOut));
+        self.keep(keep.as_deref_mut(), Site::ResidPre, &s.x);
+        self.attention(block, index, s, split_attn);
+        if split_attn {
+            self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
+            add_rows(&mut s.x, &s.branch, self.config.hidden_size);
+        }
+        self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
+        self.mlp(block, s, split_mlp);
+        if split_mlp {
+            self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
+            add_rows(&mut s.x, &s.branch, self.config.hidden_size);
+        }
+        self.keep(keep, Site::ResidPost, &s.x);
     }
 
-    /// `x += o(attention(rope(qkv(rms_norm(x)))))`.
-    fn attention(&self, block: &BlockWeights, index: usize, s: &mut Scratch) {
+    /// `x += o(attention(rope(qkv(rms_norm(x)))))`, or with `split` that output written to
+    /// `s.branch` for the caller to keep and add.
+    fn attention(&self, block: &BlockWeights, index: usize, s: &mut Scratch, split: bool) {
         let (c, tokens) = (self.config, self.tokens);
         let hidden = c.hidden_size;
         let (qkv_width, attn_width) = (c.qkv_width(), c.num_heads * c.head_dim);
@@ -278,15 +338,17 @@ impl Pass<'_> {
         attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
         let attn = MatRef::dense(&s.attn, tokens, attn_width);
         let tile = &mut s.weight_tile;
-        matmul_weight(attn, &block.o, &mut s.x, hidden, true, ALL_THREADS, tile);
+        let dst = if split { &mut s.branch } else { &mut s.x };
+        matmul_weight(attn, &block.o, dst, hidden, !split, ALL_THREADS, tile);
         if let Some(bias) = &block.o_bias {
-            s.x.par_chunks_mut(hidden * ROWS_PER_TASK)
+            dst.par_chunks_mut(hidden * ROWS_PER_TASK)
                 .for_each(|rows| kernels::add_bias_rows(rows, bias));
         }
     }
 
-    /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`.
-    fn mlp(&self, block: &BlockWeights, s: &mut Scratch) {
+    /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`, or with `split` that output written to
+    /// `s.branch`.
+    fn mlp(&self, block: &BlockWeights, s: &mut Scratch, split: bool) {
         let (c, tokens) = (self.config, self.tokens);
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
         let eps = c.rms_norm_eps as f32;
@@ -308,13 +370,22 @@ impl Pass<'_> {
         });
         let act = MatRef::dense(&s.act, tokens, inter);
         let tile = &mut s.weight_tile;
-        matmul_weight(act, &block.down, &mut s.x, hidden, true, ALL_THREADS, tile);
+        let dst = if split { &mut s.branch } else { &mut s.x };
+        matmul_weight(act, &block.down, dst, hidden, !split, ALL_THREADS, tile);
     }
 
-    /// Copies the residual stream `x` into a kept layer's slot `dst`, or its projections onto
-    /// `directions`.
-    fn keep(&self, x: &[f32], directions: Option<&Directions>, dst: &mut [f32]) {
+    /// Copies `x` into `site`'s slot of a kept block, or its projections onto the directions;
+    /// nothing when the block or the site is not kept.
+    fn keep(&self, keep: Option<&mut Keep<'_>>, site: Site, x: &[f32]) {
+        let Some(keep) = keep else { return };
+        let Some(position) = keep.sites.position(site) else {
+            return;
+        };
+        let slot = keep.out.slot(position, keep.layer);
+        let dst = keep.out.layer_mut(slot);
         let hidden = self.config.hidden_size;
+        let x = &x[..self.tokens * hidden];
+        let directions = keep.directions;
         match directions {
             None => dst.copy_from_slice(x),
             Some(directions) => {
@@ -325,6 +396,13 @@ impl Pass<'_> {
             }
         }
     }
+}
+
+/// `x += branch`, row chunks in parallel.
+fn add_rows(x: &mut [f32], branch: &[f32], hidden: usize) {
+    x.par_chunks_mut(hidden * ROWS_PER_TASK)
+        .zip(branch.par_chunks(hidden * ROWS_PER_TASK))
+        .for_each(|(x, b)| kernels::add_bias_rows(x, b));
 }
 
 /// Applies a row kernel to `[rows, in_width]` → `[rows, out_width]` in parallel chunks of rows.

@@ -136,9 +136,24 @@ fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
 }
 
 impl CudaBackend {
+    /// Refuses what this backend cannot capture yet, before any weight is read.
+    pub fn supports(spec: &CaptureSpec) -> Result<()> {
+        if !spec.sites.is_default() {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "hook sites other than resid_post (this job asks for {})",
+                    spec.sites
+                ),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     /// Uploads `weights` (the blocks up to the deepest kept one) in bf16 to GPU `ordinal` and
     /// compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
+        Self::supports(&spec)?;
         super::probe(ordinal)?;
         let config = weights.config.clone();
         check_model(&config, &weights)?;
@@ -246,7 +261,7 @@ impl Backend for CudaBackend {
         batch.validate(self.config.vocab_size)?;
         let tokens = batch.num_tokens();
         let width = self.capture_width();
-        out.reset(self.spec.layers.len(), tokens, width);
+        out.reset(1, self.spec.layers.len(), tokens, width);
         if tokens == 0 {
             return Ok(());
         }
