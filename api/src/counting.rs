@@ -4,6 +4,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use harvest_core::selection::{Dropped, TokenSelection};
+
 /// Prompts tokenized per call: small enough that a cancelled count stops within a fraction of
 /// a second, large enough that the tokenizer's own threads stay busy.
 pub const COUNT_CHUNK: usize = 256;
@@ -15,6 +17,11 @@ pub struct Counts {
     pub per_prompt: Vec<usize>,
     /// Prompts that were cut: (prompt, tokens before the cut).
     pub truncated: Vec<(usize, usize)>,
+    /// With a token selection: tokens each prompt keeps by its pure filters (the norm filter,
+    /// which needs the activations, can only keep fewer).
+    pub kept: Option<Vec<usize>>,
+    /// With a token selection: what its pure filters drop.
+    pub dropped: Dropped,
 }
 
 impl Counts {
@@ -43,20 +50,44 @@ pub enum Counted {
     Cancelled,
 }
 
+/// What a count is asked to do besides counting.
+#[derive(Debug, Clone, Copy)]
+pub struct CountOptions<'a> {
+    /// Whether the tokenizer adds its special tokens.
+    pub add_special_tokens: bool,
+    /// The context window each prompt is cut to.
+    pub max_tokens: u64,
+    /// Stop once the corpus is known to hold more tokens than this.
+    pub cap: u64,
+    /// Count what this selection keeps of each prompt too.
+    pub selection: Option<&'a TokenSelection>,
+}
+
 /// Counts `prompts`, each cut to `max_tokens` as the worker will, stopping at `cap` or when
 /// `cancelled` is set.
 pub fn count(
     tokenizer: &tokenizers::Tokenizer,
     prompts: &[String],
-    add_special_tokens: bool,
-    max_tokens: u64,
-    cap: u64,
+    options: CountOptions<'_>,
     cancelled: &AtomicBool,
 ) -> Result<Counted, tokenizers::Error> {
+    let CountOptions {
+        add_special_tokens,
+        max_tokens,
+        cap,
+        selection,
+    } = options;
+    let special: std::collections::HashSet<u32> = tokenizer
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, token)| token.special)
+        .map(|(id, _)| id)
+        .collect();
     let mut total = 0u64;
     let mut counts = Counts {
         per_prompt: Vec::with_capacity(prompts.len()),
-        truncated: Vec::new(),
+        kept: selection.map(|_| Vec::with_capacity(prompts.len())),
+        ..Counts::default()
     };
     for (chunk_index, chunk) in prompts.chunks(COUNT_CHUNK).enumerate() {
         if cancelled.load(Ordering::Relaxed) {
@@ -74,6 +105,13 @@ pub fn count(
                 counts.truncated.push((index, encoding.len()));
             }
             counts.per_prompt.push(n as usize);
+            if let (Some(rules), Some(kept)) = (selection, counts.kept.as_mut()) {
+                let ids = &encoding.get_ids()[..n as usize];
+                let (n_kept, dropped) =
+                    rules.count(index, ids.iter().map(|id| special.contains(id)));
+                kept.push(n_kept);
+                counts.dropped.add(&dropped);
+            }
             total += n;
         }
         if total > cap {
@@ -93,6 +131,15 @@ mod tests {
         tokenizers::Tokenizer::from_file(path).unwrap()
     }
 
+    fn options(max_tokens: u64, cap: u64) -> CountOptions<'static> {
+        CountOptions {
+            add_special_tokens: true,
+            max_tokens,
+            cap,
+            selection: None,
+        }
+    }
+
     fn prompts(n: usize) -> Vec<String> {
         (0..n)
             .map(|i| format!("prompt {i} of the corpus"))
@@ -109,14 +156,14 @@ mod tests {
             .sum();
         let never = AtomicBool::new(false);
         let Counted::Total(counted) =
-            count(&tokenizer, &corpus, true, 1_000, u64::MAX, &never).unwrap()
+            count(&tokenizer, &corpus, options(1_000, u64::MAX), &never).unwrap()
         else {
             panic!("not counted")
         };
         assert_eq!(counted.total(), one_by_one);
         assert_eq!(counted.per_prompt.len(), corpus.len());
         assert!(counted.truncated.is_empty());
-        let Counted::Total(cut) = count(&tokenizer, &corpus, true, 2, u64::MAX, &never).unwrap()
+        let Counted::Total(cut) = count(&tokenizer, &corpus, options(2, u64::MAX), &never).unwrap()
         else {
             panic!("not counted")
         };
@@ -135,12 +182,12 @@ mod tests {
         let corpus = prompts(4 * COUNT_CHUNK);
         let cancelled = AtomicBool::new(true);
         assert_eq!(
-            count(&tokenizer, &corpus, true, 1_000, u64::MAX, &cancelled).unwrap(),
+            count(&tokenizer, &corpus, options(1_000, u64::MAX), &cancelled).unwrap(),
             Counted::Cancelled
         );
         let never = AtomicBool::new(false);
         let Counted::OverCap { at_least } =
-            count(&tokenizer, &corpus, true, 1_000, 10, &never).unwrap()
+            count(&tokenizer, &corpus, options(1_000, 10), &never).unwrap()
         else {
             panic!("the cap did not stop the count")
         };
@@ -154,7 +201,16 @@ mod tests {
         corpus[COUNT_CHUNK + 2] = String::new();
         let never = AtomicBool::new(false);
         assert_eq!(
-            count(&tokenizer, &corpus, false, 1_000, u64::MAX, &never).unwrap(),
+            count(
+                &tokenizer,
+                &corpus,
+                CountOptions {
+                    add_special_tokens: false,
+                    ..options(1_000, u64::MAX)
+                },
+                &never
+            )
+            .unwrap(),
             Counted::Empty {
                 index: COUNT_CHUNK + 2
             }

@@ -343,6 +343,7 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
         project_onto,
         output: Location::Local(paths.output()),
         batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
+        selection: submission.selection,
     };
     std::fs::write(
         input.join("plan.json"),

@@ -17,6 +17,7 @@ use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
 use harvest_core::quota::{AccountLimits, Book, Lane};
+use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
@@ -504,6 +505,11 @@ impl KubeBackend {
                 }),
                 shard_size: job.spec.shard_size as u32,
                 add_special_tokens: job.spec.add_special_tokens,
+                exclude_special_tokens: job.spec.selection.exclude_special_tokens,
+                positions: job.spec.selection.positions.map(|p| vec![p.start, p.end]),
+                sample_rate: job.spec.selection.sample.map(|s| s.rate),
+                seed: job.spec.selection.sample.map(|s| s.seed),
+                max_norm_multiple: job.spec.selection.max_norm_multiple,
             },
             ..HarvestJobSpec::new(
                 job.model.clone(),
@@ -673,6 +679,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                     Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>()).ok()
                 })
                 .unwrap_or_default(),
+            selection: selection_of(&job.spec.harvest),
             shard_size: job.spec.harvest.shard_size as usize,
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),
@@ -835,4 +842,20 @@ pub async fn revoke_label(
         api.delete(&secret.name_any(), &Default::default()).await?;
     }
     Ok(matching.len())
+}
+
+/// A HarvestJob's token selection (the operator refuses an invalid one; here it reads as none).
+fn selection_of(harvest: &HarvestOptions) -> TokenSelection {
+    RawSelection {
+        exclude_special_tokens: Some(harvest.exclude_special_tokens),
+        positions: harvest
+            .positions
+            .as_ref()
+            .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+        sample_rate: harvest.sample_rate,
+        seed: harvest.seed,
+        max_norm_multiple: harvest.max_norm_multiple,
+    }
+    .validate()
+    .unwrap_or_default()
 }

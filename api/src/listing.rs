@@ -246,6 +246,7 @@ mod tests {
             spec: crate::store::JobSpec {
                 layers: vec![0],
                 sites: harvest_core::Sites::default(),
+                selection: Default::default(),
                 shard_size: 1,
                 add_special_tokens: true,
                 has_directions: false,

@@ -28,7 +28,7 @@ use crate::store::{JobRecord, JobSpec};
 use crate::wire::{
     self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, ShardFiles, Submission,
 };
-use harvest_core::estimate::{self, JobShape, Predicted};
+use harvest_core::estimate::{self, JobShape, KeptTokens, Predicted};
 use harvest_core::format::{Contents, ModelInfo};
 
 impl FromRequestParts<Arc<AppState>> for Caller {
@@ -156,6 +156,11 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         shard_size: submission.shard_size.get(),
         layers: submission.layers.as_slice(),
         sites: &submission.sites,
+        selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
+            rules: &submission.selection,
+            kept_counts,
+            dropped: counts.dropped,
+        }),
         contents,
         width,
         model: ModelInfo {
@@ -189,6 +194,10 @@ fn dry_run_answer(
             .map(str::to_owned)
             .collect(),
         tokens: counts.total(),
+        kept_tokens: counts
+            .kept
+            .as_ref()
+            .map(|kept| kept.iter().map(|&n| n as u64).sum()),
         reserved_tokens: submission.reserved_tokens,
         files: FileSizes {
             shards: ShardFiles {
@@ -226,6 +235,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
         spec: JobSpec {
             layers: submission.layers.as_slice().to_vec(),
             sites: submission.sites.clone(),
+            selection: submission.selection,
             shard_size: submission.shard_size.get(),
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),
@@ -254,17 +264,17 @@ async fn count_tokens(
     let prompts = submission.prompts.clone();
     let special = submission.add_special_tokens;
     let max_tokens = model.max_tokens as u64;
+    let selection = submission.selection;
     let cancelled = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&cancelled);
     let counting = tokio::task::spawn_blocking(move || {
-        counting::count(
-            &tokenizer,
-            &prompts,
-            special,
+        let options = counting::CountOptions {
+            add_special_tokens: special,
             max_tokens,
-            MAX_JOB_TOKENS,
-            &flag,
-        )
+            cap: MAX_JOB_TOKENS,
+            selection: (!selection.is_everything()).then_some(&selection),
+        };
+        counting::count(&tokenizer, &prompts, options, &flag)
     });
     let Ok(joined) = tokio::time::timeout(state.count_timeout, counting).await else {
         // The blocking count sees the flag at its next chunk and stops.

@@ -9,6 +9,7 @@ use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
 use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
+use harvest_core::selection::TokenSelection;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -55,13 +56,16 @@ pub enum StoreError {
 type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// How to (re)start a job's worker; everything else lives in the job's input folder.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
     /// Kept layers.
     pub layers: Vec<usize>,
     /// Kept hook sites (`resid_post` alone for jobs stored before sites were).
     #[serde(default, skip_serializing_if = "Sites::is_default")]
     pub sites: Sites,
+    /// Which tokens are kept (every token for jobs stored before selections were).
+    #[serde(default, skip_serializing_if = "TokenSelection::is_everything")]
+    pub selection: TokenSelection,
     /// Prompts per shard.
     pub shard_size: usize,
     /// Whether special tokens are added.
@@ -301,6 +305,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
         spec: JobSpec {
             layers: vec![],
             sites: Sites::default(),
+            selection: Default::default(),
             shard_size: 0,
             add_special_tokens: true,
             has_directions: false,
@@ -816,6 +821,7 @@ mod tests {
             spec: JobSpec {
                 layers: vec![1],
                 sites: Sites::default(),
+                selection: Default::default(),
                 shard_size: 32,
                 add_special_tokens: true,
                 has_directions: false,

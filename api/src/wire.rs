@@ -8,6 +8,7 @@ use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::MAX_PROMPTS;
 use harvest_core::quota::Lane;
+use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::RunResult;
 use harvest_core::{LayerSelection, Layers, ServedModel, Sites};
 use serde::{Deserialize, Serialize};
@@ -51,6 +52,25 @@ pub struct HarvestRequest {
     /// Directions to project onto instead of returning raw activations.
     #[serde(default)]
     pub project_onto: Option<ProjectOnto>,
+    /// Our extension: drop every token the tokenizer marks special (`tokens_i` still lists
+    /// them; `positions_i` lists the kept positions).
+    #[serde(default)]
+    pub exclude_special_tokens: Option<bool>,
+    /// Our extension: keep positions `[start, end)` of each prompt.
+    #[serde(default)]
+    #[schema(example = json!([1, 512]))]
+    pub positions: Option<Vec<u64>>,
+    /// Our extension: keep each token with this probability, in (0, 1], decided by a hash of
+    /// `seed`, the prompt and the position (the same in every run).
+    #[serde(default)]
+    pub sample_rate: Option<f64>,
+    /// Our extension: the seed of `sample_rate` (default 0).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Our extension: drop tokens whose `resid_post` norm at the deepest kept layer exceeds
+    /// this multiple of the running median (above 1); the manifest counts them.
+    #[serde(default)]
+    pub max_norm_multiple: Option<f64>,
     /// Our extension: validate and count, then answer what the job would be (`DryRun`), with
     /// no job made and no quota used.
     #[serde(default)]
@@ -87,6 +107,8 @@ pub struct Submission {
     pub layers: Layers,
     /// The kept hook sites.
     pub sites: Sites,
+    /// Which tokens are kept.
+    pub selection: TokenSelection,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether special tokens are added.
@@ -111,6 +133,11 @@ impl HarvestRequest {
             batch_size,
             add_special_tokens,
             project_onto,
+            exclude_special_tokens,
+            positions,
+            sample_rate,
+            seed,
+            max_norm_multiple,
             dry_run: _,
         } = self;
         if prompts.is_empty() {
@@ -145,12 +172,24 @@ impl HarvestRequest {
         let directions = project_onto
             .map(|p| p.decode(model.shape.hidden_size))
             .transpose()?;
+        let selection = RawSelection {
+            exclude_special_tokens,
+            positions,
+            sample_rate,
+            seed,
+            max_norm_multiple,
+        }
+        .validate()
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+        harvest_core::plan::check_norm_filter(&selection, &sites, directions.is_some())
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
         let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
         Ok(Submission {
             model: name,
             prompts,
             layers,
             sites,
+            selection,
             shard_size,
             add_special_tokens: add_special_tokens.unwrap_or(true),
             directions,
@@ -444,6 +483,9 @@ pub struct DryRun {
     pub sites: Vec<String>,
     /// Tokens the engine would read (each prompt cut to the context window).
     pub tokens: u64,
+    /// With a token selection: the tokens it keeps by position, specialness and sampling (the
+    /// norm filter can only keep fewer); null without one.
+    pub kept_tokens: Option<u64>,
     /// Tokens it would hold against the budget while it runs.
     pub reserved_tokens: u64,
     /// Bytes per file kind.

@@ -1204,3 +1204,54 @@ async fn sites_are_answered_in_block_order_and_a_dry_run_prices_each_one() {
         assert!(message.contains(needle), "{message}");
     }
 }
+
+#[tokio::test]
+async fn a_token_selection_is_counted_by_the_dry_run_and_each_bad_field_is_named() {
+    let f = fixture(present_harvester(), AccountLimits::default()).await;
+    let mut body: serde_json::Value = serde_json::from_str(&seed_body()).unwrap();
+    body["dry_run"] = serde_json::json!(true);
+    let (_, _, all) = submit(&f, body.to_string()).await;
+    assert!(all["kept_tokens"].is_null(), "{all}");
+    body["positions"] = serde_json::json!([0, 2]);
+    body["sample_rate"] = serde_json::json!(1.0);
+    let (status, _, sliced) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{sliced}");
+    assert_eq!(
+        sliced["kept_tokens"], 4,
+        "two prompts, two positions each: {sliced}"
+    );
+    assert!(sliced["files"]["shards"]["bytes"].as_u64() < all["files"]["shards"]["bytes"].as_u64());
+    for (field, value, needle) in [
+        (
+            "positions",
+            serde_json::json!([3, 3]),
+            "[3, 3) is empty or inverted",
+        ),
+        ("positions", serde_json::json!([1]), "two numbers"),
+        (
+            "sample_rate",
+            serde_json::json!(0),
+            "sample_rate 0 is outside (0, 1]",
+        ),
+        ("sample_rate", serde_json::json!(1.5), "outside (0, 1]"),
+        ("max_norm_multiple", serde_json::json!(1), "above 1"),
+    ] {
+        let mut bad = body.clone();
+        bad[field] = value;
+        let (status, _, refused) = submit(&f, bad.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+        let message = refused["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{field}: {message}");
+    }
+    let mut bad = body.clone();
+    bad["max_norm_multiple"] = serde_json::json!(8);
+    bad["sites"] = serde_json::json!(["mlp_out"]);
+    let (status, _, refused) = submit(&f, bad.to_string()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("add resid_post to sites")
+    );
+}

@@ -9,9 +9,10 @@
 //! fingerprint) and measured; only its floats' digits can differ, a few bytes per kept layer.
 
 use crate::format::{
-    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, SiteInfo,
-    TokenizerInfo, Truncation,
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, SelectionInfo, ShardEntry,
+    SiteInfo, TokenizerInfo, Truncation,
 };
+use crate::selection::{Dropped, TokenSelection};
 use crate::sites::{Site, Sites};
 
 /// Hex digits of a sha256 (checksums and the plan fingerprint).
@@ -32,6 +33,9 @@ pub struct JobShape<'a> {
     pub layers: &'a [usize],
     /// Kept hook sites.
     pub sites: &'a Sites,
+    /// The token selection, and per prompt the tokens it keeps with what it drops (the pure
+    /// filters only: the norm filter can drop more, so this is an upper bound).
+    pub selection: Option<KeptTokens<'a>>,
     /// Activations or projections.
     pub contents: Contents,
     /// The last axis: the hidden size, or the number of directions.
@@ -44,6 +48,17 @@ pub struct JobShape<'a> {
     pub bos_token_id: Option<u32>,
     /// The context window.
     pub max_tokens: usize,
+}
+
+/// What a token selection keeps, as predicted before the job runs.
+#[derive(Debug, Clone)]
+pub struct KeptTokens<'a> {
+    /// The rules.
+    pub rules: &'a TokenSelection,
+    /// Tokens kept of each prompt.
+    pub kept_counts: &'a [usize],
+    /// Tokens dropped over the job.
+    pub dropped: Dropped,
 }
 
 /// The predicted sizes of a job's files.
@@ -128,6 +143,7 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
         Contents::Activations => "BF16",
         Contents::Projections => "F32",
     };
+    let kept = shape.selection.as_ref().map(|k| k.kept_counts);
     let shards: Vec<u64> = shape
         .token_counts
         .chunks(shard_size)
@@ -138,14 +154,20 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
                 .enumerate()
                 .flat_map(|(offset, &tokens)| {
                     let i = shard * shard_size + offset;
+                    let kept = kept.map(|k| k.get(i).copied().unwrap_or(0));
+                    let rows = kept.unwrap_or(tokens);
                     let values = shape.sites.as_slice().iter().map(move |site| {
                         Tensor::new(
                             format!("{}_{i}", site.tensor_prefix()),
                             value_dtype,
-                            vec![layers, tokens, shape.width],
+                            vec![layers, rows, shape.width],
                         )
                     });
-                    values.chain([Tensor::new(format!("tokens_{i}"), "I32", vec![tokens])])
+                    let positions =
+                        kept.map(|kept| Tensor::new(format!("positions_{i}"), "I32", vec![kept]));
+                    values
+                        .chain([Tensor::new(format!("tokens_{i}"), "I32", vec![tokens])])
+                        .chain(positions)
                 })
                 .collect();
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
@@ -183,9 +205,14 @@ fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
         .enumerate()
         .map(|(shard, (counts, &bytes))| {
             let first_prompt = shard * shard_size;
+            let kept = shape.selection.as_ref().map(|k| {
+                let end = (first_prompt + counts.len()).min(k.kept_counts.len());
+                &k.kept_counts[first_prompt.min(end)..end]
+            });
             let (prompts, tensors) = ShardEntry::contents_of(
                 first_prompt,
                 counts,
+                kept,
                 shape.contents,
                 shape.sites,
                 shape.layers.len(),
@@ -195,6 +222,7 @@ fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
                 file: crate::plan::shard_file_name(shard),
                 first_prompt,
                 token_counts: counts.to_vec(),
+                kept_counts: kept.map(<[usize]>::to_vec).unwrap_or_default(),
                 prompts,
                 tensors,
                 bytes,
@@ -258,6 +286,15 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
             .iter()
             .map(|&site| SiteInfo::new(site, vec![TYPICAL_NORM; shape.layers.len()]))
             .collect(),
+        selection: shape.selection.as_ref().map(|k| SelectionInfo {
+            rules: *k.rules,
+            norm_layer: k
+                .rules
+                .max_norm_multiple
+                .and_then(|_| shape.layers.last().copied()),
+            kept_tokens: k.kept_counts.iter().sum::<usize>() as u64,
+            dropped: k.dropped,
+        }),
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -274,6 +311,7 @@ mod tests {
             shard_size: 2,
             layers,
             sites: &DEFAULT,
+            selection: None,
             contents,
             width: 8,
             model: ModelInfo {

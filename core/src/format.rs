@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::selection::{Dropped, TokenSelection};
 use crate::sites::{Site, Sites};
 
 /// Bumped on any incompatible change to the files a harvest writes.
@@ -100,6 +101,23 @@ pub struct Manifest {
     /// manifests written before sites were added, which kept `resid_post` alone.
     #[serde(default)]
     pub sites: Vec<SiteInfo>,
+    /// Present when the job selected tokens: its rules and what they kept and dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection: Option<SelectionInfo>,
+}
+
+/// A job's token selection, as the manifest records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelectionInfo {
+    /// The rules, as the job gave them.
+    pub rules: TokenSelection,
+    /// The block whose `resid_post` norms the norm filter read (the deepest kept), if it ran.
+    pub norm_layer: Option<usize>,
+    /// Tokens kept, over all prompts: the token axis of every activation tensor.
+    pub kept_tokens: u64,
+    /// Tokens dropped, by the first filter that dropped each.
+    pub dropped: Dropped,
 }
 
 /// One kept hook site, as the manifest lists it.
@@ -191,11 +209,14 @@ pub struct ShardEntry {
     pub first_prompt: usize,
     /// Tokens of each of its prompts, in order.
     pub token_counts: Vec<usize>,
+    /// Tokens kept of each of its prompts, when the job selected tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kept_counts: Vec<usize>,
     /// Global index of each of its prompts, in order (`first_prompt` onwards).
     #[serde(default)]
     pub prompts: Vec<usize>,
     /// Every tensor it holds, in prompt order: each site's tensor in block order (`prompt_i`
-    /// for `resid_post`), then `tokens_i`.
+    /// for `resid_post`), then `tokens_i`, then `positions_i` when the job selected tokens.
     #[serde(default)]
     pub tensors: Vec<TensorEntry>,
     /// File size.
@@ -220,27 +241,39 @@ impl ShardEntry {
     /// The prompt indices and tensors of a shard whose first prompt is `first_prompt` and whose
     /// prompts have `token_counts` tokens, each site's tensor holding `layers` kept layers of
     /// `width` values per token.
+    /// With `kept_counts` (a job that selects tokens), the activations hold that many tokens
+    /// and `positions_i` lists them.
     pub fn contents_of(
         first_prompt: usize,
         token_counts: &[usize],
+        kept_counts: Option<&[usize]>,
         contents: Contents,
         sites: &Sites,
         layers: usize,
         width: usize,
     ) -> (Vec<usize>, Vec<TensorEntry>) {
         let prompts: Vec<usize> = (first_prompt..first_prompt + token_counts.len()).collect();
-        let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 1));
-        for (&i, &tokens) in prompts.iter().zip(token_counts) {
+        let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 2));
+        for (n, (&i, &tokens)) in prompts.iter().zip(token_counts).enumerate() {
+            let kept = kept_counts.map(|k| k.get(n).copied().unwrap_or(0));
+            let rows = kept.unwrap_or(tokens);
             tensors.extend(sites.as_slice().iter().map(|site| TensorEntry {
                 name: format!("{}_{i}", site.tensor_prefix()),
                 dtype: contents.dtype().to_owned(),
-                shape: vec![layers, tokens, width],
+                shape: vec![layers, rows, width],
             }));
             tensors.push(TensorEntry {
                 name: format!("tokens_{i}"),
                 dtype: "int32".to_owned(),
                 shape: vec![tokens],
             });
+            if let Some(kept) = kept {
+                tensors.push(TensorEntry {
+                    name: format!("positions_{i}"),
+                    dtype: "int32".to_owned(),
+                    shape: vec![kept],
+                });
+            }
         }
         (prompts, tensors)
     }
@@ -334,8 +367,15 @@ mod tests {
 
     #[test]
     fn a_shard_entry_lists_its_prompts_and_the_shape_of_each_tensor() {
-        let (prompts, tensors) =
-            ShardEntry::contents_of(4, &[3, 5], Contents::Projections, &Sites::default(), 2, 8);
+        let (prompts, tensors) = ShardEntry::contents_of(
+            4,
+            &[3, 5],
+            None,
+            Contents::Projections,
+            &Sites::default(),
+            2,
+            8,
+        );
         assert_eq!(prompts, [4, 5]);
         let listed: Vec<(&str, &str, &[usize])> = tensors
             .iter()

@@ -28,6 +28,7 @@ pub mod model;
 pub mod npy;
 pub mod plan;
 pub mod quota;
+pub mod selection;
 pub mod sites;
 pub mod stats;
 pub mod worker;

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
 use crate::model::ModelShape;
-use crate::sites::Sites;
+use crate::selection::{RawSelection, SelectionError, TokenSelection};
+use crate::sites::{Site, Sites};
 
 /// Prompts per shard unless the plan says otherwise.
 pub const DEFAULT_SHARD_SIZE: usize = 32;
@@ -33,7 +34,7 @@ pub enum Location {
 }
 
 /// Why a plan is invalid.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
     /// An `s3://` URL without a bucket.
     #[error("{value:?} is not a valid location: write s3://bucket/prefix or a local path")]
@@ -56,6 +57,15 @@ pub enum PlanError {
     Empty {
         /// The field.
         field: &'static str,
+    },
+    /// A token selection field is refused.
+    #[error(transparent)]
+    Selection(#[from] SelectionError),
+    /// The norm filter without what it measures.
+    #[error("max_norm_multiple filters on the resid_post norm, {reason}")]
+    NormFilter {
+        /// What is missing, and the fix.
+        reason: &'static str,
     },
 }
 
@@ -88,6 +98,21 @@ pub struct RawPlan {
     /// Tokens per forward batch.
     #[serde(default = "default_batch_tokens")]
     pub batch_tokens: usize,
+    /// Drop the tokens the tokenizer marks special.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclude_special_tokens: bool,
+    /// Keep positions `[start, end)` of each prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub positions: Option<Vec<u64>>,
+    /// Keep each token with this probability (seeded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_rate: Option<f64>,
+    /// The sampling's seed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Drop tokens whose resid_post norm exceeds this multiple of the running median.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_norm_multiple: Option<f64>,
 }
 
 fn default_shard_size() -> usize {
@@ -103,7 +128,7 @@ fn default_true() -> bool {
 }
 
 /// A validated plan.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HarvestPlan {
     /// Checkpoint directory.
     pub model: PathBuf,
@@ -123,11 +148,13 @@ pub struct HarvestPlan {
     pub output: Location,
     /// Tokens per forward batch.
     pub batch_tokens: NonZeroUsize,
+    /// Which tokens are kept.
+    pub selection: TokenSelection,
 }
 
 /// A plan whose layers are resolved against its model's shape: what every stage after
 /// validation sees. It travels to a worker as [`ResolvedPlan::to_raw`], layers listed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ResolvedPlan {
     /// Checkpoint directory.
     pub model: PathBuf,
@@ -147,6 +174,8 @@ pub struct ResolvedPlan {
     pub output: Location,
     /// Tokens per forward batch.
     pub batch_tokens: NonZeroUsize,
+    /// Which tokens are kept.
+    pub selection: TokenSelection,
 }
 
 impl HarvestPlan {
@@ -162,6 +191,7 @@ impl HarvestPlan {
             project_onto,
             output,
             batch_tokens,
+            selection,
         } = self;
         Ok(ResolvedPlan {
             layers: shape.layers(&layers)?,
@@ -173,6 +203,7 @@ impl HarvestPlan {
             project_onto,
             output,
             batch_tokens,
+            selection,
         })
     }
 }
@@ -191,6 +222,7 @@ impl ResolvedPlan {
             project_onto,
             output,
             batch_tokens,
+            selection,
         } = self;
         RawPlan {
             model: model.display().to_string(),
@@ -202,6 +234,13 @@ impl ResolvedPlan {
             project_onto: project_onto.as_ref().map(Location::to_string),
             output: output.to_string(),
             batch_tokens: batch_tokens.get(),
+            exclude_special_tokens: selection.exclude_special_tokens,
+            positions: selection
+                .positions
+                .map(|p| vec![u64::from(p.start), u64::from(p.end)]),
+            sample_rate: selection.sample.map(|s| s.rate),
+            seed: selection.sample.map(|s| s.seed),
+            max_norm_multiple: selection.max_norm_multiple,
         }
     }
 }
@@ -260,10 +299,24 @@ impl TryFrom<RawPlan> for HarvestPlan {
             project_onto,
             output,
             batch_tokens,
+            exclude_special_tokens,
+            positions,
+            sample_rate,
+            seed,
+            max_norm_multiple,
         } = raw;
         if model.trim().is_empty() {
             return Err(PlanError::Empty { field: "model" });
         }
+        let selection = RawSelection {
+            exclude_special_tokens: Some(exclude_special_tokens),
+            positions,
+            sample_rate,
+            seed,
+            max_norm_multiple,
+        }
+        .validate()?;
+        check_norm_filter(&selection, &sites, project_onto.is_some())?;
         Ok(Self {
             model: PathBuf::from(model),
             prompts: Location::parse(&prompts, "prompts")?,
@@ -277,8 +330,32 @@ impl TryFrom<RawPlan> for HarvestPlan {
                 .transpose()?,
             output: Location::parse(&output, "output")?,
             batch_tokens: bounded("batch_tokens", batch_tokens, 1 << 20)?,
+            selection,
         })
     }
+}
+
+/// The norm filter measures the `resid_post` rows it keeps, so it needs `resid_post` among the
+/// sites and activations rather than projections.
+pub fn check_norm_filter(
+    selection: &TokenSelection,
+    sites: &Sites,
+    projecting: bool,
+) -> Result<(), PlanError> {
+    if selection.max_norm_multiple.is_none() {
+        return Ok(());
+    }
+    if !sites.contains(Site::ResidPost) {
+        return Err(PlanError::NormFilter {
+            reason: "so add resid_post to sites",
+        });
+    }
+    if projecting {
+        return Err(PlanError::NormFilter {
+            reason: "which a projection job does not keep: drop project_onto or max_norm_multiple",
+        });
+    }
+    Ok(())
 }
 
 /// How many shards `n_prompts` prompts fill.

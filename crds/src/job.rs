@@ -97,7 +97,7 @@ pub struct InputRef {
 }
 
 /// Layers, sharding and tokenizer options.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
     validation = Rule::new("!(has(self.layers) && self.allLayers)")
@@ -123,6 +123,24 @@ pub struct HarvestOptions {
     /// Whether the tokenizer adds its special tokens (BOS for Llama 3).
     #[serde(default = "default_true")]
     pub add_special_tokens: bool,
+    /// Drop every token the tokenizer marks special (`tokens_i` still lists them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclude_special_tokens: bool,
+    /// Keep positions `[start, end)` of each prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 2, max = 2))]
+    pub positions: Option<Vec<u32>>,
+    /// Keep each token with this probability, in (0, 1], decided by a hash seeded with `seed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 1.0))]
+    pub sample_rate: Option<f64>,
+    /// The seed of `sampleRate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Drop tokens whose `resid_post` norm at the deepest kept layer exceeds this multiple of
+    /// the running median (above 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_norm_multiple: Option<f64>,
 }
 
 impl Default for HarvestOptions {
@@ -133,6 +151,11 @@ impl Default for HarvestOptions {
             sites: None,
             shard_size: default_shard_size(),
             add_special_tokens: true,
+            exclude_special_tokens: false,
+            positions: None,
+            sample_rate: None,
+            seed: None,
+            max_norm_multiple: None,
         }
     }
 }

@@ -6,12 +6,13 @@ use std::path::Path;
 
 use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::quota::Lane;
+use harvest_core::selection::RawSelection;
 use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel, Sites};
 
 use crate::job::HarvestJobSpec;
 
 /// Why a spec cannot run.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SpecError {
     /// The model is not in the catalogue.
     #[error("model {model:?} is not in the catalogue; known models: {}", known.join(", "))]
@@ -27,6 +28,9 @@ pub enum SpecError {
     /// Hook sites listed twice (the apiserver refuses that too, as a set).
     #[error("spec.harvest.sites: {0}")]
     Sites(#[from] harvest_core::SiteError),
+    /// A token selection field is refused.
+    #[error("spec.harvest: {0}")]
+    Selection(#[from] harvest_core::PlanError),
     /// A location that is neither `s3://bucket/...` nor an absolute path.
     #[error("spec.{field}: {value:?} is not a location: write s3://bucket/key or an absolute path")]
     BadLocation {
@@ -44,6 +48,7 @@ impl SpecError {
             Self::UnknownModel { .. } => "UnknownModel",
             Self::Layers(_) => "InvalidLayers",
             Self::Sites(_) => "InvalidSites",
+            Self::Selection(_) => "InvalidSelection",
             Self::BadLocation { .. } => "InvalidLocation",
         }
     }
@@ -94,6 +99,18 @@ impl HarvestJobSpec {
                 }),
             }
         };
+        let tokens = RawSelection {
+            exclude_special_tokens: Some(harvest.exclude_special_tokens),
+            positions: harvest
+                .positions
+                .as_ref()
+                .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+            sample_rate: harvest.sample_rate,
+            seed: harvest.seed,
+            max_norm_multiple: harvest.max_norm_multiple,
+        }
+        .validate()
+        .map_err(harvest_core::PlanError::from)?;
         let plan = ResolvedPlan {
             model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
@@ -112,7 +129,13 @@ impl HarvestJobSpec {
                 .transpose()?,
             output: location("output", output)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
+            selection: tokens,
         };
+        harvest_core::plan::check_norm_filter(
+            &plan.selection,
+            &plan.sites,
+            plan.project_onto.is_some(),
+        )?;
         Ok(ValidJob {
             plan,
             lane: model.lane,

@@ -150,6 +150,22 @@ struct RunArgs {
     /// Tokens per forward batch.
     #[arg(long, default_value_t = harvest_core::plan::DEFAULT_BATCH_TOKENS)]
     batch_tokens: usize,
+    /// Drop every token the tokenizer marks special (tokens_i still lists them).
+    #[arg(long)]
+    exclude_special_tokens: bool,
+    /// Keep positions START to END (exclusive) of each prompt, e.g. 1:512.
+    #[arg(long, value_parser = parse_slice)]
+    positions: Option<Slice>,
+    /// Keep each token with this probability, decided by a hash seeded with --seed.
+    #[arg(long)]
+    sample_rate: Option<f64>,
+    /// The seed of --sample-rate (default 0).
+    #[arg(long, requires = "sample_rate")]
+    seed: Option<u64>,
+    /// Drop tokens whose resid_post norm at the deepest kept layer exceeds this multiple of the
+    /// running median.
+    #[arg(long)]
+    max_norm_multiple: Option<f64>,
     /// Project onto these directions ([n, hidden] in .npy or .safetensors; path or s3://).
     #[arg(long)]
     project_onto: Option<String>,
@@ -182,7 +198,7 @@ impl RunArgs {
         if let Some(text) = &self.plan_json {
             return PlanSource::Json(text.clone());
         }
-        PlanSource::Given(RawPlan {
+        PlanSource::Given(Box::new(RawPlan {
             model: self.model.clone().unwrap_or_default(),
             prompts: self.prompts.clone().unwrap_or_default(),
             layers: self.layers.clone(),
@@ -192,7 +208,27 @@ impl RunArgs {
             project_onto: self.project_onto.clone(),
             output: self.out.clone().unwrap_or_default(),
             batch_tokens: self.batch_tokens,
-        })
+            exclude_special_tokens: self.exclude_special_tokens,
+            positions: self.positions.map(|Slice(start, end)| vec![start, end]),
+            sample_rate: self.sample_rate,
+            seed: self.seed,
+            max_norm_multiple: self.max_norm_multiple,
+        }))
+    }
+}
+
+/// A slice of positions, `START:END`.
+#[derive(Debug, Clone, Copy)]
+struct Slice(u64, u64);
+
+/// `START:END` as `--positions` takes it (the plan checks that it is not empty).
+fn parse_slice(text: &str) -> Result<Slice, String> {
+    let parse = |part: &str| part.trim().parse::<u64>().ok();
+    match text.split_once(':').map(|(a, b)| (parse(a), parse(b))) {
+        Some((Some(start), Some(end))) => Ok(Slice(start, end)),
+        _ => Err(format!(
+            "{text:?} is not a slice: write START:END, e.g. 1:512"
+        )),
     }
 }
 

@@ -64,6 +64,19 @@ impl PromptTokenizer {
         self.max_tokens
     }
 
+    /// Every id the tokenizer marks special (BOS, EOS, chat markers), ascending.
+    pub fn special_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Tokenizes prompt `index`. An empty result is an error naming the prompt.
     pub fn encode(&self, index: usize, text: &str, add_special_tokens: bool) -> Result<Encoded> {
         let encoding = self

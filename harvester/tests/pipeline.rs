@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{Reference, fixtures, smollm2_dir, worst_relative_error};
 use harvest_core::format::{Contents, Manifest};
+use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::{HarvestPlan, LayerSelection, Location, Sites};
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, Captured};
@@ -49,6 +50,7 @@ fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> Harv
         project_onto: None,
         output: Location::Local(out.to_owned()),
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
+        selection: TokenSelection::default(),
     }
 }
 
@@ -316,7 +318,7 @@ fn harvester() -> Command {
     cmd
 }
 
-fn run_args(prompts: &Path, out: &Path) -> Vec<String> {
+fn run_args_with(prompts: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     [
         "run",
         "--model",
@@ -335,6 +337,7 @@ fn run_args(prompts: &Path, out: &Path) -> Vec<String> {
         "off",
     ]
     .iter()
+    .chain(extra)
     .map(|s| (*s).to_owned())
     .collect()
 }
@@ -359,6 +362,27 @@ fn output_files(out: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() {
+    killed_and_resumed(&[]);
+}
+
+#[test]
+fn a_killed_run_that_selects_tokens_by_norm_resumes_to_the_same_files() {
+    // The norm filter's running median spans shards, so a resumed run must rebuild it from the
+    // finished shards' records to decide as the uninterrupted run did.
+    killed_and_resumed(&[
+        "--max-norm-multiple",
+        "1.05",
+        "--sample-rate",
+        "0.8",
+        "--seed",
+        "5",
+        "--positions",
+        "1:60",
+    ]);
+}
+
+fn killed_and_resumed(extra: &[&str]) {
+    let run_args = |prompts: &Path, out: &Path| run_args_with(prompts, out, extra);
     let dir = tempfile::tempdir().unwrap();
     let prompts: Vec<String> = (0..24)
         .map(|i| format!("Prompt number {i} talks about the residual stream of a language model, block by block, {}", "and more ".repeat(i % 5)))
@@ -413,6 +437,114 @@ fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() 
         "resumed {resumed_shards} of 6 shards"
     );
     assert_eq!(output_files(&resumed), output_files(&reference));
+}
+
+#[test]
+fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts_add_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..6)
+        .map(|i| {
+            format!(
+                "<|im_start|>user\n{} {}<|im_end|>",
+                PROMPTS[i % PROMPTS.len()],
+                "more ".repeat(i)
+            )
+        })
+        .collect();
+    let prompts_path = write_prompts(dir.path(), &prompts);
+    let full_out = dir.path().join("full");
+    let full = plan(&prompts_path, &full_out, vec![2, 9], 4);
+    pipeline::run(&full, &options()).unwrap();
+    let selected_out = dir.path().join("selected");
+    let mut selected = plan(&prompts_path, &selected_out, vec![2, 9], 4);
+    selected.selection = RawSelection {
+        exclude_special_tokens: Some(true),
+        positions: Some(vec![0, 12]),
+        sample_rate: Some(0.75),
+        seed: Some(11),
+        max_norm_multiple: Some(1.2),
+    }
+    .validate()
+    .unwrap();
+    pipeline::run(&selected, &options()).unwrap();
+    let tokenizer = PromptTokenizer::from_dir(&smollm2_dir(), 8192).unwrap();
+    let special = tokenizer.special_ids();
+    let manifest = manifest(&selected_out);
+    let info = manifest.selection.clone().expect("a selection block");
+    assert_eq!(info.norm_layer, Some(9));
+    assert_eq!(
+        info.kept_tokens + info.dropped.total(),
+        manifest.total_tokens
+    );
+    assert!(info.dropped.special > 0 && info.dropped.positions > 0 && info.dropped.sampled > 0);
+    assert!(
+        info.dropped.norm > 0,
+        "a multiple of 1.2 drops some: {info:?}"
+    );
+    let (mut kept_total, mut sampled_out) = (0, 0);
+    for (entry, full_entry) in manifest.shards.iter().zip(&manifest_of(&full_out).shards) {
+        let ours = std::fs::read(selected_out.join(&entry.file)).unwrap();
+        let theirs = std::fs::read(full_out.join(&full_entry.file)).unwrap();
+        let (ours, theirs) = (
+            SafeTensors::deserialize(&ours).unwrap(),
+            SafeTensors::deserialize(&theirs).unwrap(),
+        );
+        for &i in &entry.prompts {
+            let ids = ours.tensor(&format!("tokens_{i}")).unwrap();
+            assert_eq!(
+                ids.data(),
+                theirs.tensor(&format!("tokens_{i}")).unwrap().data(),
+                "tokens_i keeps every id"
+            );
+            let ids: Vec<i32> = ids
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let positions: Vec<usize> = ours
+                .tensor(&format!("positions_{i}"))
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as usize)
+                .collect();
+            let rows = ours.tensor(&format!("prompt_{i}")).unwrap();
+            assert_eq!(rows.shape(), [2, positions.len(), 576]);
+            let all = theirs.tensor(&format!("prompt_{i}")).unwrap();
+            for (row, &position) in positions.iter().enumerate() {
+                assert!(position < 12, "prompt {i} position {position}");
+                assert!(
+                    special.binary_search(&(ids[position] as u32)).is_err(),
+                    "special id kept"
+                );
+                assert!(selected.selection.pre_norm(i, position, false).is_none());
+                for layer in 0..2 {
+                    let at = |data: &[u8], tokens: usize, t: usize| {
+                        data[((layer * tokens + t) * 576) * 2..][..576 * 2].to_vec()
+                    };
+                    assert_eq!(
+                        at(rows.data(), positions.len(), row),
+                        at(all.data(), ids.len(), position),
+                        "prompt {i} row {row}"
+                    );
+                }
+            }
+            kept_total += positions.len() as u64;
+            sampled_out += (0..ids.len().min(12))
+                .filter(|&p| selected.selection.pre_norm(i, p, false).is_some())
+                .count();
+        }
+    }
+    assert_eq!(kept_total, info.kept_tokens);
+    assert!(sampled_out > 0);
+    assert_eq!(
+        manifest.stats_tokens, kept_total,
+        "no kept token is a leading BOS here"
+    );
+}
+
+fn manifest_of(out: &Path) -> Manifest {
+    manifest(out)
 }
 
 /// `harvester run --model <model> --prompts <prompts> --out <out> <extra…>`.
@@ -523,7 +655,21 @@ fn check_prediction(out: &Path, layers: &[usize], sites: &Sites, contents: Conte
         .iter()
         .flat_map(|s| s.token_counts.clone())
         .collect();
+    let kept: Vec<usize> = manifest
+        .shards
+        .iter()
+        .flat_map(|s| s.kept_counts.clone())
+        .collect();
+    let selection = manifest
+        .selection
+        .as_ref()
+        .map(|info| harvest_core::estimate::KeptTokens {
+            rules: &info.rules,
+            kept_counts: &kept,
+            dropped: info.dropped,
+        });
     let shape = harvest_core::estimate::JobShape {
+        selection,
         token_counts: &counts,
         truncated: &[],
         shard_size: manifest.shard_size,

@@ -156,10 +156,12 @@ class Client:
         project_onto: Any = None,
         *,
         sites: Optional[Sequence[str]] = None,
+        **selection: Any,
     ) -> Dict[str, Any]:
-        """A dry run: what the job would be (``tokens``, ``files`` bytes per kind, ``total_bytes``,
-        ``estimated_seconds``), with no job made and no quota used."""
+        """A dry run: what the job would be (``tokens``, ``kept_tokens``, ``files`` bytes per
+        kind, ``total_bytes``, ``estimated_seconds``), with no job made and no quota used."""
         body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, None, sites)
+        body.update(_selection(selection))
         body["dry_run"] = True
         return self._json("POST", "/harvest", json=body)
 
@@ -176,17 +178,21 @@ class Client:
         batch_size: Optional[int] = None,
         retry: bool = False,
         retry_for: float = SUBMIT_RETRY_FOR_S,
+        **selection: Any,
     ) -> "Job":
         """Queues a job and returns it (``pending``).
 
         ``layers`` is a list of block indices, ``"all"``, or None for the model's default.
         ``sites`` lists hook sites of each kept block (``resid_pre``, ``attn_out``,
         ``resid_mid``, ``mlp_out``, ``resid_post``); None keeps ``resid_post`` alone.
+        Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
+        ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
         ``Retry-After`` for up to ``retry_for`` seconds; nothing else is retried."""
         body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, batch_size, sites)
+        body.update(_selection(selection))
         deadline = time.monotonic() + retry_for
         while True:
             try:
@@ -338,3 +344,17 @@ class Job:
         from .reader import Reader
 
         return Reader(directory)
+
+
+SELECTION_FIELDS = ("exclude_special_tokens", "positions", "sample_rate", "seed", "max_norm_multiple")
+
+
+def _selection(given: Dict[str, Any]) -> Dict[str, Any]:
+    """The token selection fields of a request; an unknown keyword is a TypeError naming it."""
+    unknown = sorted(set(given) - set(SELECTION_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown argument {unknown[0]!r}: token selection takes {', '.join(SELECTION_FIELDS)}")
+    body = {name: value for name, value in given.items() if value is not None}
+    if "positions" in body:
+        body["positions"] = [int(v) for v in body["positions"]]
+    return body

@@ -94,9 +94,12 @@ class Reader:
         self.contents: str = self.manifest["contents"]
         #: The kept hook sites, in block order (manifests from before sites kept resid_post alone).
         self.sites: List[str] = [entry["site"] for entry in self.manifest.get("sites") or []] or ["resid_post"]
+        #: The token selection block, when the job selected tokens (activations then hold the
+        #: positions ``positions_i`` lists).
+        self.selection: Optional[Dict[str, Any]] = self.manifest.get("selection")
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
-            counts = shard["token_counts"]
+            counts = shard.get("kept_counts") or shard["token_counts"] if self.selection else shard["token_counts"]
             prompts = shard.get("prompts") or list(range(shard["first_prompt"], shard["first_prompt"] + len(counts)))
             for prompt, n_tokens in zip(prompts, counts):
                 self._where[int(prompt)] = (shard["file"], int(n_tokens))
@@ -141,8 +144,15 @@ class Reader:
         return f"prompt_{i}" if site == "resid_post" else f"{site}_{i}"
 
     def tokens(self, i: int) -> np.ndarray:
-        """Prompt ``i``'s token ids (int32)."""
+        """Prompt ``i``'s token ids (int32), every one that ran."""
         return np.array(self._shard_of(i).raw(f"tokens_{i}"))
+
+    def positions(self, i: int) -> np.ndarray:
+        """The positions of prompt ``i`` its activations hold, in the order of their token axis
+        (every position unless the job selected tokens)."""
+        if self.selection is None:
+            return np.arange(self.tokens(i).size, dtype=np.int32)
+        return np.array(self._shard_of(i).raw(f"positions_{i}"))
 
     def prompt(self, i: int, *, torch: bool = False, site: str = "resid_post") -> Tuple[Any, Any]:
         """Prompt ``i``: its tokens ``[n_tokens]`` and activations ``[n_layers_kept, n_tokens,
@@ -180,7 +190,8 @@ class Reader:
         positions: List[np.ndarray] = []
         for i in range(self.n_prompts):
             n = self._where[i][1]
-            first = 1 if drop_bos and bos is not None and n > 0 and int(self._shard_of(i).raw(f"tokens_{i}")[0]) == bos else 0
+            leading = self.selection is None or (n > 0 and int(self._shard_of(i).raw(f"positions_{i}")[0]) == 0)
+            first = 1 if drop_bos and bos is not None and n > 0 and leading and int(self._shard_of(i).raw(f"tokens_{i}")[0]) == bos else 0
             positions.append(np.arange(first, n, dtype=np.int32))
             prompts.append(np.full(n - first, i, dtype=np.int32))
         if not prompts:

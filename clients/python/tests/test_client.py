@@ -295,3 +295,25 @@ def test_a_job_with_hook_sites_reads_back_each_site_with_its_own_statistics(clie
 def test_an_unknown_site_is_a_400_that_names_it_and_the_choices(client):
     with pytest.raises(InvalidRequest, match=r"sites\[0\] \"attn\".*attn_out"):
         client.submit(corpus(1), MODEL, sites=["attn"])
+
+
+def test_a_token_selection_is_estimated_within_one_percent_and_read_back_by_position(client, tmp_path):
+    prompts = ["<|im_start|>" + p for p in corpus(6, words=20)]
+    selection = dict(exclude_special_tokens=True, positions=(0, 16), sample_rate=0.5, seed=3)
+    estimate = client.estimate(prompts, MODEL, layers=[5], **selection)
+    job = client.submit(prompts, MODEL, layers=[5], **selection).wait(progress=False)
+    written = job.result["bytes_written"]
+    assert abs(written - estimate["total_bytes"]) <= written / 100, (written, estimate["total_bytes"])
+    job.download(tmp_path)
+    reader = job.open(tmp_path)
+    assert reader.selection["kept_tokens"] == estimate["kept_tokens"] == reader.n_tokens()
+    assert reader.selection["dropped"]["special"] == len(prompts), "each prompt's BOS"
+    for i in range(len(prompts)):
+        tokens, rows = reader.prompt(i)
+        positions = reader.positions(i)
+        assert rows.shape[1] == positions.size and tokens.size > 16
+        assert positions.min() >= 1 and positions.max() < 16
+    batches = list(reader.token_batches(layer=5, batch_size=7, shuffle=True, seed=1))
+    assert sum(b.shape[0] for b in batches) == estimate["kept_tokens"]
+    with pytest.raises(TypeError, match="sample_rat"):
+        client.submit(prompts, MODEL, sample_rat=0.5)

@@ -55,6 +55,10 @@ pub fn plan_fingerprint(
     if !plan.sites.is_default() {
         field("sites", plan.sites.to_string().as_bytes());
     }
+    if !plan.selection.is_everything() {
+        let rules = serde_json::to_vec(&plan.selection).unwrap_or_default();
+        field("selection", &rules);
+    }
     field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
     field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
     field("max_tokens", &(max_tokens as u64).to_le_bytes());

@@ -21,6 +21,7 @@ pub mod progress;
 pub mod prompts;
 pub mod result;
 mod resume;
+mod select;
 pub mod shard;
 pub mod store;
 
@@ -37,7 +38,8 @@ use rayon::prelude::*;
 
 use self::progress::{Progress, ProgressMode};
 use self::result::{RESULT_FILE, RunResult, Termination, Timings};
-use self::shard::{ShardAssembly, ShardRecord};
+use self::select::Selector;
+use self::shard::{KeptRows, ShardAssembly, ShardRecord, ShardShape};
 use self::store::{S3Config, Store};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::DeviceChoice;
@@ -84,6 +86,8 @@ struct Job<'a> {
     slots: usize,
     width: usize,
     n_shards: usize,
+    /// Ids the tokenizer marks special, ascending.
+    special_ids: Vec<u32>,
 }
 
 struct ForwardOutput {
@@ -144,7 +148,7 @@ pub enum PlanSource {
     /// The same JSON inline, as the operator passes it in a Pod's args.
     Json(String),
     /// A plan built from command-line flags.
-    Given(RawPlan),
+    Given(Box<RawPlan>),
 }
 
 impl PlanSource {
@@ -159,7 +163,7 @@ impl PlanSource {
             Self::Json(text) => {
                 serde_json::from_str(text).map_err(|e| format!("invalid --plan-json: {e}"))
             }
-            Self::Given(raw) => Ok(raw.clone()),
+            Self::Given(raw) => Ok((**raw).clone()),
         }
     }
 }
@@ -228,6 +232,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         slots: plan.sites.len() * plan.layers.len(),
         width,
         n_shards: shard_count(encoded.len(), plan.shard_size),
+        special_ids: tokenizer.special_ids(),
     };
     let progress = Progress::new(options.progress, encoded.len());
     let resumed_shards = resumed.len();
@@ -475,7 +480,8 @@ fn run_stages(
     std::thread::scope(|scope| {
         let forward = scope
             .spawn(move || forward_stage(job, backend, resumed, forward_tx, free_rx, progress));
-        let assemble = scope.spawn(move || assemble_stage(job, forward_rx, free_tx, upload_tx));
+        let assemble =
+            scope.spawn(move || assemble_stage(job, resumed, forward_rx, free_tx, upload_tx));
         let upload = runtime.block_on(upload_stage(store, upload_rx));
         let forward = forward
             .join()
@@ -557,14 +563,46 @@ fn forward_stage(
     Ok((forward_s, tokens_done))
 }
 
+/// The selector of a job that selects tokens: the norm filter reads `resid_post` at the deepest
+/// kept layer.
+fn selector(job: &Job<'_>) -> Option<Selector> {
+    let selection = job.plan.selection;
+    if selection.is_everything() {
+        return None;
+    }
+    let norm_slot = job
+        .plan
+        .sites
+        .position(harvest_core::Site::ResidPost)
+        .map(|site| site * job.layers + job.layers - 1);
+    Some(Selector::new(selection, job.special_ids.clone(), norm_slot))
+}
+
+/// An empty assembly for shard `shard`.
+fn new_assembly(job: &Job<'_>, shard: usize, selector: Option<&Selector>) -> ShardAssembly {
+    let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
+    let shape = ShardShape {
+        contents: job.contents,
+        sites: &job.plan.sites,
+        slots: job.slots,
+        width: job.width,
+        selecting: selector.is_some(),
+        norms: selector.is_some_and(Selector::filters_norms),
+    };
+    ShardAssembly::new(shard, range.start, range.len(), &shape)
+}
+
 fn assemble_stage(
     job: &Job<'_>,
+    resumed: &BTreeMap<usize, ShardRecord>,
     rx: Receiver<ForwardOutput>,
     free: SyncSender<Captured>,
     upload: tokio::sync::mpsc::Sender<(Vec<u8>, ShardRecord)>,
 ) -> Result<f64> {
     let mut busy = 0.0;
     let mut current: Option<ShardAssembly> = None;
+    let mut selector = selector(job);
+    let mut skipped = resumed.iter().peekable();
     let size = job.plan.shard_size;
     for output in rx {
         let start = Instant::now();
@@ -573,20 +611,31 @@ fn assemble_stage(
             let encoded = &job.encoded[index];
             let shard = index / size.get();
             let assembly = current.get_or_insert_with(|| {
-                let range = shard_prompts(shard, size, job.encoded.len());
-                ShardAssembly::new(
-                    shard,
-                    range.start,
-                    range.len(),
-                    job.contents,
-                    &job.plan.sites,
-                    job.slots,
-                    job.width,
-                )
+                // The running median covers every earlier shard, made now or before.
+                while let Some((_, record)) = skipped.next_if(|&(&s, _)| s < shard) {
+                    if let (Some(selector), Some(norms)) = (selector.as_mut(), &record.norms) {
+                        selector.skip_shard(norms);
+                    }
+                }
+                new_assembly(job, shard, selector.as_ref())
             });
             let rows = offset..offset + encoded.ids.len();
             offset = rows.end;
             let skip_bos = job.bos_id.is_some() && encoded.ids.first() == job.bos_id.as_ref();
+            let mut norms = assembly.norms.take().unwrap_or_default();
+            let selected = selector.as_mut().map(|selector| {
+                selector.select(
+                    index,
+                    &encoded.ids,
+                    &output.captured,
+                    rows.clone(),
+                    &mut norms,
+                )
+            });
+            let kept = match &selected {
+                None => KeptRows::All,
+                Some(selected) => KeptRows::Positions(selected.kept, selected.dropped),
+            };
             assembly.push(
                 index,
                 &encoded.ids,
@@ -594,7 +643,11 @@ fn assemble_stage(
                 &output.captured,
                 rows,
                 skip_bos,
+                kept,
             );
+            if selector.as_ref().is_some_and(Selector::filters_norms) {
+                assembly.norms = Some(norms);
+            }
             if assembly.is_complete()
                 && let Some(done) = current.take()
             {

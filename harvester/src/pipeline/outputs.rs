@@ -4,10 +4,11 @@
 use std::collections::BTreeMap;
 
 use harvest_core::format::{
-    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, ShardEntry, SiteInfo,
-    TokenizerInfo,
+    self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, SelectionInfo, ShardEntry,
+    SiteInfo, TokenizerInfo,
 };
 use harvest_core::plan::shard_file_name;
+use harvest_core::selection::Dropped;
 use harvest_core::{RunningStats, Site, Sites};
 
 use super::Job;
@@ -74,6 +75,7 @@ pub(super) fn build_outputs(
             .map_or_else(Vec::new, |entry| entry.mean_token_norm.clone()),
         stats_file: None,
         sites: site_entries,
+        selection: selection_info(job, records),
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
@@ -85,6 +87,29 @@ pub(super) fn build_outputs(
         ..manifest
     };
     Ok((manifest, stats_bytes))
+}
+
+/// The manifest's selection block: the rules, the norm filter's layer, and what was kept and
+/// dropped over every shard.
+fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Option<SelectionInfo> {
+    let rules = job.plan.selection;
+    if rules.is_everything() {
+        return None;
+    }
+    let mut dropped = Dropped::default();
+    for record in records.values() {
+        dropped.add(&record.dropped);
+    }
+    Some(SelectionInfo {
+        rules,
+        norm_layer: rules.max_norm_multiple.map(|_| job.plan.layers.deepest()),
+        kept_tokens: records
+            .values()
+            .flat_map(|r| &r.kept_counts)
+            .map(|&n| n as u64)
+            .sum(),
+        dropped,
+    })
 }
 
 /// Every shard's statistics merged in shard order, slot by slot.
@@ -119,9 +144,11 @@ fn site_entries(job: &Job<'_>, stats: &[RunningStats]) -> Vec<SiteInfo> {
 
 /// A shard's manifest entry, from its record.
 fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
+    let selecting = !job.plan.selection.is_everything();
     let (prompts, tensors) = ShardEntry::contents_of(
         record.first_prompt,
         &record.token_counts,
+        selecting.then_some(record.kept_counts.as_slice()),
         job.contents,
         &job.plan.sites,
         job.layers,
@@ -131,6 +158,7 @@ fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
         file: shard_file_name(record.shard),
         first_prompt: record.first_prompt,
         token_counts: record.token_counts.clone(),
+        kept_counts: record.kept_counts.clone(),
         prompts,
         tensors,
         bytes: record.bytes,

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use harvest_core::format::{Contents, Truncation};
+use harvest_core::selection::{Dropped, NormHistogram};
 use harvest_core::{RunningStats, Sites};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -17,6 +18,8 @@ use crate::error::{Error, Result};
 struct PromptTensors {
     index: usize,
     ids: Vec<u8>,
+    /// The kept positions, int32, when the job selects tokens.
+    positions: Option<Vec<u8>>,
     /// Per kept site, in block order.
     values: Vec<Vec<u8>>,
     shape: [usize; 3],
@@ -35,6 +38,38 @@ pub struct ShardAssembly {
     token_counts: Vec<usize>,
     truncations: Vec<Truncation>,
     stats: Vec<RunningStats>,
+    /// Whether the job selects tokens (prompts then carry `positions_i`).
+    selecting: bool,
+    kept_counts: Vec<usize>,
+    dropped: Dropped,
+    /// The candidate norms of this shard's prompts, when the job filters on norms.
+    pub norms: Option<NormHistogram>,
+}
+
+/// What every shard of a job holds.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardShape<'a> {
+    /// Activations or projections.
+    pub contents: Contents,
+    /// The kept hook sites.
+    pub sites: &'a Sites,
+    /// Kept sites times kept layers.
+    pub slots: usize,
+    /// Values per row.
+    pub width: usize,
+    /// Whether the job selects tokens.
+    pub selecting: bool,
+    /// Whether it filters on norms (shards then carry their norm histograms).
+    pub norms: bool,
+}
+
+/// Which of a prompt's rows a shard keeps.
+#[derive(Debug, Clone, Copy)]
+pub enum KeptRows<'a> {
+    /// Every row (no token selection).
+    All,
+    /// These positions, ascending, and what the selection dropped.
+    Positions(&'a [u32], Dropped),
 }
 
 /// What a shard contributes to the manifest and the statistics, kept beside the shard (under
@@ -55,6 +90,12 @@ pub struct ShardRecord {
     pub bytes: u64,
     /// Per slot: each kept site's kept layers, site by site.
     pub stats: Vec<RunningStats>,
+    /// Tokens kept per prompt, when the job selects tokens (else empty).
+    pub kept_counts: Vec<usize>,
+    /// What the selection dropped.
+    pub dropped: Dropped,
+    /// The shard's candidate norms, when the job filters on norms.
+    pub norms: Option<NormHistogram>,
     /// The plan that produced it.
     pub fingerprint: String,
 }
@@ -69,19 +110,23 @@ struct RecordMeta {
     bytes: u64,
     counts: Vec<u64>,
     fingerprint: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    kept_counts: Vec<usize>,
+    #[serde(default)]
+    dropped: Dropped,
 }
 
 impl ShardAssembly {
     /// An empty shard expecting `expected` prompts from `first_prompt` on.
-    pub fn new(
-        shard: usize,
-        first_prompt: usize,
-        expected: usize,
-        contents: Contents,
-        sites: &Sites,
-        slots: usize,
-        width: usize,
-    ) -> Self {
+    pub fn new(shard: usize, first_prompt: usize, expected: usize, shape: &ShardShape<'_>) -> Self {
+        let ShardShape {
+            contents,
+            sites,
+            slots,
+            width,
+            selecting,
+            norms,
+        } = *shape;
         Self {
             shard,
             first_prompt,
@@ -92,11 +137,16 @@ impl ShardAssembly {
             token_counts: Vec::with_capacity(expected),
             truncations: Vec::new(),
             stats: (0..slots).map(|_| RunningStats::new(width)).collect(),
+            selecting,
+            kept_counts: Vec::new(),
+            dropped: Dropped::default(),
+            norms: norms.then(NormHistogram::default),
         }
     }
 
-    /// Adds the next prompt, whose rows are `rows` of `captured`. `skip_first` leaves its first
-    /// token (a BOS) out of the statistics.
+    /// Adds the next prompt, whose rows are `rows` of `captured`, keeping `kept` of them.
+    /// `skip_bos` leaves its first token (a BOS) out of the statistics.
+    #[allow(clippy::too_many_arguments)]
     pub fn push(
         &mut self,
         index: usize,
@@ -104,7 +154,8 @@ impl ShardAssembly {
         truncated_from: Option<usize>,
         captured: &Captured,
         rows: std::ops::Range<usize>,
-        skip_first: bool,
+        skip_bos: bool,
+        kept: KeptRows<'_>,
     ) {
         debug_assert_eq!(
             index,
@@ -112,25 +163,35 @@ impl ShardAssembly {
             "prompts arrive in order"
         );
         let width = captured.width;
-        let per_site = captured.layers * rows.len() * width * self.contents_itemsize();
+        let positions: Option<&[u32]> = match kept {
+            KeptRows::All => None,
+            KeptRows::Positions(positions, dropped) => {
+                self.dropped.add(&dropped);
+                Some(positions)
+            }
+        };
+        let n_kept = positions.map_or(rows.len(), <[u32]>::len);
+        let per_site = captured.layers * n_kept * width * self.contents_itemsize();
         let mut values: Vec<Vec<u8>> = (0..captured.sites)
             .map(|_| Vec::with_capacity(per_site))
             .collect();
+        let all: Vec<u32>;
+        let positions = match positions {
+            Some(p) => p,
+            None => {
+                all = (0..rows.len() as u32).collect();
+                &all
+            }
+        };
         for (slot, stats) in self.stats.iter_mut().enumerate() {
             let block = captured.rows(slot, rows.clone());
             let values = &mut values[slot / captured.layers];
-            match self.contents {
-                Contents::Activations => {
-                    values.extend(
-                        block
-                            .iter()
-                            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
-                    );
+            for &position in positions {
+                let row = &block[position as usize * width..][..width];
+                encode_row(self.contents, row, values);
+                if !(skip_bos && position == 0) {
+                    stats.push(row);
                 }
-                Contents::Projections => values.extend(block.iter().flat_map(|v| v.to_le_bytes())),
-            }
-            for row in block.chunks_exact(width).skip(usize::from(skip_first)) {
-                stats.push(row);
             }
         }
         if let Some(original) = truncated_from {
@@ -141,14 +202,23 @@ impl ShardAssembly {
             });
         }
         self.token_counts.push(ids.len());
+        if self.selecting {
+            self.kept_counts.push(n_kept);
+        }
         self.prompts.push(PromptTensors {
             index,
             ids: ids
                 .iter()
                 .flat_map(|&id| (id as i32).to_le_bytes())
                 .collect(),
+            positions: self.selecting.then(|| {
+                positions
+                    .iter()
+                    .flat_map(|&p| (p as i32).to_le_bytes())
+                    .collect()
+            }),
             values,
-            shape: [captured.layers, rows.len(), width],
+            shape: [captured.layers, n_kept, width],
         });
     }
 
@@ -185,8 +255,14 @@ impl ShardAssembly {
             }
             views.push((
                 format!("tokens_{}", p.index),
-                tensor(Dtype::I32, vec![p.shape[1]], &p.ids)?,
+                tensor(Dtype::I32, vec![p.ids.len() / 4], &p.ids)?,
             ));
+            if let Some(positions) = &p.positions {
+                views.push((
+                    format!("positions_{}", p.index),
+                    tensor(Dtype::I32, vec![p.shape[1]], positions)?,
+                ));
+            }
         }
         // One metadata key only: safetensors writes the map in hash order, and a second key
         // would make identical shards differ byte for byte between runs.
@@ -203,9 +279,23 @@ impl ShardAssembly {
             sha256: String::new(),
             bytes: 0,
             stats: self.stats,
+            kept_counts: self.kept_counts,
+            dropped: self.dropped,
+            norms: self.norms,
             fingerprint: fingerprint.to_owned(),
         };
         Ok((bytes, record))
+    }
+}
+
+/// Appends `row` as the shard stores it: bf16 activations or f32 projections.
+fn encode_row(contents: Contents, row: &[f32], values: &mut Vec<u8>) {
+    match contents {
+        Contents::Activations => values.extend(
+            row.iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
+        ),
+        Contents::Projections => values.extend(row.iter().flat_map(|v| v.to_le_bytes())),
     }
 }
 
@@ -261,11 +351,18 @@ impl ShardRecord {
             bytes: self.bytes,
             counts: self.stats.iter().map(RunningStats::count).collect(),
             fingerprint: self.fingerprint.clone(),
+            kept_counts: self.kept_counts.clone(),
+            dropped: self.dropped,
         };
         let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
             reason: e.to_string(),
         };
-        let views = vec![
+        let histogram: Vec<u8> = self
+            .norms
+            .iter()
+            .flat_map(|h| h.counts().iter().flat_map(|c| c.to_le_bytes()))
+            .collect();
+        let mut views = vec![
             (
                 "mean",
                 TensorView::new(Dtype::F64, vec![layers, width], &mean).map_err(invalid)?,
@@ -279,6 +376,11 @@ impl ShardRecord {
                 TensorView::new(Dtype::F64, vec![layers], &norms).map_err(invalid)?,
             ),
         ];
+        if !histogram.is_empty() {
+            let bins = histogram.len() / 8;
+            let view = TensorView::new(Dtype::U64, vec![bins], &histogram).map_err(invalid)?;
+            views.push(("norm_histogram", view));
+        }
         let meta = serde_json::to_string(&meta).map_err(|e| Error::InvalidBatch {
             reason: e.to_string(),
         })?;
@@ -315,6 +417,15 @@ impl ShardRecord {
                 )
             })
             .collect::<Option<Vec<_>>>()?;
+        let norms = match st.tensor("norm_histogram") {
+            Err(_) => None,
+            Ok(view) => Some(NormHistogram::from_counts(
+                view.data()
+                    .chunks_exact(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                    .collect(),
+            )?),
+        };
         Some(Self {
             shard: meta.shard,
             first_prompt: meta.first_prompt,
@@ -323,6 +434,9 @@ impl ShardRecord {
             sha256: meta.sha256,
             bytes: meta.bytes,
             stats,
+            kept_counts: meta.kept_counts,
+            dropped: meta.dropped,
+            norms,
             fingerprint: meta.fingerprint,
         })
     }
@@ -339,6 +453,17 @@ mod tests {
         c
     }
 
+    fn shape(contents: Contents, sites: &Sites, slots: usize, selecting: bool) -> ShardShape<'_> {
+        ShardShape {
+            contents,
+            sites,
+            slots,
+            width: 2,
+            selecting,
+            norms: selecting,
+        }
+    }
+
     fn bf16s(bytes: &[u8]) -> Vec<f32> {
         bytes
             .chunks_exact(2)
@@ -348,11 +473,16 @@ mod tests {
 
     #[test]
     fn a_shard_holds_each_prompt_with_its_tokens_in_layer_token_order() {
-        let mut shard = ShardAssembly::new(0, 4, 2, Contents::Activations, &Sites::default(), 2, 2);
+        let mut shard = ShardAssembly::new(
+            0,
+            4,
+            2,
+            &shape(Contents::Activations, &Sites::default(), 2, false),
+        );
         let c = captured();
-        shard.push(4, &[7, 8], None, &c, 0..2, false);
+        shard.push(4, &[7, 8], None, &c, 0..2, false, KeptRows::All);
         assert!(!shard.is_complete());
-        shard.push(5, &[9], Some(10), &c, 2..3, true);
+        shard.push(5, &[9], Some(10), &c, 2..3, true, KeptRows::All);
         assert!(shard.is_complete());
         let (bytes, record) = shard.finish("fp").unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -383,8 +513,9 @@ mod tests {
         let mut c = Captured::default();
         c.reset(2, 1, 2, 2);
         c.data = vec![1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0];
-        let mut shard = ShardAssembly::new(0, 0, 1, Contents::Activations, &sites, 2, 2);
-        shard.push(0, &[5, 6], None, &c, 0..2, false);
+        let mut shard =
+            ShardAssembly::new(0, 0, 1, &shape(Contents::Activations, &sites, 2, false));
+        shard.push(0, &[5, 6], None, &c, 0..2, false, KeptRows::All);
         let (bytes, record) = shard.finish("fp").unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let mut names = st.names();
@@ -406,9 +537,40 @@ mod tests {
 
     #[test]
     fn records_round_trip_exactly() {
-        let mut shard = ShardAssembly::new(3, 0, 1, Contents::Projections, &Sites::default(), 2, 2);
-        shard.push(0, &[1, 2, 3], None, &captured(), 0..3, false);
+        let mut shard = ShardAssembly::new(
+            3,
+            0,
+            1,
+            &shape(Contents::Projections, &Sites::default(), 2, true),
+        );
+        let dropped = Dropped {
+            sampled: 1,
+            ..Dropped::default()
+        };
+        shard.push(
+            0,
+            &[1, 2, 3],
+            None,
+            &captured(),
+            0..3,
+            false,
+            KeptRows::Positions(&[0, 2], dropped),
+        );
+        if let Some(norms) = shard.norms.as_mut() {
+            norms.push(3.5);
+        }
         let (bytes, mut record) = shard.finish("fp").unwrap();
+        assert_eq!(
+            (record.kept_counts.as_slice(), record.dropped.sampled),
+            (&[2][..], 1)
+        );
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(
+            st.tensor("positions_0").unwrap().data(),
+            [0i32, 2].map(i32::to_le_bytes).concat()
+        );
+        assert_eq!(st.tensor("prompt_0").unwrap().shape(), [2, 2, 2]);
+        assert_eq!(st.tensor("tokens_0").unwrap().shape(), [3]);
         record.seal(&bytes);
         let back = ShardRecord::from_bytes(&record.to_bytes().unwrap()).unwrap();
         assert_eq!(back, record);
