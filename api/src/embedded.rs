@@ -344,6 +344,7 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
         output: Location::Local(paths.output()),
         batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
         selection: submission.selection,
+        layout: submission.layout,
     };
     std::fs::write(
         input.join("plan.json"),

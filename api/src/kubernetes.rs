@@ -15,6 +15,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
+use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
 use harvest_core::quota::{AccountLimits, Book, Lane};
 use harvest_core::selection::{RawSelection, TokenSelection};
@@ -22,8 +23,8 @@ use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
 use harvest_crds::{
-    ACCOUNT_LABEL, HarvestAccount, HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, JobPhase,
-    KEY_LABEL,
+    ACCOUNT_LABEL, FileLayout, HarvestAccount, HarvestJob, HarvestJobSpec, HarvestOptions,
+    InputRef, JobPhase, KEY_LABEL,
 };
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
@@ -508,8 +509,16 @@ impl KubeBackend {
                 exclude_special_tokens: job.spec.selection.exclude_special_tokens,
                 positions: job.spec.selection.positions.map(|p| vec![p.start, p.end]),
                 sample_rate: job.spec.selection.sample.map(|s| s.rate),
-                seed: job.spec.selection.sample.map(|s| s.seed),
+                seed: match job.spec.layout {
+                    Layout::Shuffled { seed, .. } => Some(seed),
+                    Layout::ByPrompt => job.spec.selection.sample.map(|s| s.seed),
+                },
                 max_norm_multiple: job.spec.selection.max_norm_multiple,
+                layout: (!job.spec.layout.is_by_prompt()).then_some(FileLayout::Shuffled),
+                rows_per_file: match job.spec.layout {
+                    Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get() as u32),
+                    Layout::ByPrompt => None,
+                },
             },
             ..HarvestJobSpec::new(
                 job.model.clone(),
@@ -679,7 +688,8 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                     Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>()).ok()
                 })
                 .unwrap_or_default(),
-            selection: selection_of(&job.spec.harvest),
+            selection: selection_of(&job.spec.harvest).0,
+            layout: selection_of(&job.spec.harvest).1,
             shard_size: job.spec.harvest.shard_size as usize,
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),
@@ -844,18 +854,22 @@ pub async fn revoke_label(
     Ok(matching.len())
 }
 
-/// A HarvestJob's token selection (the operator refuses an invalid one; here it reads as none).
-fn selection_of(harvest: &HarvestOptions) -> TokenSelection {
-    RawSelection {
-        exclude_special_tokens: Some(harvest.exclude_special_tokens),
-        positions: harvest
-            .positions
-            .as_ref()
-            .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
-        sample_rate: harvest.sample_rate,
-        seed: harvest.seed,
-        max_norm_multiple: harvest.max_norm_multiple,
-    }
-    .validate()
+/// A HarvestJob's token selection and layout (the operator refuses invalid ones; here they
+/// read as the defaults).
+fn selection_of(harvest: &HarvestOptions) -> (TokenSelection, Layout) {
+    harvest_core::plan::selection_and_layout(
+        RawSelection {
+            exclude_special_tokens: Some(harvest.exclude_special_tokens),
+            positions: harvest
+                .positions
+                .as_ref()
+                .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+            sample_rate: harvest.sample_rate,
+            seed: harvest.seed,
+            max_norm_multiple: harvest.max_norm_multiple,
+        },
+        harvest.layout.map(Into::into).unwrap_or_default(),
+        harvest.rows_per_file.map(|r| r as usize),
+    )
     .unwrap_or_default()
 }

@@ -247,6 +247,7 @@ mod tests {
                 layers: vec![0],
                 sites: harvest_core::Sites::default(),
                 selection: Default::default(),
+                layout: Default::default(),
                 shard_size: 1,
                 add_special_tokens: true,
                 has_directions: false,

@@ -13,7 +13,6 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use harvest_core::lifecycle::JobStatus;
-use harvest_core::plan::shard_file_name;
 use serde::Deserialize;
 use tower::ServiceExt;
 
@@ -156,6 +155,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         shard_size: submission.shard_size.get(),
         layers: submission.layers.as_slice(),
         sites: &submission.sites,
+        layout: submission.layout,
         selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
             rules: &submission.selection,
             kept_counts,
@@ -236,6 +236,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
             layers: submission.layers.as_slice().to_vec(),
             sites: submission.sites.clone(),
             selection: submission.selection,
+            layout: submission.layout,
             shard_size: submission.shard_size.get(),
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),
@@ -308,7 +309,7 @@ async fn view(state: &AppState, job: &JobRecord) -> Result<JobView, ApiError> {
             Some(mut r) => {
                 let expires = (now().0 + state.url_ttl_s * 1000) / 1000;
                 let mut files = vec!["manifest.json".to_owned(), "stats.safetensors".to_owned()];
-                files.extend((0..r.n_shards).map(shard_file_name));
+                files.extend((0..r.n_shards).map(|i| r.layout.file_name(i)));
                 let mut urls = state
                     .backend
                     .links(&job.id, &files, expires)
@@ -505,12 +506,15 @@ pub(crate) struct LinkQuery {
 }
 
 fn is_output_file(name: &str) -> bool {
-    name == "manifest.json"
-        || name == "stats.safetensors"
-        || name
-            .strip_prefix("shard_")
+    let numbered = |prefix: &str| {
+        name.strip_prefix(prefix)
             .and_then(|rest| rest.strip_suffix(".safetensors"))
             .is_some_and(|digits| digits.len() == 5 && digits.bytes().all(|b| b.is_ascii_digit()))
+    };
+    name == "manifest.json"
+        || name == "stats.safetensors"
+        || numbered("shard_")
+        || numbered("train_")
 }
 
 /// Serves one output file through a link this server signed.

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 
 use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
+use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
 use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
 use harvest_core::selection::TokenSelection;
@@ -66,6 +67,9 @@ pub struct JobSpec {
     /// Which tokens are kept (every token for jobs stored before selections were).
     #[serde(default, skip_serializing_if = "TokenSelection::is_everything")]
     pub selection: TokenSelection,
+    /// How the files are laid out (by prompt for jobs stored before layouts were).
+    #[serde(default, skip_serializing_if = "Layout::is_by_prompt")]
+    pub layout: Layout,
     /// Prompts per shard.
     pub shard_size: usize,
     /// Whether special tokens are added.
@@ -306,6 +310,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
             layers: vec![],
             sites: Sites::default(),
             selection: Default::default(),
+            layout: Default::default(),
             shard_size: 0,
             add_special_tokens: true,
             has_directions: false,
@@ -822,6 +827,7 @@ mod tests {
                 layers: vec![1],
                 sites: Sites::default(),
                 selection: Default::default(),
+                layout: Default::default(),
                 shard_size: 32,
                 add_special_tokens: true,
                 has_directions: false,

@@ -5,6 +5,7 @@ use std::num::NonZeroUsize;
 
 use base64::Engine;
 use harvest_core::clock::UnixMillis;
+use harvest_core::layout::{Layout, LayoutName};
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::MAX_PROMPTS;
 use harvest_core::quota::Lane;
@@ -71,6 +72,15 @@ pub struct HarvestRequest {
     /// this multiple of the running median (above 1); the manifest counts them.
     #[serde(default)]
     pub max_norm_multiple: Option<f64>,
+    /// Our extension: `by_prompt` (the seed's shards, the default) or `shuffled`: training
+    /// files `train_NNNNN.safetensors` of `rows_per_file` rows, permuted over the whole job with
+    /// `seed`.
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// Our extension: rows per training file of the shuffled layout (default 65,536, at most
+    /// 2^24).
+    #[serde(default)]
+    pub rows_per_file: Option<usize>,
     /// Our extension: validate and count, then answer what the job would be (`DryRun`), with
     /// no job made and no quota used.
     #[serde(default)]
@@ -109,6 +119,8 @@ pub struct Submission {
     pub sites: Sites,
     /// Which tokens are kept.
     pub selection: TokenSelection,
+    /// How the files are laid out.
+    pub layout: Layout,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether special tokens are added.
@@ -138,6 +150,8 @@ impl HarvestRequest {
             sample_rate,
             seed,
             max_norm_multiple,
+            layout,
+            rows_per_file,
             dry_run: _,
         } = self;
         if prompts.is_empty() {
@@ -178,9 +192,9 @@ impl HarvestRequest {
             sample_rate,
             seed,
             max_norm_multiple,
-        }
-        .validate()
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+        };
+        let (selection, layout) =
+            selection_and_layout(selection, layout.as_deref(), rows_per_file)?;
         harvest_core::plan::check_norm_filter(&selection, &sites, directions.is_some())
             .map_err(|e| ApiError::invalid(e.to_string()))?;
         let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
@@ -190,6 +204,7 @@ impl HarvestRequest {
             layers,
             sites,
             selection,
+            layout,
             shard_size,
             add_special_tokens: add_special_tokens.unwrap_or(true),
             directions,
@@ -197,6 +212,22 @@ impl HarvestRequest {
             lane: model.lane,
         })
     }
+}
+
+/// The token selection and the layout, which share `seed`.
+fn selection_and_layout(
+    selection: RawSelection,
+    layout: Option<&str>,
+    rows_per_file: Option<usize>,
+) -> Result<(TokenSelection, Layout), ApiError> {
+    let layout = match layout {
+        None => LayoutName::ByPrompt,
+        Some(name) => name
+            .parse::<LayoutName>()
+            .map_err(|e| ApiError::invalid(e.to_string()))?,
+    };
+    harvest_core::plan::selection_and_layout(selection, layout, rows_per_file)
+        .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
 fn bounded(field: &str, value: usize, max: usize) -> Result<NonZeroUsize, ApiError> {
@@ -324,8 +355,12 @@ pub struct ResultTimings {
 /// The files of a done job, with links valid until `urls_expire_at`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JobResult {
-    /// Shards.
+    /// Shards (training files for the shuffled layout).
     pub n_shards: usize,
+    /// Our extension: `shuffled` when the files are training files (absent for shards).
+    #[serde(default, skip_serializing_if = "is_by_prompt")]
+    #[schema(value_type = Option<String>)]
+    pub layout: LayoutName,
     /// Kept layers, ascending.
     pub layer_indices: Vec<usize>,
     /// Link to manifest.json.
@@ -350,6 +385,7 @@ impl JobResult {
         let timings = &run.timings;
         Self {
             n_shards: run.n_shards,
+            layout: run.layout,
             layer_indices: run.layer_indices.clone(),
             manifest_url: String::new(),
             shard_urls: Vec::new(),
@@ -497,6 +533,10 @@ pub struct DryRun {
     pub estimated_seconds: Option<f64>,
     /// That throughput, tokens per second, start to end.
     pub tokens_per_second: Option<f64>,
+}
+
+fn is_by_prompt(layout: &LayoutName) -> bool {
+    *layout == LayoutName::ByPrompt
 }
 
 /// Formats an optional instant for the wire.

@@ -591,6 +591,7 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
     let now = harvest_api::paths::now();
     let result = harvest_api::wire::JobResult {
         n_shards: 1,
+        layout: Default::default(),
         layer_indices: vec![0, 2],
         manifest_url: String::new(),
         shard_urls: vec![],
@@ -1253,5 +1254,52 @@ async fn a_token_selection_is_counted_by_the_dry_run_and_each_bad_field_is_named
             .as_str()
             .unwrap()
             .contains("add resid_post to sites")
+    );
+}
+
+#[tokio::test]
+async fn a_shuffled_layout_is_priced_as_training_files_and_bad_layouts_are_named() {
+    let f = fixture(present_harvester(), AccountLimits::default()).await;
+    let mut body: serde_json::Value = serde_json::from_str(&seed_body()).unwrap();
+    body["dry_run"] = serde_json::json!(true);
+    body["layout"] = serde_json::json!("shuffled");
+    body["rows_per_file"] = serde_json::json!(3);
+    body["seed"] = serde_json::json!(4);
+    let (status, _, answer) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let tokens = answer["tokens"].as_u64().unwrap();
+    assert_eq!(
+        answer["files"]["shards"]["count"].as_u64(),
+        Some(tokens.div_ceil(3))
+    );
+    for (field, value, needle) in [
+        (
+            "layout",
+            serde_json::json!("sorted"),
+            "layout \"sorted\" is not a layout",
+        ),
+        (
+            "rows_per_file",
+            serde_json::json!(0),
+            "rows_per_file 0 must be between 1 and 16777216",
+        ),
+        ("rows_per_file", serde_json::json!(16_777_217), "16777217"),
+    ] {
+        let mut bad = body.clone();
+        bad[field] = value;
+        let (status, _, refused) = submit(&f, bad.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+        let message = refused["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{field}: {message}");
+    }
+    let mut by_prompt = body.clone();
+    by_prompt["layout"] = serde_json::json!("by_prompt");
+    by_prompt.as_object_mut().unwrap().remove("seed");
+    let (status, _, refused) = submit(&f, by_prompt.to_string()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("applies to layout \"shuffled\" only"),
+        "{message}"
     );
 }

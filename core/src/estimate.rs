@@ -8,10 +8,13 @@
 //! multiple of 8). The manifest is built with placeholders of the real lengths (checksums,
 //! fingerprint) and measured; only its floats' digits can differ, a few bytes per kept layer.
 
+use std::num::NonZeroUsize;
+
 use crate::format::{
     self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, SelectionInfo, ShardEntry,
-    SiteInfo, TokenizerInfo, Truncation,
+    SiteInfo, TokenizerInfo, TrainFile, TrainInfo, Truncation,
 };
+use crate::layout::{Layout, train_file_name, train_tensor_name};
 use crate::selection::{Dropped, TokenSelection};
 use crate::sites::{Site, Sites};
 
@@ -33,6 +36,8 @@ pub struct JobShape<'a> {
     pub layers: &'a [usize],
     /// Kept hook sites.
     pub sites: &'a Sites,
+    /// How the files are laid out.
+    pub layout: Layout,
     /// The token selection, and per prompt the tokens it keeps with what it drops (the pure
     /// filters only: the norm filter can drop more, so this is an upper bound).
     pub selection: Option<KeptTokens<'a>>,
@@ -64,7 +69,7 @@ pub struct KeptTokens<'a> {
 /// The predicted sizes of a job's files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Predicted {
-    /// Each shard, in order.
+    /// Each data file, in order: shards, or training files for the shuffled layout.
     pub shards: Vec<u64>,
     /// `stats.safetensors`.
     pub stats: u64,
@@ -187,6 +192,10 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
         .collect();
     stats_tensors.push(Tensor::new("count".into(), "I64", vec![1]));
     let stats = safetensors_len(stats_tensors, ("format", 2));
+    let shards = match shape.layout {
+        Layout::ByPrompt => shards,
+        Layout::Shuffled { rows_per_file, .. } => train_files(shape, value_dtype, rows_per_file),
+    };
     let manifest = manifest_len(shape, &shards, stats);
     Predicted {
         shards,
@@ -232,10 +241,93 @@ fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
         .collect()
 }
 
+/// Rows of every training file: each kept token once, `rows_per_file` at a time.
+fn train_rows(shape: &JobShape<'_>, rows_per_file: NonZeroUsize) -> Vec<usize> {
+    let counts = shape
+        .selection
+        .as_ref()
+        .map_or(shape.token_counts, |k| k.kept_counts);
+    let total = counts.iter().sum::<usize>();
+    let per = rows_per_file.get();
+    (0..total.div_ceil(per))
+        .map(|i| per.min(total - i * per))
+        .collect()
+}
+
+/// The tensor names of a training file, values first, then `index`.
+fn train_tensors(shape: &JobShape<'_>) -> Vec<String> {
+    let mut names: Vec<String> = shape
+        .sites
+        .as_slice()
+        .iter()
+        .flat_map(|&site| {
+            shape
+                .layers
+                .iter()
+                .map(move |&l| train_tensor_name(site, l))
+        })
+        .collect();
+    names.push("index".into());
+    names
+}
+
+/// The sizes of the shuffled layout's training files.
+fn train_files(shape: &JobShape<'_>, dtype: &'static str, rows_per_file: NonZeroUsize) -> Vec<u64> {
+    let names = train_tensors(shape);
+    train_rows(shape, rows_per_file)
+        .into_iter()
+        .map(|rows| {
+            let mut tensors: Vec<Tensor> = names[..names.len() - 1]
+                .iter()
+                .map(|n| Tensor::new(n.clone(), dtype, vec![rows, shape.width]))
+                .collect();
+            tensors.push(Tensor::new("index".into(), "I32", vec![rows, 2]));
+            safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
+        })
+        .collect()
+}
+
+/// The manifest's training files block, checksums as placeholders of their length.
+fn train_block(
+    shape: &JobShape<'_>,
+    shards: &[u64],
+    rows_per_file: NonZeroUsize,
+    seed: u64,
+) -> TrainInfo {
+    let rows = train_rows(shape, rows_per_file);
+    let files = rows
+        .iter()
+        .zip(shards)
+        .enumerate()
+        .map(|(i, (&rows, &bytes))| TrainFile {
+            file: train_file_name(i),
+            rows,
+            bytes,
+            sha256: "0".repeat(SHA256_HEX),
+        })
+        .collect();
+    TrainInfo {
+        seed,
+        rows_per_file: rows_per_file.get(),
+        rows: rows.iter().sum::<usize>() as u64,
+        tensors: train_tensors(shape),
+        files,
+    }
+}
+
 /// The length of the job's pretty-printed manifest, with placeholders of the real lengths.
 fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
     let total_tokens: usize = shape.token_counts.iter().sum();
-    let entries = shard_entries(shape, shards);
+    let (entries, train) = match shape.layout {
+        Layout::ByPrompt => (shard_entries(shape, shards), None),
+        Layout::Shuffled {
+            rows_per_file,
+            seed,
+        } => (
+            Vec::new(),
+            Some(train_block(shape, shards, rows_per_file, seed)),
+        ),
+    };
     let manifest = Manifest {
         format_version: format::FORMAT_VERSION,
         plan_fingerprint: "0".repeat(SHA256_HEX),
@@ -295,6 +387,8 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
             kept_tokens: k.kept_counts.iter().sum::<usize>() as u64,
             dropped: k.dropped,
         }),
+        layout: shape.layout.name(),
+        train,
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -311,6 +405,7 @@ mod tests {
             shard_size: 2,
             layers,
             sites: &DEFAULT,
+            layout: Layout::ByPrompt,
             selection: None,
             contents,
             width: 8,

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::layout::LayoutName;
 use crate::selection::{Dropped, TokenSelection};
 use crate::sites::{Site, Sites};
 
@@ -104,6 +105,48 @@ pub struct Manifest {
     /// Present when the job selected tokens: its rules and what they kept and dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selection: Option<SelectionInfo>,
+    /// `by_prompt` (the seed's shards, listed in `shards`) or `shuffled` (training files,
+    /// listed in `train`, and no shards).
+    #[serde(default, skip_serializing_if = "is_by_prompt")]
+    pub layout: LayoutName,
+    /// The training files of the shuffled layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<TrainInfo>,
+}
+
+fn is_by_prompt(layout: &LayoutName) -> bool {
+    *layout == LayoutName::ByPrompt
+}
+
+/// The shuffled layout's files, as the manifest records them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainInfo {
+    /// The permutation's seed.
+    pub seed: u64,
+    /// Rows per file (the last may hold fewer).
+    pub rows_per_file: usize,
+    /// Rows over every file: each kept token once.
+    pub rows: u64,
+    /// The tensors of every file: `{site}.{layer}` `[rows, width]` in the manifest's dtype,
+    /// then `index`, int32 `[rows, 2]`, each row's (prompt, position).
+    pub tensors: Vec<String>,
+    /// Every file, in order.
+    pub files: Vec<TrainFile>,
+}
+
+/// One training file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFile {
+    /// File name, relative to the manifest.
+    pub file: String,
+    /// Its rows.
+    pub rows: usize,
+    /// Its size.
+    pub bytes: u64,
+    /// Hex sha256 of the file.
+    pub sha256: String,
 }
 
 /// A job's token selection, as the manifest records it.

@@ -13,6 +13,7 @@
 //!         ──to_raw()──► RawPlan with the layers listed: what a worker is handed (model)
 //! worker protocol: RunResult, ProgressEvent, Termination, ExitStatus, prompts JSONL (worker)
 //! shard planning (plan), RunningStats (stats), Manifest schema (format), file sizes (estimate)
+//! what a job keeps: hook sites (sites), token selection (selection), file layout (layout)
 //! job lifecycle: next(status, reserved, event) -> Transition (lifecycle)
 //! quota: Ledger::admit / finish over lanes, UTC day/month budgets and job quotas (quota, clock)
 //! ```
@@ -23,6 +24,7 @@ pub mod clock;
 pub mod estimate;
 pub mod format;
 pub mod layers;
+pub mod layout;
 pub mod lifecycle;
 pub mod model;
 pub mod npy;

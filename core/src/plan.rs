@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
+use crate::layout::{Layout, LayoutError, LayoutName};
 use crate::model::ModelShape;
 use crate::selection::{RawSelection, SelectionError, TokenSelection};
 use crate::sites::{Site, Sites};
@@ -61,6 +62,9 @@ pub enum PlanError {
     /// A token selection field is refused.
     #[error(transparent)]
     Selection(#[from] SelectionError),
+    /// The layout is refused.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
     /// The norm filter without what it measures.
     #[error("max_norm_multiple filters on the resid_post norm, {reason}")]
     NormFilter {
@@ -113,6 +117,16 @@ pub struct RawPlan {
     /// Drop tokens whose resid_post norm exceeds this multiple of the running median.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_norm_multiple: Option<f64>,
+    /// `by_prompt` (the seed's shards) or `shuffled` (training files).
+    #[serde(default, skip_serializing_if = "is_by_prompt")]
+    pub layout: LayoutName,
+    /// Rows per training file of the shuffled layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows_per_file: Option<usize>,
+}
+
+fn is_by_prompt(name: &LayoutName) -> bool {
+    *name == LayoutName::ByPrompt
 }
 
 fn default_shard_size() -> usize {
@@ -150,6 +164,8 @@ pub struct HarvestPlan {
     pub batch_tokens: NonZeroUsize,
     /// Which tokens are kept.
     pub selection: TokenSelection,
+    /// How the activations are laid out in files.
+    pub layout: Layout,
 }
 
 /// A plan whose layers are resolved against its model's shape: what every stage after
@@ -176,6 +192,8 @@ pub struct ResolvedPlan {
     pub batch_tokens: NonZeroUsize,
     /// Which tokens are kept.
     pub selection: TokenSelection,
+    /// How the activations are laid out in files.
+    pub layout: Layout,
 }
 
 impl HarvestPlan {
@@ -192,6 +210,7 @@ impl HarvestPlan {
             output,
             batch_tokens,
             selection,
+            layout,
         } = self;
         Ok(ResolvedPlan {
             layers: shape.layers(&layers)?,
@@ -204,6 +223,7 @@ impl HarvestPlan {
             output,
             batch_tokens,
             selection,
+            layout,
         })
     }
 }
@@ -223,7 +243,12 @@ impl ResolvedPlan {
             output,
             batch_tokens,
             selection,
+            layout,
         } = self;
+        let layout_seed = match layout {
+            Layout::ByPrompt => None,
+            Layout::Shuffled { seed, .. } => Some(*seed),
+        };
         RawPlan {
             model: model.display().to_string(),
             prompts: prompts.to_string(),
@@ -239,8 +264,13 @@ impl ResolvedPlan {
                 .positions
                 .map(|p| vec![u64::from(p.start), u64::from(p.end)]),
             sample_rate: selection.sample.map(|s| s.rate),
-            seed: selection.sample.map(|s| s.seed),
+            seed: selection.sample.map(|s| s.seed).or(layout_seed),
             max_norm_multiple: selection.max_norm_multiple,
+            layout: layout.name(),
+            rows_per_file: match layout {
+                Layout::ByPrompt => None,
+                Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get()),
+            },
         }
     }
 }
@@ -304,18 +334,23 @@ impl TryFrom<RawPlan> for HarvestPlan {
             sample_rate,
             seed,
             max_norm_multiple,
+            layout,
+            rows_per_file,
         } = raw;
         if model.trim().is_empty() {
             return Err(PlanError::Empty { field: "model" });
         }
-        let selection = RawSelection {
-            exclude_special_tokens: Some(exclude_special_tokens),
-            positions,
-            sample_rate,
-            seed,
-            max_norm_multiple,
-        }
-        .validate()?;
+        let (selection, layout) = selection_and_layout(
+            RawSelection {
+                exclude_special_tokens: Some(exclude_special_tokens),
+                positions,
+                sample_rate,
+                seed,
+                max_norm_multiple,
+            },
+            layout,
+            rows_per_file,
+        )?;
         check_norm_filter(&selection, &sites, project_onto.is_some())?;
         Ok(Self {
             model: PathBuf::from(model),
@@ -331,8 +366,27 @@ impl TryFrom<RawPlan> for HarvestPlan {
             output: Location::parse(&output, "output")?,
             batch_tokens: bounded("batch_tokens", batch_tokens, 1 << 20)?,
             selection,
+            layout,
         })
     }
+}
+
+/// Validates the selection and the layout, which share `seed`: it seeds the sampling, the
+/// shuffle, or both, and is refused only when there is neither.
+pub fn selection_and_layout(
+    selection: RawSelection,
+    layout: LayoutName,
+    rows_per_file: Option<usize>,
+) -> Result<(TokenSelection, Layout), PlanError> {
+    let seed = selection.seed;
+    let shuffled = layout == LayoutName::Shuffled;
+    let selection = RawSelection {
+        seed: seed.filter(|_| selection.sample_rate.is_some() || !shuffled),
+        ..selection
+    }
+    .validate()?;
+    let layout = Layout::new(layout, rows_per_file, seed.unwrap_or(0))?;
+    Ok((selection, layout))
 }
 
 /// The norm filter measures the `resid_post` rows it keeps, so it needs `resid_post` among the

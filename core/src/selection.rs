@@ -49,7 +49,7 @@ pub enum SelectionError {
     },
     /// A seed without a sample rate.
     #[error(
-        "seed is given without sample_rate: it only seeds the sampling, so give sample_rate too"
+        "seed is given without sample_rate or layout \"shuffled\", which are what it seeds: give one of them, or drop seed"
     )]
     SeedWithoutRate,
 }

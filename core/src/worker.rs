@@ -124,6 +124,13 @@ pub struct RunResult {
     /// Shards found complete from an earlier run and not recomputed.
     #[serde(default)]
     pub resumed_shards: usize,
+    /// `by_prompt`, or `shuffled`: then `n_shards` counts training files.
+    #[serde(default, skip_serializing_if = "is_by_prompt")]
+    pub layout: crate::layout::LayoutName,
+}
+
+fn is_by_prompt(layout: &crate::layout::LayoutName) -> bool {
+    *layout == crate::layout::LayoutName::ByPrompt
 }
 
 /// The termination message of a failed run.
@@ -294,6 +301,7 @@ mod tests {
             },
             output: "s3://b/p".into(),
             resumed_shards: 1,
+            layout: crate::layout::LayoutName::ByPrompt,
         }
     }
 

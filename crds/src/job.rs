@@ -141,6 +141,32 @@ pub struct HarvestOptions {
     /// the running median (above 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_norm_multiple: Option<f64>,
+    /// `by_prompt` (shards, the default) or `shuffled` (training files permuted with `seed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<FileLayout>,
+    /// Rows per training file of the shuffled layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16_777_216))]
+    pub rows_per_file: Option<u32>,
+}
+
+/// A file layout as the schema spells it.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FileLayout {
+    /// One tensor per prompt and site, prompts in order.
+    ByPrompt,
+    /// Rows permuted over the whole job, in training files.
+    Shuffled,
+}
+
+impl From<FileLayout> for harvest_core::layout::LayoutName {
+    fn from(layout: FileLayout) -> Self {
+        match layout {
+            FileLayout::ByPrompt => Self::ByPrompt,
+            FileLayout::Shuffled => Self::Shuffled,
+        }
+    }
 }
 
 impl Default for HarvestOptions {
@@ -156,6 +182,8 @@ impl Default for HarvestOptions {
             sample_rate: None,
             seed: None,
             max_norm_multiple: None,
+            layout: None,
+            rows_per_file: None,
         }
     }
 }

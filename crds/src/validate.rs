@@ -99,18 +99,20 @@ impl HarvestJobSpec {
                 }),
             }
         };
-        let tokens = RawSelection {
-            exclude_special_tokens: Some(harvest.exclude_special_tokens),
-            positions: harvest
-                .positions
-                .as_ref()
-                .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
-            sample_rate: harvest.sample_rate,
-            seed: harvest.seed,
-            max_norm_multiple: harvest.max_norm_multiple,
-        }
-        .validate()
-        .map_err(harvest_core::PlanError::from)?;
+        let (tokens, layout) = harvest_core::plan::selection_and_layout(
+            RawSelection {
+                exclude_special_tokens: Some(harvest.exclude_special_tokens),
+                positions: harvest
+                    .positions
+                    .as_ref()
+                    .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+                sample_rate: harvest.sample_rate,
+                seed: harvest.seed,
+                max_norm_multiple: harvest.max_norm_multiple,
+            },
+            harvest.layout.map(Into::into).unwrap_or_default(),
+            harvest.rows_per_file.map(|r| r as usize),
+        )?;
         let plan = ResolvedPlan {
             model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
@@ -130,6 +132,7 @@ impl HarvestJobSpec {
             output: location("output", output)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
             selection: tokens,
+            layout,
         };
         harvest_core::plan::check_norm_filter(
             &plan.selection,

@@ -31,7 +31,7 @@ enum Command {
     ///
     /// Exit status: 0 done, 2 bad input (fix the plan), 3 infrastructure failure (retry; a
     /// rerun resumes), 70 internal error.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Convert a llama-architecture GGUF into a Hugging Face checkpoint directory.
     ImportGguf {
         /// The .gguf file.
@@ -159,13 +159,20 @@ struct RunArgs {
     /// Keep each token with this probability, decided by a hash seeded with --seed.
     #[arg(long)]
     sample_rate: Option<f64>,
-    /// The seed of --sample-rate (default 0).
-    #[arg(long, requires = "sample_rate")]
+    /// The seed of --sample-rate and of --layout shuffled (default 0).
+    #[arg(long)]
     seed: Option<u64>,
     /// Drop tokens whose resid_post norm at the deepest kept layer exceeds this multiple of the
     /// running median.
     #[arg(long)]
     max_norm_multiple: Option<f64>,
+    /// by_prompt (the seed's shards) or shuffled (train_NNNNN.safetensors, rows permuted over
+    /// the whole job with --seed).
+    #[arg(long, default_value = "by_prompt")]
+    layout: harvest_core::layout::LayoutName,
+    /// Rows per training file of --layout shuffled (default 65536).
+    #[arg(long)]
+    rows_per_file: Option<usize>,
     /// Project onto these directions ([n, hidden] in .npy or .safetensors; path or s3://).
     #[arg(long)]
     project_onto: Option<String>,
@@ -213,6 +220,8 @@ impl RunArgs {
             sample_rate: self.sample_rate,
             seed: self.seed,
             max_norm_multiple: self.max_norm_multiple,
+            layout: self.layout,
+            rows_per_file: self.rows_per_file,
         }))
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{Reference, fixtures, smollm2_dir, worst_relative_error};
 use harvest_core::format::{Contents, Manifest};
+use harvest_core::layout::{Layout, LayoutName};
 use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::{HarvestPlan, LayerSelection, Location, Sites};
 use harvester::backend::cpu::CpuBackend;
@@ -51,6 +52,7 @@ fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> Harv
         output: Location::Local(out.to_owned()),
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
         selection: TokenSelection::default(),
+        layout: Layout::ByPrompt,
     }
 }
 
@@ -366,6 +368,18 @@ fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() 
 }
 
 #[test]
+fn a_killed_shuffled_run_resumes_to_the_same_training_files() {
+    killed_and_resumed(&[
+        "--layout",
+        "shuffled",
+        "--rows-per-file",
+        "50",
+        "--seed",
+        "3",
+    ]);
+}
+
+#[test]
 fn a_killed_run_that_selects_tokens_by_norm_resumes_to_the_same_files() {
     // The norm filter's running median spans shards, so a resumed run must rebuild it from the
     // finished shards' records to decide as the uninterrupted run did.
@@ -543,6 +557,150 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
     );
 }
 
+/// The chi-square statistic of `observed` counts against `expected` proportions.
+fn chi_square(observed: &[f64], expected: &[f64]) -> f64 {
+    let n: f64 = observed.iter().sum();
+    observed
+        .iter()
+        .zip(expected)
+        .map(|(&o, &e)| (o - n * e).powi(2) / (n * e))
+        .sum()
+}
+
+#[test]
+fn a_shuffled_job_holds_every_kept_token_once_in_a_uniform_order_with_the_by_prompt_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..280)
+        .map(|i| {
+            format!(
+                "{} {}",
+                PROMPTS[i % PROMPTS.len()],
+                "word ".repeat(40 + i % 60)
+            )
+        })
+        .collect();
+    let prompts_path = write_prompts(dir.path(), &prompts);
+    let sites = Sites::parse(&["attn_out", "resid_post"]).unwrap();
+    let by_prompt_out = dir.path().join("by_prompt");
+    let mut by_prompt = plan(&prompts_path, &by_prompt_out, vec![1], 64);
+    by_prompt.sites = sites.clone();
+    pipeline::run(&by_prompt, &options()).unwrap();
+    let shuffled_out = dir.path().join("shuffled");
+    let mut shuffled = by_prompt.clone();
+    shuffled.output = Location::Local(shuffled_out.clone());
+    shuffled.layout = Layout::new(LayoutName::Shuffled, Some(4096), 7).unwrap();
+    pipeline::run(&shuffled, &options()).unwrap();
+
+    let reference = manifest(&by_prompt_out);
+    let counts: Vec<usize> = reference
+        .shards
+        .iter()
+        .flat_map(|s| s.token_counts.clone())
+        .collect();
+    let total: usize = counts.iter().sum();
+    assert!(total > 20_000, "{total} rows make two windows of 10,000");
+    let ours = manifest(&shuffled_out);
+    let train = ours.train.clone().expect("a train block");
+    assert!(ours.shards.is_empty() && !shuffled_out.join("shard_00000.safetensors").exists());
+    assert_eq!(train.rows as usize, total);
+    assert_eq!(train.tensors, ["attn_out.1", "resid_post.1", "index"]);
+    assert_eq!(
+        ours.stats_file.as_ref().unwrap().sha256,
+        reference.stats_file.as_ref().unwrap().sha256,
+        "the same statistics"
+    );
+
+    let shard_files: Vec<Vec<u8>> = reference
+        .shards
+        .iter()
+        .map(|s| std::fs::read(by_prompt_out.join(&s.file)).unwrap())
+        .collect();
+    let shards: Vec<SafeTensors<'_>> = shard_files
+        .iter()
+        .map(|b| SafeTensors::deserialize(b).unwrap())
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut order = Vec::with_capacity(total);
+    for (n, entry) in train.files.iter().enumerate() {
+        let bytes = std::fs::read(shuffled_out.join(&entry.file)).unwrap();
+        assert_eq!(pipeline::shard::sha256_hex(&bytes), entry.sha256);
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let index: Vec<i32> = file
+            .tensor("index")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(index.len(), 2 * entry.rows);
+        assert!(n + 1 == train.files.len() || entry.rows == 4096);
+        for (site, name) in [("attn_out", "attn_out.1"), ("prompt", "resid_post.1")] {
+            let values = file.tensor(name).unwrap();
+            assert_eq!(values.shape(), [entry.rows, 576]);
+            for (row, pair) in index.chunks_exact(2).enumerate().step_by(97) {
+                let (p, position) = (pair[0] as usize, pair[1] as usize);
+                let shard = &shards[p / 64];
+                let source = shard.tensor(&format!("{site}_{p}")).unwrap();
+                let expected = &source.data()[position * 1152..(position + 1) * 1152];
+                assert_eq!(
+                    &values.data()[row * 1152..(row + 1) * 1152],
+                    expected,
+                    "{name} row {row} of {}",
+                    entry.file
+                );
+            }
+        }
+        for pair in index.chunks_exact(2) {
+            assert!(
+                seen.insert((pair[0], pair[1])),
+                "({}, {}) twice",
+                pair[0],
+                pair[1]
+            );
+            order.push(pair[0] as usize);
+        }
+    }
+    assert_eq!(seen.len(), total, "every token once");
+    // Prompt indices in each window of 10,000 rows against their share of the tokens, in 20
+    // groups of 14 prompts: 19 degrees of freedom, whose 1% critical value is 36.19.
+    let share: Vec<f64> = counts
+        .chunks(14)
+        .map(|c| c.iter().sum::<usize>() as f64 / total as f64)
+        .collect();
+    for window in order.chunks_exact(10_000) {
+        let mut observed = vec![0.0; share.len()];
+        for &p in window {
+            observed[p / 14] += 1.0;
+        }
+        let statistic = chi_square(&observed, &share);
+        println!("window of 10,000 rows: chi-square {statistic:.1} (19 degrees of freedom)");
+        assert!(
+            statistic < 36.19,
+            "chi-square {statistic:.1} over 19 degrees of freedom"
+        );
+    }
+    // The by-prompt order would fail the same test: it is what the shuffle has to undo.
+    let by_prompt_order: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(p, &n)| std::iter::repeat_n(p, n))
+        .collect();
+    let mut first = vec![0.0; share.len()];
+    for &p in &by_prompt_order[..10_000] {
+        first[p / 14] += 1.0;
+    }
+    assert!(chi_square(&first, &share) > 36.19);
+    check_prediction_of(
+        &shuffled_out,
+        &counts,
+        shuffled.layout,
+        &[1],
+        &sites,
+        Contents::Activations,
+        576,
+    );
+}
+
 fn manifest_of(out: &Path) -> Manifest {
     manifest(out)
 }
@@ -649,12 +807,34 @@ fn a_different_plan_into_a_finished_output_is_refused() {
 /// The sizes `harvest_core::estimate` predicts from the token counts alone, against what a run
 /// writes: shards and statistics to the byte, the manifest within a few bytes per layer.
 fn check_prediction(out: &Path, layers: &[usize], sites: &Sites, contents: Contents, width: usize) {
-    let manifest = manifest(out);
-    let counts: Vec<usize> = manifest
+    let counts: Vec<usize> = manifest(out)
         .shards
         .iter()
         .flat_map(|s| s.token_counts.clone())
         .collect();
+    check_prediction_of(
+        out,
+        &counts,
+        Layout::ByPrompt,
+        layers,
+        sites,
+        contents,
+        width,
+    );
+}
+
+/// [`check_prediction`] given the prompts' token counts (a shuffled manifest has no shards to
+/// read them from).
+fn check_prediction_of(
+    out: &Path,
+    counts: &[usize],
+    layout: Layout,
+    layers: &[usize],
+    sites: &Sites,
+    contents: Contents,
+    width: usize,
+) {
+    let manifest = manifest(out);
     let kept: Vec<usize> = manifest
         .shards
         .iter()
@@ -670,7 +850,8 @@ fn check_prediction(out: &Path, layers: &[usize], sites: &Sites, contents: Conte
         });
     let shape = harvest_core::estimate::JobShape {
         selection,
-        token_counts: &counts,
+        layout,
+        token_counts: counts,
         truncated: &[],
         shard_size: manifest.shard_size,
         layers,
@@ -683,8 +864,11 @@ fn check_prediction(out: &Path, layers: &[usize], sites: &Sites, contents: Conte
         max_tokens: manifest.tokenizer.max_tokens,
     };
     let predicted = harvest_core::estimate::predict(&shape);
-    let actual: Vec<u64> = manifest.shards.iter().map(|s| s.bytes).collect();
-    assert_eq!(predicted.shards, actual, "shards to the byte");
+    let actual: Vec<u64> = match &manifest.train {
+        None => manifest.shards.iter().map(|s| s.bytes).collect(),
+        Some(train) => train.files.iter().map(|f| f.bytes).collect(),
+    };
+    assert_eq!(predicted.shards, actual, "data files to the byte");
     let stats = std::fs::metadata(out.join("stats.safetensors"))
         .unwrap()
         .len();

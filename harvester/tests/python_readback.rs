@@ -43,6 +43,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
         output: Location::Local(out.clone()),
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
         selection: Default::default(),
+        layout: Default::default(),
     };
     pipeline::run(
         &plan,

@@ -186,7 +186,8 @@ class Client:
         ``sites`` lists hook sites of each kept block (``resid_pre``, ``attn_out``,
         ``resid_mid``, ``mlp_out``, ``resid_post``); None keeps ``resid_post`` alone.
         Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
-        ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``.
+        ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
+        (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
@@ -346,14 +347,23 @@ class Job:
         return Reader(directory)
 
 
-SELECTION_FIELDS = ("exclude_special_tokens", "positions", "sample_rate", "seed", "max_norm_multiple")
+SELECTION_FIELDS = (
+    "exclude_special_tokens",
+    "positions",
+    "sample_rate",
+    "seed",
+    "max_norm_multiple",
+    "layout",
+    "rows_per_file",
+)
 
 
 def _selection(given: Dict[str, Any]) -> Dict[str, Any]:
-    """The token selection fields of a request; an unknown keyword is a TypeError naming it."""
+    """The token selection and layout fields of a request; an unknown keyword is a TypeError
+    naming it."""
     unknown = sorted(set(given) - set(SELECTION_FIELDS))
     if unknown:
-        raise TypeError(f"unknown argument {unknown[0]!r}: token selection takes {', '.join(SELECTION_FIELDS)}")
+        raise TypeError(f"unknown argument {unknown[0]!r}: the extensions are {', '.join(SELECTION_FIELDS)}")
     body = {name: value for name, value in given.items() if value is not None}
     if "positions" in body:
         body["positions"] = [int(v) for v in body["positions"]]

@@ -92,8 +92,9 @@ class _Links:
         if result is None:
             raise errors.FilesGone(f"job {self.job.id} has no files to download (status {self.job.status})")
         urls = {"manifest.json": result["manifest_url"], "stats.safetensors": result["stats_url"]}
+        prefix = "train" if result.get("layout") == "shuffled" else "shard"
         for i, url in enumerate(result["shard_urls"]):
-            urls[f"shard_{i:05d}.safetensors"] = url
+            urls[f"{prefix}_{i:05d}.safetensors"] = url
         return urls
 
     def get(self, name: str) -> tuple[str, int]:
@@ -222,7 +223,8 @@ def download_job(job: "Job", directory: Path, *, workers: int = 4, progress: boo
     links = _Links(job, report)
     manifest_bytes = _manifest(session, links, report)
     manifest: Dict[str, Any] = json.loads(manifest_bytes)
-    wanted = [_Wanted(s["file"], int(s["bytes"]), s["sha256"]) for s in manifest["shards"]]
+    files = manifest["train"]["files"] if manifest.get("layout") == "shuffled" else manifest["shards"]
+    wanted = [_Wanted(s["file"], int(s["bytes"]), s["sha256"]) for s in files]
     stats = manifest.get("stats_file")
     wanted.append(
         _Wanted("stats.safetensors", int(stats["bytes"]), stats["sha256"]) if stats else _Wanted("stats.safetensors", None, None)

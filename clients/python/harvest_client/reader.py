@@ -97,6 +97,8 @@ class Reader:
         #: The token selection block, when the job selected tokens (activations then hold the
         #: positions ``positions_i`` lists).
         self.selection: Optional[Dict[str, Any]] = self.manifest.get("selection")
+        #: "by_prompt" or "shuffled" (training files, read with :meth:`train_batches`).
+        self.layout: str = self.manifest.get("layout", "by_prompt")
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
             counts = shard.get("kept_counts") or shard["token_counts"] if self.selection else shard["token_counts"]
@@ -123,6 +125,10 @@ class Reader:
         return self._files[name]
 
     def _shard_of(self, i: int) -> SafetensorsFile:
+        if self.layout == "shuffled":
+            raise errors.HarvestError(
+                "this job's layout is shuffled: it has training files, not prompts; read them with train_batches"
+            )
         if i not in self._where:
             raise IndexError(f"prompt {i} is not in this job (it has prompts 0 to {self.n_prompts - 1})")
         return self._file(self._where[i][0])
@@ -199,8 +205,38 @@ class Reader:
         return np.concatenate(prompts), np.concatenate(positions)
 
     def n_tokens(self, drop_bos: bool = True) -> int:
-        """Tokens :meth:`token_batches` yields per epoch."""
+        """Tokens :meth:`token_batches` yields per epoch (for the shuffled layout, the rows of
+        the training files)."""
+        if self.layout == "shuffled":
+            return int(self.manifest["train"]["rows"])
         return int(self._index(drop_bos)[0].size)
+
+    def train_batches(self, layer: int, batch_size: int, *, site: str = "resid_post") -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """The shuffled layout's rows in file order (already a seeded uniform permutation of the
+        whole job): float32 ``[batch, width]`` of hook site ``site`` at block ``layer``, with the
+        ``[batch, 2]`` (prompt, position) of each row. The training files hold every kept
+        token, BOS included unless the job excluded special tokens."""
+        if self.layout != "shuffled":
+            raise errors.HarvestError("this job's layout is by_prompt: read it with token_batches")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        self.layer_position(layer)
+        self._tensor_name(site, 0)
+        name = f"{site}.{layer}"
+        pending: List[Tuple[np.ndarray, np.ndarray]] = []
+        held = 0
+        for entry in self.manifest["train"]["files"]:
+            file = self._file(entry["file"])
+            values, index = file.float32(name), np.array(file.raw("index"))
+            pending.append((values, index))
+            held += values.shape[0]
+            while held >= batch_size:
+                values = np.concatenate([v for v, _ in pending])
+                index = np.concatenate([i for _, i in pending])
+                yield values[:batch_size], index[:batch_size]
+                pending, held = [(values[batch_size:], index[batch_size:])], values.shape[0] - batch_size
+        if held:
+            yield np.concatenate([v for v, _ in pending]), np.concatenate([i for _, i in pending])
 
     def token_batches(
         self,

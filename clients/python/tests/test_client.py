@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import requests
 
-from harvest_client import Client, IntegrityError, InvalidApiKey, InvalidRequest, NotFound
+from harvest_client import Client, HarvestError, IntegrityError, InvalidApiKey, InvalidRequest, NotFound
 from harvest_client.reader import SafetensorsFile
 
 from conftest import MODEL, SEED, corpus, start_server, wait_until
@@ -317,3 +317,23 @@ def test_a_token_selection_is_estimated_within_one_percent_and_read_back_by_posi
     assert sum(b.shape[0] for b in batches) == estimate["kept_tokens"]
     with pytest.raises(TypeError, match="sample_rat"):
         client.submit(prompts, MODEL, sample_rat=0.5)
+
+
+def test_a_shuffled_job_downloads_its_training_files_and_reads_every_token_once(client, tmp_path):
+    prompts = corpus(8, words=12)
+    estimate = client.estimate(prompts, MODEL, layers=[3], layout="shuffled", rows_per_file=40, seed=2)
+    job = client.submit(prompts, MODEL, layers=[3], layout="shuffled", rows_per_file=40, seed=2).wait(progress=False)
+    assert job.result["layout"] == "shuffled"
+    assert job.result["n_shards"] == estimate["files"]["shards"]["count"]
+    written = job.result["bytes_written"]
+    assert abs(written - estimate["total_bytes"]) <= written / 100
+    job.download(tmp_path)
+    reader = job.open(tmp_path)
+    assert reader.layout == "shuffled" and sorted(p.name for p in tmp_path.glob("train_*")) == [
+        f"train_{i:05d}.safetensors" for i in range(job.result["n_shards"])
+    ]
+    seen = [tuple(row) for _, index in reader.train_batches(layer=3, batch_size=33) for row in index.tolist()]
+    assert len(seen) == len(set(seen)) == reader.n_tokens() == estimate["tokens"]
+    assert [p for p, _ in seen[:20]] != sorted(p for p, _ in seen[:20]), "rows are not in prompt order"
+    with pytest.raises(HarvestError, match="train_batches"):
+        reader.prompt(0)

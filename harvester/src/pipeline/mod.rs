@@ -7,9 +7,12 @@
 //!  (owns the backend;                (shards in prompt order,           (shard, then its record)
 //!   packs batches by token budget)    per-shard stats)
 //!          ▲────── recycled capture buffers (CAPTURE_POOL) ──────┘
-//! finish: merge per-shard stats in shard order ─► stats.safetensors ─► manifest.json (commit
-//!         point) ─► result.json ─► partial records removed
+//! finish: [shuffled layout: shards ─► key-range buckets ─► train files (shuffle)]
+//!         merge per-shard stats in shard order ─► stats.safetensors ─► manifest.json (commit
+//!         point) ─► result.json ─► partial records (and a shuffled job's shards) removed
 //! ```
+//! The assembler keeps each kept site of each kept layer, and only the tokens the job's
+//! selection keeps (select).
 //! Every queue is bounded, so memory stays flat whatever the corpus size. Because statistics are
 //! merged per shard in shard order and batches never span shards, a resumed run writes files
 //! identical to an uninterrupted one.
@@ -23,6 +26,7 @@ pub mod result;
 mod resume;
 mod select;
 pub mod shard;
+mod shuffle;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -32,6 +36,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use harvest_core::format::{Contents, Manifest};
+use harvest_core::layout::Layout;
 use harvest_core::plan::{shard_count, shard_file_name, shard_prompts};
 use harvest_core::{HarvestPlan, RawPlan, ResolvedPlan};
 use rayon::prelude::*;
@@ -106,7 +111,7 @@ pub fn inspect(dir: &Path) -> Result<String> {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{} ({}), {:?} {}, layers {:?}, {} prompts, {} tokens, {} shards",
+        "{} ({}), {:?} {}, layers {:?}, {} prompts, {} tokens, {} shards{}",
         manifest.model.name,
         manifest.model.architecture,
         manifest.contents,
@@ -114,10 +119,27 @@ pub fn inspect(dir: &Path) -> Result<String> {
         manifest.layer_indices,
         manifest.n_prompts,
         manifest.total_tokens,
-        manifest.shards.len()
+        manifest.shards.len(),
+        manifest.train.as_ref().map_or(String::new(), |t| format!(
+            ", shuffled into {} training files of {} rows",
+            t.files.len(),
+            t.rows
+        ))
     );
-    for entry in &manifest.shards {
-        let path = dir.join(&entry.file);
+    let files: Vec<(&str, u64)> = match &manifest.train {
+        None => manifest
+            .shards
+            .iter()
+            .map(|s| (s.file.as_str(), s.bytes))
+            .collect(),
+        Some(train) => train
+            .files
+            .iter()
+            .map(|f| (f.file.as_str(), f.bytes))
+            .collect(),
+    };
+    for (file, size) in files {
+        let path = dir.join(file);
         let bytes = std::fs::read(&path).map_err(|e| Error::io("reading", &path, e))?;
         let shard = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
             Error::CorruptSafetensors {
@@ -125,7 +147,7 @@ pub fn inspect(dir: &Path) -> Result<String> {
                 reason: e.to_string(),
             }
         })?;
-        let _ = writeln!(out, "{} ({} bytes)", entry.file, entry.bytes);
+        let _ = writeln!(out, "{file} ({size} bytes)");
         let mut names = shard.names();
         names.sort_by_key(|n| {
             let (kind, index) = n.rsplit_once('_').unwrap_or((n, "0"));
@@ -404,19 +426,24 @@ fn commit(
 ) -> Result<RunResult> {
     let Closing { job, records, .. } = closing;
     let finish_start = Instant::now();
+    let train = train_files(job, records, store, runtime)?;
     let (manifest, stats_bytes) = outputs::build_outputs(
         job,
         closing.config,
         records,
         &closing.model_name,
         closing.max_tokens,
+        train.as_ref(),
     )?;
     let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
         path: MANIFEST_FILE.into(),
         source,
     })?;
     let save_s = closing.timings.save_s + finish_start.elapsed().as_secs_f64();
-    let shard_bytes: u64 = records.values().map(|r| r.bytes).sum();
+    let shard_bytes: u64 = match &train {
+        None => records.values().map(|r| r.bytes).sum(),
+        Some(train) => train.files.iter().map(|f| f.bytes).sum(),
+    };
     let bytes_written = shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64;
     let upload_start = Instant::now();
     runtime.block_on(async {
@@ -424,7 +451,8 @@ fn commit(
         store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
     })?;
     let result = RunResult {
-        n_shards: job.n_shards,
+        n_shards: train.as_ref().map_or(job.n_shards, |t| t.files.len()),
+        layout: job.plan.layout.name(),
         n_prompts: manifest.n_prompts,
         layer_indices: job.plan.layers.as_slice().to_vec(),
         tokens: manifest.total_tokens,
@@ -447,6 +475,12 @@ fn commit(
         for shard in 0..job.n_shards {
             if let Err(e) = store.delete(&ShardRecord::file_name(shard)).await {
                 tracing::warn!(error = %e, shard, "could not remove a partial record");
+            }
+            // The shuffled layout's shards were only the first phase.
+            if train.is_some()
+                && let Err(e) = store.delete(&shard_file_name(shard)).await
+            {
+                tracing::warn!(error = %e, shard, "could not remove a staged shard");
             }
         }
         Ok::<_, Error>(())
@@ -699,6 +733,49 @@ async fn read_object(
         reason: "no such object".into(),
     })?;
     Ok((name, bytes.to_vec()))
+}
+
+/// The shuffled layout's training files, made from the shards; none for the by-prompt layout.
+fn train_files(
+    job: &Job<'_>,
+    records: &BTreeMap<usize, ShardRecord>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Option<shuffle::TrainFiles>> {
+    match job.plan.layout {
+        Layout::ByPrompt => Ok(None),
+        Layout::Shuffled {
+            rows_per_file,
+            seed,
+        } => {
+            let spill = spill_dir(&job.plan.output);
+            let files = shuffle::write_train_files(
+                job,
+                records,
+                store,
+                runtime,
+                rows_per_file,
+                seed,
+                &spill,
+            )?;
+            Ok(Some(files))
+        }
+    }
+}
+
+/// Where the shuffle spills its buckets: `.shuffle/` in a local output (the job's own, so what a
+/// killed run left there is cleared first), else the system's temp dir.
+fn spill_dir(output: &harvest_core::Location) -> shuffle::SpillDir {
+    match output {
+        harvest_core::Location::Local(dir) => shuffle::SpillDir {
+            path: dir.join(".shuffle"),
+            owned: true,
+        },
+        harvest_core::Location::S3 { .. } => shuffle::SpillDir {
+            path: std::env::temp_dir(),
+            owned: false,
+        },
+    }
 }
 
 fn dir_name(path: &Path) -> String {

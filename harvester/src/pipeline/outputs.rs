@@ -5,14 +5,16 @@ use std::collections::BTreeMap;
 
 use harvest_core::format::{
     self, Contents, FileDigest, Manifest, ModelInfo, ProjectionInfo, SelectionInfo, ShardEntry,
-    SiteInfo, TokenizerInfo,
+    SiteInfo, TokenizerInfo, TrainFile, TrainInfo,
 };
+use harvest_core::layout::Layout;
 use harvest_core::plan::shard_file_name;
 use harvest_core::selection::Dropped;
 use harvest_core::{RunningStats, Site, Sites};
 
 use super::Job;
 use super::shard::ShardRecord;
+use super::shuffle::TrainFiles;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 
@@ -23,6 +25,7 @@ pub(super) fn build_outputs(
     records: &BTreeMap<usize, ShardRecord>,
     model_name: &str,
     max_tokens: usize,
+    train: Option<&TrainFiles>,
 ) -> Result<(Manifest, Vec<u8>)> {
     if records.len() != job.n_shards {
         return Err(Error::StageLost { stage: "upload" });
@@ -58,7 +61,10 @@ pub(super) fn build_outputs(
         n_prompts: job.encoded.len(),
         shard_size: job.plan.shard_size.get(),
         total_tokens,
-        shards: records.values().map(|r| shard_entry(job, r)).collect(),
+        shards: match train {
+            None => records.values().map(|r| shard_entry(job, r)).collect(),
+            Some(_) => Vec::new(),
+        },
         truncated_prompts: records
             .values()
             .flat_map(|r| r.truncations.clone())
@@ -76,6 +82,8 @@ pub(super) fn build_outputs(
         stats_file: None,
         sites: site_entries,
         selection: selection_info(job, records),
+        layout: job.plan.layout.name(),
+        train: train.map(|t| train_info(job, t)),
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
@@ -110,6 +118,34 @@ fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Opti
             .sum(),
         dropped,
     })
+}
+
+/// The manifest's training files block.
+fn train_info(job: &Job<'_>, train: &TrainFiles) -> TrainInfo {
+    let (rows_per_file, seed) = match job.plan.layout {
+        Layout::Shuffled {
+            rows_per_file,
+            seed,
+        } => (rows_per_file.get(), seed),
+        Layout::ByPrompt => (0, 0),
+    };
+    TrainInfo {
+        seed,
+        rows_per_file,
+        rows: train.rows.iter().map(|&n| n as u64).sum(),
+        tensors: train.tensors.clone(),
+        files: train
+            .files
+            .iter()
+            .zip(&train.rows)
+            .map(|(f, &rows)| TrainFile {
+                file: f.file.clone(),
+                rows,
+                bytes: f.bytes,
+                sha256: f.sha256.clone(),
+            })
+            .collect(),
+    }
 }
 
 /// Every shard's statistics merged in shard order, slot by slot.

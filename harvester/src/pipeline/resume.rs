@@ -33,12 +33,17 @@ pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<
     {
         return Ok(Some(result));
     }
+    let files: Vec<u64> = match &manifest.train {
+        None => manifest.shards.iter().map(|s| s.bytes).collect(),
+        Some(train) => train.files.iter().map(|f| f.bytes).collect(),
+    };
     Ok(Some(RunResult {
-        n_shards: manifest.shards.len(),
+        n_shards: files.len(),
+        layout: manifest.layout,
         n_prompts: manifest.n_prompts,
         layer_indices: manifest.layer_indices,
         tokens: manifest.total_tokens,
-        bytes_written: manifest.shards.iter().map(|s| s.bytes).sum(),
+        bytes_written: files.iter().sum(),
         contents: manifest.contents,
         timings: Timings::default(),
         output: store.location().to_string(),
