@@ -202,4 +202,43 @@ mod tests {
             assert!(error.to_string().contains("spec.input.prompts"), "{error}");
         }
     }
+
+    #[test]
+    fn sites_a_selection_and_the_shuffled_layout_reach_the_workers_plan() {
+        let mut spec = spec();
+        spec.harvest.sites = Some(vec![crate::HookSite::ResidPost, crate::HookSite::AttnOut]);
+        spec.harvest.positions = Some(vec![1, 64]);
+        spec.harvest.seed = Some(9);
+        spec.harvest.layout = Some(crate::FileLayout::Shuffled);
+        spec.harvest.rows_per_file = Some(1024);
+        let plan = spec
+            .validate(&smollm(), Path::new(CHECKPOINT))
+            .unwrap()
+            .plan;
+        assert_eq!(plan.sites.names(), ["attn_out", "resid_post"]);
+        assert_eq!(
+            plan.selection.positions.map(|p| (p.start, p.end)),
+            Some((1, 64))
+        );
+        assert_eq!(plan.layout.file_name(0), "train_00000.safetensors");
+        let raw = plan.to_raw();
+        assert_eq!((raw.seed, raw.rows_per_file), (Some(9), Some(1024)));
+    }
+
+    #[test]
+    fn a_bad_selection_or_layout_is_refused_with_its_reason() {
+        let mut spec = spec();
+        spec.harvest.positions = Some(vec![8, 2]);
+        let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
+        assert_eq!(error.reason(), "InvalidSelection");
+        assert!(error.to_string().contains("[8, 2)"), "{error}");
+        let mut spec = self::spec();
+        spec.harvest.rows_per_file = Some(10);
+        let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
+        assert!(error.to_string().contains("shuffled"), "{error}");
+        let mut spec = self::spec();
+        spec.harvest.sites = Some(vec![crate::HookSite::MlpOut, crate::HookSite::MlpOut]);
+        let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
+        assert_eq!(error.reason(), "InvalidSites");
+    }
 }

@@ -173,6 +173,10 @@ struct RunArgs {
     /// Rows per training file of --layout shuffled (default 65536).
     #[arg(long)]
     rows_per_file: Option<usize>,
+    /// Scratch space for --layout shuffled (about the job's size): default .shuffle/ in a local
+    /// output, the system's temp dir for s3://.
+    #[arg(long)]
+    spill_dir: Option<PathBuf>,
     /// Project onto these directions ([n, hidden] in .npy or .safetensors; path or s3://).
     #[arg(long)]
     project_onto: Option<String>,
@@ -248,6 +252,7 @@ fn run_job(args: &RunArgs) -> ExitCode {
         model_name: args.model_name.clone(),
         device: args.device,
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
+        spill_dir: args.spill_dir.clone(),
     };
     let termination = harvester::pipeline::run_source(&args.plan_source(), &options);
     if let Some(path) = &args.termination_log

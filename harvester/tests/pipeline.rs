@@ -62,6 +62,7 @@ fn options() -> RunOptions {
         model_name: None,
         device: harvester::backend::cuda::DeviceChoice::Cpu,
         s3: Default::default(),
+        spill_dir: None,
     }
 }
 
@@ -589,7 +590,18 @@ fn a_shuffled_job_holds_every_kept_token_once_in_a_uniform_order_with_the_by_pro
     let mut shuffled = by_prompt.clone();
     shuffled.output = Location::Local(shuffled_out.clone());
     shuffled.layout = Layout::new(LayoutName::Shuffled, Some(4096), 7).unwrap();
-    pipeline::run(&shuffled, &options()).unwrap();
+    let scratch = dir.path().join("scratch");
+    let spill = RunOptions {
+        spill_dir: Some(scratch.clone()),
+        ..options()
+    };
+    pipeline::run(&shuffled, &spill).unwrap();
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "the spill files are gone"
+    );
+    assert!(!shuffled_out.join(".shuffle").exists());
 
     let reference = manifest(&by_prompt_out);
     let counts: Vec<usize> = reference

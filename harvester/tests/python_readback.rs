@@ -52,6 +52,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             model_name: None,
             device: harvester::backend::cuda::DeviceChoice::Cpu,
             s3: Default::default(),
+            spill_dir: None,
         },
     )
     .unwrap();

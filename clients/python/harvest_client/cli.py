@@ -128,6 +128,16 @@ def _models(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _slice(text: Optional[str]) -> Optional[List[int]]:
+    if text is None:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise errors.HarvestError(f"--positions {text!r}: write START:END, for example 1:512") from None
+    return [start, end]
+
+
 def _submit(client: Client, args: argparse.Namespace) -> int:
     prompts = read_prompts(Path(args.prompts))
     directions = None
@@ -142,6 +152,13 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         model=args.model,
         layers=_layers(args.layers),
         sites=[site.strip() for site in args.sites.split(",") if site.strip()] if args.sites else None,
+        exclude_special_tokens=True if args.exclude_special_tokens else None,
+        positions=_slice(args.positions),
+        sample_rate=args.sample_rate,
+        seed=args.seed,
+        max_norm_multiple=args.max_norm_multiple,
+        layout=args.layout,
+        rows_per_file=args.rows_per_file,
         shard_size=args.shard_size,
         add_special_tokens=not args.no_special_tokens,
         project_onto=directions,
@@ -224,6 +241,13 @@ def parser() -> argparse.ArgumentParser:
         "--sites", help="hook sites of each kept block, like attn_out,mlp_out,resid_post (default: resid_post)"
     )
     submit.add_argument("--shard-size", type=int, help="prompts per shard file (default 32)")
+    submit.add_argument("--exclude-special-tokens", action="store_true", help="keep no token the tokenizer marks special")
+    submit.add_argument("--positions", metavar="START:END", help="keep positions START to END (exclusive) of each prompt")
+    submit.add_argument("--sample-rate", type=float, help="keep each token with this probability (seeded)")
+    submit.add_argument("--seed", type=int, help="the seed of --sample-rate and of --layout shuffled (default 0)")
+    submit.add_argument("--max-norm-multiple", type=float, help="drop tokens whose norm exceeds this many running medians")
+    submit.add_argument("--layout", choices=["by_prompt", "shuffled"], help="shards by prompt (default) or shuffled training files")
+    submit.add_argument("--rows-per-file", type=int, help="rows per training file of --layout shuffled (default 65536)")
     submit.add_argument("--no-special-tokens", action="store_true", help="add no BOS: tokenize the text verbatim")
     submit.add_argument("--project-onto", metavar="DIRS.npy", help="project onto these directions [n, hidden]")
     submit.add_argument("--retry", action="store_true", help="retry while the lane is full or counting is busy")

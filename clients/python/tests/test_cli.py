@@ -57,6 +57,21 @@ def test_a_dry_run_prints_the_estimate_and_submits_nothing(server, client, tmp_p
     assert len(list(client.jobs())) == before
 
 
+def test_submit_passes_sites_selection_and_layout_and_names_a_bad_slice(server, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one prompt with a few words\nanother prompt, a little longer than that\n")
+    flags = ["--sites", "attn_out,resid_post", "--positions", "1:6", "--sample-rate", "0.9", "--seed", "4",
+             "--layout", "shuffled", "--rows-per-file", "5", "--dry-run"]
+    answer = harvest(server, "--json", "submit", str(prompts), "--model", MODEL, "--layers", "3", *flags)
+    assert answer.returncode == 0, answer.stderr
+    estimate = json.loads(answer.stdout)
+    assert estimate["sites"] == ["attn_out", "resid_post"]
+    assert 0 < estimate["kept_tokens"] <= 10
+    assert estimate["files"]["shards"]["count"] == -(-estimate["kept_tokens"] // 5)
+    bad = harvest(server, "submit", str(prompts), "--model", MODEL, "--positions", "1-6", "--dry-run")
+    assert bad.returncode != 0 and "START:END" in bad.stderr
+
+
 def test_submit_takes_text_and_json_files_and_directions_from_npy(server, tmp_path):
     text = tmp_path / "prompts.txt"
     text.write_text("first prompt\n\nsecond prompt\n")

@@ -78,6 +78,9 @@ pub struct RunOptions {
     pub device: DeviceChoice,
     /// How to reach S3, when the plan names `s3://` locations.
     pub s3: S3Config,
+    /// Where the shuffled layout spills its buckets (about the job's size); default `.shuffle/`
+    /// in a local output, the system's temp dir for S3.
+    pub spill_dir: Option<std::path::PathBuf>,
 }
 
 struct Job<'a> {
@@ -283,6 +286,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
             upload_s,
         },
         resumed_shards,
+        spill_dir: options.spill_dir.clone(),
     };
     commit(&closing, &store, &runtime)
 }
@@ -415,6 +419,7 @@ struct Closing<'a> {
     max_tokens: usize,
     timings: Timings,
     resumed_shards: usize,
+    spill_dir: Option<std::path::PathBuf>,
 }
 
 /// Writes the statistics, then the manifest (the commit point), then `result.json`, and
@@ -426,7 +431,7 @@ fn commit(
 ) -> Result<RunResult> {
     let Closing { job, records, .. } = closing;
     let finish_start = Instant::now();
-    let train = train_files(job, records, store, runtime)?;
+    let train = train_files(job, records, store, runtime, closing.spill_dir.as_deref())?;
     let (manifest, stats_bytes) = outputs::build_outputs(
         job,
         closing.config,
@@ -741,6 +746,7 @@ fn train_files(
     records: &BTreeMap<usize, ShardRecord>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
+    spill_dir_given: Option<&Path>,
 ) -> Result<Option<shuffle::TrainFiles>> {
     match job.plan.layout {
         Layout::ByPrompt => Ok(None),
@@ -748,7 +754,14 @@ fn train_files(
             rows_per_file,
             seed,
         } => {
-            let spill = spill_dir(&job.plan.output);
+            let spill = match spill_dir_given {
+                // A directory the operator named may be shared: only our own subdirectory goes.
+                Some(dir) => shuffle::SpillDir {
+                    path: dir.to_owned(),
+                    owned: false,
+                },
+                None => spill_dir(&job.plan.output),
+            };
             let files = shuffle::write_train_files(
                 job,
                 records,
