@@ -3,11 +3,13 @@
 
     python3 scripts/bench_cpu.py [--prompts 64] [--tokens 256] [--threads N]
 
-Both run SmolLM2-135M (the checkpoint imported by scripts/fetch-model.sh) in f32 over the same
-token ids (seeded), through every block, with the same thread count and the same batch of
-tokens per forward pass. PyTorch runs the base model (no LM head) with output_hidden_states, the
-closest equivalent of capturing every layer. Prints tokens/s for each and their ratio, and our
-achieved GFLOP/s against a plain f32 GEMM of our GEMM library measured in the same run.
+All run SmolLM2-135M (the checkpoint imported by scripts/fetch-model.sh) over the same token ids
+(seeded), through every block, with the same thread count and the same batch of tokens per
+forward pass: ours with --precision f32 and bf16, PyTorch (transformers) in float32 and
+bfloat16, running the base model (no LM head) with output_hidden_states, the closest equivalent
+of capturing every layer. Prints the CPU's flags, tokens/s for each and the ratio to PyTorch
+f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library measured in the same
+run.
 Needs the pinned environment of scripts/reference/requirements.txt.
 """
 import argparse
@@ -41,39 +43,48 @@ def main():
     binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
-    ours = json.loads(subprocess.run(
-        [str(binary), "--threads", str(args.threads), "bench", "--model", str(MODEL), "--ids", f.name,
-         "--layers", args.layers, "--batch-tokens", str(args.batch_tokens)],
-        check=True, capture_output=True, text=True).stdout)
+    ours = {}
+    for precision in ("f32", "bf16"):
+        ours[precision] = json.loads(subprocess.run(
+            [str(binary), "--threads", str(args.threads), "bench", "--model", str(MODEL), "--ids", f.name,
+             "--layers", args.layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision],
+            check=True, capture_output=True, text=True).stdout)
     os.unlink(f.name)
 
-    torch_tps = None
+    peers = {}
     if not args.skip_torch:
         import torch
         from transformers import AutoModel
         torch.set_num_threads(args.threads)
-        model = AutoModel.from_pretrained(MODEL, dtype=torch.float32).eval()
         per_batch = max(1, args.batch_tokens // args.tokens)
         batches = [torch.tensor(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
-        with torch.inference_mode():
-            model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
-            start = time.perf_counter()
-            for batch in batches:
-                model(input_ids=batch, output_hidden_states=True, use_cache=False)
-            torch_s = time.perf_counter() - start
-        torch_tps = args.prompts * args.tokens / torch_s
+        for dtype in (torch.float32, torch.bfloat16):
+            model = AutoModel.from_pretrained(MODEL, dtype=dtype).eval()
+            with torch.inference_mode():
+                model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
+                start = time.perf_counter()
+                for batch in batches:
+                    model(input_ids=batch, output_hidden_states=True, use_cache=False)
+                seconds = time.perf_counter() - start
+            peers[f"torch {torch.__version__} ({str(dtype).split('.')[-1]})"] = args.prompts * args.tokens / seconds
+            del model
 
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16"} & set(
+        next(l for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()))
+    print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {ours['bf16']['bf16_dot_instructions']}")
     print(f"corpus: {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads, "
-          f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['blocks']}")
-    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}")
-    print(f"{'harvest cpu (f32)':<28}{ours['tokens_per_s']:>12.1f}{ours['gflops']:>12.1f}")
-    if torch_tps is not None:
-        torch_gflops = ours["gflops"] * torch_tps / ours["tokens_per_s"]
-        print(f"{'torch ' + torch.__version__ + ' (f32)':<28}{torch_tps:>12.1f}{torch_gflops:>12.1f}")
-        print(f"ratio harvest/torch: {ours['tokens_per_s'] / torch_tps:.2f}x")
-    m, n, k = ours["gemm_shape"]
-    print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (gemm crate, same run): {ours['gemm_gflops']:.1f} GFLOP/s; "
-          f"harvest reaches {100 * ours['fraction_of_gemm']:.0f}% of it")
+          f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['f32']['blocks']}")
+    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}")
+    base = next((v for k, v in peers.items() if k.endswith("(float32)")), None)
+    rows = [(f"harvest cpu ({p})", ours[p]["tokens_per_s"]) for p in ("f32", "bf16")] + list(peers.items())
+    per_token = ours["f32"]["gflops"] / ours["f32"]["tokens_per_s"]
+    for name, tps in rows:
+        ratio = f"{tps / base:.2f}x" if base else "-"
+        print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}")
+    m, n, k = ours["f32"]["gemm_shape"]
+    print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (gemm crate, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s; "
+          f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it, bf16 "
+          f"{100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         layers: submission.layers.as_slice(),
         sites: &submission.sites,
         layout: submission.layout,
+        precision: Default::default(),
         selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
             rules: &submission.selection,
             kept_counts,

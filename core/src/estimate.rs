@@ -38,6 +38,8 @@ pub struct JobShape<'a> {
     pub sites: &'a Sites,
     /// How the files are laid out.
     pub layout: Layout,
+    /// The forward pass's arithmetic (recorded in the manifest).
+    pub precision: crate::plan::Precision,
     /// The token selection, and per prompt the tokens it keeps with what it drops (the pure
     /// filters only: the norm filter can drop more, so this is an upper bound).
     pub selection: Option<KeptTokens<'a>>,
@@ -389,6 +391,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         }),
         layout: shape.layout.name(),
         train,
+        precision: shape.precision,
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -406,6 +409,7 @@ mod tests {
             layers,
             sites: &DEFAULT,
             layout: Layout::ByPrompt,
+            precision: Default::default(),
             selection: None,
             contents,
             width: 8,

@@ -112,6 +112,10 @@ pub struct Manifest {
     /// The training files of the shuffled layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train: Option<TrainInfo>,
+    /// The forward pass's arithmetic: `f32`, or `bf16` (see `docs/engine.md`). Manifests
+    /// written before it was recorded ran in f32.
+    #[serde(default)]
+    pub precision: crate::plan::Precision,
 }
 
 fn is_by_prompt(layout: &LayoutName) -> bool {

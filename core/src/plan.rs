@@ -20,6 +20,44 @@ pub const DEFAULT_BATCH_TOKENS: usize = 4096;
 /// Most prompts one job may hold.
 pub const MAX_PROMPTS: usize = 4096;
 
+/// The arithmetic of the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// f32 throughout (weights widened exactly from their storage): the reference.
+    #[default]
+    F32,
+    /// bf16 matrix-product inputs with f32 accumulation, activations rounded to bf16 at the
+    /// points `docs/engine.md` lists; norms, softmax, RoPE and the residual stream stay f32.
+    Bf16,
+}
+
+impl Precision {
+    /// The name flags and manifests use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("precision {other:?} is not one of f32, bf16")),
+        }
+    }
+}
+
+fn is_f32(precision: &Precision) -> bool {
+    *precision == Precision::F32
+}
+
 /// A place that holds an object or a prefix of objects.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Location {
@@ -123,6 +161,9 @@ pub struct RawPlan {
     /// Rows per training file of the shuffled layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows_per_file: Option<usize>,
+    /// `f32` (the default) or `bf16`.
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub precision: Precision,
 }
 
 fn is_by_prompt(name: &LayoutName) -> bool {
@@ -166,6 +207,8 @@ pub struct HarvestPlan {
     pub selection: TokenSelection,
     /// How the activations are laid out in files.
     pub layout: Layout,
+    /// The forward pass's arithmetic.
+    pub precision: Precision,
 }
 
 /// A plan whose layers are resolved against its model's shape: what every stage after
@@ -194,6 +237,8 @@ pub struct ResolvedPlan {
     pub selection: TokenSelection,
     /// How the activations are laid out in files.
     pub layout: Layout,
+    /// The forward pass's arithmetic.
+    pub precision: Precision,
 }
 
 impl HarvestPlan {
@@ -211,6 +256,7 @@ impl HarvestPlan {
             batch_tokens,
             selection,
             layout,
+            precision,
         } = self;
         Ok(ResolvedPlan {
             layers: shape.layers(&layers)?,
@@ -224,6 +270,7 @@ impl HarvestPlan {
             batch_tokens,
             selection,
             layout,
+            precision,
         })
     }
 }
@@ -244,6 +291,7 @@ impl ResolvedPlan {
             batch_tokens,
             selection,
             layout,
+            precision,
         } = self;
         let layout_seed = match layout {
             Layout::ByPrompt => None,
@@ -271,6 +319,7 @@ impl ResolvedPlan {
                 Layout::ByPrompt => None,
                 Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get()),
             },
+            precision: *precision,
         }
     }
 }
@@ -336,6 +385,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             max_norm_multiple,
             layout,
             rows_per_file,
+            precision,
         } = raw;
         if model.trim().is_empty() {
             return Err(PlanError::Empty { field: "model" });
@@ -367,6 +417,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             batch_tokens: bounded("batch_tokens", batch_tokens, 1 << 20)?,
             selection,
             layout,
+            precision,
         })
     }
 }

@@ -32,6 +32,8 @@ pub struct BenchConfig<'a> {
     pub sites: Sites,
     /// Tokens per forward batch.
     pub batch_tokens: usize,
+    /// The arithmetic.
+    pub precision: harvest_core::plan::Precision,
     /// The engine.
     pub device: DeviceChoice,
     /// Project onto this many seeded random directions instead of keeping activations.
@@ -47,6 +49,10 @@ pub struct BenchReport {
     pub directions: usize,
     /// The hook sites kept, comma-separated.
     pub sites: String,
+    /// `f32` or `bf16`.
+    pub precision: &'static str,
+    /// Whether the bf16 products ran on `vdpbf16ps`.
+    pub bf16_dot_instructions: bool,
     /// Layers kept.
     pub layers: usize,
     /// Worker threads.
@@ -198,6 +204,7 @@ fn load(config: &BenchConfig<'_>) -> Result<Loaded> {
     let spec = CaptureSpec {
         layers,
         sites: config.sites.clone(),
+        precision: config.precision,
         directions,
     };
     if !matches!(config.device, DeviceChoice::Cuda(_)) {
@@ -273,6 +280,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         engine: backend.name(),
         directions: config.directions.unwrap_or(0),
         sites: config.sites.to_string(),
+        precision: config.precision.as_str(),
+        bf16_dot_instructions: crate::backend::cpu::bf16::has_dot_instructions(),
         layers: backend.spec().layers.len(),
         threads: rayon::current_num_threads(),
         prompts: config.prompts.len(),

@@ -112,6 +112,9 @@ struct BenchArgs {
     /// times resid_post alone on the same corpus, in alternating rounds (`baseline`).
     #[arg(long, default_value = "resid_post")]
     sites: harvest_core::Sites,
+    /// f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    precision: harvest_core::plan::Precision,
     /// Tokens per forward batch.
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
@@ -173,6 +176,10 @@ struct RunArgs {
     /// Rows per training file of --layout shuffled (default 65536).
     #[arg(long)]
     rows_per_file: Option<usize>,
+    /// f32 (the default) or bf16: bf16 matrix-product inputs with f32 accumulation, on
+    /// vdpbf16ps where the CPU has AVX512-BF16.
+    #[arg(long, default_value = "f32")]
+    precision: harvest_core::plan::Precision,
     /// Scratch space for --layout shuffled (about the job's size): default .shuffle/ in a local
     /// output, the system's temp dir for s3://.
     #[arg(long)]
@@ -226,6 +233,7 @@ impl RunArgs {
             max_norm_multiple: self.max_norm_multiple,
             layout: self.layout,
             rows_per_file: self.rows_per_file,
+            precision: self.precision,
         }))
     }
 }
@@ -370,6 +378,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         prompts,
         layers: args.layers,
         sites: args.sites,
+        precision: args.precision,
         batch_tokens: args.batch_tokens,
         device,
         directions: args.directions,

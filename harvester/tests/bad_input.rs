@@ -144,6 +144,7 @@ fn a_backend_refuses_weights_shallower_than_the_deepest_layer() {
         CaptureSpec {
             layers,
             sites: harvest_core::Sites::default(),
+            precision: Default::default(),
             directions: None,
         },
     )

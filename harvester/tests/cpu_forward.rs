@@ -72,6 +72,49 @@ fn the_sites_of_one_pass_add_up_and_keeping_them_leaves_the_block_output_unchang
 }
 
 #[test]
+fn the_bf16_mode_is_batch_invariant_and_close_to_f32() {
+    use harvest_core::plan::Precision;
+    let dir = tiny(&tiny_model(), 12);
+    let prompts = prompts();
+    let every = Sites::default();
+    let packed = common::capture_in(
+        dir.path(),
+        &LayerSelection::All,
+        every.clone(),
+        Precision::Bf16,
+        &prompts,
+    );
+    let f32s = capture(dir.path(), &LayerSelection::All, &prompts);
+    let exact = harvester::backend::cpu::bf16::has_dot_instructions();
+    let mut offset = 0;
+    for prompt in &prompts {
+        let alone = common::capture_in(
+            dir.path(),
+            &LayerSelection::All,
+            every.clone(),
+            Precision::Bf16,
+            std::slice::from_ref(prompt),
+        );
+        for layer in 0..3 {
+            let together = packed.rows(layer, offset..offset + prompt.len());
+            if exact {
+                assert_eq!(
+                    together,
+                    alone.layer(layer),
+                    "vdpbf16ps: the same bits in any batch"
+                );
+            } else {
+                let error = worst_relative_error(together, alone.layer(layer), packed.width);
+                assert!(error < 1e-6, "layer {layer}: {error:e}");
+            }
+        }
+        offset += prompt.len();
+    }
+    let error = worst_relative_error(&packed.data, &f32s.data, packed.width);
+    assert!(error > 0.0 && error < 2e-2, "bf16 against f32: {error:e}");
+}
+
+#[test]
 fn a_prompt_gives_the_same_activations_alone_as_packed_with_others() {
     let dir = tiny(&tiny_model(), 2);
     let prompts = prompts();
@@ -142,6 +185,7 @@ fn projections_equal_activations_times_unit_directions() {
     let spec = CaptureSpec {
         layers,
         sites: Sites::default(),
+        precision: Default::default(),
         directions: Some(directions.clone()),
     };
     let mut backend = CpuBackend::new(weights, spec).unwrap();

@@ -7,7 +7,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{Reference, capture_sites, fixtures, smollm2_dir, worst_relative_error};
+use common::{Reference, capture_in, fixtures, smollm2_dir, worst_relative_error};
+use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Site, Sites};
 use harvester::dtype::round_bf16;
 use harvester::tokenizer::PromptTokenizer;
@@ -16,11 +17,56 @@ use harvester::tokenizer::PromptTokenizer;
 const F32_TOLERANCE: f64 = 2e-3;
 /// After rounding our output to bf16, as the shards store it.
 const BF16_TOLERANCE: f64 = 1e-2;
+/// The bf16 compute mode on the tiny fixtures, every site, after output rounding (an emulation of
+/// the CUDA backend's rounding gave about 1.3e-2 at worst).
+const BF16_MODE_TOLERANCE: f64 = 2e-2;
+/// The bf16 compute mode on SmolLM2, whose outlier tokens no bf16 pipeline follows to 2e-2:
+/// transformers itself in bf16, on the same prompts and layers, is off at worst by 5.6e-2
+/// (resid_pre), 6.2e-2 (attn_out), 5.7e-2 (resid_mid), 1.28e-1 (mlp_out) and 6.9e-2
+/// (resid_post), measured with scripts/reference's pinned environment (docs/engine.md). Ours may
+/// be at most 10% worse, site by site.
+const SMOLLM2_BF16_MODE: [(Site, f64); 5] = [
+    (Site::ResidPre, 6.2e-2),
+    (Site::AttnOut, 6.8e-2),
+    (Site::ResidMid, 6.3e-2),
+    (Site::MlpOut, 1.41e-1),
+    (Site::ResidPost, 7.6e-2),
+];
 
 /// Checks ids for both `add_special_tokens` values, then every hook site of every prompt, all
 /// sites from one pass with each prompt packed together with all the others. Returns the worst
 /// f32 and bf16 errors.
-fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
+fn check_model(dir: &Path, reference: &Reference, bf16_bounds: &[(Site, f64)]) -> (f64, f64) {
+    let (worst_f32, worst_bf16, _) = check_model_in(dir, reference, Precision::F32);
+    assert!(
+        worst_f32 <= F32_TOLERANCE,
+        "f32 error {worst_f32:.3e} > {F32_TOLERANCE}"
+    );
+    assert!(
+        worst_bf16 <= BF16_TOLERANCE,
+        "bf16 error {worst_bf16:.3e} > {BF16_TOLERANCE}"
+    );
+    let (_, _, per_site) = check_model_in(dir, reference, Precision::Bf16);
+    for (site, error) in per_site {
+        let bound = bf16_bounds
+            .iter()
+            .find(|(s, _)| *s == site)
+            .map_or(BF16_MODE_TOLERANCE, |&(_, b)| b);
+        assert!(
+            error <= bound,
+            "bf16 compute mode error at {site} {error:.3e} > {bound}"
+        );
+    }
+    (worst_f32, worst_bf16)
+}
+
+/// The worst f32 and bf16-rounded errors over every site of every prompt in `precision`, and
+/// the worst bf16-rounded error of each site.
+fn check_model_in(
+    dir: &Path,
+    reference: &Reference,
+    precision: Precision,
+) -> (f64, f64, Vec<(Site, f64)>) {
     let tokenizer = PromptTokenizer::from_dir(dir, reference.truncate_at).unwrap();
     let mut sequences = Vec::new();
     for (p, text) in reference.prompts.iter().enumerate() {
@@ -48,13 +94,15 @@ fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
     );
     let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
     let every = Sites::new(&Site::ALL).unwrap();
-    let out = capture_sites(
+    let out = capture_in(
         dir,
         &LayerSelection::Explicit(layers),
         every.clone(),
+        precision,
         &sequences,
     );
     let (mut worst_f32, mut worst_bf16) = (0.0f64, 0.0f64);
+    let mut per_site = Vec::new();
     for (position, &site) in every.as_slice().iter().enumerate() {
         let (mut site_f32, mut site_bf16) = (0.0f64, 0.0f64);
         let mut offset = 0;
@@ -76,35 +124,34 @@ fn check_model(dir: &Path, reference: &Reference) -> (f64, f64) {
             site_bf16 = site_bf16.max(worst_relative_error(&rounded, &expected, out.width));
         }
         let name = dir.file_name().unwrap_or_default().to_string_lossy();
-        println!("{name} {site:<10}: f32 {site_f32:.2e}, bf16 {site_bf16:.2e}");
+        let mode = precision.as_str();
+        println!("{name} {mode} {site:<10}: f32 {site_f32:.2e}, bf16 {site_bf16:.2e}");
         worst_f32 = worst_f32.max(site_f32);
         worst_bf16 = worst_bf16.max(site_bf16);
+        per_site.push((site, site_bf16));
     }
     println!(
-        "{}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}",
-        dir.display()
+        "{} in {}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}",
+        dir.display(),
+        precision.as_str()
     );
-    assert!(
-        worst_f32 <= F32_TOLERANCE,
-        "f32 error {worst_f32:.3e} > {F32_TOLERANCE}"
-    );
-    assert!(
-        worst_bf16 <= BF16_TOLERANCE,
-        "bf16 error {worst_bf16:.3e} > {BF16_TOLERANCE}"
-    );
-    (worst_f32, worst_bf16)
+    (worst_f32, worst_bf16, per_site)
 }
 
 fn check_tiny(name: &str) {
     let dir = fixtures().join(name);
-    check_model(&dir, &Reference::open(&dir.join("reference.safetensors")));
+    check_model(
+        &dir,
+        &Reference::open(&dir.join("reference.safetensors")),
+        &[],
+    );
 }
 
 #[test]
 fn smollm2_matches_transformers_ids_and_residuals() {
     let reference = Reference::open(&fixtures().join("smollm2_reference.safetensors"));
     assert!(reference.layers.contains(&0) && reference.layers.contains(&29));
-    check_model(&smollm2_dir(), &reference);
+    check_model(&smollm2_dir(), &reference, &SMOLLM2_BF16_MODE);
 }
 
 #[test]

@@ -53,6 +53,7 @@ fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> Harv
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
         selection: TokenSelection::default(),
         layout: Layout::ByPrompt,
+        precision: Default::default(),
     }
 }
 
@@ -713,6 +714,31 @@ fn a_shuffled_job_holds_every_kept_token_once_in_a_uniform_order_with_the_by_pro
     );
 }
 
+#[test]
+fn a_bf16_run_records_its_precision_and_writes_the_same_bytes_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(str::to_owned));
+    let mut plan = plan(&prompts, &dir.path().join("one"), vec![4, 20], 2);
+    plan.precision = harvest_core::plan::Precision::Bf16;
+    pipeline::run(&plan, &options()).unwrap();
+    let mut again = plan.clone();
+    again.output = Location::Local(dir.path().join("two"));
+    pipeline::run(&again, &options()).unwrap();
+    assert_eq!(
+        output_files(&dir.path().join("one")),
+        output_files(&dir.path().join("two"))
+    );
+    let manifest = manifest(&dir.path().join("one"));
+    assert_eq!(manifest.precision, harvest_core::plan::Precision::Bf16);
+    check_prediction(
+        &dir.path().join("one"),
+        &[4, 20],
+        &Sites::default(),
+        Contents::Activations,
+        576,
+    );
+}
+
 fn manifest_of(out: &Path) -> Manifest {
     manifest(out)
 }
@@ -863,6 +889,7 @@ fn check_prediction_of(
     let shape = harvest_core::estimate::JobShape {
         selection,
         layout,
+        precision: manifest.precision,
         token_counts: counts,
         truncated: &[],
         shard_size: manifest.shard_size,

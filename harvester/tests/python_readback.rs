@@ -44,6 +44,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
         selection: Default::default(),
         layout: Default::default(),
+        precision: Default::default(),
     };
     pipeline::run(
         &plan,

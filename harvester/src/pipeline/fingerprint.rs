@@ -59,6 +59,9 @@ pub fn plan_fingerprint(
         let rules = serde_json::to_vec(&plan.selection).unwrap_or_default();
         field("selection", &rules);
     }
+    if plan.precision != harvest_core::plan::Precision::F32 {
+        field("precision", plan.precision.as_str().as_bytes());
+    }
     field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
     field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
     field("max_tokens", &(max_tokens as u64).to_le_bytes());

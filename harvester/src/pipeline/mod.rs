@@ -219,6 +219,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .build()
         .map_err(|e| Error::io("starting", "the I/O runtime", e))?;
     let load_start = Instant::now();
+    let plan = &as_run(plan, options.device);
     let prepared = match prepare(plan, options, &runtime)? {
         Prepared::Finished(result) => return Ok(result),
         Prepared::Ready(prepared) => prepared,
@@ -241,6 +242,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     let spec = CaptureSpec {
         layers: plan.layers.clone(),
         sites: plan.sites.clone(),
+        precision: plan.precision,
         directions,
     };
     let width = spec.width(config.hidden_size);
@@ -289,6 +291,18 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         spill_dir: options.spill_dir.clone(),
     };
     commit(&closing, &store, &runtime)
+}
+
+/// The plan as `device` runs it: the CUDA engine computes in bf16 whatever the plan asks, and
+/// the manifest and fingerprint say what ran.
+fn as_run(plan: &HarvestPlan, device: DeviceChoice) -> HarvestPlan {
+    match device {
+        DeviceChoice::Cuda(_) => HarvestPlan {
+            precision: harvest_core::plan::Precision::Bf16,
+            ..plan.clone()
+        },
+        DeviceChoice::Cpu | DeviceChoice::Auto => plan.clone(),
+    }
 }
 
 /// What [`prepare`] found: an output already complete, or a job ready to run.

@@ -84,6 +84,7 @@ pub(super) fn build_outputs(
         selection: selection_info(job, records),
         layout: job.plan.layout.name(),
         train: train.map(|t| train_info(job, t)),
+        precision: job.plan.precision,
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {

@@ -148,7 +148,33 @@ pub fn capture_sites(
     sites: harvest_core::Sites,
     sequences: &[Vec<u32>],
 ) -> Captured {
-    let mut backend = CpuBackend::load(dir, layers, sites, None).unwrap();
+    capture_in(
+        dir,
+        layers,
+        sites,
+        harvest_core::plan::Precision::F32,
+        sequences,
+    )
+}
+
+/// [`capture_sites`] in `precision`.
+pub fn capture_in(
+    dir: &Path,
+    layers: &LayerSelection,
+    sites: harvest_core::Sites,
+    precision: harvest_core::plan::Precision,
+    sequences: &[Vec<u32>],
+) -> Captured {
+    let config = harvester::model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let layers = layers.resolve(config.num_layers).unwrap();
+    let weights = harvester::model::LlamaWeights::load(dir, Some(layers.deepest() + 1)).unwrap();
+    let spec = harvester::backend::CaptureSpec {
+        layers,
+        sites,
+        precision,
+        directions: None,
+    };
+    let mut backend = CpuBackend::new(weights, spec).unwrap();
     let mut out = Captured::default();
     backend
         .capture(&Batch::from_sequences(sequences), &mut out)

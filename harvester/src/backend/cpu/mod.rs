@@ -16,12 +16,14 @@
 //! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
 mod attention;
+pub mod bf16;
 pub mod kernels;
 pub mod matmul;
 
 use std::path::Path;
 
 use gemm::Parallelism;
+use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Site, Sites};
 use rayon::prelude::*;
 
@@ -37,10 +39,12 @@ const ROWS_PER_TASK: usize = 16;
 /// Matrix products use every rayon thread.
 const ALL_THREADS: Parallelism = Parallelism::Rayon(0);
 
-/// The f32 reference backend.
+/// The f32 reference backend, with a bf16 compute mode.
 #[derive(Debug)]
 pub struct CpuBackend {
     weights: LlamaWeights,
+    /// In bf16 mode, every block's matrices as bf16 bits.
+    bf16: Option<Vec<Bf16Block>>,
     spec: CaptureSpec,
     inv_freq: Vec<f32>,
     rope: RopeTable,
@@ -64,14 +68,121 @@ struct Scratch {
     act: Vec<f32>,
     /// A branch output (attention or MLP) kept before it is added to `x`.
     branch: Vec<f32>,
-    /// Half-precision weight rows widened for one GEMM.
-    weight_tile: Vec<f32>,
+    /// What one matrix product needs besides its operands.
+    gemm: GemmScratch,
 }
+
+#[derive(Debug, Default)]
+struct GemmScratch {
+    /// Half-precision weight rows widened for one f32 GEMM.
+    tile: Vec<f32>,
+    /// A GEMM's input rounded to bf16, in bf16 mode.
+    input_bf16: Vec<u16>,
+    /// The bf16 product's packed operands.
+    packed: bf16::Packed,
+}
+
+/// `out (+)= input · wᵀ`: in f32 with the weight widened into the tile, or, given its bf16 form
+/// `w16`, with `input` rounded to bf16 and the bf16 product (f32 accumulation).
+fn project(
+    input: MatRef<'_>,
+    w: &crate::model::Matrix,
+    w16: Option<&Bf16Matrix>,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+    scratch: &mut GemmScratch,
+) {
+    let Some(w16) = w16 else {
+        matmul_weight(
+            input,
+            w,
+            out,
+            out_stride,
+            accumulate,
+            ALL_THREADS,
+            &mut scratch.tile,
+        );
+        return;
+    };
+    let k = input.cols;
+    let values = &input.data[..input.rows * k];
+    scratch.input_bf16.resize(values.len(), 0);
+    bf16::round_into(values, &mut scratch.input_bf16);
+    let mut column = 0;
+    for part in w16.parts(w) {
+        let cols = part.len() / k.max(1);
+        bf16::matmul_bf16(
+            &scratch.input_bf16,
+            part,
+            k,
+            &mut out[column..],
+            out_stride,
+            accumulate,
+            &mut scratch.packed,
+        );
+        column += cols;
+    }
+}
+
+/// One block's matrices in bf16, for the bf16 compute mode.
+#[derive(Debug)]
+struct Bf16Block {
+    qkv: Bf16Matrix,
+    o: Bf16Matrix,
+    gate_up: Bf16Matrix,
+    down: Bf16Matrix,
+}
+
+/// A weight as bf16 bits: the checkpoint's own mapped bf16 row blocks (nothing copied), or a
+/// copy rounded once from f32 or f16.
+#[derive(Debug)]
+enum Bf16Matrix {
+    Mapped,
+    Owned(Vec<u16>),
+}
+
+impl Bf16Matrix {
+    /// The bf16 form of `m`.
+    fn of(m: &crate::model::Matrix) -> Self {
+        let mapped_bf16 = m.half() == Some(crate::model::matrix::Half::Bf16)
+            && m.half_bytes().iter().all(|b| aligned(b).is_some());
+        if mapped_bf16 {
+            return Self::Mapped;
+        }
+        let values = m.to_f32_vec();
+        let mut bits = vec![0u16; values.len()];
+        bf16::round_into(&values, &mut bits);
+        Self::Owned(bits)
+    }
+
+    /// Its row blocks, in order.
+    fn parts<'a>(&'a self, m: &'a crate::model::Matrix) -> Vec<&'a [u16]> {
+        match self {
+            Self::Owned(bits) => vec![bits.as_slice()],
+            Self::Mapped => m.half_bytes().into_iter().filter_map(aligned).collect(),
+        }
+    }
+}
+
+use self::bf16::aligned;
 
 impl CpuBackend {
     /// Builds a backend over loaded weights. The weights must reach the deepest kept block.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         spec.check(&weights)?;
+        let bf16 = (spec.precision == Precision::Bf16).then(|| {
+            weights
+                .blocks
+                .iter()
+                .map(|b| Bf16Block {
+                    qkv: Bf16Matrix::of(&b.qkv),
+                    o: Bf16Matrix::of(&b.o),
+                    gate_up: Bf16Matrix::of(&b.gate_up),
+                    down: Bf16Matrix::of(&b.down),
+                })
+                .collect()
+        });
         let inv_freq = weights
             .config
             .inverse_frequencies()
@@ -80,6 +191,7 @@ impl CpuBackend {
             .collect();
         Ok(Self {
             weights,
+            bf16,
             spec,
             inv_freq,
             rope: RopeTable::default(),
@@ -100,6 +212,7 @@ impl CpuBackend {
         let spec = CaptureSpec {
             layers,
             sites,
+            precision: Precision::F32,
             directions,
         };
         Self::check_memory(&weights, &spec, harvest_core::plan::DEFAULT_BATCH_TOKENS)?;
@@ -121,10 +234,27 @@ impl CpuBackend {
                 0
             }
             + spec.slots() * spec.width(c.hidden_size);
-        let tile = weights
-            .blocks
-            .iter()
-            .flat_map(|b| [&b.qkv, &b.o, &b.gate_up, &b.down])
+        let matrices = || {
+            weights
+                .blocks
+                .iter()
+                .flat_map(|b| [&b.qkv, &b.o, &b.gate_up, &b.down])
+        };
+        let bf16_mode = spec.precision == Precision::Bf16;
+        if bf16_mode {
+            // No widened tile; each product's input as bf16, and a bf16 copy of every weight the
+            // checkpoint does not store in bf16.
+            let widest = c
+                .hidden_size
+                .max(2 * c.intermediate_size)
+                .max(c.num_heads * c.head_dim);
+            let copies: usize = matrices()
+                .filter(|m| m.half() != Some(crate::model::Half::Bf16))
+                .map(|m| m.len())
+                .sum();
+            return (tokens * per_token * 4 + (tokens * widest + copies) * 2) as u64;
+        }
+        let tile = matrices()
             .filter(|m| m.half().is_some())
             .map(|m| m.len())
             .max()
@@ -211,7 +341,8 @@ impl Backend for CpuBackend {
                 layer,
                 out: &mut *out,
             });
-            pass.block(block, index, s, keep.as_mut());
+            let w16 = self.bf16.as_ref().map(|blocks| &blocks[index]);
+            pass.block((block, w16), index, s, keep.as_mut());
         }
         Ok(())
     }
@@ -268,7 +399,7 @@ impl Pass<'_> {
     /// the MLP output. A kept block copies each kept site into `keep` as the pass reaches it.
     fn block(
         &self,
-        block: &BlockWeights,
+        (block, w16): (&BlockWeights, Option<&Bf16Block>),
         index: usize,
         s: &mut Scratch,
         mut keep: Option<&mut Keep<'_>>,
@@ -276,13 +407,13 @@ impl Pass<'_> {
         let wants = |site| keep.as_ref().is_some_and(|k| k.wants(site));
         let (split_attn, split_mlp) = (wants(Site::AttnOut), wants(Site::MlpOut));
         self.keep(keep.as_deref_mut(), Site::ResidPre, &s.x);
-        self.attention(block, index, s, split_attn);
+        self.attention((block, w16), index, s, split_attn);
         if split_attn {
             self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
             add_rows(&mut s.x, &s.branch, self.config.hidden_size);
         }
         self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
-        self.mlp(block, s, split_mlp);
+        self.mlp((block, w16), s, split_mlp);
         if split_mlp {
             self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
             add_rows(&mut s.x, &s.branch, self.config.hidden_size);
@@ -292,7 +423,13 @@ impl Pass<'_> {
 
     /// `x += o(attention(rope(qkv(rms_norm(x)))))`, or with `split` that output written to
     /// `s.branch` for the caller to keep and add.
-    fn attention(&self, block: &BlockWeights, index: usize, s: &mut Scratch, split: bool) {
+    fn attention(
+        &self,
+        (block, w16): (&BlockWeights, Option<&Bf16Block>),
+        index: usize,
+        s: &mut Scratch,
+        split: bool,
+    ) {
         let (c, tokens) = (self.config, self.tokens);
         let hidden = c.hidden_size;
         let (qkv_width, attn_width) = (c.qkv_width(), c.num_heads * c.head_dim);
@@ -301,15 +438,17 @@ impl Pass<'_> {
             kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        matmul_weight(
+        let qkv16 = w16.map(|w| &w.qkv);
+        project(
             normed,
             &block.qkv,
+            qkv16,
             &mut s.qkv,
             qkv_width,
             false,
-            ALL_THREADS,
-            &mut s.weight_tile,
+            &mut s.gemm,
         );
+        let rounding = w16.is_some();
         let rotated_heads = c.num_heads + c.num_kv_heads;
         let (cos, sin) = (&self.rope.cos, &self.rope.sin);
         s.qkv
@@ -318,6 +457,9 @@ impl Pass<'_> {
             .for_each(|(rows, positions)| {
                 if let Some(bias) = &block.qkv_bias {
                     kernels::add_bias_rows(rows, bias);
+                }
+                if rounding {
+                    kernels::round_bf16_rows(rows);
                 }
                 kernels::rope_rows(
                     rows,
@@ -328,6 +470,9 @@ impl Pass<'_> {
                     cos,
                     sin,
                 );
+                if rounding {
+                    kernels::round_bf16_rows(rows);
+                }
             });
         let shape = AttentionShape {
             num_heads: c.num_heads,
@@ -337,9 +482,16 @@ impl Pass<'_> {
         };
         attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
         let attn = MatRef::dense(&s.attn, tokens, attn_width);
-        let tile = &mut s.weight_tile;
         let dst = if split { &mut s.branch } else { &mut s.x };
-        matmul_weight(attn, &block.o, dst, hidden, !split, ALL_THREADS, tile);
+        project(
+            attn,
+            &block.o,
+            w16.map(|w| &w.o),
+            dst,
+            hidden,
+            !split,
+            &mut s.gemm,
+        );
         if let Some(bias) = &block.o_bias {
             dst.par_chunks_mut(hidden * ROWS_PER_TASK)
                 .for_each(|rows| kernels::add_bias_rows(rows, bias));
@@ -348,7 +500,7 @@ impl Pass<'_> {
 
     /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`, or with `split` that output written to
     /// `s.branch`.
-    fn mlp(&self, block: &BlockWeights, s: &mut Scratch, split: bool) {
+    fn mlp(&self, (block, w16): (&BlockWeights, Option<&Bf16Block>), s: &mut Scratch, split: bool) {
         let (c, tokens) = (self.config, self.tokens);
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
         let eps = c.rms_norm_eps as f32;
@@ -356,22 +508,33 @@ impl Pass<'_> {
             kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        matmul_weight(
+        let gate_up16 = w16.map(|w| &w.gate_up);
+        project(
             normed,
             &block.gate_up,
+            gate_up16,
             &mut s.gate_up,
             2 * inter,
             false,
-            ALL_THREADS,
-            &mut s.weight_tile,
+            &mut s.gemm,
         );
+        if w16.is_some() {
+            bf16::round_in_place(&mut s.gate_up);
+        }
         rows_pass(&s.gate_up, 2 * inter, &mut s.act, inter, |gu, act| {
             kernels::silu_mul_rows(gu, inter, act);
         });
         let act = MatRef::dense(&s.act, tokens, inter);
-        let tile = &mut s.weight_tile;
         let dst = if split { &mut s.branch } else { &mut s.x };
-        matmul_weight(act, &block.down, dst, hidden, !split, ALL_THREADS, tile);
+        project(
+            act,
+            &block.down,
+            w16.map(|w| &w.down),
+            dst,
+            hidden,
+            !split,
+            &mut s.gemm,
+        );
     }
 
     /// Copies `x` into `site`'s slot of a kept block, or its projections onto the directions;
