@@ -242,17 +242,20 @@ impl CpuBackend {
         };
         let bf16_mode = spec.precision == Precision::Bf16;
         if bf16_mode {
-            // No widened tile; each product's input as bf16, and a bf16 copy of every weight the
-            // checkpoint does not store in bf16.
+            // No widened tile; each product's input as bf16 (twice: rounded, then padded), the
+            // largest weight packed into panels, and a bf16 copy of every weight the checkpoint
+            // does not store in bf16.
             let widest = c
                 .hidden_size
                 .max(2 * c.intermediate_size)
                 .max(c.num_heads * c.head_dim);
+            let largest = matrices().map(|m| m.len()).max().unwrap_or(0);
             let copies: usize = matrices()
                 .filter(|m| m.half() != Some(crate::model::Half::Bf16))
                 .map(|m| m.len())
                 .sum();
-            return (tokens * per_token * 4 + (tokens * widest + copies) * 2) as u64;
+            let bf16_values = 2 * tokens * widest + largest + copies;
+            return (tokens * per_token * 4 + bf16_values * 2) as u64;
         }
         let tile = matrices()
             .filter(|m| m.half().is_some())
