@@ -134,6 +134,7 @@ mod tests {
                     sites: harvest_core::Sites::default(),
                     selection: Default::default(),
                     layout: Default::default(),
+                    precision: Default::default(),
                     shard_size: 1,
                     add_special_tokens: true,
                     has_directions: false,

@@ -345,7 +345,7 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
         batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
         selection: submission.selection,
         layout: submission.layout,
-        precision: Default::default(),
+        precision: submission.precision,
     };
     std::fs::write(
         input.join("plan.json"),

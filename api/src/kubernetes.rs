@@ -17,14 +17,15 @@ use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
+use harvest_core::plan::Precision;
 use harvest_core::quota::{AccountLimits, Book, Lane};
 use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
 use harvest_crds::{
-    ACCOUNT_LABEL, FileLayout, HarvestAccount, HarvestJob, HarvestJobSpec, HarvestOptions,
-    InputRef, JobPhase, KEY_LABEL,
+    ACCOUNT_LABEL, EnginePrecision, FileLayout, HarvestAccount, HarvestJob, HarvestJobSpec,
+    HarvestOptions, InputRef, JobPhase, KEY_LABEL,
 };
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
@@ -519,6 +520,7 @@ impl KubeBackend {
                     Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get() as u32),
                     Layout::ByPrompt => None,
                 },
+                precision: (job.spec.precision == Precision::Bf16).then_some(EnginePrecision::Bf16),
             },
             ..HarvestJobSpec::new(
                 job.model.clone(),
@@ -690,6 +692,12 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                 .unwrap_or_default(),
             selection: selection_of(&job.spec.harvest).0,
             layout: selection_of(&job.spec.harvest).1,
+            precision: job
+                .spec
+                .harvest
+                .precision
+                .map(Into::into)
+                .unwrap_or_default(),
             shard_size: job.spec.harvest.shard_size as usize,
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),

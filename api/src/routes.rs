@@ -156,7 +156,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         layers: submission.layers.as_slice(),
         sites: &submission.sites,
         layout: submission.layout,
-        precision: Default::default(),
+        precision: submission.precision,
         selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
             rules: &submission.selection,
             kept_counts,
@@ -238,6 +238,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
             sites: submission.sites.clone(),
             selection: submission.selection,
             layout: submission.layout,
+            precision: submission.precision,
             shard_size: submission.shard_size.get(),
             add_special_tokens: submission.add_special_tokens,
             has_directions: submission.directions.is_some(),

@@ -70,6 +70,9 @@ pub struct JobSpec {
     /// How the files are laid out (by prompt for jobs stored before layouts were).
     #[serde(default, skip_serializing_if = "Layout::is_by_prompt")]
     pub layout: Layout,
+    /// The engine's arithmetic (f32 for jobs stored before it was chosen).
+    #[serde(default)]
+    pub precision: harvest_core::plan::Precision,
     /// Prompts per shard.
     pub shard_size: usize,
     /// Whether special tokens are added.
@@ -311,6 +314,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
             sites: Sites::default(),
             selection: Default::default(),
             layout: Default::default(),
+            precision: Default::default(),
             shard_size: 0,
             add_special_tokens: true,
             has_directions: false,
@@ -828,6 +832,7 @@ mod tests {
                 sites: Sites::default(),
                 selection: Default::default(),
                 layout: Default::default(),
+                precision: Default::default(),
                 shard_size: 32,
                 add_special_tokens: true,
                 has_directions: false,

@@ -8,6 +8,7 @@ use harvest_core::clock::UnixMillis;
 use harvest_core::layout::{Layout, LayoutName};
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::plan::MAX_PROMPTS;
+use harvest_core::plan::Precision;
 use harvest_core::quota::Lane;
 use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::RunResult;
@@ -81,6 +82,10 @@ pub struct HarvestRequest {
     /// 2^24).
     #[serde(default)]
     pub rows_per_file: Option<usize>,
+    /// Our extension: the CPU engine's arithmetic, `f32` (the default) or `bf16` (bf16
+    /// product inputs, f32 accumulation; about twice as fast on CPUs with AVX512-BF16).
+    #[serde(default)]
+    pub precision: Option<String>,
     /// Our extension: validate and count, then answer what the job would be (`DryRun`), with
     /// no job made and no quota used.
     #[serde(default)]
@@ -121,6 +126,8 @@ pub struct Submission {
     pub selection: TokenSelection,
     /// How the files are laid out.
     pub layout: Layout,
+    /// The engine's arithmetic.
+    pub precision: Precision,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether special tokens are added.
@@ -152,21 +159,10 @@ impl HarvestRequest {
             max_norm_multiple,
             layout,
             rows_per_file,
+            precision,
             dry_run: _,
         } = self;
-        if prompts.is_empty() {
-            return Err(ApiError::invalid(
-                "prompts is empty: send between 1 and 4096 prompts",
-            ));
-        }
-        if prompts.len() > MAX_PROMPTS {
-            return Err(ApiError::TooLarge {
-                message: format!(
-                    "{} prompts is more than the {MAX_PROMPTS} a job may hold: split the corpus into several jobs",
-                    prompts.len()
-                ),
-            });
-        }
+        check_prompt_count(prompts.len())?;
         let layers = model
             .shape
             .layers(&layers)
@@ -197,6 +193,10 @@ impl HarvestRequest {
             selection_and_layout(selection, layout.as_deref(), rows_per_file)?;
         harvest_core::plan::check_norm_filter(&selection, &sites, directions.is_some())
             .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let precision = precision
+            .as_deref()
+            .map_or(Ok(Precision::F32), str::parse::<Precision>)
+            .map_err(ApiError::invalid)?;
         let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
         Ok(Submission {
             model: name,
@@ -205,6 +205,7 @@ impl HarvestRequest {
             sites,
             selection,
             layout,
+            precision,
             shard_size,
             add_special_tokens: add_special_tokens.unwrap_or(true),
             directions,
@@ -212,6 +213,23 @@ impl HarvestRequest {
             lane: model.lane,
         })
     }
+}
+
+/// 1 to [`MAX_PROMPTS`] prompts, or the error that says what to do.
+fn check_prompt_count(count: usize) -> Result<(), ApiError> {
+    if count == 0 {
+        return Err(ApiError::invalid(
+            "prompts is empty: send between 1 and 4096 prompts",
+        ));
+    }
+    if count > MAX_PROMPTS {
+        return Err(ApiError::TooLarge {
+            message: format!(
+                "{count} prompts is more than the {MAX_PROMPTS} a job may hold: split the corpus into several jobs"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The token selection and the layout, which share `seed`.

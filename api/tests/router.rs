@@ -1303,3 +1303,20 @@ async fn a_shuffled_layout_is_priced_as_training_files_and_bad_layouts_are_named
         "{message}"
     );
 }
+
+#[tokio::test]
+async fn a_precision_is_one_of_f32_and_bf16() {
+    let f = fixture(present_harvester(), AccountLimits::default()).await;
+    let mut body: serde_json::Value = serde_json::from_str(&seed_body()).unwrap();
+    body["precision"] = serde_json::json!("bf16");
+    let (status, _, job) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+    body["precision"] = serde_json::json!("fp8");
+    let (status, _, refused) = submit(&f, body.to_string()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"fp8\" is not one of f32, bf16"),
+        "{message}"
+    );
+}

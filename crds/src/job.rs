@@ -148,6 +148,28 @@ pub struct HarvestOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 16_777_216))]
     pub rows_per_file: Option<u32>,
+    /// The CPU engine's arithmetic: `f32` (the default) or `bf16`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<EnginePrecision>,
+}
+
+/// An arithmetic as the schema spells it.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EnginePrecision {
+    /// f32 throughout.
+    F32,
+    /// bf16 product inputs, f32 accumulation.
+    Bf16,
+}
+
+impl From<EnginePrecision> for harvest_core::plan::Precision {
+    fn from(precision: EnginePrecision) -> Self {
+        match precision {
+            EnginePrecision::F32 => Self::F32,
+            EnginePrecision::Bf16 => Self::Bf16,
+        }
+    }
 }
 
 /// A file layout as the schema spells it.
@@ -184,6 +206,7 @@ impl Default for HarvestOptions {
             max_norm_multiple: None,
             layout: None,
             rows_per_file: None,
+            precision: None,
         }
     }
 }

@@ -26,8 +26,8 @@ pub use account::{
     HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HoldEntry, LaneLimits,
 };
 pub use job::{
-    FileLayout, HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, HookSite, InputRef,
-    JobPhase, OutputRetention, Progress, ResultSummary, TokenUsage,
+    EnginePrecision, FileLayout, HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions,
+    HookSite, InputRef, JobPhase, OutputRetention, Progress, ResultSummary, TokenUsage,
 };
 pub use validate::{SpecError, ValidJob};
 

@@ -133,7 +133,7 @@ impl HarvestJobSpec {
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
             selection: tokens,
             layout,
-            precision: Default::default(),
+            precision: harvest.precision.map(Into::into).unwrap_or_default(),
         };
         harvest_core::plan::check_norm_filter(
             &plan.selection,

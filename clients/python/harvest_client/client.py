@@ -187,7 +187,8 @@ class Client:
         ``resid_mid``, ``mlp_out``, ``resid_post``); None keeps ``resid_post`` alone.
         Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
         ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
-        (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards.
+        (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards;
+        ``precision="bf16"`` runs the CPU engine's bf16 mode.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
@@ -355,6 +356,7 @@ SELECTION_FIELDS = (
     "max_norm_multiple",
     "layout",
     "rows_per_file",
+    "precision",
 )
 
 

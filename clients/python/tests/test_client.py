@@ -337,3 +337,17 @@ def test_a_shuffled_job_downloads_its_training_files_and_reads_every_token_once(
     assert [p for p, _ in seen[:20]] != sorted(p for p, _ in seen[:20]), "rows are not in prompt order"
     with pytest.raises(HarvestError, match="train_batches"):
         reader.prompt(0)
+
+
+def test_a_bf16_job_says_so_in_its_manifest_and_stays_close_to_f32(client, tmp_path):
+    prompts = corpus(2)
+    runs = {}
+    for precision in ("f32", "bf16"):
+        job = client.submit(prompts, MODEL, layers=[4], precision=precision).wait(progress=False)
+        job.download(tmp_path / precision)
+        runs[precision] = job.open(tmp_path / precision)
+    assert runs["bf16"].manifest["precision"] == "bf16" and runs["f32"].manifest["precision"] == "f32"
+    _, f32 = runs["f32"].prompt(0)
+    _, bf16 = runs["bf16"].prompt(0)
+    error = np.linalg.norm(bf16 - f32, axis=-1) / np.linalg.norm(f32, axis=-1)
+    assert 0 < np.median(error) < 2e-2, np.median(error)
