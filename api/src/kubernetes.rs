@@ -13,13 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
 use harvest_core::plan::Precision;
 use harvest_core::quota::{AccountLimits, Book, Lane};
-use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
@@ -647,6 +645,9 @@ pub fn record(job: &HarvestJob) -> JobRecord {
     let time = |t: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
         t.as_ref().map(|t| millis(t.0))
     };
+    // The operator refuses invalid options; here they read as the defaults.
+    let harvest = &job.spec.harvest;
+    let (selection, layout) = harvest.selection_and_layout().unwrap_or_default();
     JobRecord {
         id: job.name_any(),
         run_id: annotation(RUN_ID),
@@ -681,23 +682,10 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                 .into_iter()
                 .map(|l| l as usize)
                 .collect(),
-            sites: job
-                .spec
-                .harvest
-                .sites
-                .as_ref()
-                .and_then(|sites| {
-                    Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>()).ok()
-                })
-                .unwrap_or_default(),
-            selection: selection_of(&job.spec.harvest).0,
-            layout: selection_of(&job.spec.harvest).1,
-            precision: job
-                .spec
-                .harvest
-                .precision
-                .map(Into::into)
-                .unwrap_or_default(),
+            sites: harvest.sites().unwrap_or_default(),
+            selection,
+            layout,
+            precision: harvest.precision(),
             shard_size: job.spec.harvest.shard_size as usize,
             add_special_tokens: job.spec.harvest.add_special_tokens,
             has_directions: job.spec.input.directions.is_some(),
@@ -860,24 +848,4 @@ pub async fn revoke_label(
         api.delete(&secret.name_any(), &Default::default()).await?;
     }
     Ok(matching.len())
-}
-
-/// A HarvestJob's token selection and layout (the operator refuses invalid ones; here they
-/// read as the defaults).
-fn selection_of(harvest: &HarvestOptions) -> (TokenSelection, Layout) {
-    harvest_core::plan::selection_and_layout(
-        RawSelection {
-            exclude_special_tokens: Some(harvest.exclude_special_tokens),
-            positions: harvest
-                .positions
-                .as_ref()
-                .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
-            sample_rate: harvest.sample_rate,
-            seed: harvest.seed,
-            max_norm_multiple: harvest.max_norm_multiple,
-        },
-        harvest.layout.map(Into::into).unwrap_or_default(),
-        harvest.rows_per_file.map(|r| r as usize),
-    )
-    .unwrap_or_default()
 }

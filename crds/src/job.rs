@@ -191,6 +191,49 @@ impl From<FileLayout> for harvest_core::layout::LayoutName {
     }
 }
 
+impl HarvestOptions {
+    /// The hook sites, `resid_post` alone when omitted.
+    pub fn sites(&self) -> Result<harvest_core::Sites, harvest_core::SiteError> {
+        match &self.sites {
+            None => Ok(harvest_core::Sites::default()),
+            Some(sites) => {
+                harvest_core::Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>())
+            }
+        }
+    }
+
+    /// The token selection and the layout, which share `seed`.
+    pub fn selection_and_layout(
+        &self,
+    ) -> Result<
+        (
+            harvest_core::selection::TokenSelection,
+            harvest_core::layout::Layout,
+        ),
+        harvest_core::PlanError,
+    > {
+        harvest_core::plan::selection_and_layout(
+            harvest_core::selection::RawSelection {
+                exclude_special_tokens: Some(self.exclude_special_tokens),
+                positions: self
+                    .positions
+                    .as_ref()
+                    .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+                sample_rate: self.sample_rate,
+                seed: self.seed,
+                max_norm_multiple: self.max_norm_multiple,
+            },
+            self.layout.map(Into::into).unwrap_or_default(),
+            self.rows_per_file.map(|r| r as usize),
+        )
+    }
+
+    /// The engine's arithmetic, f32 when omitted.
+    pub fn precision(&self) -> harvest_core::plan::Precision {
+        self.precision.map(Into::into).unwrap_or_default()
+    }
+}
+
 impl Default for HarvestOptions {
     fn default() -> Self {
         Self {

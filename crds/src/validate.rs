@@ -6,8 +6,7 @@ use std::path::Path;
 
 use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::quota::Lane;
-use harvest_core::selection::RawSelection;
-use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel, Sites};
+use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel};
 
 use crate::job::HarvestJobSpec;
 
@@ -99,28 +98,12 @@ impl HarvestJobSpec {
                 }),
             }
         };
-        let (tokens, layout) = harvest_core::plan::selection_and_layout(
-            RawSelection {
-                exclude_special_tokens: Some(harvest.exclude_special_tokens),
-                positions: harvest
-                    .positions
-                    .as_ref()
-                    .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
-                sample_rate: harvest.sample_rate,
-                seed: harvest.seed,
-                max_norm_multiple: harvest.max_norm_multiple,
-            },
-            harvest.layout.map(Into::into).unwrap_or_default(),
-            harvest.rows_per_file.map(|r| r as usize),
-        )?;
+        let (tokens, layout) = harvest.selection_and_layout()?;
         let plan = ResolvedPlan {
             model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
             layers: model.shape.layers(&selection)?,
-            sites: match &harvest.sites {
-                None => Sites::default(),
-                Some(sites) => Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>())?,
-            },
+            sites: harvest.sites()?,
             // The schema bounds shardSize to 1..=4096.
             shard_size: NonZeroUsize::new(harvest.shard_size as usize).unwrap_or(NonZeroUsize::MIN),
             add_special_tokens: harvest.add_special_tokens,
@@ -133,7 +116,7 @@ impl HarvestJobSpec {
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
             selection: tokens,
             layout,
-            precision: harvest.precision.map(Into::into).unwrap_or_default(),
+            precision: harvest.precision(),
         };
         harvest_core::plan::check_norm_filter(
             &plan.selection,

@@ -485,6 +485,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
     pipeline::run(&selected, &options()).unwrap();
     let tokenizer = PromptTokenizer::from_dir(&smollm2_dir(), 8192).unwrap();
     let special = tokenizer.special_ids();
+    let full_manifest = manifest(&full_out);
     let manifest = manifest(&selected_out);
     let info = manifest.selection.clone().expect("a selection block");
     assert_eq!(info.norm_layer, Some(9));
@@ -498,7 +499,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
         "a multiple of 1.2 drops some: {info:?}"
     );
     let (mut kept_total, mut sampled_out) = (0, 0);
-    for (entry, full_entry) in manifest.shards.iter().zip(&manifest_of(&full_out).shards) {
+    for (entry, full_entry) in manifest.shards.iter().zip(&full_manifest.shards) {
         let ours = std::fs::read(selected_out.join(&entry.file)).unwrap();
         let theirs = std::fs::read(full_out.join(&full_entry.file)).unwrap();
         let (ours, theirs) = (
@@ -737,10 +738,6 @@ fn a_bf16_run_records_its_precision_and_writes_the_same_bytes_twice() {
         Contents::Activations,
         576,
     );
-}
-
-fn manifest_of(out: &Path) -> Manifest {
-    manifest(out)
 }
 
 /// `harvester run --model <model> --prompts <prompts> --out <out> <extra…>`.

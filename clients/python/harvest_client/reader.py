@@ -101,7 +101,7 @@ class Reader:
         self.layout: str = self.manifest.get("layout", "by_prompt")
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
-            counts = shard.get("kept_counts") or shard["token_counts"] if self.selection else shard["token_counts"]
+            counts = shard["kept_counts"] if self.selection else shard["token_counts"]
             prompts = shard.get("prompts") or list(range(shard["first_prompt"], shard["first_prompt"] + len(counts)))
             for prompt, n_tokens in zip(prompts, counts):
                 self._where[int(prompt)] = (shard["file"], int(n_tokens))

@@ -44,6 +44,8 @@ pub struct ShardAssembly {
     dropped: Dropped,
     /// The candidate norms of this shard's prompts, when the job filters on norms.
     pub norms: Option<NormHistogram>,
+    /// `0, 1, 2, …`: the positions of a prompt that keeps every token, grown to the longest.
+    every_position: Vec<u32>,
 }
 
 /// What every shard of a job holds.
@@ -141,6 +143,7 @@ impl ShardAssembly {
             kept_counts: Vec::new(),
             dropped: Dropped::default(),
             norms: norms.then(NormHistogram::default),
+            every_position: Vec::new(),
         }
     }
 
@@ -175,14 +178,10 @@ impl ShardAssembly {
         let mut values: Vec<Vec<u8>> = (0..captured.sites)
             .map(|_| Vec::with_capacity(per_site))
             .collect();
-        let all: Vec<u32>;
-        let positions = match positions {
-            Some(p) => p,
-            None => {
-                all = (0..rows.len() as u32).collect();
-                &all
-            }
-        };
+        if self.every_position.len() < rows.len() {
+            self.every_position = (0..rows.len() as u32).collect();
+        }
+        let positions = positions.unwrap_or(&self.every_position[..rows.len()]);
         for (slot, stats) in self.stats.iter_mut().enumerate() {
             let block = captured.rows(slot, rows.clone());
             let values = &mut values[slot / captured.layers];

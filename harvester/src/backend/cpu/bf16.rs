@@ -41,11 +41,14 @@ pub fn round_into(src: &[f32], dst: &mut [u16]) {
 
 /// Rounds every value of `values` to the nearest bf16, in place (kept as f32).
 pub fn round_in_place(values: &mut [f32]) {
-    values.par_chunks_mut(4096).for_each(|chunk| {
-        for v in chunk {
-            *v = half::bf16::from_f32(*v).to_f32();
-        }
-    });
+    values.par_chunks_mut(4096).for_each(round_rows);
+}
+
+/// [`round_in_place`] on one chunk, for callers that already split the work.
+pub fn round_rows(values: &mut [f32]) {
+    for v in values {
+        *v = crate::dtype::round_bf16(*v);
+    }
 }
 
 /// Little-endian bf16 bytes as `u16`s without a copy, when they are 2-byte aligned and the

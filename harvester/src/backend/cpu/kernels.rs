@@ -78,19 +78,6 @@ dispatch!(silu_mul_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]
     }
 });
 
-dispatch!(round_bf16_rows(rows: &mut [f32]) {
-    // Round to nearest even on the bit pattern, as half's from_f32 does; NaN stays NaN.
-    for v in rows.iter_mut() {
-        let bits = v.to_bits();
-        let rounded = if v.is_nan() {
-            bits | 0x0040_0000
-        } else {
-            bits.wrapping_add(0x7fff + ((bits >> 16) & 1))
-        };
-        *v = f32::from_bits(rounded & 0xffff_0000);
-    }
-});
-
 dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
     for row in rows.chunks_exact_mut(bias.len()) {
         for (x, &b) in row.iter_mut().zip(bias) {

@@ -462,7 +462,7 @@ impl Pass<'_> {
                     kernels::add_bias_rows(rows, bias);
                 }
                 if rounding {
-                    kernels::round_bf16_rows(rows);
+                    bf16::round_rows(rows);
                 }
                 kernels::rope_rows(
                     rows,
@@ -474,7 +474,7 @@ impl Pass<'_> {
                     sin,
                 );
                 if rounding {
-                    kernels::round_bf16_rows(rows);
+                    bf16::round_rows(rows);
                 }
             });
         let shape = AttentionShape {
