@@ -11,6 +11,13 @@ of capturing every layer. Prints the CPU's flags, tokens/s for each and the rati
 f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library measured in the same
 run.
 Needs the pinned environment of scripts/reference/requirements.txt.
+
+    python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
+
+runs the same comparison on a bench-sized AFMoE (AfmoeForCausalLM) with seeded random bf16
+weights, which transformers writes on first use under $HARVEST_CACHE/bench/: 8 blocks of width
+1024 (2 dense), 32 experts with 4 routed per token plus one shared, a 128-token window in three
+blocks of four. Ours runs in f32 only (AFMoE has no bf16 mode); transformers in both.
 """
 import argparse
 import json
@@ -25,6 +32,28 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("HARVEST_CACHE", pathlib.Path.home() / ".cache" / "harvest"))
 MODEL = CACHE / "models" / "smollm2-135m"
+AFMOE = CACHE / "bench" / "afmoe-1024x8-e32k4"
+
+
+def make_afmoe(path):
+    """A seeded random AFMoE checkpoint written by transformers (once)."""
+    if (path / "model.safetensors").exists():
+        return
+    import torch
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+    torch.manual_seed(0)
+    config = AfmoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
+        num_dense_layers=2, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+        num_experts_per_tok=4, num_shared_experts=1, route_scale=2.0, global_attn_every_n_layers=4,
+        sliding_window=128, mup_enabled=True, max_position_embeddings=4096,
+    )
+    model = AfmoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router.gate" in name:
+                p.normal_(0.0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(path)
 
 
 def main():
@@ -35,18 +64,26 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--layers", default="all")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--afmoe", action="store_true", help="bench a random AFMoE instead of SmolLM2")
     args = ap.parse_args()
+    model_dir = MODEL
+    precisions = ("f32", "bf16")
+    if args.afmoe:
+        model_dir = AFMOE
+        make_afmoe(model_dir)
+        precisions = ("f32",)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
     rng = random.Random(0)
-    ids = [[rng.randrange(17, 49152) for _ in range(args.tokens)] for _ in range(args.prompts)]
+    ids = [[rng.randrange(17, vocab) for _ in range(args.tokens)] for _ in range(args.prompts)]
     subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester"], cwd=ROOT, check=True)
     binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
     ours = {}
-    for precision in ("f32", "bf16"):
+    for precision in precisions:
         ours[precision] = json.loads(subprocess.run(
-            [str(binary), "--threads", str(args.threads), "bench", "--model", str(MODEL), "--ids", f.name,
+            [str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", f.name,
              "--layers", args.layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision],
             check=True, capture_output=True, text=True).stdout)
     os.unlink(f.name)
@@ -59,7 +96,7 @@ def main():
         per_batch = max(1, args.batch_tokens // args.tokens)
         batches = [torch.tensor(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
         for dtype in (torch.float32, torch.bfloat16):
-            model = AutoModel.from_pretrained(MODEL, dtype=dtype).eval()
+            model = AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
             with torch.inference_mode():
                 model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
                 start = time.perf_counter()
@@ -71,20 +108,21 @@ def main():
 
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16"} & set(
         next(l for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()))
-    print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {ours['bf16']['bf16_dot_instructions']}")
+    used = ours["bf16"]["bf16_dot_instructions"] if "bf16" in ours else "-"
+    print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {used}; model: {model_dir.name}")
     print(f"corpus: {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads, "
           f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['f32']['blocks']}")
     print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}")
     base = next((v for k, v in peers.items() if k.endswith("(float32)")), None)
-    rows = [(f"harvest cpu ({p})", ours[p]["tokens_per_s"]) for p in ("f32", "bf16")] + list(peers.items())
+    rows = [(f"harvest cpu ({p})", ours[p]["tokens_per_s"]) for p in precisions] + list(peers.items())
     per_token = ours["f32"]["gflops"] / ours["f32"]["tokens_per_s"]
     for name, tps in rows:
         ratio = f"{tps / base:.2f}x" if base else "-"
         print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}")
     m, n, k = ours["f32"]["gemm_shape"]
     print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (gemm crate, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s; "
-          f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it, bf16 "
-          f"{100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%")
+          f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
+              f", bf16 {100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%" if "bf16" in ours else ""))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 //! ```text
 //! resid_pre ─► + attn_out ─► resid_mid ─► + mlp_out ─► resid_post (layer k, the seed's prompt_i)
 //! ```
-//! `attn_out` is the attention output after `o_proj` (and its bias) before it is added;
-//! `mlp_out` is the MLP's output (routed plus shared experts for a MoE) before it is added. A
-//! job keeps any set of them, and one forward pass serves them all.
+//! `attn_out` is the attention output after `o_proj` (and its bias) as it is added; `mlp_out` is
+//! the MLP's output (routed plus shared experts for a MoE) as it is added. Where a block norms a
+//! branch output before adding it (AFMoE's post-attention and post-MLP norms), the site is what
+//! the residual stream receives, after that norm. A job keeps any set of them, and one forward
+//! pass serves them all.
 
 use std::fmt;
 

@@ -141,11 +141,8 @@ fn parameters(weights: &LlamaWeights) -> usize {
             .iter()
             .map(|b| {
                 b.attn_norm.len()
-                    + b.qkv.len()
-                    + b.o.len()
                     + b.mlp_norm.len()
-                    + b.gate_up.len()
-                    + b.down.len()
+                    + b.matrices().iter().map(|m| m.len()).sum::<usize>()
             })
             .sum::<usize>()
 }
@@ -163,21 +160,28 @@ fn open(
 }
 
 /// FLOP of one forward pass over `lengths`, counting matrix products and attention (the causal
-/// half of the score and value products), through `blocks` blocks.
+/// half of the score and value products), through the first `blocks` blocks. An AFMoE block
+/// adds its gate, its router and the experts each token is routed to.
 pub fn forward_flops(config: &ModelConfig, lengths: &[usize], blocks: usize) -> f64 {
     let h = config.hidden_size as f64;
-    let per_token = 2.0
-        * h
-        * (config.qkv_width() as f64
-            + (config.num_heads * config.head_dim) as f64
-            + 3.0 * config.intermediate_size as f64);
     let attn_width = (config.num_heads * config.head_dim) as f64;
-    let mut total = 0.0;
-    for &len in lengths {
-        let n = len as f64;
-        total += per_token * n + 2.0 * 2.0 * attn_width * n * (n + 1.0) / 2.0;
-    }
-    total * blocks as f64
+    let tokens: f64 = lengths.iter().map(|&n| n as f64).sum();
+    let attention: f64 = lengths
+        .iter()
+        .map(|&len| 2.0 * 2.0 * attn_width * len as f64 * (len as f64 + 1.0) / 2.0)
+        .sum();
+    let block = |b: usize| {
+        let mut widths = config.qkv_width() as f64 + attn_width + 3.0 * config.mlp_width(b) as f64;
+        if let Some(moe) = &config.afmoe {
+            widths += attn_width;
+            if config.is_sparse(b) {
+                widths += moe.num_experts as f64
+                    + 3.0 * (moe.experts_per_token * moe.expert_intermediate_size) as f64;
+            }
+        }
+        2.0 * h * widths * tokens + attention
+    };
+    (0..blocks).map(block).sum()
 }
 
 /// The engines a benchmark times, loaded.

@@ -41,11 +41,19 @@ pub enum Error {
     },
     /// The checkpoint is of an architecture we do not run.
     #[error(
-        "unsupported architecture {architecture:?}: harvest runs LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"
+        "unsupported architecture {architecture:?}: harvest runs LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and AfmoeForCausalLM"
     )]
     UnsupportedArchitecture {
         /// What the config says.
         architecture: String,
+    },
+    /// The compute precision asked for is not offered for this model.
+    #[error("precision {precision} is not offered for {what}: use --precision f32")]
+    UnsupportedPrecision {
+        /// The precision asked for.
+        precision: &'static str,
+        /// The model, and why.
+        what: &'static str,
     },
     /// A safetensors file is truncated or malformed.
     #[error("corrupt safetensors file {path}: {reason}")]
@@ -207,6 +215,7 @@ impl Error {
             Self::MissingFile { .. }
             | Self::BadConfig { .. }
             | Self::UnsupportedArchitecture { .. }
+            | Self::UnsupportedPrecision { .. }
             | Self::CorruptSafetensors { .. }
             | Self::MissingTensor { .. }
             | Self::WrongShape { .. }

@@ -287,3 +287,43 @@ fn a_file_that_is_not_gguf_is_rejected() {
         .to_string();
     assert!(err.contains("not a GGUF file"), "{err}");
 }
+
+#[test]
+fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
+    let dir = common::fixtures().join("tiny-afmoe-bf16");
+    let weights = LlamaWeights::load(&dir, None).unwrap();
+    let spec = CaptureSpec {
+        layers: LayerSelection::All
+            .resolve(weights.config.num_layers)
+            .unwrap(),
+        sites: harvest_core::Sites::default(),
+        precision: harvest_core::plan::Precision::Bf16,
+        directions: None,
+    };
+    let error = harvester::backend::cuda::forward::CudaBackend::new(weights, spec, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("AFMoE") && error.contains("--device cpu"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_afmoe_checkpoint_missing_its_expert_bias_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = common::fixtures().join("tiny-afmoe-bf16");
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(file), dir.path().join(file)).unwrap();
+    }
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != "model.layers.3.mlp.expert_bias")
+        .collect();
+    safetensors::serialize_to_file(kept, None, &dir.path().join("model.safetensors")).unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains("model.layers.3.mlp.expert_bias"), "{err}");
+}

@@ -10,7 +10,10 @@ use std::path::Path;
 use common::{Reference, capture_in, fixtures, smollm2_dir, worst_relative_error};
 use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Site, Sites};
+use harvester::backend::cpu::CpuBackend;
+use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
 use harvester::dtype::round_bf16;
+use harvester::model::{LlamaWeights, Matrix};
 use harvester::tokenizer::PromptTokenizer;
 
 /// f32 against the float64 reference, per token.
@@ -67,6 +70,27 @@ fn check_model_in(
     reference: &Reference,
     precision: Precision,
 ) -> (f64, f64, Vec<(Site, f64)>) {
+    let sequences = checked_sequences(dir, reference);
+    let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
+    let every = Sites::new(&Site::ALL).unwrap();
+    let out = capture_in(
+        dir,
+        &LayerSelection::Explicit(layers),
+        every.clone(),
+        precision,
+        &sequences,
+    );
+    let label = format!(
+        "{} {}",
+        dir.file_name().unwrap_or_default().to_string_lossy(),
+        precision.as_str()
+    );
+    site_errors(&out, &every, reference, &sequences, &label)
+}
+
+/// Every prompt's ids, checked against the reference's for both `add_special_tokens` values;
+/// returns them with special tokens, truncated as the reference was.
+fn checked_sequences(dir: &Path, reference: &Reference) -> Vec<Vec<u32>> {
     let tokenizer = PromptTokenizer::from_dir(dir, reference.truncate_at).unwrap();
     let mut sequences = Vec::new();
     for (p, text) in reference.prompts.iter().enumerate() {
@@ -92,15 +116,18 @@ fn check_model_in(
         sequences.iter().any(|s| s.len() == reference.truncate_at),
         "some prompt exercises truncation"
     );
-    let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
-    let every = Sites::new(&Site::ALL).unwrap();
-    let out = capture_in(
-        dir,
-        &LayerSelection::Explicit(layers),
-        every.clone(),
-        precision,
-        &sequences,
-    );
+    sequences
+}
+
+/// The worst f32 and bf16-rounded per-token errors of `out` (every site of the reference's
+/// layers, the prompts packed in order) over all sites, and the bf16-rounded one of each site.
+fn site_errors(
+    out: &Captured,
+    every: &Sites,
+    reference: &Reference,
+    sequences: &[Vec<u32>],
+    label: &str,
+) -> (f64, f64, Vec<(Site, f64)>) {
     let (mut worst_f32, mut worst_bf16) = (0.0f64, 0.0f64);
     let mut per_site = Vec::new();
     for (position, &site) in every.as_slice().iter().enumerate() {
@@ -123,18 +150,12 @@ fn check_model_in(
             let rounded: Vec<f32> = ours.iter().map(|&v| round_bf16(v)).collect();
             site_bf16 = site_bf16.max(worst_relative_error(&rounded, &expected, out.width));
         }
-        let name = dir.file_name().unwrap_or_default().to_string_lossy();
-        let mode = precision.as_str();
-        println!("{name} {mode} {site:<10}: f32 {site_f32:.2e}, bf16 {site_bf16:.2e}");
+        println!("{label} {site:<10}: f32 {site_f32:.2e}, bf16 {site_bf16:.2e}");
         worst_f32 = worst_f32.max(site_f32);
         worst_bf16 = worst_bf16.max(site_bf16);
         per_site.push((site, site_bf16));
     }
-    println!(
-        "{} in {}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}",
-        dir.display(),
-        precision.as_str()
-    );
+    println!("{label}: worst per-token relative error f32 {worst_f32:.2e}, bf16 {worst_bf16:.2e}");
     (worst_f32, worst_bf16, per_site)
 }
 
@@ -196,4 +217,103 @@ fn qwen2_qkv_bias_and_tied_embeddings_match_transformers() {
 #[test]
 fn mistral_sliding_window_in_bf16_matches_transformers() {
     check_tiny("tiny-mistral-window-bf16");
+}
+
+#[test]
+fn afmoe_routing_qk_norms_gate_and_rope_placement_match_transformers() {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let weights = LlamaWeights::load(&dir, None).unwrap();
+    let config = &weights.config;
+    let afmoe = config.afmoe.as_ref().unwrap();
+    // What the fixture must exercise: dense and sparse blocks, both kinds of attention, a window
+    // shorter than the prompts, muP, a route scale and a non-zero expert bias.
+    assert!(afmoe.num_dense_layers >= 2 && config.num_layers > afmoe.num_dense_layers + 1);
+    assert!(config.rotary.contains(&true) && config.rotary.contains(&false));
+    assert!(config.attention_windows.iter().flatten().all(|&w| w < 48));
+    assert!(afmoe.embedding_scale > 1.0 && afmoe.route_scale != 1.0);
+    let moe = weights.blocks[afmoe.num_dense_layers]
+        .afmoe
+        .as_ref()
+        .unwrap();
+    assert!(
+        moe.moe
+            .as_ref()
+            .unwrap()
+            .expert_bias
+            .iter()
+            .any(|&b| b != 0.0)
+    );
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let (worst_f32, worst_bf16, _) = check_model_in(&dir, &reference, Precision::F32);
+    assert!(worst_f32 <= F32_TOLERANCE, "f32 error {worst_f32:.3e}");
+    assert!(worst_bf16 <= BF16_TOLERANCE, "bf16 error {worst_bf16:.3e}");
+    // The bf16 compute mode is refused by name rather than run with rerouted tokens.
+    let spec = CaptureSpec {
+        layers: LayerSelection::All.resolve(config.num_layers).unwrap(),
+        sites: Sites::default(),
+        precision: Precision::Bf16,
+        directions: None,
+    };
+    let error = CpuBackend::new(weights, spec).unwrap_err().to_string();
+    assert!(
+        error.contains("bf16") && error.contains("AFMoE") && error.contains("f32"),
+        "{error}"
+    );
+}
+
+/// The AFMoE fixture's worst per-token resid_post error (bf16-rounded) for weights changed by
+/// `break_it`.
+fn afmoe_error_when(break_it: impl FnOnce(&mut LlamaWeights)) -> f64 {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let mut weights = LlamaWeights::load(&dir, None).unwrap();
+    break_it(&mut weights);
+    let layers: Vec<i64> = reference.layers.iter().map(|&l| l as i64).collect();
+    let layers = LayerSelection::Explicit(layers)
+        .resolve(weights.config.num_layers)
+        .unwrap();
+    let spec = CaptureSpec {
+        layers,
+        sites: Sites::default(),
+        precision: Precision::F32,
+        directions: None,
+    };
+    let mut backend = CpuBackend::new(weights, spec).unwrap();
+    let mut out = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(&sequences), &mut out)
+        .unwrap();
+    let (_, worst_bf16, _) = site_errors(&out, &Sites::default(), &reference, &sequences, "broken");
+    worst_bf16
+}
+
+#[test]
+fn the_afmoe_fixture_fails_without_the_expert_bias_the_gate_or_with_rope_misplaced() {
+    let no_bias = afmoe_error_when(|w| {
+        for block in &mut w.blocks {
+            if let Some(moe) = block.afmoe.as_mut().and_then(|a| a.moe.as_mut()) {
+                moe.expert_bias.fill(0.0);
+            }
+        }
+    });
+    // A constant gate would be undone by the norm that follows, so flip its sign instead.
+    let flipped_gate = afmoe_error_when(|w| {
+        for block in &mut w.blocks {
+            let gate = &mut block.afmoe.as_mut().unwrap().attn_gate;
+            let negated = gate.to_f32_vec().iter().map(|v| -v).collect();
+            *gate = Matrix::from_f32(gate.rows(), gate.cols(), negated);
+        }
+    });
+    let rope_everywhere = afmoe_error_when(|w| w.config.rotary.fill(true));
+    println!(
+        "no bias {no_bias:.2e}, flipped gate {flipped_gate:.2e}, RoPE everywhere {rope_everywhere:.2e}"
+    );
+    for (what, error) in [
+        ("no expert bias", no_bias),
+        ("a flipped gate", flipped_gate),
+        ("RoPE in every block", rope_everywhere),
+    ] {
+        assert!(error > BF16_TOLERANCE, "{what} still matches: {error:.3e}");
+    }
 }

@@ -27,6 +27,15 @@ resid_mid (the input of post_attention_layernorm) and mlp_out (the mlp's output)
 
 adds the site tensors to the existing references from the committed checkpoints, leaving
 everything else as it is.
+
+    python3 scripts/reference/make_fixtures.py --afmoe-only
+
+writes tiny-afmoe-bf16/ alone: an AfmoeForCausalLM with dense and sparse blocks, a non-zero
+expert_bias, a route_scale, shared experts, muP embedding scaling, sliding (RoPE) and full
+(no RoPE) blocks and a window shorter than the prompts. Its sites are the branch outputs as the
+residual stream receives them: attn_out is post_attention_layernorm's output, resid_mid the input
+of pre_mlp_layernorm, mlp_out post_mlp_layernorm's output. Every routing choice is checked to
+win by at least ROUTING_MARGIN, so float32 rounding cannot flip one.
 """
 import hashlib
 import json
@@ -229,6 +238,99 @@ def add_sites(reference, checkpoint, load_dtype):
     save_file(tensors, reference, metadata=meta)
 
 
+# The smallest gap allowed between a token's k-th and (k+1)-th expert key (score + bias): float32
+# arithmetic moves the keys by about 1e-7, so a choice this decisive is made alike in both.
+ROUTING_MARGIN = 1e-5
+
+
+def afmoe_sites(model, ids, layers):
+    """Like sites(), for AFMoE's sandwich norms; also returns the smallest routing margin."""
+    captured, margins = {}, []
+    k = model.config.num_experts_per_tok
+
+    def keep(site, layer, value):
+        captured[(site, layer)] = first(value)[0].double().numpy().copy()
+
+    def margin(block):
+        def hook(_m, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            scores = torch.sigmoid(block.mlp.router.gate(x).double())
+            keys = (scores + block.mlp.expert_bias.double()).sort(dim=-1, descending=True).values
+            margins.append(float((keys[:, k - 1] - keys[:, k]).min()))
+        return hook
+
+    hooks = []
+    for index, block in enumerate(model.model.layers):
+        if index >= model.config.num_dense_layers:
+            hooks.append(block.mlp.register_forward_pre_hook(margin(block)))
+        if index not in layers:
+            continue
+        hooks += [
+            block.register_forward_pre_hook(
+                lambda _m, args, kwargs, k=index: keep("resid_pre", k, args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True,
+            ),
+            block.post_attention_layernorm.register_forward_hook(lambda _m, _i, out, k=index: keep("attn_out", k, out)),
+            block.pre_mlp_layernorm.register_forward_pre_hook(lambda _m, args, k=index: keep("resid_mid", k, args[0])),
+            block.post_mlp_layernorm.register_forward_hook(lambda _m, _i, out, k=index: keep("mlp_out", k, out)),
+            block.register_forward_hook(lambda _m, _i, out, k=index: keep("resid_post", k, out)),
+        ]
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    found = {site: np.stack([captured[(site, k)] for k in layers]) for site in OTHER_SITES + ["resid_post"]}
+    return found, min(margins)
+
+
+def tiny_afmoe():
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    name = "tiny-afmoe-bf16"
+    print(f"tiny model {name}", file=sys.stderr)
+    out_dir = FIXTURES / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer(out_dir, True)
+    layers = [0, 1, 3, 4]
+    config = AfmoeConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
+        num_dense_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=1, route_scale=2.5, global_attn_every_n_layers=2,
+        sliding_window=6, mup_enabled=True, max_position_embeddings=128, rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    model = AfmoeForCausalLM(config)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if "router.gate" in name_:
+                p.normal_(0.0, 0.5)  # decisive routing: the keys spread over most of (0, 1)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)  # norms away from 1 so their weights matter
+        for layer in model.model.layers[config.num_dense_layers:]:
+            layer.mlp.expert_bias.copy_(torch.randn(config.num_experts) * 0.1)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # The reference is the saved checkpoint loaded in float64, as a user would load it.
+    ref = AutoModelForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
+    ref.eval()
+    tensors, worst_margin = {}, 1.0
+    for p, text in enumerate(PROMPTS):
+        for special, tag in ((True, "special"), (False, "plain")):
+            tensors[f"ids_{p}_{tag}"] = np.array(tok(text, add_special_tokens=special)["input_ids"], dtype=np.int32)
+        ids = tensors[f"ids_{p}_special"].tolist()[:TRUNCATE_AT]
+        found, margin = afmoe_sites(ref, ids, layers)
+        worst_margin = min(worst_margin, margin)
+        tensors[f"residual_{p}"] = found["resid_post"].astype(np.float32)
+        tensors.update({f"{site}_{p}": found[site].astype(np.float32) for site in OTHER_SITES})
+    print(f"{name}: smallest routing margin {worst_margin:.3e}", file=sys.stderr)
+    assert worst_margin > ROUTING_MARGIN, f"a routing choice is within {worst_margin:.1e}: pick another seed"
+    meta = {"prompts": json.dumps(PROMPTS), "layers": json.dumps(layers), "truncate_at": str(TRUNCATE_AT),
+            "routing_margin": f"{worst_margin:.3e}"}
+    save_file(tensors, out_dir / "reference.safetensors", metadata=meta)
+
+
 def sites_only():
     tiny = {"tiny-llama3-f16-sharded": torch.float16, "tiny-qwen2-f32": torch.float32,
             "tiny-mistral-window-bf16": torch.bfloat16}
@@ -240,10 +342,14 @@ def sites_only():
 if __name__ == "__main__":
     FIXTURES.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
+    if sys.argv[1:] == ["--afmoe-only"]:
+        tiny_afmoe()
+        sys.exit(0)
     if sys.argv[1:] == ["--sites-only"]:
         sites_only()
         print("site references added under", FIXTURES, file=sys.stderr)
         sys.exit(0)
     tiny_models()
+    tiny_afmoe()
     smollm2()
     print("fixtures written to", FIXTURES, file=sys.stderr)

@@ -16,6 +16,10 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM`: Llama blocks with biases on the Q, K and V projections.
     Qwen2,
+    /// `AfmoeForCausalLM` (Arcee's Trinity): Llama attention with per-head QK norms and a
+    /// sigmoid output gate, norms on both branch outputs, and mixture-of-experts MLPs after the
+    /// leading dense blocks ([`AfmoeConfig`]).
+    Afmoe,
 }
 
 impl Architecture {
@@ -25,6 +29,7 @@ impl Architecture {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Afmoe => "AfmoeForCausalLM",
         }
     }
 
@@ -33,6 +38,7 @@ impl Architecture {
             "LlamaForCausalLM" | "LlamaModel" => Some(Self::Llama),
             "MistralForCausalLM" | "MistralModel" => Some(Self::Mistral),
             "Qwen2ForCausalLM" | "Qwen2Model" => Some(Self::Qwen2),
+            "AfmoeForCausalLM" | "AfmoeModel" => Some(Self::Afmoe),
             _ => None,
         }
     }
@@ -104,6 +110,37 @@ pub struct ModelConfig {
     /// Per block: keys this many positions back or further are masked (Mistral, and Qwen2 with
     /// `use_sliding_window`); `None` is full causal attention.
     pub attention_windows: Vec<Option<usize>>,
+    /// Per block: whether RoPE rotates Q and K (AFMoE's full-attention blocks have no RoPE).
+    pub rotary: Vec<bool>,
+    /// AFMoE's extras; `None` for the plain Llama block.
+    pub afmoe: Option<AfmoeConfig>,
+}
+
+/// What an AFMoE block adds to the Llama block, as transformers' `AfmoeForCausalLM` computes it:
+/// - attention: RMSNorm on each query and key head before RoPE, and the attention output
+///   multiplied by `sigmoid(gate_proj(normed input))` before `o_proj`;
+/// - each branch's output goes through its own RMSNorm before it joins the residual stream;
+/// - the embedding is scaled by `embedding_scale`;
+/// - blocks from `num_dense_layers` on replace the MLP with shared experts (one SwiGLU MLP of
+///   `num_shared_experts × expert_intermediate_size`) plus `experts_per_token` routed experts:
+///   sigmoid router scores, top-k on the scores plus `expert_bias`, the chosen scores normalised
+///   to sum to one and multiplied by `route_scale`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AfmoeConfig {
+    /// Leading blocks with a dense MLP of `intermediate_size`.
+    pub num_dense_layers: usize,
+    /// Routed experts per sparse block.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub experts_per_token: usize,
+    /// Inner width of one expert.
+    pub expert_intermediate_size: usize,
+    /// Shared experts, fused into one MLP (zero for none).
+    pub num_shared_experts: usize,
+    /// Multiplies the normalised routing weights.
+    pub route_scale: f64,
+    /// Multiplies the token embedding: `sqrt(hidden_size)` with muP, else 1.
+    pub embedding_scale: f64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -135,6 +172,28 @@ struct RawConfig {
     use_sliding_window: Option<bool>,
     max_window_layers: Option<usize>,
     layer_types: Option<Vec<String>>,
+    #[serde(flatten)]
+    afmoe: RawAfmoe,
+}
+
+/// AFMoE's keys (transformers' `AfmoeConfig`, and the published checkpoints' extra routing
+/// keys, which must hold their neutral values).
+#[derive(Debug, Default, Deserialize)]
+struct RawAfmoe {
+    num_dense_layers: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    num_shared_experts: Option<usize>,
+    route_scale: Option<f64>,
+    route_norm: Option<bool>,
+    score_func: Option<String>,
+    global_attn_every_n_layers: Option<usize>,
+    mup_enabled: Option<bool>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    num_expert_groups: Option<usize>,
+    num_limited_groups: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -223,13 +282,35 @@ impl ModelConfig {
     pub fn qkv_width(&self) -> usize {
         (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
     }
+
+    /// Whether block `layer` has a mixture-of-experts MLP.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.afmoe
+            .as_ref()
+            .is_some_and(|moe| layer >= moe.num_dense_layers)
+    }
+
+    /// Inner width of block `layer`'s dense MLP: `intermediate_size`, or for a sparse block its
+    /// fused shared experts (zero when it has none).
+    pub fn mlp_width(&self, layer: usize) -> usize {
+        match &self.afmoe {
+            Some(moe) if layer >= moe.num_dense_layers => {
+                moe.num_shared_experts * moe.expert_intermediate_size
+            }
+            _ => self.intermediate_size,
+        }
+    }
 }
 
 impl RawConfig {
-    fn validate(self, path: &Path) -> Result<ModelConfig> {
+    fn validate(mut self, path: &Path) -> Result<ModelConfig> {
+        let architecture = architecture(&self.architectures, self.model_type.take())?;
+        let bad = |reason: String| Error::BadConfig {
+            path: path.to_owned(),
+            reason,
+        };
+        let afmoe = self.take_afmoe(architecture).map_err(bad)?;
         let Self {
-            architectures,
-            model_type,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
@@ -250,12 +331,8 @@ impl RawConfig {
             use_sliding_window,
             max_window_layers,
             layer_types,
+            ..
         } = self;
-        let architecture = architecture(&architectures, model_type)?;
-        let bad = |reason: String| Error::BadConfig {
-            path: path.to_owned(),
-            reason,
-        };
         check_supported(
             hidden_act,
             mlp_bias,
@@ -280,9 +357,10 @@ impl RawConfig {
             layer_types.as_deref(),
         )
         .map_err(bad)?;
+        let rotary = rotary_blocks(architecture, &attention_windows);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
-            Architecture::Llama | Architecture::Mistral => (attention_bias, attention_bias),
+            _ => (attention_bias, attention_bias),
         };
         Ok(ModelConfig {
             architecture,
@@ -301,8 +379,131 @@ impl RawConfig {
             qkv_bias,
             o_bias,
             attention_windows,
+            rotary,
+            afmoe,
         })
     }
+}
+
+impl RawConfig {
+    /// For AFMoE, its validated extras, with transformers' defaults filled in where the Llama
+    /// keys mean something else: `layer_types` from `global_attn_every_n_layers`, a 1024-token
+    /// window, and `head_dim` 128.
+    fn take_afmoe(
+        &mut self,
+        architecture: Architecture,
+    ) -> std::result::Result<Option<AfmoeConfig>, String> {
+        if architecture != Architecture::Afmoe {
+            return Ok(None);
+        }
+        let raw = std::mem::take(&mut self.afmoe);
+        let every = raw.global_attn_every_n_layers;
+        let given = self.layer_types.take();
+        self.layer_types = Some(afmoe_layer_types(given, every, self.num_hidden_layers)?);
+        self.sliding_window = Some(self.sliding_window.unwrap_or(1024));
+        self.head_dim = Some(self.head_dim.unwrap_or(128));
+        raw.validate(self.num_hidden_layers, self.hidden_size)
+            .map(Some)
+    }
+}
+
+impl RawAfmoe {
+    fn validate(
+        self,
+        num_layers: usize,
+        hidden_size: usize,
+    ) -> std::result::Result<AfmoeConfig, String> {
+        if let Some(score) = self.score_func.filter(|s| s != "sigmoid") {
+            return Err(format!(
+                "score_func {score:?} is not supported: AFMoE routes on sigmoid scores (\"sigmoid\")"
+            ));
+        }
+        if self.route_norm == Some(false) {
+            return Err("route_norm false is not supported: AFMoE normalises the chosen scores (route_norm true)".into());
+        }
+        for (groups_key, groups, limit_key, limit) in [
+            ("n_group", self.n_group, "topk_group", self.topk_group),
+            (
+                "num_expert_groups",
+                self.num_expert_groups,
+                "num_limited_groups",
+                self.num_limited_groups,
+            ),
+        ] {
+            let groups = groups.unwrap_or(1);
+            if groups > 1 && limit.unwrap_or(groups) < groups {
+                return Err(format!(
+                    "{groups_key} {groups} with {limit_key} {} limits routing to groups of experts, which AFMoE does not do; set {limit_key} to {groups}",
+                    limit.unwrap_or(groups)
+                ));
+            }
+        }
+        let num_experts = self.num_experts.unwrap_or(64);
+        let experts_per_token = self.num_experts_per_tok.unwrap_or(6);
+        if num_experts == 0 || experts_per_token == 0 || experts_per_token > num_experts {
+            return Err(format!(
+                "num_experts_per_tok {experts_per_token} must be between 1 and num_experts {num_experts}"
+            ));
+        }
+        let expert_intermediate_size = self.moe_intermediate_size.unwrap_or(1408);
+        if expert_intermediate_size == 0 {
+            return Err("moe_intermediate_size must be positive".into());
+        }
+        let num_dense_layers = self.num_dense_layers.unwrap_or(1);
+        if num_dense_layers > num_layers {
+            return Err(format!(
+                "num_dense_layers {num_dense_layers} exceeds num_hidden_layers {num_layers}"
+            ));
+        }
+        let route_scale = self.route_scale.unwrap_or(1.0);
+        if !route_scale.is_finite() {
+            return Err(format!("route_scale {route_scale} must be finite"));
+        }
+        Ok(AfmoeConfig {
+            num_dense_layers,
+            num_experts,
+            experts_per_token,
+            expert_intermediate_size,
+            num_shared_experts: self.num_shared_experts.unwrap_or(2),
+            route_scale,
+            embedding_scale: if self.mup_enabled.unwrap_or(false) {
+                (hidden_size as f64).sqrt()
+            } else {
+                1.0
+            },
+        })
+    }
+}
+
+/// Which blocks RoPE rotates: all, except AFMoE's full-attention ones (AfmoeAttention rotates
+/// only in its sliding-window layers).
+fn rotary_blocks(architecture: Architecture, windows: &[Option<usize>]) -> Vec<bool> {
+    match architecture {
+        Architecture::Afmoe => windows.iter().map(Option::is_some).collect(),
+        _ => vec![true; windows.len()],
+    }
+}
+
+/// AFMoE's `layer_types`: as given, or transformers' default of every `every`-th block (4 when
+/// unset) full attention and the rest sliding.
+fn afmoe_layer_types(
+    given: Option<Vec<String>>,
+    every: Option<usize>,
+    num_layers: usize,
+) -> std::result::Result<Vec<String>, String> {
+    if let Some(types) = given {
+        return Ok(types);
+    }
+    let every = every.unwrap_or(4);
+    if every == 0 {
+        return Err("global_attn_every_n_layers must be positive".into());
+    }
+    Ok((0..num_layers)
+        .map(|i| match (i + 1) % every {
+            0 => "full_attention".to_owned(),
+            _ => "sliding_attention".to_owned(),
+        })
+        .collect())
 }
 
 /// RoPE's base and scaling, from the transformers 4 keys or the transformers 5
@@ -364,6 +565,7 @@ fn architecture(architectures: &[String], model_type: Option<String>) -> Result<
             "llama" => Some(Architecture::Llama),
             "mistral" => Some(Architecture::Mistral),
             "qwen2" => Some(Architecture::Qwen2),
+            "afmoe" => Some(Architecture::Afmoe),
             _ => None,
         })
         .ok_or(Error::UnsupportedArchitecture {
@@ -417,10 +619,13 @@ fn attention_windows(
         }
         return types
             .iter()
-            .map(|t| match t.as_str() {
+            .enumerate()
+            .map(|(i, t)| match t.as_str() {
                 "full_attention" => Ok(None),
                 "sliding_attention" => Ok(Some(window)),
-                other => Err(format!("layer type {other:?} is not supported")),
+                other => Err(format!(
+                    "layer_types[{i}] is {other:?}: the layer types harvest runs are \"full_attention\" and \"sliding_attention\""
+                )),
             })
             .collect();
     }
@@ -428,7 +633,7 @@ fn attention_windows(
         .map(|layer| match architecture {
             Architecture::Mistral => Some(window),
             Architecture::Qwen2 if use_sliding_window && layer >= max_window_layers => Some(window),
-            Architecture::Llama | Architecture::Qwen2 => None,
+            Architecture::Llama | Architecture::Qwen2 | Architecture::Afmoe => None,
         })
         .collect())
 }
@@ -605,5 +810,54 @@ mod tests {
         let text = llama("").replace(r#""vocab_size": 100"#, r#""vocab": 100"#);
         let err = parse(&text).unwrap_err().to_string();
         assert!(err.contains("vocab_size"), "{err}");
+    }
+
+    fn afmoe(extra: &str) -> String {
+        llama(&format!(
+            r#", "moe_intermediate_size": 32, "num_dense_layers": 1, "num_experts": 8,
+            "num_experts_per_tok": 2, "num_shared_experts": 1, "route_scale": 2.5,
+            "mup_enabled": true, "global_attn_every_n_layers": 2, "sliding_window": 6 {extra}"#
+        ))
+        .replace("LlamaForCausalLM", "AfmoeForCausalLM")
+    }
+
+    #[test]
+    fn afmoe_windows_and_rotates_only_its_sliding_blocks_and_routes_after_the_dense_ones() {
+        let config = parse(&afmoe("")).unwrap();
+        assert_eq!(config.architecture, Architecture::Afmoe);
+        // Every second block is full attention: no window and no RoPE there.
+        assert_eq!(config.attention_windows, [Some(6), None]);
+        assert_eq!(config.rotary, [true, false]);
+        let moe = config.afmoe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.experts_per_token), (8, 2));
+        assert_eq!(moe.embedding_scale, 8.0, "muP scales by sqrt(64)");
+        assert!(!config.is_sparse(0) && config.is_sparse(1));
+        assert_eq!((config.mlp_width(0), config.mlp_width(1)), (128, 32));
+    }
+
+    #[test]
+    fn afmoe_keys_that_change_the_maths_are_refused_by_name() {
+        let cases = [
+            (r#"{"score_func": "softmax"}"#, "score_func \"softmax\""),
+            (r#"{"route_norm": false}"#, "route_norm false"),
+            (
+                r#"{"n_group": 4, "topk_group": 2}"#,
+                "n_group 4 with topk_group 2",
+            ),
+            (
+                r#"{"layer_types": ["sliding_attention", "chunked_attention"]}"#,
+                "layer_types[1] is \"chunked_attention\"",
+            ),
+            (r#"{"num_experts_per_tok": 9}"#, "num_experts_per_tok 9"),
+            (r#"{"num_dense_layers": 3}"#, "num_dense_layers 3"),
+        ];
+        for (changes, named) in cases {
+            let mut config: serde_json::Value = serde_json::from_str(&afmoe("")).unwrap();
+            let changes: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(changes).unwrap();
+            config.as_object_mut().unwrap().extend(changes);
+            let error = parse(&config.to_string()).unwrap_err().to_string();
+            assert!(error.contains(named), "{named}: {error}");
+        }
     }
 }

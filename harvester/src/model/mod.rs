@@ -1,6 +1,7 @@
-//! Llama-family checkpoints: the validated config and the weights in the layout the forward pass
-//! wants (Q|K|V as one matrix, gate|up as another). Matrices keep the checkpoint's precision
-//! ([`Matrix`]: bf16 and f16 stay mapped, f32 is decoded); norms and biases are f32.
+//! Llama-family checkpoints (and AFMoE, which extends the Llama block): the validated config and
+//! the weights in the layout the forward pass wants (Q|K|V as one matrix, gate|up as another).
+//! Matrices keep the checkpoint's precision ([`Matrix`]: bf16 and f16 stay mapped, f32 is
+//! decoded); norms and biases are f32.
 //!
 //! ```text
 //! config.json ──► ModelConfig
@@ -14,7 +15,7 @@ pub mod matrix;
 use std::path::Path;
 
 pub use checkpoint::Checkpoint;
-pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use config::{AfmoeConfig, Architecture, ModelConfig, RopeScaling};
 pub use matrix::{Half, Matrix};
 
 use crate::error::Result;
@@ -32,12 +33,86 @@ pub struct BlockWeights {
     pub o: Matrix,
     /// Its bias (Llama with `attention_bias`).
     pub o_bias: Option<Vec<f32>>,
-    /// Post-attention RMSNorm weight, `[hidden]`.
+    /// The MLP's input RMSNorm weight (Llama's `post_attention_layernorm`, AFMoE's
+    /// `pre_mlp_layernorm`), `[hidden]`.
     pub mlp_norm: Vec<f32>,
-    /// Gate and up projections stacked, `[2 intermediate, hidden]`.
+    /// Gate and up projections stacked, `[2 intermediate, hidden]`: the dense MLP, or a sparse
+    /// block's shared experts (no rows when it has none).
     pub gate_up: Matrix,
     /// Down projection, `[hidden, intermediate]`.
     pub down: Matrix,
+    /// AFMoE's additions to the block.
+    pub afmoe: Option<AfmoeBlock>,
+}
+
+/// What an AFMoE block holds besides the Llama block's weights.
+#[derive(Debug, Clone)]
+pub struct AfmoeBlock {
+    /// RMSNorm weights applied to every query head and every key head, `[head_dim]` each.
+    pub q_norm: Vec<f32>,
+    /// See `q_norm`.
+    pub k_norm: Vec<f32>,
+    /// The attention output gate, `[heads head_dim, hidden]`: the attention output is
+    /// multiplied by `sigmoid(normed · gateᵀ)`.
+    pub attn_gate: Matrix,
+    /// RMSNorm on the attention output before it joins the residual stream, `[hidden]`.
+    pub attn_out_norm: Vec<f32>,
+    /// RMSNorm on the MLP output before it joins the residual stream, `[hidden]`.
+    pub mlp_out_norm: Vec<f32>,
+    /// The routed experts of a sparse block.
+    pub moe: Option<MoeWeights>,
+}
+
+/// A sparse block's router and routed experts.
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    /// Router, `[experts, hidden]`.
+    pub router: Matrix,
+    /// Added to the scores to choose experts (not to weight them), `[experts]`.
+    pub expert_bias: Vec<f32>,
+    /// One SwiGLU MLP per expert.
+    pub experts: Vec<Expert>,
+}
+
+/// One routed expert.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// Gate and up projections stacked, `[2 expert_intermediate, hidden]`.
+    pub gate_up: Matrix,
+    /// Down projection, `[hidden, expert_intermediate]`.
+    pub down: Matrix,
+}
+
+impl BlockWeights {
+    /// Every weight matrix of the block.
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        let mut all = vec![&self.qkv, &self.o, &self.gate_up, &self.down];
+        if let Some(afmoe) = &self.afmoe {
+            all.push(&afmoe.attn_gate);
+            if let Some(moe) = &afmoe.moe {
+                all.push(&moe.router);
+                all.extend(moe.experts.iter().flat_map(|e| [&e.gate_up, &e.down]));
+            }
+        }
+        all
+    }
+
+    /// Every f32 vector of the block (norms, biases).
+    fn vectors(&self) -> Vec<&[f32]> {
+        let mut all = vec![self.attn_norm.as_slice(), &self.mlp_norm];
+        all.extend(self.qkv_bias.as_deref());
+        all.extend(self.o_bias.as_deref());
+        if let Some(afmoe) = &self.afmoe {
+            all.extend([
+                afmoe.q_norm.as_slice(),
+                &afmoe.k_norm,
+                &afmoe.attn_out_norm,
+                &afmoe.mlp_out_norm,
+            ]);
+            all.extend(afmoe.moe.as_ref().map(|m| m.expert_bias.as_slice()));
+        }
+        all
+    }
 }
 
 /// Everything the residual stream depends on up to a given block. The final norm and LM head are
@@ -88,7 +163,7 @@ impl LlamaWeights {
     pub fn touch(&self) {
         self.embed.touch();
         for b in &self.blocks {
-            for m in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+            for m in b.matrices() {
                 m.touch();
             }
         }
@@ -97,21 +172,13 @@ impl LlamaWeights {
     /// The bytes the weights take in memory (mapped half-precision pages included, once
     /// touched).
     pub fn resident_bytes(&self) -> u64 {
-        let vector = |v: &[f32]| (v.len() * 4) as u64;
-        let optional = |v: &Option<Vec<f32>>| v.as_deref().map_or(0, vector);
         self.embed.resident_bytes()
             + self
                 .blocks
                 .iter()
                 .map(|b| {
-                    vector(&b.attn_norm)
-                        + vector(&b.mlp_norm)
-                        + optional(&b.qkv_bias)
-                        + optional(&b.o_bias)
-                        + [&b.qkv, &b.o, &b.gate_up, &b.down]
-                            .iter()
-                            .map(|m| m.resident_bytes())
-                            .sum::<u64>()
+                    let vectors: usize = b.vectors().iter().map(|v| v.len() * 4).sum();
+                    vectors as u64 + b.matrices().iter().map(|m| m.resident_bytes()).sum::<u64>()
                 })
                 .sum::<u64>()
     }
@@ -121,7 +188,7 @@ fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<B
     let hidden = config.hidden_size;
     let q_rows = config.num_heads * config.head_dim;
     let kv_rows = config.num_kv_heads * config.head_dim;
-    let inter = config.intermediate_size;
+    let inter = config.mlp_width(layer);
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
 
     let qkv = ckpt.matrix(
@@ -146,21 +213,100 @@ fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<B
     } else {
         None
     };
-    let gate_up = ckpt.matrix(
-        &[
-            (name("mlp.gate_proj.weight"), inter),
-            (name("mlp.up_proj.weight"), inter),
-        ],
-        hidden,
-    )?;
+    let afmoe = match config.architecture {
+        Architecture::Afmoe => Some(load_afmoe(config, ckpt, layer)?),
+        _ => None,
+    };
+    let mlp_norm = match afmoe {
+        Some(_) => "pre_mlp_layernorm.weight",
+        None => "post_attention_layernorm.weight",
+    };
+    let (gate_up, down) = load_mlp(ckpt, &name(dense_mlp(config, layer)), hidden, inter)?;
     Ok(BlockWeights {
         attn_norm: ckpt.tensor_f32(&name("input_layernorm.weight"), &[hidden])?,
         qkv,
         qkv_bias,
         o: ckpt.matrix(&[(name("self_attn.o_proj.weight"), hidden)], q_rows)?,
         o_bias,
-        mlp_norm: ckpt.tensor_f32(&name("post_attention_layernorm.weight"), &[hidden])?,
+        mlp_norm: ckpt.tensor_f32(&name(mlp_norm), &[hidden])?,
         gate_up,
-        down: ckpt.matrix(&[(name("mlp.down_proj.weight"), hidden)], inter)?,
+        down,
+        afmoe,
+    })
+}
+
+/// Where block `layer`'s dense MLP lives: `mlp`, or a sparse block's `mlp.shared_experts`.
+fn dense_mlp(config: &ModelConfig, layer: usize) -> &'static str {
+    if config.is_sparse(layer) {
+        "mlp.shared_experts"
+    } else {
+        "mlp"
+    }
+}
+
+/// The stacked gate|up and the down projection of the SwiGLU MLP under `prefix`, `inter` wide
+/// (zero: an MLP that is not there, as a sparse block without shared experts).
+fn load_mlp(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    hidden: usize,
+    inter: usize,
+) -> Result<(Matrix, Matrix)> {
+    if inter == 0 {
+        return Ok((
+            Matrix::from_f32(0, hidden, Vec::new()),
+            Matrix::from_f32(hidden, 0, Vec::new()),
+        ));
+    }
+    let gate_up = ckpt.matrix(
+        &[
+            (format!("{prefix}.gate_proj.weight"), inter),
+            (format!("{prefix}.up_proj.weight"), inter),
+        ],
+        hidden,
+    )?;
+    let down = ckpt.matrix(&[(format!("{prefix}.down_proj.weight"), hidden)], inter)?;
+    Ok((gate_up, down))
+}
+
+/// An AFMoE block's extras, in the published layout: `self_attn.{q,k}_norm`,
+/// `self_attn.gate_proj`, the two output norms, and for a sparse block `mlp.router.gate`,
+/// `mlp.expert_bias` and `mlp.experts.{e}.{gate,up,down}_proj`.
+fn load_afmoe(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<AfmoeBlock> {
+    let hidden = config.hidden_size;
+    let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
+    let head = [config.head_dim];
+    let moe = match &config.afmoe {
+        Some(moe) if config.is_sparse(layer) => {
+            let experts = (0..moe.num_experts)
+                .map(|e| {
+                    let prefix = name(&format!("mlp.experts.{e}"));
+                    let (gate_up, down) =
+                        load_mlp(ckpt, &prefix, hidden, moe.expert_intermediate_size)?;
+                    Ok(Expert { gate_up, down })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(MoeWeights {
+                router: ckpt
+                    .matrix(&[(name("mlp.router.gate.weight"), moe.num_experts)], hidden)?,
+                expert_bias: ckpt.tensor_f32(&name("mlp.expert_bias"), &[moe.num_experts])?,
+                experts,
+            })
+        }
+        _ => None,
+    };
+    Ok(AfmoeBlock {
+        q_norm: ckpt.tensor_f32(&name("self_attn.q_norm.weight"), &head)?,
+        k_norm: ckpt.tensor_f32(&name("self_attn.k_norm.weight"), &head)?,
+        attn_gate: ckpt.matrix(
+            &[(
+                name("self_attn.gate_proj.weight"),
+                config.num_heads * config.head_dim,
+            )],
+            hidden,
+        )?,
+        attn_out_norm: ckpt.tensor_f32(&name("post_attention_layernorm.weight"), &[hidden])?,
+        mlp_out_norm: ckpt.tensor_f32(&name("post_mlp_layernorm.weight"), &[hidden])?,
+        moe,
     })
 }

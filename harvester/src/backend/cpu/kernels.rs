@@ -69,6 +69,23 @@ dispatch!(rms_norm_rows(input: &[f32], weight: &[f32], eps: f32, output: &mut [f
     }
 });
 
+dispatch!(rms_norm_in_place(rows: &mut [f32], weight: &[f32], eps: f32) {
+    let width = weight.len();
+    for x in rows.chunks_exact_mut(width) {
+        let sum_sq: f32 = x.iter().map(|v| v * v).sum();
+        let scale = 1.0 / (sum_sq / width as f32 + eps).sqrt();
+        for (x, &w) in x.iter_mut().zip(weight) {
+            *x = w * (*x * scale);
+        }
+    }
+});
+
+dispatch!(sigmoid_gate_rows(values: &mut [f32], gate: &[f32]) {
+    for (v, &g) in values.iter_mut().zip(gate) {
+        *v *= 1.0 / (1.0 + exp(-g));
+    }
+});
+
 dispatch!(silu_mul_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]) {
     for (gu, out) in gate_up.chunks_exact(2 * intermediate).zip(output.chunks_exact_mut(intermediate)) {
         let (gate, up) = gu.split_at(intermediate);
@@ -169,6 +186,28 @@ mod tests {
         assert!((out[0] - 3.0 / rms).abs() < 1e-6);
         assert!((out[1] - 2.0 * 4.0 / rms).abs() < 1e-6);
         assert_eq!(&out[4..], &[1.0, 2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn in_place_rms_norm_matches_the_two_buffer_kernel_per_head() {
+        let heads = [3.0, 4.0, 1.0, -2.0, 0.5, 0.25];
+        let weight = [1.0, 2.0, 0.5];
+        let mut expected = [0.0; 6];
+        rms_norm_rows(&heads, &weight, 1e-5, &mut expected);
+        let mut in_place = heads;
+        rms_norm_in_place(&mut in_place, &weight, 1e-5);
+        for (a, b) in in_place.iter().zip(expected) {
+            assert!((a - b).abs() < 1e-6, "{in_place:?} vs {expected:?}");
+        }
+    }
+
+    #[test]
+    fn the_sigmoid_gate_halves_at_zero_and_closes_far_below() {
+        let mut values = [2.0, 2.0, 2.0];
+        sigmoid_gate_rows(&mut values, &[0.0, -40.0, 40.0]);
+        assert_eq!(values[0], 1.0);
+        assert!(values[1] < 1e-16);
+        assert!((values[2] - 2.0).abs() < 1e-6);
     }
 
     #[test]

@@ -13,12 +13,18 @@
 //! ```
 //! A branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added only at
 //! the blocks that keep it; elsewhere the product accumulates straight into `x`.
+//!
+//! An AFMoE block (`model::AfmoeBlock`) adds to this: RMSNorm on each Q and K head before RoPE,
+//! RoPE only in its sliding-window blocks, the attention output times `sigmoid(normed · Wgateᵀ)`,
+//! an RMSNorm on each branch output before it is added (so `attn_out` and `mlp_out` are what the
+//! residual stream receives), and in sparse blocks shared experts plus routed experts (`moe.rs`).
 //! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
 mod attention;
 pub mod bf16;
 pub mod kernels;
 pub mod matmul;
+mod moe;
 
 use std::path::Path;
 
@@ -30,7 +36,7 @@ use rayon::prelude::*;
 use self::attention::AttentionShape;
 use self::matmul::{MatRef, matmul_transposed, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
 use crate::projection::Directions;
 
@@ -68,6 +74,10 @@ struct Scratch {
     act: Vec<f32>,
     /// A branch output (attention or MLP) kept before it is added to `x`.
     branch: Vec<f32>,
+    /// AFMoE's attention gate, `[tokens, heads head_dim]`.
+    gate: Vec<f32>,
+    /// AFMoE's routed experts.
+    moe: moe::MoeScratch,
     /// What one matrix product needs besides its operands.
     gemm: GemmScratch,
 }
@@ -134,6 +144,17 @@ struct Bf16Block {
     down: Bf16Matrix,
 }
 
+impl Bf16Block {
+    fn of(b: &BlockWeights) -> Self {
+        Self {
+            qkv: Bf16Matrix::of(&b.qkv),
+            o: Bf16Matrix::of(&b.o),
+            gate_up: Bf16Matrix::of(&b.gate_up),
+            down: Bf16Matrix::of(&b.down),
+        }
+    }
+}
+
 /// A weight as bf16 bits: the checkpoint's own mapped bf16 row blocks (nothing copied), or a
 /// copy rounded once from f32 or f16.
 #[derive(Debug)]
@@ -171,18 +192,17 @@ impl CpuBackend {
     /// Builds a backend over loaded weights. The weights must reach the deepest kept block.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         spec.check(&weights)?;
-        let bf16 = (spec.precision == Precision::Bf16).then(|| {
-            weights
-                .blocks
-                .iter()
-                .map(|b| Bf16Block {
-                    qkv: Bf16Matrix::of(&b.qkv),
-                    o: Bf16Matrix::of(&b.o),
-                    gate_up: Bf16Matrix::of(&b.gate_up),
-                    down: Bf16Matrix::of(&b.down),
-                })
-                .collect()
-        });
+        if spec.precision == Precision::Bf16 && weights.config.afmoe.is_some() {
+            // Measured on the AFMoE fixture: bf16 rounding moves router inputs enough to send
+            // 6-20% of tokens (per site) to other experts, so those activations are not the
+            // model's (docs/engine.md).
+            return Err(Error::UnsupportedPrecision {
+                precision: Precision::Bf16.as_str(),
+                what: "AFMoE (AfmoeForCausalLM), whose routing bf16 rounding changes",
+            });
+        }
+        let bf16 = (spec.precision == Precision::Bf16)
+            .then(|| weights.blocks.iter().map(Bf16Block::of).collect());
         let inv_freq = weights
             .config
             .inverse_frequencies()
@@ -224,31 +244,34 @@ impl CpuBackend {
     /// largest half-precision matrix.
     pub fn working_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
         let c = &weights.config;
+        let inter = max_mlp_width(weights);
+        // AFMoE: the gate, and per token its router logits, its k grouped input and output
+        // rows, and one expert's gate|up and activation.
+        let afmoe = c.afmoe.as_ref().map_or(0, |m| {
+            c.num_heads * c.head_dim
+                + m.num_experts
+                + 2 * m.experts_per_token * c.hidden_size
+                + 3 * m.expert_intermediate_size
+                + 4 * m.experts_per_token
+        });
         let per_token = 2 * c.hidden_size
             + c.qkv_width()
             + c.num_heads * c.head_dim
-            + 3 * c.intermediate_size
-            + if needs_branch(&spec.sites) {
+            + 3 * inter
+            + if needs_branch(&spec.sites) || c.afmoe.is_some() {
                 c.hidden_size
             } else {
                 0
             }
+            + afmoe
             + spec.slots() * spec.width(c.hidden_size);
-        let matrices = || {
-            weights
-                .blocks
-                .iter()
-                .flat_map(|b| [&b.qkv, &b.o, &b.gate_up, &b.down])
-        };
+        let matrices = || weights.blocks.iter().flat_map(BlockWeights::matrices);
         let bf16_mode = spec.precision == Precision::Bf16;
         if bf16_mode {
             // No widened tile; each product's input as bf16 (twice: rounded, then padded), the
             // largest weight packed into panels, and a bf16 copy of every weight the checkpoint
             // does not store in bf16.
-            let widest = c
-                .hidden_size
-                .max(2 * c.intermediate_size)
-                .max(c.num_heads * c.head_dim);
+            let widest = c.hidden_size.max(2 * inter).max(c.num_heads * c.head_dim);
             let largest = matrices().map(|m| m.len()).max().unwrap_or(0);
             let copies: usize = matrices()
                 .filter(|m| m.half() != Some(crate::model::Half::Bf16))
@@ -322,12 +345,22 @@ impl Backend for CpuBackend {
         let width = self.capture_width();
         out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
         let s = &mut self.scratch;
-        s.resize(config, tokens, needs_branch(&self.spec.sites));
+        let branch = needs_branch(&self.spec.sites) || config.afmoe.is_some();
+        s.resize(config, tokens, max_mlp_width(&self.weights), branch);
         let hidden = config.hidden_size;
         let embed = &self.weights.embed;
+        let scale = config
+            .afmoe
+            .as_ref()
+            .map_or(1.0, |a| a.embedding_scale as f32);
         s.x.par_chunks_mut(hidden)
             .zip(&batch.input_ids)
-            .for_each(|(row, &id)| embed.decode_rows(id as usize, row));
+            .for_each(|(row, &id)| {
+                embed.decode_rows(id as usize, row);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|v| *v *= scale);
+                }
+            });
         let pass = Pass {
             config,
             batch,
@@ -351,6 +384,16 @@ impl Backend for CpuBackend {
     }
 }
 
+/// The widest dense MLP (or fused shared experts) among the loaded blocks.
+fn max_mlp_width(weights: &LlamaWeights) -> usize {
+    weights
+        .blocks
+        .iter()
+        .map(|b| b.down.cols())
+        .max()
+        .unwrap_or(0)
+}
+
 /// Whether any kept site is a branch output, which needs its own buffer.
 fn needs_branch(sites: &Sites) -> bool {
     sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
@@ -372,10 +415,10 @@ impl Keep<'_> {
 }
 
 impl Scratch {
-    /// Sizes every buffer for `tokens` rows (they only grow in capacity).
-    fn resize(&mut self, config: &ModelConfig, tokens: usize, branch: bool) {
+    /// Sizes every buffer for `tokens` rows and MLPs up to `inter` wide (they only grow in
+    /// capacity).
+    fn resize(&mut self, config: &ModelConfig, tokens: usize, inter: usize, branch: bool) {
         let hidden = config.hidden_size;
-        let inter = config.intermediate_size;
         self.x.resize(tokens * hidden, 0.0);
         self.normed.resize(tokens * hidden, 0.0);
         self.qkv.resize(tokens * config.qkv_width(), 0.0);
@@ -385,6 +428,10 @@ impl Scratch {
         self.act.resize(tokens * inter, 0.0);
         if branch {
             self.branch.resize(tokens * hidden, 0.0);
+        }
+        if config.afmoe.is_some() {
+            self.gate
+                .resize(tokens * config.num_heads * config.head_dim, 0.0);
         }
     }
 }
@@ -408,24 +455,45 @@ impl Pass<'_> {
         mut keep: Option<&mut Keep<'_>>,
     ) {
         let wants = |site| keep.as_ref().is_some_and(|k| k.wants(site));
-        let (split_attn, split_mlp) = (wants(Site::AttnOut), wants(Site::MlpOut));
+        let afmoe = block.afmoe.as_ref();
+        // AFMoE norms each branch output before adding it, so it always takes the buffer.
+        let split_attn = wants(Site::AttnOut) || afmoe.is_some();
+        let split_mlp = wants(Site::MlpOut) || afmoe.is_some();
+        let hidden = self.config.hidden_size;
         self.keep(keep.as_deref_mut(), Site::ResidPre, &s.x);
         self.attention((block, w16), index, s, split_attn);
         if split_attn {
+            if let Some(a) = afmoe {
+                self.norm_branch(s, &a.attn_out_norm);
+            }
             self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
-            add_rows(&mut s.x, &s.branch, self.config.hidden_size);
+            add_rows(&mut s.x, &s.branch, hidden);
         }
         self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
         self.mlp((block, w16), s, split_mlp);
         if split_mlp {
+            if let Some(a) = afmoe {
+                self.norm_branch(s, &a.mlp_out_norm);
+            }
             self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
-            add_rows(&mut s.x, &s.branch, self.config.hidden_size);
+            add_rows(&mut s.x, &s.branch, hidden);
         }
         self.keep(keep, Site::ResidPost, &s.x);
     }
 
+    /// RMSNorm of the branch output, left in `s.branch` (`s.normed` is free by then).
+    fn norm_branch(&self, s: &mut Scratch, weight: &[f32]) {
+        let hidden = self.config.hidden_size;
+        let eps = self.config.rms_norm_eps as f32;
+        rows_pass(&s.branch, hidden, &mut s.normed, hidden, |x, y| {
+            kernels::rms_norm_rows(x, weight, eps, y);
+        });
+        std::mem::swap(&mut s.branch, &mut s.normed);
+    }
+
     /// `x += o(attention(rope(qkv(rms_norm(x)))))`, or with `split` that output written to
-    /// `s.branch` for the caller to keep and add.
+    /// `s.branch` for the caller to keep and add. AFMoE norms Q and K per head, rotates only in
+    /// its sliding blocks, and gates the attention output.
     fn attention(
         &self,
         (block, w16): (&BlockWeights, Option<&Bf16Block>),
@@ -452,31 +520,20 @@ impl Pass<'_> {
             &mut s.gemm,
         );
         let rounding = w16.is_some();
-        let rotated_heads = c.num_heads + c.num_kv_heads;
-        let (cos, sin) = (&self.rope.cos, &self.rope.sin);
-        s.qkv
-            .par_chunks_mut(qkv_width * ROWS_PER_TASK)
-            .zip(self.batch.positions.par_chunks(ROWS_PER_TASK))
-            .for_each(|(rows, positions)| {
-                if let Some(bias) = &block.qkv_bias {
-                    kernels::add_bias_rows(rows, bias);
-                }
-                if rounding {
-                    bf16::round_rows(rows);
-                }
-                kernels::rope_rows(
-                    rows,
-                    qkv_width,
-                    rotated_heads,
-                    c.head_dim,
-                    positions,
-                    cos,
-                    sin,
-                );
-                if rounding {
-                    bf16::round_rows(rows);
-                }
-            });
+        if let Some(a) = &block.afmoe {
+            // AFMoE runs in f32 only (see `CpuBackend::new`).
+            let gate = &mut s.gate[..tokens * attn_width];
+            project(
+                normed,
+                &a.attn_gate,
+                None,
+                gate,
+                attn_width,
+                false,
+                &mut s.gemm,
+            );
+        }
+        self.finish_qkv(block, index, &mut s.qkv, rounding);
         let shape = AttentionShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
@@ -484,6 +541,18 @@ impl Pass<'_> {
             window: c.attention_windows[index],
         };
         attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
+        if block.afmoe.is_some() {
+            let gate = &s.gate[..tokens * attn_width];
+            rows_pass(
+                gate,
+                attn_width,
+                &mut s.attn[..tokens * attn_width],
+                attn_width,
+                |g, a| {
+                    kernels::sigmoid_gate_rows(a, g);
+                },
+            );
+        }
         let attn = MatRef::dense(&s.attn, tokens, attn_width);
         let dst = if split { &mut s.branch } else { &mut s.x };
         project(
@@ -501,43 +570,91 @@ impl Pass<'_> {
         }
     }
 
+    /// Readies the QKV product's rows for attention, in parallel chunks: the bias, AFMoE's
+    /// per-head norms and RoPE (where block `index` rotates), rounding to bf16 after each step
+    /// in bf16 mode.
+    fn finish_qkv(&self, block: &BlockWeights, index: usize, qkv: &mut [f32], rounding: bool) {
+        let c = self.config;
+        let (qkv_width, eps) = (c.qkv_width(), c.rms_norm_eps as f32);
+        let heads = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let qk_norm = block.afmoe.as_ref().map(|a| (&a.q_norm[..], &a.k_norm[..]));
+        let rotary = c.rotary[index];
+        let (cos, sin) = (&self.rope.cos, &self.rope.sin);
+        qkv.par_chunks_mut(qkv_width * ROWS_PER_TASK)
+            .zip(self.batch.positions.par_chunks(ROWS_PER_TASK))
+            .for_each(|(rows, positions)| {
+                if let Some(bias) = &block.qkv_bias {
+                    kernels::add_bias_rows(rows, bias);
+                }
+                if rounding {
+                    bf16::round_rows(rows);
+                }
+                if let Some(norms) = qk_norm {
+                    head_norms(rows, heads, norms, eps);
+                    if rounding {
+                        bf16::round_rows(rows);
+                    }
+                }
+                if rotary {
+                    let rotated = heads.0 + heads.1;
+                    kernels::rope_rows(rows, qkv_width, rotated, heads.2, positions, cos, sin);
+                    if rounding {
+                        bf16::round_rows(rows);
+                    }
+                }
+            });
+    }
+
     /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`, or with `split` that output written to
-    /// `s.branch`.
+    /// `s.branch`. In an AFMoE sparse block that MLP is the shared experts, and the routed
+    /// experts' output is added to it.
     fn mlp(&self, (block, w16): (&BlockWeights, Option<&Bf16Block>), s: &mut Scratch, split: bool) {
         let (c, tokens) = (self.config, self.tokens);
-        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let (hidden, inter) = (c.hidden_size, block.down.cols());
         let eps = c.rms_norm_eps as f32;
         rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
             kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let gate_up16 = w16.map(|w| &w.gate_up);
-        project(
-            normed,
-            &block.gate_up,
-            gate_up16,
-            &mut s.gate_up,
-            2 * inter,
-            false,
-            &mut s.gemm,
-        );
-        if w16.is_some() {
-            bf16::round_in_place(&mut s.gate_up);
-        }
-        rows_pass(&s.gate_up, 2 * inter, &mut s.act, inter, |gu, act| {
-            kernels::silu_mul_rows(gu, inter, act);
-        });
-        let act = MatRef::dense(&s.act, tokens, inter);
         let dst = if split { &mut s.branch } else { &mut s.x };
-        project(
-            act,
-            &block.down,
-            w16.map(|w| &w.down),
-            dst,
-            hidden,
-            !split,
-            &mut s.gemm,
-        );
+        if inter > 0 {
+            let gate_up = &mut s.gate_up[..tokens * 2 * inter];
+            let gate_up16 = w16.map(|w| &w.gate_up);
+            project(
+                normed,
+                &block.gate_up,
+                gate_up16,
+                gate_up,
+                2 * inter,
+                false,
+                &mut s.gemm,
+            );
+            if w16.is_some() {
+                bf16::round_in_place(gate_up);
+            }
+            let act = &mut s.act[..tokens * inter];
+            rows_pass(gate_up, 2 * inter, act, inter, |gu, act| {
+                kernels::silu_mul_rows(gu, inter, act);
+            });
+            let act = MatRef::dense(act, tokens, inter);
+            project(
+                act,
+                &block.down,
+                w16.map(|w| &w.down),
+                dst,
+                hidden,
+                !split,
+                &mut s.gemm,
+            );
+        } else {
+            // A sparse block without shared experts: the routed experts alone.
+            dst[..tokens * hidden].fill(0.0);
+        }
+        let moe = block.afmoe.as_ref().and_then(|a| a.moe.as_ref());
+        if let (Some(weights), Some(config)) = (moe, &c.afmoe) {
+            let routed = moe::Routed { weights, config };
+            routed.add_to(&s.normed, (tokens, hidden), dst, &mut s.moe, &mut s.gemm);
+        }
     }
 
     /// Copies `x` into `site`'s slot of a kept block, or its projections onto the directions;
@@ -561,6 +678,23 @@ impl Pass<'_> {
                 matmul_transposed(x, units, dst, width, 1.0, false, ALL_THREADS);
             }
         }
+    }
+}
+
+/// RMSNorm of every query head with `q_norm` and every key head with `k_norm`, in place, on
+/// fused Q|K|V rows; `heads` is (query heads, key/value heads, head width).
+fn head_norms(
+    rows: &mut [f32],
+    heads: (usize, usize, usize),
+    (q_norm, k_norm): (&[f32], &[f32]),
+    eps: f32,
+) {
+    let (q_heads, kv_heads, head_dim) = heads;
+    let width = (q_heads + 2 * kv_heads) * head_dim;
+    for row in rows.chunks_exact_mut(width) {
+        let (q, rest) = row.split_at_mut(q_heads * head_dim);
+        kernels::rms_norm_in_place(q, q_norm, eps);
+        kernels::rms_norm_in_place(&mut rest[..kv_heads * head_dim], k_norm, eps);
     }
 }
 

@@ -115,13 +115,17 @@ impl std::fmt::Debug for CudaBackend {
 
 /// Why a model cannot run on this backend yet (biases, sliding windows, wide heads).
 fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
-    check_heads(config.num_heads, config.num_kv_heads, config.head_dim)?;
     let unsupported = |reason: &str| {
         Err(CudaError::Unsupported {
             reason: reason.to_owned(),
         }
         .into())
     };
+    if config.architecture == crate::model::Architecture::Afmoe {
+        // Until its kernels have run on a GPU beside the CPU reference, none ship.
+        return unsupported("AFMoE (AfmoeForCausalLM)");
+    }
+    check_heads(config.num_heads, config.num_kv_heads, config.head_dim)?;
     if weights
         .blocks
         .iter()
@@ -154,9 +158,9 @@ impl CudaBackend {
     /// compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         Self::supports(&spec)?;
-        super::probe(ordinal)?;
         let config = weights.config.clone();
         check_model(&config, &weights)?;
+        super::probe(ordinal)?;
         spec.check(&weights)?;
         let deepest = spec.layers.deepest();
         let ptx = kernels::compile()?;

@@ -26,10 +26,10 @@ pub fn attention_tiles(cu_seq_lengths: &[u32], tiles: &mut Vec<u32>) {
 pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
     let reason = if !head_dim.is_multiple_of(32) || head_dim > ATTENTION_MAX_HEAD_DIM {
         format!(
-            "head_dim {head_dim} is not supported by the CUDA attention kernel (a multiple of 32 up to {ATTENTION_MAX_HEAD_DIM}); use --device cpu"
+            "head_dim {head_dim} (its attention kernel takes multiples of 32 up to {ATTENTION_MAX_HEAD_DIM})"
         )
     } else if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
-        format!("{q_heads} query heads do not group evenly over {kv_heads} key/value heads")
+        format!("{q_heads} query heads over {kv_heads} key/value heads (they must group evenly)")
     } else {
         return Ok(());
     };
