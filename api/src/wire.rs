@@ -424,6 +424,16 @@ impl JobResult {
 /// Progress of a running job, from its worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Progress {
+    /// `loading` while the worker reads the model's weights, then `running`.
+    #[serde(default = "running")]
+    #[schema(example = "running")]
+    pub phase: String,
+    /// Weight bytes read so far, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_loaded: Option<u64>,
+    /// Weight bytes to read, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
     /// Prompts done.
     pub prompts_done: usize,
     /// Prompts in the job.
@@ -432,9 +442,17 @@ pub struct Progress {
     pub tokens_done: u64,
 }
 
+/// The phase of progress recorded before phases were (and of workers that do not say).
+fn running() -> String {
+    harvest_core::worker::Phase::Running.as_str().to_owned()
+}
+
 impl From<&harvest_core::worker::ProgressEvent> for Progress {
     fn from(event: &harvest_core::worker::ProgressEvent) -> Self {
         Self {
+            phase: event.phase.as_str().to_owned(),
+            bytes_loaded: event.bytes_loaded,
+            bytes_total: event.bytes_total,
             prompts_done: event.prompts_done,
             prompts_total: event.prompts_total,
             tokens_done: event.tokens_done,
@@ -565,6 +583,26 @@ pub fn timestamp(at: Option<UnixMillis>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loading_worker_shows_its_bytes_and_stored_progress_without_a_phase_reads_as_running() {
+        let line = r#"{"event":"progress","phase":"loading","bytes_loaded":5,"bytes_total":9,"prompts_done":0,"prompts_total":2,"tokens_done":0}"#;
+        let event = harvest_core::worker::ProgressEvent::parse_line(line).unwrap();
+        let shown = serde_json::to_value(Progress::from(&event)).unwrap();
+        assert_eq!(shown["phase"], "loading");
+        assert_eq!(
+            (
+                shown["bytes_loaded"].as_u64(),
+                shown["bytes_total"].as_u64()
+            ),
+            (Some(5), Some(9))
+        );
+        let stored = r#"{"prompts_done":1,"prompts_total":2,"tokens_done":7}"#;
+        let old: Progress = serde_json::from_str(stored).unwrap();
+        let shown = serde_json::to_value(&old).unwrap();
+        assert_eq!(shown["phase"], "running");
+        assert!(shown.get("bytes_loaded").is_none(), "{shown}");
+    }
 
     fn model() -> ServedModel {
         ServedModel {

@@ -197,10 +197,21 @@ fn cut(text: &str, limit: usize) -> &str {
 
 /// One progress line on the harvester's stderr, after every forward batch:
 /// `{"event":"progress","prompts_done":64,"prompts_total":4096,"tokens_done":16384,"tokens_per_s":480.2,"elapsed_s":34.1}`.
-/// `prompts_done` counts prompts of shards completed by an earlier, resumed run too.
+/// `prompts_done` counts prompts of shards completed by an earlier, resumed run too. While the
+/// weights are read, before the first batch, lines say `"phase":"loading"` with the bytes read
+/// so far and in all (`bytes_loaded`, `bytes_total`); lines without a phase are `running`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename = "progress")]
 pub struct ProgressEvent {
+    /// Loading the weights, or running batches.
+    #[serde(default, skip_serializing_if = "Phase::is_running")]
+    pub phase: Phase,
+    /// Weight bytes read so far, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_loaded: Option<u64>,
+    /// Weight bytes to read, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
     /// Prompts whose activations are computed.
     pub prompts_done: usize,
     /// Prompts in the job.
@@ -213,6 +224,31 @@ pub struct ProgressEvent {
     /// Seconds since this process started reporting, two decimals.
     #[serde(default)]
     pub elapsed_s: f64,
+}
+
+/// What a worker is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Reading the model's weights.
+    Loading,
+    /// Running the forward pass.
+    #[default]
+    Running,
+}
+
+impl Phase {
+    /// The name the progress line and the REST `progress.phase` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Loading => "loading",
+            Self::Running => "running",
+        }
+    }
+
+    fn is_running(&self) -> bool {
+        *self == Self::Running
+    }
 }
 
 impl ProgressEvent {
@@ -344,6 +380,9 @@ mod tests {
     #[test]
     fn the_newest_progress_line_of_a_log_is_found_among_other_lines() {
         let first = ProgressEvent {
+            phase: Phase::Running,
+            bytes_loaded: None,
+            bytes_total: None,
             prompts_done: 4,
             prompts_total: 8,
             tokens_done: 100,
@@ -366,6 +405,29 @@ mod tests {
         );
         assert_eq!(ProgressEvent::latest_in(&log), Some(second));
         assert_eq!(ProgressEvent::latest_in("no json here"), None);
+    }
+
+    #[test]
+    fn a_loading_line_carries_its_bytes_and_an_older_line_reads_as_running() {
+        let loading = ProgressEvent {
+            phase: Phase::Loading,
+            bytes_loaded: Some(1 << 30),
+            bytes_total: Some(3 << 30),
+            prompts_done: 0,
+            prompts_total: 8,
+            tokens_done: 0,
+            tokens_per_s: 0.0,
+            elapsed_s: 1.5,
+        };
+        let line = loading.to_line();
+        assert!(
+            line.contains(r#""phase":"loading","bytes_loaded":1073741824"#),
+            "{line}"
+        );
+        assert_eq!(ProgressEvent::parse_line(&line), Some(loading));
+        let old = r#"{"event":"progress","prompts_done":1,"prompts_total":2,"tokens_done":5}"#;
+        let parsed = ProgressEvent::parse_line(old).unwrap();
+        assert_eq!((parsed.phase, parsed.bytes_total), (Phase::Running, None));
     }
 
     #[test]

@@ -189,6 +189,32 @@ pub enum Error {
         /// Bytes available (MemAvailable).
         available: u64,
     },
+    /// The pipeline stages asked for do not fit the model.
+    #[error("{reason}")]
+    BadStages {
+        /// What is wrong, naming the value and its bounds.
+        reason: String,
+    },
+    /// A pipeline stage would not fit its device's memory.
+    #[error(
+        "pipeline stage {stage} of {stages} (blocks {first}-{last}) needs about {needed} bytes ({weights} for its weights, the rest for one batch), but {available} bytes are available to it: use more stages, devices with more memory, a smaller batch_tokens, or keep shallower layers"
+    )]
+    StageMemory {
+        /// The stage, counted from 1.
+        stage: usize,
+        /// Stages the model is split into.
+        stages: usize,
+        /// Its first block.
+        first: usize,
+        /// Its last block.
+        last: usize,
+        /// Bytes it needs.
+        needed: u64,
+        /// Of which its weights.
+        weights: u64,
+        /// Bytes its device has for it.
+        available: u64,
+    },
     /// A JSON file could not be written or parsed.
     #[error("JSON {path}: {source}")]
     Json {
@@ -228,11 +254,13 @@ impl Error {
             | Self::BadDirections { .. }
             | Self::Prompts { .. }
             | Self::Plan(_)
-            | Self::ForeignOutput { .. } => ErrorKind::BadInput,
+            | Self::ForeignOutput { .. }
+            | Self::BadStages { .. } => ErrorKind::BadInput,
             Self::Io { .. }
             | Self::Store { .. }
             | Self::Json { .. }
-            | Self::InsufficientMemory { .. } => ErrorKind::Infrastructure,
+            | Self::InsufficientMemory { .. }
+            | Self::StageMemory { .. } => ErrorKind::Infrastructure,
             Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }

@@ -206,6 +206,11 @@ struct RunArgs {
     /// CUDA backend has passed its GPU check; `cuda` runs it.
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
+    /// Split the model's blocks into N contiguous pipeline stages, balanced by bytes, each
+    /// owned by its own thread, with batches flowing between them (CPU stages for now). Stages
+    /// past the deepest kept layer are never loaded.
+    #[arg(long)]
+    pipeline_stages: Option<usize>,
 }
 
 impl RunArgs {
@@ -261,6 +266,7 @@ fn run_job(args: &RunArgs) -> ExitCode {
         device: args.device,
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
         spill_dir: args.spill_dir.clone(),
+        pipeline_stages: args.pipeline_stages,
     };
     let termination = harvester::pipeline::run_source(&args.plan_source(), &options);
     if let Some(path) = &args.termination_log
@@ -296,6 +302,8 @@ fn main() -> anyhow::Result<ExitCode> {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        // Colour only for a person at a terminal, not in log files or a Pod's log.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     if let Some(threads) = cli.threads {

@@ -64,6 +64,7 @@ fn options() -> RunOptions {
         device: harvester::backend::cuda::DeviceChoice::Cpu,
         s3: Default::default(),
         spill_dir: None,
+        pipeline_stages: None,
     }
 }
 
@@ -964,5 +965,143 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_projections_an
         &plan.sites,
         Contents::Projections,
         4,
+    );
+}
+
+#[test]
+fn one_two_and_three_cpu_pipeline_stages_write_the_bytes_one_backend_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..10)
+        .map(|i| {
+            format!(
+                "Stage test prompt {i}: {}",
+                "tokens flow block by block ".repeat(i % 4)
+            )
+        })
+        .collect();
+    let prompts = write_prompts(dir.path(), &prompts);
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let status = harvester()
+            .args(run_args_with(&prompts, &out, extra))
+            .args(["--sites", "resid_pre,mlp_out,resid_post"])
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        output_files(&out)
+    };
+    let single = run("single", &[]);
+    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
+    for stages in ["1", "2", "3"] {
+        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
+        assert_eq!(staged, single, "{stages} stages");
+    }
+}
+
+#[test]
+fn a_killed_three_stage_run_resumes_to_the_same_files() {
+    killed_and_resumed(&["--pipeline-stages", "3"]);
+}
+
+#[test]
+fn a_job_whose_deepest_layer_is_in_the_first_of_three_stages_runs_only_that_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &["Only the first stage runs.".to_owned()]);
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = run_args_with(&prompts, &out, extra);
+        let layers = args.iter().position(|a| a == "--layers").unwrap();
+        args[layers + 1] = "3".into();
+        let output = harvester()
+            .env("RUST_LOG", "info")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (
+            output_files(&out),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (single, _) = run("single", &[]);
+    let (staged, log) = run("staged", &["--pipeline-stages", "3"]);
+    assert_eq!(staged, single);
+    let planned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("pipeline stage"))
+        .collect();
+    assert_eq!(planned.len(), 1, "{log}");
+    // SmolLM2's 30 blocks split 10 a stage; the job runs blocks 0-3 of the first.
+    let line = planned[0];
+    assert!(
+        line.contains("stage=1 of=3 first_block=0 last_block=3"),
+        "{log}"
+    );
+}
+
+#[test]
+fn pipeline_stages_of_zero_or_more_than_the_blocks_exit_2_naming_the_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = smollm2_dir();
+    let prompts = write_prompts(dir.path(), &["hello".to_owned()]);
+    for stages in ["0", "31"] {
+        let out = dir.path().join(format!("out-{stages}"));
+        let (code, stderr) = run_exit(
+            model.to_str().unwrap(),
+            &prompts,
+            out.to_str().unwrap(),
+            &["--pipeline-stages", stages],
+        );
+        assert_eq!(code, 2, "{stderr}");
+        assert!(
+            stderr.contains(&format!("--pipeline-stages {stages}")) && stderr.contains("30 blocks"),
+            "{stderr}"
+        );
+        assert!(!out.join("manifest.json").exists());
+    }
+}
+
+#[test]
+fn a_run_reports_the_weight_bytes_it_reads_before_its_first_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &["Loading first, then running.".to_owned()]);
+    let out = dir.path().join("out");
+    let mut args = run_args_with(&prompts, &out, &[]);
+    let mode = args.iter().position(|a| a == "--progress").unwrap();
+    args[mode + 1] = "json".into();
+    let output = harvester().args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let events: Vec<harvest_core::worker::ProgressEvent> = String::from_utf8_lossy(&output.stderr)
+        .lines()
+        .filter_map(harvest_core::worker::ProgressEvent::parse_line)
+        .collect();
+    use harvest_core::worker::Phase;
+    let first_running = events
+        .iter()
+        .position(|e| e.phase == Phase::Running)
+        .unwrap();
+    let loading = &events[..first_running];
+    assert!(loading.len() >= 2 && loading.iter().all(|e| e.phase == Phase::Loading));
+    assert_eq!(loading[0].bytes_loaded, Some(0));
+    let total = loading[0].bytes_total.unwrap();
+    // SmolLM2's 30 blocks in bf16, the embedding aside: about 212 MB.
+    assert!((200_000_000..230_000_000).contains(&total), "{total}");
+    assert_eq!(loading.last().unwrap().bytes_loaded, Some(total));
+    assert!(
+        events[first_running..]
+            .iter()
+            .all(|e| e.phase == Phase::Running)
     );
 }

@@ -11,6 +11,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod stages;
 
 use harvest_core::{Layers, Sites};
 
@@ -114,13 +115,19 @@ impl CaptureSpec {
     /// the model's width; every backend calls it before it takes the weights.
     pub fn check(&self, weights: &crate::model::LlamaWeights) -> Result<()> {
         let deepest = self.layers.deepest();
-        if deepest >= weights.blocks.len() {
+        let reached = weights.first_block + weights.blocks.len();
+        if deepest >= reached {
             return Err(harvest_core::LayerError::OutOfRange {
                 layer: deepest as i64,
-                num_layers: weights.blocks.len(),
+                num_layers: reached,
             }
             .into());
         }
+        self.check_directions(weights)
+    }
+
+    /// Checks that projection directions have the model's width.
+    pub fn check_directions(&self, weights: &crate::model::LlamaWeights) -> Result<()> {
         let hidden = weights.config.hidden_size;
         if let Some(directions) = &self.directions
             && directions.hidden() != hidden
@@ -216,6 +223,15 @@ pub trait Backend: Send {
 
     /// Runs the forward pass over `batch` up to the deepest kept block and fills `out`.
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()>;
+}
+
+/// One pipeline stage: a contiguous range of a model's blocks on one device, run on a batch's
+/// residual stream as it arrives from the stage before.
+pub trait Stage: Send {
+    /// Runs the stage's blocks (up to the deepest kept one) on `x`, `[tokens, hidden]` f32,
+    /// which the first stage fills from the embedding first; writes the kept sites of its
+    /// blocks into `out`, which the caller has sized for the whole batch.
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()>;
 }
 
 #[cfg(test)]

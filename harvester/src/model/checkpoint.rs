@@ -122,6 +122,16 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The bytes of every tensor whose name starts with `prefix`, as stored (what loading them
+    /// maps or decodes), without reading any.
+    pub fn stored_bytes(&self, prefix: &str) -> u64 {
+        self.locations
+            .iter()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .map(|(_, loc)| (loc.range.1 - loc.range.0) as u64)
+            .sum()
+    }
+
     /// Whether the checkpoint has a tensor of this name.
     pub fn contains(&self, name: &str) -> bool {
         self.locations.contains_key(name)

@@ -20,6 +20,9 @@ pub use matrix::{Half, Matrix};
 
 use crate::error::Result;
 
+/// Bytes one prefault task reads.
+pub const PREFAULT_CHUNK: usize = 64 << 20;
+
 /// The weights of one decoder block. Matrices are row-major `[out, in]`, as in PyTorch.
 #[derive(Debug, Clone)]
 pub struct BlockWeights {
@@ -121,9 +124,12 @@ impl BlockWeights {
 pub struct LlamaWeights {
     /// The validated config.
     pub config: ModelConfig,
-    /// Token embedding, `[vocab, hidden]`.
+    /// Token embedding, `[vocab, hidden]` (no rows in weights that start past block 0).
     pub embed: Matrix,
-    /// The first blocks of the model, as many as were asked for.
+    /// The index of `blocks[0]` in the model: 0, unless these weights serve a later pipeline
+    /// stage.
+    pub first_block: usize,
+    /// Consecutive blocks of the model from `first_block`, as many as were asked for.
     pub blocks: Vec<BlockWeights>,
 }
 
@@ -145,18 +151,68 @@ impl LlamaWeights {
         let num_blocks = num_blocks
             .unwrap_or(config.num_layers)
             .min(config.num_layers);
-        let embed = checkpoint.matrix(
-            &[("model.embed_tokens.weight".to_owned(), config.vocab_size)],
-            config.hidden_size,
-        )?;
-        let blocks = (0..num_blocks)
+        Self::range_from_checkpoint(config, checkpoint, 0..num_blocks)
+    }
+
+    /// Decodes blocks `range` (clamped to the model) from an open checkpoint, and the
+    /// embedding only when the range starts at block 0: what one pipeline stage holds.
+    pub fn range_from_checkpoint(
+        config: ModelConfig,
+        checkpoint: &Checkpoint,
+        range: std::ops::Range<usize>,
+    ) -> Result<Self> {
+        let range = range.start.min(config.num_layers)..range.end.min(config.num_layers);
+        let embed = if range.start == 0 {
+            checkpoint.matrix(
+                &[("model.embed_tokens.weight".to_owned(), config.vocab_size)],
+                config.hidden_size,
+            )?
+        } else {
+            Matrix::from_f32(0, config.hidden_size, Vec::new())
+        };
+        let blocks = range
+            .clone()
             .map(|layer| load_block(&config, checkpoint, layer))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             config,
             embed,
+            first_block: range.start,
             blocks,
         })
+    }
+
+    /// Reads every mapped page of the blocks' matrices into memory, many files and regions at
+    /// once (one rayon task per [`PREFAULT_CHUNK`]), calling `read(bytes)` after each chunk.
+    /// The embedding is left to fault in by row, as only the rows of the tokens that run are
+    /// ever read.
+    pub fn prefault(&self, read: &(dyn Fn(u64) + Sync)) {
+        use rayon::prelude::*;
+        let chunks: Vec<&[u8]> = self
+            .blocks
+            .iter()
+            .flat_map(BlockWeights::matrices)
+            .flat_map(Matrix::half_bytes)
+            .flat_map(|part| part.chunks(PREFAULT_CHUNK))
+            .collect();
+        chunks.par_iter().for_each(|chunk| {
+            let mut sum = 0u8;
+            for page in chunk.iter().step_by(4096) {
+                sum = sum.wrapping_add(*page);
+            }
+            std::hint::black_box(sum);
+            read(chunk.len() as u64);
+        });
+    }
+
+    /// Bytes [`LlamaWeights::prefault`] reads.
+    pub fn mapped_block_bytes(&self) -> u64 {
+        self.blocks
+            .iter()
+            .flat_map(BlockWeights::matrices)
+            .flat_map(Matrix::half_bytes)
+            .map(|part| part.len() as u64)
+            .sum()
     }
 
     /// Makes every mapped page resident (see [`Matrix::touch`]).

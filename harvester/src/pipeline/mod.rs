@@ -4,8 +4,9 @@
 //! load: prompts ─► tokenize all (parallel; bad prompts fail before any output exists)
 //!       model, directions, resume scan (shards with a valid partial record are skipped)
 //! forward thread ──FORWARD_QUEUE──► assembler thread ──UPLOAD_QUEUE──► uploader (async)
-//!  (owns the backend;                (shards in prompt order,           (shard, then its record)
-//!   packs batches by token budget)    per-shard stats)
+//!  (owns the backend, or feeds       (shards in prompt order,           (shard, then its record)
+//!   the pipeline stages (staged);     per-shard stats)
+//!   packs batches by token budget)
 //!          ▲────── recycled capture buffers (CAPTURE_POOL) ──────┘
 //! finish: [shuffled layout: shards ─► key-range buckets ─► train files (shuffle)]
 //!         merge per-shard stats in shard order ─► stats.safetensors ─► manifest.json (commit
@@ -27,6 +28,7 @@ mod resume;
 mod select;
 pub mod shard;
 mod shuffle;
+mod staged;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -81,6 +83,25 @@ pub struct RunOptions {
     /// Where the shuffled layout spills its buckets (about the job's size); default `.shuffle/`
     /// in a local output, the system's temp dir for S3.
     pub spill_dir: Option<std::path::PathBuf>,
+    /// Split the model's blocks into this many pipeline stages, each on its own thread and
+    /// device (`pipeline/staged.rs`); `None` runs one backend.
+    pub pipeline_stages: Option<usize>,
+}
+
+/// What runs the forward pass: one backend, or a chain of pipeline stages.
+enum Engine {
+    Single(Box<dyn Backend>),
+    Staged(staged::Staged),
+}
+
+impl Engine {
+    /// Capture buffers to keep in circulation.
+    fn capture_pool(&self) -> usize {
+        match self {
+            Self::Single(_) => CAPTURE_POOL,
+            Self::Staged(s) => staged::capture_pool(s.stages.len()),
+        }
+    }
 }
 
 struct Job<'a> {
@@ -234,19 +255,16 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         fingerprint,
         resumed,
     } = *prepared;
-    let contents = if directions.is_some() {
-        Contents::Projections
-    } else {
-        Contents::Activations
-    };
-    let spec = CaptureSpec {
-        layers: plan.layers.clone(),
-        sites: plan.sites.clone(),
-        precision: plan.precision,
-        directions,
-    };
+    let (contents, spec) = capture_spec(&plan, directions);
     let width = spec.width(config.hidden_size);
-    let backend = open_backend(&plan, spec, options.device, largest_batch(&plan, &encoded))?;
+    let progress = Progress::new(options.progress, encoded.len());
+    let engine = open_engine(
+        &plan,
+        spec,
+        options,
+        largest_batch(&plan, &encoded),
+        &progress,
+    )?;
     let load_s = load_start.elapsed().as_secs_f64();
 
     let job = Job {
@@ -261,14 +279,13 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         n_shards: shard_count(encoded.len(), plan.shard_size),
         special_ids: tokenizer.special_ids(),
     };
-    let progress = Progress::new(options.progress, encoded.len());
     let resumed_shards = resumed.len();
     let StageOutcome {
         records: fresh,
         forward_s,
         save_s,
         upload_s,
-    } = run_stages(&job, backend, &resumed, &store, &runtime, &progress)?;
+    } = run_stages(&job, engine, &resumed, &store, &runtime, &progress)?;
     progress.finish();
     let mut records: BTreeMap<usize, ShardRecord> = resumed.into_iter().collect();
     records.extend(fresh.into_iter().map(|r| (r.shard, r)));
@@ -410,17 +427,148 @@ fn open_backend(
     spec: CaptureSpec,
     device: DeviceChoice,
     batch_tokens: usize,
+    progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
     if let DeviceChoice::Cuda(_) = device {
         CudaBackend::supports(&spec)?;
     }
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
+    if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
+        CpuBackend::check_memory(&weights, &spec, batch_tokens)?;
+    }
+    read_weights(&[&weights], progress);
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
-        DeviceChoice::Cpu | DeviceChoice::Auto => {
-            CpuBackend::check_memory(&weights, &spec, batch_tokens)?;
-            Box::new(CpuBackend::new(weights, spec)?)
+        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+    })
+}
+
+/// What the job keeps: activations or projections, and the backends' capture spec.
+fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> (Contents, CaptureSpec) {
+    let contents = if directions.is_some() {
+        Contents::Projections
+    } else {
+        Contents::Activations
+    };
+    let spec = CaptureSpec {
+        layers: plan.layers.clone(),
+        sites: plan.sites.clone(),
+        precision: plan.precision,
+        directions,
+    };
+    (contents, spec)
+}
+
+/// One backend, or the pipeline stages `options` asks for, loaded for batches of up to
+/// `largest` tokens.
+fn open_engine(
+    plan: &ResolvedPlan,
+    spec: CaptureSpec,
+    options: &RunOptions,
+    largest: usize,
+    progress: &Progress,
+) -> Result<Engine> {
+    Ok(match options.pipeline_stages {
+        None => Engine::Single(open_backend(plan, spec, options.device, largest, progress)?),
+        Some(stages) => {
+            let device = (options.device, stages);
+            Engine::Staged(open_stages(plan, spec, device, largest, progress)?)
         }
+    })
+}
+
+/// Seconds between two loading progress lines.
+const LOADING_REPORT_S: f64 = 1.0;
+
+/// Reads the mapped weights in (every stage's at once), reporting the bytes as loading progress
+/// at most every [`LOADING_REPORT_S`], and once at the end.
+fn read_weights(weights: &[&LlamaWeights], progress: &Progress) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let total: u64 = weights.iter().map(|w| w.mapped_block_bytes()).sum();
+    if total == 0 {
+        progress.running();
+        return;
+    }
+    let start = Instant::now();
+    let last_report = std::sync::Mutex::new(0.0f64);
+    let done = AtomicU64::new(0);
+    let read = |bytes: u64| {
+        let so_far = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        let now = start.elapsed().as_secs_f64();
+        // A report another thread is writing covers this one.
+        if let Ok(mut last) = last_report.try_lock()
+            && now - *last >= LOADING_REPORT_S
+        {
+            *last = now;
+            progress.loading(so_far.min(total), total);
+        }
+    };
+    progress.loading(0, total);
+    std::thread::scope(|scope| {
+        for w in weights {
+            let read = &read;
+            scope.spawn(move || w.prefault(read));
+        }
+    });
+    progress.loading(total, total);
+    progress.running();
+    let seconds = start.elapsed().as_secs_f64();
+    tracing::info!(bytes = total, seconds, "weights read");
+}
+
+/// The pipeline stages of a `--pipeline-stages` run: the model's blocks split by bytes, the
+/// plan of each running stage logged, its memory checked, then each stage's blocks loaded. CPU
+/// stages only, until a CUDA stage has been checked on a GPU.
+fn open_stages(
+    plan: &ResolvedPlan,
+    spec: CaptureSpec,
+    (device, stages): (DeviceChoice, usize),
+    batch_tokens: usize,
+    progress: &Progress,
+) -> Result<staged::Staged> {
+    use crate::backend::stages::{Capacity, check_stage_memory, plan_stages};
+    if let DeviceChoice::Cuda(_) = device {
+        return Err(Error::BadStages {
+            reason: "--pipeline-stages runs CPU stages only until its CUDA stages are checked on a GPU: use --device cpu".into(),
+        });
+    }
+    let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
+    let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
+    let block_bytes: Vec<u64> = (0..config.num_layers)
+        .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))
+        .collect();
+    let embed = checkpoint.stored_bytes("model.embed_tokens.");
+    let mut stage_plan = plan_stages(&block_bytes, embed, spec.layers.deepest(), stages)?;
+    let mut weights = Vec::with_capacity(stage_plan.running.len());
+    for share in &mut stage_plan.running {
+        let w =
+            LlamaWeights::range_from_checkpoint(config.clone(), &checkpoint, share.blocks.clone())?;
+        share.working_bytes = CpuBackend::working_bytes(&w, &spec, batch_tokens);
+        tracing::info!(
+            stage = weights.len() + 1,
+            of = stage_plan.stages,
+            first_block = share.blocks.start,
+            last_block = share.blocks.end - 1,
+            weight_bytes = share.weight_bytes,
+            working_bytes = share.working_bytes,
+            "pipeline stage"
+        );
+        weights.push(w);
+    }
+    if let Some(available) = crate::memory::available_bytes() {
+        check_stage_memory(&stage_plan, &Capacity::Shared(available))?;
+    }
+    read_weights(&weights.iter().collect::<Vec<_>>(), progress);
+    let stages = weights
+        .into_iter()
+        .map(
+            |w| Ok(Box::new(CpuBackend::stage(w, spec.clone())?) as Box<dyn crate::backend::Stage>),
+        )
+        .collect::<Result<Vec<_>>>()?;
+    let width = spec.width(config.hidden_size);
+    Ok(staged::Staged {
+        stages,
+        capture: (spec.sites.len(), spec.layers.len(), width),
     })
 }
 
@@ -518,21 +666,28 @@ struct StageOutcome {
 /// Runs forward, assembly and upload concurrently; the first real error wins.
 fn run_stages(
     job: &Job<'_>,
-    backend: Box<dyn Backend>,
+    engine: Engine,
     resumed: &BTreeMap<usize, ShardRecord>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
     progress: &Progress,
 ) -> Result<StageOutcome> {
+    let pool = engine.capture_pool();
     let (forward_tx, forward_rx) = sync_channel::<ForwardOutput>(FORWARD_QUEUE);
-    let (free_tx, free_rx) = sync_channel::<Captured>(CAPTURE_POOL);
+    let (free_tx, free_rx) = sync_channel::<Captured>(pool);
     let (upload_tx, upload_rx) = tokio::sync::mpsc::channel::<(Vec<u8>, ShardRecord)>(UPLOAD_QUEUE);
-    for _ in 0..CAPTURE_POOL {
+    for _ in 0..pool {
         let _ = free_tx.try_send(Captured::default());
     }
     std::thread::scope(|scope| {
-        let forward = scope
-            .spawn(move || forward_stage(job, backend, resumed, forward_tx, free_rx, progress));
+        let forward = scope.spawn(move || match engine {
+            Engine::Single(backend) => {
+                forward_stage(job, backend, resumed, forward_tx, free_rx, progress)
+            }
+            Engine::Staged(staged) => {
+                staged::forward(job, staged, resumed, forward_tx, free_rx, progress)
+            }
+        });
         let assemble =
             scope.spawn(move || assemble_stage(job, resumed, forward_rx, free_tx, upload_tx));
         let upload = runtime.block_on(upload_stage(store, upload_rx));
@@ -558,7 +713,7 @@ fn run_stages(
 
 /// The error to report when stages fail: one that failed on its own, not one that only saw its
 /// neighbour's channel close.
-fn root_cause(errors: [Option<Error>; 3]) -> Error {
+fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
     let mut lost = None;
     for error in errors.into_iter().flatten() {
         match error {

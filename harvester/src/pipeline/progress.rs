@@ -6,7 +6,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
-use harvest_core::worker::ProgressEvent;
+use harvest_core::worker::{Phase, ProgressEvent};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// How progress is shown.
@@ -46,6 +46,8 @@ pub struct Progress {
     json: bool,
     total: usize,
     start: Instant,
+    /// When the weights were in, from which tokens/s counts.
+    running_since: std::sync::OnceLock<Instant>,
 }
 
 impl Progress {
@@ -69,14 +71,17 @@ impl Progress {
             json: mode == ProgressMode::Json,
             total,
             start: Instant::now(),
+            running_since: std::sync::OnceLock::new(),
         }
     }
 
     /// Reports `prompts_done` of the total and `tokens_done` tokens run in this process.
     pub fn update(&self, prompts_done: usize, tokens_done: u64) {
         let elapsed = self.start.elapsed().as_secs_f64();
-        let rate = if elapsed > 0.0 {
-            tokens_done as f64 / elapsed
+        let since = self.running_since.get().copied().unwrap_or(self.start);
+        let running = since.elapsed().as_secs_f64();
+        let rate = if running > 0.0 {
+            tokens_done as f64 / running
         } else {
             0.0
         };
@@ -86,11 +91,44 @@ impl Progress {
         }
         if self.json {
             let event = ProgressEvent {
+                phase: Phase::Running,
+                bytes_loaded: None,
+                bytes_total: None,
                 prompts_done,
                 prompts_total: self.total,
                 tokens_done,
                 tokens_per_s: (rate * 10.0).round() / 10.0,
                 elapsed_s: (elapsed * 100.0).round() / 100.0,
+            };
+            let _ = writeln!(std::io::stderr().lock(), "{}", event.to_line());
+        }
+    }
+
+    /// Marks the end of loading: tokens/s counts from here.
+    pub fn running(&self) {
+        let _ = self.running_since.set(Instant::now());
+    }
+
+    /// Reports `loaded` of `total` weight bytes read, before the first batch.
+    pub fn loading(&self, loaded: u64, total: u64) {
+        const GB: f64 = 1e9;
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!(
+                "loading weights {:.1}/{:.1} GB",
+                loaded as f64 / GB,
+                total as f64 / GB
+            ));
+        }
+        if self.json {
+            let event = ProgressEvent {
+                phase: Phase::Loading,
+                bytes_loaded: Some(loaded),
+                bytes_total: Some(total),
+                prompts_done: 0,
+                prompts_total: self.total,
+                tokens_done: 0,
+                tokens_per_s: 0.0,
+                elapsed_s: (self.start.elapsed().as_secs_f64() * 100.0).round() / 100.0,
             };
             let _ = writeln!(std::io::stderr().lock(), "{}", event.to_line());
         }

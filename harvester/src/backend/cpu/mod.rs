@@ -192,6 +192,17 @@ impl CpuBackend {
     /// Builds a backend over loaded weights. The weights must reach the deepest kept block.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         spec.check(&weights)?;
+        Self::build(weights, spec)
+    }
+
+    /// Builds one pipeline stage over weights that hold a range of the model's blocks
+    /// (`weights.first_block` on); it runs those up to the deepest kept block.
+    pub fn stage(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
+        spec.check_directions(&weights)?;
+        Self::build(weights, spec)
+    }
+
+    fn build(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         if spec.precision == Precision::Bf16 && weights.config.afmoe.is_some() {
             // Measured on the AFMoE fixture: bf16 rounding moves router inputs enough to send
             // 6-20% of tokens (per site) to other experts, so those activations are not the
@@ -338,50 +349,79 @@ impl Backend for CpuBackend {
     }
 
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
+        let width = self.capture_width();
+        let (sites, layers) = (self.spec.sites.len(), self.spec.layers.len());
+        out.reset(sites, layers, batch.num_tokens(), width);
+        self.run_blocks(batch, out)
+    }
+}
+
+impl super::Stage for CpuBackend {
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        // The residual stream travels between stages; this stage borrows it as its own.
+        std::mem::swap(&mut self.scratch.x, x);
+        let result = self.run_blocks(batch, out);
+        std::mem::swap(&mut self.scratch.x, x);
+        result
+    }
+}
+
+impl CpuBackend {
+    /// Runs the loaded blocks up to the deepest kept one on `scratch.x`, embedding `batch`
+    /// into it first when they start at block 0.
+    fn run_blocks(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
         batch.validate(self.weights.config.vocab_size)?;
         self.ensure_rope(batch.max_length as usize);
         let config = &self.weights.config;
         let tokens = batch.num_tokens();
-        let width = self.capture_width();
-        out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
         let s = &mut self.scratch;
         let branch = needs_branch(&self.spec.sites) || config.afmoe.is_some();
         s.resize(config, tokens, max_mlp_width(&self.weights), branch);
-        let hidden = config.hidden_size;
-        let embed = &self.weights.embed;
-        let scale = config
-            .afmoe
-            .as_ref()
-            .map_or(1.0, |a| a.embedding_scale as f32);
-        s.x.par_chunks_mut(hidden)
-            .zip(&batch.input_ids)
-            .for_each(|(row, &id)| {
-                embed.decode_rows(id as usize, row);
-                if scale != 1.0 {
-                    row.iter_mut().for_each(|v| *v *= scale);
-                }
-            });
+        if self.weights.first_block == 0 {
+            embed(&self.weights, batch, &mut s.x);
+        }
         let pass = Pass {
             config,
             batch,
             rope: &self.rope,
             tokens,
         };
-        for (index, block) in self.weights.blocks[..=self.spec.layers.deepest()]
-            .iter()
-            .enumerate()
-        {
+        let first = self.weights.first_block;
+        let deepest = self.spec.layers.deepest();
+        for (local, block) in self.weights.blocks.iter().enumerate() {
+            let index = first + local;
+            if index > deepest {
+                break;
+            }
             let mut keep = self.spec.layers.position(index).map(|layer| Keep {
                 sites: &self.spec.sites,
                 directions: self.spec.directions.as_ref(),
                 layer,
                 out: &mut *out,
             });
-            let w16 = self.bf16.as_ref().map(|blocks| &blocks[index]);
+            let w16 = self.bf16.as_ref().map(|blocks| &blocks[local]);
             pass.block((block, w16), index, s, keep.as_mut());
         }
         Ok(())
     }
+}
+
+/// The token embedding of `batch` into `x` (times AFMoE's muP scale).
+fn embed(weights: &LlamaWeights, batch: &Batch, x: &mut [f32]) {
+    let hidden = weights.config.hidden_size;
+    let scale = weights
+        .config
+        .afmoe
+        .as_ref()
+        .map_or(1.0, |a| a.embedding_scale as f32);
+    x.par_chunks_mut(hidden)
+        .zip(&batch.input_ids)
+        .for_each(|(row, &id)| {
+            weights.embed.decode_rows(id as usize, row);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        });
 }
 
 /// The widest dense MLP (or fused shared experts) among the loaded blocks.

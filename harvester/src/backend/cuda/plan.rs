@@ -1,8 +1,6 @@
 //! Host-side plans for the CUDA backend, pure and unit-tested here: the attention kernel's work
-//! list over a packed batch, how a model's layers split into pipeline stages across GPUs, and
-//! how much device memory a batch's activations take.
-
-use std::ops::Range;
+//! list over a packed batch, and how much device memory a batch's activations take (how a
+//! model's blocks split into pipeline stages is `backend::stages`).
 
 use super::kernels::{ATTENTION_MAX_HEAD_DIM, ATTENTION_QUERIES_PER_BLOCK};
 use crate::error::{CudaError, Result};
@@ -34,57 +32,6 @@ pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<(
         return Ok(());
     };
     Err(CudaError::Unsupported { reason }.into())
-}
-
-/// Splits blocks `0..=deepest` into `stages` contiguous ranges, one per GPU, so that the
-/// largest stage's weight bytes are as small as possible (blocks after the deepest kept one
-/// are never run, so never loaded). `block_bytes[b]` is block `b`'s weights.
-pub fn split_stages(block_bytes: &[u64], deepest: usize, stages: usize) -> Vec<Range<usize>> {
-    let blocks = &block_bytes[..=deepest.min(block_bytes.len().saturating_sub(1))];
-    let stages = stages.clamp(1, blocks.len().max(1));
-    // The smallest cap for which a greedy cut needs at most `stages` stages.
-    let fits = |cap: u64| {
-        let (mut used, mut count) = (0u64, 1usize);
-        for &b in blocks {
-            if b > cap {
-                return false;
-            }
-            if used + b > cap {
-                count += 1;
-                used = 0;
-            }
-            used += b;
-        }
-        count <= stages
-    };
-    let (mut low, mut high) = (
-        blocks.iter().copied().max().unwrap_or(0),
-        blocks.iter().sum::<u64>(),
-    );
-    while low < high {
-        let mid = low + (high - low) / 2;
-        if fits(mid) {
-            high = mid;
-        } else {
-            low = mid + 1;
-        }
-    }
-    let mut ranges = Vec::with_capacity(stages);
-    let (mut start, mut used) = (0usize, 0u64);
-    for (b, &bytes) in blocks.iter().enumerate() {
-        // Cut when the cap would be passed, or when the blocks left are just enough to give
-        // every remaining stage one.
-        let stages_left = stages - ranges.len();
-        let blocks_left = blocks.len() - b;
-        if b > start && (used + bytes > low || blocks_left < stages_left) {
-            ranges.push(start..b);
-            start = b;
-            used = 0;
-        }
-        used += bytes;
-    }
-    ranges.push(start..blocks.len());
-    ranges
 }
 
 /// The shape that sizes a batch's activations.
@@ -148,39 +95,6 @@ mod tests {
         let wide = check_heads(32, 8, 256).unwrap_err().to_string();
         assert!(wide.contains("head_dim 256"), "{wide}");
         assert!(check_heads(10, 4, 64).is_err());
-    }
-
-    #[test]
-    fn stages_are_contiguous_cover_the_blocks_up_to_the_deepest_and_balance_bytes() {
-        let blocks = vec![10u64; 32];
-        let stages = split_stages(&blocks, 31, 8);
-        assert_eq!(stages.len(), 8);
-        assert!(stages.iter().all(|r| r.len() == 4), "{stages:?}");
-        let partial = split_stages(&blocks, 14, 2);
-        assert_eq!(
-            partial,
-            [0..8, 8..15],
-            "blocks past the deepest kept one are not loaded"
-        );
-        let uneven = split_stages(&[50, 10, 10, 10, 10, 10], 5, 2);
-        assert_eq!(uneven, [0..1, 1..6]);
-        // A two-stage split on one device (the single-GPU pipeline test) and more GPUs than
-        // blocks.
-        assert_eq!(split_stages(&[1, 1, 1], 2, 2).len(), 2);
-        assert_eq!(split_stages(&[1, 1], 1, 8), [0..1, 1..2]);
-        for deepest in 0..32 {
-            for gpus in 1..=8 {
-                let stages = split_stages(&blocks, deepest, gpus);
-                assert_eq!(stages.first().map(|r| r.start), Some(0));
-                assert_eq!(stages.last().map(|r| r.end), Some(deepest + 1));
-                assert!(
-                    stages
-                        .windows(2)
-                        .all(|w| w[0].end == w[1].start && !w[1].is_empty())
-                );
-                assert_eq!(stages.len(), gpus.min(deepest + 1));
-            }
-        }
     }
 
     #[test]

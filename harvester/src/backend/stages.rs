@@ -1,0 +1,255 @@
+//! How a model's blocks split into pipeline stages, one per device, and what each stage holds,
+//! decided from the checkpoint's header before any weight is read. Pure.
+//!
+//! All of the model's blocks are split, balanced by bytes, so a stage always holds the same
+//! blocks whatever a job keeps; a job runs the stages up to the one holding its deepest kept
+//! block, cut there, and never loads or runs the rest.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+
+/// Splits blocks `0..=deepest` into `stages` contiguous ranges, one per GPU, so that the
+/// largest stage's weight bytes are as small as possible (blocks after the deepest kept one
+/// are never run, so never loaded). `block_bytes[b]` is block `b`'s weights.
+pub fn split_stages(block_bytes: &[u64], deepest: usize, stages: usize) -> Vec<Range<usize>> {
+    let blocks = &block_bytes[..=deepest.min(block_bytes.len().saturating_sub(1))];
+    let stages = stages.clamp(1, blocks.len().max(1));
+    // The smallest cap for which a greedy cut needs at most `stages` stages.
+    let fits = |cap: u64| {
+        let (mut used, mut count) = (0u64, 1usize);
+        for &b in blocks {
+            if b > cap {
+                return false;
+            }
+            if used + b > cap {
+                count += 1;
+                used = 0;
+            }
+            used += b;
+        }
+        count <= stages
+    };
+    let (mut low, mut high) = (
+        blocks.iter().copied().max().unwrap_or(0),
+        blocks.iter().sum::<u64>(),
+    );
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if fits(mid) {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let (mut start, mut used) = (0usize, 0u64);
+    for (b, &bytes) in blocks.iter().enumerate() {
+        // Cut when the cap would be passed, or when the blocks left are just enough to give
+        // every remaining stage one.
+        let stages_left = stages - ranges.len();
+        let blocks_left = blocks.len() - b;
+        if b > start && (used + bytes > low || blocks_left < stages_left) {
+            ranges.push(start..b);
+            start = b;
+            used = 0;
+        }
+        used += bytes;
+    }
+    ranges.push(start..blocks.len());
+    ranges
+}
+
+/// One stage of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageShare {
+    /// The blocks it holds and runs (cut at the deepest kept block).
+    pub blocks: Range<usize>,
+    /// Bytes of their weights (and of the embedding, for the first stage).
+    pub weight_bytes: u64,
+    /// Bytes of one batch's activations and captures while it runs them (filled in by the
+    /// backend once it knows the stage's weights).
+    pub working_bytes: u64,
+}
+
+impl StageShare {
+    /// Weights and working bytes together.
+    pub fn total(&self) -> u64 {
+        self.weight_bytes + self.working_bytes
+    }
+}
+
+/// Which stages a job runs, and each one's memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePlan {
+    /// The stages that run, in order.
+    pub running: Vec<StageShare>,
+    /// How many stages the model was split into (those past the deepest kept block never run).
+    pub stages: usize,
+}
+
+/// Splits the model's blocks (`block_bytes[b]` each) into `stages` and keeps those a job whose
+/// deepest kept block is `deepest` runs. `embed_bytes` go to the first stage.
+pub fn plan_stages(
+    block_bytes: &[u64],
+    embed_bytes: u64,
+    deepest: usize,
+    stages: usize,
+) -> Result<StagePlan> {
+    let blocks = block_bytes.len();
+    if stages == 0 || stages > blocks {
+        return Err(Error::BadStages {
+            reason: format!(
+                "--pipeline-stages {stages} must be between 1 and the model's {blocks} blocks"
+            ),
+        });
+    }
+    let all = split_stages(block_bytes, blocks - 1, stages);
+    let running = all
+        .iter()
+        .take_while(|range| range.start <= deepest)
+        .map(|range| {
+            let blocks = range.start..range.end.min(deepest + 1);
+            let weights: u64 = block_bytes[blocks.clone()].iter().sum();
+            let embed = if blocks.start == 0 { embed_bytes } else { 0 };
+            StageShare {
+                working_bytes: 0,
+                weight_bytes: weights + embed,
+                blocks,
+            }
+        })
+        .collect();
+    Ok(StagePlan {
+        running,
+        stages: all.len(),
+    })
+}
+
+/// Checks every running stage against the memory of its device: `capacity[i]` for stage `i`,
+/// or, with one shared pool (CPU stages on one machine), what the stages before it left.
+/// Refuses naming the first stage that does not fit.
+pub fn check_stage_memory(plan: &StagePlan, capacity: &Capacity) -> Result<()> {
+    let mut left = match capacity {
+        Capacity::Shared(bytes) => *bytes,
+        Capacity::PerDevice(_) => 0,
+    };
+    for (i, stage) in plan.running.iter().enumerate() {
+        let available = match capacity {
+            Capacity::Shared(_) => left,
+            Capacity::PerDevice(each) => each.get(i).copied().unwrap_or(0),
+        };
+        if stage.total() > available {
+            return Err(Error::StageMemory {
+                stage: i + 1,
+                stages: plan.stages,
+                first: stage.blocks.start,
+                last: stage.blocks.end - 1,
+                needed: stage.total(),
+                weights: stage.weight_bytes,
+                available,
+            });
+        }
+        left = left.saturating_sub(stage.total());
+    }
+    Ok(())
+}
+
+/// The memory stages draw on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Capacity {
+    /// One pool for every stage, in bytes.
+    Shared(u64),
+    /// Each stage's own device, in bytes.
+    PerDevice(Vec<u64>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_are_contiguous_cover_the_blocks_up_to_the_deepest_and_balance_bytes() {
+        let blocks = vec![10u64; 32];
+        let stages = split_stages(&blocks, 31, 8);
+        assert_eq!(stages.len(), 8);
+        assert!(stages.iter().all(|r| r.len() == 4), "{stages:?}");
+        let partial = split_stages(&blocks, 14, 2);
+        assert_eq!(
+            partial,
+            [0..8, 8..15],
+            "blocks past the deepest kept one are not loaded"
+        );
+        let uneven = split_stages(&[50, 10, 10, 10, 10, 10], 5, 2);
+        assert_eq!(uneven, [0..1, 1..6]);
+        // A two-stage split on one device (the single-GPU pipeline test) and more GPUs than
+        // blocks.
+        assert_eq!(split_stages(&[1, 1, 1], 2, 2).len(), 2);
+        assert_eq!(split_stages(&[1, 1], 1, 8), [0..1, 1..2]);
+        for deepest in 0..32 {
+            for gpus in 1..=8 {
+                let stages = split_stages(&blocks, deepest, gpus);
+                assert_eq!(stages.first().map(|r| r.start), Some(0));
+                assert_eq!(stages.last().map(|r| r.end), Some(deepest + 1));
+                assert!(
+                    stages
+                        .windows(2)
+                        .all(|w| w[0].end == w[1].start && !w[1].is_empty())
+                );
+                assert_eq!(stages.len(), gpus.min(deepest + 1));
+            }
+        }
+    }
+
+    #[test]
+    fn a_job_runs_only_the_stages_up_to_its_deepest_block_cut_there() {
+        let blocks = vec![10u64; 9];
+        let full = plan_stages(&blocks, 5, 8, 3).unwrap();
+        let ranges: Vec<_> = full.running.iter().map(|s| s.blocks.clone()).collect();
+        assert_eq!(ranges, [0..3, 3..6, 6..9]);
+        assert_eq!(
+            full.running[0].weight_bytes, 35,
+            "the embedding is the first stage's"
+        );
+        // Deepest block 1 sits in stage 1 of 3: stages 2 and 3 never run.
+        let shallow = plan_stages(&blocks, 5, 1, 3).unwrap();
+        assert_eq!(shallow.running.len(), 1);
+        assert_eq!(shallow.running[0].blocks, 0..2);
+        assert_eq!(shallow.stages, 3);
+    }
+
+    #[test]
+    fn zero_stages_or_more_stages_than_blocks_are_refused_with_the_bounds() {
+        for stages in [0, 4] {
+            let error = plan_stages(&[1, 1, 1], 0, 2, stages)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(&format!("--pipeline-stages {stages}"))
+                    && error.contains("3 blocks"),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_first_stage_that_does_not_fit_is_named_with_its_blocks() {
+        let mut plan = plan_stages(&[10; 6], 0, 5, 3).unwrap();
+        plan.running.iter_mut().for_each(|s| s.working_bytes = 1);
+        // Each stage needs 21: a shared 50 fits two, and the third is refused.
+        let error = check_stage_memory(&plan, &Capacity::Shared(50))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("stage 3 of 3") && error.contains("blocks 4-5"),
+            "{error}"
+        );
+        check_stage_memory(&plan, &Capacity::Shared(63)).unwrap();
+        let error = check_stage_memory(&plan, &Capacity::PerDevice(vec![30, 20, 30]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("stage 2 of 3") && error.contains("20 bytes"),
+            "{error}"
+        );
+    }
+}
