@@ -668,9 +668,11 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             .then(|| finished.map(|c| c.message.clone()))
             .flatten(),
         progress: status.progress.map(|p| Progress {
-            phase: harvest_core::worker::Phase::Running.as_str().to_owned(),
-            bytes_loaded: None,
-            bytes_total: None,
+            phase: p
+                .phase
+                .unwrap_or_else(|| harvest_core::worker::Phase::Running.as_str().to_owned()),
+            bytes_loaded: p.bytes_loaded,
+            bytes_total: p.bytes_total,
             prompts_done: p.prompts_done as usize,
             prompts_total: p.prompts_total as usize,
             tokens_done: p.tokens_done,

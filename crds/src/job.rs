@@ -421,6 +421,15 @@ pub struct Progress {
     pub prompts_total: u32,
     /// A short line for `kubectl get`, like `3/8 shards`.
     pub summary: String,
+    /// `loading` while the worker reads the model's weights (absent once it runs batches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// Weight bytes read so far, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_loaded: Option<u64>,
+    /// Weight bytes to read, while loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
 }
 
 impl Progress {
@@ -433,6 +442,9 @@ impl Progress {
             shards_total: total,
             prompts_total: prompts,
             summary: format!("{done}/{total} shards"),
+            phase: None,
+            bytes_loaded: None,
+            bytes_total: None,
         }
     }
 }
@@ -474,6 +486,27 @@ impl Progress {
         );
         progress.prompts_done = prompts_done;
         progress.tokens_done = tokens_done;
+        progress
+    }
+
+    /// A worker still reading its weights: `loaded` of `total` bytes, before any batch, with the
+    /// shards an earlier attempt finished (`prompts_done`).
+    pub fn loading(
+        (loaded, total): (u64, u64),
+        prompts_done: u32,
+        prompts_total: u32,
+        shard_size: u32,
+    ) -> Self {
+        let mut progress = Self::running(prompts_done, prompts_total, 0, shard_size);
+        const GB: f64 = 1e9;
+        progress.summary = format!(
+            "loading {:.1}/{:.1} GB",
+            loaded as f64 / GB,
+            total as f64 / GB
+        );
+        progress.phase = Some("loading".into());
+        progress.bytes_loaded = Some(loaded);
+        progress.bytes_total = Some(total);
         progress
     }
 }

@@ -54,8 +54,8 @@ pub struct Observed<'a> {
     pub spec: Result<u64, SpecError>,
     /// The current attempt's Pod (`status.pod`), if it exists.
     pub pod: Option<PodState>,
-    /// What the running worker last reported: prompts done, prompts in all, tokens run.
-    pub reported: Option<(u32, u32, u64)>,
+    /// What the running worker last reported: its newest progress line.
+    pub reported: Option<harvest_core::worker::ProgressEvent>,
     /// The admission verdict, consulted only while the job waits.
     pub admission: Admission,
     /// The account that holds the job's tokens, once admission took its hold.
@@ -240,9 +240,14 @@ impl Builder<'_> {
                     "PodRunning",
                     format!("attempt {attempts} is running"),
                 );
-                if let Some((done, total, tokens)) = self.observed.reported {
-                    let shard_size = self.observed.job.spec.harvest.shard_size;
-                    self.status.progress = Some(Progress::running(done, total, tokens, shard_size));
+                let shard_size = self.observed.job.spec.harvest.shard_size;
+                if let Some(progress) = self
+                    .observed
+                    .reported
+                    .as_ref()
+                    .and_then(|r| reported(r, shard_size))
+                {
+                    self.status.progress = Some(progress);
                 }
                 self.requeue_after = Some(policy.progress_refresh);
             }
@@ -521,3 +526,15 @@ pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
 #[cfg(test)]
 #[path = "decide_tests.rs"]
 mod tests;
+
+/// A worker's progress line as the job's status shows it (`None` for counts past `u32`).
+fn reported(event: &harvest_core::worker::ProgressEvent, shard_size: u32) -> Option<Progress> {
+    let done = u32::try_from(event.prompts_done).ok()?;
+    let total = u32::try_from(event.prompts_total).ok()?;
+    Some(match (event.phase, event.bytes_loaded, event.bytes_total) {
+        (harvest_core::worker::Phase::Loading, Some(loaded), Some(bytes)) => {
+            Progress::loading((loaded, bytes), done, total, shard_size)
+        }
+        _ => Progress::running(done, total, event.tokens_done, shard_size),
+    })
+}

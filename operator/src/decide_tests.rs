@@ -264,7 +264,9 @@ fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
         job: &job,
         spec: Ok(job.spec.token_budget),
         pod: Some(PodState::Running),
-        reported: Some((10, 48, 1_234)),
+        reported: harvest_core::worker::ProgressEvent::parse_line(
+            r#"{"event":"progress","prompts_done":10,"prompts_total":48,"tokens_done":1234}"#,
+        ),
         admission: Admission::Admit,
         account: Some("acct".into()),
         lane: Some("small".into()),
@@ -282,5 +284,33 @@ fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
         (10, 2, 12, 1_234)
     );
     assert_eq!(progress.summary, "2/12 shards");
+    assert_eq!(progress.phase, None);
     assert_eq!(decision.requeue_after, Some(POLICY.progress_refresh));
+}
+
+#[test]
+fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
+    let mut job = job();
+    job.spec.harvest.shard_size = 4;
+    let started = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &started);
+    let line = r#"{"event":"progress","phase":"loading","bytes_loaded":3100000000,"bytes_total":16100000000,"prompts_done":8,"prompts_total":48,"tokens_done":0}"#;
+    let observed = Observed {
+        job: &job,
+        spec: Ok(job.spec.token_budget),
+        pod: Some(PodState::Running),
+        reported: harvest_core::worker::ProgressEvent::parse_line(line),
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(3),
+    };
+    let progress = decide(&observed, &POLICY).status.progress.unwrap();
+    assert_eq!(progress.phase.as_deref(), Some("loading"));
+    assert_eq!(
+        (progress.bytes_loaded, progress.bytes_total),
+        (Some(3_100_000_000), Some(16_100_000_000))
+    );
+    assert_eq!((progress.prompts_done, progress.shards_done), (8, 2));
+    assert_eq!(progress.summary, "loading 3.1/16.1 GB");
 }

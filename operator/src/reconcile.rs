@@ -22,6 +22,7 @@ use crate::decide::{Action, Decision, Observed, decide};
 use crate::error::{Error, Result};
 use crate::pod::{PodState, observe, render, reported_progress};
 use crate::{cleanup, ledger};
+use harvest_core::worker::ProgressEvent;
 
 /// The finalizer that deletes a job's outputs when its retention is `Delete`.
 pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
@@ -271,7 +272,7 @@ fn post_params() -> PostParams {
 
 /// The running worker's last progress report, from the tail of its log. Best effort: a log
 /// that cannot be read leaves the progress as it was.
-async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<(u32, u32, u64)> {
+async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<ProgressEvent> {
     let params = LogParams {
         tail_lines: Some(PROGRESS_LOG_LINES),
         ..LogParams::default()

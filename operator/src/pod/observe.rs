@@ -173,13 +173,7 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
     }
 }
 
-/// What a running worker last reported on its log: `(prompts_done, prompts_total,
-/// tokens_done)` from its newest progress line.
-pub fn reported_progress(log: &str) -> Option<(u32, u32, u64)> {
-    let event = ProgressEvent::latest_in(log)?;
-    Some((
-        u32::try_from(event.prompts_done).ok()?,
-        u32::try_from(event.prompts_total).ok()?,
-        event.tokens_done,
-    ))
+/// What a running worker last reported on its log: its newest progress line.
+pub fn reported_progress(log: &str) -> Option<ProgressEvent> {
+    ProgressEvent::latest_in(log)
 }
