@@ -310,6 +310,8 @@ fn sweep(store: &Store, data_dir: &Path, retention: Duration) -> Result<usize, S
         }
         store.mark_files_deleted(id, now())?;
     }
+    // A reserve given up on a full disk comes back once there is room.
+    store.refill_reserve();
     Ok(expired.len())
 }
 

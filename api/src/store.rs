@@ -2,7 +2,7 @@
 //! in one SQLite file that survives restarts. Every change that touches quota runs in one
 //! transaction, applying the pure rules of `harvest_core::{quota, lifecycle}`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use harvest_core::Sites;
@@ -135,7 +135,13 @@ pub type StoredResult = JobResult;
 #[derive(Debug)]
 pub struct Store {
     conn: Mutex<Connection>,
+    /// A file of [`RESERVE_BYTES`] beside the database, given up when the disk is full so that
+    /// a job's ending can still be written.
+    reserve: PathBuf,
 }
+
+/// Bytes the store keeps in reserve on its disk.
+pub const RESERVE_BYTES: usize = 4 << 20;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS accounts (name TEXT PRIMARY KEY, limits TEXT NOT NULL, ledger TEXT NOT NULL);
@@ -340,9 +346,43 @@ impl Store {
         conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")?;
         conn.execute_batch(SCHEMA)?;
         migrate(&conn)?;
-        Ok(Self {
+        let store = Self {
             conn: Mutex::new(conn),
-        })
+            reserve: path.with_extension("reserve"),
+        };
+        store.refill_reserve();
+        Ok(store)
+    }
+
+    /// Writes the reserve file if it is missing and the disk has room for it (best effort: a
+    /// disk without room keeps trying at the next call).
+    pub fn refill_reserve(&self) {
+        if self.reserve.exists() {
+            return;
+        }
+        let written = std::fs::File::create(&self.reserve).and_then(|mut file| {
+            // Real bytes, not a sparse file: the point is to hold blocks.
+            std::io::Write::write_all(&mut file, &vec![0u8; RESERVE_BYTES])?;
+            file.sync_all()
+        });
+        if let Err(error) = written {
+            let _ = std::fs::remove_file(&self.reserve);
+            tracing::debug!(%error, path = %self.reserve.display(), "no room for the store's reserve yet");
+        }
+    }
+
+    /// Frees the reserve, when the disk is full, so the next write can succeed; true if there
+    /// was one to free.
+    fn release_reserve(&self) -> bool {
+        let freed = std::fs::remove_file(&self.reserve).is_ok();
+        if freed {
+            tracing::error!(
+                path = %self.reserve.display(),
+                bytes = RESERVE_BYTES,
+                "the disk is full: released the store's reserve to record a job's ending; free space on the data directory"
+            );
+        }
+        freed
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -510,11 +550,15 @@ impl Store {
             )
             .optional()?;
         if account.is_some() {
-            conn.execute(
+            // last_used is advisory: a full disk must not turn every request into a 500.
+            let stamped = conn.execute(
                 "UPDATE keys SET last_used = ?2 WHERE hash = ?1
                  AND (last_used IS NULL OR last_used <= ?2 - ?3)",
                 params![hash, now.0, LAST_USED_RESOLUTION_MS],
-            )?;
+            );
+            if let Err(error) = stamped {
+                tracing::debug!(%error, "could not stamp the key's last use");
+            }
         }
         Ok(account.map(|a| (a, hash)))
     }
@@ -731,6 +775,21 @@ impl Store {
         outcome: Outcome,
         now: UnixMillis,
     ) -> Result<(JobRecord, Transition)> {
+        match self.apply_once(id, event, outcome.clone(), now) {
+            Err(error) if is_disk_full(&error) && self.release_reserve() => {
+                self.apply_once(id, event, outcome, now)
+            }
+            other => other,
+        }
+    }
+
+    fn apply_once(
+        &self,
+        id: &str,
+        event: JobEvent,
+        outcome: Outcome,
+        now: UnixMillis,
+    ) -> Result<(JobRecord, Transition)> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         let (status, reserved, account, hold): (String, i64, String, Option<String>) = tx
@@ -793,6 +852,15 @@ impl Store {
         )?;
         Ok(())
     }
+}
+
+/// Whether SQLite failed because its disk is full.
+fn is_disk_full(error: &StoreError) -> bool {
+    matches!(
+        error,
+        StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _))
+            if e.code == rusqlite::ErrorCode::DiskFull
+    )
 }
 
 /// What a worker reports with an ending event.

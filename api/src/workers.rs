@@ -98,7 +98,8 @@ pub struct Workers {
 
 /// How one attempt of a harvester ended.
 enum Ended {
-    Exited(std::process::ExitStatus),
+    /// It exited, with the last line it logged that was not progress.
+    Exited(std::process::ExitStatus, Option<String>),
     Stopped(Stop),
     PastDeadline,
 }
@@ -309,10 +310,12 @@ impl Workers {
                 .attempt(id, &job.model, &paths, stop_rx, deadline)
                 .await?
             {
-                Ended::Exited(status) if retryable(status) && attempt < self.config.attempts => {
+                Ended::Exited(status, _) if retryable(status) && attempt < self.config.attempts => {
                     tracing::warn!(job = %id, attempt, %status, "the harvester died; running it again, resuming");
                 }
-                Ended::Exited(status) => return self.finish(id, &paths, status).await,
+                Ended::Exited(status, last_line) => {
+                    return self.finish(id, &paths, status, last_line).await;
+                }
                 Ended::Stopped(Stop::Cancel) => {
                     tracing::info!(job = %id, "worker stopped on cancel");
                     return Ok(());
@@ -350,17 +353,16 @@ impl Workers {
             }
         };
         let ended = tokio::select! {
-            status = child.wait() => Ended::Exited(status?),
+            status = child.wait() => Ended::Exited(status?, None),
             // A dropped sender means the pool is gone: stop as for a shutdown.
             why = &mut *stop_rx => Ended::Stopped(why.unwrap_or(Stop::Shutdown)),
             () = past_deadline => Ended::PastDeadline,
         };
-        if let Ended::Exited(_) = ended {
-            let _ = reader.await;
-        } else {
-            terminate(&mut child).await;
-            reader.abort();
+        if let Ended::Exited(status, _) = ended {
+            return Ok(Ended::Exited(status, reader.await.ok().flatten()));
         }
+        terminate(&mut child).await;
+        reader.abort();
         Ok(ended)
     }
 
@@ -410,6 +412,7 @@ impl Workers {
         id: &str,
         paths: &JobPaths,
         status: std::process::ExitStatus,
+        last_line: Option<String>,
     ) -> Result<(), WorkerError> {
         let (event, outcome) = if status.success() {
             let result = read_result(paths)?;
@@ -431,7 +434,13 @@ impl Workers {
                 .and_then(Termination::parse)
             {
                 Some(Termination::Failed(failure)) => failure.error,
-                _ => format!("the harvester exited with {status}"),
+                // No termination log (a full disk cannot take one): its last words instead.
+                _ => match last_line {
+                    Some(line) => {
+                        format!("the harvester exited with {status}: {}", log_message(&line))
+                    }
+                    None => format!("the harvester exited with {status}"),
+                },
             };
             tracing::info!(job = %id, %status, "job failed");
             (
@@ -484,17 +493,43 @@ fn termination_log(paths: &JobPaths) -> PathBuf {
     paths.root.join("termination.log")
 }
 
-/// Records each progress line of a harvester's stderr in the store.
-async fn read_progress(stderr: Option<tokio::process::ChildStderr>, store: Arc<Store>, id: String) {
-    let Some(stderr) = stderr else { return };
-    let mut lines = BufReader::new(stderr).lines();
+/// The message of a log line as tracing writes it (`<time> <LEVEL> <target>: <message>`), or
+/// the whole line.
+fn log_message(line: &str) -> &str {
+    const LEVELS: [&str; 5] = ["ERROR", "WARN", "INFO", "DEBUG", "TRACE"];
+    let Some((_time, rest)) = line.trim().split_once(' ') else {
+        return line;
+    };
+    match rest.trim_start().split_once(' ') {
+        Some((level, rest)) if LEVELS.contains(&level) => {
+            rest.split_once(": ").map_or(rest, |(_, message)| message)
+        }
+        _ => line,
+    }
+}
+
+/// Longest last log line kept for a failure message.
+const LAST_LINE_CHARS: usize = 1000;
+
+/// Records each progress line of a harvester's stderr in the store; returns the last other
+/// line (its final error, when it could not write a termination log).
+async fn read_progress(
+    stderr: Option<tokio::process::ChildStderr>,
+    store: Arc<Store>,
+    id: String,
+) -> Option<String> {
+    let mut lines = BufReader::new(stderr?).lines();
+    let mut last = None;
     while let Ok(Some(line)) = lines.next_line().await {
         if let Some(event) = ProgressEvent::parse_line(&line) {
             let (store, id) = (Arc::clone(&store), id.clone());
             let progress = Progress::from(&event);
             let _ = tokio::task::spawn_blocking(move || store.set_progress(&id, &progress)).await;
+        } else if !line.trim().is_empty() {
+            last = Some(line.chars().take(LAST_LINE_CHARS).collect());
         }
     }
+    last
 }
 
 /// Whether a harvester's ending is worth another run: it was killed by a signal, or it reported
@@ -535,6 +570,19 @@ fn read_result(paths: &JobPaths) -> Result<JobResult, WorkerError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_failure_message_is_the_log_lines_message_without_time_level_or_target() {
+        let line = "2026-12-01T19:35:11.106272Z ERROR harvester: harvest failed: storage x: No space left on device (os error 28) exit_code=3";
+        assert_eq!(
+            log_message(line),
+            "harvest failed: storage x: No space left on device (os error 28) exit_code=3"
+        );
+        let padded = "2026-12-01T19:35:11Z  WARN harvester: slow";
+        assert_eq!(log_message(padded), "slow");
+        assert_eq!(log_message("plain words here"), "plain words here");
+    }
+
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
