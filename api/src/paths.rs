@@ -72,3 +72,25 @@ pub fn now() -> UnixMillis {
         .unwrap_or_default();
     UnixMillis(since.as_millis() as i64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_database_file_is_created_for_its_owner_alone_and_an_existing_one_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("harvest.db");
+        create_private(&path).unwrap();
+        assert!(!readable_by_others(&path));
+        std::fs::write(&path, b"kept").unwrap();
+        create_private(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+        // The check itself sees a file that others may read.
+        use std::os::unix::fs::PermissionsExt;
+        let open = dir.path().join("open");
+        std::fs::write(&open, b"").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(readable_by_others(&open));
+    }
+}
