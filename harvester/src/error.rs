@@ -177,14 +177,14 @@ pub enum Error {
     },
     /// The model would not fit this machine's memory.
     #[error(
-        "the model needs about {needed} bytes of memory ({weights} for the weights of the blocks up to the deepest kept layer, {working} for one batch), but this machine has {available} bytes available: use a machine with more memory, keep shallower layers (only blocks up to the deepest kept one are loaded), a smaller batch_tokens, or --device cuda"
+        "the model needs about {needed} bytes of memory ({weights} for the weights of the blocks up to the deepest kept layer, {working} for one batch and the shards in flight), but this machine has {available} bytes available: use a machine with more memory, keep shallower layers (only blocks up to the deepest kept one are loaded), a smaller batch_tokens, or --device cuda"
     )]
     InsufficientMemory {
         /// Bytes needed in all.
         needed: u64,
         /// Of which the weights.
         weights: u64,
-        /// Of which one batch.
+        /// Of which one batch, and the capture buffers and shards the pipeline holds.
         working: u64,
         /// Bytes available (MemAvailable).
         available: u64,

@@ -104,7 +104,7 @@ def _print_job(job: Job, as_json: bool) -> None:
     print(line)
     progress = data.get("progress")
     if progress and job.status == "running":
-        print(f"  progress: {progress['prompts_done']}/{progress['prompts_total']} prompts, {progress['tokens_done']} tokens")
+        print(f"  progress: {describe_progress(progress)}")
     if data.get("tokens") is not None:
         print(f"  tokens charged: {data['tokens']}")
     if job.error:
@@ -290,3 +290,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def describe_progress(progress: dict) -> str:
+    """A running job's progress in words: the weights being read, or the prompts and tokens done."""
+    if progress.get("phase") == "loading" and progress.get("bytes_total"):
+        loaded, total = progress.get("bytes_loaded", 0) / 1e9, progress["bytes_total"] / 1e9
+        return f"loading the model's weights, {loaded:.1f}/{total:.1f} GB"
+    return f"{progress['prompts_done']}/{progress['prompts_total']} prompts, {progress['tokens_done']} tokens"

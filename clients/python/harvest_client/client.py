@@ -329,7 +329,8 @@ class Job:
         done = bar.total if self.status == "done" else int(progress.get("prompts_done", bar.n))
         if done != bar.n:
             bar.update(done - bar.n)
-        bar.set_postfix_str(self.status, refresh=True)
+        loading = progress.get("phase") == "loading" and self.status == "running"
+        bar.set_postfix_str("loading weights" if loading else self.status, refresh=True)
 
     def download(self, directory: Union[str, Path], workers: int = 4, progress: bool = False):
         """Downloads the job's files into ``directory`` in parallel and returns a

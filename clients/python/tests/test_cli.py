@@ -111,3 +111,14 @@ def test_a_wrong_key_is_one_clear_line(server):
     result = harvest(server, "models", key="sk-hv-" + "1" * 48)
     assert result.returncode == 1 and "invalid_api_key" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_progress_reads_as_the_weights_being_read_then_as_prompts_done():
+    from harvest_client.cli import describe_progress
+
+    loading = {"phase": "loading", "bytes_loaded": 3_100_000_000, "bytes_total": 16_100_000_000,
+               "prompts_done": 0, "prompts_total": 8, "tokens_done": 0}
+    assert describe_progress(loading) == "loading the model's weights, 3.1/16.1 GB"
+    running = {"phase": "running", "prompts_done": 3, "prompts_total": 8, "tokens_done": 90}
+    assert describe_progress(running) == "3/8 prompts, 90 tokens"
+    assert describe_progress({"prompts_done": 1, "prompts_total": 2, "tokens_done": 5}) == "1/2 prompts, 5 tokens"

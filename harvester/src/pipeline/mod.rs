@@ -258,13 +258,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
     let (contents, spec) = capture_spec(&plan, directions);
     let width = spec.width(config.hidden_size);
     let progress = Progress::new(options.progress, encoded.len());
-    let engine = open_engine(
-        &plan,
-        spec,
-        options,
-        largest_batch(&plan, &encoded),
-        &progress,
-    )?;
+    let engine = open_engine((&plan, &encoded), spec, options, width, &progress)?;
     let load_s = load_start.elapsed().as_secs_f64();
 
     let job = Job {
@@ -420,13 +414,51 @@ fn largest_batch(plan: &ResolvedPlan, encoded: &[Encoded]) -> usize {
     total.min(plan.batch_tokens.get().max(longest))
 }
 
+/// Shards' worth of bytes the pipeline can hold at once: one being assembled, the upload queue,
+/// and one being uploaded.
+const SHARDS_HELD: usize = UPLOAD_QUEUE + 2;
+
+/// What a batch needs besides the backend: how many tokens the largest one has, and the bytes
+/// the pipeline itself holds then (its capture buffers of that size, and its shards).
+#[derive(Debug, Clone, Copy)]
+struct Sizing {
+    batch_tokens: usize,
+    pipeline_bytes: u64,
+}
+
+impl Sizing {
+    /// The sizing of `plan` over `encoded`, capturing `slots` rows of `width` values a token,
+    /// with `capture_buffers` capture buffers in circulation.
+    fn of(
+        plan: &ResolvedPlan,
+        encoded: &[Encoded],
+        (slots, width): (usize, usize),
+        capture_buffers: usize,
+    ) -> Self {
+        let batch_tokens = largest_batch(plan, encoded);
+        let captured = (batch_tokens * slots * width * 4) as u64;
+        let value_bytes = if plan.project_onto.is_some() { 4 } else { 2 };
+        let largest_shard = encoded
+            .chunks(plan.shard_size.get())
+            .map(|shard| shard.iter().map(|e| e.ids.len()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let shard = (largest_shard * slots * width * value_bytes) as u64;
+        Self {
+            batch_tokens,
+            pipeline_bytes: captured * capture_buffers.saturating_sub(1) as u64
+                + shard * SHARDS_HELD as u64,
+        }
+    }
+}
+
 /// Loads the blocks up to the deepest kept layer onto the chosen device; on the CPU, first
 /// checks that they and batches of `batch_tokens` fit the memory.
 fn open_backend(
     plan: &ResolvedPlan,
     spec: CaptureSpec,
     device: DeviceChoice,
-    batch_tokens: usize,
+    sizing: Sizing,
     progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
     if let DeviceChoice::Cuda(_) = device {
@@ -434,7 +466,11 @@ fn open_backend(
     }
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
     if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
-        CpuBackend::check_memory(&weights, &spec, batch_tokens)?;
+        let Sizing {
+            batch_tokens,
+            pipeline_bytes,
+        } = sizing;
+        CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
     }
     read_weights(&[&weights], progress);
     Ok(match device {
@@ -462,17 +498,24 @@ fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> (Content
 /// One backend, or the pipeline stages `options` asks for, loaded for batches of up to
 /// `largest` tokens.
 fn open_engine(
-    plan: &ResolvedPlan,
+    (plan, encoded): (&ResolvedPlan, &[Encoded]),
     spec: CaptureSpec,
     options: &RunOptions,
-    largest: usize,
+    width: usize,
     progress: &Progress,
 ) -> Result<Engine> {
+    let dims = (spec.slots(), width);
     Ok(match options.pipeline_stages {
-        None => Engine::Single(open_backend(plan, spec, options.device, largest, progress)?),
+        None => {
+            let sizing = Sizing::of(plan, encoded, dims, CAPTURE_POOL);
+            Engine::Single(open_backend(plan, spec, options.device, sizing, progress)?)
+        }
         Some(stages) => {
+            // Each stage's working set counts one capture buffer of its own.
+            let buffers = staged::capture_pool(stages).saturating_sub(stages.saturating_sub(1));
+            let sizing = Sizing::of(plan, encoded, dims, buffers);
             let device = (options.device, stages);
-            Engine::Staged(open_stages(plan, spec, device, largest, progress)?)
+            Engine::Staged(open_stages(plan, spec, device, sizing, progress)?)
         }
     })
 }
@@ -523,7 +566,7 @@ fn open_stages(
     plan: &ResolvedPlan,
     spec: CaptureSpec,
     (device, stages): (DeviceChoice, usize),
-    batch_tokens: usize,
+    sizing: Sizing,
     progress: &Progress,
 ) -> Result<staged::Staged> {
     use crate::backend::stages::{Capacity, check_stage_memory, plan_stages};
@@ -543,7 +586,7 @@ fn open_stages(
     for share in &mut stage_plan.running {
         let w =
             LlamaWeights::range_from_checkpoint(config.clone(), &checkpoint, share.blocks.clone())?;
-        share.working_bytes = CpuBackend::working_bytes(&w, &spec, batch_tokens);
+        share.working_bytes = CpuBackend::working_bytes(&w, &spec, sizing.batch_tokens);
         tracing::info!(
             stage = weights.len() + 1,
             of = stage_plan.stages,
@@ -556,7 +599,9 @@ fn open_stages(
         weights.push(w);
     }
     if let Some(available) = crate::memory::available_bytes() {
-        check_stage_memory(&stage_plan, &Capacity::Shared(available))?;
+        // The pipeline's own buffers come out of the same memory first.
+        let left = available.saturating_sub(sizing.pipeline_bytes);
+        check_stage_memory(&stage_plan, &Capacity::Shared(left))?;
     }
     read_weights(&weights.iter().collect::<Vec<_>>(), progress);
     let stages = weights
@@ -970,6 +1015,44 @@ fn dir_name(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_memory_check_counts_the_pipelines_capture_buffers_and_the_shards_it_holds() {
+        use std::num::NonZeroUsize;
+        let plan = HarvestPlan {
+            model: "m".into(),
+            prompts: harvest_core::Location::Local("p.jsonl".into()),
+            layers: harvest_core::LayerSelection::All,
+            sites: harvest_core::Sites::default(),
+            shard_size: NonZeroUsize::new(2).unwrap(),
+            add_special_tokens: true,
+            project_onto: None,
+            output: harvest_core::Location::Local("out".into()),
+            batch_tokens: NonZeroUsize::new(100).unwrap(),
+            selection: Default::default(),
+            layout: Layout::ByPrompt,
+            precision: Default::default(),
+        };
+        let shape = harvest_core::ModelShape {
+            num_layers: 4,
+            hidden_size: 8,
+        };
+        let plan = plan.resolve(&shape).unwrap();
+        let encoded: Vec<Encoded> = [30, 50, 70, 10]
+            .iter()
+            .map(|&n| Encoded {
+                ids: vec![1; n],
+                truncated_from: None,
+            })
+            .collect();
+        let sizing = Sizing::of(&plan, &encoded, (4, 8), CAPTURE_POOL);
+        // Batches of 100 tokens (the longest prompt is shorter); shards of 80 tokens at most.
+        assert_eq!(sizing.batch_tokens, 100);
+        let captured = 100 * 4 * 8 * 4;
+        let shard = 80 * 4 * 8 * 2;
+        let expected = captured * (CAPTURE_POOL - 1) + shard * SHARDS_HELD;
+        assert_eq!(sizing.pipeline_bytes, expected as u64);
+    }
 
     #[test]
     fn the_root_cause_is_the_stage_that_failed_on_its_own() {

@@ -246,7 +246,7 @@ impl CpuBackend {
             precision: Precision::F32,
             directions,
         };
-        Self::check_memory(&weights, &spec, harvest_core::plan::DEFAULT_BATCH_TOKENS)?;
+        Self::check_memory(&weights, &spec, harvest_core::plan::DEFAULT_BATCH_TOKENS, 0)?;
         Self::new(weights, spec)
     }
 
@@ -300,11 +300,17 @@ impl CpuBackend {
     }
 
     /// Refuses, before anything is read, weights and batches of `tokens` that would not fit
-    /// this machine's available memory.
-    pub fn check_memory(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> Result<()> {
+    /// this machine's available memory, beside `outside` bytes the caller holds (a pipeline's
+    /// capture and shard buffers).
+    pub fn check_memory(
+        weights: &LlamaWeights,
+        spec: &CaptureSpec,
+        tokens: usize,
+        outside: u64,
+    ) -> Result<()> {
         let needed = crate::memory::Needed {
             weights: weights.resident_bytes(),
-            working: Self::working_bytes(weights, spec, tokens),
+            working: Self::working_bytes(weights, spec, tokens) + outside,
         };
         crate::memory::check(needed, crate::memory::available_bytes())
     }
