@@ -468,6 +468,64 @@ pub fn shard_count(n_prompts: usize, shard_size: NonZeroUsize) -> usize {
     n_prompts.div_ceil(shard_size.get())
 }
 
+/// One of `count` parts of a job (`index` from 0): a contiguous range of its shards, so that
+/// several workers can run one job and a finalize step can close it as one run would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    index: usize,
+    count: usize,
+}
+
+impl Part {
+    /// Part `index` of `count`; `count` is at least 1 and `index` below it.
+    pub fn new(index: usize, count: usize) -> Result<Self, String> {
+        if count == 0 || index >= count {
+            return Err(format!(
+                "part {index}/{count}: write INDEX/COUNT with COUNT at least 1 and INDEX from 0 to COUNT - 1, e.g. 0/4"
+            ));
+        }
+        Ok(Self { index, count })
+    }
+
+    /// Its index, from 0.
+    pub fn index(self) -> usize {
+        self.index
+    }
+
+    /// How many parts the job has.
+    pub fn count(self) -> usize {
+        self.count
+    }
+
+    /// Its shards of a job of `n_shards`: contiguous, every part within one shard of the
+    /// others in size, the earlier ones the larger (a part past the shards has none).
+    pub fn shards(self, n_shards: usize) -> std::ops::Range<usize> {
+        let (base, extra) = (n_shards / self.count, n_shards % self.count);
+        let start = self.index * base + self.index.min(extra);
+        start..start + base + usize::from(self.index < extra)
+    }
+}
+
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl std::str::FromStr for Part {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let parse = |s: &str| s.trim().parse::<usize>().ok();
+        match text.split_once('/').map(|(i, n)| (parse(i), parse(n))) {
+            Some((Some(index), Some(count))) => Self::new(index, count),
+            _ => Err(format!(
+                "{text:?} is not a part: write INDEX/COUNT, e.g. 0/4 for the first of four"
+            )),
+        }
+    }
+}
+
 /// The prompt indices of shard `shard`: `[shard * size, min((shard + 1) * size, n_prompts))`.
 pub fn shard_prompts(
     shard: usize,
@@ -592,5 +650,36 @@ mod tests {
         assert_eq!(shard_prompts(2, size, 65), 64..65);
         assert_eq!(shard_count(0, size), 0);
         assert_eq!(shard_file_name(7), "shard_00007.safetensors");
+    }
+
+    #[test]
+    fn parts_cover_every_shard_once_in_order_and_differ_by_at_most_one() {
+        for n_shards in 0..20 {
+            for count in 1..8 {
+                let ranges: Vec<_> = (0..count)
+                    .map(|i| Part::new(i, count).unwrap().shards(n_shards))
+                    .collect();
+                assert_eq!(ranges.first().map(|r| r.start), Some(0));
+                assert_eq!(ranges.last().map(|r| r.end), Some(n_shards));
+                assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+                let sizes: Vec<_> = ranges.iter().map(|r| r.len()).collect();
+                let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+                assert!(max - min <= 1, "{n_shards} shards in {count}: {sizes:?}");
+            }
+        }
+        assert_eq!(Part::new(1, 3).unwrap().shards(7), 3..5);
+    }
+
+    #[test]
+    fn a_part_is_written_index_slash_count_and_a_bad_one_names_the_form() {
+        let part: Part = "2/4".parse().unwrap();
+        assert_eq!(
+            (part.index(), part.count(), part.to_string()),
+            (2, 4, "2/4".to_owned())
+        );
+        for bad in ["4/4", "0/0", "two/4", "3"] {
+            let error = bad.parse::<Part>().unwrap_err();
+            assert!(error.contains("INDEX/COUNT"), "{bad}: {error}");
+        }
     }
 }

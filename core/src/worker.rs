@@ -144,12 +144,31 @@ pub struct RunFailure {
     pub kind: ErrorKind,
 }
 
+/// What `harvester run --part I/N` reports (stdout and termination message): its shards are
+/// written and recorded, and `harvester finalize` closes the job once every part has run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartResult {
+    /// `INDEX/COUNT`.
+    pub part: String,
+    /// Its shards, `[first, end)`.
+    pub shards: [usize; 2],
+    /// Shards this process wrote.
+    pub written: usize,
+    /// Shards an earlier run of the part had written.
+    pub resumed: usize,
+    /// Tokens this process ran.
+    pub tokens: u64,
+}
+
 /// What a run leaves in its termination log (at most [`TERMINATION_MESSAGE_LIMIT`] bytes).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Termination {
     /// The result summary.
     Done(RunResult),
+    /// A part's summary.
+    Part(PartResult),
     /// Why it failed.
     Failed(RunFailure),
 }
@@ -176,7 +195,7 @@ impl Termination {
     /// The exit status a process that wrote this message ends with.
     pub fn exit_status(&self) -> ExitStatus {
         match self {
-            Self::Done(_) => ExitStatus::Success,
+            Self::Done(_) | Self::Part(_) => ExitStatus::Success,
             Self::Failed(failure) => ExitStatus::from_code(failure.exit_code),
         }
     }

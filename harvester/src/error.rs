@@ -189,6 +189,24 @@ pub enum Error {
         /// Bytes available (MemAvailable).
         available: u64,
     },
+    /// A job cannot be run in parts as asked.
+    #[error("{reason}")]
+    BadParts {
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// `harvester finalize` ran before every part had written its shards.
+    #[error(
+        "{missing} of the job's {of} shards are not written yet (the first is shard {first}): run every part (harvester run --part I/N) before finalize; a rerun of a part resumes"
+    )]
+    PartsMissing {
+        /// Shards missing.
+        missing: usize,
+        /// Shards in the job.
+        of: usize,
+        /// The first one missing.
+        first: usize,
+    },
     /// The pipeline stages asked for do not fit the model.
     #[error("{reason}")]
     BadStages {
@@ -255,12 +273,14 @@ impl Error {
             | Self::Prompts { .. }
             | Self::Plan(_)
             | Self::ForeignOutput { .. }
-            | Self::BadStages { .. } => ErrorKind::BadInput,
+            | Self::BadStages { .. }
+            | Self::BadParts { .. } => ErrorKind::BadInput,
             Self::Io { .. }
             | Self::Store { .. }
             | Self::Json { .. }
             | Self::InsufficientMemory { .. }
-            | Self::StageMemory { .. } => ErrorKind::Infrastructure,
+            | Self::StageMemory { .. }
+            | Self::PartsMissing { .. } => ErrorKind::Infrastructure,
             Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }

@@ -32,6 +32,10 @@ enum Command {
     /// Exit status: 0 done, 2 bad input (fix the plan), 3 infrastructure failure (retry; a
     /// rerun resumes), 70 internal error.
     Run(Box<RunArgs>),
+    /// Close a job run in parts (`run --part I/N`): statistics, manifest and result from every
+    /// part's records, exactly as one run writes them. Give it the job's plan and the parts'
+    /// --device. Idempotent; refuses while shards are missing (exit 3).
+    Finalize(Box<RunArgs>),
     /// Convert a llama-architecture GGUF into a Hugging Face checkpoint directory.
     ImportGguf {
         /// The .gguf file.
@@ -206,6 +210,10 @@ struct RunArgs {
     /// CUDA backend has passed its GPU check; `cuda` runs it.
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
+    /// Run only part INDEX/COUNT of the job's shards (INDEX from 0), for several workers on one
+    /// job; `harvester finalize` closes it once every part has run.
+    #[arg(long)]
+    part: Option<harvest_core::plan::Part>,
     /// Split the model's blocks into N contiguous pipeline stages, balanced by bytes, each
     /// owned by its own thread, with batches flowing between them (CPU stages for now). Stages
     /// past the deepest kept layer are never loaded.
@@ -258,8 +266,16 @@ fn parse_slice(text: &str) -> Result<Slice, String> {
     }
 }
 
-/// Runs a harvest; the exit status and termination log follow the worker protocol.
-fn run_job(args: &RunArgs) -> ExitCode {
+/// What `run_job` does with the plan.
+#[derive(Debug, Clone, Copy)]
+enum Job {
+    Run,
+    Finalize,
+}
+
+/// Runs a harvest (or closes one run in parts); the exit status and termination log follow the
+/// worker protocol.
+fn run_job(args: &RunArgs, job: Job) -> ExitCode {
     let options = RunOptions {
         progress: args.progress,
         model_name: args.model_name.clone(),
@@ -267,8 +283,13 @@ fn run_job(args: &RunArgs) -> ExitCode {
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
         spill_dir: args.spill_dir.clone(),
         pipeline_stages: args.pipeline_stages,
+        part: args.part,
     };
-    let termination = harvester::pipeline::run_source(&args.plan_source(), &options);
+    let source = args.plan_source();
+    let termination = match job {
+        Job::Run => harvester::pipeline::run_source(&source, &options),
+        Job::Finalize => harvester::pipeline::finalize_source(&source, &options),
+    };
     if let Some(path) = &args.termination_log
         && let Err(e) = std::fs::write(path, termination.to_message())
     {
@@ -278,6 +299,10 @@ fn run_job(args: &RunArgs) -> ExitCode {
         Termination::Done(result) => print_out(&format!(
             "{}\n",
             serde_json::to_string_pretty(result).unwrap_or_default()
+        )),
+        Termination::Part(part) => print_out(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(part).unwrap_or_default()
         )),
         Termination::Failed(failure) => {
             tracing::error!(
@@ -313,7 +338,8 @@ fn main() -> anyhow::Result<ExitCode> {
             .context("setting up the worker threads")?;
     }
     match cli.command {
-        Command::Run(args) => return Ok(run_job(&args)),
+        Command::Run(args) => return Ok(run_job(&args, Job::Run)),
+        Command::Finalize(args) => return Ok(run_job(&args, Job::Finalize)),
         other => tool(other)?,
     }
     Ok(ExitCode::SUCCESS)
@@ -322,7 +348,7 @@ fn main() -> anyhow::Result<ExitCode> {
 /// The subcommands other than `run`: each calls one library function and prints its answer.
 fn tool(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Run(_) => anyhow::bail!("run is handled by run_job"),
+        Command::Run(_) | Command::Finalize(_) => anyhow::bail!("run is handled by run_job"),
         Command::ImportGguf { file, out, dtype } => {
             let summary = harvester::gguf::import_gguf(&file, &out, dtype)
                 .with_context(|| format!("importing {}", file.display()))?;

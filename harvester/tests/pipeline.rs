@@ -65,6 +65,7 @@ fn options() -> RunOptions {
         s3: Default::default(),
         spill_dir: None,
         pipeline_stages: None,
+        part: None,
     }
 }
 
@@ -1104,4 +1105,190 @@ fn a_run_reports_the_weight_bytes_it_reads_before_its_first_batch() {
             .iter()
             .all(|e| e.phase == Phase::Running)
     );
+}
+
+/// Runs `parts` parts of the job at once, each its own process, then finalizes; returns the
+/// finalize's output and the parts' reports.
+fn run_in_parts(
+    prompts: &Path,
+    out: &Path,
+    extra: &[&str],
+    parts: usize,
+) -> Vec<serde_json::Value> {
+    let children: Vec<_> = (0..parts)
+        .map(|i| {
+            let part = format!("{i}/{parts}");
+            harvester()
+                .args(run_args_with(prompts, out, extra))
+                .args(["--part", &part])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let reports = children
+        .into_iter()
+        .map(|child| {
+            let output = child.wait_with_output().unwrap();
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            serde_json::from_slice(&output.stdout).unwrap()
+        })
+        .collect();
+    let mut args = run_args_with(prompts, out, extra);
+    args[0] = "finalize".into();
+    let closed = harvester().args(&args).output().unwrap();
+    assert!(
+        closed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&closed.stderr)
+    );
+    reports
+}
+
+fn parts_prompts(dir: &Path) -> PathBuf {
+    let prompts: Vec<String> = (0..22)
+        .map(|i| {
+            format!(
+                "Part prompt {i}: {}",
+                "a residual stream, shard by shard ".repeat(i % 4)
+            )
+        })
+        .collect();
+    write_prompts(dir, &prompts)
+}
+
+#[test]
+fn a_job_run_in_three_parts_at_once_and_finalized_writes_the_bytes_of_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = parts_prompts(dir.path());
+    for (name, extra) in [
+        (
+            "by-prompt",
+            vec!["--sites", "resid_pre,resid_post", "--sample-rate", "0.7"],
+        ),
+        (
+            "shuffled",
+            vec![
+                "--layout",
+                "shuffled",
+                "--rows-per-file",
+                "64",
+                "--seed",
+                "9",
+            ],
+        ),
+    ] {
+        let whole = dir.path().join(format!("{name}-whole"));
+        let status = harvester()
+            .args(run_args_with(&prompts, &whole, &extra))
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let parted = dir.path().join(format!("{name}-parts"));
+        let reports = run_in_parts(&prompts, &parted, &extra, 3);
+        // 22 prompts in shards of 4: 6 shards, two a part.
+        let shards: Vec<_> = reports.iter().map(|r| r["shards"].clone()).collect();
+        assert_eq!(
+            shards,
+            [
+                serde_json::json!([0, 2]),
+                serde_json::json!([2, 4]),
+                serde_json::json!([4, 6])
+            ]
+        );
+        assert_eq!(output_files(&parted), output_files(&whole), "{name}");
+        let result = |out: &Path| -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap()
+        };
+        assert_eq!(result(&parted)["tokens"], result(&whole)["tokens"]);
+        // Finalize again: the same answer, nothing rewritten.
+        let mut args = run_args_with(&prompts, &parted, &extra);
+        args[0] = "finalize".into();
+        let again = harvester().args(&args).output().unwrap();
+        assert!(again.status.success());
+        assert_eq!(
+            output_files(&parted),
+            output_files(&whole),
+            "{name} after a second finalize"
+        );
+    }
+}
+
+#[test]
+fn a_killed_part_reruns_from_its_records_and_the_job_finalizes_to_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = parts_prompts(dir.path());
+    let whole = dir.path().join("whole");
+    let status = harvester()
+        .args(run_args_with(&prompts, &whole, &[]))
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let parted = dir.path().join("parts");
+    // Part 0 of 2 (shards 0-2) is killed once it has recorded a shard.
+    let mut child = harvester()
+        .args(run_args_with(&prompts, &parted, &[]))
+        .args(["--part", "0/2"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_dir(parted.join("partial")).map_or(0, |d| d.count()) < 1 {
+        assert!(Instant::now() < deadline, "no shard was recorded in time");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the part finished before it could be killed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Finalize now refuses, naming what is missing.
+    let mut finalize = run_args_with(&prompts, &parted, &[]);
+    finalize[0] = "finalize".into();
+    let early = harvester().args(&finalize).output().unwrap();
+    assert_eq!(early.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&early.stderr);
+    assert!(
+        stderr.contains("of the job's 6 shards are not written yet"),
+        "{stderr}"
+    );
+    assert!(!parted.join("manifest.json").exists());
+    let reports = run_in_parts(&prompts, &parted, &[], 2);
+    assert!(
+        reports[0]["resumed"].as_u64().unwrap() >= 1,
+        "{:?}",
+        reports[0]
+    );
+    assert_eq!(output_files(&parted), output_files(&whole));
+}
+
+#[test]
+fn parts_refuse_the_norm_filter_whose_median_spans_the_whole_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = parts_prompts(dir.path());
+    let out = dir.path().join("out");
+    let output = harvester()
+        .args(run_args_with(&prompts, &out, &["--max-norm-multiple", "2"]))
+        .args(["--part", "0/2"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("max_norm_multiple"));
+    let (code, stderr) = exit_of(&["run", "--part", "2/2"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("INDEX/COUNT"), "{stderr}");
 }

@@ -55,6 +55,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             s3: Default::default(),
             spill_dir: None,
             pipeline_stages: None,
+            part: None,
         },
     )
     .unwrap();

@@ -39,7 +39,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use harvest_core::format::{Contents, Manifest};
 use harvest_core::layout::Layout;
-use harvest_core::plan::{shard_count, shard_file_name, shard_prompts};
+use harvest_core::plan::{Part, shard_count, shard_file_name, shard_prompts};
+use harvest_core::worker::PartResult;
 use harvest_core::{HarvestPlan, RawPlan, ResolvedPlan};
 use rayon::prelude::*;
 
@@ -86,6 +87,8 @@ pub struct RunOptions {
     /// Split the model's blocks into this many pipeline stages, each on its own thread and
     /// device (`pipeline/staged.rs`); `None` runs one backend.
     pub pipeline_stages: Option<usize>,
+    /// Run only this part of the job's shards ([`run_part`]); `None` runs them all.
+    pub part: Option<Part>,
 }
 
 /// What runs the forward pass: one backend, or a chain of pipeline stages.
@@ -115,6 +118,8 @@ struct Job<'a> {
     slots: usize,
     width: usize,
     n_shards: usize,
+    /// The shards this process runs: all of them, or one part's.
+    shards: std::ops::Range<usize>,
     /// Ids the tokenizer marks special, ascending.
     special_ids: Vec<u32>,
 }
@@ -217,6 +222,26 @@ impl PlanSource {
 /// `harvester run` as a supervisor sees it: reads and validates the plan, picks the device, runs
 /// the harvest, and answers what the worker protocol says the process reports.
 pub fn run_source(source: &PlanSource, options: &RunOptions) -> Termination {
+    with_plan(source, options, |plan, options| match options.part {
+        Some(part) => run_part(plan, options, part).map(Termination::Part),
+        None => run(plan, options).map(Termination::Done),
+    })
+}
+
+/// `harvester finalize` as a supervisor sees it (see [`finalize`]).
+pub fn finalize_source(source: &PlanSource, options: &RunOptions) -> Termination {
+    with_plan(source, options, |plan, options| {
+        finalize(plan, options).map(Termination::Done)
+    })
+}
+
+/// Reads and validates the plan, picks the device, and turns `act`'s outcome into the worker
+/// protocol's termination.
+fn with_plan(
+    source: &PlanSource,
+    options: &RunOptions,
+    act: impl FnOnce(&HarvestPlan, &RunOptions) -> Result<Termination>,
+) -> Termination {
     let raw = match source.read() {
         Ok(raw) => raw,
         Err(message) => return result::bad_input(&message),
@@ -227,81 +252,194 @@ pub fn run_source(source: &PlanSource, options: &RunOptions) -> Termination {
             device,
             ..options.clone()
         };
-        run(&plan, &options)
+        act(&plan, &options)
     });
-    result::termination(outcome.as_ref())
+    result::termination(outcome)
 }
 
 /// Runs a harvest to completion (or resumes one), returning its result.
 pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let (runtime, load_start) = (io_runtime()?, Instant::now());
+    let ready = match prepare(&as_run(plan, options.device), options, &runtime)? {
+        Prepared::Finished(result) => return Ok(result),
+        Prepared::Ready(ready) => *ready,
+    };
+    let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let (fresh, timings) = harvest(&ready, options, all, (&runtime, load_start))?;
+    close(ready, fresh, timings, options, &runtime)
+}
+
+/// Runs part `part` of a job (`harvester run --part I/N`): its shards and their records, which
+/// `finalize` closes once every part has run. A rerun resumes; a finished job has nothing to do.
+pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<PartResult> {
+    let (runtime, load_start) = (io_runtime()?, Instant::now());
+    let prepared = prepare(&as_run(plan, options.device), options, &runtime)?;
+    let ready = match prepared {
+        Prepared::Finished(result) => {
+            let shards = part.shards(result.n_shards);
+            return Ok(part_result(part, &shards, 0, shards.len(), 0));
+        }
+        Prepared::Ready(ready) => *ready,
+    };
+    if part.count() > 1 && ready.plan.selection.max_norm_multiple.is_some() {
+        return Err(Error::BadParts {
+            reason: "max_norm_multiple compares each token with the running median of every token before it, which one part cannot know: run the job as one part".into(),
+        });
+    }
+    let shards = part.shards(shard_count(ready.encoded.len(), ready.plan.shard_size));
+    let resumed = shards
+        .clone()
+        .filter(|s| ready.resumed.contains_key(s))
+        .count();
+    let (fresh, _) = harvest(&ready, options, shards.clone(), (&runtime, load_start))?;
+    let tokens = fresh
+        .iter()
+        .map(|r| r.token_counts.iter().sum::<usize>() as u64)
+        .sum();
+    Ok(part_result(part, &shards, fresh.len(), resumed, tokens))
+}
+
+fn part_result(
+    part: Part,
+    shards: &std::ops::Range<usize>,
+    written: usize,
+    resumed: usize,
+    tokens: u64,
+) -> PartResult {
+    PartResult {
+        part: part.to_string(),
+        shards: [shards.start, shards.end],
+        written,
+        resumed,
+        tokens,
+    }
+}
+
+/// Closes a job whose parts have all run (`harvester finalize`): statistics, manifest and
+/// result from every part's records, byte for byte what one run would write. Idempotent: a
+/// closed job answers its result again. Refuses, naming them, when shards are missing.
+pub fn finalize(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
+    let runtime = io_runtime()?;
+    let ready = match prepare(&as_run(plan, options.device), options, &runtime)? {
+        Prepared::Finished(result) => return Ok(result),
+        Prepared::Ready(ready) => *ready,
+    };
+    let n_shards = shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let missing: Vec<usize> = (0..n_shards)
+        .filter(|s| !ready.resumed.contains_key(s))
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::PartsMissing {
+            missing: missing.len(),
+            of: n_shards,
+            first: missing[0],
+        });
+    }
+    close(ready, Vec::new(), Timings::default(), options, &runtime)
+}
+
+fn io_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| Error::io("starting", "the I/O runtime", e))?;
-    let load_start = Instant::now();
-    let plan = &as_run(plan, options.device);
-    let prepared = match prepare(plan, options, &runtime)? {
-        Prepared::Finished(result) => return Ok(result),
-        Prepared::Ready(prepared) => prepared,
-    };
-    let Ready {
-        plan,
-        config,
-        store,
-        encoded,
-        directions,
-        tokenizer,
-        fingerprint,
-        resumed,
-    } = *prepared;
-    let (contents, spec) = capture_spec(&plan, directions);
-    let width = spec.width(config.hidden_size);
-    let progress = Progress::new(options.progress, encoded.len());
-    let engine = open_engine((&plan, &encoded), spec, options, width, &progress)?;
-    let load_s = load_start.elapsed().as_secs_f64();
+        .map_err(|e| Error::io("starting", "the I/O runtime", e))
+}
 
-    let job = Job {
-        plan: &plan,
-        encoded: &encoded,
+/// The job as the forward and assembly stages see it.
+fn job_of<'a>(
+    ready: &'a Ready,
+    contents: Contents,
+    width: usize,
+    shards: std::ops::Range<usize>,
+) -> Job<'a> {
+    let plan = &ready.plan;
+    Job {
+        plan,
+        encoded: &ready.encoded,
         contents,
-        fingerprint: &fingerprint,
-        bos_id: tokenizer.bos_id(),
+        fingerprint: &ready.fingerprint,
+        bos_id: ready.tokenizer.bos_id(),
         layers: plan.layers.len(),
         slots: plan.sites.len() * plan.layers.len(),
         width,
-        n_shards: shard_count(encoded.len(), plan.shard_size),
-        special_ids: tokenizer.special_ids(),
-    };
-    let resumed_shards = resumed.len();
-    let StageOutcome {
-        records: fresh,
-        forward_s,
-        save_s,
-        upload_s,
-    } = run_stages(&job, engine, &resumed, &store, &runtime, &progress)?;
+        n_shards: shard_count(ready.encoded.len(), plan.shard_size),
+        shards,
+        special_ids: ready.tokenizer.special_ids(),
+    }
+}
+
+/// Loads the model and runs the not yet recorded shards of `shards`; returns their records and
+/// the timings (`started`: the I/O runtime and when loading began).
+fn harvest(
+    ready: &Ready,
+    options: &RunOptions,
+    shards: std::ops::Range<usize>,
+    (runtime, load_start): (&tokio::runtime::Runtime, Instant),
+) -> Result<(Vec<ShardRecord>, Timings)> {
+    let (contents, spec) = capture_spec(&ready.plan, ready.directions.clone());
+    let width = spec.width(ready.config.hidden_size);
+    let todo = shards.clone().filter(|s| !ready.resumed.contains_key(s));
+    let prompts: usize = todo
+        .map(|s| shard_prompts(s, ready.plan.shard_size, ready.encoded.len()).len())
+        .sum();
+    let progress = Progress::new(options.progress, prompts);
+    let engine = open_engine(
+        (&ready.plan, &ready.encoded),
+        spec,
+        options,
+        width,
+        &progress,
+    )?;
+    let load_s = load_start.elapsed().as_secs_f64();
+    let job = job_of(ready, contents, width, shards);
+    let outcome = run_stages(
+        &job,
+        engine,
+        &ready.resumed,
+        &ready.store,
+        runtime,
+        &progress,
+    )?;
     progress.finish();
-    let mut records: BTreeMap<usize, ShardRecord> = resumed.into_iter().collect();
+    let timings = Timings {
+        load_s,
+        forward_s: outcome.forward_s,
+        save_s: outcome.save_s,
+        upload_s: outcome.upload_s,
+    };
+    Ok((outcome.records, timings))
+}
+
+/// Merges the earlier runs' records with `fresh` ones and commits the job.
+fn close(
+    ready: Ready,
+    fresh: Vec<ShardRecord>,
+    timings: Timings,
+    options: &RunOptions,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<RunResult> {
+    let (contents, spec) = capture_spec(&ready.plan, ready.directions.clone());
+    let width = spec.width(ready.config.hidden_size);
+    let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let job = job_of(&ready, contents, width, all);
+    let resumed_shards = ready.resumed.len();
+    let mut records: BTreeMap<usize, ShardRecord> = ready.resumed.clone();
     records.extend(fresh.into_iter().map(|r| (r.shard, r)));
     let closing = Closing {
         job: &job,
-        config: &config,
+        config: &ready.config,
         records: &records,
         model_name: options
             .model_name
             .clone()
-            .unwrap_or_else(|| dir_name(&plan.model)),
-        max_tokens: tokenizer.max_tokens(),
-        timings: Timings {
-            load_s,
-            forward_s,
-            save_s,
-            upload_s,
-        },
+            .unwrap_or_else(|| dir_name(&ready.plan.model)),
+        max_tokens: ready.tokenizer.max_tokens(),
+        timings,
         resumed_shards,
         spill_dir: options.spill_dir.clone(),
     };
-    commit(&closing, &store, &runtime)
+    commit(&closing, &ready.store, runtime)
 }
 
 /// The plan as `device` runs it: the CUDA engine computes in bf16 whatever the plan asks, and
@@ -787,7 +925,7 @@ fn forward_stage(
         .sum();
     let mut batch = Batch::default();
     let mut members = Vec::new();
-    for shard in (0..job.n_shards).filter(|s| !resumed.contains_key(s)) {
+    for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
         let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
         let last = range.end - 1;
         for index in range {

@@ -8,9 +8,9 @@ pub use harvest_core::worker::{RESULT_FILE, RunResult, Termination, Timings};
 use crate::error::Error;
 
 /// The termination message for an outcome: the result, or the error with its exit code.
-pub fn termination(outcome: Result<&RunResult, &Error>) -> Termination {
+pub fn termination(outcome: Result<Termination, Error>) -> Termination {
     match outcome {
-        Ok(result) => Termination::Done(result.clone()),
+        Ok(done) => done,
         Err(error) => failure(error.kind(), &error.to_string()),
     }
 }
@@ -37,7 +37,7 @@ mod tests {
             source_name: "p.jsonl".into(),
             reason: "é".repeat(5000),
         };
-        let message = termination(Err(&error)).to_message();
+        let message = termination(Err(error)).to_message();
         assert!(message.len() <= TERMINATION_MESSAGE_LIMIT);
         let Some(Termination::Failed(failure)) = Termination::parse(&message) else {
             panic!("{message}");

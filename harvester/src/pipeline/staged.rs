@@ -209,7 +209,7 @@ fn feed(
     let budget = job.plan.batch_tokens.get();
     let (mut batch, mut x) = spare.recv().map_err(|_| lost())?;
     let mut members = Vec::new();
-    for shard in (0..job.n_shards).filter(|s| !resumed.contains_key(s)) {
+    for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
         let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
         let last = range.end - 1;
         for index in range {
