@@ -141,6 +141,7 @@ mod tests {
                     lane: harvest_core::quota::Lane::Small,
                     estimated_bytes: 0,
                     estimated_ms: None,
+                    parallelism: 1,
                 },
             };
             Self {

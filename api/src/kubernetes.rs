@@ -256,6 +256,12 @@ impl JobBackend for KubeBackend {
         submission: &Submission,
         _model: &CatalogueModel,
     ) -> Result<(), ApiError> {
+        if submission.parallelism > 1 {
+            return Err(ApiError::invalid(format!(
+                "parallelism {} is not offered on the Kubernetes backend yet: omit it, and one worker Pod runs the job",
+                submission.parallelism
+            )));
+        }
         // Just after start the caches may not have listed yet; the pre-check needs them.
         let mut changes = self.changes();
         let deadline = tokio::time::Instant::now() + CACHE_WAIT;
@@ -697,6 +703,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             lane: job_lane(job),
             estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
             estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
+            parallelism: 1,
         },
     }
 }

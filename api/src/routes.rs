@@ -245,6 +245,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
             lane: submission.lane,
             estimated_bytes: estimate.bytes,
             estimated_ms: estimate.seconds.map(|s| (s * 1000.0).round() as u64),
+            parallelism: submission.parallelism,
         },
     }
 }

@@ -89,6 +89,9 @@ pub struct JobSpec {
     /// (none when nothing was measured yet).
     #[serde(default)]
     pub estimated_ms: Option<u64>,
+    /// Harvester processes the job runs in (1 for jobs stored before parallelism was).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub parallelism: usize,
 }
 
 /// A job row.
@@ -126,6 +129,14 @@ pub struct JobRecord {
     pub progress: Option<Progress>,
     /// How to run it.
     pub spec: JobSpec,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// What the harvester reported for a done job (its result.json, less the links).
@@ -327,6 +338,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
             lane: Lane::Small,
             estimated_bytes: 0,
             estimated_ms: None,
+            parallelism: 1,
         },
     };
     Ok((record, row.get(12)?, row.get(14)?, row.get(15)?))
@@ -907,6 +919,7 @@ mod tests {
                 lane: Lane::Small,
                 estimated_bytes: 0,
                 estimated_ms: None,
+                parallelism: 1,
             },
         }
     }

@@ -90,7 +90,15 @@ pub struct HarvestRequest {
     /// no job made and no quota used.
     #[serde(default)]
     pub dry_run: Option<bool>,
+    /// Our extension: run the job as this many harvester processes at once, each on its own
+    /// share of the shards (1, the default, to 16, and at most the job's shards); the files are
+    /// byte for byte those of one process. Embedded backend only for now.
+    #[serde(default)]
+    pub parallelism: Option<usize>,
 }
+
+/// Most harvester processes one job may run at once.
+pub const MAX_PARALLELISM: usize = 16;
 
 /// Projection directions as sent: a raw little-endian buffer in base64.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -138,6 +146,8 @@ pub struct Submission {
     pub reserved_tokens: u64,
     /// The model's lane.
     pub lane: Lane,
+    /// Harvester processes to run the job in.
+    pub parallelism: usize,
 }
 
 impl HarvestRequest {
@@ -161,6 +171,7 @@ impl HarvestRequest {
             rows_per_file,
             precision,
             dry_run: _,
+            parallelism,
         } = self;
         check_prompt_count(prompts.len())?;
         let layers = model
@@ -198,6 +209,8 @@ impl HarvestRequest {
             .map_or(Ok(Precision::F32), str::parse::<Precision>)
             .map_err(ApiError::invalid)?;
         let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
+        let shards = prompts.len().div_ceil(shard_size.get());
+        let parallelism = check_parallelism(parallelism, shards, &selection)?;
         Ok(Submission {
             model: name,
             prompts,
@@ -211,8 +224,33 @@ impl HarvestRequest {
             directions,
             reserved_tokens,
             lane: model.lane,
+            parallelism,
         })
     }
+}
+
+/// The processes a job runs in: 1 to [`MAX_PARALLELISM`], at most its `shards`, and 1 with the
+/// norm filter (its running median spans the corpus in order).
+fn check_parallelism(
+    parallelism: Option<usize>,
+    shards: usize,
+    selection: &TokenSelection,
+) -> Result<usize, ApiError> {
+    let Some(wanted) = parallelism else {
+        return Ok(1);
+    };
+    let wanted = bounded("parallelism", wanted, MAX_PARALLELISM)?.get();
+    if wanted > shards {
+        return Err(ApiError::invalid(format!(
+            "parallelism {wanted} is more than the job's {shards} shards: use at most {shards}, or a smaller shard_size"
+        )));
+    }
+    if wanted > 1 && selection.max_norm_multiple.is_some() {
+        return Err(ApiError::invalid(
+            "parallelism above 1 cannot be combined with max_norm_multiple, whose running median spans the corpus in order: drop one of them",
+        ));
+    }
+    Ok(wanted)
 }
 
 /// 1 to [`MAX_PROMPTS`] prompts, or the error that says what to do.

@@ -306,8 +306,9 @@ impl Workers {
             .deadline
             .map(|d| tokio::time::Instant::now() + d);
         for attempt in 1..=self.config.attempts.max(1) {
+            let parts = job.spec.parallelism;
             match self
-                .attempt(id, &job.model, &paths, stop_rx, deadline)
+                .attempt(id, (&job.model, parts), &paths, stop_rx, deadline)
                 .await?
             {
                 Ended::Exited(status, _) if retryable(status) && attempt < self.config.attempts => {
@@ -330,22 +331,60 @@ impl Workers {
         Ok(())
     }
 
-    /// One run of the job's harvester.
+    /// One run of the job: its harvester, or with `parts` above 1 that many harvesters on
+    /// their shares of the shards and then `harvester finalize`.
     async fn attempt(
         &self,
         id: &str,
-        model: &str,
+        (model, parts): (&str, usize),
         paths: &JobPaths,
         stop_rx: &mut oneshot::Receiver<Stop>,
         deadline: Option<tokio::time::Instant>,
     ) -> Result<Ended, WorkerError> {
-        let mut child = self.command(model, paths).spawn()?;
-        tracing::info!(job = %id, pid = child.id(), "worker started");
-        let reader = tokio::spawn(read_progress(
-            child.stderr.take(),
-            Arc::clone(&self.store),
-            id.to_owned(),
-        ));
+        // A termination log left by an earlier run would describe that run instead.
+        let _ = std::fs::remove_file(termination_log(paths));
+        if parts <= 1 {
+            return self
+                .supervise(id, model, paths, &[Role::Whole], stop_rx, deadline)
+                .await;
+        }
+        let roles: Vec<Role> = (0..parts).map(|i| Role::Part(i, parts)).collect();
+        match self
+            .supervise(id, model, paths, &roles, stop_rx, deadline)
+            .await?
+        {
+            Ended::Exited(status, _) if status.success() => {
+                self.supervise(id, model, paths, &[Role::Finalize], stop_rx, deadline)
+                    .await
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Runs one harvester per role at once until all have exited (the first failure, or the
+    /// last success, is the ending), the job is stopped, or its deadline passes.
+    async fn supervise(
+        &self,
+        id: &str,
+        model: &str,
+        paths: &JobPaths,
+        roles: &[Role],
+        stop_rx: &mut oneshot::Receiver<Stop>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Ended, WorkerError> {
+        let tally = Arc::new(Tally::new(roles.len()));
+        let (mut children, mut readers) = (Vec::new(), Vec::new());
+        for (slot, role) in roles.iter().enumerate() {
+            let mut child = self.command(model, paths, *role, roles.len()).spawn()?;
+            tracing::info!(job = %id, pid = child.id(), role = %role, "worker started");
+            let (store, id, tally) = (Arc::clone(&self.store), id.to_owned(), Arc::clone(&tally));
+            readers.push(tokio::spawn(read_progress(
+                child.stderr.take(),
+                (store, id),
+                (tally, slot),
+            )));
+            children.push(child);
+        }
         let past_deadline = async {
             match deadline {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -353,17 +392,42 @@ impl Workers {
             }
         };
         let ended = tokio::select! {
-            status = child.wait() => Ended::Exited(status?, None),
+            statuses = wait_all(&mut children) => Some(statuses?),
             // A dropped sender means the pool is gone: stop as for a shutdown.
-            why = &mut *stop_rx => Ended::Stopped(why.unwrap_or(Stop::Shutdown)),
-            () = past_deadline => Ended::PastDeadline,
+            why = &mut *stop_rx => return Ok(self.stop_all(&mut children, readers, Ended::Stopped(why.unwrap_or(Stop::Shutdown))).await),
+            () = past_deadline => None,
         };
-        if let Ended::Exited(status, _) = ended {
-            return Ok(Ended::Exited(status, reader.await.ok().flatten()));
+        let Some(statuses) = ended else {
+            return Ok(self
+                .stop_all(&mut children, readers, Ended::PastDeadline)
+                .await);
+        };
+        let failed = statuses.iter().position(|s| !s.success());
+        let slot = failed.unwrap_or(statuses.len() - 1);
+        let mut last_lines = Vec::with_capacity(readers.len());
+        for reader in readers {
+            last_lines.push(reader.await.ok().flatten());
         }
-        terminate(&mut child).await;
-        reader.abort();
-        Ok(ended)
+        let words = roles[slot]
+            .failure(paths)
+            .or_else(|| last_lines.swap_remove(slot));
+        Ok(Ended::Exited(statuses[slot], words))
+    }
+
+    /// Terminates every child of a stopped attempt and ends it as `ended`.
+    async fn stop_all(
+        &self,
+        children: &mut [tokio::process::Child],
+        readers: Vec<tokio::task::JoinHandle<Option<String>>>,
+        ended: Ended,
+    ) -> Ended {
+        for child in children.iter_mut() {
+            terminate(child).await;
+        }
+        for reader in readers {
+            reader.abort();
+        }
+        ended
     }
 
     /// Fails a job that ran past its deadline.
@@ -379,16 +443,23 @@ impl Workers {
         self.record(id, JobEvent::Failed, outcome).await
     }
 
-    /// The `harvester run` of a job, its progress on stderr as JSON lines.
-    fn command(&self, model: &str, paths: &JobPaths) -> Command {
+    /// The harvester of one role of a job, its progress on stderr as JSON lines; `of` is how
+    /// many run at once, which share the threads.
+    fn command(&self, model: &str, paths: &JobPaths, role: Role, of: usize) -> Command {
         let mut command = Command::new(&self.config.harvester);
+        command.arg(match role {
+            Role::Whole | Role::Part(..) => "run",
+            Role::Finalize => "finalize",
+        });
+        if let Role::Part(index, count) = role {
+            command.args(["--part", &format!("{index}/{count}")]);
+        }
         command
-            .arg("run")
             .arg("--plan")
             .arg(paths.input().join("plan.json"))
             .args(["--progress", "json", "--model-name", model])
             .arg("--termination-log")
-            .arg(termination_log(paths))
+            .arg(role.termination_log(paths))
             .env_clear()
             .envs(
                 PASSED_ENV
@@ -400,8 +471,12 @@ impl Workers {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        if let Some(threads) = self.config.threads {
-            command.env("HARVEST_THREADS", threads.to_string());
+        let threads = self.config.threads.or_else(|| {
+            // Parts share the machine's cores.
+            (of > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        });
+        if let Some(threads) = threads {
+            command.env("HARVEST_THREADS", (threads / of).max(1).to_string());
         }
         command
     }
@@ -488,6 +563,93 @@ impl Workers {
     }
 }
 
+/// What one harvester of a job does.
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    /// The whole job.
+    Whole,
+    /// Part `index` of `count`.
+    Part(usize, usize),
+    /// Closing a job run in parts.
+    Finalize,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Whole => write!(f, "whole"),
+            Self::Part(index, count) => write!(f, "part {index}/{count}"),
+            Self::Finalize => write!(f, "finalize"),
+        }
+    }
+}
+
+impl Role {
+    /// Where it writes its termination message: the job's, or for a part its own.
+    fn termination_log(self, paths: &JobPaths) -> PathBuf {
+        match self {
+            Self::Part(index, _) => paths.root.join(format!("termination-part-{index}.log")),
+            Self::Whole | Self::Finalize => termination_log(paths),
+        }
+    }
+
+    /// A failed part's own words, from its termination message (the job's termination log is
+    /// then absent, and the job's failure reads them).
+    fn failure(self, paths: &JobPaths) -> Option<String> {
+        let Self::Part(..) = self else { return None };
+        let text = std::fs::read_to_string(self.termination_log(paths)).ok()?;
+        match Termination::parse(&text)? {
+            Termination::Failed(failure) => Some(format!("{self}: {}", failure.error)),
+            _ => None,
+        }
+    }
+}
+
+/// The latest progress of each harvester of a job, summed into the job's.
+#[derive(Debug)]
+struct Tally(Mutex<Vec<Option<Progress>>>);
+
+impl Tally {
+    fn new(harvesters: usize) -> Self {
+        Self(Mutex::new(vec![None; harvesters]))
+    }
+
+    /// Records harvester `slot`'s progress; returns the job's: loading while any loads.
+    fn record(&self, slot: usize, progress: Progress) -> Progress {
+        let mut all = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(entry) = all.get_mut(slot) {
+            *entry = Some(progress);
+        }
+        let known: Vec<&Progress> = all.iter().flatten().collect();
+        let loading = known.iter().any(|p| p.phase == "loading");
+        let bytes = |f: fn(&Progress) -> Option<u64>| {
+            loading.then(|| known.iter().filter_map(|p| f(p)).sum())
+        };
+        Progress {
+            phase: if loading { "loading" } else { "running" }.to_owned(),
+            bytes_loaded: bytes(|p| p.bytes_loaded),
+            bytes_total: bytes(|p| p.bytes_total),
+            prompts_done: known.iter().map(|p| p.prompts_done).sum(),
+            prompts_total: known.iter().map(|p| p.prompts_total).sum(),
+            tokens_done: known.iter().map(|p| p.tokens_done).sum(),
+        }
+    }
+}
+
+/// Waits for every child to exit, in order.
+async fn wait_all(
+    children: &mut [tokio::process::Child],
+) -> std::io::Result<Vec<std::process::ExitStatus>> {
+    let mut statuses = Vec::with_capacity(children.len());
+    for child in children.iter_mut() {
+        statuses.push(child.wait().await?);
+    }
+    Ok(statuses)
+}
+
 /// Where a job's harvester writes its termination message.
 fn termination_log(paths: &JobPaths) -> PathBuf {
     paths.root.join("termination.log")
@@ -511,19 +673,20 @@ fn log_message(line: &str) -> &str {
 /// Longest last log line kept for a failure message.
 const LAST_LINE_CHARS: usize = 1000;
 
-/// Records each progress line of a harvester's stderr in the store; returns the last other
-/// line (its final error, when it could not write a termination log).
+/// Records each progress line of a harvester's stderr in the store, summed over the job's
+/// harvesters (`slot` of the tally); returns the last other line (its final error, when it
+/// could not write a termination log).
 async fn read_progress(
     stderr: Option<tokio::process::ChildStderr>,
-    store: Arc<Store>,
-    id: String,
+    (store, id): (Arc<Store>, String),
+    (tally, slot): (Arc<Tally>, usize),
 ) -> Option<String> {
     let mut lines = BufReader::new(stderr?).lines();
     let mut last = None;
     while let Ok(Some(line)) = lines.next_line().await {
         if let Some(event) = ProgressEvent::parse_line(&line) {
             let (store, id) = (Arc::clone(&store), id.clone());
-            let progress = Progress::from(&event);
+            let progress = tally.record(slot, Progress::from(&event));
             let _ = tokio::task::spawn_blocking(move || store.set_progress(&id, &progress)).await;
         } else if !line.trim().is_empty() {
             last = Some(line.chars().take(LAST_LINE_CHARS).collect());

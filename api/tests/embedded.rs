@@ -374,3 +374,88 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
         "an unfinished request was served"
     );
 }
+
+/// Every file of a done job (manifest, stats, shards), fetched through its links.
+fn job_files(job: &serde_json::Value) -> Vec<Vec<u8>> {
+    let result = &job["result"];
+    let mut urls = vec![result["manifest_url"].clone(), result["stats_url"].clone()];
+    urls.extend(result["shard_urls"].as_array().unwrap().iter().cloned());
+    urls.iter()
+        .map(|url| reqwest::blocking_get(url.as_str().unwrap()).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_job_run_as_three_harvesters_writes_the_bytes_of_one_and_is_charged_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    let prompts: Vec<String> = (0..14)
+        .map(|i| {
+            format!(
+                "Parallel prompt {i}: {}",
+                "the residual stream ".repeat(1 + i % 6)
+            )
+        })
+        .collect();
+    let submit = |parallelism: Option<usize>| {
+        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": [3, 17], "shard_size": 3});
+        if let Some(n) = parallelism {
+            body["parallelism"] = json!(n);
+        }
+        let (status, job) = request(
+            "POST",
+            &format!("{}/v1/harvest", server.base),
+            &key,
+            Some(body),
+        );
+        assert_eq!(status, 202, "{job}");
+        let id = job["job_id"].as_str().unwrap().to_owned();
+        wait_for(&server, &key, &id, |j| {
+            j["status"] == "done" || j["status"] == "failed"
+        })
+    };
+    let one = submit(None);
+    let three = submit(Some(3));
+    assert_eq!(three["status"], "done", "{three}");
+    // It did run as three: each part left its termination message beside the job's.
+    let job_dir = dir
+        .path()
+        .join("data/jobs")
+        .join(three["job_id"].as_str().unwrap());
+    for part in 0..3 {
+        let log = job_dir.join(format!("termination-part-{part}.log"));
+        let text =
+            std::fs::read_to_string(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        assert!(text.contains(&format!("\"part\":\"{part}/3\"")), "{text}");
+    }
+    assert_eq!(three["tokens"], one["tokens"]);
+    assert_eq!(job_files(&three), job_files(&one));
+    // More processes than shards, or with the norm filter, is refused by name.
+    for (extra, named) in [
+        (json!({"parallelism": 6}), "more than the job's 5 shards"),
+        (
+            json!({"parallelism": 2, "max_norm_multiple": 3.0}),
+            "max_norm_multiple",
+        ),
+        (
+            json!({"parallelism": 0}),
+            "parallelism must be between 1 and 16",
+        ),
+    ] {
+        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "shard_size": 3});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, answer) = request(
+            "POST",
+            &format!("{}/v1/harvest", server.base),
+            &key,
+            Some(body),
+        );
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(named), "{message}");
+    }
+}

@@ -188,7 +188,8 @@ class Client:
         Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
         ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
         (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards;
-        ``precision="bf16"`` runs the CPU engine's bf16 mode.
+        ``precision="bf16"`` runs the CPU engine's bf16 mode; ``parallelism=N`` runs the job as
+        N harvester processes on the embedded server (the files are those of one).
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
@@ -358,6 +359,7 @@ SELECTION_FIELDS = (
     "layout",
     "rows_per_file",
     "precision",
+    "parallelism",
 )
 
 

@@ -124,6 +124,17 @@ struct Job<'a> {
     special_ids: Vec<u32>,
 }
 
+impl Job<'_> {
+    /// Prompts of this process's shards that an earlier run finished.
+    fn prompts_resumed(&self, resumed: &BTreeMap<usize, ShardRecord>) -> usize {
+        resumed
+            .keys()
+            .filter(|s| self.shards.contains(s))
+            .map(|&s| shard_prompts(s, self.plan.shard_size, self.encoded.len()).len())
+            .sum()
+    }
+}
+
 struct ForwardOutput {
     prompts: Vec<usize>,
     captured: Captured,
@@ -379,8 +390,9 @@ fn harvest(
 ) -> Result<(Vec<ShardRecord>, Timings)> {
     let (contents, spec) = capture_spec(&ready.plan, ready.directions.clone());
     let width = spec.width(ready.config.hidden_size);
-    let todo = shards.clone().filter(|s| !ready.resumed.contains_key(s));
-    let prompts: usize = todo
+    // Progress counts this process's shards, those an earlier run finished included.
+    let prompts: usize = shards
+        .clone()
         .map(|s| shard_prompts(s, ready.plan.shard_size, ready.encoded.len()).len())
         .sum();
     let progress = Progress::new(options.progress, prompts);
@@ -919,10 +931,7 @@ fn forward_stage(
     let budget = job.plan.batch_tokens.get();
     let mut forward_s = 0.0;
     let mut tokens_done = 0u64;
-    let mut prompts_done: usize = resumed
-        .keys()
-        .map(|&s| shard_prompts(s, job.plan.shard_size, job.encoded.len()).len())
-        .sum();
+    let mut prompts_done = job.prompts_resumed(resumed);
     let mut batch = Batch::default();
     let mut members = Vec::new();
     for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {

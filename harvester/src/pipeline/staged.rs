@@ -63,10 +63,7 @@ pub(super) fn forward(
     progress: &Progress,
 ) -> Result<(f64, u64)> {
     let start = Instant::now();
-    let done_before: usize = resumed
-        .keys()
-        .map(|&s| shard_prompts(s, job.plan.shard_size, job.encoded.len()).len())
-        .sum();
+    let done_before = job.prompts_resumed(resumed);
     let capture = staged.capture;
     let ends = Ends {
         tx,
