@@ -459,3 +459,55 @@ fn a_job_run_as_three_harvesters_writes_the_bytes_of_one_and_is_charged_the_same
         assert!(message.contains(named), "{message}");
     }
 }
+
+#[test]
+fn a_part_killed_mid_job_is_run_again_from_its_records_and_the_job_is_charged_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    let prompts: Vec<String> = (0..24)
+        .map(|i| {
+            format!(
+                "Prompt {i}: {}",
+                "the residual stream of a language model ".repeat(12)
+            )
+        })
+        .collect();
+    let submit = |parallelism: usize| {
+        let body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": "all", "shard_size": 4, "parallelism": parallelism});
+        let (status, job) = request(
+            "POST",
+            &format!("{}/v1/harvest", server.base),
+            &key,
+            Some(body),
+        );
+        assert_eq!(status, 202, "{job}");
+        job["job_id"].as_str().unwrap().to_owned()
+    };
+    let id = submit(3);
+    wait_for(&server, &key, &id, |j| {
+        j["progress"]["prompts_done"].as_u64().unwrap_or(0) >= 4
+    });
+    let parts = harvester_pids(&id);
+    assert_eq!(parts.len(), 3, "three parts run at once: {parts:?}");
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(parts[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let done = wait_for(&server, &key, &id, |j| {
+        j["status"] != "pending" && j["status"] != "running"
+    });
+    assert_eq!(done["status"], "done", "{done}");
+    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let (_, ledger) = store.account("acme").unwrap();
+    assert_eq!(
+        ledger.tokens_today,
+        done["tokens"].as_u64().unwrap(),
+        "charged once"
+    );
+    drop(store);
+    let single = submit(1);
+    let single = wait_for(&server, &key, &single, |j| j["status"] == "done");
+    assert_eq!(job_files(&done), job_files(&single));
+}
