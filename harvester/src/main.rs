@@ -276,6 +276,7 @@ enum Job {
 /// Runs a harvest (or closes one run in parts); the exit status and termination log follow the
 /// worker protocol.
 fn run_job(args: &RunArgs, job: Job) -> ExitCode {
+    exit_on_sigterm(args.termination_log.clone());
     let options = RunOptions {
         progress: args.progress,
         model_name: args.model_name.clone(),
@@ -313,6 +314,42 @@ fn run_job(args: &RunArgs, job: Job) -> ExitCode {
         }
     }
     ExitCode::from(u8::try_from(termination.exit_status().code()).unwrap_or(1))
+}
+
+/// Ends the process on SIGTERM, which is how Kubernetes stops a Pod (and, as PID 1, the
+/// harvester would otherwise ignore it until SIGKILL). Finished shards and their records are
+/// durable and a shard is stored whole or not at all, so abandoning the shard in flight is safe:
+/// the termination log says so, and the exit status is infrastructure's (3), so a supervisor
+/// runs it again and the rerun resumes.
+fn exit_on_sigterm(termination_log: Option<PathBuf>) {
+    use harvest_core::worker::{ErrorKind, RunFailure};
+    std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            let kind = tokio::signal::unix::SignalKind::terminate();
+            let Ok(mut terminate) = tokio::signal::unix::signal(kind) else {
+                tracing::warn!("cannot watch for SIGTERM; it will not stop this run cleanly");
+                return;
+            };
+            terminate.recv().await;
+            let message = "stopped by SIGTERM before it finished: a rerun resumes from the shards already written";
+            let stopped = Termination::Failed(RunFailure::new(ErrorKind::Infrastructure, message));
+            if let Some(path) = &termination_log {
+                let _ = std::fs::write(path, stopped.to_message());
+            }
+            let code = stopped.exit_status().code();
+            tracing::warn!(exit_code = code, "{message}");
+            // The binary, not a library, ends here: the main thread is inside the forward pass
+            // and has no point at which to notice a stop sooner.
+            #[allow(clippy::exit)]
+            std::process::exit(code);
+        });
+    });
 }
 
 /// Writes to stdout, ignoring a closed pipe (`harvester inspect DIR | head` is fine).

@@ -1292,3 +1292,86 @@ fn parts_refuse_the_norm_filter_whose_median_spans_the_whole_corpus() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("INDEX/COUNT"), "{stderr}");
 }
+
+#[test]
+fn sigterm_mid_run_exits_3_at_once_saying_so_and_the_rerun_resumes_to_the_same_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts: Vec<String> = (0..24)
+        .map(|i| {
+            format!(
+                "Prompt {i} about the residual stream, block by block, {}",
+                "and more ".repeat(i % 5)
+            )
+        })
+        .collect();
+    let prompts = write_prompts(dir.path(), &prompts);
+    let (reference, stopped) = (dir.path().join("reference"), dir.path().join("stopped"));
+    let status = harvester()
+        .args(run_args_with(&prompts, &reference, &[]))
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let log = dir.path().join("termination.log");
+    let mut child = harvester()
+        .args(run_args_with(&prompts, &stopped, &[]))
+        .arg("--termination-log")
+        .arg(&log)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_dir(stopped.join("partial")).map_or(0, |d| d.count()) < 1 {
+        assert!(Instant::now() < deadline, "no shard was recorded in time");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run finished before SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let sent = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(30),
+            "SIGTERM did not stop the run"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(
+        code,
+        Some(3),
+        "stopped by SIGTERM is an infrastructure ending"
+    );
+    let message: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&log).unwrap()).unwrap();
+    assert_eq!(message["kind"], "infrastructure", "{message}");
+    assert!(
+        message["error"].as_str().unwrap().contains("SIGTERM"),
+        "{message}"
+    );
+    assert!(!stopped.join("manifest.json").exists());
+    let rerun = harvester()
+        .args(run_args_with(&prompts, &stopped, &[]))
+        .output()
+        .unwrap();
+    assert!(
+        rerun.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rerun.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
+    assert!(result["resumed_shards"].as_u64().unwrap() >= 1, "{result}");
+    assert_eq!(output_files(&stopped), output_files(&reference));
+}

@@ -114,6 +114,31 @@ impl Leadership {
         }
     }
 
+    /// Gives the Lease up on a clean stop, so another replica takes it at its next round
+    /// instead of waiting out the Lease. Best effort: a failure only means the wait.
+    pub async fn release(&self) {
+        let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await else {
+            return;
+        };
+        let Some(spec) = lease.spec.as_mut() else {
+            return;
+        };
+        if spec.holder_identity.as_deref() != Some(self.me.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+        let released = self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await;
+        if let Err(error) = released {
+            tracing::warn!(%error, lease = %self.name, "could not release the Lease; the next leader waits for it to expire");
+        } else {
+            info!(lease = %self.name, identity = %self.me, "released leadership");
+        }
+    }
+
     /// One election round: true when this replica holds the Lease afterwards.
     async fn try_hold(&self) -> Result<bool> {
         let now = Timestamp::now();

@@ -135,10 +135,16 @@ pub async fn run(
         futures::join!(jobs_running, accounts_running);
     };
     let outcome = match leadership {
-        Some(leadership) => tokio::select! {
-            () = running => Ok(()),
-            lost = leadership.keep() => Err(lost),
-        },
+        Some(leadership) => {
+            let held = leadership.clone();
+            tokio::select! {
+                () = running => {
+                    held.release().await;
+                    Ok(())
+                }
+                lost = leadership.keep() => Err(lost),
+            }
+        }
         None => {
             running.await;
             Ok(())

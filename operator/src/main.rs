@@ -50,8 +50,24 @@ async fn main() -> anyhow::Result<()> {
         }),
         instance: cli.identity,
     };
+    // SIGTERM is how Kubernetes stops the Pod; SIGINT a person at a terminal.
     let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot watch for SIGTERM; only SIGINT stops the operator");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = terminate => {}
+        }
+        tracing::info!("stopping: finishing the reconciles in flight, then releasing the Lease");
     };
     harvest_operator::run(client, settings, shutdown).await?;
     Ok(())

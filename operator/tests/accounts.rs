@@ -217,3 +217,25 @@ async fn of_two_replicas_only_the_leader_acts_and_the_follower_finishes_a_job_ch
     assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
     second.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_stops_cleanly_gives_up_its_lease_at_once() {
+    let mut cluster = Cluster::start(2).await;
+    cluster.kill_operator().await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let replica = cluster.spawn_replica_until("replica-a", async {
+        let _ = stopped.await;
+    });
+    harvest_testkit::eventually("a leader", harvest_testkit::SETTLE_WITHIN, || async {
+        cluster.leader().ok_or_else(|| "none yet".to_owned())
+    })
+    .await;
+    assert_eq!(cluster.leader().as_deref(), Some("replica-a"));
+    let _ = stop.send(());
+    replica.await.unwrap().unwrap();
+    assert_eq!(
+        cluster.leader(),
+        None,
+        "the Lease is free once the leader has stopped"
+    );
+}

@@ -112,6 +112,15 @@ impl Cluster {
         &self,
         identity: &str,
     ) -> tokio::task::JoinHandle<harvest_operator::Result<()>> {
+        self.spawn_replica_until(identity, std::future::pending())
+    }
+
+    /// A replica that stops cleanly once `shutdown` resolves.
+    pub fn spawn_replica_until(
+        &self,
+        identity: &str,
+        shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+    ) -> tokio::task::JoinHandle<harvest_operator::Result<()>> {
         let settings = Settings {
             config: self.config(),
             metrics_addr: None,
@@ -126,7 +135,7 @@ impl Cluster {
         tokio::spawn(harvest_operator::run(
             self.client.clone(),
             settings,
-            std::future::pending(),
+            shutdown,
         ))
     }
 
