@@ -80,24 +80,27 @@ pub async fn run(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> Result<()> {
-    let leadership = match &settings.leader {
-        Some(leader) => Some(
-            leader::Leadership::acquire(
-                Api::<Lease>::namespaced(client.clone(), &leader.namespace),
-                &leader.lease,
-                &leader.identity,
-                leader.duration,
-            )
-            .await?,
-        ),
-        None => None,
-    };
     let controller = job_controller(&client);
     let jobs = controller.store();
     let account_controller = account_controller(&client, settings.config.api_namespace.clone());
     let metrics = metrics::Metrics::default();
+    // Health and metrics come up before the election, so a follower is Ready too.
     let metrics_task = match settings.metrics_addr {
         Some(addr) => Some(serve_metrics(addr, &metrics, &jobs).await?),
+        None => None,
+    };
+    let leadership = match &settings.leader {
+        Some(leader) => {
+            let api = Api::<Lease>::namespaced(client.clone(), &leader.namespace);
+            let (name, me) = (&leader.lease, &leader.identity);
+            match leader::Leadership::acquire(api, name, me, leader.duration).await {
+                Ok(held) => Some(held),
+                Err(error) => {
+                    metrics_task.inspect(tokio::task::JoinHandle::abort);
+                    return Err(error);
+                }
+            }
+        }
         None => None,
     };
     let reporter = Reporter {

@@ -239,3 +239,45 @@ async fn a_leader_that_stops_cleanly_gives_up_its_lease_at_once() {
         "the Lease is free once the leader has stopped"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_waiting_for_the_lease_is_ready_all_the_same() {
+    let mut cluster = Cluster::start(2).await;
+    cluster.kill_operator().await;
+    let _leader = cluster.spawn_replica("replica-a");
+    harvest_testkit::eventually("a leader", harvest_testkit::SETTLE_WITHIN, || async {
+        cluster.leader().ok_or_else(|| "none yet".to_owned())
+    })
+    .await;
+    let port = harvest_testkit::free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let _follower = cluster.spawn_replica_serving("replica-b", Some(addr), std::future::pending());
+    harvest_testkit::eventually(
+        "the follower's readyz",
+        harvest_testkit::SETTLE_WITHIN,
+        || async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stream = tokio::net::TcpStream::connect(addr)
+                .await
+                .map_err(|e| e.to_string())?;
+            let request = b"GET /readyz HTTP/1.1\r\nHost: operator\r\nConnection: close\r\n\r\n";
+            stream.write_all(request).await.map_err(|e| e.to_string())?;
+            let mut answer = String::new();
+            stream
+                .read_to_string(&mut answer)
+                .await
+                .map_err(|e| e.to_string())?;
+            if answer.starts_with("HTTP/1.1 200") {
+                Ok(())
+            } else {
+                Err(answer)
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        cluster.leader().as_deref(),
+        Some("replica-a"),
+        "still a follower"
+    );
+}

@@ -121,9 +121,19 @@ impl Cluster {
         identity: &str,
         shutdown: impl Future<Output = ()> + Send + Sync + 'static,
     ) -> tokio::task::JoinHandle<harvest_operator::Result<()>> {
+        self.spawn_replica_serving(identity, None, shutdown)
+    }
+
+    /// A replica serving its health and metrics on `metrics_addr`.
+    pub fn spawn_replica_serving(
+        &self,
+        identity: &str,
+        metrics_addr: Option<std::net::SocketAddr>,
+        shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+    ) -> tokio::task::JoinHandle<harvest_operator::Result<()>> {
         let settings = Settings {
             config: self.config(),
-            metrics_addr: None,
+            metrics_addr,
             leader: Some(harvest_operator::LeaderElection {
                 namespace: "default".into(),
                 lease: "harvest-operator".into(),
