@@ -89,19 +89,12 @@ pub async fn run(
         Some(addr) => Some(serve_metrics(addr, &metrics, &jobs).await?),
         None => None,
     };
-    let leadership = match &settings.leader {
-        Some(leader) => {
-            let api = Api::<Lease>::namespaced(client.clone(), &leader.namespace);
-            let (name, me) = (&leader.lease, &leader.identity);
-            match leader::Leadership::acquire(api, name, me, leader.duration).await {
-                Ok(held) => Some(held),
-                Err(error) => {
-                    metrics_task.inspect(tokio::task::JoinHandle::abort);
-                    return Err(error);
-                }
-            }
+    let leadership = match elect(&client, settings.leader.as_ref()).await {
+        Ok(held) => held,
+        Err(error) => {
+            metrics_task.inspect(tokio::task::JoinHandle::abort);
+            return Err(error);
         }
-        None => None,
     };
     let reporter = Reporter {
         controller: "harvest-operator".into(),
@@ -157,6 +150,20 @@ pub async fn run(
         task.abort();
     }
     outcome
+}
+
+/// Waits for the Lease when replicas elect a leader; `None` when they do not.
+async fn elect(
+    client: &Client,
+    leader: Option<&LeaderElection>,
+) -> Result<Option<leader::Leadership>> {
+    let Some(leader) = leader else {
+        return Ok(None);
+    };
+    let api = Api::<Lease>::namespaced(client.clone(), &leader.namespace);
+    leader::Leadership::acquire(api, &leader.lease, &leader.identity, leader.duration)
+        .await
+        .map(Some)
 }
 
 /// The job controller: every HarvestJob, and the worker Pods this operator labels as its own.
