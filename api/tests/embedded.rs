@@ -404,14 +404,7 @@ fn a_job_run_as_three_harvesters_writes_the_bytes_of_one_and_is_charged_the_same
         if let Some(n) = parallelism {
             body["parallelism"] = json!(n);
         }
-        let (status, job) = request(
-            "POST",
-            &format!("{}/v1/harvest", server.base),
-            &key,
-            Some(body),
-        );
-        assert_eq!(status, 202, "{job}");
-        let id = job["job_id"].as_str().unwrap().to_owned();
+        let id = submit_ok(&server, &key, body);
         wait_for(&server, &key, &id, |j| {
             j["status"] == "done" || j["status"] == "failed"
         })
@@ -466,24 +459,9 @@ fn a_part_killed_mid_job_is_run_again_from_its_records_and_the_job_is_charged_on
     let port = free_port();
     let server = start(&write_config(dir.path(), port, 1), port);
     let key = create_key(&server.config, "acme");
-    let prompts: Vec<String> = (0..24)
-        .map(|i| {
-            format!(
-                "Prompt {i}: {}",
-                "the residual stream of a language model ".repeat(12)
-            )
-        })
-        .collect();
     let submit = |parallelism: usize| {
-        let body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": "all", "shard_size": 4, "parallelism": parallelism});
-        let (status, job) = request(
-            "POST",
-            &format!("{}/v1/harvest", server.base),
-            &key,
-            Some(body),
-        );
-        assert_eq!(status, 202, "{job}");
-        job["job_id"].as_str().unwrap().to_owned()
+        let body = json!({"model": "smollm2-135m", "prompts": long_prompts(), "layers": "all", "shard_size": 4, "parallelism": parallelism});
+        submit_ok(&server, &key, body)
     };
     let id = submit(3);
     wait_for(&server, &key, &id, |j| {

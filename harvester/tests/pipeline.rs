@@ -366,6 +366,38 @@ fn output_files(out: &Path) -> Vec<(String, String)> {
     files
 }
 
+/// Runs the harvester with `args` and checks that it succeeded.
+fn run_ok<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
+    let output = harvester().args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Waits until the run `child` writes into `out` has recorded `records` shards, while it still
+/// runs.
+fn wait_for_records(child: &mut std::process::Child, out: &Path, records: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_dir(out.join("partial")).map_or(0, |d| d.count()) < records {
+        assert!(Instant::now() < deadline, "no shard was recorded in time");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run finished before it could be stopped"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The arguments of `harvester finalize` for the job `run_args_with` describes.
+fn finalize_args(prompts: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = run_args_with(prompts, out, extra);
+    args[0] = "finalize".into();
+    args
+}
+
 #[test]
 fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() {
     killed_and_resumed(&[]);
@@ -408,30 +440,13 @@ fn killed_and_resumed(extra: &[&str]) {
     let prompts_path = write_prompts(dir.path(), &prompts);
     let (reference, resumed) = (dir.path().join("reference"), dir.path().join("resumed"));
 
-    let status = harvester()
-        .args(run_args(&prompts_path, &reference))
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    run_ok(&run_args(&prompts_path, &reference));
 
     let mut child = harvester()
         .args(run_args(&prompts_path, &resumed))
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let partial = resumed.join("partial");
-    while std::fs::read_dir(&partial).map_or(0, |d| d.count()) < 2 {
-        assert!(Instant::now() < deadline, "no shard was recorded in time");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run finished before it could be killed"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_records(&mut child, &resumed, 2);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -439,15 +454,7 @@ fn killed_and_resumed(extra: &[&str]) {
         "a killed run has no manifest"
     );
 
-    let second = harvester()
-        .args(run_args(&prompts_path, &resumed))
-        .output()
-        .unwrap();
-    assert!(
-        second.status.success(),
-        "{}",
-        String::from_utf8_lossy(&second.stderr)
-    );
+    let second = run_ok(&run_args(&prompts_path, &resumed));
     let result: serde_json::Value = serde_json::from_slice(&second.stdout).unwrap();
     let resumed_shards = result["resumed_shards"].as_u64().unwrap();
     assert!(
@@ -983,16 +990,9 @@ fn one_two_and_three_cpu_pipeline_stages_write_the_bytes_one_backend_writes() {
     let prompts = write_prompts(dir.path(), &prompts);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.path().join(name);
-        let status = harvester()
-            .args(run_args_with(&prompts, &out, extra))
-            .args(["--sites", "resid_pre,mlp_out,resid_post"])
-            .output()
-            .unwrap();
-        assert!(
-            status.status.success(),
-            "{}",
-            String::from_utf8_lossy(&status.stderr)
-        );
+        let mut args = run_args_with(&prompts, &out, extra);
+        args.extend(["--sites".into(), "resid_pre,mlp_out,resid_post".into()]);
+        run_ok(&args);
         output_files(&out)
     };
     let single = run("single", &[]);
@@ -1078,12 +1078,7 @@ fn a_run_reports_the_weight_bytes_it_reads_before_its_first_batch() {
     let mut args = run_args_with(&prompts, &out, &[]);
     let mode = args.iter().position(|a| a == "--progress").unwrap();
     args[mode + 1] = "json".into();
-    let output = harvester().args(args).output().unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output = run_ok(&args);
     let events: Vec<harvest_core::worker::ProgressEvent> = String::from_utf8_lossy(&output.stderr)
         .lines()
         .filter_map(harvest_core::worker::ProgressEvent::parse_line)
@@ -1139,14 +1134,7 @@ fn run_in_parts(
             serde_json::from_slice(&output.stdout).unwrap()
         })
         .collect();
-    let mut args = run_args_with(prompts, out, extra);
-    args[0] = "finalize".into();
-    let closed = harvester().args(&args).output().unwrap();
-    assert!(
-        closed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&closed.stderr)
-    );
+    run_ok(&finalize_args(prompts, out, extra));
     reports
 }
 
@@ -1184,15 +1172,7 @@ fn a_job_run_in_three_parts_at_once_and_finalized_writes_the_bytes_of_one_run() 
         ),
     ] {
         let whole = dir.path().join(format!("{name}-whole"));
-        let status = harvester()
-            .args(run_args_with(&prompts, &whole, &extra))
-            .output()
-            .unwrap();
-        assert!(
-            status.status.success(),
-            "{}",
-            String::from_utf8_lossy(&status.stderr)
-        );
+        run_ok(&run_args_with(&prompts, &whole, &extra));
         let parted = dir.path().join(format!("{name}-parts"));
         let reports = run_in_parts(&prompts, &parted, &extra, 3);
         // 22 prompts in shards of 4: 6 shards, two a part.
@@ -1211,10 +1191,7 @@ fn a_job_run_in_three_parts_at_once_and_finalized_writes_the_bytes_of_one_run() 
         };
         assert_eq!(result(&parted)["tokens"], result(&whole)["tokens"]);
         // Finalize again: the same answer, nothing rewritten.
-        let mut args = run_args_with(&prompts, &parted, &extra);
-        args[0] = "finalize".into();
-        let again = harvester().args(&args).output().unwrap();
-        assert!(again.status.success());
+        run_ok(&finalize_args(&prompts, &parted, &extra));
         assert_eq!(
             output_files(&parted),
             output_files(&whole),
@@ -1228,15 +1205,7 @@ fn a_killed_part_reruns_from_its_records_and_the_job_finalizes_to_the_same_bytes
     let dir = tempfile::tempdir().unwrap();
     let prompts = parts_prompts(dir.path());
     let whole = dir.path().join("whole");
-    let status = harvester()
-        .args(run_args_with(&prompts, &whole, &[]))
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    run_ok(&run_args_with(&prompts, &whole, &[]));
     let parted = dir.path().join("parts");
     // Part 0 of 2 (shards 0-2) is killed once it has recorded a shard.
     let mut child = harvester()
@@ -1245,21 +1214,14 @@ fn a_killed_part_reruns_from_its_records_and_the_job_finalizes_to_the_same_bytes
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_dir(parted.join("partial")).map_or(0, |d| d.count()) < 1 {
-        assert!(Instant::now() < deadline, "no shard was recorded in time");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the part finished before it could be killed"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_records(&mut child, &parted, 1);
     child.kill().unwrap();
     child.wait().unwrap();
     // Finalize now refuses, naming what is missing.
-    let mut finalize = run_args_with(&prompts, &parted, &[]);
-    finalize[0] = "finalize".into();
-    let early = harvester().args(&finalize).output().unwrap();
+    let early = harvester()
+        .args(finalize_args(&prompts, &parted, &[]))
+        .output()
+        .unwrap();
     assert_eq!(early.status.code(), Some(3));
     let stderr = String::from_utf8_lossy(&early.stderr);
     assert!(
@@ -1306,15 +1268,7 @@ fn sigterm_mid_run_exits_3_at_once_saying_so_and_the_rerun_resumes_to_the_same_f
         .collect();
     let prompts = write_prompts(dir.path(), &prompts);
     let (reference, stopped) = (dir.path().join("reference"), dir.path().join("stopped"));
-    let status = harvester()
-        .args(run_args_with(&prompts, &reference, &[]))
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    run_ok(&run_args_with(&prompts, &reference, &[]));
     let log = dir.path().join("termination.log");
     let mut child = harvester()
         .args(run_args_with(&prompts, &stopped, &[]))
@@ -1324,15 +1278,7 @@ fn sigterm_mid_run_exits_3_at_once_saying_so_and_the_rerun_resumes_to_the_same_f
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_dir(stopped.join("partial")).map_or(0, |d| d.count()) < 1 {
-        assert!(Instant::now() < deadline, "no shard was recorded in time");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run finished before SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_records(&mut child, &stopped, 1);
     let sent = Instant::now();
     let kill = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -1362,15 +1308,7 @@ fn sigterm_mid_run_exits_3_at_once_saying_so_and_the_rerun_resumes_to_the_same_f
         "{message}"
     );
     assert!(!stopped.join("manifest.json").exists());
-    let rerun = harvester()
-        .args(run_args_with(&prompts, &stopped, &[]))
-        .output()
-        .unwrap();
-    assert!(
-        rerun.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rerun.stderr)
-    );
+    let rerun = run_ok(&run_args_with(&prompts, &stopped, &[]));
     let result: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
     assert!(result["resumed_shards"].as_u64().unwrap() >= 1, "{result}");
     assert_eq!(output_files(&stopped), output_files(&reference));

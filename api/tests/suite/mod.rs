@@ -161,25 +161,29 @@ pub fn harvester_pids(job_id: &str) -> Vec<i32> {
         .collect()
 }
 
-pub fn long_job(server: &Server, key: &str) -> String {
-    let prompts: Vec<String> = (0..24)
+/// 24 prompts of some 90 tokens each: with all layers, a job that runs for seconds.
+pub fn long_prompts() -> Vec<String> {
+    (0..24)
         .map(|i| {
             format!(
                 "Prompt {i}: {}",
                 "the residual stream of a language model ".repeat(12)
             )
         })
-        .collect();
-    let (status, job) = request(
-        "POST",
-        &format!("{}/v1/harvest", server.base),
-        key,
-        Some(
-            json!({"model": "smollm2-135m", "prompts": prompts, "layers": "all", "shard_size": 4}),
-        ),
-    );
+        .collect()
+}
+
+/// Submits `body` and returns the job's id, checking that it was accepted.
+pub fn submit_ok(server: &Server, key: &str, body: Value) -> String {
+    let url = format!("{}/v1/harvest", server.base);
+    let (status, job) = request("POST", &url, key, Some(body));
     assert_eq!(status, 202, "{job}");
     job["job_id"].as_str().unwrap().to_owned()
+}
+
+pub fn long_job(server: &Server, key: &str) -> String {
+    let body = json!({"model": "smollm2-135m", "prompts": long_prompts(), "layers": "all", "shard_size": 4});
+    submit_ok(server, key, body)
 }
 
 pub fn wait_for(server: &Server, key: &str, id: &str, what: impl Fn(&Value) -> bool) -> Value {

@@ -215,14 +215,10 @@ impl LlamaWeights {
             .sum()
     }
 
-    /// Makes every mapped page resident (see [`Matrix::touch`]).
+    /// Makes every mapped page resident, the embedding's too (see [`Matrix::touch`]).
     pub fn touch(&self) {
         self.embed.touch();
-        for b in &self.blocks {
-            for m in b.matrices() {
-                m.touch();
-            }
-        }
+        self.prefault(&|_| {});
     }
 
     /// The bytes the weights take in memory (mapped half-precision pages included, once

@@ -287,7 +287,8 @@ pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<
     let prepared = prepare(&as_run(plan, options.device), options, &runtime)?;
     let ready = match prepared {
         Prepared::Finished(result) => {
-            let shards = part.shards(result.n_shards);
+            // n_shards counts training files in the shuffled layout; prompts make the shards.
+            let shards = part.shards(shard_count(result.n_prompts, plan.shard_size));
             return Ok(part_result(part, &shards, 0, shards.len(), 0));
         }
         Prepared::Ready(ready) => *ready,
@@ -358,13 +359,12 @@ fn io_runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 /// The job as the forward and assembly stages see it.
-fn job_of<'a>(
-    ready: &'a Ready,
-    contents: Contents,
-    width: usize,
-    shards: std::ops::Range<usize>,
-) -> Job<'a> {
+fn job_of(ready: &Ready, shards: std::ops::Range<usize>) -> Job<'_> {
     let plan = &ready.plan;
+    let (contents, width) = match &ready.directions {
+        Some(directions) => (Contents::Projections, directions.count()),
+        None => (Contents::Activations, ready.config.hidden_size),
+    };
     Job {
         plan,
         encoded: &ready.encoded,
@@ -388,7 +388,7 @@ fn harvest(
     shards: std::ops::Range<usize>,
     (runtime, load_start): (&tokio::runtime::Runtime, Instant),
 ) -> Result<(Vec<ShardRecord>, Timings)> {
-    let (contents, spec) = capture_spec(&ready.plan, ready.directions.clone());
+    let spec = capture_spec(&ready.plan, ready.directions.clone());
     let width = spec.width(ready.config.hidden_size);
     // Progress counts this process's shards, those an earlier run finished included.
     let prompts: usize = shards
@@ -404,7 +404,7 @@ fn harvest(
         &progress,
     )?;
     let load_s = load_start.elapsed().as_secs_f64();
-    let job = job_of(ready, contents, width, shards);
+    let job = job_of(ready, shards);
     let outcome = run_stages(
         &job,
         engine,
@@ -425,18 +425,16 @@ fn harvest(
 
 /// Merges the earlier runs' records with `fresh` ones and commits the job.
 fn close(
-    ready: Ready,
+    mut ready: Ready,
     fresh: Vec<ShardRecord>,
     timings: Timings,
     options: &RunOptions,
     runtime: &tokio::runtime::Runtime,
 ) -> Result<RunResult> {
-    let (contents, spec) = capture_spec(&ready.plan, ready.directions.clone());
-    let width = spec.width(ready.config.hidden_size);
+    let mut records = std::mem::take(&mut ready.resumed);
+    let resumed_shards = records.len();
     let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
-    let job = job_of(&ready, contents, width, all);
-    let resumed_shards = ready.resumed.len();
-    let mut records: BTreeMap<usize, ShardRecord> = ready.resumed.clone();
+    let job = job_of(&ready, all);
     records.extend(fresh.into_iter().map(|r| (r.shard, r)));
     let closing = Closing {
         job: &job,
@@ -630,19 +628,13 @@ fn open_backend(
 }
 
 /// What the job keeps: activations or projections, and the backends' capture spec.
-fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> (Contents, CaptureSpec) {
-    let contents = if directions.is_some() {
-        Contents::Projections
-    } else {
-        Contents::Activations
-    };
-    let spec = CaptureSpec {
+fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> CaptureSpec {
+    CaptureSpec {
         layers: plan.layers.clone(),
         sites: plan.sites.clone(),
         precision: plan.precision,
         directions,
-    };
-    (contents, spec)
+    }
 }
 
 /// One backend, or the pipeline stages `options` asks for, loaded for batches of up to
