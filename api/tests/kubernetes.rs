@@ -70,6 +70,14 @@ async fn create_namespace(client: &Client, name: &str) {
         .create(&PostParams::default(), &namespace)
         .await
         .unwrap();
+    // The worker ServiceAccount the operator's Pods name (admission refuses Pods without it).
+    let account: k8s_openapi::api::core::v1::ServiceAccount = serde_json::from_value(json!({
+        "metadata": {"name": "harvest-worker", "namespace": name}}))
+    .unwrap();
+    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), name)
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
 }
 
 /// The fake cluster with CRDs, two accounts (acme also pays for namespace `research`), the
@@ -93,6 +101,7 @@ fn cluster_with(
             images: [(IMAGE.to_owned(), harvester())].into(),
             env,
             work_dir: dir.to_owned(),
+            ..KubeletConfig::default()
         };
         let server = FakeApiServer::start(kubelet).await.unwrap();
         let client = Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();

@@ -15,9 +15,12 @@
 //!                                           kubelet: Pod ADDED → local process → status
 //! ```
 
+pub mod admission;
+pub mod controllers;
 pub mod http;
 pub mod kinds;
 pub mod kubelet;
+pub mod launch;
 pub mod schema;
 pub mod store;
 
@@ -40,24 +43,32 @@ pub struct FakeApiServer {
     pub store: Arc<Store>,
     kubelet: Arc<kubelet::Kubelet>,
     server: tokio::task::JoinHandle<()>,
+    controllers: tokio::task::JoinHandle<()>,
 }
 
 impl FakeApiServer {
     /// Starts a server on a free loopback port, with a kubelet that runs Pods per `kubelet`.
     pub async fn start(kubelet: KubeletConfig) -> std::io::Result<Self> {
+        Self::start_on(kubelet, "127.0.0.1:0".parse().expect("a literal address")).await
+    }
+
+    /// Starts a server on `addr`.
+    pub async fn start_on(kubelet: KubeletConfig, addr: SocketAddr) -> std::io::Result<Self> {
         let store = Arc::new(Store::new());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let app = http::router(store.clone(), kubelet.work_dir.clone());
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        let kubelet = kubelet::Kubelet::start(store.clone(), kubelet);
+        let kubelet = kubelet::Kubelet::start(store.clone(), kubelet, addr);
+        let controllers = controllers::start(store.clone());
         Ok(Self {
             addr,
             store,
             kubelet,
             server,
+            controllers,
         })
     }
 
@@ -104,6 +115,7 @@ impl FakeApiServer {
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.server.abort();
+        self.controllers.abort();
         self.kubelet.shutdown();
     }
 }

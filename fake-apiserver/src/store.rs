@@ -147,10 +147,25 @@ struct Fault {
     times: u32,
 }
 
+/// Who sent a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// The test's or kubectl's own credentials: allowed everything.
+    Admin,
+    /// A Pod's ServiceAccount token.
+    ServiceAccount {
+        /// Its namespace.
+        namespace: String,
+        /// Its name.
+        name: String,
+    },
+}
+
 /// The state.
 #[derive(Debug)]
 pub struct Store {
     inner: Mutex<Inner>,
+    tokens: Mutex<BTreeMap<String, Identity>>,
     changed: tokio::sync::watch::Sender<u64>,
 }
 
@@ -233,6 +248,7 @@ impl Store {
                 faults: Vec::new(),
             }),
             changed: tokio::sync::watch::channel(1).0,
+            tokens: Mutex::default(),
         };
         for ns in ["default", "kube-system"] {
             let _ = store.create(
@@ -242,6 +258,35 @@ impl Store {
             );
         }
         store
+    }
+
+    /// A new bearer token that identifies ServiceAccount `ns/account`.
+    pub fn issue_token(&self, ns: &str, account: &str) -> String {
+        let token = format!("sa.{}", uuid::Uuid::new_v4().simple());
+        self.tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(
+                token.clone(),
+                Identity::ServiceAccount {
+                    namespace: ns.to_owned(),
+                    name: account.to_owned(),
+                },
+            );
+        token
+    }
+
+    /// Who a bearer token belongs to; any token not issued here is the administrator's.
+    pub fn identity(&self, token: Option<&str>) -> Identity {
+        token
+            .and_then(|t| {
+                self.tokens
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get(t)
+                    .cloned()
+            })
+            .unwrap_or(Identity::Admin)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -422,6 +467,17 @@ impl Store {
             object["status"] = json!({"phase": "Pending"});
         }
         check_schema(&kind, &name, &object)?;
+        if kind.plural == "pods" && kind.group.is_empty() {
+            let objects = &inner.objects;
+            let lookup = |plural: &str, ns: &str, name: &str| {
+                objects.get(&(
+                    ResourceKey::new("/api/v1", plural),
+                    ns.to_owned(),
+                    name.to_owned(),
+                ))
+            };
+            crate::admission::pod(&lookup, &ns, &object)?;
+        }
         if kind.plural == "customresourcedefinitions" {
             object["status"] = json!({"conditions": [{"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted"}], "acceptedNames": object["spec"]["names"].clone()});
             for new in kinds::from_crd(&object) {

@@ -115,6 +115,7 @@ async fn a_directly_applied_job_queues_behind_an_api_job_in_the_same_account_lan
         .create(&PostParams::default(), &namespace)
         .await
         .unwrap();
+    common::create_worker_account(&cluster.client, API_NAMESPACE).await;
     let prompts = cluster.prompts("shared", 48, 8);
     let mut rest = HarvestJob::new(
         "rest",

@@ -54,6 +54,7 @@ impl Cluster {
             images: [(IMAGE.to_owned(), harvester())].into(),
             env: vec![("HARVEST_THREADS".into(), "1".into())],
             work_dir: dir.path().to_owned(),
+            ..KubeletConfig::default()
         };
         let server = FakeApiServer::start(kubelet).await.unwrap();
         let client = Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
@@ -61,6 +62,7 @@ impl Cluster {
         for crd in harvest_crds::all_crds() {
             crds.create(&PostParams::default(), &crd).await.unwrap();
         }
+        create_worker_account(&client, "default").await;
         // Generous account lanes: the cluster lane is what these tests exercise.
         let mut spec = HarvestAccountSpec::for_namespaces(&["default"]);
         spec.lanes.small = 8;
@@ -305,4 +307,15 @@ impl Cluster {
             .await;
         job.status.unwrap().pod.unwrap()
     }
+}
+
+/// The worker ServiceAccount the operator's Pods name (admission refuses Pods without it).
+pub async fn create_worker_account(client: &Client, namespace: &str) {
+    let account: k8s_openapi::api::core::v1::ServiceAccount = serde_json::from_value(json!({
+        "metadata": {"name": "harvest-worker", "namespace": namespace}}))
+    .unwrap();
+    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
 }

@@ -1,0 +1,578 @@
+//! Turning a Pod's first container into a local process, as the kubelet would start it in a
+//! container: the environment (literal, `valueFrom`, `envFrom`), `$(VAR)` expansion, and the
+//! volumes made into local directories. A process shares the host's filesystem and network,
+//! so each volume's mount path, the termination log and `0.0.0.0` binds are rewritten, in
+//! the arguments, the environment and the files of ConfigMap and Secret volumes, to the
+//! Pod's directories and its own loopback address.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::store::{ResourceKey, Store};
+
+/// Where a Pod runs on this machine.
+#[derive(Debug, Clone)]
+pub struct PodHost<'a> {
+    /// The Pod's own directory (volumes, home, kubeconfig).
+    pub dir: &'a Path,
+    /// Its loopback address, the Pod IP.
+    pub ip: &'a str,
+    /// The apiserver's address, for `KUBERNETES_SERVICE_HOST`/`PORT` and the kubeconfig.
+    pub apiserver: std::net::SocketAddr,
+    /// PersistentVolumeClaims backed by a local directory, by `namespace/name`.
+    pub claims: &'a BTreeMap<String, PathBuf>,
+    /// Where unlisted claims are kept.
+    pub claim_root: &'a Path,
+}
+
+/// A container ready to start.
+#[derive(Debug, Clone, Default)]
+pub struct Launch {
+    /// Its arguments, after expansion and rewriting.
+    pub args: Vec<String>,
+    /// Its whole environment.
+    pub env: Vec<(String, String)>,
+    /// The local file that stands for its termination message path.
+    pub termination_log: PathBuf,
+}
+
+/// Why a container cannot start yet (the kubelet's `CreateContainerConfigError` and kin).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotReady {
+    /// The waiting reason.
+    pub reason: &'static str,
+    /// The message, in the kubelet's words.
+    pub message: String,
+}
+
+fn config_error(message: String) -> NotReady {
+    NotReady {
+        reason: "CreateContainerConfigError",
+        message,
+    }
+}
+
+/// The data of a ConfigMap or Secret (Secret values decoded), or why it is missing.
+fn source_data(
+    store: &Store,
+    ns: &str,
+    kind: &str,
+    name: &str,
+) -> Option<BTreeMap<String, Vec<u8>>> {
+    let plural = if kind == "secret" {
+        "secrets"
+    } else {
+        "configmaps"
+    };
+    let object = store.get(&ResourceKey::new("/api/v1", plural), ns, name)?;
+    let mut data = BTreeMap::new();
+    for (k, v) in object["data"].as_object().into_iter().flatten() {
+        let text = v.as_str().unwrap_or_default();
+        let bytes = if kind == "secret" {
+            decode_base64(text).unwrap_or_default()
+        } else {
+            text.as_bytes().to_vec()
+        };
+        data.insert(k.clone(), bytes);
+    }
+    for (k, v) in object["stringData"].as_object().into_iter().flatten() {
+        data.insert(
+            k.clone(),
+            v.as_str().unwrap_or_default().as_bytes().to_vec(),
+        );
+    }
+    for (k, v) in object["binaryData"].as_object().into_iter().flatten() {
+        data.insert(
+            k.clone(),
+            decode_base64(v.as_str().unwrap_or_default()).unwrap_or_default(),
+        );
+    }
+    Some(data)
+}
+
+/// Standard base64, padding optional; `None` for text that is not base64.
+pub fn decode_base64(text: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut buffer, mut bits) = (0u32, 0u32);
+    for c in text
+        .bytes()
+        .filter(|c| !c.is_ascii_whitespace() && *c != b'=')
+    {
+        let value = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        buffer = (buffer << 6) | u32::from(value);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((buffer >> bits) as u8);
+            buffer &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
+
+/// Replaces each mount path, as a whole path prefix, and `0.0.0.0:` binds.
+#[derive(Debug, Clone, Default)]
+pub struct Rewrites {
+    paths: Vec<(String, String)>,
+    ip: String,
+}
+
+impl Rewrites {
+    fn add(&mut self, from: &str, to: &Path) {
+        self.paths.push((
+            from.trim_end_matches('/').to_owned(),
+            to.display().to_string(),
+        ));
+        self.paths
+            .sort_by_key(|(from, _)| std::cmp::Reverse(from.len()));
+    }
+
+    /// `text` with every rewrite applied.
+    pub fn apply(&self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        'scan: while !rest.is_empty() {
+            let at_boundary = out
+                .chars()
+                .last()
+                .is_none_or(|c| !(c.is_alphanumeric() || "/._-~".contains(c)));
+            if at_boundary {
+                for (from, to) in &self.paths {
+                    if let Some(after) = rest.strip_prefix(from.as_str())
+                        && after
+                            .chars()
+                            .next()
+                            .is_none_or(|c| !(c.is_alphanumeric() || "._-~".contains(c)))
+                    {
+                        out.push_str(to);
+                        rest = after;
+                        continue 'scan;
+                    }
+                }
+                if let Some(after) = rest.strip_prefix("0.0.0.0:") {
+                    out.push_str(&self.ip);
+                    out.push(':');
+                    rest = after;
+                    continue 'scan;
+                }
+            }
+            let c = rest.chars().next().unwrap_or_default();
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+        out
+    }
+}
+
+fn pod_field(pod: &Value, path: &str, ip: &str) -> Option<String> {
+    let meta = &pod["metadata"];
+    let text = |v: &Value| v.as_str().map(str::to_owned);
+    match path {
+        "metadata.name" => text(&meta["name"]),
+        "metadata.namespace" => text(&meta["namespace"]),
+        "metadata.uid" => text(&meta["uid"]),
+        "spec.serviceAccountName" => Some(service_account(pod).to_owned()),
+        "spec.nodeName" | "status.hostIP" => Some("127.0.0.1".into()),
+        "status.podIP" => Some(ip.to_owned()),
+        _ => {
+            let (map, key) = path.strip_suffix("']")?.split_once("['")?;
+            match map {
+                "metadata.labels" => text(&meta["labels"][key]),
+                "metadata.annotations" => text(&meta["annotations"][key]),
+                _ => None,
+            }
+        }
+    }
+}
+
+/// The Pod's ServiceAccount (`default` when unnamed).
+pub fn service_account(pod: &Value) -> &str {
+    pod["spec"]["serviceAccountName"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .unwrap_or("default")
+}
+
+/// `$(NAME)` references to defined variables expanded; `$$` escapes; others left as written.
+fn expand(text: &str, env: &[(String, String)]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        if let Some(after) = rest.strip_prefix("$$") {
+            out.push('$');
+            rest = after;
+        } else if let Some(close) = rest.strip_prefix("$(").and_then(|r| r.find(')')) {
+            let name = &rest[2..2 + close];
+            match env.iter().rev().find(|(k, _)| k == name) {
+                Some((_, v)) => out.push_str(v),
+                None => out.push_str(&rest[..3 + close]),
+            }
+            rest = &rest[3 + close..];
+        } else {
+            out.push('$');
+            rest = &rest[1..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn key_ref(
+    store: &Store,
+    ns: &str,
+    reference: &Value,
+    kind: &str,
+) -> Result<Option<String>, NotReady> {
+    let name = reference["name"].as_str().unwrap_or_default();
+    let key = reference["key"].as_str().unwrap_or_default();
+    let optional = reference["optional"].as_bool() == Some(true);
+    let Some(data) = source_data(store, ns, kind, name) else {
+        return if optional {
+            Ok(None)
+        } else {
+            Err(config_error(format!("{kind} \"{name}\" not found")))
+        };
+    };
+    match data.get(key) {
+        Some(value) => Ok(Some(String::from_utf8_lossy(value).into_owned())),
+        None if optional => Ok(None),
+        None => {
+            let title = if kind == "secret" {
+                "Secret"
+            } else {
+                "ConfigMap"
+            };
+            Err(config_error(format!(
+                "couldn't find key {key} in {title} {ns}/{name}"
+            )))
+        }
+    }
+}
+
+/// The container's environment as declared (`envFrom`, then `env`), in order.
+fn declared_env(
+    store: &Store,
+    pod: &Value,
+    container: &Value,
+    ip: &str,
+) -> Result<Vec<(String, String)>, NotReady> {
+    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+    let mut env: Vec<(String, String)> = Vec::new();
+    for source in container["envFrom"].as_array().into_iter().flatten() {
+        let prefix = source["prefix"].as_str().unwrap_or_default();
+        let (kind, reference) = if source["secretRef"].is_object() {
+            ("secret", &source["secretRef"])
+        } else {
+            ("configmap", &source["configMapRef"])
+        };
+        let name = reference["name"].as_str().unwrap_or_default();
+        match source_data(store, ns, kind, name) {
+            Some(data) => env.extend(data.into_iter().map(|(k, v)| {
+                (
+                    format!("{prefix}{k}"),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })),
+            None if reference["optional"].as_bool() == Some(true) => {}
+            None => return Err(config_error(format!("{kind} \"{name}\" not found"))),
+        }
+    }
+    for var in container["env"].as_array().into_iter().flatten() {
+        let name = var["name"].as_str().unwrap_or_default().to_owned();
+        let from = &var["valueFrom"];
+        let value = if let Some(value) = var["value"].as_str() {
+            Some(expand(value, &env))
+        } else if from["secretKeyRef"].is_object() {
+            key_ref(store, ns, &from["secretKeyRef"], "secret")?
+        } else if from["configMapKeyRef"].is_object() {
+            key_ref(store, ns, &from["configMapKeyRef"], "configmap")?
+        } else if let Some(path) = from["fieldRef"]["fieldPath"].as_str() {
+            Some(pod_field(pod, path, ip).ok_or_else(|| {
+                config_error(format!("unsupported fieldPath {path:?} in env {name}"))
+            })?)
+        } else if from.is_null() {
+            Some(String::new())
+        } else {
+            return Err(config_error(format!(
+                "env {name}: this fake kubelet supports value, secretKeyRef, configMapKeyRef and fieldRef"
+            )));
+        };
+        if let Some(value) = value {
+            env.push((name, value));
+        }
+    }
+    Ok(env)
+}
+
+fn write_files(
+    dir: &Path,
+    data: &BTreeMap<String, Vec<u8>>,
+    items: Option<&Vec<Value>>,
+    rewrites: &Rewrites,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let chosen: Vec<(String, String)> = match items {
+        Some(items) => items
+            .iter()
+            .filter_map(|i| {
+                Some((
+                    i["key"].as_str()?.to_owned(),
+                    i["path"].as_str()?.to_owned(),
+                ))
+            })
+            .collect(),
+        None => data.keys().map(|k| (k.clone(), k.clone())).collect(),
+    };
+    for (key, path) in chosen {
+        let Some(bytes) = data.get(&key) else {
+            continue;
+        };
+        let target = dir.join(&path);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        match std::str::from_utf8(bytes) {
+            Ok(text) => std::fs::write(target, rewrites.apply(text))?,
+            Err(_) => std::fs::write(target, bytes)?,
+        }
+    }
+    Ok(())
+}
+
+/// Each volume's local directory, by volume name (made for emptyDir, ConfigMap and Secret
+/// volumes, which are filled in [`fill_volumes`]).
+fn volume_dirs(
+    store: &Store,
+    pod: &Value,
+    host: &PodHost<'_>,
+) -> Result<BTreeMap<String, PathBuf>, NotReady> {
+    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+    let mut dirs = BTreeMap::new();
+    for volume in pod["spec"]["volumes"].as_array().into_iter().flatten() {
+        let name = volume["name"].as_str().unwrap_or_default().to_owned();
+        let dir = if let Some(claim) = volume["persistentVolumeClaim"]["claimName"].as_str() {
+            if store
+                .get(
+                    &ResourceKey::new("/api/v1", "persistentvolumeclaims"),
+                    ns,
+                    claim,
+                )
+                .is_none()
+            {
+                return Err(NotReady {
+                    reason: "ContainerCreating",
+                    message: format!("persistentvolumeclaim \"{claim}\" not found"),
+                });
+            }
+            host.claims
+                .get(&format!("{ns}/{claim}"))
+                .cloned()
+                .unwrap_or_else(|| host.claim_root.join(ns).join(claim))
+        } else if let Some(path) = volume["hostPath"]["path"].as_str() {
+            PathBuf::from(path)
+        } else {
+            host.dir.join("volumes").join(&name)
+        };
+        dirs.insert(name, dir);
+    }
+    Ok(dirs)
+}
+
+fn fill_volumes(
+    store: &Store,
+    pod: &Value,
+    dirs: &BTreeMap<String, PathBuf>,
+    rewrites: &Rewrites,
+) -> Result<(), NotReady> {
+    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+    for volume in pod["spec"]["volumes"].as_array().into_iter().flatten() {
+        let name = volume["name"].as_str().unwrap_or_default();
+        let Some(dir) = dirs.get(name) else { continue };
+        let (kind, source, source_name) = if volume["configMap"].is_object() {
+            (
+                "configmap",
+                &volume["configMap"],
+                volume["configMap"]["name"].as_str(),
+            )
+        } else if volume["secret"].is_object() {
+            (
+                "secret",
+                &volume["secret"],
+                volume["secret"]["secretName"].as_str(),
+            )
+        } else {
+            let made = std::fs::create_dir_all(dir);
+            made.map_err(|e| config_error(format!("volume {name}: {e}")))?;
+            continue;
+        };
+        let source_name = source_name.unwrap_or_default();
+        match source_data(store, ns, kind, source_name) {
+            Some(data) => write_files(dir, &data, source["items"].as_array(), rewrites)
+                .map_err(|e| config_error(format!("volume {name}: {e}")))?,
+            None if source["optional"].as_bool() == Some(true) => {
+                let made = std::fs::create_dir_all(dir);
+                made.map_err(|e| config_error(format!("volume {name}: {e}")))?;
+            }
+            None => {
+                return Err(NotReady {
+                    reason: "ContainerCreating",
+                    message: format!(
+                        "MountVolume.SetUp failed for volume \"{name}\" : {kind} \"{source_name}\" not found"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Resolves the Pod's first container into a local process's arguments and environment.
+/// `token` is the ServiceAccount token to put in the Pod's kubeconfig, if one is mounted.
+pub fn resolve(
+    store: &Store,
+    pod: &Value,
+    host: &PodHost<'_>,
+    token: Option<&str>,
+) -> Result<Launch, NotReady> {
+    let container = &pod["spec"]["containers"][0];
+    let dirs = volume_dirs(store, pod, host)?;
+    let mut rewrites = Rewrites {
+        ip: host.ip.to_owned(),
+        ..Rewrites::default()
+    };
+    for mount in container["volumeMounts"].as_array().into_iter().flatten() {
+        let (Some(name), Some(path)) = (mount["name"].as_str(), mount["mountPath"].as_str()) else {
+            continue;
+        };
+        let Some(dir) = dirs.get(name) else {
+            return Err(config_error(format!(
+                "volumeMount {name:?} names no volume of the Pod"
+            )));
+        };
+        let sub = mount["subPath"].as_str().unwrap_or_default();
+        rewrites.add(
+            path,
+            &if sub.is_empty() {
+                dir.clone()
+            } else {
+                dir.join(sub)
+            },
+        );
+    }
+    let message_path = container["terminationMessagePath"]
+        .as_str()
+        .unwrap_or("/dev/termination-log");
+    let termination_log = host.dir.join("termination-log");
+    rewrites.add(message_path, &termination_log);
+    fill_volumes(store, pod, &dirs, &rewrites)?;
+
+    let declared = declared_env(store, pod, container, host.ip)?;
+    let home = host.dir.join("home");
+    let made = std::fs::create_dir_all(&home);
+    made.map_err(|e| config_error(format!("the Pod's home: {e}")))?;
+    let mut env = vec![
+        (
+            "PATH".to_owned(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
+        ),
+        ("HOME".to_owned(), home.display().to_string()),
+        (
+            "HOSTNAME".to_owned(),
+            pod["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        ),
+        (
+            "KUBERNETES_SERVICE_HOST".to_owned(),
+            host.apiserver.ip().to_string(),
+        ),
+        (
+            "KUBERNETES_SERVICE_PORT".to_owned(),
+            host.apiserver.port().to_string(),
+        ),
+    ];
+    if let Some(token) = token {
+        let kubeconfig = host.dir.join("kubeconfig");
+        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: in-cluster\n  cluster:\n    server: http://{}\ncontexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n    user: sa\n    namespace: {ns}\ncurrent-context: in-cluster\nusers:\n- name: sa\n  user:\n    token: {token}\n",
+            host.apiserver
+        );
+        let written = std::fs::write(&kubeconfig, text);
+        written.map_err(|e| config_error(format!("the Pod's kubeconfig: {e}")))?;
+        env.push(("KUBECONFIG".to_owned(), kubeconfig.display().to_string()));
+    }
+    env.extend(declared.into_iter().map(|(k, v)| {
+        let v = rewrites.apply(&v);
+        (k, v)
+    }));
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .map(|a| rewrites.apply(&expand(a, &env)))
+            .collect()
+    };
+    // The image's entrypoint is the mapped executable; `command` past its first word and
+    // `args` follow it.
+    let mut args: Vec<String> = strings(&container["command"]).into_iter().skip(1).collect();
+    args.extend(strings(&container["args"]));
+    Ok(Launch {
+        args,
+        env,
+        termination_log,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_paths_are_rewritten_as_whole_path_prefixes_only() {
+        let mut rewrites = Rewrites {
+            ip: "127.9.9.9".into(),
+            ..Rewrites::default()
+        };
+        rewrites.add("/etc/harvest", Path::new("/tmp/p/config"));
+        rewrites.add("/models", Path::new("/cache/models"));
+        assert_eq!(
+            rewrites.apply(r#"{"path": "/models/smollm2", "x": "/modelsX", "c": "/etc/harvest"}"#),
+            r#"{"path": "/cache/models/smollm2", "x": "/modelsX", "c": "/tmp/p/config"}"#
+        );
+        assert_eq!(
+            rewrites.apply("--listen=0.0.0.0:8080"),
+            "--listen=127.9.9.9:8080"
+        );
+        assert_eq!(rewrites.apply("/a/models/b"), "/a/models/b");
+    }
+
+    #[test]
+    fn variables_expand_only_when_defined_and_dollar_dollar_escapes() {
+        let env = vec![("POD_IP".to_owned(), "127.0.0.5".to_owned())];
+        assert_eq!(
+            expand("$(POD_IP):80 $(NOPE) $$(POD_IP)", &env),
+            "127.0.0.5:80 $(NOPE) $(POD_IP)"
+        );
+    }
+
+    #[test]
+    fn base64_decodes_with_or_without_padding_and_refuses_other_text() {
+        assert_eq!(decode_base64("aGFydmVzdA==").unwrap(), b"harvest");
+        assert_eq!(decode_base64("aGFydmVzdA").unwrap(), b"harvest");
+        assert!(decode_base64("not base64!").is_none());
+    }
+}
