@@ -58,9 +58,14 @@ pub async fn create_key(
     import: Option<&str>,
 ) -> Result<String, AdminError> {
     if let Some(cluster) = &config.kubernetes {
-        let key =
-            kubernetes::create_key(client().await?, &cluster.namespace, account, label, import)
-                .await?;
+        let key = kubernetes::create_key(
+            client().await?,
+            cluster.keys_namespace(),
+            account,
+            label,
+            import,
+        )
+        .await?;
         return Ok(key);
     }
     let store = open_store(config)?;
@@ -77,7 +82,7 @@ pub async fn create_key(
 pub async fn list_keys(config: &ServerConfig, account: Option<&str>) -> Result<String, AdminError> {
     let keys = match &config.kubernetes {
         Some(cluster) => {
-            kubernetes::list_keys(client().await?, &cluster.namespace, account).await?
+            kubernetes::list_keys(client().await?, cluster.keys_namespace(), account).await?
         }
         None => open_store(config)?.list_keys(account)?,
     };
@@ -87,13 +92,13 @@ pub async fn list_keys(config: &ServerConfig, account: Option<&str>) -> Result<S
 /// Revokes a key, or every key of a label; says how many.
 pub async fn revoke(config: &ServerConfig, what: &Revoke) -> Result<usize, AdminError> {
     let revoked = match (&config.kubernetes, what) {
-        (Some(cluster), Revoke::Key(key)) => {
-            usize::from(kubernetes::revoke_key(client().await?, &cluster.namespace, key).await?)
-        }
+        (Some(cluster), Revoke::Key(key)) => usize::from(
+            kubernetes::revoke_key(client().await?, cluster.keys_namespace(), key).await?,
+        ),
         (Some(cluster), Revoke::Label { label, account }) => {
             kubernetes::revoke_label(
                 client().await?,
-                &cluster.namespace,
+                cluster.keys_namespace(),
                 label,
                 account.as_deref(),
             )

@@ -74,8 +74,19 @@ pub struct KubernetesConfig {
     /// The namespace the API owns: its HarvestJobs and key Secrets live there, and the
     /// operator's `apiNamespace` must name it.
     pub namespace: String,
+    /// Where the key Secrets live (default: `namespace`). A namespace of their own lets RBAC
+    /// give the API those Secrets and no others.
+    #[serde(default)]
+    pub keys_namespace: Option<String>,
     /// Where inputs go and outputs are read, and how links are made.
     pub storage: crate::storage::StorageConfig,
+}
+
+impl KubernetesConfig {
+    /// The namespace of the key Secrets.
+    pub fn keys_namespace(&self) -> &str {
+        self.keys_namespace.as_deref().unwrap_or(&self.namespace)
+    }
 }
 
 /// A model of the catalogue.

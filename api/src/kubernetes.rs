@@ -91,6 +91,8 @@ pub struct KubeBackend {
     jobs: Cache<HarvestJob>,
     accounts: Cache<HarvestAccount>,
     keys: Cache<Secret>,
+    /// Where the key Secrets are.
+    keys_namespace: String,
     changes: Arc<watch::Sender<u64>>,
     /// Inputs and outputs.
     pub storage: Storage,
@@ -169,6 +171,7 @@ impl KubeBackend {
     pub fn start(
         client: Client,
         namespace: String,
+        keys_namespace: String,
         storage: Storage,
         links: Links,
         data_dir: PathBuf,
@@ -185,13 +188,14 @@ impl KubeBackend {
             Arc::clone(&changes),
         );
         let keys = reflect(
-            Api::<Secret>::namespaced(client.clone(), &namespace),
+            Api::<Secret>::namespaced(client.clone(), &keys_namespace),
             watcher::Config::default().labels(&format!("{KEY_SECRET_LABEL}=true")),
             Arc::clone(&changes),
         );
         Self {
             client,
             namespace,
+            keys_namespace,
             jobs,
             accounts,
             keys,
@@ -222,11 +226,11 @@ impl JobBackend for KubeBackend {
         let secret = match self
             .keys
             .store
-            .get(&ObjectRef::new(&name).within(&self.namespace))
+            .get(&ObjectRef::new(&name).within(&self.keys_namespace))
         {
             Some(secret) => Some((*secret).clone()),
             // A key made moments ago may not have reached this replica's cache yet.
-            None => Api::<Secret>::namespaced(self.client.clone(), &self.namespace)
+            None => Api::<Secret>::namespaced(self.client.clone(), &self.keys_namespace)
                 .get_opt(&name)
                 .await
                 .map_err(KubeBackendError::from)?,

@@ -145,6 +145,7 @@ async fn build_kubernetes(
     Ok(KubeBackend::start(
         client,
         kubernetes.namespace.clone(),
+        kubernetes.keys_namespace().to_owned(),
         storage,
         links,
         config.data_dir.clone(),

@@ -39,9 +39,14 @@ pub enum StorageConfig {
         /// The region.
         #[serde(default = "default_region")]
         region: String,
-        /// An S3-compatible endpoint (MinIO, Ceph); unset is AWS.
+        /// An S3-compatible endpoint (MinIO, Ceph); unset is the value of `endpoint_env`
+        /// if that is set, else AWS.
         #[serde(default)]
         endpoint: Option<String>,
+        /// The environment variable that may hold the endpoint, so that the one endpoint is
+        /// set in the Secret the workers also read.
+        #[serde(default = "default_endpoint_env")]
+        endpoint_env: String,
         /// The environment variable holding the long-lived access key id that signs links
         /// (mounted from a Secret).
         #[serde(default = "default_key_id_env")]
@@ -49,7 +54,8 @@ pub enum StorageConfig {
         /// The environment variable holding its secret.
         #[serde(default = "default_secret_env")]
         secret_access_key_env: String,
-        /// Allow `http://` endpoints (in-cluster MinIO).
+        /// Allow `http://` endpoints (in-cluster MinIO); also allowed when the environment
+        /// variable `HARVEST_S3_ALLOW_HTTP` is `true`.
         #[serde(default)]
         allow_http: bool,
     },
@@ -57,6 +63,9 @@ pub enum StorageConfig {
 
 fn default_region() -> String {
     "us-east-1".into()
+}
+fn default_endpoint_env() -> String {
+    "HARVEST_S3_ENDPOINT".into()
 }
 fn default_key_id_env() -> String {
     "HARVEST_S3_ACCESS_KEY_ID".into()
@@ -104,10 +113,16 @@ impl Storage {
                 prefix,
                 region,
                 endpoint,
+                endpoint_env,
                 access_key_id_env,
                 secret_access_key_env,
                 allow_http,
             } => {
+                let endpoint = endpoint
+                    .clone()
+                    .or_else(|| env(endpoint_env).filter(|v| !v.is_empty()));
+                let allow_http =
+                    *allow_http || env("HARVEST_S3_ALLOW_HTTP").as_deref() == Some("true");
                 if url_ttl_seconds > MAX_PRESIGNED_SECONDS {
                     return Err(StartupError::config(format!(
                         "url_ttl_seconds is {url_ttl_seconds}, but S3 presigned URLs live at most {MAX_PRESIGNED_SECONDS} s (7 days): lower it"
@@ -125,8 +140,8 @@ impl Storage {
                     .with_region(region)
                     .with_access_key_id(key(access_key_id_env)?)
                     .with_secret_access_key(key(secret_access_key_env)?)
-                    .with_allow_http(*allow_http);
-                if let Some(endpoint) = endpoint {
+                    .with_allow_http(allow_http);
+                if let Some(endpoint) = &endpoint {
                     builder = builder
                         .with_endpoint(endpoint)
                         .with_virtual_hosted_style_request(false);

@@ -362,6 +362,9 @@ pub struct HarvestJobStatus {
     /// When the first attempt started (the deadline counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
+    /// When a worker was first seen running; a job is charged only once one has run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_since: Option<Time>,
     /// When the job finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,

@@ -71,6 +71,7 @@ struct Target {
     name: Option<String>,
     status: bool,
     log: bool,
+    sub: Option<String>,
 }
 
 fn parse_path(path: &str) -> Option<Target> {
@@ -96,6 +97,7 @@ fn parse_path(path: &str) -> Option<Target> {
         name,
         status: sub == Some("status"),
         log: sub == Some("log"),
+        sub: sub.map(str::to_owned),
     })
 }
 
@@ -147,6 +149,9 @@ async fn handle(
         ));
     };
     let ns = target.namespace.clone().unwrap_or_default();
+    if let Err(refusal) = authorize(store, &headers, &method, &query, &target, &kind) {
+        return error(&refusal);
+    }
     if target.log {
         let name = target.name.clone().unwrap_or_default();
         if store.get(&target.key, &ns, &name).is_none() {
@@ -244,6 +249,53 @@ async fn handle(
         Ok(object) if method == Method::POST => json_response(StatusCode::CREATED, &object),
         Ok(object) => json_response(StatusCode::OK, &object),
         Err(e) => error(&e),
+    }
+}
+
+/// RBAC for requests with a ServiceAccount token (`crate::rbac`).
+fn authorize(
+    store: &Store,
+    headers: &HeaderMap,
+    method: &Method,
+    query: &HashMap<String, String>,
+    target: &Target,
+    kind: &kinds::Kind,
+) -> Result<(), ApiError> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let identity = store.identity(token);
+    let watching = matches!(query.get("watch").map(String::as_str), Some("true" | "1"));
+    let verb = match (method.as_str(), &target.name) {
+        ("GET", None) if watching => "watch",
+        ("GET", None) => "list",
+        ("GET", Some(_)) => "get",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", None) => "deletecollection",
+        _ => "delete",
+    };
+    let resource = match &target.sub {
+        Some(sub) => format!("{}/{sub}", kind.plural),
+        None => kind.plural.clone(),
+    };
+    let request = crate::rbac::Attributes {
+        verb,
+        group: &kind.group,
+        resource: &resource,
+        namespace: target.namespace.as_deref().unwrap_or_default(),
+        name: target.name.as_deref(),
+    };
+    if crate::rbac::allowed(store, &identity, &request) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            403,
+            "Forbidden",
+            crate::rbac::refusal(&identity, &request),
+        ))
     }
 }
 

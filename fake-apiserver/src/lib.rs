@@ -21,6 +21,7 @@ pub mod http;
 pub mod kinds;
 pub mod kubelet;
 pub mod launch;
+pub mod rbac;
 pub mod schema;
 pub mod store;
 

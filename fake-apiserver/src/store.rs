@@ -82,10 +82,14 @@ impl ApiError {
         Self {
             code: 422,
             reason: "Invalid",
-            message: format!(
-                "{}.{} \"{name}\" is invalid: {listed}",
-                kind.kind, kind.group
-            ),
+            message: if kind.group.is_empty() {
+                format!("{} \"{name}\" is invalid: {listed}", kind.kind)
+            } else {
+                format!(
+                    "{}.{} \"{name}\" is invalid: {listed}",
+                    kind.kind, kind.group
+                )
+            },
             details: Some(
                 json!({"name": name, "group": kind.group, "kind": kind.kind, "causes": causes}),
             ),
@@ -102,12 +106,63 @@ impl ApiError {
     }
 }
 
-/// Refuses `object` when its kind has a schema it breaks.
+/// What the apiserver checks of every object's metadata: the name is a DNS subdomain and
+/// label values are at most 63 characters of the label syntax.
+fn metadata_violations(name: &str, object: &Value) -> Vec<crate::schema::Violation> {
+    let mut violations = Vec::new();
+    let subdomain = name.len() <= 253
+        && !name.is_empty()
+        && name.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        });
+    if !subdomain {
+        violations.push((
+            "metadata.name".to_owned(),
+            format!("metadata.name: Invalid value: \"{name}\": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character, at most 253 characters"),
+        ));
+    }
+    for (key, value) in object["metadata"]["labels"]
+        .as_object()
+        .into_iter()
+        .flatten()
+    {
+        let value = value.as_str().unwrap_or_default();
+        let syntax = value.is_empty()
+            || (value
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+                && value.ends_with(|c: char| c.is_ascii_alphanumeric()));
+        if value.len() > 63 {
+            violations.push((
+                "metadata.labels".to_owned(),
+                format!("metadata.labels: Invalid value: \"{value}\": must be no more than 63 characters"),
+            ));
+        } else if !syntax {
+            violations.push((
+                "metadata.labels".to_owned(),
+                format!("metadata.labels: Invalid value: \"{value}\": a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (label {key})"),
+            ));
+        }
+    }
+    violations
+}
+
+/// Refuses `object` when its metadata or its kind's schema says it is invalid.
 fn check_schema(kind: &Kind, name: &str, object: &Value) -> Result<(), ApiError> {
-    let Some(schema) = &kind.schema else {
-        return Ok(());
-    };
-    let violations = crate::schema::validate(schema, object);
+    let mut violations = metadata_violations(name, object);
+    if kind.group == "rbac.authorization.k8s.io" {
+        // RBAC names are path segments (`system:aggregate-to-edit`), not subdomains.
+        violations.retain(|(field, _)| field != "metadata.name");
+    }
+    if let Some(schema) = &kind.schema {
+        violations.extend(crate::schema::validate(schema, object));
+    }
     if violations.is_empty() {
         Ok(())
     } else {

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use harvest_core::quota::Lane;
 use harvest_core::{ModelShape, ServedModel};
-use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    LocalObjectReference, ResourceRequirements, Toleration, Volume, VolumeMount,
+};
 use serde::Deserialize;
 
 use crate::decide::Policy;
@@ -41,6 +43,111 @@ pub struct CatalogueEntry {
     /// CPU and memory; the GPU count is added to the limits.
     #[serde(default)]
     pub resources: ResourceRequirements,
+    /// The harvester's `--device` (`cuda` for GPU models, `cpu`; default `auto`).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Volumes of the worker Pod (the weights, usually a read-only PersistentVolumeClaim).
+    #[serde(default)]
+    pub volumes: Vec<Volume>,
+    /// Where the harvester container mounts them.
+    #[serde(default)]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// Secrets for pulling `image` from a private registry.
+    #[serde(default)]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// The RuntimeClass (`nvidia` on clusters whose GPU runtime is not the default).
+    #[serde(default)]
+    pub runtime_class_name: Option<String>,
+    /// The PriorityClass of worker Pods.
+    #[serde(default)]
+    pub priority_class_name: Option<String>,
+    /// How long an attempt's Pod may take to start running (scheduling, image pull) before
+    /// the job fails and frees its slot.
+    #[serde(default = "default_start_timeout")]
+    pub start_timeout_seconds: u64,
+}
+
+fn default_start_timeout() -> u64 {
+    600
+}
+
+const DEVICES: [&str; 3] = ["auto", "cpu", "cuda"];
+
+impl CatalogueEntry {
+    /// Whether this entry makes a Pod a real apiserver accepts; the error names the field.
+    fn check(&self) -> Result<(), String> {
+        let name = &self.name;
+        if let Some(device) = &self.device {
+            let known = DEVICES.contains(&device.as_str())
+                || device
+                    .strip_prefix("cuda:")
+                    .is_some_and(|i| i.parse::<u32>().is_ok());
+            if !known {
+                return Err(format!(
+                    "model {name:?}: device {device:?} is not auto, cpu, cuda or cuda:N"
+                ));
+            }
+        }
+        let sources = |v: &Volume| {
+            let value = serde_json::to_value(v).unwrap_or_default();
+            value
+                .as_object()
+                .map_or(0, |o| o.keys().filter(|k| *k != "name").count())
+        };
+        for volume in &self.volumes {
+            if sources(volume) != 1 {
+                return Err(format!(
+                    "model {name:?}: volume {:?} needs exactly one known source (persistentVolumeClaim, hostPath, configMap, secret, emptyDir, csi, nfs, ...)",
+                    volume.name
+                ));
+            }
+        }
+        for mount in &self.volume_mounts {
+            if !self.volumes.iter().any(|v| v.name == mount.name) {
+                return Err(format!(
+                    "model {name:?}: volumeMount {:?} names no volume of the entry",
+                    mount.name
+                ));
+            }
+        }
+        let quantities = [&self.resources.requests, &self.resources.limits];
+        for (resource, quantity) in quantities.into_iter().flatten().flatten() {
+            if !is_quantity(&quantity.0) {
+                return Err(format!(
+                    "model {name:?}: {resource} quantity {:?} is not a Kubernetes quantity (like 500m, 4, 16Gi)",
+                    quantity.0
+                ));
+            }
+        }
+        if self.start_timeout_seconds == 0 {
+            return Err(format!(
+                "model {name:?}: startTimeoutSeconds is 0: give the seconds a Pod may take to start (default 600)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A Kubernetes resource quantity: a decimal number with an optional suffix.
+fn is_quantity(text: &str) -> bool {
+    const SUFFIXES: [&str; 15] = [
+        "", "m", "k", "M", "G", "T", "P", "E", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "n",
+    ];
+    let digits = text.trim_start_matches(['+', '-']);
+    let end = digits
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(digits.len());
+    let (number, suffix) = digits.split_at(end);
+    let exponent = suffix.strip_prefix(['e', 'E']).is_some_and(|e| {
+        !e.is_empty()
+            && e.trim_start_matches(['+', '-'])
+                .chars()
+                .all(|c| c.is_ascii_digit())
+    });
+    !number.is_empty()
+        && number != "."
+        && number.matches('.').count() <= 1
+        && (SUFFIXES.contains(&suffix) || exponent || suffix == "u")
 }
 
 impl CatalogueEntry {
@@ -158,6 +265,7 @@ impl OperatorConfig {
                     model.name
                 ));
             }
+            model.check()?;
             if model.num_layers == 0 || model.hidden_size == 0 {
                 return Err(format!(
                     "model {:?} has numLayers {} and hiddenSize {}: give its decoder block count and residual width (config.json's num_hidden_layers and hidden_size)",
@@ -234,6 +342,30 @@ lanes: {small: 2, large: 1}
             "{}",
             OperatorConfig::parse(&twice).unwrap_err()
         );
+    }
+
+    #[test]
+    fn a_catalogue_entry_that_cannot_make_a_valid_pod_is_refused_naming_the_entry() {
+        let with = |extra: &str| {
+            OperatorConfig::parse(
+                &EXAMPLE.replace("    gpus: 1\n", &format!("    gpus: 1\n{extra}")),
+            )
+        };
+        let unknown_volume =
+            with("    volumes: [{name: weights, lustre: {path: /x}}]\n").unwrap_err();
+        assert!(
+            unknown_volume.contains("\"smollm2-135m\"") && unknown_volume.contains("\"weights\""),
+            "{unknown_volume}"
+        );
+        let bad_quantity = with("    resources: {limits: {memory: 16GB}}\n").unwrap_err();
+        assert!(bad_quantity.contains("\"16GB\""), "{bad_quantity}");
+        let dangling = with("    volumeMounts: [{name: nope, mountPath: /m}]\n").unwrap_err();
+        assert!(dangling.contains("\"nope\""), "{dangling}");
+        assert!(with("    device: tpu\n").unwrap_err().contains("\"tpu\""));
+        let good = with(
+            "    device: cuda\n    volumes: [{name: w, persistentVolumeClaim: {claimName: m, readOnly: true}}]\n    volumeMounts: [{name: w, mountPath: /models, readOnly: true}]\n    resources: {requests: {cpu: 500m, memory: 1.5Gi}}\n",
+        );
+        assert_eq!(good.unwrap().models[0].start_timeout_seconds, 600);
     }
 }
 

@@ -64,7 +64,13 @@ pub struct Observed<'a> {
     pub lane: Option<String>,
     /// Now.
     pub now: Timestamp,
+    /// How long the model's Pod may take to start (the catalogue's `startTimeoutSeconds`).
+    pub start_timeout: Option<Duration>,
 }
+
+/// The reason of a Pod create the apiserver refused, on its Event and on the Running
+/// condition the shell sets, which the next decision reads as the attempt's failure.
+pub const FAILED_CREATE: &str = "FailedCreate";
 
 /// Something the shell does.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,34 +211,36 @@ impl Builder<'_> {
 
     /// An admitted job: start, watch or retry its Pod.
     fn drive(&mut self, policy: &Policy) {
+        self.note_running();
         let attempts = self.old.attempts;
         let infra_retries = attempts.saturating_sub(1 + self.old.failures);
         match self.observed.pod.clone() {
             None if attempts == 0 || self.old.pod.is_none() => self.start_attempt(0),
             None => {
-                let failure = Failure {
-                    blame: Blame::Infrastructure,
-                    reason: "PodLost".into(),
-                    message: format!(
-                        "Pod {} disappeared before it finished",
-                        self.old.pod.clone().unwrap_or_default()
-                    ),
+                let refused = conditions::get(&self.old.conditions, RUNNING)
+                    .filter(|c| c.reason == FAILED_CREATE);
+                // A refused create is retried with backoff and counted, so that a
+                // missing ServiceAccount or a Pod Security refusal ends the job (and its
+                // hold) after backoffLimit.
+                let failed_at = refused.map(|c| c.last_transition_time.clone());
+                let failure = match refused {
+                    Some(condition) => Failure {
+                        blame: Blame::Job,
+                        reason: condition.reason.clone(),
+                        message: condition.message.clone(),
+                    },
+                    None => Failure {
+                        blame: Blame::Infrastructure,
+                        reason: "PodLost".into(),
+                        message: format!(
+                            "Pod {} disappeared before it finished",
+                            self.old.pod.clone().unwrap_or_default()
+                        ),
+                    },
                 };
-                self.retry(failure, None, infra_retries, policy);
+                self.retry(failure, failed_at, infra_retries, policy);
             }
-            Some(PodState::Starting {
-                waiting: Some((reason, message)),
-            }) => {
-                self.set(RUNNING, false, &reason, message);
-            }
-            Some(PodState::Starting { waiting: None }) => {
-                self.set(
-                    RUNNING,
-                    true,
-                    "PodStarting",
-                    format!("attempt {attempts} is starting"),
-                );
-            }
+            Some(PodState::Starting { waiting, since }) => self.starting(waiting, since),
             Some(PodState::Running) => {
                 self.set(
                     RUNNING,
@@ -263,6 +271,52 @@ impl Builder<'_> {
         {
             let wake = Duration::from_secs(left.max(1) as u64);
             self.requeue_after = Some(self.requeue_after.map_or(wake, |r| r.min(wake)));
+        }
+    }
+
+    /// Records the first time a worker is seen to have run.
+    fn note_running(&mut self) {
+        let ran = matches!(
+            self.observed.pod,
+            Some(PodState::Running | PodState::Succeeded { .. } | PodState::Failed { .. })
+        );
+        if ran && self.status.running_since.is_none() {
+            self.status.running_since = Some(self.now.clone());
+        }
+    }
+
+    /// A Pod not yet running: reported as it waits, and failed once it has waited out the
+    /// model's `startTimeoutSeconds` (the scheduler or kubelet will not start it; its slot is
+    /// freed and nothing is charged).
+    fn starting(&mut self, waiting: Option<(String, String)>, since: Option<Time>) {
+        let attempts = self.old.attempts;
+        if let (Some(timeout), Some(since)) = (self.observed.start_timeout, since) {
+            let waited = self.observed.now.duration_since(since.0);
+            let left = SignedDuration::try_from(timeout).unwrap_or_default() - waited;
+            if left <= SignedDuration::ZERO {
+                let why = waiting.map_or_else(String::new, |(reason, message)| {
+                    format!(": {reason}: {message}")
+                });
+                let message = format!(
+                    "attempt {attempts}'s Pod did not start within startTimeoutSeconds ({} s){why}",
+                    timeout.as_secs()
+                );
+                return self.finish(Outcome::Failed {
+                    reason: "PodStartTimeout".into(),
+                    message,
+                });
+            }
+            let wake = Duration::try_from(left).unwrap_or(timeout);
+            self.requeue_after = Some(self.requeue_after.map_or(wake, |r| r.min(wake)));
+        }
+        match waiting {
+            Some((reason, message)) => self.set(RUNNING, false, &reason, message),
+            None => self.set(
+                RUNNING,
+                true,
+                "PodStarting",
+                format!("attempt {attempts} is starting"),
+            ),
         }
     }
 
@@ -386,7 +440,9 @@ impl Builder<'_> {
 
     fn finish(&mut self, outcome: Outcome) {
         let reserved = self.old.tokens.map_or(0, |t| t.reserved);
-        let started = self.old.attempts > 0;
+        // A run is charged once a worker has run, not for Pods that never started.
+        self.note_running();
+        let started = self.status.running_since.is_some();
         let (event, phase_reason, message, warning) = match &outcome {
             Outcome::Succeeded(result) => (
                 JobEvent::Succeeded {

@@ -37,6 +37,7 @@ fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64)
         account: Some("acct".into()),
         lane: Some("small".into()),
         now: at(now),
+        start_timeout: None,
     };
     decide(&observed, &POLICY)
 }
@@ -221,6 +222,7 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
         account: None,
         lane: None,
         now: at(0),
+        start_timeout: None,
     };
     let decision = decide(&observed, &POLICY);
     assert!(
@@ -271,6 +273,7 @@ fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
         account: Some("acct".into()),
         lane: Some("small".into()),
         now: at(3),
+        start_timeout: None,
     };
     let decision = decide(&observed, &POLICY);
     let progress = decision.status.progress.unwrap();
@@ -304,6 +307,7 @@ fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
         account: Some("acct".into()),
         lane: Some("small".into()),
         now: at(3),
+        start_timeout: None,
     };
     let progress = decide(&observed, &POLICY).status.progress.unwrap();
     assert_eq!(progress.phase.as_deref(), Some("loading"));
@@ -313,4 +317,96 @@ fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
     );
     assert_eq!((progress.prompts_done, progress.shards_done), (8, 2));
     assert_eq!(progress.summary, "loading 3.1/16.1 GB");
+}
+
+#[test]
+fn a_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothing() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let unschedulable = |now: i64| {
+        let observed = Observed {
+            job: &job,
+            spec: Ok(job.spec.token_budget),
+            pod: Some(PodState::Starting {
+                waiting: Some((
+                    "Unschedulable".into(),
+                    "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.".into(),
+                )),
+                since: Some(Time(at(0))),
+            }),
+            reported: None,
+            admission: Admission::Admit,
+            account: Some("acct".into()),
+            lane: Some("small".into()),
+            now: at(now),
+            start_timeout: Some(Duration::from_secs(600)),
+        };
+        decide(&observed, &POLICY)
+    };
+    let waiting = unschedulable(590);
+    assert!(!conditions::is_true(&waiting.status.conditions, FINISHED));
+    assert_eq!(waiting.requeue_after, Some(Duration::from_secs(10)));
+    let late = unschedulable(600);
+    let finished = get(&late.status.conditions, FINISHED).unwrap();
+    assert_eq!(finished.reason, "PodStartTimeout");
+    assert!(
+        finished.message.contains("600 s")
+            && finished.message.contains("Insufficient nvidia.com/gpu"),
+        "{}",
+        finished.message
+    );
+    assert!(late.actions.contains(&Action::DeletePod("j-1".into())));
+    assert_eq!(late.status.tokens.unwrap().charged, Some(0));
+}
+
+#[test]
+fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_nothing() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let refuse = |job: &mut HarvestJob, now: i64| {
+        let status = job.status.as_mut().unwrap();
+        conditions::set(
+            &mut status.conditions,
+            ConditionUpdate {
+                type_: RUNNING,
+                status: false,
+                reason: FAILED_CREATE,
+                message:
+                    "attempt 1: Error creating Pod: serviceaccount \"harvest-worker\" not found"
+                        .into(),
+            },
+            Some(1),
+            &Time(at(now)),
+        );
+    };
+    refuse(&mut job, 0);
+    let backoff = step(&job, None, Admission::Admit, 1);
+    assert_eq!(backoff.requeue_after, Some(Duration::from_secs(9)));
+    assert!(
+        !backoff
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod { .. }))
+    );
+    apply(&mut job, &backoff);
+    let second = step(&job, None, Admission::Admit, 11);
+    assert!(
+        second
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod { attempt: 2, .. }))
+    );
+    apply(&mut job, &second);
+    refuse(&mut job, 11);
+    let last = step(&job, None, Admission::Admit, 12);
+    let finished = get(&last.status.conditions, FINISHED).unwrap();
+    assert_eq!(finished.reason, "BackoffLimitExceeded");
+    assert!(
+        finished.message.contains("serviceaccount"),
+        "{}",
+        finished.message
+    );
+    assert_eq!(last.status.tokens.unwrap().charged, Some(0));
 }

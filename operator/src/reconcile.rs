@@ -18,7 +18,7 @@ use tracing::{info, instrument, warn};
 
 use crate::admission::Admission;
 pub use crate::context::Context;
-use crate::decide::{Action, Decision, Observed, decide};
+use crate::decide::{Action, Decision, FAILED_CREATE, Observed, decide};
 use crate::error::{Error, Result};
 use crate::pod::{PodState, observe, render, reported_progress};
 use crate::{cleanup, ledger};
@@ -58,7 +58,21 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         && !job.spec.cancel;
     let observed = shell.observe(&checked, waiting, now).await?;
     let decision = decide(&observed, &ctx.config.policy());
-    shell.apply_pods(&decision, &checked).await?;
+    let mut decision = decision;
+    if let Some(refusal) = shell.apply_pods(&decision, &checked).await? {
+        // The next reconcile reads this condition as the attempt's failure.
+        conditions::set(
+            &mut decision.status.conditions,
+            conditions::ConditionUpdate {
+                type_: conditions::RUNNING,
+                status: false,
+                reason: FAILED_CREATE,
+                message: refusal,
+            },
+            job.metadata.generation,
+            &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+        );
+    }
     if decision.status != old {
         if let Err(error) = shell.write_status(&decision.status).await {
             if waiting {
@@ -153,15 +167,23 @@ impl Shell<'_> {
             account,
             lane: checked.as_ref().ok().map(|v| v.lane.to_string()),
             now,
+            start_timeout: self
+                .ctx
+                .config
+                .model(&job.spec.model)
+                .map(|m| Duration::from_secs(m.start_timeout_seconds)),
         })
     }
 
-    /// The Pod actions, which come before the status write.
+    /// The Pod actions, which come before the status write. A create the apiserver refuses
+    /// for good (no ServiceAccount, Pod Security, an invalid Pod) is published as a
+    /// `FailedCreate` Event and returned, so that it fails the attempt instead of being
+    /// retried every few seconds.
     async fn apply_pods(
         &self,
         decision: &Decision,
         checked: &std::result::Result<harvest_crds::ValidJob, SpecError>,
-    ) -> Result<()> {
+    ) -> Result<Option<String>> {
         let ctx = self.ctx;
         for action in &decision.actions {
             match action {
@@ -186,13 +208,24 @@ impl Shell<'_> {
                     match self.pods.create(&post_params(), &pod).await {
                         Ok(_) => info!(attempt, "created the attempt's Pod"),
                         Err(kube::Error::Api(status)) if status.code == 409 => {}
+                        Err(kube::Error::Api(status))
+                            if matches!(status.code, 400 | 403 | 404 | 422) =>
+                        {
+                            let message = format!(
+                                "attempt {attempt}: Error creating Pod: {}",
+                                status.message
+                            );
+                            warn!(attempt, error = %status.message, "the apiserver refused the attempt's Pod");
+                            publish(ctx, self.job, true, FAILED_CREATE, &message).await;
+                            return Ok(Some(message));
+                        }
                         Err(e) => return Err(e.into()),
                     }
                 }
                 Action::Event { .. } | Action::DeleteJob => {}
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Replaces the status, conditional on the resourceVersion the reconcile read.

@@ -20,9 +20,30 @@ pub const TERMINATION_LOG: &str = "/dev/termination-log";
 pub const CONTAINER: &str = "harvester";
 
 /// The Pod name of a job's attempt `attempt` (1-based): deterministic, so a repeated create
-/// after a lost write finds the same Pod instead of starting a second one.
+/// after a lost write finds the same Pod instead of starting a second one. A job name too
+/// long for the suffix (names may have 253 characters) is shortened with a hash of itself.
 pub fn pod_name(job: &str, attempt: u32) -> String {
-    format!("{job}-{attempt}")
+    let suffix = format!("-{attempt}");
+    format!("{}{suffix}", shortened(job, 253 - suffix.len()))
+}
+
+/// `name` if it has at most `max` characters, else a prefix of it and a hash of the whole,
+/// `max` characters in all: distinct for distinct names, and still a valid name or label.
+pub fn shortened(name: &str, max: usize) -> String {
+    if name.len() <= max {
+        return name.to_owned();
+    }
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in name.bytes() {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let prefix = name[..max - 17].trim_end_matches(['-', '.']);
+    format!("{prefix}-{hash:016x}")
+}
+
+/// The job label's value: label values have at most 63 characters.
+pub fn job_label(job: &str) -> String {
+    shortened(job, 63)
 }
 
 /// Who is to blame for a failed attempt, which decides whether it is retried and counted.
@@ -53,8 +74,10 @@ pub enum PodState {
     /// Scheduled or not, not yet running; `waiting` is the container's waiting reason (image
     /// pull errors, say) and message.
     Starting {
-        /// Why it waits, if the kubelet says.
+        /// Why it waits, if the kubelet or the scheduler says.
         waiting: Option<(String, String)>,
+        /// When the Pod was created, which starts its `startTimeoutSeconds`.
+        since: Option<Time>,
     },
     /// The harvester runs.
     Running,

@@ -44,12 +44,32 @@ pub fn observe(pod: &Pod) -> PodState {
             failure: failure(&status, terminated),
         },
         _ => PodState::Starting {
-            waiting: container.and_then(|s| s.waiting).and_then(|w| {
-                w.reason
-                    .map(|reason| (reason, w.message.unwrap_or_default()))
-            }),
+            waiting: container
+                .and_then(|s| s.waiting)
+                .and_then(|w| {
+                    w.reason
+                        .map(|reason| (reason, w.message.unwrap_or_default()))
+                })
+                .or_else(|| unschedulable(&status)),
+            since: pod.metadata.creation_timestamp.clone(),
         },
     }
+}
+
+/// The scheduler's reason, while the Pod has no node.
+fn unschedulable(status: &k8s_openapi::api::core::v1::PodStatus) -> Option<(String, String)> {
+    let condition = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+    Some((
+        condition
+            .reason
+            .clone()
+            .unwrap_or_else(|| "Unschedulable".into()),
+        condition.message.clone().unwrap_or_default(),
+    ))
 }
 
 /// Why a failed Pod failed: a disruption or a node problem (the cluster's fault), the job's

@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 
 use harvest_crds::{HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
-    Container, EnvFromSource, EnvVar, Pod, PodSpec, ResourceRequirements, SecretEnvSource,
+    Capabilities, Container, EnvFromSource, EnvVar, Pod, PodSecurityContext, PodSpec,
+    ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 
-use super::{CONTAINER, JOB_LABEL, MANAGED_BY, TERMINATION_LOG, pod_name};
+use super::{CONTAINER, JOB_LABEL, MANAGED_BY, TERMINATION_LOG, job_label, pod_name};
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
@@ -53,7 +54,7 @@ pub fn render(
         })?;
     let labels = BTreeMap::from([
         (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
-        (JOB_LABEL.to_owned(), job.name_any()),
+        (JOB_LABEL.to_owned(), job_label(&job.name_any())),
         ("harvest.dev/attempt".to_owned(), attempt.to_string()),
     ]);
     Ok(Pod {
@@ -72,6 +73,20 @@ pub fn render(
             active_deadline_seconds: deadline_seconds,
             node_selector: (!model.node_selector.is_empty()).then(|| model.node_selector.clone()),
             tolerations: (!model.tolerations.is_empty()).then(|| model.tolerations.clone()),
+            volumes: (!model.volumes.is_empty()).then(|| model.volumes.clone()),
+            image_pull_secrets: (!model.image_pull_secrets.is_empty())
+                .then(|| model.image_pull_secrets.clone()),
+            runtime_class_name: model.runtime_class_name.clone(),
+            priority_class_name: model.priority_class_name.clone(),
+            // The "restricted" Pod Security Standard, so that worker namespaces may enforce it.
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..SeccompProfile::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
             containers: vec![Container {
                 name: CONTAINER.into(),
                 image: Some(model.image.clone()),
@@ -81,6 +96,16 @@ pub fn render(
                 resources: (resources != ResourceRequirements::default()).then_some(resources),
                 termination_message_path: Some(TERMINATION_LOG.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
+                volume_mounts: (!model.volume_mounts.is_empty())
+                    .then(|| model.volume_mounts.clone()),
+                security_context: Some(SecurityContext {
+                    allow_privilege_escalation: Some(false),
+                    capabilities: Some(Capabilities {
+                        drop: Some(vec!["ALL".into()]),
+                        ..Capabilities::default()
+                    }),
+                    ..SecurityContext::default()
+                }),
                 ..Container::default()
             }],
             ..PodSpec::default()
@@ -111,6 +136,9 @@ fn worker_args(
         "--progress".to_owned(),
         "json".to_owned(),
     ];
+    if let Some(device) = &model.device {
+        args.extend(["--device".to_owned(), device.clone()]);
+    }
     args.extend(config.worker_extra_args.iter().cloned());
     Ok(args)
 }

@@ -147,8 +147,27 @@ fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason()
     assert_eq!(
         observe(&pulling),
         PodState::Starting {
-            waiting: Some(("ImagePullBackOff".into(), "back-off pulling img:1".into()))
+            waiting: Some(("ImagePullBackOff".into(), "back-off pulling img:1".into())),
+            since: None,
         }
+    );
+}
+
+#[test]
+fn an_unscheduled_pod_waits_with_the_schedulers_reason() {
+    let pending = pod_with(
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]}),
+    );
+    let PodState::Starting { waiting, .. } = observe(&pending) else {
+        panic!("not starting")
+    };
+    assert_eq!(
+        waiting,
+        Some((
+            "Unschedulable".into(),
+            "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.".into()
+        ))
     );
 }
 
@@ -170,4 +189,16 @@ fn the_newest_progress_line_of_the_log_is_the_report_and_other_lines_are_skipped
         (16, 48, 800)
     );
     assert!(reported_progress("no json here\n").is_none());
+}
+
+#[test]
+fn a_job_name_past_the_label_limit_gets_a_hashed_label_and_a_valid_pod_name() {
+    let long = format!("{}-z", "a".repeat(250));
+    assert_eq!(job_label("short"), "short");
+    let label = job_label(&long);
+    assert_eq!(label.len(), 63);
+    assert_ne!(label, job_label(&format!("{}-y", "a".repeat(250))));
+    let pod = pod_name(&long, 12);
+    assert!(pod.len() <= 253 && pod.ends_with("-12"), "{pod}");
+    assert_eq!(pod_name("j", 1), "j-1");
 }

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The local test cluster: the shipped manifests, applied as a platform team applies them, on a
+# Kubernetes stand-in that runs each Pod as a local process (harvest-test-cluster, from
+# fake-apiserver/; fake-apiserver/DIVERGENCES.md says how it differs from a real cluster).
+#
+#   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/, wait
+#   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
+#   scripts/cluster.sh down             # stop everything `up` started
+#
+# `up` prints `export KUBECONFIG=…` and `export HARVEST_API=http://127.0.0.1:PORT/v1` (the
+# harvest-api Service). Storage is a SeaweedFS S3 server on loopback; the models claim is
+# backed by the model cache. What changes from manifests/ for local use: images map to the
+# binaries cargo built, the storage Secrets point at the local S3 server, and a HarvestAccount
+# for the keys you create. HARVEST_CLUSTER_DIR (default ~/.cache/harvest/cluster) holds its
+# state and every Pod's log; HARVEST_BIN_DIR skips the build and takes the binaries there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
+dir=${HARVEST_CLUSTER_DIR:-$cache/cluster}
+version=0.1.0
+
+say() { echo "cluster: $*" >&2; }
+alive() { [ -f "$dir/$1.pid" ] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+kc() { KUBECONFIG=$dir/state/kubeconfig kubectl "$@"; }
+
+# Waits until "$@" succeeds, for at most $deadline seconds.
+wait_for() {
+  local what=$1 deadline=$2
+  shift 2
+  local until=$((SECONDS + deadline))
+  until "$@" >/dev/null 2>&1; do
+    if [ "$SECONDS" -ge "$until" ]; then
+      say "$what did not happen within $deadline s (logs under $dir)"
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+print_exports() {
+  local port
+  port=$(kc -n harvest-system get service harvest-api -o jsonpath='{.status.loadBalancer.ingress[0].ports[0].port}')
+  echo "export KUBECONFIG=$dir/state/kubeconfig"
+  echo "export HARVEST_API=http://127.0.0.1:$port/v1"
+}
+
+start_storage() {
+  local weed=$1 ports=() flag
+  mkdir -p "$dir/s3"
+  printf '{"identities": [{"name": "harvest", "credentials": [{"accessKey": "harvest-local", "secretKey": "harvest-local-secret"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' > "$dir/s3.json"
+  local args=(mini "-dir=$dir/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=harvest "-s3.config=$dir/s3.json")
+  for flag in master.port master.port.grpc volume.port volume.port.grpc filer.port filer.port.grpc \
+    s3.port s3.port.grpc s3.port.iceberg s3.port.lance webdav.port admin.port admin.port.grpc; do
+    local port
+    port=$(free_port)
+    ports+=("$port")
+    args+=("-$flag=$port")
+    [ "$flag" = s3.port ] && echo "http://127.0.0.1:$port" > "$dir/s3.endpoint"
+  done
+  setsid "$weed" "${args[@]}" > "$dir/s3.log" 2>&1 < /dev/null &
+  echo $! > "$dir/s3.pid"
+  # Any HTTP answer (403 to an unsigned request) means the gateway is up.
+  wait_for "the S3 server answering" 120 python3 -c "
+import sys, urllib.request, urllib.error
+try: urllib.request.urlopen(sys.argv[1], timeout=2)
+except urllib.error.HTTPError: pass" "$(cat "$dir/s3.endpoint")/harvest"
+}
+
+storage_secrets() {
+  local endpoint
+  endpoint=$(cat "$dir/s3.endpoint")
+  # The workers' credentials (the catalogue's workerEnvSecret) and the API's signing key.
+  kc -n harvest-system create secret generic harvest-s3 --dry-run=client -o yaml \
+    --from-literal=AWS_ENDPOINT_URL="$endpoint" --from-literal=AWS_REGION=us-east-1 \
+    --from-literal=AWS_ACCESS_KEY_ID=harvest-local --from-literal=AWS_SECRET_ACCESS_KEY=harvest-local-secret \
+    --from-literal=AWS_ALLOW_HTTP=true | kc apply --validate=false -f - >&2
+  kc -n harvest-system create secret generic harvest-s3-signing --dry-run=client -o yaml \
+    --from-literal=HARVEST_S3_ENDPOINT="$endpoint" --from-literal=HARVEST_S3_ALLOW_HTTP=true \
+    --from-literal=HARVEST_S3_ACCESS_KEY_ID=harvest-local \
+    --from-literal=HARVEST_S3_SECRET_ACCESS_KEY=harvest-local-secret | kc apply --validate=false -f - >&2
+}
+
+up() {
+  if alive cluster; then
+    say "already up"
+    print_exports
+    return
+  fi
+  mkdir -p "$dir"
+  rm -rf "$dir/state"
+  local bin=${HARVEST_BIN_DIR:-}
+  if [ -z "$bin" ]; then
+    say "building"
+    cargo build --quiet -p harvester -p harvest-api -p harvest-operator -p harvest-fake-apiserver >&2
+    bin=${CARGO_TARGET_DIR:-$PWD/target}/debug
+  fi
+  scripts/fetch-model.sh >/dev/null
+  local tools
+  tools=$(scripts/test-tools.sh)
+  say "starting the S3 server"
+  start_storage "$tools/weed"
+  say "starting the cluster"
+  setsid "$bin/harvest-test-cluster" --dir "$dir/state" \
+    --image "ghcr.io/harvest-dev/harvest-api:$version=$bin/harvest-api" \
+    --image "ghcr.io/harvest-dev/harvest-operator:$version=$bin/harvest-operator" \
+    --image "ghcr.io/harvest-dev/harvester:$version=$bin/harvester" \
+    --claim "harvest-system/harvest-models=$cache/models" \
+    > "$dir/cluster.log" 2>&1 < /dev/null &
+  echo $! > "$dir/cluster.pid"
+  wait_for "the apiserver writing its kubeconfig" 60 test -f "$dir/state/kubeconfig"
+  say "kubectl apply -k manifests/"
+  # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
+  # apiserver validates custom resources against their schemas itself.
+  kc apply -k manifests/ --validate=false >&2
+  storage_secrets
+  say "waiting for the Deployments"
+  kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2
+  wait_for "the harvest-api Service" 30 bash -c "KUBECONFIG=$dir/state/kubeconfig kubectl -n harvest-system get service harvest-api -o jsonpath='{.status.loadBalancer.ingress[0].ports[0].port}' | grep -q ."
+  print_exports
+}
+
+create_key() {
+  local account=${1:?usage: scripts/cluster.sh create-key ACCOUNT}
+  alive cluster || { say "not up: run scripts/cluster.sh up"; exit 1; }
+  if ! kc get harvestaccount "$account" >/dev/null 2>&1; then
+    say "creating HarvestAccount $account (REST jobs only; edit its lanes and budgets with kubectl)"
+    printf 'apiVersion: harvest.dev/v1alpha1\nkind: HarvestAccount\nmetadata: {name: %s}\nspec: {namespaces: [], lanes: {small: 2, large: 1}}\n' "$account" \
+      | kc apply --validate=false -f - >&2
+  fi
+  kc -n harvest-system get configmap harvest-api -o jsonpath='{.data.api\.json}' > "$dir/api.json"
+  local bin=${HARVEST_BIN_DIR:-${CARGO_TARGET_DIR:-$PWD/target}/debug}
+  KUBECONFIG=$dir/state/kubeconfig "$bin/harvest-api" --config "$dir/api.json" create-key --account "$account"
+}
+
+down() {
+  local what
+  for what in cluster s3; do
+    if alive "$what"; then
+      local pid
+      pid=$(cat "$dir/$what.pid")
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+      local until=$((SECONDS + 20))
+      while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$until" ]; do sleep 0.2; done
+      kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+    rm -f "$dir/$what.pid"
+  done
+  say "down"
+}
+
+case ${1:-} in
+  up) up ;;
+  create-key) shift; create_key "$@" ;;
+  down) down ;;
+  *) echo "usage: scripts/cluster.sh up | create-key ACCOUNT | down" >&2; exit 2 ;;
+esac
