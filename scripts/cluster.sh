@@ -47,6 +47,8 @@ print_exports() {
 
 start_storage() {
   local weed=$1 ports=() flag
+  # Fresh each time: SeaweedFS keeps its old ports in its data directory.
+  rm -rf "$dir/s3"
   mkdir -p "$dir/s3"
   printf '{"identities": [{"name": "harvest", "credentials": [{"accessKey": "harvest-local", "secretKey": "harvest-local-secret"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' > "$dir/s3.json"
   local args=(mini "-dir=$dir/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=harvest "-s3.config=$dir/s3.json")
@@ -57,6 +59,7 @@ start_storage() {
     ports+=("$port")
     args+=("-$flag=$port")
     [ "$flag" = s3.port ] && echo "http://127.0.0.1:$port" > "$dir/s3.endpoint"
+    [ "$flag" = filer.port ] && echo "http://127.0.0.1:$port" > "$dir/filer.endpoint"
   done
   setsid "$weed" "${args[@]}" > "$dir/s3.log" 2>&1 < /dev/null &
   echo $! > "$dir/s3.pid"
@@ -65,6 +68,13 @@ start_storage() {
 import sys, urllib.request, urllib.error
 try: urllib.request.urlopen(sys.argv[1], timeout=2)
 except urllib.error.HTTPError: pass" "$(cat "$dir/s3.endpoint")/harvest"
+  # The buckets manifests/examples/harvestjob.yaml names, as directories under the filer's
+  # /buckets (how SeaweedFS keeps buckets).
+  python3 -c "
+import sys, urllib.request
+for bucket in ('harvest-inputs', 'harvest-outputs'):
+    urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/buckets/' + bucket + '/', method='POST'), timeout=10)
+" "$(cat "$dir/filer.endpoint")"
 }
 
 storage_secrets() {
@@ -95,7 +105,8 @@ up() {
     cargo build --quiet -p harvester -p harvest-api -p harvest-operator -p harvest-fake-apiserver >&2
     bin=${CARGO_TARGET_DIR:-$PWD/target}/debug
   fi
-  scripts/fetch-model.sh >/dev/null
+  # Imported once (scripts/test.sh re-imports it before the tests); never under a running cluster.
+  [ -f "$cache/models/smollm2-135m/model.safetensors" ] || HARVESTER=$bin/harvester scripts/fetch-model.sh >/dev/null
   local tools
   tools=$(scripts/test-tools.sh)
   say "starting the S3 server"
@@ -105,7 +116,7 @@ up() {
     --image "ghcr.io/harvest-dev/harvest-api:$version=$bin/harvest-api" \
     --image "ghcr.io/harvest-dev/harvest-operator:$version=$bin/harvest-operator" \
     --image "ghcr.io/harvest-dev/harvester:$version=$bin/harvester" \
-    --claim "harvest-system/harvest-models=$cache/models" \
+    --claim "*/harvest-models=$cache/models" \
     > "$dir/cluster.log" 2>&1 < /dev/null &
   echo $! > "$dir/cluster.pid"
   wait_for "the apiserver writing its kubeconfig" 60 test -f "$dir/state/kubeconfig"

@@ -163,9 +163,24 @@ async fn handle(
         }
         return pod_log(logs, &ns, &name, &query);
     }
+    let binary = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| {
+            t.starts_with("application/vnd.kubernetes.protobuf")
+                || t.starts_with("application/cbor")
+        });
     let body_value = || -> Result<Value, ApiError> {
         if body.is_empty() {
             return Ok(Value::Null);
+        }
+        // As an apiserver without the encoding answers; clients then resend JSON.
+        if binary {
+            return Err(ApiError::new(
+                415,
+                "UnsupportedMediaType",
+                "the body's content type is not supported: send application/json or YAML".into(),
+            ));
         }
         serde_json::from_slice(&body)
             .or_else(|_| serde_yaml::from_slice(&body))

@@ -21,7 +21,8 @@ pub struct PodHost<'a> {
     pub ip: &'a str,
     /// The apiserver's address, for `KUBERNETES_SERVICE_HOST`/`PORT` and the kubeconfig.
     pub apiserver: std::net::SocketAddr,
-    /// PersistentVolumeClaims backed by a local directory, by `namespace/name`.
+    /// PersistentVolumeClaims backed by a local directory, by `namespace/name` (or `*/name`
+    /// for that claim in every namespace).
     pub claims: &'a BTreeMap<String, PathBuf>,
     /// Where unlisted claims are kept.
     pub claim_root: &'a Path,
@@ -377,6 +378,7 @@ fn volume_dirs(
             }
             host.claims
                 .get(&format!("{ns}/{claim}"))
+                .or_else(|| host.claims.get(&format!("*/{claim}")))
                 .cloned()
                 .unwrap_or_else(|| host.claim_root.join(ns).join(claim))
         } else if let Some(path) = volume["hostPath"]["path"].as_str() {

@@ -21,7 +21,8 @@ struct Cli {
     /// `IMAGE=EXECUTABLE`: what the kubelet runs for an image (repeatable).
     #[arg(long = "image", value_parser = pair)]
     images: Vec<(String, String)>,
-    /// `NAMESPACE/CLAIM=DIRECTORY`: a PersistentVolumeClaim's backing directory (repeatable).
+    /// `NAMESPACE/CLAIM=DIRECTORY`: a PersistentVolumeClaim's backing directory; `*` for every
+    /// namespace (repeatable).
     #[arg(long = "claim", value_parser = pair)]
     claims: Vec<(String, String)>,
     /// `NAME=VALUE` added to every container's environment (repeatable).

@@ -1,0 +1,192 @@
+//! `harvest-e2e`, for tests only: the local test cluster exactly as a newcomer starts it
+//! (`scripts/cluster.sh up`, which applies `manifests/` with `kubectl apply -k`), and the
+//! two ways in that users have: `kubectl` and the REST API through the harvest-api Service.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+
+/// How long a test waits for a condition the cluster reaches on its own (generous: the CI
+/// machine has two cores and runs these tests side by side).
+pub const WITHIN: Duration = Duration::from_secs(240);
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// Where cargo built the binaries (beside the test binary's `deps/`).
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_owned()
+}
+
+/// A cluster `scripts/cluster.sh up` started in a directory of its own; `down` on drop.
+#[derive(Debug)]
+pub struct LocalCluster {
+    dir: tempfile::TempDir,
+    /// Its kubeconfig (the administrator's).
+    pub kubeconfig: PathBuf,
+    /// `http://127.0.0.1:PORT/v1`, the harvest-api Service.
+    pub api: String,
+}
+
+fn script(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(repo().join("scripts/cluster.sh"))
+        .args(args)
+        .env("HARVEST_CLUSTER_DIR", dir)
+        .env("HARVEST_BIN_DIR", bin_dir())
+        .output()
+        .unwrap()
+}
+
+impl LocalCluster {
+    /// `scripts/cluster.sh up`, its exports read back.
+    pub fn up() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let out = script(dir.path(), &["up"]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "scripts/cluster.sh up failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let export = |name: &str| {
+            stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+                .unwrap_or_else(|| panic!("no export of {name} in {stdout}"))
+                .to_owned()
+        };
+        Self {
+            kubeconfig: export("KUBECONFIG").into(),
+            api: export("HARVEST_API"),
+            dir,
+        }
+    }
+
+    /// Runs kubectl with this cluster's kubeconfig: its stdout, or its stderr as the error.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
+        self.kubectl_with_input(args, None)
+    }
+
+    /// Runs kubectl with `input` on its stdin.
+    pub fn kubectl_with_input(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
+        use std::io::Write as _;
+        let mut child = Command::new("kubectl")
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .current_dir(repo())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        if let Some(input) = input {
+            stdin.write_all(input.as_bytes()).unwrap();
+        }
+        drop(stdin);
+        let out = child.wait_with_output().unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    /// `kubectl get … -o jsonpath=…`, or "" when the object or the field is missing.
+    pub fn field(&self, args: &[&str], jsonpath: &str) -> String {
+        let mut all = vec!["get"];
+        all.extend_from_slice(args);
+        let output = format!("jsonpath={jsonpath}");
+        all.extend(["-o", &output]);
+        self.kubectl(&all).unwrap_or_default()
+    }
+
+    /// `scripts/cluster.sh create-key ACCOUNT`.
+    pub fn create_key(&self, account: &str) -> String {
+        let out = script(self.dir.path(), &["create-key", account]);
+        assert!(
+            out.status.success(),
+            "create-key failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// The local S3 server's `bucket`, with the credentials `up` gave the cluster.
+    pub fn bucket(&self, bucket: &str) -> Arc<AmazonS3> {
+        let endpoint = std::fs::read_to_string(self.dir.path().join("s3.endpoint")).unwrap();
+        Arc::new(
+            AmazonS3Builder::new()
+                .with_bucket_name(bucket)
+                .with_region("us-east-1")
+                .with_endpoint(endpoint.trim())
+                .with_access_key_id("harvest-local")
+                .with_secret_access_key("harvest-local-secret")
+                .with_allow_http(true)
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// A Pod's log, from the cluster's directory.
+    pub fn pod_log(&self, namespace: &str, pod: &str) -> String {
+        let read = |stream: &str| {
+            std::fs::read_to_string(
+                self.dir
+                    .path()
+                    .join("state")
+                    .join(format!("{namespace}_{pod}.{stream}")),
+            )
+            .unwrap_or_default()
+        };
+        read("stdout") + &read("stderr")
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        let _ = script(self.dir.path(), &["down"]);
+    }
+}
+
+/// Waits until `probe` answers `Some`, for at most `within`; fails naming `what` and the last
+/// answer.
+pub async fn eventually<T>(
+    what: &str,
+    within: Duration,
+    mut probe: impl FnMut() -> Result<T, String>,
+) -> T {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match probe() {
+            Ok(found) => return found,
+            Err(last) if tokio::time::Instant::now() >= deadline => {
+                panic!("timed out after {within:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+/// JSONL prompts: `count` lines of about `words` words each.
+pub fn prompts(count: usize, words: usize) -> String {
+    (0..count)
+        .map(|i| {
+            let text = format!(
+                "Prompt {i}: {}",
+                "the quick brown fox jumps over the lazy dog ".repeat(words.div_ceil(9))
+            );
+            format!("{}\n", serde_json::json!({ "text": text }))
+        })
+        .collect()
+}

@@ -1,0 +1,365 @@
+//! The shipped manifests on the local test cluster, as applied by `scripts/cluster.sh up`: the
+//! seed flow through the API Service, `kubectl apply` of the example job, an operator rollout
+//! mid-job, a GPU model with no GPU node, and schema refusals.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use harvest_e2e::{LocalCluster, WITHIN, eventually, prompts, repo};
+use object_store::ObjectStoreExt;
+use object_store::path::Path as StorePath;
+use serde_json::{Value, json};
+
+fn ready_replicas(cluster: &LocalCluster, deployment: &str) -> String {
+    cluster.field(
+        &["deployment", deployment, "-n", "harvest-system"],
+        "{.status.readyReplicas}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied() {
+    let cluster = LocalCluster::up();
+    // Both replicas of each Deployment are Ready: the follower operator too.
+    for deployment in ["harvest-api", "harvest-operator"] {
+        assert_eq!(ready_replicas(&cluster, deployment), "2", "{deployment}");
+    }
+    let key = cluster.create_key("acme");
+    let http = reqwest::Client::new();
+    let submitted = http
+        .post(format!("{}/harvest", cluster.api))
+        .bearer_auth(&key)
+        .json(&json!({"model": "smollm2-135m", "prompts": ["The capital of France is", "Residual streams carry"], "layers": [3, 15]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(submitted.status(), 202);
+    let job: Value = submitted.json().await.unwrap();
+    let id = job["job_id"].as_str().unwrap().to_owned();
+    // Long-polls until the job is done (each wait ends when the status changes).
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    let done = loop {
+        let view: Value = http
+            .get(format!("{}/harvest/{id}?wait=60", cluster.api))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        match view["status"].as_str() {
+            Some("done") => break view,
+            Some("pending" | "running") if tokio::time::Instant::now() < deadline => {}
+            _ => panic!("the job did not finish: {view}"),
+        }
+    };
+    assert_eq!(done["result"]["layer_indices"], json!([3, 15]));
+    // The signed links download without a key.
+    let manifest: Value = reqwest::get(done["result"]["manifest_url"].as_str().unwrap())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(manifest["n_prompts"], json!(2), "{manifest}");
+    let shard = reqwest::get(done["result"]["shard_urls"][0].as_str().unwrap())
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let header_len = u64::from_le_bytes(shard[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&shard[8..8 + header_len]).unwrap();
+    assert_eq!(
+        header["prompt_0"]["shape"][0],
+        json!(2),
+        "a prompt's activations hold the two layers: {header}"
+    );
+    let phase = cluster.field(
+        &["harvestjob", &id, "-n", "harvest-system"],
+        "{.status.phase}",
+    );
+    assert_eq!(phase, "Succeeded");
+}
+
+/// The example's tenant namespace, with what a platform team gives one: the worker
+/// ServiceAccount, the models claim the catalogue mounts, and the storage Secret the
+/// catalogue's workerEnvSecret names.
+fn tenant(cluster: &LocalCluster, namespace: &str) {
+    // `kubectl create namespace` sends protobuf, which the stand-in does not decode.
+    let objects = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n---\napiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: harvest-worker, namespace: {namespace}}}\nautomountServiceAccountToken: false\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: harvest-models, namespace: {namespace}}}\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 2Ti}}}}}}\n"
+    );
+    cluster
+        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&objects))
+        .unwrap();
+    let mut secret: Value = serde_json::from_str(
+        &cluster
+            .kubectl(&[
+                "get",
+                "secret",
+                "harvest-s3",
+                "-n",
+                "harvest-system",
+                "-o",
+                "json",
+            ])
+            .unwrap(),
+    )
+    .unwrap();
+    secret["metadata"] = json!({"name": "harvest-s3", "namespace": namespace});
+    cluster
+        .kubectl_with_input(
+            &["apply", "--validate=false", "-f", "-"],
+            Some(&secret.to_string()),
+        )
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "apply",
+            "--validate=false",
+            "-f",
+            "manifests/examples/harvestaccount.yaml",
+        ])
+        .unwrap();
+}
+
+async fn upload_example_prompts(cluster: &LocalCluster, count: usize, words: usize) {
+    cluster
+        .bucket("harvest-inputs")
+        .put(
+            &StorePath::from("probing/prompts.jsonl"),
+            prompts(count, words).into_bytes().into(),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_job_finishes_through_an_operator_rollout_and_is_charged_once() {
+    let cluster = LocalCluster::up();
+    tenant(&cluster, "my-team");
+    upload_example_prompts(&cluster, 320, 60).await;
+    cluster
+        .kubectl(&[
+            "apply",
+            "--validate=false",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            "my-team",
+        ])
+        .unwrap();
+    let job = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
+    eventually("the example job running", WITHIN, || {
+        let running = cluster.field(&job, "{.status.conditions[?(@.type==\"Running\")].reason}");
+        (running == "PodRunning").then_some(()).ok_or(running)
+    })
+    .await;
+    let leader_before = cluster.field(
+        &["lease", "harvest-operator", "-n", "harvest-system"],
+        "{.spec.holderIdentity}",
+    );
+    cluster
+        .kubectl(&[
+            "rollout",
+            "restart",
+            "deployment/harvest-operator",
+            "-n",
+            "harvest-system",
+        ])
+        .unwrap();
+    assert_eq!(
+        cluster.field(&job, "{.status.phase}"),
+        "Running",
+        "the rollout must start before the job ends (make the corpus larger)"
+    );
+    cluster
+        .kubectl(&[
+            "rollout",
+            "status",
+            "deployment/harvest-operator",
+            "-n",
+            "harvest-system",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=Finished",
+            "harvestjob/smollm2-quartiles",
+            "-n",
+            "my-team",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    assert_eq!(cluster.field(&job, "{.status.phase}"), "Succeeded");
+    let tokens: u64 = cluster
+        .field(&job, "{.status.result.tokens}")
+        .parse()
+        .unwrap();
+    let charged: u64 = cluster
+        .field(&job, "{.status.tokens.charged}")
+        .parse()
+        .unwrap();
+    assert_eq!(charged, tokens);
+    // The new replicas hold the Lease now; the account's book counts the job once.
+    let leader_after = cluster.field(
+        &["lease", "harvest-operator", "-n", "harvest-system"],
+        "{.spec.holderIdentity}",
+    );
+    assert_ne!(leader_after, leader_before);
+    eventually("the account charged once", WITHIN, || {
+        let total = cluster.field(&["harvestaccount", "interp-team"], "{.status.tokensTotal}");
+        (total == tokens.to_string()).then_some(()).ok_or(total)
+    })
+    .await;
+    let manifest = cluster
+        .bucket("harvest-outputs")
+        .get(&StorePath::from("probing/smollm2-quartiles/manifest.json"))
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let manifest: Value = serde_json::from_slice(&manifest).unwrap();
+    assert_eq!(manifest["n_prompts"], json!(320));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_job() {
+    let cluster = LocalCluster::up();
+    tenant(&cluster, "my-team");
+    upload_example_prompts(&cluster, 4, 8).await;
+    // One slot, and a start timeout a test can wait out; the operator reads its catalogue at
+    // start, so the change rolls it out.
+    cluster
+        .kubectl(&[
+            "patch",
+            "harvestaccount",
+            "interp-team",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"lanes":{"small":1}}}"#,
+        ])
+        .unwrap();
+    let config = cluster.field(
+        &["configmap", "harvest-operator", "-n", "harvest-system"],
+        "{.data.config\\.yaml}",
+    );
+    let config = config.replacen("startTimeoutSeconds: 600", "startTimeoutSeconds: 5", 1);
+    let patch = json!({"data": {"config.yaml": config}}).to_string();
+    cluster
+        .kubectl(&[
+            "patch",
+            "configmap",
+            "harvest-operator",
+            "-n",
+            "harvest-system",
+            "--type=merge",
+            "-p",
+            &patch,
+        ])
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "rollout",
+            "restart",
+            "deployment/harvest-operator",
+            "-n",
+            "harvest-system",
+        ])
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "rollout",
+            "status",
+            "deployment/harvest-operator",
+            "-n",
+            "harvest-system",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    let example =
+        std::fs::read_to_string(repo().join("manifests/examples/harvestjob.yaml")).unwrap();
+    let gpu_job = example
+        .replace("name: smollm2-quartiles", "name: needs-a-gpu")
+        .replace("model: smollm2-135m", "model: llama-8b")
+        .replace("smollm2-quartiles\n", "needs-a-gpu\n");
+    cluster
+        .kubectl_with_input(
+            &["apply", "--validate=false", "-n", "my-team", "-f", "-"],
+            Some(&gpu_job),
+        )
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "apply",
+            "--validate=false",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            "my-team",
+        ])
+        .unwrap();
+    let gpu = ["harvestjob", "needs-a-gpu", "-n", "my-team"];
+    eventually("the GPU job's Pod waiting as Unschedulable", WITHIN, || {
+        let reason = cluster.field(&gpu, "{.status.conditions[?(@.type==\"Running\")].reason}");
+        (reason == "Unschedulable").then_some(()).ok_or(reason)
+    })
+    .await;
+    cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=Finished",
+            "harvestjob/needs-a-gpu",
+            "-n",
+            "my-team",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    let finished = cluster.field(
+        &gpu,
+        "{.status.conditions[?(@.type==\"Finished\")].message}",
+    );
+    assert_eq!(
+        cluster.field(&gpu, "{.status.conditions[?(@.type==\"Finished\")].reason}"),
+        "PodStartTimeout",
+        "{finished}"
+    );
+    assert!(finished.contains("0/1 nodes are available"), "{finished}");
+    assert_eq!(cluster.field(&gpu, "{.status.tokens.charged}"), "0");
+    // Its slot went to the job behind it.
+    cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=Finished",
+            "harvestjob/smollm2-quartiles",
+            "-n",
+            "my-team",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    assert_eq!(
+        cluster.field(
+            &["harvestjob", "smollm2-quartiles", "-n", "my-team"],
+            "{.status.phase}"
+        ),
+        "Succeeded"
+    );
+    // A field past its schema maximum never reaches the controller.
+    let refused = cluster
+        .kubectl_with_input(
+            &["apply", "--validate=false", "-n", "my-team", "-f", "-"],
+            Some(
+                &example
+                    .replace("shardSize: 32", "shardSize: 5000")
+                    .replace("name: smollm2-quartiles", "name: too-big"),
+            ),
+        )
+        .unwrap_err();
+    assert!(
+        refused.contains("spec.harvest.shardSize") && refused.contains("4096"),
+        "{refused}"
+    );
+}
