@@ -79,10 +79,17 @@ impl LocalCluster {
 
     /// Runs kubectl with `input` on its stdin.
     pub fn kubectl_with_input(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
+        kubectl_as(&self.kubeconfig, args, input)
+    }
+}
+
+/// Runs kubectl with `kubeconfig`, `input` on its stdin: its stdout, or its stderr as the error.
+pub fn kubectl_as(kubeconfig: &Path, args: &[&str], input: Option<&str>) -> Result<String, String> {
+    {
         use std::io::Write as _;
         let mut child = Command::new("kubectl")
             .args(args)
-            .env("KUBECONFIG", &self.kubeconfig)
+            .env("KUBECONFIG", kubeconfig)
             .current_dir(repo())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -101,7 +108,9 @@ impl LocalCluster {
             Err(String::from_utf8_lossy(&out.stderr).into_owned())
         }
     }
+}
 
+impl LocalCluster {
     /// `kubectl get … -o jsonpath=…`, or "" when the object or the field is missing.
     pub fn field(&self, args: &[&str], jsonpath: &str) -> String {
         let mut all = vec!["get"];
@@ -136,6 +145,15 @@ impl LocalCluster {
                 .build()
                 .unwrap(),
         )
+    }
+
+    /// The kubeconfig the stand-in kubelet gave a Pod: its ServiceAccount's token.
+    pub fn pod_kubeconfig(&self, namespace: &str, pod: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("state/pods")
+            .join(format!("{namespace}_{pod}"))
+            .join("kubeconfig")
     }
 
     /// A Pod's log, from the cluster's directory.

@@ -22,6 +22,49 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
     for deployment in ["harvest-api", "harvest-operator"] {
         assert_eq!(ready_replicas(&cluster, deployment), "2", "{deployment}");
     }
+    // RBAC holds the API's token to its key Secrets: the storage credentials beside them are
+    // out of its reach. (kubectl sends no token over plain HTTP, so the request is made here
+    // as the API's kube client makes it.)
+    let api_pod = cluster.field(
+        &[
+            "pods",
+            "-n",
+            "harvest-system",
+            "-l",
+            "app.kubernetes.io/name=harvest-api",
+        ],
+        "{.items[0].metadata.name}",
+    );
+    let kubeconfig =
+        std::fs::read_to_string(cluster.pod_kubeconfig("harvest-system", &api_pod)).unwrap();
+    let field = |name: &str| {
+        kubeconfig
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    let (server, token) = (field("server:"), field("token:"));
+    let as_api = |path: &str| {
+        let request = reqwest::Client::new()
+            .get(format!("{server}{path}"))
+            .bearer_auth(&token);
+        async move { request.send().await.unwrap() }
+    };
+    let refused = as_api("/api/v1/namespaces/harvest-system/secrets/harvest-s3").await;
+    assert_eq!(refused.status(), 403);
+    let body = refused.text().await.unwrap();
+    assert!(
+        body.contains("system:serviceaccount:harvest-system:harvest-api"),
+        "{body}"
+    );
+    assert_eq!(
+        as_api("/api/v1/namespaces/harvest-keys/secrets")
+            .await
+            .status(),
+        200
+    );
     let key = cluster.create_key("acme");
     let http = reqwest::Client::new();
     let submitted = http
