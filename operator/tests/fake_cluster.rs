@@ -288,3 +288,56 @@ async fn an_operator_restart_mid_job_neither_reruns_nor_double_charges() {
     );
     assert_eq!(books.jobs_by_key.get("namespace:default"), Some(&1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_the_apiserver_refuses_is_a_failed_create_event_and_ends_the_job_after_its_backoff() {
+    let cluster = Cluster::start(1).await;
+    kube::Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(
+        cluster.client.clone(),
+        "default",
+    )
+    .delete("harvest-worker", &Default::default())
+    .await
+    .unwrap();
+    let prompts = cluster.prompts("refused", 2, 2);
+    cluster
+        .submit("refused", prompts, |s| s.backoff_limit = 1)
+        .await;
+    let job = cluster.finished("refused").await;
+    let status = job.status.clone().unwrap();
+    let finished = harvest_crds::conditions::get(&status.conditions, "Finished").unwrap();
+    assert_eq!(finished.reason, "BackoffLimitExceeded", "{status:?}");
+    assert!(
+        finished
+            .message
+            .contains("serviceaccount \"harvest-worker\" not found"),
+        "{}",
+        finished.message
+    );
+    assert_eq!(status.attempts, 2);
+    assert_eq!(status.tokens.unwrap().charged, Some(0));
+    // The account's slot is free again: the next job runs once the account is back.
+    common::create_worker_account(&cluster.client, "default").await;
+    let events = kube::Api::<k8s_openapi::api::events::v1::Event>::namespaced(
+        cluster.client.clone(),
+        "default",
+    )
+    .list(&Default::default())
+    .await
+    .unwrap();
+    assert!(
+        events
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("FailedCreate")
+                && e.note.as_deref().is_some_and(|n| n.contains("forbidden"))),
+        "no FailedCreate event: {:?}",
+        events.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
+    );
+    let next = cluster.prompts("next", 2, 2);
+    cluster.submit("next", next, |_| {}).await;
+    assert_eq!(
+        finished_reason(&cluster.finished("next").await),
+        "Succeeded"
+    );
+}
