@@ -1,34 +1,38 @@
 //! Leader election with a `coordination.k8s.io/v1` Lease: one replica reconciles, the others
 //! wait. The choice is pure ([`step`]); the loop around it does the I/O.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
-use tracing::info;
+use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::error::{Error, Result};
 
 /// What to do with the Lease now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseStep {
-    /// Nobody holds it (or the holder's time ran out): take it.
+    /// Nobody holds it (or the holder let it lapse): take it.
     Acquire,
     /// We hold it: renew it.
     Renew,
-    /// Someone else holds it until `until`.
+    /// Someone else holds it for `left` more, unless they renew it.
     Wait {
         /// The holder.
         holder: String,
-        /// When its hold runs out unless renewed.
-        until: Timestamp,
+        /// How long until it lapses, counted on this replica's clock.
+        left: Duration,
     },
 }
 
-/// Decides, from the Lease's spec, what `me` does at `now`.
-pub fn step(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> LeaseStep {
+/// Decides what `me` does with the Lease, given how long this replica has seen its record
+/// unchanged. Expiry is judged by that locally observed time, as client-go does, never by
+/// comparing the holder's `renewTime` with this machine's clock: clocks differ between nodes.
+pub fn step(spec: Option<&LeaseSpec>, me: &str, unchanged_for: Duration) -> LeaseStep {
     let Some(spec) = spec else {
         return LeaseStep::Acquire;
     };
@@ -36,28 +40,57 @@ pub fn step(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> LeaseStep {
     if holder == me {
         return LeaseStep::Renew;
     }
-    let renewed = spec
-        .renew_time
-        .as_ref()
-        .map(|t| t.0)
-        .or(spec.acquire_time.as_ref().map(|t| t.0));
-    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
-    match renewed {
-        Some(renewed) if !holder.is_empty() && renewed + duration > now => LeaseStep::Wait {
+    let duration =
+        Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(15)).unwrap_or(15));
+    if holder.is_empty() || unchanged_for >= duration {
+        LeaseStep::Acquire
+    } else {
+        LeaseStep::Wait {
             holder,
-            until: renewed + duration,
-        },
-        _ => LeaseStep::Acquire,
+            left: duration - unchanged_for,
+        }
+    }
+}
+
+/// The Lease record last seen and when this replica first saw it so.
+#[derive(Debug, Clone, Default)]
+struct Observation {
+    record: Option<(Option<String>, Option<MicroTime>, Option<i32>)>,
+    since: Option<Instant>,
+}
+
+impl Observation {
+    /// How long `spec` has been seen unchanged, as of `now`.
+    fn unchanged_for(&mut self, spec: Option<&LeaseSpec>, now: Instant) -> Duration {
+        let record = spec.map(|s| {
+            (
+                s.holder_identity.clone(),
+                s.renew_time.clone(),
+                s.lease_transitions,
+            )
+        });
+        if self.since.is_none() || record != self.record {
+            self.record = record;
+            self.since = Some(now);
+        }
+        self.since.map_or(Duration::ZERO, |since| now - since)
     }
 }
 
 /// A held Lease.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Leadership {
     api: Api<Lease>,
     name: String,
     me: String,
     duration: Duration,
+    observed: Mutex<Observation>,
+}
+
+/// How long the leader keeps trying to renew before it gives up leading: shorter than the
+/// Lease, so that it stops before another replica may take over.
+fn renew_deadline(duration: Duration) -> Duration {
+    duration * 2 / 3
 }
 
 impl Leadership {
@@ -73,6 +106,7 @@ impl Leadership {
             name: name.to_owned(),
             me: me.to_owned(),
             duration,
+            observed: Mutex::default(),
         };
         loop {
             match this.try_hold().await {
@@ -88,13 +122,24 @@ impl Leadership {
         }
     }
 
-    /// Renews the Lease every third of its duration; returns when leadership is lost.
-    pub async fn keep(self) -> Error {
+    /// Renews the Lease every third of its duration; returns when leadership is lost: another
+    /// replica holds it, or no renewal succeeded for the renew deadline (two thirds of the
+    /// Lease). A failed renewal is retried meanwhile, each try bounded by what is left.
+    pub async fn keep(&self) -> Error {
+        let deadline = renew_deadline(self.duration);
+        let mut renewed = Instant::now();
+        let mut wait = self.duration / 3;
         loop {
-            tokio::time::sleep(self.duration / 3).await;
-            match self.try_hold().await {
-                Ok(true) => {}
-                Ok(false) => {
+            tokio::time::sleep(wait).await;
+            let left = deadline.saturating_sub(renewed.elapsed());
+            let attempt = tokio::time::timeout(left, self.try_hold()).await;
+            let error = match attempt {
+                Ok(Ok(true)) => {
+                    renewed = Instant::now();
+                    wait = self.duration / 3;
+                    continue;
+                }
+                Ok(Ok(false)) => {
                     let holder = self
                         .api
                         .get_opt(&self.name)
@@ -109,8 +154,20 @@ impl Leadership {
                         holder,
                     };
                 }
-                Err(e) => return e,
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => format!("no answer within {} ms", left.as_millis()),
+            };
+            if renewed.elapsed() >= deadline {
+                return Error::LostLeadership {
+                    lease: self.name.clone(),
+                    holder: format!(
+                        "nobody known: no renewal succeeded for {} s ({error})",
+                        deadline.as_secs()
+                    ),
+                };
             }
+            warn!(%error, lease = %self.name, "renewing the Lease failed; retrying before the renew deadline");
+            wait = (self.duration / 15).max(Duration::from_millis(100));
         }
     }
 
@@ -153,7 +210,12 @@ impl Leadership {
             lease_transitions: Some(transitions),
             ..LeaseSpec::default()
         };
-        let spec = match step(spec, &self.me, now) {
+        let unchanged_for = self
+            .observed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unchanged_for(spec, Instant::now());
+        let spec = match step(spec, &self.me, unchanged_for) {
             LeaseStep::Wait { .. } => return Ok(false),
             LeaseStep::Renew => held(spec.and_then(|s| s.acquire_time.clone()), transitions),
             LeaseStep::Acquire => held(None, transitions + i32::from(current.is_some())),
@@ -184,38 +246,75 @@ impl Leadership {
 mod tests {
     use super::*;
 
-    fn at(second: i64) -> Timestamp {
-        Timestamp::from_second(second).unwrap()
-    }
-
     fn held_by(holder: &str, renewed: i64) -> LeaseSpec {
         LeaseSpec {
             holder_identity: Some(holder.into()),
-            renew_time: Some(MicroTime(at(renewed))),
+            renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
             lease_duration_seconds: Some(15),
             ..LeaseSpec::default()
         }
     }
 
     #[test]
-    fn a_fresh_lease_held_by_another_replica_is_waited_for_until_it_expires() {
+    fn a_lease_held_by_another_replica_is_waited_for_until_seen_unchanged_for_its_duration() {
         let lease = held_by("other", 100);
         assert_eq!(
-            step(Some(&lease), "me", at(110)),
+            step(Some(&lease), "me", Duration::from_secs(10)),
             LeaseStep::Wait {
                 holder: "other".into(),
-                until: at(115)
+                left: Duration::from_secs(5)
             }
         );
-        assert_eq!(step(Some(&lease), "me", at(116)), LeaseStep::Acquire);
+        assert_eq!(
+            step(Some(&lease), "me", Duration::from_secs(15)),
+            LeaseStep::Acquire
+        );
     }
 
     #[test]
-    fn a_missing_lease_is_taken_and_our_own_is_renewed() {
-        assert_eq!(step(None, "me", at(0)), LeaseStep::Acquire);
+    fn expiry_counts_from_when_this_replica_saw_the_record_change_not_from_its_renew_time() {
+        // A holder whose clock is an hour behind renewed long "ago" by our clock: still held.
+        let start = Instant::now();
+        let mut seen = Observation::default();
+        let stale_clock = held_by("other", 0);
         assert_eq!(
-            step(Some(&held_by("me", 0)), "me", at(1000)),
+            seen.unchanged_for(Some(&stale_clock), start),
+            Duration::ZERO
+        );
+        let later = start + Duration::from_secs(10);
+        assert_eq!(
+            seen.unchanged_for(Some(&stale_clock), later),
+            Duration::from_secs(10)
+        );
+        assert!(matches!(
+            step(Some(&stale_clock), "me", Duration::from_secs(10)),
+            LeaseStep::Wait { .. }
+        ));
+        // A renewal resets the count.
+        let renewed = held_by("other", 5);
+        assert_eq!(seen.unchanged_for(Some(&renewed), later), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_missing_or_released_lease_is_taken_and_our_own_is_renewed() {
+        assert_eq!(step(None, "me", Duration::ZERO), LeaseStep::Acquire);
+        let mut released = held_by("other", 0);
+        released.holder_identity = None;
+        assert_eq!(
+            step(Some(&released), "me", Duration::ZERO),
+            LeaseStep::Acquire
+        );
+        assert_eq!(
+            step(Some(&held_by("me", 0)), "me", Duration::from_secs(1000)),
             LeaseStep::Renew
+        );
+    }
+
+    #[test]
+    fn the_renew_deadline_is_shorter_than_the_lease() {
+        assert_eq!(
+            renew_deadline(Duration::from_secs(15)),
+            Duration::from_secs(10)
         );
     }
 }

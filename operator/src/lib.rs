@@ -132,10 +132,9 @@ pub async fn run(
     };
     let outcome = match leadership {
         Some(leadership) => {
-            let held = leadership.clone();
             tokio::select! {
                 () = running => {
-                    held.release().await;
+                    leadership.release().await;
                     Ok(())
                 }
                 lost = leadership.keep() => Err(lost),

@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{ACCOUNT, API_NAMESPACE, Cluster};
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{ACCOUNT_LABEL, HarvestJob, HarvestJobSpec, KEY_LABEL};
@@ -280,5 +282,61 @@ async fn a_follower_waiting_for_the_lease_is_ready_all_the_same() {
         cluster.leader().as_deref(),
         Some("replica-a"),
         "still a follower"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_keeps_its_lease_through_renew_errors_shorter_than_its_renew_deadline() {
+    let mut cluster = Cluster::start(4).await;
+    cluster.kill_operator().await;
+    let replica = cluster.spawn_replica("replica-a");
+    harvest_testkit::eventually("replica-a leading", Duration::from_secs(30), || async {
+        (cluster.leader().as_deref() == Some("replica-a"))
+            .then_some(())
+            .ok_or(format!("{:?}", cluster.leader()))
+    })
+    .await;
+    // Renewals every 2/3 s and retries every 2/15 s: three failures in a row fit well inside
+    // the 4/3 s renew deadline of the 2 s Lease.
+    cluster
+        .server
+        .store
+        .fail_next("GET", "/leases/harvest-operator", 3);
+    harvest_testkit::eventually(
+        "the injected failures used",
+        Duration::from_secs(30),
+        || async {
+            let left = cluster.server.store.faults_pending();
+            (left == 0).then_some(()).ok_or(left.to_string())
+        },
+    )
+    .await;
+    let renew_time = || {
+        cluster
+            .server
+            .get(
+                "/apis/coordination.k8s.io/v1",
+                "leases",
+                "default",
+                "harvest-operator",
+            )
+            .map(|l| l["spec"]["renewTime"].clone())
+    };
+    let after_failures = renew_time();
+    harvest_testkit::eventually(
+        "a renewal after the failures",
+        Duration::from_secs(30),
+        || async {
+            let now = renew_time();
+            (now != after_failures)
+                .then_some(())
+                .ok_or(format!("{now:?}"))
+        },
+    )
+    .await;
+    assert_eq!(cluster.leader().as_deref(), Some("replica-a"));
+    assert!(
+        !replica.is_finished(),
+        "the leader exited on a transient error"
     );
 }
