@@ -4,15 +4,19 @@
 //! with resourceVersion; create, replace, delete; merge, JSON, strategic (as merge) and apply
 //! patches; the status subresource and generation bumps; 409 on a stale resourceVersion;
 //! deletionTimestamp with finalizers and ownerReference garbage collection; CRDs that register
-//! their kinds (short names, categories, printer columns served as `Table`s for kubectl). The
-//! fake kubelet runs each Pod's container as a local process and reports its phase and
-//! termination message. Its divergences from a real apiserver are listed in `DIVERGENCES.md`.
+//! their kinds (short names, categories, printer columns served as `Table`s for kubectl);
+//! admission of Pods (ServiceAccounts, Pod Security "restricted"), RBAC for ServiceAccount
+//! tokens, and metadata validation. A scheduler and kubelet run each Pod as a local process
+//! with its env, volumes and probes; controllers run Deployments and Services. What it
+//! enforces and where it differs from a real cluster is in `DIVERGENCES.md`; the
+//! `harvest-test-cluster` binary is what `scripts/cluster.sh` starts.
 //!
 //! ```text
-//! kube client / kubectl ──HTTP──► http (axum) ──► store (objects, history, resourceVersion)
-//!                                                      │ events
-//!                                                      ▼
-//!                                           kubelet: Pod ADDED → local process → status
+//! kube client / kubectl ──HTTP──► http (axum) ─ rbac ─► store (objects, history, rv)
+//!                                                  admission ┘   │ events
+//!                          ┌─────────────────────────────────────┤
+//!                          ▼                                     ▼
+//!  controllers: Deployment → Pods, Service → proxy    kubelet: schedule → launch → probe
 //! ```
 
 pub mod admission;

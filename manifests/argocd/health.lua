@@ -10,10 +10,10 @@ if obj.status == nil or obj.status.conditions == nil then
 end
 for _, condition in ipairs(obj.status.conditions) do
   if condition.type == "Finished" and condition.status == "True" then
-    if condition.reason == "Succeeded" then
+    -- A cancel is a finished, deliberate end: Healthy, not Suspended, which Argo CD would
+    -- show forever because nothing resumes a cancelled job.
+    if condition.reason == "Succeeded" or condition.reason == "Cancelled" then
       hs.status = "Healthy"
-    elseif condition.reason == "Cancelled" then
-      hs.status = "Suspended"
     else
       hs.status = "Degraded"
     end
