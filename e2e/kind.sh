@@ -4,7 +4,8 @@
 #   e2e/kind.sh            # creates cluster "harvest-e2e", runs one job, prints the manifest
 #   KEEP=1 e2e/kind.sh     # leaves the cluster up afterwards
 # Needs: docker, kind, kubectl, python3 with boto3 (for the upload), and the model imported by
-# scripts/fetch-model.sh (it is baked into a test image so no hub is reached).
+# scripts/fetch-model.sh (copied onto the kind node as the harvest-models volume, so no hub is
+# reached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cluster=harvest-e2e
@@ -18,23 +19,39 @@ trap '[ "${KEEP:-0}" = 1 ] || kind delete cluster --name "$cluster"' EXIT
 for image in harvester operator api; do
   docker build -f "docker/$image.Dockerfile" -t "harvest-$image:$tag" .
 done
-# The worker image with the model inside, at the catalogue's path.
-ctx=$(mktemp -d); cp -r "$model" "$ctx/smollm2-135m"
-printf 'FROM harvest-harvester:%s\nCOPY smollm2-135m /models/smollm2-135m\n' "$tag" > "$ctx/Dockerfile"
-docker build -t "harvest-harvester-smollm2:$tag" "$ctx"
-for image in harvest-harvester-smollm2 harvest-operator harvest-api; do
+for image in harvest-harvester harvest-operator harvest-api; do
   kind load docker-image --name "$cluster" "$image:$tag"
 done
 
+# The weights: the node's /models as a read-only volume for the harvest-models claim (kind's
+# default storage class is set aside so that the claim binds to it, as a platform's NFS or
+# CSI volume would be).
+node=$cluster-control-plane
+docker exec "$node" mkdir -p /models
+docker cp "$model" "$node:/models/smollm2-135m"
+kubectl annotate storageclass standard storageclass.kubernetes.io/is-default-class- || true
+kubectl apply -f - <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: harvest-models}
+spec:
+  capacity: {storage: 2Ti}
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  claimRef: {namespace: harvest-system, name: harvest-models}
+  hostPath: {path: /models}
+YAML
+
 kubectl apply -k manifests/
-kubectl -n harvest-system create secret generic harvest-s3 --dry-run=client -o yaml \
-  --from-literal=AWS_ACCESS_KEY_ID=harvest --from-literal=AWS_SECRET_ACCESS_KEY=harvest-secret \
-  --from-literal=AWS_ENDPOINT=http://minio.harvest-system:9000 --from-literal=AWS_ALLOW_HTTP=true \
-  --from-literal=AWS_REGION=us-east-1 | kubectl apply -f -
-kubectl -n harvest-system apply -f - <<YAML
+# S3 in its own namespace (the harvest namespaces enforce the restricted Pod Security level).
+kubectl apply -f - <<YAML
+apiVersion: v1
+kind: Namespace
+metadata: {name: minio}
+---
 apiVersion: v1
 kind: Pod
-metadata: {name: minio, labels: {app: minio}}
+metadata: {name: minio, namespace: minio, labels: {app: minio}}
 spec:
   containers:
     - name: minio
@@ -44,21 +61,29 @@ spec:
 ---
 apiVersion: v1
 kind: Service
-metadata: {name: minio}
+metadata: {name: minio, namespace: minio}
 spec: {selector: {app: minio}, ports: [{port: 9000}]}
 YAML
-# Point the catalogue and Deployments at the local images; CPU only in kind.
-kubectl -n harvest-system create configmap harvest-operator --dry-run=client -o yaml --from-literal=config.yaml="
-models:
-  - {name: smollm2-135m, path: /models/smollm2-135m, numLayers: 30, hiddenSize: 576, lane: small, image: harvest-harvester-smollm2:$tag}
-lanes: {small: 2, large: 1}
-workerEnvSecret: harvest-s3
-workerServiceAccount: default" | kubectl apply -f -
+endpoint=http://minio.minio:9000
+kubectl -n harvest-system create secret generic harvest-s3 --dry-run=client -o yaml \
+  --from-literal=AWS_ACCESS_KEY_ID=harvest --from-literal=AWS_SECRET_ACCESS_KEY=harvest-secret \
+  --from-literal=AWS_ENDPOINT_URL=$endpoint --from-literal=AWS_ALLOW_HTTP=true \
+  --from-literal=AWS_REGION=us-east-1 | kubectl apply -f -
+kubectl -n harvest-system create secret generic harvest-s3-signing --dry-run=client -o yaml \
+  --from-literal=HARVEST_S3_ACCESS_KEY_ID=harvest --from-literal=HARVEST_S3_SECRET_ACCESS_KEY=harvest-secret \
+  --from-literal=HARVEST_S3_ENDPOINT=$endpoint --from-literal=HARVEST_S3_ALLOW_HTTP=true | kubectl apply -f -
+# The local images; the test model on the CPU (kind has no GPU).
+config=$(kubectl -n harvest-system get configmap harvest-operator -o jsonpath='{.data.config\.yaml}' \
+  | sed "s|image: ghcr.io/harvest-dev/harvester:0.1.0|image: harvest-harvester:$tag|")
+kubectl -n harvest-system create configmap harvest-operator --dry-run=client -o yaml \
+  --from-literal=config.yaml="$config" | kubectl apply -f -
 kubectl -n harvest-system set image deploy/harvest-operator operator="harvest-operator:$tag"
+kubectl -n harvest-system set image deploy/harvest-api api="harvest-api:$tag"
 kubectl -n harvest-system rollout status deploy/harvest-operator --timeout=180s
-kubectl -n harvest-system wait --for=condition=Ready pod/minio --timeout=180s
+kubectl -n harvest-system rollout status deploy/harvest-api --timeout=180s
+kubectl -n minio wait --for=condition=Ready pod/minio --timeout=180s
 
-kubectl -n harvest-system port-forward svc/minio 19000:9000 >/dev/null & pf=$!
+kubectl -n minio port-forward svc/minio 19000:9000 >/dev/null & pf=$!
 sleep 3
 python3 - <<'PY'
 import boto3, json
@@ -91,7 +116,11 @@ kubectl -n harvest-system wait --for=condition=Finished hj/e2e --timeout=900s
 kubectl -n harvest-system get hj e2e
 test "$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.phase}')" = Succeeded
 charged="$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.tokens.charged}')"
-sleep 2 # the account controller settles the hold just after the job finishes
+# The account controller settles the hold just after the job finishes.
+for _ in $(seq 60); do
+  [ "$(kubectl get hacct e2e -o jsonpath='{.status.tokensToday}')" = "$charged" ] && break
+  sleep 1
+done
 kubectl get hacct e2e
 test "$(kubectl get hacct e2e -o jsonpath='{.status.tokensToday}')" = "$charged"
 python3 - <<'PY'
