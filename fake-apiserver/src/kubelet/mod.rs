@@ -1,6 +1,6 @@
 //! The fake kubelet and scheduler: places each new Pod on a node ([`schedule`]), resolves its
 //! first container's environment and volumes ([`crate::launch`]), runs it as a local process
-//! on its own loopback address, runs its probes ([`probe`]), restarts it per its
+//! on its own loopback address, runs its probes (`probe`), restarts it per its
 //! `restartPolicy`, and reports phase, conditions, container state and termination message.
 //! Tests can inject an OOM kill or an eviction.
 

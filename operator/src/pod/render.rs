@@ -26,27 +26,7 @@ pub fn render(
 ) -> Result<Pod> {
     let args = worker_args(valid, model, config)?;
     let resources = resources(model);
-    let env = vec![
-        EnvVar {
-            name: "HARVEST_JOB_NAME".into(),
-            value: Some(job.name_any()),
-            ..EnvVar::default()
-        },
-        EnvVar {
-            name: "HARVEST_JOB_NAMESPACE".into(),
-            value: job.namespace(),
-            ..EnvVar::default()
-        },
-    ];
-    let env_from = config.worker_env_secret.as_ref().map(|name| {
-        vec![EnvFromSource {
-            secret_ref: Some(SecretEnvSource {
-                name: name.clone(),
-                optional: Some(false),
-            }),
-            ..EnvFromSource::default()
-        }]
-    });
+    let (env, env_from) = environment(job, config);
     let owner = job
         .controller_owner_ref(&())
         .ok_or_else(|| Error::MissingUid {
@@ -78,15 +58,7 @@ pub fn render(
                 .then(|| model.image_pull_secrets.clone()),
             runtime_class_name: model.runtime_class_name.clone(),
             priority_class_name: model.priority_class_name.clone(),
-            // The "restricted" Pod Security Standard, so that worker namespaces may enforce it.
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    ..SeccompProfile::default()
-                }),
-                ..PodSecurityContext::default()
-            }),
+            security_context: Some(restricted_pod()),
             containers: vec![Container {
                 name: CONTAINER.into(),
                 image: Some(model.image.clone()),
@@ -98,20 +70,66 @@ pub fn render(
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
                 volume_mounts: (!model.volume_mounts.is_empty())
                     .then(|| model.volume_mounts.clone()),
-                security_context: Some(SecurityContext {
-                    allow_privilege_escalation: Some(false),
-                    capabilities: Some(Capabilities {
-                        drop: Some(vec!["ALL".into()]),
-                        ..Capabilities::default()
-                    }),
-                    ..SecurityContext::default()
-                }),
+                security_context: Some(restricted_container()),
                 ..Container::default()
             }],
             ..PodSpec::default()
         }),
         status: None,
     })
+}
+
+/// The job's name and namespace, and the storage Secret as the environment.
+fn environment(
+    job: &HarvestJob,
+    config: &OperatorConfig,
+) -> (Vec<EnvVar>, Option<Vec<EnvFromSource>>) {
+    let env = vec![
+        EnvVar {
+            name: "HARVEST_JOB_NAME".into(),
+            value: Some(job.name_any()),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: "HARVEST_JOB_NAMESPACE".into(),
+            value: job.namespace(),
+            ..EnvVar::default()
+        },
+    ];
+    let env_from = config.worker_env_secret.as_ref().map(|name| {
+        vec![EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        }]
+    });
+    (env, env_from)
+}
+
+/// The "restricted" Pod Security Standard, so that worker namespaces may enforce it.
+fn restricted_pod() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// The container's half of the "restricted" standard.
+fn restricted_container() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
 }
 
 /// The harvester's arguments: the resolved plan inline, the model's name, the termination log
