@@ -285,7 +285,24 @@ fn cancelling_a_running_job_on_kubernetes_charges_the_reservation() {
     let key = cluster.key("acme");
     let other = cluster.key("other");
     let id = cancel_flow(&server, &key, &other, |_| true);
-    let pod = format!("{id}-1");
+    let job = cluster
+        .server
+        .get(
+            "/apis/harvest.dev/v1alpha1",
+            "harvestjobs",
+            API_NAMESPACE,
+            &id,
+        )
+        .unwrap();
+    let pod = job["status"]["pod"].as_str().unwrap().to_owned();
+    assert_eq!(
+        cluster
+            .server
+            .started_pods()
+            .get(&format!("{API_NAMESPACE}/{pod}")),
+        Some(&1),
+        "the job's Pod {pod} ran"
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while cluster
         .server

@@ -392,6 +392,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         layout: shape.layout.name(),
         train,
         precision: shape.precision,
+        job_uid: None,
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }

@@ -116,7 +116,34 @@ pub struct Manifest {
     /// written before it was recorded ran in f32.
     #[serde(default)]
     pub precision: crate::plan::Precision,
+    /// The UID of the Kubernetes HarvestJob the harvest ran for, so that its cleanup deletes
+    /// these files only for that job. Absent outside Kubernetes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_uid: Option<String>,
 }
+
+impl Manifest {
+    /// Every file of the finished harvest, relative to its output: the shards or training
+    /// files, the statistics, `result.json`, and the manifest itself last.
+    pub fn listed_files(&self) -> Vec<String> {
+        let data = self.shards.iter().map(|s| s.file.clone());
+        let train = self
+            .train
+            .iter()
+            .flat_map(|t| t.files.iter().map(|f| f.file.clone()));
+        let stats = self.stats_file.as_ref().map(|f| f.file.clone());
+        data.chain(train)
+            .chain(stats)
+            .chain([
+                crate::worker::RESULT_FILE.to_owned(),
+                MANIFEST_FILE.to_owned(),
+            ])
+            .collect()
+    }
+}
+
+/// The manifest's file name, at the top of a harvest's output.
+pub const MANIFEST_FILE: &str = "manifest.json";
 
 fn is_by_prompt(layout: &LayoutName) -> bool {
     *layout == LayoutName::ByPrompt

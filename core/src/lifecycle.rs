@@ -104,7 +104,11 @@ pub fn next(
     };
     match (status, event) {
         (S::Pending, E::Started) => to(S::Running, None, false),
-        (S::Pending | S::Running, E::Succeeded { tokens }) => to(S::Done, Some(tokens), false),
+        // A worker that reports more than was reserved (a foreign or faulty report) is charged
+        // the reservation: the hold is the most a job can cost.
+        (S::Pending | S::Running, E::Succeeded { tokens }) => {
+            to(S::Done, Some(tokens.min(reserved)), false)
+        }
         (S::Pending | S::Running, E::Failed) => to(S::Failed, Some(0), false),
         (S::Pending, E::Cancel) => to(S::Cancelled, Some(0), true),
         (S::Running, E::Cancel) => to(S::Cancelled, Some(reserved), true),

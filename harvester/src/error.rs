@@ -175,6 +175,16 @@ pub enum Error {
         /// The stage.
         stage: &'static str,
     },
+    /// The corpus needs more tokens than the job may use.
+    #[error(
+        "the corpus tokenizes to {needed} tokens, more than the job's token budget of {budget}: raise the budget (tokenBudget) to at least {needed}, or send fewer or shorter prompts"
+    )]
+    TokenBudget {
+        /// Tokens the corpus needs.
+        needed: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// The model would not fit this machine's memory.
     #[error(
         "the model needs about {needed} bytes of memory ({weights} for the weights of the blocks up to the deepest kept layer, {working} for one batch and the shards in flight), but this machine has {available} bytes available: use a machine with more memory, keep shallower layers (only blocks up to the deepest kept one are loaded), a smaller batch_tokens, or --device cuda"
@@ -274,6 +284,7 @@ impl Error {
             | Self::Plan(_)
             | Self::ForeignOutput { .. }
             | Self::BadStages { .. }
+            | Self::TokenBudget { .. }
             | Self::BadParts { .. } => ErrorKind::BadInput,
             Self::Io { .. }
             | Self::Store { .. }

@@ -219,6 +219,14 @@ struct RunArgs {
     /// past the deepest kept layer are never loaded.
     #[arg(long)]
     pipeline_stages: Option<usize>,
+    /// Refuse, before the model loads, a corpus that tokenizes to more than this many tokens
+    /// (the operator passes the job's tokenBudget).
+    #[arg(long)]
+    token_budget: Option<u64>,
+    /// The Kubernetes HarvestJob's UID, recorded in the manifest so that the job's cleanup
+    /// deletes only files written for it (the operator passes it).
+    #[arg(long)]
+    job_uid: Option<String>,
 }
 
 impl RunArgs {
@@ -285,6 +293,8 @@ fn run_job(args: &RunArgs, job: Job) -> ExitCode {
         spill_dir: args.spill_dir.clone(),
         pipeline_stages: args.pipeline_stages,
         part: args.part,
+        token_budget: args.token_budget,
+        job_uid: args.job_uid.clone(),
     };
     let source = args.plan_source();
     let termination = match job {

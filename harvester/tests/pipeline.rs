@@ -66,6 +66,8 @@ fn options() -> RunOptions {
         spill_dir: None,
         pipeline_stages: None,
         part: None,
+        token_budget: None,
+        job_uid: None,
     }
 }
 
@@ -818,6 +820,41 @@ fn bad_input_exits_2_with_a_named_cause_and_no_manifest() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("layer 30"), "{stderr}");
     assert!(!Path::new(out).join("manifest.json").exists());
+}
+
+#[test]
+fn a_corpus_over_its_token_budget_exits_2_naming_its_count_and_runs_at_exactly_that_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let out = dir.path().join("out");
+    let out = out.to_str().unwrap();
+    let prompts = write_prompts(dir.path(), &["hello there".to_owned(), "a cat".to_owned()]);
+    let (code, stderr) = run_exit(
+        model,
+        &prompts,
+        out,
+        &["--layers", "1", "--token-budget", "1"],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    let needed: u64 = stderr
+        .split("tokenizes to ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no token count in {stderr}"));
+    assert!(stderr.contains("token budget of 1"), "{stderr}");
+    assert!(!Path::new(out).join("manifest.json").exists());
+
+    let budget = needed.to_string();
+    let (code, stderr) = run_exit(
+        model,
+        &prompts,
+        out,
+        &["--layers", "1", "--token-budget", &budget],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(manifest(Path::new(out)).total_tokens, needed);
 }
 
 #[test]

@@ -56,6 +56,8 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             spill_dir: None,
             pipeline_stages: None,
             part: None,
+            token_budget: None,
+            job_uid: None,
         },
     )
     .unwrap();

@@ -1,18 +1,60 @@
-//! Deleting a job's outputs (for `outputRetention: Delete`): every object under its prefix, on
-//! S3 (credentials from the environment) or a local directory.
+//! Deleting a job's outputs (for `outputRetention: Delete`), on S3 (credentials from the
+//! environment) or a local directory. Only what the job itself wrote goes: the files its
+//! manifest lists, and its `partial/` records, and only when that manifest was written for the
+//! job's UID. A tenant's `spec.output` pointing at someone else's prefix, or at a whole bucket,
+//! deletes nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use harvest_core::Location;
-use object_store::ObjectStore;
+use harvest_core::format::{MANIFEST_FILE, Manifest};
 use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::error::{Error, Result};
 
-/// Deletes every object under `output` within `timeout`; returns how many.
-pub async fn delete_prefix(output: &str, timeout: Duration) -> Result<usize> {
+/// The records a run keeps until its manifest is written.
+const PARTIAL_DIR: &str = "partial";
+
+/// What a cleanup did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cleanup {
+    /// The job's files were deleted: this many.
+    Deleted(usize),
+    /// Nothing was deleted, for this reason.
+    Kept(String),
+}
+
+/// The files to delete under `output` given its manifest (`None` when there is none), for
+/// the job with UID `job_uid`: the manifest's own list, manifest last, or why none.
+pub fn files_to_delete(
+    output: &str,
+    manifest: Option<&[u8]>,
+    job_uid: &str,
+) -> std::result::Result<Vec<String>, String> {
+    let Some(bytes) = manifest else {
+        return Err(format!(
+            "{output} holds no manifest, so no finished harvest of this job; nothing is deleted"
+        ));
+    };
+    let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| {
+        format!("the manifest under {output} cannot be read ({e}); nothing is deleted")
+    })?;
+    match manifest.job_uid.as_deref() {
+        Some(uid) if uid == job_uid && !job_uid.is_empty() => Ok(manifest.listed_files()),
+        Some(other) => Err(format!(
+            "the manifest under {output} was written for another job (UID {other}, this job is {job_uid}); nothing is deleted"
+        )),
+        None => Err(format!(
+            "the manifest under {output} was not written by a HarvestJob (it names no job UID); nothing is deleted"
+        )),
+    }
+}
+
+/// Deletes the outputs the job with UID `job_uid` wrote under `output`, within `timeout`.
+pub async fn delete_outputs(output: &str, job_uid: &str, timeout: Duration) -> Result<Cleanup> {
     let fail = |reason: String| Error::Cleanup {
         output: output.to_owned(),
         reason,
@@ -21,7 +63,7 @@ pub async fn delete_prefix(output: &str, timeout: Duration) -> Result<usize> {
     let (store, prefix): (Arc<dyn ObjectStore>, StorePath) = match &location {
         Location::Local(path) => {
             if !path.exists() {
-                return Ok(0);
+                return Ok(Cleanup::Kept(format!("{output} does not exist")));
             }
             let store = object_store::local::LocalFileSystem::new_with_prefix(path)
                 .map_err(|e| fail(e.to_string()))?;
@@ -36,21 +78,119 @@ pub async fn delete_prefix(output: &str, timeout: Duration) -> Result<usize> {
         }
     };
     let work = async {
-        let paths = store
-            .list(Some(&prefix))
+        let manifest = match store.get(&prefix.clone().join(MANIFEST_FILE)).await {
+            Ok(found) => Some(found.bytes().await.map_err(|e| fail(e.to_string()))?),
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => return Err(fail(e.to_string())),
+        };
+        let files = match files_to_delete(output, manifest.as_deref(), job_uid) {
+            Ok(files) => files,
+            Err(why) => return Ok(Cleanup::Kept(why)),
+        };
+        let partial = prefix.clone().join(PARTIAL_DIR);
+        let records: Vec<StorePath> = store
+            .list(Some(&partial))
             .map_ok(|meta| meta.location)
-            .boxed();
-        let deleted: Vec<_> = store
-            .delete_stream(paths)
             .try_collect()
             .await
             .map_err(|e| fail(e.to_string()))?;
-        if let Location::Local(path) = &location {
-            let _ = std::fs::remove_dir_all(path);
+        // The manifest (last in the list) goes last, so an interrupted cleanup is retried.
+        let paths: Vec<StorePath> = records
+            .into_iter()
+            .chain(files.iter().filter_map(|file| object_path(&prefix, file)))
+            .collect();
+        let mut deleted = 0;
+        for path in &paths {
+            match store.delete(path).await {
+                Ok(()) => deleted += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(fail(e.to_string())),
+            }
         }
-        Ok(deleted.len())
+        if let Location::Local(path) = &location {
+            // Only directories the deletions emptied; anything else stays.
+            let _ = std::fs::remove_dir(path.join(PARTIAL_DIR));
+            let _ = std::fs::remove_dir(path);
+        }
+        Ok(Cleanup::Deleted(deleted))
     };
     tokio::time::timeout(timeout, work)
         .await
         .map_err(|_| fail(format!("no answer within {} s", timeout.as_secs())))?
+}
+
+/// `file` (a manifest's relative name) under `prefix`; `None` for a name that would leave it.
+fn object_path(prefix: &StorePath, file: &str) -> Option<StorePath> {
+    let mut path = prefix.clone();
+    for segment in file.split('/') {
+        if matches!(segment, "" | "." | "..") {
+            return None;
+        }
+        path = path.join(segment);
+    }
+    Some(path)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A valid manifest listing one shard and the statistics, written for `uid`.
+    pub(crate) fn manifest_json(uid: Option<&str>) -> Vec<u8> {
+        let mut manifest = serde_json::json!({
+            "format_version": 1, "plan_fingerprint": "f",
+            "model": {"name": "m", "architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 4},
+            "tokenizer": {"add_special_tokens": true, "bos_token_id": 1, "bos": "kept", "max_tokens": 8},
+            "contents": "activations", "dtype": "bfloat16", "layer_indices": [1],
+            "layer_convention": "c", "tensors": "t", "n_prompts": 1, "shard_size": 1,
+            "total_tokens": 3,
+            "shards": [{"file": "shard_00000.safetensors", "first_prompt": 0, "token_counts": [3], "bytes": 1, "sha256": "s"}],
+            "truncated_prompts": [], "projection": null, "statistics": "s", "stats_tokens": 2,
+            "mean_token_norm": [1.0],
+            "stats_file": {"file": "stats.safetensors", "bytes": 1, "sha256": "s"}
+        });
+        if let Some(uid) = uid {
+            manifest["job_uid"] = uid.into();
+        }
+        serde_json::to_vec(&manifest).unwrap()
+    }
+
+    #[test]
+    fn only_a_manifest_written_for_this_jobs_uid_lets_its_files_be_deleted() {
+        let mine = manifest_json(Some("uid-1"));
+        let files = files_to_delete("s3://b/p", Some(&mine), "uid-1").unwrap();
+        assert_eq!(files.last().map(String::as_str), Some(MANIFEST_FILE));
+        assert_eq!(
+            files,
+            [
+                "shard_00000.safetensors",
+                "stats.safetensors",
+                "result.json",
+                MANIFEST_FILE
+            ]
+        );
+
+        let theirs = files_to_delete("s3://b/p", Some(&mine), "uid-2").unwrap_err();
+        assert!(theirs.contains("another job (UID uid-1"), "{theirs}");
+        let embedded = files_to_delete("s3://b", Some(&manifest_json(None)), "uid-1").unwrap_err();
+        assert!(embedded.contains("names no job UID"), "{embedded}");
+        let none = files_to_delete("s3://b", None, "uid-1").unwrap_err();
+        assert!(none.contains("no manifest"), "{none}");
+        let junk = files_to_delete("s3://b", Some(b"{"), "uid-1").unwrap_err();
+        assert!(junk.contains("cannot be read"), "{junk}");
+        assert!(files_to_delete("s3://b/p", Some(&manifest_json(Some(""))), "").is_err());
+    }
+
+    #[test]
+    fn a_listed_name_that_climbs_out_of_the_output_names_no_object() {
+        let prefix = StorePath::from("api/acct/job");
+        let inside = object_path(&prefix, "train/train_00000.safetensors").unwrap();
+        assert_eq!(
+            inside.as_ref(),
+            "api/acct/job/train/train_00000.safetensors"
+        );
+        for bad in ["../other/manifest.json", "a/../../b", "/etc", "a//b", "."] {
+            assert_eq!(object_path(&prefix, bad), None, "{bad}");
+        }
+    }
 }

@@ -260,6 +260,7 @@ impl Builder<'_> {
                 self.requeue_after = Some(policy.progress_refresh);
             }
             Some(PodState::Terminating) => {}
+            Some(PodState::Foreign { controller }) => self.foreign(controller),
             Some(PodState::Succeeded { result }) => self.finish(Outcome::Succeeded(result)),
             Some(PodState::Failed {
                 failure,
@@ -318,6 +319,24 @@ impl Builder<'_> {
                 format!("attempt {attempts} is starting"),
             ),
         }
+    }
+
+    /// The attempt's name is taken by a Pod the operator did not make for this job: the job
+    /// fails (charged only for what its own earlier attempts ran, which is nothing), and the
+    /// Pod is left alone.
+    fn foreign(&mut self, controller: Option<String>) {
+        let pod = self.old.pod.clone().unwrap_or_default();
+        let owner = controller.map_or_else(
+            || "it has no controller".to_owned(),
+            |c| format!("its controller is {c}"),
+        );
+        let message = format!(
+            "Pod {pod} exists but was not created by harvest-operator for this job ({owner}); nothing of it is read. Delete that Pod, or recreate the job"
+        );
+        self.finish(Outcome::Failed {
+            reason: "PodNameTaken".into(),
+            message,
+        });
     }
 
     fn retry(
@@ -395,7 +414,8 @@ impl Builder<'_> {
         let attempt = self.old.attempts + 1;
         self.status.attempts = attempt;
         self.status.failures = self.old.failures + counted;
-        self.status.pod = Some(pod_name(&self.observed.job.name_any(), attempt));
+        let job = self.observed.job;
+        self.status.pod = Some(pod_name(&job.name_any(), job.uid().as_deref(), attempt));
         if self.status.start_time.is_none() {
             self.status.start_time = Some(self.now.clone());
         }

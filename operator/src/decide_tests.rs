@@ -410,3 +410,51 @@ fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_noth
     );
     assert_eq!(last.status.tokens.unwrap().charged, Some(0));
 }
+
+#[test]
+fn a_pod_the_operator_did_not_make_fails_the_job_unread_undeleted_and_uncharged() {
+    let mut job = job();
+    let admitted = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &admitted);
+    let foreign = Some(PodState::Foreign { controller: None });
+    let decision = step(&job, foreign, Admission::Admit, 5);
+    let finished = get(&decision.status.conditions, FINISHED).unwrap();
+    assert_eq!(finished.reason, "PodNameTaken");
+    assert!(finished.message.contains("j-1"), "{}", finished.message);
+    assert_eq!(decision.status.tokens.unwrap().charged, Some(0));
+    assert!(
+        !decision
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::DeletePod(_))),
+        "{:?}",
+        decision.actions
+    );
+}
+
+#[test]
+fn a_worker_reporting_more_tokens_than_were_reserved_is_charged_the_reservation() {
+    let mut job = job();
+    let admitted = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &admitted);
+    let result = harvest_crds::ResultSummary {
+        tokens: 10_000,
+        ..Default::default()
+    };
+    let succeeded = Some(PodState::Succeeded {
+        result: Some(result),
+    });
+    let done = step(&job, succeeded, Admission::Admit, 9);
+    assert_eq!(done.status.tokens.unwrap().charged, Some(500));
+}
+
+#[test]
+fn a_job_recreated_under_its_old_name_gets_pods_of_another_name() {
+    let mut first = job();
+    first.metadata.uid = Some("aaaaaaaa-bbbb-cccc-dddd-00000a1b2c3d".into());
+    let mut second = job();
+    second.metadata.uid = Some("aaaaaaaa-bbbb-cccc-dddd-00009f8e7d6c".into());
+    let name = |job: &HarvestJob| step(job, None, Admission::Admit, 0).status.pod.unwrap();
+    assert_eq!(name(&first), "j-0a1b2c3d-1");
+    assert_eq!(name(&second), "j-9f8e7d6c-1");
+}

@@ -179,10 +179,10 @@ async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_write
                 Method::POST,
                 "/api/v1/namespaces/team/pods",
                 StatusCode::CREATED,
-                json!({"metadata": {"name": "j-1"}}),
+                json!({"metadata": {"name": "j-uid1-1"}}),
             )
             .await;
-        assert_eq!(pod["metadata"]["name"], "j-1");
+        assert_eq!(pod["metadata"]["name"], "j-uid1-1");
         assert_eq!(pod["metadata"]["ownerReferences"][0]["uid"], "uid-1");
         let status = api
             .expect(
@@ -197,7 +197,7 @@ async fn a_new_job_in_a_free_lane_takes_its_hold_then_creates_its_pod_then_write
             "the write is conditional on what was read"
         );
         assert_eq!(status["status"]["tokens"]["reserved"], 700);
-        assert_eq!(status["status"]["pod"], "j-1");
+        assert_eq!(status["status"]["pod"], "j-uid1-1");
         assert_eq!(status["status"]["account"], "team-acct");
         assert_eq!(status["status"]["phase"], "Running");
         let event = api.expect_event().await;
@@ -261,20 +261,32 @@ async fn an_unknown_model_writes_a_failed_status_and_a_warning_and_creates_nothi
     );
 }
 
-#[tokio::test]
-async fn a_deleted_job_with_retention_delete_loses_its_outputs_then_its_finalizer() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = dir.path().join("out");
-    std::fs::create_dir_all(&output).unwrap();
-    std::fs::write(output.join("shard_00000.safetensors"), b"x").unwrap();
-    let mut job = job("m", &output.display().to_string());
-    job.spec.output_retention = OutputRetention::Delete;
-    job.metadata.finalizers = Some(vec![CLEANUP_FINALIZER.into(), "other/keep".into()]);
-    job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+/// An output directory holding a finished harvest written for `uid`, its leftover record,
+/// and a file no harvest wrote.
+fn output_of(dir: &std::path::Path, uid: &str) -> std::path::PathBuf {
+    let output = dir.join("out");
+    std::fs::create_dir_all(output.join("partial")).unwrap();
+    for file in [
+        "shard_00000.safetensors",
+        "stats.safetensors",
+        "result.json",
+    ] {
+        std::fs::write(output.join(file), b"x").unwrap();
+    }
+    std::fs::write(output.join("partial/shard_00001.record.safetensors"), b"x").unwrap();
+    std::fs::write(output.join("notes.txt"), b"not the harvest's").unwrap();
+    let manifest = crate::cleanup::tests::manifest_json(Some(uid));
+    std::fs::write(output.join("manifest.json"), manifest).unwrap();
+    output
+}
+
+/// The finalizer's reconcile of deleted `job`: one event with `reason`, then the patch that
+/// drops the finalizer and keeps the other one.
+async fn finalized(job: HarvestJob, reason: &'static str) {
     let reply = serde_json::to_value(&job).unwrap();
-    scenario(job, |mut api| async move {
+    scenario(job, move |mut api| async move {
         let event = api.expect_event().await;
-        assert_eq!(event["reason"], "OutputsDeleted");
+        assert_eq!(event["reason"], reason, "{event}");
         let patch = api
             .expect(Method::PATCH, &format!("{JOBS}/j"), StatusCode::OK, reply)
             .await;
@@ -283,8 +295,47 @@ async fn a_deleted_job_with_retention_delete_loses_its_outputs_then_its_finalize
         api.expect_nothing_more().await;
     })
     .await;
-    assert!(
-        !output.exists(),
-        "the outputs are deleted before the finalizer goes"
+}
+
+fn deleted_job(output: &std::path::Path) -> HarvestJob {
+    let mut job = job("m", &output.display().to_string());
+    job.spec.output_retention = OutputRetention::Delete;
+    job.metadata.finalizers = Some(vec![CLEANUP_FINALIZER.into(), "other/keep".into()]);
+    job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    job
+}
+
+#[tokio::test]
+async fn a_deleted_job_with_retention_delete_loses_the_files_its_manifest_lists_then_its_finalizer()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let output = output_of(dir.path(), "uid-1");
+    finalized(deleted_job(&output), "OutputsDeleted").await;
+    let mut left: Vec<_> = std::fs::read_dir(&output)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["notes.txt"],
+        "the harvest's files and records go before the finalizer; nothing else does"
     );
+}
+
+#[tokio::test]
+async fn a_deleted_job_pointed_at_another_jobs_output_deletes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = output_of(dir.path(), "uid-of-another-job");
+    finalized(deleted_job(&output), "OutputsKept").await;
+    assert!(output.join("manifest.json").exists());
+    assert!(output.join("shard_00000.safetensors").exists());
+    assert!(
+        output
+            .join("partial/shard_00001.record.safetensors")
+            .exists()
+    );
+    // The whole store, which holds no manifest at its top: nothing either.
+    finalized(deleted_job(dir.path()), "OutputsKept").await;
+    assert!(output.join("shard_00000.safetensors").exists());
 }

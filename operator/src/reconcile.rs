@@ -20,7 +20,7 @@ use crate::admission::Admission;
 pub use crate::context::Context;
 use crate::decide::{Action, Decision, FAILED_CREATE, Observed, decide};
 use crate::error::{Error, Result};
-use crate::pod::{PodState, observe, render, reported_progress};
+use crate::pod::{PodState, observe_for_job, render, reported_progress};
 use crate::{cleanup, ledger};
 use harvest_core::worker::ProgressEvent;
 
@@ -131,8 +131,13 @@ impl Shell<'_> {
     ) -> Result<Observed<'_>> {
         let job = self.job;
         let old = job.status_or_default();
+        let uid = job.uid().unwrap_or_default();
         let pod = match &old.pod {
-            Some(pod_name) => self.pods.get_opt(pod_name).await?.map(|p| observe(&p)),
+            Some(pod_name) => self
+                .pods
+                .get_opt(pod_name)
+                .await?
+                .map(|p| observe_for_job(&p, &uid)),
             None => None,
         };
         let reported = match (&pod, &old.pod) {
@@ -319,6 +324,29 @@ async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<ProgressEven
     }
 }
 
+/// Deletes the Pod `name` only if it is the job's own (a tenant's Pod under that name is left
+/// alone), conditional on the UID that was checked.
+async fn delete_own_pod(pods: &Api<Pod>, name: &str, job_uid: &str) -> Result<()> {
+    let Some(pod) = pods.get_opt(name).await? else {
+        return Ok(());
+    };
+    if matches!(observe_for_job(&pod, job_uid), PodState::Foreign { .. }) {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: pod.uid(),
+            resource_version: None,
+        }),
+        ..DeleteParams::background()
+    };
+    match pods.delete(name, &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
     match pods.delete(name, &DeleteParams::background()).await {
         Ok(_) => Ok(()),
@@ -356,24 +384,20 @@ async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Re
     let budget = Duration::from_secs(ctx.config.cleanup_timeout_seconds);
     let spent = Timestamp::now().duration_since(deleted_at).as_secs().max(0) as u64;
     let left = budget.saturating_sub(Duration::from_secs(spent));
+    let uid = job.uid().unwrap_or_default();
     if let Some(pod) = &job.status_or_default().pod {
-        delete_pod(
-            &Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default()),
-            pod,
-        )
-        .await?;
+        let pods = Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default());
+        delete_own_pod(&pods, pod, &uid).await?;
     }
     if !left.is_zero() {
-        match cleanup::delete_prefix(&job.spec.output, left).await {
-            Ok(deleted) => {
-                publish(
-                    ctx,
-                    job,
-                    false,
-                    "OutputsDeleted",
-                    &format!("deleted {deleted} objects under {}", job.spec.output),
-                )
-                .await;
+        match cleanup::delete_outputs(&job.spec.output, &uid, left).await {
+            Ok(cleanup::Cleanup::Deleted(deleted)) => {
+                let note = format!("deleted {deleted} objects under {}", job.spec.output);
+                publish(ctx, job, false, "OutputsDeleted", &note).await;
+            }
+            Ok(cleanup::Cleanup::Kept(why)) => {
+                info!(reason = %why, "outputs left in place");
+                publish(ctx, job, false, "OutputsKept", &why).await;
             }
             Err(error)
                 if Timestamp::now().duration_since(deleted_at).as_secs()
@@ -382,29 +406,17 @@ async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Re
                 return Err(error);
             }
             Err(error) => {
-                publish(
-                    ctx,
-                    job,
-                    true,
-                    "CleanupAbandoned",
-                    &format!("{error}; the outputs are left in place"),
-                )
-                .await;
+                let note = format!("{error}; the outputs are left in place");
+                publish(ctx, job, true, "CleanupAbandoned", &note).await;
             }
         }
     } else {
-        publish(
-            ctx,
-            job,
-            true,
-            "CleanupAbandoned",
-            &format!(
-                "cleanup of {} took longer than {} s; the outputs are left in place",
-                job.spec.output,
-                budget.as_secs()
-            ),
-        )
-        .await;
+        let note = format!(
+            "cleanup of {} took longer than {} s; the outputs are left in place",
+            job.spec.output,
+            budget.as_secs()
+        );
+        publish(ctx, job, true, "CleanupAbandoned", &note).await;
     }
     let finalizers: Vec<_> = job
         .finalizers()

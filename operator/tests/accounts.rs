@@ -85,7 +85,10 @@ async fn failures_between_the_two_writes_neither_lose_nor_repeat_a_charge() {
     assert_eq!(finished_reason(&job).as_deref(), Some("Succeeded"));
     assert_eq!(job.status.as_ref().unwrap().attempts, 1);
     assert_eq!(
-        cluster.server.started_pods().get("default/crash-1"),
+        cluster.server.started_pods().get(&format!(
+            "default/{}",
+            harvest_operator::pod::pod_name("crash", job.metadata.uid.as_deref(), 1)
+        )),
         Some(&1)
     );
     let books = cluster.account_until(|s| s.holds.is_empty()).await;
@@ -207,7 +210,10 @@ async fn of_two_replicas_only_the_leader_acts_and_the_follower_finishes_a_job_ch
     );
     assert_eq!(finished_reason(&job).as_deref(), Some("Succeeded"));
     assert_eq!(
-        cluster.server.started_pods().get("default/handover-1"),
+        cluster.server.started_pods().get(&format!(
+            "default/{}",
+            harvest_operator::pod::pod_name("handover", job.metadata.uid.as_deref(), 1)
+        )),
         Some(&1),
         "the harvest ran once"
     );

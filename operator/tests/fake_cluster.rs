@@ -27,6 +27,15 @@ fn pod_phase(cluster: &Cluster, pod: &str) -> Option<String> {
         .map(|p| p["status"]["phase"].as_str().unwrap_or_default().to_owned())
 }
 
+/// The name of `job`'s attempt `attempt`'s Pod.
+fn attempt_pod(job: &HarvestJob, attempt: u32) -> String {
+    harvest_operator::pod::pod_name(
+        job.metadata.name.as_deref().unwrap(),
+        job.metadata.uid.as_deref(),
+        attempt,
+    )
+}
+
 fn manifest(output: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(output.join("manifest.json")).unwrap()).unwrap()
 }
@@ -142,8 +151,9 @@ async fn an_oom_killed_attempt_is_retried_counted_and_then_succeeds() {
     );
     assert_eq!(pod_phase(&cluster, &pod).as_deref(), Some("Failed"));
     let started = cluster.server.started_pods();
+    let attempt = |n| format!("default/{}", attempt_pod(&job, n));
     assert_eq!(
-        (started.get("default/oom-1"), started.get("default/oom-2")),
+        (started.get(&attempt(1)), started.get(&attempt(2))),
         (Some(&1), Some(&1))
     );
 }
@@ -272,10 +282,11 @@ async fn an_operator_restart_mid_job_neither_reruns_nor_double_charges() {
         .await;
     cluster.start_operator();
     let job = cluster.finished("restarted").await;
+    let first = format!("default/{}", attempt_pod(&job, 1));
     let status = job.status.unwrap();
     assert_eq!(status.attempts, 1);
     assert_eq!(
-        cluster.server.started_pods().get("default/restarted-1"),
+        cluster.server.started_pods().get(&first),
         Some(&1),
         "the harvest ran once"
     );
@@ -340,4 +351,20 @@ async fn a_pod_the_apiserver_refuses_is_a_failed_create_event_and_ends_the_job_a
         finished_reason(&cluster.finished("next").await),
         "Succeeded"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_named_past_the_label_limit_runs_under_a_hashed_label() {
+    let cluster = Cluster::start(1).await;
+    // 70 characters: a valid object name, too long for a label value (the apiserver refuses a
+    // Pod labelled with it).
+    let name = format!("probe-{}", "x".repeat(64));
+    let prompts = cluster.prompts("long-name", 2, 2);
+    cluster.submit(&name, prompts, |_| {}).await;
+    let job = cluster.finished(&name).await;
+    assert_eq!(finished_reason(&job), "Succeeded", "{:?}", job.status);
+    let pod = job.status.unwrap().pod.unwrap();
+    let uid = job.metadata.uid.as_deref();
+    assert_eq!(pod, harvest_operator::pod::pod_name(&name, uid, 1));
+    assert!(pod.starts_with(&name), "{pod}");
 }

@@ -66,7 +66,7 @@ pub const CAPTURE_POOL: usize = FORWARD_QUEUE + 2;
 pub const UPLOAD_QUEUE: usize = 2;
 
 /// Output file names.
-pub const MANIFEST_FILE: &str = "manifest.json";
+pub use harvest_core::format::MANIFEST_FILE;
 /// The statistics file.
 pub const STATS_FILE: &str = "stats.safetensors";
 
@@ -89,6 +89,11 @@ pub struct RunOptions {
     pub pipeline_stages: Option<usize>,
     /// Run only this part of the job's shards ([`run_part`]); `None` runs them all.
     pub part: Option<Part>,
+    /// The most tokens the whole corpus may have (the operator's `tokenBudget`, what the job's
+    /// account holds for it); checked after tokenizing, before the model loads.
+    pub token_budget: Option<u64>,
+    /// The Kubernetes HarvestJob's UID, recorded in the manifest for its cleanup.
+    pub job_uid: Option<String>,
 }
 
 /// What runs the forward pass: one backend, or a chain of pipeline stages.
@@ -448,6 +453,7 @@ fn close(
         timings,
         resumed_shards,
         spill_dir: options.spill_dir.clone(),
+        job_uid: options.job_uid.clone(),
     };
     commit(&closing, &ready.store, runtime)
 }
@@ -522,6 +528,7 @@ fn prepare(
         .map(|(i, text)| tokenizer.encode(i, text, plan.add_special_tokens))
         .collect::<Result<_>>()?;
     drop(prompts);
+    check_token_budget(&encoded, options.token_budget)?;
     let truncated = encoded
         .iter()
         .filter(|e| e.truncated_from.is_some())
@@ -552,6 +559,18 @@ fn prepare(
         fingerprint,
         resumed,
     })))
+}
+
+/// Refuses a corpus with more tokens than `budget`.
+fn check_token_budget(encoded: &[Encoded], budget: Option<u64>) -> Result<()> {
+    let Some(budget) = budget else {
+        return Ok(());
+    };
+    let needed: u64 = encoded.iter().map(|e| e.ids.len() as u64).sum();
+    if needed > budget {
+        return Err(Error::TokenBudget { needed, budget });
+    }
+    Ok(())
 }
 
 /// The most tokens one batch of this job can hold: the batch budget, or one prompt longer than
@@ -769,6 +788,7 @@ struct Closing<'a> {
     timings: Timings,
     resumed_shards: usize,
     spill_dir: Option<std::path::PathBuf>,
+    job_uid: Option<String>,
 }
 
 /// Writes the statistics, then the manifest (the commit point), then `result.json`, and
@@ -789,6 +809,10 @@ fn commit(
         closing.max_tokens,
         train.as_ref(),
     )?;
+    let manifest = Manifest {
+        job_uid: closing.job_uid.clone(),
+        ..manifest
+    };
     let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
         path: MANIFEST_FILE.into(),
         source,

@@ -85,6 +85,7 @@ pub(super) fn build_outputs(
         layout: job.plan.layout.name(),
         train: train.map(|t| train_info(job, t)),
         precision: job.plan.precision,
+        job_uid: None,
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {

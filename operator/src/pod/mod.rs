@@ -6,7 +6,7 @@ mod render;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-pub use self::observe::{observe, reported_progress};
+pub use self::observe::{observe, observe_for_job, reported_progress};
 pub use self::render::render;
 use harvest_crds::ResultSummary;
 
@@ -19,13 +19,31 @@ pub const TERMINATION_LOG: &str = "/dev/termination-log";
 /// The worker container's name.
 pub const CONTAINER: &str = "harvester";
 
-/// The Pod name of a job's attempt `attempt` (1-based): deterministic, so a repeated create
-/// after a lost write finds the same Pod instead of starting a second one. A job name too
-/// long for the suffix (names may have 253 characters) is shortened with a hash of itself.
-pub fn pod_name(job: &str, attempt: u32) -> String {
-    let suffix = format!("-{attempt}");
+/// The Pod name of attempt `attempt` (1-based) of the job `job` with UID `uid`:
+/// deterministic, so a repeated create after a lost write finds the same Pod instead of
+/// starting a second one, and different for a job recreated under the same name, whose old
+/// Pod may still be terminating. A job name too long for the suffix (names may have 253
+/// characters) is shortened with a hash of itself.
+pub fn pod_name(job: &str, uid: Option<&str>, attempt: u32) -> String {
+    let alphanumeric: Vec<char> = uid
+        .unwrap_or_default()
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    let uid: String = alphanumeric[alphanumeric.len().saturating_sub(UID_IN_NAME)..]
+        .iter()
+        .collect();
+    let suffix = match uid.is_empty() {
+        true => format!("-{attempt}"),
+        false => format!("-{uid}-{attempt}"),
+    };
     format!("{}{suffix}", shortened(job, 253 - suffix.len()))
 }
+
+/// Characters of the job's UID in its Pods' names: its last ones, random in an apiserver's
+/// UIDs (and distinct in the test cluster's sequential ones).
+const UID_IN_NAME: usize = 8;
 
 /// `name` if it has at most `max` characters, else a prefix of it and a hash of the whole,
 /// `max` characters in all: distinct for distinct names, and still a valid name or label.
@@ -95,6 +113,12 @@ pub enum PodState {
     },
     /// Being deleted.
     Terminating,
+    /// A Pod of that name exists but the operator did not create it for this job (no
+    /// controller reference with the job's UID): nothing of it is read or deleted.
+    Foreign {
+        /// Who controls it, if anyone: `Kind/name`.
+        controller: Option<String>,
+    },
 }
 
 #[cfg(test)]

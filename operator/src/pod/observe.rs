@@ -17,6 +17,24 @@ const INFRASTRUCTURE_REASONS: [&str; 6] = [
     "UnexpectedAdmissionError",
 ];
 
+/// Reads the Pod of a job whose UID is `job_uid`: [`PodState::Foreign`] unless the Pod's
+/// controller reference names that UID, so that a Pod a tenant made under the expected name
+/// is never taken for the job's worker, nor its termination message for a result.
+pub fn observe_for_job(pod: &Pod, job_uid: &str) -> PodState {
+    let controller = pod
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|owner| owner.controller == Some(true));
+    match controller {
+        Some(owner) if owner.uid == job_uid && !job_uid.is_empty() => observe(pod),
+        other => PodState::Foreign {
+            controller: other.map(|owner| format!("{}/{}", owner.kind, owner.name)),
+        },
+    }
+}
+
 /// Reads a Pod.
 pub fn observe(pod: &Pod) -> PodState {
     if pod.metadata.deletion_timestamp.is_some() {

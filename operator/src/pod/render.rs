@@ -24,7 +24,7 @@ pub fn render(
     attempt: u32,
     deadline_seconds: Option<i64>,
 ) -> Result<Pod> {
-    let args = worker_args(valid, model, config)?;
+    let args = worker_args(job, valid, model, config)?;
     let resources = resources(model);
     let (env, env_from) = environment(job, config);
     let owner = job
@@ -39,7 +39,7 @@ pub fn render(
     ]);
     Ok(Pod {
         metadata: ObjectMeta {
-            name: Some(pod_name(&job.name_any(), attempt)),
+            name: Some(pod_name(&job.name_any(), job.uid().as_deref(), attempt)),
             namespace: job.namespace(),
             labels: Some(labels),
             owner_references: Some(vec![owner]),
@@ -132,9 +132,11 @@ fn restricted_container() -> SecurityContext {
     }
 }
 
-/// The harvester's arguments: the resolved plan inline, the model's name, the termination log
-/// and JSON progress, then the configuration's extra arguments.
+/// The harvester's arguments: the resolved plan inline, the model's name, the job's token
+/// budget and UID, the termination log and JSON progress, then the configuration's extra
+/// arguments.
 fn worker_args(
+    job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
@@ -149,6 +151,10 @@ fn worker_args(
         plan,
         "--model-name".to_owned(),
         model.name.clone(),
+        "--token-budget".to_owned(),
+        valid.token_budget.to_string(),
+        "--job-uid".to_owned(),
+        job.uid().unwrap_or_default(),
         "--termination-log".to_owned(),
         TERMINATION_LOG.to_owned(),
         "--progress".to_owned(),

@@ -39,7 +39,7 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
     let pod = render(&job(), &valid, entry, &config, 2, Some(60)).unwrap();
-    assert_eq!(pod.metadata.name.as_deref(), Some("j-2"));
+    assert_eq!(pod.metadata.name.as_deref(), Some("j-uid1-2"));
     let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(
         (owner.uid.as_str(), owner.controller),
@@ -62,6 +62,9 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
         serde_json::from_str(&args[args.iter().position(|a| a == "--plan-json").unwrap() + 1])
             .unwrap();
     assert_eq!(plan.model, "/models/m");
+    let after = |flag: &str| &args[args.iter().position(|a| a == flag).unwrap() + 1];
+    assert_eq!(after("--token-budget"), "5");
+    assert_eq!(after("--job-uid"), "uid-1");
     assert_eq!(plan.output, "s3://out/j");
     assert_eq!(
         container.env_from.as_ref().unwrap()[0]
@@ -198,7 +201,38 @@ fn a_job_name_past_the_label_limit_gets_a_hashed_label_and_a_valid_pod_name() {
     let label = job_label(&long);
     assert_eq!(label.len(), 63);
     assert_ne!(label, job_label(&format!("{}-y", "a".repeat(250))));
-    let pod = pod_name(&long, 12);
-    assert!(pod.len() <= 253 && pod.ends_with("-12"), "{pod}");
-    assert_eq!(pod_name("j", 1), "j-1");
+    let pod = pod_name(&long, Some("0A1B2C3D-ffff"), 12);
+    assert!(pod.len() <= 253 && pod.ends_with("-2c3dffff-12"), "{pod}");
+    assert_eq!(pod_name("j", None, 1), "j-1");
+}
+
+#[test]
+fn only_a_pod_whose_controller_is_the_job_is_read_as_its_worker() {
+    let running = |owners: serde_json::Value| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "j-1", "ownerReferences": owners},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap()
+    };
+    let owner = |uid: &str, controller: bool| json!({"apiVersion": "harvest.dev/v1alpha1", "kind": "HarvestJob", "name": "j", "uid": uid, "controller": controller});
+    assert_eq!(
+        observe_for_job(&running(json!([owner("uid-1", true)])), "uid-1"),
+        PodState::Running
+    );
+    assert_eq!(
+        observe_for_job(&running(json!([owner("uid-0", true)])), "uid-1"),
+        PodState::Foreign {
+            controller: Some("HarvestJob/j".into())
+        }
+    );
+    // An owner reference that is not the controller proves nothing.
+    assert_eq!(
+        observe_for_job(&running(json!([owner("uid-1", false)])), "uid-1"),
+        PodState::Foreign { controller: None }
+    );
+    assert_eq!(
+        observe_for_job(&running(json!([])), "uid-1"),
+        PodState::Foreign { controller: None }
+    );
 }

@@ -1,0 +1,154 @@
+//! What a tenant with `edit` rights in its namespace might try against the operator, each as
+//! the attack itself, on the fake apiserver running the real harvester: a Pod made under the
+//! name the operator will use, a cleanup aimed at other jobs' outputs, a corpus past its
+//! token budget.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::Cluster;
+use harvest_crds::HarvestJob;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+fn finished(job: &HarvestJob) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    harvest_crds::conditions::get(&job.status.as_ref().unwrap().conditions, "Finished")
+        .unwrap()
+        .clone()
+}
+
+async fn unsuspend(cluster: &Cluster, name: &str) {
+    let patch = json!({"spec": {"suspend": false}});
+    cluster
+        .jobs()
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_made_beforehand_under_the_workers_name_is_never_read_as_the_result() {
+    let cluster = Cluster::start(1).await;
+    let prompts = cluster.prompts("squat", 4, 4);
+    let job = cluster.submit("squat", prompts, |s| s.suspend = true).await;
+    // The tenant reads the job's UID and makes the first attempt's Pod itself: it exits 0
+    // at once, which would read as a harvest that ran no tokens.
+    let name = harvest_operator::pod::pod_name("squat", job.metadata.uid.as_deref(), 1);
+    let squatter: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default",
+                     "labels": {"app.kubernetes.io/managed-by": "harvest-operator", "harvest.dev/job": "squat"}},
+        "spec": {"restartPolicy": "Never", "serviceAccountName": "harvest-worker",
+                 "containers": [{"name": "harvester", "image": "harvest/harvester:test", "args": ["--help"]}]}
+    }))
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+    pods.create(&PostParams::default(), &squatter)
+        .await
+        .unwrap();
+    unsuspend(&cluster, "squat").await;
+    let job = cluster.finished("squat").await;
+    let condition = finished(&job);
+    assert_eq!(condition.reason, "PodNameTaken", "{:?}", job.status);
+    assert!(condition.message.contains(&name), "{}", condition.message);
+    let status = job.status.unwrap();
+    assert!(status.result.is_none(), "the squatter's exit is no result");
+    assert_eq!(status.tokens.unwrap().charged, Some(0));
+    assert!(
+        pods.get_opt(&name).await.unwrap().is_some(),
+        "the operator leaves a Pod it did not make alone"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_job_aimed_at_another_jobs_output_or_the_whole_store_deletes_none_of_it() {
+    let cluster = Cluster::start(2).await;
+    let prompts = cluster.prompts("victim", 4, 2);
+    cluster.submit("victim", prompts.clone(), |_| {}).await;
+    let victim = cluster.finished("victim").await;
+    assert_eq!(finished(&victim).reason, "Succeeded");
+    let output = cluster.output("victim");
+    let files = |dir: &std::path::Path| {
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    let before = files(&output);
+    assert!(before.contains(&"manifest.json".to_owned()), "{before:?}");
+
+    // One job writes over the victim's output (another plan, so the harvester refuses to
+    // mix them), one names the top of the store and is deleted before it runs.
+    let out = output.display().to_string();
+    cluster
+        .submit("into-victim", prompts.clone(), |s| {
+            s.output = out;
+            s.harvest.layers = Some(vec![3]);
+            s.output_retention = harvest_crds::OutputRetention::Delete;
+        })
+        .await;
+    let store = output.parent().unwrap().display().to_string();
+    cluster
+        .submit("whole-store", prompts, |s| {
+            s.output = store;
+            s.suspend = true;
+            s.output_retention = harvest_crds::OutputRetention::Delete;
+        })
+        .await;
+    cluster.finished("into-victim").await;
+    for name in ["into-victim", "whole-store"] {
+        cluster
+            .wait(name, "its cleanup finalizer", |j| {
+                j.metadata
+                    .finalizers
+                    .as_ref()
+                    .is_some_and(|f| !f.is_empty())
+            })
+            .await;
+        cluster
+            .jobs()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + harvest_testkit::SETTLE_WITHIN;
+        while cluster.jobs().get_opt(name).await.unwrap().is_some() {
+            assert!(tokio::time::Instant::now() < deadline, "{name} not deleted");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(files(&output), before, "the victim's files are all there");
+    let events =
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(cluster.client.clone(), "default")
+            .list(&Default::default())
+            .await
+            .unwrap();
+    let kept = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("OutputsKept"))
+        .count();
+    assert_eq!(kept, 2, "each deletion says why it kept the files");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corpus_past_its_token_budget_fails_naming_its_count_and_is_charged_nothing() {
+    let cluster = Cluster::start(1).await;
+    let prompts = cluster.prompts("greedy", 8, 20);
+    cluster
+        .submit("greedy", prompts, |s| s.token_budget = 1)
+        .await;
+    let job = cluster.finished("greedy").await;
+    let condition = finished(&job);
+    assert_eq!(condition.reason, "InvalidInput", "{:?}", job.status);
+    assert!(
+        condition.message.contains("token budget of 1"),
+        "{}",
+        condition.message
+    );
+    let status = job.status.unwrap();
+    assert!(status.result.is_none());
+    assert_eq!(status.tokens.unwrap().charged, Some(0));
+}
