@@ -11,6 +11,7 @@ use crate::error::ApiError;
 use crate::listing::{JobFilter, JobPage, Usage};
 use crate::store::JobRecord;
 use crate::wire::{JobResult, Submission};
+use harvest_core::lifecycle::JobStatus;
 
 /// The authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,13 +54,19 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
     /// A receiver that ticks whenever any job may have changed.
     fn changes(&self) -> watch::Receiver<u64>;
 
-    /// Job `id` once it is terminal, or as it is at `deadline`.
-    async fn wait(&self, id: &str, deadline: Instant) -> Result<Option<JobRecord>, ApiError> {
+    /// Job `id` once its status is no longer `seen` (what the caller last saw), or as it is
+    /// at `deadline`.
+    async fn wait(
+        &self,
+        id: &str,
+        seen: JobStatus,
+        deadline: Instant,
+    ) -> Result<Option<JobRecord>, ApiError> {
         let mut changes = self.changes();
         loop {
             let job = self.get(id).await?;
             let Some(current) = &job else { return Ok(job) };
-            if current.status.is_terminal() {
+            if current.status != seen || current.status.is_terminal() {
                 return Ok(job);
             }
             if tokio::time::timeout_at(deadline, changes.changed())
@@ -203,7 +210,7 @@ mod tests {
         let backend = OneJob::new(JobStatus::Running);
         let start = Instant::now();
         let job = backend
-            .wait("j", start + Duration::from_secs(60))
+            .wait("j", JobStatus::Running, start + Duration::from_secs(60))
             .await
             .unwrap()
             .unwrap();
@@ -212,22 +219,28 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_wait_ends_when_the_job_ends_and_not_on_a_change_that_leaves_it_running() {
+    async fn a_wait_ends_when_the_status_changes_and_not_on_a_change_that_leaves_it() {
         let backend = std::sync::Arc::new(OneJob::new(JobStatus::Pending));
         let changer = std::sync::Arc::clone(&backend);
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            changer.set(JobStatus::Pending);
+            tokio::time::sleep(Duration::from_secs(1)).await;
             changer.set(JobStatus::Running);
             tokio::time::sleep(Duration::from_secs(3)).await;
             changer.set(JobStatus::Done);
         });
         let start = Instant::now();
-        let job = backend
-            .wait("j", start + Duration::from_secs(60))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(job.status, JobStatus::Done);
+        let deadline = start + Duration::from_secs(60);
+        let job = backend.wait("j", JobStatus::Pending, deadline).await;
+        assert_eq!(job.unwrap().unwrap().status, JobStatus::Running);
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        let job = backend.wait("j", JobStatus::Running, deadline).await;
+        assert_eq!(job.unwrap().unwrap().status, JobStatus::Done);
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        // A caller that saw an older status is answered at once.
+        let job = backend.wait("j", JobStatus::Pending, deadline).await;
+        assert_eq!(job.unwrap().unwrap().status, JobStatus::Done);
         assert_eq!(start.elapsed(), Duration::from_secs(5));
     }
 }

@@ -395,10 +395,11 @@ fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
     }
 }
 
-/// A harvest job, optionally waiting up to `wait` seconds (60 at most) for it to end.
+/// A harvest job, optionally waiting up to `wait` seconds (60 at most) for its status to
+/// change (pending to running, or to an end).
 #[utoipa::path(get, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
     params(("job_id" = String, Path, description = "The job's UUID"),
-        ("wait" = Option<String>, Query, description = "Seconds to wait for a terminal status, at most 60")),
+        ("wait" = Option<String>, Query, description = "Seconds to wait for the status to change, at most 60")),
     responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
         (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
         (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope)))]
@@ -427,7 +428,7 @@ pub(crate) async fn status(
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
     let waited = tokio::select! {
-        waited = state.backend.wait(&job_id, deadline) => waited?,
+        waited = state.backend.wait(&job_id, job.status, deadline) => waited?,
         // A stopping server answers at once, with the job as it is.
         () = state.stopped() => state.backend.get(&job_id).await?,
     };

@@ -750,6 +750,46 @@ async fn a_third_account_is_refused_while_two_others_are_counted() {
 }
 
 #[tokio::test]
+async fn a_long_poll_ends_when_the_status_changes_from_pending_to_running() {
+    let f = default_fixture().await;
+    let (_, _, job) = submit(&f, seed_body()).await;
+    let (_, _, other) = submit(&f, seed_body()).await;
+    let id = job["job_id"].as_str().unwrap().to_owned();
+    let uri = format!("/v1/harvest/{id}?wait=60");
+    let asked = std::time::Instant::now();
+    let poll = {
+        let (state, key) = (Arc::clone(&f.state), f.key.clone());
+        tokio::spawn(async move { call(&state, "GET", &uri, Some(&key), None).await })
+    };
+    harvest_testkit::eventually("a waiting long-poll", Duration::from_secs(30), || async {
+        match f.state.long_polls_waiting() {
+            1 => Ok(()),
+            n => Err(format!("{n} waiting")),
+        }
+    })
+    .await;
+    // The job starts (as a worker marks it), and a change elsewhere wakes the waiters.
+    f.store
+        .apply(
+            &id,
+            JobEvent::Started,
+            Default::default(),
+            harvest_api::paths::now(),
+        )
+        .unwrap();
+    let cancel = format!("/v1/harvest/{}", other["job_id"].as_str().unwrap());
+    call(&f.state, "DELETE", &cancel, Some(&f.key), None).await;
+    let (status, headers, answer) = poll.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("x-acs-longpoll").is_none());
+    assert_eq!(answer["status"], "running", "{answer}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(30),
+        "answered at the change, not at the end of the wait"
+    );
+}
+
+#[tokio::test]
 async fn a_ninth_long_poll_on_the_server_is_declined_whoever_sends_it() {
     let f = default_fixture().await;
     let now = harvest_api::paths::now();
