@@ -8,8 +8,8 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -38,6 +38,7 @@ use crate::backend::{Caller, JobBackend};
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
 use crate::listing::{self, JobFilter, JobPage, Usage};
+use crate::lookups::Lookups;
 use crate::paths::{JobPaths, now};
 use crate::signing::Links;
 use crate::storage::Storage;
@@ -100,6 +101,10 @@ pub struct KubeBackend {
     links: Links,
     /// The data directory, where local storage keeps outputs.
     data_dir: PathBuf,
+    /// When a key the cache lacks may be looked up live.
+    key_lookups: Arc<Mutex<Lookups>>,
+    /// When a job id the cache lacks may be looked up live.
+    job_lookups: Arc<Mutex<Lookups>>,
 }
 
 impl std::fmt::Debug for KubeBackend {
@@ -203,8 +208,39 @@ impl KubeBackend {
             storage,
             links,
             data_dir,
+            key_lookups: Arc::default(),
+            job_lookups: Arc::default(),
         }
     }
+
+    /// `name` from the apiserver, for a cache that lacks it: `None` without asking when the
+    /// name was found missing moments ago or the live-lookup budget is spent.
+    async fn look_up<K>(
+        &self,
+        api: Api<K>,
+        name: &str,
+        lookups: &Mutex<Lookups>,
+    ) -> Result<Option<K>, ApiError>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let allowed = lock(lookups).may_look_up(name, std::time::Instant::now());
+        if !allowed {
+            return Ok(None);
+        }
+        let found = api.get_opt(name).await.map_err(KubeBackendError::from)?;
+        if found.is_none() {
+            lock(lookups).missing(name, std::time::Instant::now());
+        }
+        Ok(found)
+    }
+}
+
+/// The lock, even if a panicking holder poisoned it (the lookups stay consistent).
+fn lock(lookups: &Mutex<Lookups>) -> std::sync::MutexGuard<'_, Lookups> {
+    lookups
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[async_trait::async_trait]
@@ -230,10 +266,10 @@ impl JobBackend for KubeBackend {
         {
             Some(secret) => Some((*secret).clone()),
             // A key made moments ago may not have reached this replica's cache yet.
-            None => Api::<Secret>::namespaced(self.client.clone(), &self.keys_namespace)
-                .get_opt(&name)
-                .await
-                .map_err(KubeBackendError::from)?,
+            None => {
+                let secrets = Api::<Secret>::namespaced(self.client.clone(), &self.keys_namespace);
+                self.look_up(secrets, &name, &self.key_lookups).await?
+            }
         };
         let field = |secret: &Secret, key: &str| {
             secret
@@ -322,10 +358,10 @@ impl JobBackend for KubeBackend {
             .get(&ObjectRef::new(id).within(&self.namespace));
         let job = match cached {
             Some(job) => Some((*job).clone()),
-            None => Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
-                .get_opt(id)
-                .await
-                .map_err(KubeBackendError::from)?,
+            None => {
+                let jobs = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace);
+                self.look_up(jobs, id, &self.job_lookups).await?
+            }
         };
         Ok(job.map(|j| record(&j)))
     }

@@ -27,6 +27,7 @@ pub mod embedded;
 pub mod error;
 pub mod kubernetes;
 pub mod listing;
+pub mod lookups;
 pub mod openapi;
 pub mod page;
 pub mod paths;

@@ -417,3 +417,45 @@ fn an_exhausted_budget_gives_rest_a_429_and_keeps_a_kubectl_job_waiting() {
         Some("DailyBudgetExhausted".to_owned())
     );
 }
+
+#[test]
+fn junk_keys_and_unknown_job_ids_cost_the_apiserver_next_to_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    let store = &cluster.server.store;
+    let (secrets, jobs) = (
+        store.requests("GET", "/secrets/"),
+        store.requests("GET", "/harvestjobs/"),
+    );
+    let started = std::time::Instant::now();
+    let unknown = |i: usize| format!("00000000-0000-4000-8000-{i:012x}");
+    let url = |id: &str| format!("{}/v1/harvest/{id}", server.base);
+    // A thousand distinct junk keys, then one junk key a thousand times.
+    for i in 0..2000 {
+        let junk = format!("sk-hv-junk{}", i.min(1000));
+        let (status, _) = request("GET", &url(&unknown(0)), &junk, None);
+        assert_eq!(status, 401);
+    }
+    // A real key asking for five hundred jobs that do not exist.
+    for i in 0..500 {
+        let (status, _) = request("GET", &url(&unknown(i)), &key, None);
+        assert_eq!(status, 404);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let budget = (harvest_api::lookups::LIVE_LOOKUPS_PER_SECOND * (1.0 + elapsed)).ceil() as u64;
+    let secret_gets = store.requests("GET", "/secrets/") - secrets;
+    let job_gets = store.requests("GET", "/harvestjobs/") - jobs;
+    println!(
+        "{secret_gets} Secret and {job_gets} job lookups for 2,500 requests in {elapsed:.1} s"
+    );
+    assert!(
+        secret_gets <= budget && job_gets <= budget,
+        "{secret_gets} Secret and {job_gets} job lookups in {elapsed:.1} s (budget {budget})"
+    );
+    // The real key still works.
+    let (status, _) = request("GET", &format!("{}/v1/harvest", server.base), &key, None);
+    assert_eq!(status, 200);
+}

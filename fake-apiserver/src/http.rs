@@ -127,6 +127,7 @@ async fn handle(
     if let Some(list) = kinds::resource_list(&kinds, path.trim_end_matches('/')) {
         return json_response(StatusCode::OK, &list);
     }
+    store.count_request(method.as_str(), path);
     if store.take_fault(method.as_str(), path) {
         return error(&ApiError::new(
             500,

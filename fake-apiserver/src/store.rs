@@ -1,7 +1,7 @@
 //! The fake server's state: every object by resource, namespace and name; one resourceVersion
 //! counter; the full event history that watches replay from.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use serde_json::{Map, Value, json};
@@ -192,6 +192,8 @@ struct Inner {
     objects: BTreeMap<ObjectId, Value>,
     history: Vec<Change>,
     faults: Vec<Fault>,
+    /// Requests received, by `METHOD path`.
+    requests: HashMap<String, u64>,
 }
 
 /// An injected failure: the next `times` requests with this method and path suffix get a 500.
@@ -275,6 +277,31 @@ impl Store {
         self.lock().faults.iter().map(|f| f.times).sum()
     }
 
+    /// Counts a request the apiserver received.
+    pub fn count_request(&self, method: &str, path: &str) {
+        *self
+            .lock()
+            .requests
+            .entry(format!("{method} {path}"))
+            .or_default() += 1;
+    }
+
+    /// Requests received of `method` whose path contains `part`, as a real apiserver's
+    /// `apiserver_request_total` would count them.
+    pub fn requests(&self, method: &str, part: &str) -> u64 {
+        let prefix = format!("{method} ");
+        self.lock()
+            .requests
+            .iter()
+            .filter(|(request, _)| {
+                request
+                    .strip_prefix(&prefix)
+                    .is_some_and(|path| path.contains(part))
+            })
+            .map(|(_, n)| n)
+            .sum()
+    }
+
     /// Whether this request is to fail (and counts it).
     pub fn take_fault(&self, method: &str, path: &str) -> bool {
         let mut inner = self.lock();
@@ -301,6 +328,7 @@ impl Store {
                 objects: BTreeMap::new(),
                 history: Vec::new(),
                 faults: Vec::new(),
+                requests: HashMap::new(),
             }),
             changed: tokio::sync::watch::channel(1).0,
             tokens: Mutex::default(),
