@@ -105,7 +105,13 @@ pub struct KubeBackend {
     key_lookups: Arc<Mutex<Lookups>>,
     /// When a job id the cache lacks may be looked up live.
     job_lookups: Arc<Mutex<Lookups>>,
+    /// Jobs whose HarvestJob could not be created, recorded as failed here (the apiserver
+    /// would not take them), newest last, at most [`UNAVAILABLE_KEPT`].
+    unavailable: Arc<Mutex<std::collections::VecDeque<JobRecord>>>,
 }
+
+/// Failed submits a replica remembers, so that the job id in their 503 answers a GET.
+pub const UNAVAILABLE_KEPT: usize = 1024;
 
 impl std::fmt::Debug for KubeBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -210,6 +216,7 @@ impl KubeBackend {
             data_dir,
             key_lookups: Arc::default(),
             job_lookups: Arc::default(),
+            unavailable: Arc::default(),
         }
     }
 
@@ -236,11 +243,41 @@ impl KubeBackend {
     }
 }
 
-/// The lock, even if a panicking holder poisoned it (the lookups stay consistent).
-fn lock(lookups: &Mutex<Lookups>) -> std::sync::MutexGuard<'_, Lookups> {
-    lookups
+/// The lock, even if a panicking holder poisoned it (what it guards stays consistent).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl KubeBackend {
+    /// Records `job` as failed because the cluster would not take it, and answers the 503
+    /// that quotes it.
+    fn unavailable(&self, job: &JobRecord, why: &str) -> ApiError {
+        tracing::error!(job = %job.id, reason = why, "the job could not be handed to the cluster");
+        let failed = JobRecord {
+            status: JobStatus::Failed,
+            tokens: Some(0),
+            completed_at: Some(now()),
+            error: Some(format!(
+                "the cluster did not take the job ({why}); submit it again"
+            )),
+            ..job.clone()
+        };
+        let mut kept = lock(&self.unavailable);
+        if kept.len() >= UNAVAILABLE_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(failed);
+        ApiError::Unavailable {
+            job_id: job.id.clone(),
+        }
+    }
+
+    /// A job recorded by [`Self::unavailable`].
+    fn recorded_unavailable(&self, id: &str) -> Option<JobRecord> {
+        lock(&self.unavailable).iter().find(|j| j.id == id).cloned()
+    }
 }
 
 #[async_trait::async_trait]
@@ -311,11 +348,7 @@ impl JobBackend for KubeBackend {
                 .is_ok_and(|r| r.is_ok())
         {}
         if !(self.accounts.is_listed() && self.jobs.is_listed()) {
-            return Err(ApiError::Internal {
-                detail:
-                    "the cluster's accounts and jobs are not loaded yet: retry in a few seconds"
-                        .into(),
-            });
+            return Err(self.unavailable(job, "its accounts and jobs are not loaded yet"));
         }
         let lane = job.spec.lane;
         self.precheck(&job.account, &job.key_hash, lane, job.reserved, now())?;
@@ -336,7 +369,7 @@ impl JobBackend for KubeBackend {
             if let Err(cleanup) = self.storage.delete_inputs(&job.id).await {
                 tracing::warn!(job = %job.id, error = %cleanup, "could not delete the inputs of a job that was not created");
             }
-            return Err(KubeBackendError::from(error).into());
+            return Err(self.unavailable(job, &error.to_string()));
         }
         // Answer once this replica's cache has the job, so the client's next call, and the
         // next submit's pre-check, see it.
@@ -356,6 +389,11 @@ impl JobBackend for KubeBackend {
             .jobs
             .store
             .get(&ObjectRef::new(id).within(&self.namespace));
+        if cached.is_none()
+            && let Some(failed) = self.recorded_unavailable(id)
+        {
+            return Ok(Some(failed));
+        }
         let job = match cached {
             Some(job) => Some((*job).clone()),
             None => {
@@ -375,6 +413,12 @@ impl JobBackend for KubeBackend {
             .iter()
             .filter(|j| j.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account))
             .map(|j| record(j))
+            .chain(
+                lock(&self.unavailable)
+                    .iter()
+                    .filter(|j| j.account == account)
+                    .cloned(),
+            )
             .collect();
         listing::page(jobs, filter)
     }

@@ -242,7 +242,7 @@ fn with_s3_storage_the_files_download_through_presigned_urls_that_s3_verifies() 
 }
 
 #[test]
-fn a_submit_the_apiserver_refuses_gets_an_error_and_leaves_no_inputs_behind() {
+fn a_submit_the_apiserver_refuses_is_a_503_with_a_failed_job_id_and_leaves_no_inputs_behind() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let cluster = cluster(dir.path(), port);
@@ -259,8 +259,25 @@ fn a_submit_the_apiserver_refuses_gets_an_error_and_leaves_no_inputs_behind() {
         &key,
         Some(json!({"model": "smollm2-135m", "prompts": SEED})),
     );
-    assert_eq!(status, 500, "{body}");
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("harvest_unavailable")),
+        "{body}"
+    );
     assert_eq!(cluster.server.store.faults_pending(), 0);
+    // The 503 quotes a job id, and the job reads as failed, charged nothing.
+    let id = body["error"]["job_id"].as_str().unwrap();
+    let (status, job) = request(
+        "GET",
+        &format!("{}/v1/harvest/{id}", server.base),
+        &key,
+        None,
+    );
+    assert_eq!(
+        (status, job["status"].as_str()),
+        (200, Some("failed")),
+        "{job}"
+    );
     let jobs = dir.path().join("data/jobs");
     let left: Vec<_> = std::fs::read_dir(&jobs)
         .map(|d| d.flatten().map(|e| e.path()).collect())
