@@ -20,6 +20,8 @@ use tower_http::trace::TraceLayer;
 
 use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
+use crate::error::ApiError;
+use crate::ratelimit::{RateLimit, RateLimiter};
 use crate::routes;
 use crate::signing::Signer;
 
@@ -65,6 +67,8 @@ pub struct AppState {
     pub(crate) counting: Arc<Semaphore>,
     counting_accounts: Mutex<HashSet<String>>,
     long_polls: Mutex<HashMap<String, usize>>,
+    /// Each key's request allowance; `None` when the limit is off.
+    rate_limiter: Option<Mutex<RateLimiter>>,
     pub(crate) metrics: Metrics,
 }
 
@@ -134,6 +138,7 @@ impl AppState {
         url_ttl_s: i64,
         data_dir: PathBuf,
         count_timeout: Duration,
+        rate_limit: Option<RateLimit>,
     ) -> Arc<Self> {
         Arc::new(Self {
             backend,
@@ -146,8 +151,28 @@ impl AppState {
             counting: Arc::new(Semaphore::new(COUNTS_SERVER_WIDE)),
             counting_accounts: Mutex::default(),
             long_polls: Mutex::default(),
+            rate_limiter: rate_limit.map(|limit| Mutex::new(RateLimiter::new(limit))),
             metrics: Metrics::new(),
         })
+    }
+
+    /// Takes one request of the bearer key's allowance (by its hash: raw keys are not kept).
+    pub(crate) fn take_request(&self, key: &str) -> Result<(), ApiError> {
+        let Some(limiter) = &self.rate_limiter else {
+            return Ok(());
+        };
+        let hash = crate::store::key_hash(key);
+        let mut limiter = limiter
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        limiter
+            .take(&hash, std::time::Instant::now())
+            .map_err(|wait| ApiError::RateLimited {
+                per_second: limiter.limit().requests_per_second,
+                retry_after_s: u32::try_from(wait.as_secs_f64().ceil() as u64)
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+            })
     }
 
     /// Takes the account's counting turn, or `None` if one of its submits is being counted.
@@ -248,7 +273,29 @@ impl Drop for LongPollSlot<'_> {
     }
 }
 
-/// The API's routes, with a request id on every request, its answer and its log lines.
+/// Answers 429 `rate_limited` to a request whose bearer key is past its rate limit, before
+/// anything else (the key is not even looked up).
+async fn rate_limited(
+    axum::extract::State(state): axum::extract::State<Arc<AppState>>,
+    request: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let key = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if let Some(key) = key
+        && let Err(limited) = state.take_request(key)
+    {
+        return axum::response::IntoResponse::into_response(limited);
+    }
+    next.run(request).await
+}
+
+/// The API's routes, with a request id on every request, its answer and its log lines, and
+/// the per-key rate limit in front of them all.
 pub fn router(state: Arc<AppState>) -> Router {
     let request_id = HeaderName::from_static(REQUEST_ID_HEADER);
     let trace = TraceLayer::new_for_http().make_span_with(|request: &Request<_>| {
@@ -275,6 +322,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(routes::metrics))
         .fallback(routes::no_route)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            rate_limited,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             BODY_TIMEOUT,

@@ -65,6 +65,14 @@ pub struct ServerConfig {
     /// Run on Kubernetes instead of the embedded backend.
     #[serde(default)]
     pub kubernetes: Option<KubernetesConfig>,
+    /// Requests each bearer key may make, on every route (default 50 a second, bursts of
+    /// 100); `null` turns the limit off.
+    #[serde(default = "default_rate_limit")]
+    pub rate_limit: Option<crate::ratelimit::RateLimit>,
+}
+
+fn default_rate_limit() -> Option<crate::ratelimit::RateLimit> {
+    Some(crate::ratelimit::RateLimit::default())
 }
 
 /// The Kubernetes backend: jobs are HarvestJobs, accounts HarvestAccounts, keys Secrets.
@@ -203,6 +211,9 @@ impl ServerConfig {
                 "count_timeout_seconds is {}: give a positive number of seconds (default 10)",
                 config.count_timeout_seconds
             )));
+        }
+        if let Some(limit) = &config.rate_limit {
+            limit.check().map_err(StartupError::config)?;
         }
         match &config.kubernetes {
             None if config.accounts.is_empty() => {

@@ -70,6 +70,16 @@ pub enum ApiError {
         /// The limit.
         limit_mib: usize,
     },
+    /// The key sent more requests than its rate limit allows (our extension).
+    #[error(
+        "this API key is over its request rate limit ({per_second} a second): retry after the Retry-After seconds"
+    )]
+    RateLimited {
+        /// The sustained limit.
+        per_second: f64,
+        /// Whole seconds until the key may send again.
+        retry_after_s: u32,
+    },
     /// Token counting is busy for this account or the server.
     #[error(
         "token counting is busy: another submit of this account is being counted, or the corpus took too long to count; retry after the Retry-After seconds or split the corpus"
@@ -122,7 +132,9 @@ impl ApiError {
             Self::Link(_) => StatusCode::FORBIDDEN,
             Self::NotCancellable { .. } => StatusCode::CONFLICT,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::CountBusy | Self::Denied(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::CountBusy | Self::Denied(_) | Self::RateLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -142,6 +154,7 @@ impl ApiError {
             Self::NotCancellable { .. } => "harvest_not_cancellable",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::CountBusy => "harvest_count_busy",
+            Self::RateLimited { .. } => "rate_limited",
             Self::Denied(Denial::Concurrency { .. }) => "harvest_concurrency_exceeded",
             Self::Denied(Denial::Budget { .. }) => "budget_exceeded",
             Self::Denied(Denial::JobQuota { .. }) => "harvest_quota_exceeded",
@@ -156,6 +169,7 @@ impl ApiError {
         match self {
             Self::Denied(Denial::Concurrency { .. }) => Some(CONCURRENCY_RETRY_AFTER_S),
             Self::CountBusy => Some(COUNT_BUSY_RETRY_AFTER_S),
+            Self::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         }
     }
@@ -279,6 +293,14 @@ mod tests {
                 "payload_too_large",
             ),
             (ApiError::CountBusy, 429, "harvest_count_busy"),
+            (
+                ApiError::RateLimited {
+                    per_second: 1.0,
+                    retry_after_s: 1,
+                },
+                429,
+                "rate_limited",
+            ),
             (
                 Denial::Concurrency {
                     lane: Lane::Small,

@@ -65,6 +65,7 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
         config.url_ttl_seconds as i64,
         config.data_dir.clone(),
         std::time::Duration::from_secs_f64(config.count_timeout_seconds),
+        config.rate_limit,
     ))
 }
 

@@ -440,6 +440,11 @@ fn junk_keys_and_unknown_job_ids_cost_the_apiserver_next_to_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let cluster = cluster(dir.path(), port);
+    // The per-key rate limit would turn most of these into 429s before any lookup.
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cluster.config).unwrap()).unwrap();
+    config["rate_limit"] = serde_json::Value::Null;
+    std::fs::write(&cluster.config, config.to_string()).unwrap();
     let server = cluster.api(port);
     let key = cluster.key("acme");
     let store = &cluster.server.store;

@@ -55,6 +55,7 @@ async fn fixture_with(
         sweep_interval_seconds: 3600,
         min_free_bytes: 0,
         kubernetes: None,
+        rate_limit: None,
         models: vec![ModelConfig {
             name: "tiny".into(),
             path: tiny_model(),
@@ -1359,4 +1360,43 @@ async fn a_precision_is_one_of_f32_and_bf16() {
         message.contains("\"fp8\" is not one of f32, bf16"),
         "{message}"
     );
+}
+
+#[tokio::test]
+async fn a_key_past_its_rate_limit_gets_429_rate_limited_on_any_route_and_other_keys_do_not() {
+    let limit = harvest_api::ratelimit::RateLimit {
+        requests_per_second: 0.5,
+        burst: 3,
+    };
+    let f = fixture_with(present_harvester(), AccountLimits::default(), |config| {
+        config.rate_limit = Some(limit);
+    })
+    .await;
+    for uri in ["/v1/models", "/v1/account", "/v1/harvest"] {
+        let (status, _, _) = call(&f.state, "GET", uri, Some(&f.key), None).await;
+        assert_eq!(status, StatusCode::OK, "{uri}");
+    }
+    let (status, headers, answer) = call(
+        &f.state,
+        "GET",
+        "/v1/harvest/00000000-0000-4000-8000-000000000000",
+        Some(&f.key),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(answer["error"]["code"], "rate_limited", "{answer}");
+    assert_eq!(headers["retry-after"], "2", "one request per 2 s");
+    let (status, _, _) = call(&f.state, "GET", "/v1/models", Some(&f.other_key), None).await;
+    assert_eq!(status, StatusCode::OK, "another key has its own allowance");
+    // A junk key is limited too, before it is looked up.
+    for expected in [401, 401, 401, 429] {
+        let (status, _, _) = call(&f.state, "GET", "/v1/harvest", Some("sk-hv-junk"), None).await;
+        assert_eq!(status.as_u16(), expected);
+    }
+    // Requests without a key (the status page, health) are not limited by it.
+    for _ in 0..5 {
+        let (status, _, _) = call(&f.state, "GET", "/healthz", None, None).await;
+        assert_eq!(status, StatusCode::OK);
+    }
 }
