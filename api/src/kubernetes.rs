@@ -726,6 +726,9 @@ pub fn record(job: &HarvestJob) -> JobRecord {
     let annotation = |key: &str| job.annotations().get(key).cloned().unwrap_or_default();
     let finished = conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True");
     let rest_status = match status.phase {
+        // Admitted, but no harvester has run yet (the Pod is scheduled, its image pulled):
+        // still pending, as the contract charges a cancel only once a run has started.
+        Some(JobPhase::Running) if status.running_since.is_none() => JobStatus::Pending,
         Some(JobPhase::Running) => JobStatus::Running,
         Some(JobPhase::Succeeded) => JobStatus::Done,
         Some(JobPhase::Failed) => JobStatus::Failed,
@@ -944,4 +947,31 @@ pub async fn revoke_label(
         api.delete(&secret.name_any(), &Default::default()).await?;
     }
     Ok(matching.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_admitted_job_reads_as_running_only_once_its_harvester_has_run() {
+        let mut job = HarvestJob::new(
+            "j",
+            HarvestJobSpec::new("m", "s3://b/in", "s3://b/out", 10),
+        );
+        job.status = Some(harvest_crds::HarvestJobStatus {
+            phase: Some(JobPhase::Running),
+            ..Default::default()
+        });
+        assert_eq!(
+            record(&job).status,
+            JobStatus::Pending,
+            "its Pod has not started"
+        );
+        let started = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::now(),
+        );
+        job.status.as_mut().unwrap().running_since = Some(started);
+        assert_eq!(record(&job).status, JobStatus::Running);
+    }
 }

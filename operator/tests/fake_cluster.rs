@@ -135,6 +135,41 @@ async fn cancel_mid_run_stops_the_pod_and_charges_the_reservation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_while_the_pod_waits_for_its_image_charges_nothing_and_frees_the_slot() {
+    let cluster = Cluster::start(1).await;
+    let prompts = cluster.prompts("stuck", 2, 2);
+    cluster
+        .submit("stuck", prompts, |s| s.model = common::UNPULLABLE.into())
+        .await;
+    cluster
+        .wait("stuck", "its Pod waiting for the image", |j| {
+            j.status.as_ref().is_some_and(|s| {
+                harvest_crds::conditions::get(&s.conditions, "Running")
+                    .is_some_and(|c| c.reason == "ErrImagePull")
+            })
+        })
+        .await;
+    let patch = json!({"spec": {"cancel": true}});
+    cluster
+        .jobs()
+        .patch("stuck", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let job = cluster.finished("stuck").await;
+    assert_eq!(finished_reason(&job), "Cancelled");
+    let status = job.status.unwrap();
+    assert!(status.running_since.is_none(), "{status:?}");
+    assert_eq!(status.tokens.unwrap().charged, Some(0), "no harvester ran");
+    // The lane's one slot is free for the next job.
+    let next = cluster.prompts("after-stuck", 2, 2);
+    cluster.submit("after-stuck", next, |_| {}).await;
+    assert_eq!(
+        finished_reason(&cluster.finished("after-stuck").await),
+        "Succeeded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oom_killed_attempt_is_retried_counted_and_then_succeeds() {
     let cluster = Cluster::start(2).await;
     let prompts = cluster.prompts("oom", 48, 8);

@@ -21,6 +21,8 @@ use tokio::sync::oneshot;
 const IMAGE: &str = "harvest/harvester:test";
 /// The HarvestAccount that pays for namespace `default`.
 pub const ACCOUNT: &str = "default-acct";
+/// A model whose image the kubelet cannot pull: its Pods wait in `ErrImagePull`.
+pub const UNPULLABLE: &str = "unpullable";
 /// Where the REST API creates its jobs.
 pub const API_NAMESPACE: &str = "harvest-api";
 
@@ -83,7 +85,8 @@ impl Cluster {
 
     pub fn config(&self) -> OperatorConfig {
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n",
+            smollm2().display(),
             smollm2().display(),
             self.lanes
         ))
