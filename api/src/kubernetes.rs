@@ -955,10 +955,7 @@ mod tests {
 
     #[test]
     fn an_admitted_job_reads_as_running_only_once_its_harvester_has_run() {
-        let mut job = HarvestJob::new(
-            "j",
-            HarvestJobSpec::new("m", "s3://b/in", "s3://b/out", 10),
-        );
+        let mut job = HarvestJob::new("j", HarvestJobSpec::new("m", "s3://b/in", "s3://b/out", 10));
         job.status = Some(harvest_crds::HarvestJobStatus {
             phase: Some(JobPhase::Running),
             ..Default::default()

@@ -348,6 +348,41 @@ impl Location {
     }
 }
 
+impl Location {
+    /// Whether this location lies inside `root`: the same store, and every path segment of
+    /// `root` its own first ones. A location that climbs (`..`) or names `.` lies nowhere.
+    pub fn is_within(&self, root: &Location) -> bool {
+        fn segments(path: &str) -> Option<Vec<&str>> {
+            let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+            (!parts.iter().any(|p| *p == ".." || *p == ".")).then_some(parts)
+        }
+        let (mine, theirs) = match (self, root) {
+            (
+                Self::S3 { bucket, prefix },
+                Self::S3 {
+                    bucket: root_bucket,
+                    prefix: root_prefix,
+                },
+            ) if bucket == root_bucket => (segments(prefix), segments(root_prefix)),
+            (Self::Local(path), Self::Local(root_path)) => {
+                match (path.to_str(), root_path.to_str()) {
+                    (Some(path), Some(root_path))
+                        if path.starts_with('/') && root_path.starts_with('/') =>
+                    {
+                        (segments(path), segments(root_path))
+                    }
+                    _ => (None, None),
+                }
+            }
+            _ => (None, None),
+        };
+        match (mine, theirs) {
+            (Some(mine), Some(theirs)) => mine.starts_with(&theirs),
+            _ => false,
+        }
+    }
+}
+
 impl std::fmt::Display for Location {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -547,6 +582,29 @@ mod tests {
 
     fn raw(json: &str) -> Result<RawPlan, serde_json::Error> {
         serde_json::from_str(json)
+    }
+
+    #[test]
+    fn a_location_is_within_a_root_only_below_it_in_the_same_store() {
+        let at = |s: &str| Location::parse(s, "output").unwrap();
+        let root = at("s3://harvest/teams/a");
+        assert!(at("s3://harvest/teams/a").is_within(&root));
+        assert!(at("s3://harvest/teams/a/job-1/").is_within(&root));
+        for outside in [
+            "s3://harvest",
+            "s3://harvest/teams",
+            "s3://harvest/teams/ab",
+            "s3://harvest/teams/a/../b",
+            "s3://other/teams/a/x",
+            "/teams/a/x",
+        ] {
+            assert!(!at(outside).is_within(&root), "{outside}");
+        }
+        let local = at("/data/teams/a");
+        assert!(at("/data/teams/a/x").is_within(&local));
+        assert!(!at("/data/teams/a/../b").is_within(&local));
+        assert!(!at("/data/teams/ab").is_within(&local));
+        assert!(!at("relative/x").is_within(&at("relative")));
     }
 
     #[test]

@@ -51,6 +51,12 @@ pub struct HarvestAccountSpec {
     #[serde(default = "default_monthly_jobs")]
     #[schemars(range(min = 0))]
     pub monthly_jobs_per_key: u32,
+    /// Where this account's jobs may read and write: `s3://bucket/prefix`es or absolute
+    /// paths. A job whose `input` or `output` lies outside all of them is refused at
+    /// admission. Empty, jobs may name any location the workers' credentials reach.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub storage_prefixes: Vec<String>,
 }
 
 /// Concurrency per lane.
@@ -99,6 +105,7 @@ impl HarvestAccountSpec {
             monthly_tokens: None,
             total_tokens: None,
             monthly_jobs_per_key: default_monthly_jobs(),
+            storage_prefixes: Vec::new(),
         }
     }
 }

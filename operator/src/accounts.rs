@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use harvest_core::Location;
 use harvest_core::quota::{BudgetWindow, Denial};
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{ACCOUNT_LABEL, HarvestAccount, HarvestJob, KEY_LABEL};
@@ -102,6 +103,57 @@ pub fn bind(
     }
 }
 
+/// The refusal of a job whose input or output lies outside its account's
+/// `storagePrefixes` (`None` when every location is inside one, or the account lists none).
+pub fn storage_refusal(
+    job: &HarvestJob,
+    accounts: &[impl AsRef<HarvestAccount>],
+    account: &str,
+) -> Option<crate::admission::Admission> {
+    let paying = accounts
+        .iter()
+        .map(AsRef::as_ref)
+        .find(|a| a.name_any() == account)?;
+    let texts = &paying.spec.storage_prefixes;
+    if texts.is_empty() {
+        return None;
+    }
+    let refuse = |message: String| crate::admission::Admission::Refuse {
+        reason: "OutsideAccountStorage",
+        message,
+    };
+    let mut roots = Vec::with_capacity(texts.len());
+    for text in texts {
+        match Location::parse(text, "storagePrefixes") {
+            Ok(root) => roots.push(root),
+            Err(_) => {
+                return Some(refuse(format!(
+                    "account {account:?} lists storage prefix {text:?}, which is not a location: its owner must write s3://bucket/prefix or an absolute path"
+                )));
+            }
+        }
+    }
+    let spec = &job.spec;
+    let locations = [
+        ("output", Some(spec.output.as_str())),
+        ("input.prompts", Some(spec.input.prompts.as_str())),
+        ("input.directions", spec.input.directions.as_deref()),
+    ];
+    locations
+        .into_iter()
+        .filter_map(|(field, value)| Some((field, value?)))
+        .find(|(_, value)| {
+            !Location::parse(value, "location")
+                .is_ok_and(|location| roots.iter().any(|root| location.is_within(root)))
+        })
+        .map(|(field, value)| {
+            refuse(format!(
+                "{field} {value:?} lies outside {}, where account {account:?} keeps its data: name a location under one of them",
+                texts.join(", ")
+            ))
+        })
+}
+
 /// The `Admitted=False` reason for a quota denial.
 pub fn denial_reason(denial: &Denial) -> &'static str {
     match denial {
@@ -192,6 +244,34 @@ mod tests {
                 .collect(),
         );
         job
+    }
+
+    #[test]
+    fn a_job_reading_or_writing_outside_its_accounts_storage_prefix_is_refused_naming_both() {
+        let mut spec = HarvestAccountSpec::for_namespaces(&["a"]);
+        spec.storage_prefixes = vec!["s3://harvest/teams/a".into(), "s3://inputs/a".into()];
+        let accounts = [std::sync::Arc::new(HarvestAccount::new("team-a", spec))];
+        let mut job = job("a", &[]);
+        job.spec.input.prompts = "s3://inputs/a/in.jsonl".into();
+        job.spec.output = "s3://harvest/teams/a/out/j".into();
+        assert_eq!(storage_refusal(&job, &accounts, "team-a"), None);
+        job.spec.output = "s3://harvest".into();
+        let Some(crate::admission::Admission::Refuse { reason, message }) =
+            storage_refusal(&job, &accounts, "team-a")
+        else {
+            panic!("the whole bucket was allowed")
+        };
+        assert_eq!(reason, "OutsideAccountStorage");
+        assert!(
+            message.contains("output \"s3://harvest\"") && message.contains("teams/a"),
+            "{message}"
+        );
+        job.spec.output = "s3://harvest/teams/a/out".into();
+        job.spec.input.directions = Some("s3://harvest/teams/b/d.npy".into());
+        assert!(storage_refusal(&job, &accounts, "team-a").is_some());
+        // An account without a prefix refuses nothing.
+        let open = [account("team-a", &["a"])];
+        assert_eq!(storage_refusal(&job, &open, "team-a"), None);
     }
 
     #[test]

@@ -40,6 +40,13 @@ pub enum QueueState {
 pub enum Admission {
     /// A slot is free and no older job waits for it.
     Admit,
+    /// Never: the job breaks a rule of its account (it fails, holding nothing).
+    Refuse {
+        /// CamelCase reason for the `Finished` condition.
+        reason: &'static str,
+        /// Why, and what to do.
+        message: String,
+    },
     /// Wait, for the reason given.
     Wait {
         /// CamelCase reason for the `Admitted=False` condition.

@@ -182,6 +182,11 @@ impl Context {
                     return Ok((wait, None));
                 }
             };
+        // Before any hold: a refused job holds nothing. A stale cache cannot let a job through
+        // for long, as the hold is written over the account's resourceVersion.
+        if let Some(refusal) = accounts::storage_refusal(job, &all_accounts, &binding.account) {
+            return Ok((refusal, None));
+        }
         let verdict = self.admit(job, lane, &binding.account, now);
         if verdict != Admission::Admit {
             return Ok((verdict, None));

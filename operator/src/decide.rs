@@ -183,6 +183,12 @@ impl Builder<'_> {
         }
         if !admitted {
             match &self.observed.admission {
+                Admission::Refuse { reason, message } => {
+                    return self.finish(Outcome::Failed {
+                        reason: (*reason).to_owned(),
+                        message: message.clone(),
+                    });
+                }
                 Admission::Wait { reason, message } => {
                     self.set(ADMITTED, false, reason, message.clone());
                     self.requeue_after = Some(policy.admission_poll);

@@ -152,3 +152,38 @@ async fn a_corpus_past_its_token_budget_fails_naming_its_count_and_is_charged_no
     assert!(status.result.is_none());
     assert_eq!(status.tokens.unwrap().charged, Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_aimed_outside_its_accounts_storage_prefix_is_refused_holding_nothing() {
+    let cluster = Cluster::start(1).await;
+    let root = cluster.dir.path().display().to_string();
+    cluster
+        .set_account(|spec| spec.storage_prefixes = vec![root.clone()])
+        .await;
+    let prompts = cluster.prompts("escape", 2, 2);
+    let outside = cluster.dir.path().parent().unwrap().display().to_string();
+    cluster
+        .submit("escape", prompts.clone(), |s| s.output = outside.clone())
+        .await;
+    let job = cluster.finished("escape").await;
+    let condition = finished(&job);
+    assert_eq!(
+        condition.reason, "OutsideAccountStorage",
+        "{:?}",
+        job.status
+    );
+    assert!(
+        condition.message.contains(&outside) && condition.message.contains(&root),
+        "{}",
+        condition.message
+    );
+    let status = job.status.unwrap();
+    assert!(status.pod.is_none(), "no worker was started");
+    assert!(status.tokens.is_none(), "no tokens were held");
+    // Inside the prefix, the same corpus runs.
+    cluster.submit("inside", prompts, |_| {}).await;
+    assert_eq!(
+        finished(&cluster.finished("inside").await).reason,
+        "Succeeded"
+    );
+}
