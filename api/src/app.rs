@@ -21,6 +21,7 @@ use tower_http::trace::TraceLayer;
 use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
 use crate::error::ApiError;
+use crate::permits::{Scope, SharedPermit};
 use crate::ratelimit::{RateLimit, RateLimiter};
 use crate::routes;
 use crate::signing::Signer;
@@ -212,23 +213,54 @@ impl AppState {
             .sum()
     }
 
-    /// Takes one of the key's long-poll slots, or `None` when the key or the server has none.
-    pub(crate) fn long_poll_slot(&self, key: &str) -> Option<LongPollSlot<'_>> {
-        let mut polls = self
-            .long_polls
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let total: usize = polls.values().sum();
-        let mine = polls.get(key).copied().unwrap_or(0);
-        if total >= LONG_POLLS_SERVER_WIDE || mine >= LONG_POLLS_PER_KEY {
-            return None;
+    /// Takes one of the key's long-poll slots for at most `lasts`, or `None` when the key or
+    /// the server has none: this replica's, then (with several replicas) the shared one.
+    pub(crate) async fn long_poll_slot(
+        &self,
+        key: &str,
+        lasts: Duration,
+    ) -> Option<LongPollSlot<'_>> {
+        let mut slot = {
+            let mut polls = self
+                .long_polls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let total: usize = polls.values().sum();
+            let mine = polls.get(key).copied().unwrap_or(0);
+            if total >= LONG_POLLS_SERVER_WIDE || mine >= LONG_POLLS_PER_KEY {
+                return None;
+            }
+            *polls.entry(key.to_owned()).or_default() += 1;
+            self.metrics.long_polls_waiting.inc();
+            LongPollSlot {
+                state: self,
+                key: key.to_owned(),
+                shared: None,
+            }
+        };
+        // Dropping the slot gives this replica's count back if the shared one is full.
+        slot.shared = self.shared_permit(Scope::wait(key), lasts).await?;
+        Some(slot)
+    }
+
+    /// A permit from the replicas' shared limits: `Some(None)` when this server is the only
+    /// one, `None` when a limit is full (or the permits cannot be reached: the caller is
+    /// told to come back, as when full).
+    pub(crate) async fn shared_permit(
+        &self,
+        scope: Scope,
+        lasts: Duration,
+    ) -> Option<Option<SharedPermit>> {
+        let Some(limits) = self.backend.shared_limits() else {
+            return Some(None);
+        };
+        match SharedPermit::take(&limits, scope, lasts).await {
+            Ok(permit) => permit.map(Some),
+            Err(error) => {
+                tracing::warn!(%error, "the shared limits could not be reached; declining");
+                None
+            }
         }
-        *polls.entry(key.to_owned()).or_default() += 1;
-        self.metrics.long_polls_waiting.inc();
-        Some(LongPollSlot {
-            state: self,
-            key: key.to_owned(),
-        })
     }
 }
 
@@ -254,6 +286,8 @@ impl Drop for CountingTurn<'_> {
 pub(crate) struct LongPollSlot<'a> {
     state: &'a AppState,
     key: String,
+    /// Its permit among the replicas', if there are several.
+    shared: Option<SharedPermit>,
 }
 
 impl Drop for LongPollSlot<'_> {

@@ -100,6 +100,12 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
 
     /// Stops what the backend runs in this process, for a server that is exiting.
     async fn shutdown(&self) {}
+
+    /// Where the server-wide limits are shared with other replicas; `None` when this process
+    /// is the only server, and its own counters are the whole truth.
+    fn shared_limits(&self) -> Option<std::sync::Arc<dyn crate::permits::SharedLimits>> {
+        None
+    }
 }
 
 #[cfg(test)]

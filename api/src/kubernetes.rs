@@ -27,7 +27,7 @@ use harvest_crds::{
 };
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -58,9 +58,10 @@ const ESTIMATED_MS: &str = "harvest.dev/estimated-ms";
 const CACHE_WAIT: Duration = Duration::from_secs(5);
 /// How long a submit waits for its own job to reach this replica's cache.
 const READ_YOUR_WRITE: Duration = Duration::from_secs(2);
-/// How long a cancel waits for the operator to record the end.
-const CANCEL_WAIT: Duration = Duration::from_secs(10);
 const MANAGER: &str = "harvest-api";
+
+mod cancel;
+pub mod limits;
 
 /// Why a Kubernetes call failed.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +75,9 @@ pub enum KubeBackendError {
     /// A key to import is not of a known format.
     #[error("{0}")]
     BadKey(String),
+    /// Other writers kept changing an object this replica had to update.
+    #[error("{0} kept changing under this write; try again")]
+    Contended(String),
 }
 
 impl From<KubeBackendError> for ApiError {
@@ -108,6 +112,8 @@ pub struct KubeBackend {
     /// Jobs whose HarvestJob could not be created, recorded as failed here (the apiserver
     /// would not take them), newest last, at most [`UNAVAILABLE_KEPT`].
     unavailable: Arc<Mutex<std::collections::VecDeque<JobRecord>>>,
+    /// The long-poll and counting permits every replica shares.
+    limits: Arc<dyn crate::permits::SharedLimits>,
 }
 
 /// Failed submits a replica remembers, so that the job id in their 503 answers a GET.
@@ -203,7 +209,9 @@ impl KubeBackend {
             watcher::Config::default().labels(&format!("{KEY_SECRET_LABEL}=true")),
             Arc::clone(&changes),
         );
+        let limits = Arc::new(limits::LeaseLimits::new(client.clone(), &namespace));
         Self {
+            limits,
             client,
             namespace,
             keys_namespace,
@@ -282,6 +290,11 @@ impl KubeBackend {
 
 #[async_trait::async_trait]
 impl JobBackend for KubeBackend {
+    /// Every replica's permits, on a Lease.
+    fn shared_limits(&self) -> Option<Arc<dyn crate::permits::SharedLimits>> {
+        Some(Arc::clone(&self.limits))
+    }
+
     /// Whether every cache has listed once.
     async fn ready(&self) -> bool {
         self.jobs.is_listed() && self.accounts.is_listed() && self.keys.is_listed()
@@ -350,8 +363,7 @@ impl JobBackend for KubeBackend {
         if !(self.accounts.is_listed() && self.jobs.is_listed()) {
             return Err(self.unavailable(job, "its accounts and jobs are not loaded yet"));
         }
-        let lane = job.spec.lane;
-        self.precheck(&job.account, &job.key_hash, lane, job.reserved, now())?;
+        self.precheck(job).await?;
         let input = self.store_inputs(&job.id, submission).await?;
         let resource = self.resource(job, input);
         let mut changes = self.changes();
@@ -450,7 +462,7 @@ impl JobBackend for KubeBackend {
     /// budgeted on Kubernetes.
     async fn usage(&self, caller: &Caller) -> Result<Usage, ApiError> {
         let at = now();
-        let (book, limits) = self.books(&caller.account, &caller.key_hash, at)?;
+        let (book, limits) = self.cached_books(&caller.account, &caller.key_hash, at)?;
         let key_jobs = book.jobs_of(&key_ref(&caller.key_hash), at);
         Ok(Usage::new(
             &caller.account,
@@ -462,7 +474,9 @@ impl JobBackend for KubeBackend {
         ))
     }
 
-    /// Sets `cancel` and waits briefly for the operator to record the end.
+    /// Cancels the job and frees its slot before answering: sets `spec.cancel` (the operator
+    /// stops the Pod), writes the end into the job's status and settles its hold
+    /// (`kubernetes/cancel.rs`), then waits until this replica's caches show both.
     async fn cancel(&self, id: &str) -> Result<JobRecord, ApiError> {
         let job = self.get(id).await?.ok_or(ApiError::NotFound)?;
         if let Err(error) = lifecycle::next(job.status, job.reserved, JobEvent::Cancel) {
@@ -474,7 +488,8 @@ impl JobBackend for KubeBackend {
             return Ok(job);
         }
         let mut changes = self.changes();
-        Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+        let jobs = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace);
+        let patched = jobs
             .patch(
                 id,
                 &PatchParams::apply(MANAGER),
@@ -482,19 +497,31 @@ impl JobBackend for KubeBackend {
             )
             .await
             .map_err(KubeBackendError::from)?;
-        let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
-        loop {
-            let now = self.get(id).await?.ok_or(ApiError::NotFound)?;
-            if now.status.is_terminal() {
-                return Ok(now);
-            }
-            if tokio::time::timeout_at(deadline, changes.changed())
+        let ended = cancel::end(&jobs, patched).await?;
+        cancel::settle(&Api::all(self.client.clone()), &ended).await?;
+        let seen = ObjectRef::new(id).within(&self.namespace);
+        let uid = ended.uid().unwrap_or_default();
+        let account = ended.status_or_default().account;
+        let caught_up = || {
+            let job_ended =
+                self.jobs.store.get(&seen).is_some_and(|j| {
+                    conditions::is_true(&j.status_or_default().conditions, FINISHED)
+                });
+            let released = account.as_ref().is_none_or(|a| {
+                self.accounts
+                    .store
+                    .get(&ObjectRef::new(a))
+                    .is_none_or(|a| a.status_or_default().holds.iter().all(|h| h.uid != uid))
+            });
+            job_ended && released
+        };
+        let deadline = tokio::time::Instant::now() + READ_YOUR_WRITE;
+        while !caught_up()
+            && tokio::time::timeout_at(deadline, changes.changed())
                 .await
-                .is_err()
-            {
-                return Ok(now);
-            }
-        }
+                .is_ok_and(|r| r.is_ok())
+        {}
+        Ok(record(&ended))
     }
 
     /// A done job's result (its `result.json`, read from storage on every answer, so files
@@ -646,66 +673,96 @@ impl KubeBackend {
         }
     }
 
-    /// The REST pre-check: the account's books as [`Self::books`] sees them, checked by the
-    /// same `core` rules.
-    fn precheck(
-        &self,
-        account: &str,
-        key_hash: &str,
-        lane: Lane,
-        tokens: u64,
-        now: UnixMillis,
-    ) -> Result<(), ApiError> {
-        let (book, limits) = self.books(account, key_hash, now)?;
-        book.check(&limits, &key_ref(key_hash), lane, tokens, now)
-            .map_err(ApiError::Denied)
-    }
-
-    /// The account's books from the cache, with this replica's view of its jobs that wait for
-    /// admission added, and its limits. Each lane counts every unfinished API job of the
-    /// account in it (whether or not the account's status shows its hold yet), or the books'
-    /// count if that is higher.
-    fn books(
+    /// The account's books and limits as this replica's caches show them ([`books`]).
+    fn cached_books(
         &self,
         account: &str,
         key_hash: &str,
         now: UnixMillis,
     ) -> Result<(Book, AccountLimits), ApiError> {
-        let Some(found) = self.accounts.store.get(&ObjectRef::new(account)) else {
+        let Some(cached) = self.accounts.store.get(&ObjectRef::new(account)) else {
             return Err(ApiError::Internal {
                 detail: KubeBackendError::NoAccount(account.into()).to_string(),
             });
         };
-        let status = found.status_or_default();
-        let mut book = status.book(now);
-        book.roll(now);
-        let mut waiting_jobs = 0;
-        let (mut unfinished_small, mut unfinished_large) = (0, 0);
-        for job in self.jobs.store.state() {
-            let s = job.status_or_default();
-            let mine = job.labels().get(ACCOUNT_LABEL).map(String::as_str) == Some(account);
-            if !mine || conditions::is_true(&s.conditions, FINISHED) {
-                continue;
-            }
-            match job_lane(&job) {
-                Lane::Small => unfinished_small += 1,
-                Lane::Large => unfinished_large += 1,
-            }
-            if s.account.is_some() {
-                continue;
-            }
-            book.ledger.tokens_today += job.spec.token_budget;
-            book.ledger.tokens_month += job.spec.token_budget;
-            book.ledger.tokens_total += job.spec.token_budget;
-            if job.labels().get(KEY_LABEL) == Some(&key_id(key_hash)) {
-                waiting_jobs += 1;
-            }
-        }
-        *book.key_jobs.entry(key_ref(key_hash)).or_default() += waiting_jobs;
-        book.ledger.active_small = book.ledger.active_small.max(unfinished_small);
-        book.ledger.active_large = book.ledger.active_large.max(unfinished_large);
-        Ok((book, found.spec.limits()))
+        let jobs = self.jobs.store.state();
+        Ok(books(
+            &cached,
+            jobs.iter().map(AsRef::as_ref),
+            key_hash,
+            now,
+        ))
     }
+
+    /// The REST pre-check of `job`: the account's books as the caches show them, checked by
+    /// the same `core` rules; a refusal is checked again against the apiserver's own state
+    /// (the account and its jobs, two reads), because a slot another replica freed a moment
+    /// ago (a cancel it answered) may not have reached this replica's caches yet.
+    async fn precheck(&self, job: &JobRecord) -> Result<(), ApiError> {
+        let check = |(book, limits): (Book, AccountLimits)| {
+            book.check(
+                &limits,
+                &key_ref(&job.key_hash),
+                job.spec.lane,
+                job.reserved,
+                now(),
+            )
+            .map_err(ApiError::Denied)
+        };
+        if check(self.cached_books(&job.account, &job.key_hash, now())?).is_ok() {
+            return Ok(());
+        }
+        let account = Api::<HarvestAccount>::all(self.client.clone())
+            .get(&job.account)
+            .await
+            .map_err(KubeBackendError::from)?;
+        let listed = Api::<HarvestJob>::namespaced(self.client.clone(), &self.namespace)
+            .list(&ListParams::default().labels(&format!("{ACCOUNT_LABEL}={}", job.account)))
+            .await
+            .map_err(KubeBackendError::from)?;
+        check(books(&account, listed.items.iter(), &job.key_hash, now()))
+    }
+}
+
+/// `account`'s books with its unfinished API jobs among `jobs` counted, and its limits. Each
+/// lane counts every unfinished API job of the account in it (whether or not the account's
+/// status shows its hold yet), or the books' count if that is higher; jobs that wait for
+/// admission add their reservations and count against the key's monthly jobs.
+fn books<'a>(
+    account: &HarvestAccount,
+    jobs: impl IntoIterator<Item = &'a HarvestJob>,
+    key_hash: &str,
+    now: UnixMillis,
+) -> (Book, AccountLimits) {
+    let name = account.name_any();
+    let mut book = account.status_or_default().book(now);
+    book.roll(now);
+    let mut waiting_jobs = 0;
+    let (mut unfinished_small, mut unfinished_large) = (0, 0);
+    for job in jobs {
+        let s = job.status_or_default();
+        let mine = job.labels().get(ACCOUNT_LABEL) == Some(&name);
+        if !mine || conditions::is_true(&s.conditions, FINISHED) {
+            continue;
+        }
+        match job_lane(job) {
+            Lane::Small => unfinished_small += 1,
+            Lane::Large => unfinished_large += 1,
+        }
+        if s.account.is_some() {
+            continue;
+        }
+        book.ledger.tokens_today += job.spec.token_budget;
+        book.ledger.tokens_month += job.spec.token_budget;
+        book.ledger.tokens_total += job.spec.token_budget;
+        if job.labels().get(KEY_LABEL) == Some(&key_id(key_hash)) {
+            waiting_jobs += 1;
+        }
+    }
+    *book.key_jobs.entry(key_ref(key_hash)).or_default() += waiting_jobs;
+    book.ledger.active_small = book.ledger.active_small.max(unfinished_small);
+    book.ledger.active_large = book.ledger.active_large.max(unfinished_large);
+    (book, account.spec.limits())
 }
 
 /// A key's entry in an account's books.
@@ -875,7 +932,7 @@ pub async fn list_keys(
     account: Option<&str>,
 ) -> Result<Vec<crate::store::KeyInfo>, KubeBackendError> {
     let secrets = Api::<Secret>::namespaced(client, namespace)
-        .list(&kube::api::ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
+        .list(&ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
         .await?;
     let field = |secret: &Secret, key: &str| {
         secret
@@ -916,7 +973,7 @@ pub async fn revoke_label(
 ) -> Result<usize, KubeBackendError> {
     let api = Api::<Secret>::namespaced(client, namespace);
     let secrets = api
-        .list(&kube::api::ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
+        .list(&ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
         .await?;
     let data = |secret: &Secret, key: &str| {
         secret

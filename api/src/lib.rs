@@ -31,6 +31,7 @@ pub mod lookups;
 pub mod openapi;
 pub mod page;
 pub mod paths;
+pub mod permits;
 pub mod ratelimit;
 pub mod routes;
 pub mod server;

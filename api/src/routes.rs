@@ -23,6 +23,7 @@ use crate::counting::{self, Counted, Counts};
 use crate::error::ApiError;
 use crate::listing::{JobFilter, JobList, Usage};
 use crate::paths::{JobPaths, now};
+use crate::permits::Scope;
 use crate::store::{JobRecord, JobSpec};
 use crate::wire::{
     self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, ShardFiles, Submission,
@@ -264,6 +265,10 @@ async fn count_tokens(
     let _permit = Arc::clone(&state.counting)
         .try_acquire_owned()
         .map_err(|_| ApiError::CountBusy)?;
+    let _shared = state
+        .shared_permit(Scope::count(&caller.account), state.count_timeout)
+        .await
+        .ok_or(ApiError::CountBusy)?;
     let tokenizer = Arc::clone(&model.tokenizer);
     let prompts = submission.prompts.clone();
     let special = submission.add_special_tokens;
@@ -414,7 +419,8 @@ pub(crate) async fn status(
     if wait == 0.0 || job.status.is_terminal() {
         return Ok(Json(view(&state, &job).await?).into_response());
     }
-    let Some(_slot) = state.long_poll_slot(&caller.key_hash) else {
+    let lasts = Duration::from_secs_f64(wait);
+    let Some(_slot) = state.long_poll_slot(&caller.key_hash, lasts).await else {
         state.metrics.long_polls_declined.inc();
         let mut response = Json(view(&state, &job).await?).into_response();
         response
@@ -426,7 +432,7 @@ pub(crate) async fn status(
         );
         return Ok(response);
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(wait);
+    let deadline = tokio::time::Instant::now() + lasts;
     let waited = tokio::select! {
         waited = state.backend.wait(&job_id, job.status, deadline) => waited?,
         // A stopping server answers at once, with the job as it is.

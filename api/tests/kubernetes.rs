@@ -53,6 +53,18 @@ impl Cluster {
         start_with(&self.config, port, &self.env())
     }
 
+    /// HarvestJob `id` of the API's namespace, as the apiserver has it.
+    fn job(&self, id: &str) -> serde_json::Value {
+        self.server
+            .get(
+                "/apis/harvest.dev/v1alpha1",
+                "harvestjobs",
+                API_NAMESPACE,
+                id,
+            )
+            .unwrap()
+    }
+
     fn key(&self, account: &str) -> String {
         create_key_with(&self.config, account, &self.env())
     }
@@ -302,15 +314,7 @@ fn cancelling_a_running_job_on_kubernetes_charges_the_reservation() {
     let key = cluster.key("acme");
     let other = cluster.key("other");
     let id = cancel_flow(&server, &key, &other, |_| true);
-    let job = cluster
-        .server
-        .get(
-            "/apis/harvest.dev/v1alpha1",
-            "harvestjobs",
-            API_NAMESPACE,
-            &id,
-        )
-        .unwrap();
+    let job = cluster.job(&id);
     let pod = job["status"]["pod"].as_str().unwrap().to_owned();
     assert_eq!(
         cluster
@@ -480,4 +484,154 @@ fn junk_keys_and_unknown_job_ids_cost_the_apiserver_next_to_nothing() {
     // The real key still works.
     let (status, _) = request("GET", &format!("{}/v1/harvest", server.base), &key, None);
     assert_eq!(status, 200);
+}
+
+/// The charge the contract gives a cancelled job: its reservation once a harvester had run,
+/// nothing before.
+fn cancel_charge(job: &serde_json::Value) -> u64 {
+    if job["status"]["runningSince"].is_string() {
+        job["status"]["tokens"]["reserved"].as_u64().unwrap()
+    } else {
+        0
+    }
+}
+
+#[test]
+fn fifty_submit_then_cancel_cycles_over_two_replicas_release_every_hold_and_charge_by_the_contract()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let (port_a, port_b) = (free_port(), free_port());
+    let cluster = cluster(dir.path(), port_a);
+    let a = cluster.api(port_a);
+    let b = cluster.api(port_b);
+    let key = cluster.key("acme");
+    let body = json!({"model": "smollm2-135m", "prompts": SEED, "layers": [1]});
+    let mut cancelled = Vec::new();
+    for cycle in 0..50 {
+        // Each job is submitted on one replica and cancelled on the other, and the next
+        // submit follows at once: the account's small lane (3 slots) stays full unless every
+        // cancel frees its slot before it answers.
+        let (on, off) = if cycle % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let id = submit_ok(on, &key, body.clone());
+        let job = cancel_ok(off, &key, &id);
+        cancelled.push((id, job["tokens"].as_u64().unwrap()));
+    }
+    let account = reqwest::runtime().block_on(async {
+        let accounts: Api<HarvestAccount> = Api::all(cluster.client.clone());
+        harvest_testkit::eventually("every hold to be released", SETTLE_WITHIN, || async {
+            let account = accounts.get("acme").await.unwrap();
+            match account.status.as_ref() {
+                Some(s) if s.holds.is_empty() => Ok(account),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await
+    });
+    let mut charged_total = 0;
+    for (id, answered) in &cancelled {
+        let job = cluster.job(id);
+        let charged = job["status"]["tokens"]["charged"].as_u64().unwrap_or(0);
+        assert_eq!(charged, cancel_charge(&job), "{job}");
+        assert_eq!(
+            *answered, charged,
+            "the DELETE answered the charge that stuck: {job}"
+        );
+        assert_eq!(job["status"]["phase"], "Cancelled", "{job}");
+        charged_total += charged;
+    }
+    let books = account.status.unwrap();
+    assert_eq!(books.tokens_total, charged_total, "one charge per job");
+    assert_eq!((books.active.small, books.active.large), (0, 0));
+}
+
+#[test]
+fn with_the_operator_down_a_cancel_still_answers_cancelled_and_frees_the_slot_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    cluster.operator.abort();
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    let body = json!({"model": "smollm2-135m", "prompts": SEED, "layers": [1]});
+    let url = format!("{}/v1/harvest", server.base);
+    let ids: Vec<String> = (0..3)
+        .map(|_| submit_ok(&server, &key, body.clone()))
+        .collect();
+    let (status, full) = request("POST", &url, &key, Some(body.clone()));
+    assert_eq!(
+        (status, full["error"]["code"].as_str()),
+        (429, Some("harvest_concurrency_exceeded")),
+        "{full}"
+    );
+    let (status, job) = request("DELETE", &format!("{url}/{}", ids[0]), &key, None);
+    assert_eq!(
+        (status, job["status"].as_str(), job["tokens"].as_u64()),
+        (200, Some("cancelled"), Some(0)),
+        "{job}"
+    );
+    submit_ok(&server, &key, body);
+}
+
+/// Sends every `(replica, key)` long-poll on job `id` at once; how many were declined.
+fn declined_long_polls(waits: &[(&Server, &str)], id: &str) -> usize {
+    std::thread::scope(|scope| {
+        let polls: Vec<_> = waits
+            .iter()
+            .map(|(server, key)| {
+                let url = format!("{}/v1/harvest/{id}?wait=10", server.base);
+                scope.spawn(move || request_with_headers("GET", &url, key, None))
+            })
+            .collect();
+        polls
+            .into_iter()
+            .map(|poll| poll.join().unwrap())
+            .inspect(|(status, job, _)| assert_eq!(*status, 200, "{job}"))
+            .filter(|(_, _, retry_after)| retry_after.is_some())
+            .count()
+    })
+}
+
+#[test]
+fn nine_long_polls_spread_over_two_replicas_hold_the_limits_of_one_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port_a, port_b) = (free_port(), free_port());
+    let cluster = cluster(dir.path(), port_a);
+    // With no operator the job stays pending, so every long-poll lasts its whole wait.
+    cluster.operator.abort();
+    let a = cluster.api(port_a);
+    let b = cluster.api(port_b);
+    let keys: Vec<String> = (0..3).map(|_| cluster.key("acme")).collect();
+    let body = json!({"model": "smollm2-135m", "prompts": SEED, "layers": [1]});
+    let id = submit_ok(&a, &keys[0], body);
+    // Three keys, three long-polls each, alternating replicas: one past the eight overall.
+    let spread: Vec<(&Server, &str)> = (0..9)
+        .map(|i| (if i % 2 == 0 { &a } else { &b }, keys[i % 3].as_str()))
+        .collect();
+    assert_eq!(declined_long_polls(&spread, &id), 1);
+    let lease = || {
+        cluster.server.get(
+            "/apis/coordination.k8s.io/v1",
+            "leases",
+            API_NAMESPACE,
+            "harvest-api-limits",
+        )
+    };
+    reqwest::runtime().block_on(harvest_testkit::eventually(
+        "every permit to be given back",
+        SETTLE_WITHIN,
+        || async {
+            let lease = lease().unwrap();
+            let permits = &lease["metadata"]["annotations"]["harvest.dev/permits"];
+            if permits == "{}" {
+                Ok(())
+            } else {
+                Err(permits.to_string())
+            }
+        },
+    ));
+    // One key, five long-polls over both replicas: one past its four.
+    let one_key: Vec<(&Server, &str)> = (0..5)
+        .map(|i| (if i % 2 == 0 { &a } else { &b }, keys[0].as_str()))
+        .collect();
+    assert_eq!(declined_long_polls(&one_key, &id), 1);
 }

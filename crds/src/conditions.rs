@@ -9,6 +9,10 @@ pub const ADMITTED: &str = "Admitted";
 pub const RUNNING: &str = "Running";
 /// The job has ended, whatever the outcome (`reason` says which): wait on this one.
 pub const FINISHED: &str = "Finished";
+/// The `Finished` reason of a cancelled job.
+pub const CANCELLED: &str = "Cancelled";
+/// The `Finished` message of a cancelled job.
+pub const CANCELLED_MESSAGE: &str = "cancelled by its owner";
 
 /// What a condition should now say.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -542,9 +542,137 @@ impl HarvestJobSpec {
     }
 }
 
+impl JobPhase {
+    /// The phase of a job whose `Finished` condition is true with `reason`.
+    pub fn finished(reason: &str) -> Self {
+        match reason {
+            "Succeeded" => Self::Succeeded,
+            "Cancelled" => Self::Cancelled,
+            _ => Self::Failed,
+        }
+    }
+}
+
+impl HarvestJobStatus {
+    /// Ends the job at `now`: `Finished` true with `reason` and `message`, `Running` false, the
+    /// completion time, and the charge `core::lifecycle` gives `event`, which is returned. The
+    /// reservation counts as run once `runningSince` is set, so a job whose Pod never started
+    /// is charged nothing. The operator ends every job with it; the API ends a cancelled one
+    /// with it too, so that a DELETE frees the slot without waiting for the operator.
+    pub fn finish(
+        &mut self,
+        event: harvest_core::lifecycle::JobEvent,
+        reason: &str,
+        message: String,
+        generation: Option<i64>,
+        now: &Time,
+    ) -> u64 {
+        use harvest_core::lifecycle::{self, JobStatus, Transition};
+        let reserved = self.tokens.map_or(0, |t| t.reserved);
+        let from = if self.running_since.is_some() {
+            JobStatus::Running
+        } else {
+            JobStatus::Pending
+        };
+        let charge = match lifecycle::next(from, reserved, event) {
+            Ok(Transition::To { charge, .. }) => charge.unwrap_or(0),
+            Ok(Transition::Unchanged) | Err(_) => 0,
+        };
+        if let Some(tokens) = &mut self.tokens {
+            tokens.charged = Some(charge);
+        }
+        self.completion_time = Some(now.clone());
+        let had_running =
+            crate::conditions::get(&self.conditions, crate::conditions::RUNNING).is_some();
+        let mut set = |type_, status, reason, message| {
+            let update = crate::conditions::ConditionUpdate {
+                type_,
+                status,
+                reason,
+                message,
+            };
+            crate::conditions::set(&mut self.conditions, update, generation, now);
+        };
+        if had_running {
+            set(
+                crate::conditions::RUNNING,
+                false,
+                "Finished",
+                "the job has finished".into(),
+            );
+        }
+        set(crate::conditions::FINISHED, true, reason, message);
+        self.phase = Some(JobPhase::finished(reason));
+        charge
+    }
+}
+
 impl HarvestJob {
     /// The job's status, or an empty one.
     pub fn status_or_default(&self) -> HarvestJobStatus {
         self.status.clone().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conditions::{self, FINISHED, RUNNING};
+    use harvest_core::lifecycle::JobEvent;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn admitted(ran: bool) -> HarvestJobStatus {
+        let now = Time(Timestamp::UNIX_EPOCH);
+        let mut status = HarvestJobStatus {
+            tokens: Some(TokenUsage {
+                reserved: 500,
+                charged: None,
+            }),
+            running_since: ran.then(|| now.clone()),
+            ..HarvestJobStatus::default()
+        };
+        let update = conditions::ConditionUpdate {
+            type_: RUNNING,
+            status: true,
+            reason: "PodRunning",
+            message: "attempt 1 is running".into(),
+        };
+        conditions::set(&mut status.conditions, update, Some(1), &now);
+        status
+    }
+
+    #[test]
+    fn a_cancel_charges_the_reservation_only_once_a_worker_has_run() {
+        let now = Time(Timestamp::from_second(60).unwrap());
+        for (ran, charge) in [(true, 500), (false, 0)] {
+            let mut status = admitted(ran);
+            let charged = status.finish(
+                JobEvent::Cancel,
+                conditions::CANCELLED,
+                conditions::CANCELLED_MESSAGE.into(),
+                Some(2),
+                &now,
+            );
+            assert_eq!(charged, charge);
+            assert_eq!(status.tokens.unwrap().charged, Some(charge));
+            assert_eq!(status.phase, Some(JobPhase::Cancelled));
+            assert_eq!(status.completion_time, Some(now.clone()));
+            assert!(conditions::is_true(&status.conditions, FINISHED));
+            assert!(!conditions::is_true(&status.conditions, RUNNING));
+        }
+    }
+
+    #[test]
+    fn a_success_is_charged_what_ran_never_past_the_reservation() {
+        let now = Time(Timestamp::from_second(60).unwrap());
+        for (ran, charge) in [(120, 120), (900, 500)] {
+            let mut status = admitted(true);
+            let event = JobEvent::Succeeded { tokens: ran };
+            assert_eq!(
+                status.finish(event, "Succeeded", "done".into(), None, &now),
+                charge
+            );
+            assert_eq!(status.phase, Some(JobPhase::Succeeded));
+        }
     }
 }

@@ -80,15 +80,18 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
     // Long-polls until the job is done (each wait ends when the status changes).
     let deadline = tokio::time::Instant::now() + WITHIN;
     let done = loop {
-        let view: Value = http
+        let answer = http
             .get(format!("{}/harvest/{id}?wait=60", cluster.api))
             .bearer_auth(&key)
             .send()
             .await
-            .unwrap()
-            .json()
-            .await
             .unwrap();
+        // A lone long-poll takes its permit from the replicas' shared Lease (RBAC allows it).
+        assert!(
+            answer.headers().get("x-acs-longpoll").is_none(),
+            "a lone long-poll was declined"
+        );
+        let view: Value = answer.json().await.unwrap();
         match view["status"].as_str() {
             Some("done") => break view,
             Some("pending" | "running") if tokio::time::Instant::now() < deadline => {}
@@ -122,6 +125,57 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
         "{.status.phase}",
     );
     assert_eq!(phase, "Succeeded");
+    cancel_then_resubmit_on_a_full_lane(&cluster, &key).await;
+}
+
+/// acme's small lane holds 2 jobs: with both taken, a cancel answered by one replica frees its
+/// slot before it answers, so the resubmit right after is admitted by whichever replica the
+/// Service picks. The API writes the job's end and settles the hold itself, with the rights
+/// `manifests/rbac.yaml` gives it.
+async fn cancel_then_resubmit_on_a_full_lane(cluster: &LocalCluster, key: &str) {
+    let http = reqwest::Client::new();
+    let long: Vec<String> = (0..24)
+        .map(|i| format!("Prompt {i}: {}", "the residual stream ".repeat(30)))
+        .collect();
+    let submit = || {
+        http.post(format!("{}/harvest", cluster.api))
+            .bearer_auth(key)
+            .json(&json!({"model": "smollm2-135m", "prompts": long, "layers": "all"}))
+            .send()
+    };
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let answer = submit().await.unwrap();
+        assert_eq!(answer.status(), 202);
+        let job: Value = answer.json().await.unwrap();
+        ids.push(job["job_id"].as_str().unwrap().to_owned());
+    }
+    let full = submit().await.unwrap();
+    assert_eq!(full.status(), 429, "{:?}", full.text().await);
+    let cancelled: Value = http
+        .delete(format!("{}/harvest/{}", cluster.api, ids[0]))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    let again = submit().await.unwrap();
+    assert_eq!(again.status(), 202, "{:?}", again.text().await);
+    let job: Value = again.json().await.unwrap();
+    ids.push(job["job_id"].as_str().unwrap().to_owned());
+    for id in &ids[1..] {
+        let status = http
+            .delete(format!("{}/harvest/{id}", cluster.api))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 200);
+    }
 }
 
 /// The example's tenant namespace, with what a platform team gives one: the worker

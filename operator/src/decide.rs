@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use harvest_core::lifecycle::{self, JobEvent, JobStatus, Transition};
+use harvest_core::lifecycle::JobEvent;
 use harvest_crds::conditions::{self, ADMITTED, ConditionUpdate, FINISHED, RUNNING};
 use harvest_crds::{HarvestJob, HarvestJobStatus, JobPhase, Progress, SpecError, TokenUsage};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -465,10 +465,9 @@ impl Builder<'_> {
     }
 
     fn finish(&mut self, outcome: Outcome) {
-        let reserved = self.old.tokens.map_or(0, |t| t.reserved);
         // A run is charged once a worker has run, not for Pods that never started.
         self.note_running();
-        let started = self.status.running_since.is_some();
+        let reserved = self.old.tokens.map_or(0, |t| t.reserved);
         let (event, phase_reason, message, warning) = match &outcome {
             Outcome::Succeeded(result) => (
                 JobEvent::Succeeded {
@@ -483,23 +482,11 @@ impl Builder<'_> {
             }
             Outcome::Cancelled => (
                 JobEvent::Cancel,
-                "Cancelled".to_owned(),
-                "cancelled by its owner".to_owned(),
+                conditions::CANCELLED.to_owned(),
+                conditions::CANCELLED_MESSAGE.to_owned(),
                 false,
             ),
         };
-        let from = if started {
-            JobStatus::Running
-        } else {
-            JobStatus::Pending
-        };
-        let charge = match lifecycle::next(from, reserved, event) {
-            Ok(Transition::To { charge, .. }) => charge.unwrap_or(0),
-            Ok(Transition::Unchanged) | Err(_) => 0,
-        };
-        if let Some(tokens) = &mut self.status.tokens {
-            tokens.charged = Some(charge);
-        }
         if let Outcome::Succeeded(Some(result)) = outcome {
             self.status.progress = Some(Progress::new(
                 result.n_shards,
@@ -511,11 +498,9 @@ impl Builder<'_> {
         if let Some(pod) = self.live_pod() {
             self.actions.push(Action::DeletePod(pod));
         }
-        self.status.completion_time = Some(self.now.clone());
-        if conditions::get(&self.status.conditions, RUNNING).is_some() {
-            self.set(RUNNING, false, "Finished", "the job has finished".into());
-        }
-        self.set(FINISHED, true, &phase_reason, message.clone());
+        let generation = self.observed.job.metadata.generation;
+        self.status
+            .finish(event, &phase_reason, message.clone(), generation, &self.now);
         self.event(warning, &phase_reason, message);
         self.schedule_ttl();
     }
@@ -590,11 +575,7 @@ pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
     if let Some(finished) =
         conditions::get(&status.conditions, FINISHED).filter(|c| c.status == "True")
     {
-        return match finished.reason.as_str() {
-            "Succeeded" => JobPhase::Succeeded,
-            "Cancelled" => JobPhase::Cancelled,
-            _ => JobPhase::Failed,
-        };
+        return JobPhase::finished(&finished.reason);
     }
     if suspend {
         JobPhase::Suspended
