@@ -178,37 +178,14 @@ async fn cancel_then_resubmit_on_a_full_lane(cluster: &LocalCluster, key: &str) 
     }
 }
 
-/// The example's tenant namespace, with what a platform team gives one: the worker
-/// ServiceAccount, the models claim the catalogue mounts, and the storage Secret the
-/// catalogue's workerEnvSecret names.
+/// The example's tenant namespace and its HarvestAccount. The namespace gets nothing else from
+/// harvest: workers run in harvest-system, so no ServiceAccount, models claim or storage Secret
+/// is needed here, and the tenant never holds the storage credentials.
 fn tenant(cluster: &LocalCluster, namespace: &str) {
     // `kubectl create namespace` sends protobuf, which the stand-in does not decode.
-    let objects = format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n---\napiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: harvest-worker, namespace: {namespace}}}\nautomountServiceAccountToken: false\n---\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {{name: harvest-models, namespace: {namespace}}}\nspec: {{accessModes: [ReadOnlyMany], resources: {{requests: {{storage: 2Ti}}}}}}\n"
-    );
+    let objects = format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n");
     cluster
         .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&objects))
-        .unwrap();
-    let mut secret: Value = serde_json::from_str(
-        &cluster
-            .kubectl(&[
-                "get",
-                "secret",
-                "harvest-s3",
-                "-n",
-                "harvest-system",
-                "-o",
-                "json",
-            ])
-            .unwrap(),
-    )
-    .unwrap();
-    secret["metadata"] = json!({"name": "harvest-s3", "namespace": namespace});
-    cluster
-        .kubectl_with_input(
-            &["apply", "--validate=false", "-f", "-"],
-            Some(&secret.to_string()),
-        )
         .unwrap();
     cluster
         .kubectl(&[
@@ -321,6 +298,18 @@ async fn the_example_job_finishes_through_an_operator_rollout_and_is_charged_onc
         .unwrap();
     let manifest: Value = serde_json::from_slice(&manifest).unwrap();
     assert_eq!(manifest["n_prompts"], json!(320));
+    // The workers ran in harvest-system, with credentials a tenant cannot reach: the tenant's
+    // namespace holds no Secret and no Pod of harvest's.
+    let pod = cluster.field(&job, "{.status.pod}");
+    let worker = ["pod", pod.as_str(), "-n", "harvest-system"];
+    assert_eq!(
+        cluster.field(&worker, "{.metadata.labels.harvest\\.dev/job-uid}"),
+        cluster.field(&job, "{.metadata.uid}")
+    );
+    for kind in ["secrets", "pods"] {
+        let names = cluster.field(&[kind, "-n", "my-team"], "{.items[*].metadata.name}");
+        assert_eq!(names, "", "{kind} in the tenant's namespace");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -196,6 +196,13 @@ pub struct OperatorConfig {
     /// `harvest.dev/account` label choose its account; unset, every job is charged by namespace.
     #[serde(default)]
     pub api_namespace: Option<String>,
+    /// Where every worker Pod runs: a namespace the operator owns and tenants cannot write to
+    /// (the manifests use harvest-system). Tenants then need no ServiceAccount, models claim or
+    /// storage Secret of their own, and never hold the storage credentials; a worker there is
+    /// known by its `harvest.dev/job-uid` label, since Kubernetes has no owner references
+    /// across namespaces. Unset, each job's Pods run in the job's own namespace.
+    #[serde(default)]
+    pub worker_namespace: Option<String>,
     /// The service account harvester Pods run as.
     #[serde(default = "default_service_account")]
     pub worker_service_account: String,
@@ -242,6 +249,13 @@ fn default_cleanup_timeout() -> u64 {
 }
 
 impl OperatorConfig {
+    /// The namespace `job`'s worker Pods run in.
+    pub fn pod_namespace(&self, job: &harvest_crds::HarvestJob) -> String {
+        self.worker_namespace
+            .clone()
+            .unwrap_or_else(|| kube::ResourceExt::namespace(job).unwrap_or_default())
+    }
+
     /// Reads and checks a YAML or JSON file.
     pub fn load(path: &Path) -> Result<Self, Error> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Config {

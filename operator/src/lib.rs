@@ -80,7 +80,7 @@ pub async fn run(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> Result<()> {
-    let controller = job_controller(&client);
+    let controller = job_controller(&client, settings.config.worker_namespace.as_deref());
     let jobs = controller.store();
     let account_controller = account_controller(&client, settings.config.api_namespace.clone());
     let metrics = metrics::Metrics::default();
@@ -165,16 +165,28 @@ async fn elect(
         .map(Some)
 }
 
-/// The job controller: every HarvestJob, and the worker Pods this operator labels as its own.
-fn job_controller(client: &Client) -> Controller<HarvestJob> {
+/// The job controller: every HarvestJob, and the worker Pods this operator labels as its own:
+/// those in `worker_namespace` (found by the job they name), or else everywhere (found by
+/// their owner reference).
+fn job_controller(client: &Client, worker_namespace: Option<&str>) -> Controller<HarvestJob> {
     let (managed_key, managed_value) = pod::MANAGED_BY;
-    Controller::new(
+    let managed = watcher::Config::default().labels(&format!("{managed_key}={managed_value}"));
+    let controller = Controller::new(
         Api::<HarvestJob>::all(client.clone()),
         watcher::Config::default().any_semantic(),
-    )
-    .owns(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().labels(&format!("{managed_key}={managed_value}")),
+    );
+    let Some(namespace) = worker_namespace else {
+        return controller.owns(Api::<Pod>::all(client.clone()), managed);
+    };
+    controller.watches(
+        Api::<Pod>::namespaced(client.clone(), namespace),
+        managed,
+        |pod: Pod| {
+            let annotations = pod.metadata.annotations.unwrap_or_default();
+            let namespace = annotations.get(pod::JOB_NAMESPACE_ANNOTATION)?;
+            let name = annotations.get(pod::JOB_NAME_ANNOTATION)?;
+            Some(ObjectRef::new(name).within(namespace))
+        },
     )
 }
 

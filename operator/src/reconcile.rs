@@ -26,6 +26,10 @@ use harvest_core::worker::ProgressEvent;
 
 /// The finalizer that deletes a job's outputs when its retention is `Delete`.
 pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
+/// The finalizer that deletes a job's worker Pod in the operator's worker namespace, which
+/// Kubernetes' garbage collector cannot tie to the job (no owner references across
+/// namespaces).
+pub const WORKER_FINALIZER: &str = "harvest.dev/worker";
 /// The field manager of the operator's writes.
 const MANAGER: &str = "harvest-operator";
 /// Log lines read for the newest progress report (the worker writes one per batch).
@@ -40,11 +44,13 @@ pub(crate) fn key_of(job: &HarvestJob) -> String {
 pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeue> {
     let _timer = ctx.metrics.reconcile_started();
     let namespace = job.namespace().unwrap_or_default();
+    let pod_namespace = ctx.config.pod_namespace(&job);
     let shell = Shell {
         ctx: &ctx,
         job: &job,
         jobs: Api::namespaced(ctx.client.clone(), &namespace),
-        pods: Api::namespaced(ctx.client.clone(), &namespace),
+        pods: Api::namespaced(ctx.client.clone(), &pod_namespace),
+        elsewhere: pod_namespace != namespace,
     };
     if let Some(requeue) = shell.finalizer().await? {
         return Ok(requeue);
@@ -90,24 +96,35 @@ struct Shell<'a> {
     ctx: &'a Context,
     job: &'a HarvestJob,
     jobs: Api<HarvestJob>,
+    /// In the namespace the job's Pods run in.
     pods: Api<Pod>,
+    /// Whether that is the operator's worker namespace, not the job's own.
+    elsewhere: bool,
 }
 
 impl Shell<'_> {
-    /// A deleted job's cleanup, or adding the cleanup finalizer a `Delete` retention needs;
-    /// `Some` when that was this reconcile's whole work.
+    /// A deleted job's cleanup, or adding the finalizers it needs (output cleanup for a
+    /// `Delete` retention, the worker's deletion for a worker elsewhere); `Some` when that was
+    /// this reconcile's whole work.
     async fn finalizer(&self) -> Result<Option<Requeue>> {
         let job = self.job;
-        let has_finalizer = job.finalizers().iter().any(|f| f == CLEANUP_FINALIZER);
+        let has = |name: &str| job.finalizers().iter().any(|f| f == name);
         if job.metadata.deletion_timestamp.is_some() {
-            if has_finalizer {
-                return finalize(job, &self.jobs, self.ctx).await.map(Some);
+            if has(CLEANUP_FINALIZER) || has(WORKER_FINALIZER) {
+                return finalize(job, &self.jobs, &self.pods, self.ctx)
+                    .await
+                    .map(Some);
             }
             return Ok(Some(Requeue::await_change()));
         }
-        if job.spec.output_retention == OutputRetention::Delete && !has_finalizer {
+        let wanted = [
+            (job.spec.output_retention == OutputRetention::Delete).then_some(CLEANUP_FINALIZER),
+            self.elsewhere.then_some(WORKER_FINALIZER),
+        ];
+        let missing: Vec<&str> = wanted.into_iter().flatten().filter(|f| !has(f)).collect();
+        if !missing.is_empty() {
             let mut finalizers = job.finalizers().to_vec();
-            finalizers.push(CLEANUP_FINALIZER.to_owned());
+            finalizers.extend(missing.into_iter().map(str::to_owned));
             let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
             self.jobs
                 .patch(
@@ -137,7 +154,7 @@ impl Shell<'_> {
                 .pods
                 .get_opt(pod_name)
                 .await?
-                .map(|p| observe_for_job(&p, &uid)),
+                .map(|p| observe_for_job(&p, &uid, self.elsewhere)),
             None => None,
         };
         let reported = match (&pod, &old.pod) {
@@ -326,11 +343,19 @@ async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<ProgressEven
 
 /// Deletes the Pod `name` only if it is the job's own (a tenant's Pod under that name is left
 /// alone), conditional on the UID that was checked.
-async fn delete_own_pod(pods: &Api<Pod>, name: &str, job_uid: &str) -> Result<()> {
+async fn delete_own_pod(
+    pods: &Api<Pod>,
+    name: &str,
+    job_uid: &str,
+    worker_namespace: bool,
+) -> Result<()> {
     let Some(pod) = pods.get_opt(name).await? else {
         return Ok(());
     };
-    if matches!(observe_for_job(&pod, job_uid), PodState::Foreign { .. }) {
+    if matches!(
+        observe_for_job(&pod, job_uid, worker_namespace),
+        PodState::Foreign { .. }
+    ) {
         return Ok(());
     }
     let params = DeleteParams {
@@ -373,9 +398,15 @@ async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, n
     }
 }
 
-/// Deletes a deleted job's outputs, then lets it go; gives up after the cleanup timeout so a
-/// namespace never wedges on an unreachable store.
-async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Result<Requeue> {
+/// Deletes a deleted job's worker Pod and (with the cleanup finalizer) its outputs, then lets
+/// it go; gives up on the outputs after the cleanup timeout so a namespace never wedges on an
+/// unreachable store.
+async fn finalize(
+    job: &HarvestJob,
+    jobs: &Api<HarvestJob>,
+    pods: &Api<Pod>,
+    ctx: &Context,
+) -> Result<Requeue> {
     let deleted_at = job
         .metadata
         .deletion_timestamp
@@ -386,10 +417,12 @@ async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Re
     let left = budget.saturating_sub(Duration::from_secs(spent));
     let uid = job.uid().unwrap_or_default();
     if let Some(pod) = &job.status_or_default().pod {
-        let pods = Api::namespaced(ctx.client.clone(), &job.namespace().unwrap_or_default());
-        delete_own_pod(&pods, pod, &uid).await?;
+        let elsewhere = pods.namespace() != job.namespace().as_deref();
+        delete_own_pod(pods, pod, &uid, elsewhere).await?;
     }
-    if !left.is_zero() {
+    // Without the cleanup finalizer (only the worker's) the outputs stay.
+    let clean = job.finalizers().iter().any(|f| f == CLEANUP_FINALIZER);
+    if clean && !left.is_zero() {
         match cleanup::delete_outputs(&job.spec.output, &uid, left).await {
             Ok(cleanup::Cleanup::Deleted(deleted)) => {
                 let note = format!("deleted {deleted} objects under {}", job.spec.output);
@@ -410,7 +443,7 @@ async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Re
                 publish(ctx, job, true, "CleanupAbandoned", &note).await;
             }
         }
-    } else {
+    } else if clean {
         let note = format!(
             "cleanup of {} took longer than {} s; the outputs are left in place",
             job.spec.output,
@@ -421,7 +454,7 @@ async fn finalize(job: &HarvestJob, jobs: &Api<HarvestJob>, ctx: &Context) -> Re
     let finalizers: Vec<_> = job
         .finalizers()
         .iter()
-        .filter(|f| *f != CLEANUP_FINALIZER)
+        .filter(|f| *f != CLEANUP_FINALIZER && *f != WORKER_FINALIZER)
         .cloned()
         .collect();
     let patch =

@@ -187,3 +187,66 @@ async fn a_job_aimed_outside_its_accounts_storage_prefix_is_refused_holding_noth
         "Succeeded"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_workers_in_the_operators_namespace_a_tenant_needs_no_credentials_and_its_forged_pod_is_ignored()
+ {
+    let mut cluster = Cluster::start(1).await;
+    cluster.run_workers_in("harvest-workers").await;
+    let prompts = cluster.prompts("remote", 4, 4);
+    let job = cluster
+        .submit("remote", prompts, |s| s.suspend = true)
+        .await;
+    let uid = job.metadata.uid.clone().unwrap();
+    // The tenant forges the worker in its own namespace, with the job's UID label too: the
+    // operator looks for workers only where tenants cannot write.
+    let name = harvest_operator::pod::pod_name("remote", Some(&uid), 1);
+    let forged: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default",
+                     "labels": {"app.kubernetes.io/managed-by": "harvest-operator", "harvest.dev/job-uid": uid}},
+        "spec": {"restartPolicy": "Never", "serviceAccountName": "harvest-worker",
+                 "containers": [{"name": "harvester", "image": "harvest/harvester:test", "args": ["--help"]}]}
+    }))
+    .unwrap();
+    let tenant_pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+    tenant_pods
+        .create(&PostParams::default(), &forged)
+        .await
+        .unwrap();
+    unsuspend(&cluster, "remote").await;
+    let job = cluster.finished("remote").await;
+    assert_eq!(finished(&job).reason, "Succeeded", "{:?}", job.status);
+    let status = job.status.unwrap();
+    let tokens = status.result.as_ref().unwrap().tokens;
+    assert!(tokens > 0);
+    assert_eq!(status.tokens.unwrap().charged, Some(tokens));
+    let workers: Api<Pod> = Api::namespaced(cluster.client.clone(), "harvest-workers");
+    let worker = workers.get(&status.pod.clone().unwrap()).await.unwrap();
+    assert_eq!(worker.metadata.labels.unwrap()["harvest.dev/job-uid"], uid);
+    assert!(worker.metadata.owner_references.is_none());
+    // Deleting the job deletes its worker (no owner reference can), and leaves the tenant's
+    // own Pod alone.
+    cluster
+        .jobs()
+        .delete("remote", &DeleteParams::default())
+        .await
+        .unwrap();
+    harvest_testkit::eventually(
+        "the job and its worker gone",
+        harvest_testkit::SETTLE_WITHIN,
+        || async {
+            let job = cluster.jobs().get_opt("remote").await.unwrap();
+            let worker = workers.get_opt(&name).await.unwrap();
+            match (job, worker) {
+                (None, None) => Ok(()),
+                (job, worker) => Err(format!(
+                    "job {}, worker {}",
+                    job.is_some(),
+                    worker.is_some()
+                )),
+            }
+        },
+    )
+    .await;
+    assert!(tenant_pods.get_opt(&name).await.unwrap().is_some());
+}

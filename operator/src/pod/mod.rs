@@ -14,6 +14,13 @@ use harvest_crds::ResultSummary;
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "harvest-operator");
 /// Label naming a Pod's job.
 pub const JOB_LABEL: &str = "harvest.dev/job";
+/// Label with the UID of a Pod's job: in the operator's worker namespace, where tenants cannot
+/// create Pods, it is what makes a Pod the job's own.
+pub const JOB_UID_LABEL: &str = "harvest.dev/job-uid";
+/// Annotations naming a Pod's job in full, to find the job from a Pod in another namespace.
+pub const JOB_NAMESPACE_ANNOTATION: &str = "harvest.dev/job-namespace";
+/// See [`JOB_NAMESPACE_ANNOTATION`].
+pub const JOB_NAME_ANNOTATION: &str = "harvest.dev/job-name";
 /// Where the harvester writes its summary; the kubelet turns it into the termination message.
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
 /// The worker container's name.
@@ -114,7 +121,8 @@ pub enum PodState {
     /// Being deleted.
     Terminating,
     /// A Pod of that name exists but the operator did not create it for this job (no
-    /// controller reference with the job's UID): nothing of it is read or deleted.
+    /// controller reference with the job's UID, nor, in the worker namespace, the job's UID
+    /// label): nothing of it is read or deleted.
     Foreign {
         /// Who controls it, if anyone: `Kind/name`.
         controller: Option<String>,

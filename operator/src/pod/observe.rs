@@ -5,7 +5,7 @@ use harvest_core::worker::{ErrorKind, ExitStatus, ProgressEvent, RunResult, Term
 use harvest_crds::ResultSummary;
 use k8s_openapi::api::core::v1::Pod;
 
-use super::{Blame, CONTAINER, Failure, PodState};
+use super::{Blame, CONTAINER, Failure, JOB_UID_LABEL, PodState};
 
 /// Pod reasons that mean the node or the scheduler took the Pod away.
 const INFRASTRUCTURE_REASONS: [&str; 6] = [
@@ -19,14 +19,26 @@ const INFRASTRUCTURE_REASONS: [&str; 6] = [
 
 /// Reads the Pod of a job whose UID is `job_uid`: [`PodState::Foreign`] unless the Pod's
 /// controller reference names that UID, so that a Pod a tenant made under the expected name
-/// is never taken for the job's worker, nor its termination message for a result.
-pub fn observe_for_job(pod: &Pod, job_uid: &str) -> PodState {
+/// is never taken for the job's worker, nor its termination message for a result. In the
+/// operator's worker namespace (`worker_namespace`), where tenants cannot create Pods and
+/// owner references cannot reach the job, the job's UID label is enough.
+pub fn observe_for_job(pod: &Pod, job_uid: &str, worker_namespace: bool) -> PodState {
     let controller = pod
         .metadata
         .owner_references
         .iter()
         .flatten()
         .find(|owner| owner.controller == Some(true));
+    let labelled = worker_namespace
+        && pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(JOB_UID_LABEL))
+            .is_some_and(|uid| uid == job_uid);
+    if labelled && !job_uid.is_empty() {
+        return observe(pod);
+    }
     match controller {
         Some(owner) if owner.uid == job_uid && !job_uid.is_empty() => observe(pod),
         other => PodState::Foreign {

@@ -11,7 +11,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 
-use super::{CONTAINER, JOB_LABEL, MANAGED_BY, TERMINATION_LOG, job_label, pod_name};
+use super::{
+    CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL, MANAGED_BY,
+    TERMINATION_LOG, job_label, pod_name,
+};
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
@@ -32,17 +35,30 @@ pub fn render(
         .ok_or_else(|| Error::MissingUid {
             job: job.name_any(),
         })?;
+    let namespace = config.pod_namespace(job);
+    // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
+    // label, and the job's finalizer deletes it.
+    let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
     let labels = BTreeMap::from([
         (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
         (JOB_LABEL.to_owned(), job_label(&job.name_any())),
+        (JOB_UID_LABEL.to_owned(), owner.uid.clone()),
         ("harvest.dev/attempt".to_owned(), attempt.to_string()),
+    ]);
+    let annotations = BTreeMap::from([
+        (
+            JOB_NAMESPACE_ANNOTATION.to_owned(),
+            job.namespace().unwrap_or_default(),
+        ),
+        (JOB_NAME_ANNOTATION.to_owned(), job.name_any()),
     ]);
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(&job.name_any(), job.uid().as_deref(), attempt)),
-            namespace: job.namespace(),
+            namespace: Some(namespace),
             labels: Some(labels),
-            owner_references: Some(vec![owner]),
+            annotations: Some(annotations),
+            owner_references: owners,
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {

@@ -217,22 +217,61 @@ fn only_a_pod_whose_controller_is_the_job_is_read_as_its_worker() {
     };
     let owner = |uid: &str, controller: bool| json!({"apiVersion": "harvest.dev/v1alpha1", "kind": "HarvestJob", "name": "j", "uid": uid, "controller": controller});
     assert_eq!(
-        observe_for_job(&running(json!([owner("uid-1", true)])), "uid-1"),
+        observe_for_job(&running(json!([owner("uid-1", true)])), "uid-1", false),
         PodState::Running
     );
     assert_eq!(
-        observe_for_job(&running(json!([owner("uid-0", true)])), "uid-1"),
+        observe_for_job(&running(json!([owner("uid-0", true)])), "uid-1", false),
         PodState::Foreign {
             controller: Some("HarvestJob/j".into())
         }
     );
     // An owner reference that is not the controller proves nothing.
     assert_eq!(
-        observe_for_job(&running(json!([owner("uid-1", false)])), "uid-1"),
+        observe_for_job(&running(json!([owner("uid-1", false)])), "uid-1", false),
         PodState::Foreign { controller: None }
     );
     assert_eq!(
-        observe_for_job(&running(json!([])), "uid-1"),
+        observe_for_job(&running(json!([])), "uid-1", false),
         PodState::Foreign { controller: None }
     );
+}
+
+#[test]
+fn a_uid_label_makes_a_pod_the_jobs_only_in_the_operators_worker_namespace() {
+    let labelled: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "j-1", "labels": {"harvest.dev/job-uid": "uid-1"}},
+        "status": {"phase": "Running"}
+    }))
+    .unwrap();
+    assert_eq!(observe_for_job(&labelled, "uid-1", true), PodState::Running);
+    assert_eq!(
+        observe_for_job(&labelled, "uid-2", true),
+        PodState::Foreign { controller: None }
+    );
+    // In a tenant's namespace anyone with edit rights can set labels.
+    assert_eq!(
+        observe_for_job(&labelled, "uid-1", false),
+        PodState::Foreign { controller: None }
+    );
+}
+
+#[test]
+fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference() {
+    let mut config = config();
+    config.worker_namespace = Some("harvest-system".into());
+    let job = job();
+    let entry = config.model("m").unwrap();
+    let valid = job
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let pod = render(&job, &valid, entry, &config, 1, None).unwrap();
+    assert_eq!(pod.metadata.namespace.as_deref(), Some("harvest-system"));
+    assert_eq!(pod.metadata.owner_references, None);
+    let labels = pod.metadata.labels.unwrap();
+    assert_eq!(labels["harvest.dev/job-uid"], "uid-1");
+    let annotations = pod.metadata.annotations.unwrap();
+    assert_eq!(annotations["harvest.dev/job-namespace"], "team");
+    assert_eq!(annotations["harvest.dev/job-name"], "j");
 }

@@ -39,6 +39,8 @@ pub struct Cluster {
         tokio::task::JoinHandle<harvest_operator::Result<()>>,
     )>,
     lanes: u32,
+    /// The operator's `workerNamespace`, if set.
+    worker_namespace: Option<String>,
 }
 
 impl Cluster {
@@ -78,14 +80,35 @@ impl Cluster {
             dir,
             operator: None,
             lanes: small_lane,
+            worker_namespace: None,
         };
         cluster.start_operator();
         cluster
     }
 
+    /// Restarts the operator with every worker in namespace `namespace`, which gets the
+    /// worker ServiceAccount (and nothing is added to the tenants' namespaces).
+    pub async fn run_workers_in(&mut self, namespace: &str) {
+        self.kill_operator().await;
+        let object: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &object)
+            .await
+            .unwrap();
+        create_worker_account(&self.client, namespace).await;
+        self.worker_namespace = Some(namespace.to_owned());
+        self.start_operator();
+    }
+
     pub fn config(&self) -> OperatorConfig {
+        let workers = self
+            .worker_namespace
+            .as_ref()
+            .map(|ns| format!("workerNamespace: {ns}\n"))
+            .unwrap_or_default();
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n{workers}",
             smollm2().display(),
             smollm2().display(),
             self.lanes
