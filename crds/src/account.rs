@@ -57,6 +57,27 @@ pub struct HarvestAccountSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub storage_prefixes: Vec<String>,
+    /// The account's own storage: the operator puts the output of each job that names none
+    /// under its prefix, and reads inputs only from there (or the `storagePrefixes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<AccountStorage>,
+}
+
+/// An account's storage.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AccountStorage {
+    /// `s3://bucket/prefix` or an absolute path. A job without `spec.output` writes to
+    /// `<prefix>/<namespace>/<name>-<uid>`, chosen by the operator.
+    #[x_kube(validation = Rule::new("self.startsWith('s3://') || self.startsWith('/')")
+        .message("prefix must be s3://bucket/prefix or an absolute path"))]
+    #[schemars(length(min = 2))]
+    pub prefix: String,
+    /// A Secret in the operator's worker namespace whose keys become the environment of this
+    /// account's workers (their storage credentials) instead of the catalogue's
+    /// `workerEnvSecret`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<String>,
 }
 
 /// Concurrency per lane.
@@ -106,6 +127,7 @@ impl HarvestAccountSpec {
             total_tokens: None,
             monthly_jobs_per_key: default_monthly_jobs(),
             storage_prefixes: Vec::new(),
+            storage: None,
         }
     }
 }

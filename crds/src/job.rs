@@ -41,13 +41,15 @@ pub struct HarvestJobSpec {
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message("harvest is immutable"))]
     pub harvest: HarvestOptions,
-    /// Output prefix: `s3://bucket/prefix`, or an absolute path on the worker's volume.
+    /// Output prefix: `s3://bucket/prefix`, or an absolute path on the worker's volume. Left
+    /// out, the operator sets it once, under the paying account's `storage.prefix`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(
         validation = Rule::new("self == oldSelf").message("output is immutable"),
         validation = Rule::new("self.startsWith('s3://') || self.startsWith('/')")
             .message("output must be s3://bucket/prefix or an absolute path")
     )]
-    pub output: String,
+    pub output: Option<String>,
     /// Most tokens the job may run; reserved against the lane's budget at admission.
     #[x_kube(validation = Rule::new("self == oldSelf").message("tokenBudget is immutable"))]
     #[schemars(range(min = 1))]
@@ -530,7 +532,7 @@ impl HarvestJobSpec {
                 directions: None,
             },
             harvest: HarvestOptions::default(),
-            output: output.into(),
+            output: Some(output.into()),
             token_budget,
             suspend: false,
             cancel: false,

@@ -30,6 +30,11 @@ pub enum SpecError {
     /// A token selection field is refused.
     #[error("spec.harvest: {0}")]
     Selection(#[from] harvest_core::PlanError),
+    /// No output, and no account storage for the operator to choose one under.
+    #[error(
+        "spec.output is not set, and the paying account names no storage to put the output under: set spec.output, or spec.storage.prefix on the HarvestAccount"
+    )]
+    NoOutput,
     /// A location that is neither `s3://bucket/...` nor an absolute path.
     #[error("spec.{field}: {value:?} is not a location: write s3://bucket/key or an absolute path")]
     BadLocation {
@@ -49,6 +54,7 @@ impl SpecError {
             Self::Sites(_) => "InvalidSites",
             Self::Selection(_) => "InvalidSelection",
             Self::BadLocation { .. } => "InvalidLocation",
+            Self::NoOutput => "NoOutput",
         }
     }
 }
@@ -112,7 +118,7 @@ impl HarvestJobSpec {
                 .as_deref()
                 .map(|d| location("input.directions", d))
                 .transpose()?,
-            output: location("output", output)?,
+            output: location("output", output.as_deref().ok_or(SpecError::NoOutput)?)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
             selection: tokens,
             layout,

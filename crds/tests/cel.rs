@@ -34,7 +34,7 @@ fn a_well_formed_job_passes_every_rule() {
 #[test]
 fn a_relative_output_is_refused_at_creation() {
     let mut bad = job();
-    bad.spec.output = "out/probe".into();
+    bad.spec.output = Some("out/probe".into());
     assert!(
         messages(validate_cel(&bad))
             .contains("output must be s3://bucket/prefix or an absolute path")
@@ -60,7 +60,7 @@ fn the_model_input_harvest_output_and_budget_cannot_change_after_creation() {
         }),
         ("harvest is immutable", |j| j.spec.harvest.shard_size = 7),
         ("output is immutable", |j| {
-            j.spec.output = "s3://out/other".into();
+            j.spec.output = Some("s3://out/other".into());
         }),
         ("tokenBudget is immutable", |j| j.spec.token_budget = 1),
     ];

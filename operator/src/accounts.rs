@@ -103,8 +103,9 @@ pub fn bind(
     }
 }
 
-/// The refusal of a job whose input or output lies outside its account's
-/// `storagePrefixes` (`None` when every location is inside one, or the account lists none).
+/// The refusal of a job whose input or output lies outside its account's `storagePrefixes`
+/// and `storage.prefix` (`None` when every location is inside one, or the account names
+/// none).
 pub fn storage_refusal(
     job: &HarvestJob,
     accounts: &[impl AsRef<HarvestAccount>],
@@ -114,7 +115,12 @@ pub fn storage_refusal(
         .iter()
         .map(AsRef::as_ref)
         .find(|a| a.name_any() == account)?;
-    let texts = &paying.spec.storage_prefixes;
+    let texts: Vec<&String> = paying
+        .spec
+        .storage_prefixes
+        .iter()
+        .chain(paying.spec.storage.as_ref().map(|s| &s.prefix))
+        .collect();
     if texts.is_empty() {
         return None;
     }
@@ -123,7 +129,7 @@ pub fn storage_refusal(
         message,
     };
     let mut roots = Vec::with_capacity(texts.len());
-    for text in texts {
+    for &text in &texts {
         match Location::parse(text, "storagePrefixes") {
             Ok(root) => roots.push(root),
             Err(_) => {
@@ -135,7 +141,7 @@ pub fn storage_refusal(
     }
     let spec = &job.spec;
     let locations = [
-        ("output", Some(spec.output.as_str())),
+        ("output", spec.output.as_deref()),
         ("input.prompts", Some(spec.input.prompts.as_str())),
         ("input.directions", spec.input.directions.as_deref()),
     ];
@@ -149,9 +155,26 @@ pub fn storage_refusal(
         .map(|(field, value)| {
             refuse(format!(
                 "{field} {value:?} lies outside {}, where account {account:?} keeps its data: name a location under one of them",
-                texts.join(", ")
+                texts.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ")
             ))
         })
+}
+
+/// The output the operator chooses for `job` (paid for by `account`) when its spec names none:
+/// `<storage.prefix>/<namespace>/<name>-<uid>`, unique to the job. `None` when the job names
+/// its own, or the account has no storage.
+pub fn chosen_output(job: &HarvestJob, account: &HarvestAccount) -> Option<String> {
+    if job.spec.output.is_some() {
+        return None;
+    }
+    let prefix = &account.spec.storage.as_ref()?.prefix;
+    Some(format!(
+        "{}/{}/{}-{}",
+        prefix.trim_end_matches('/'),
+        job.namespace().unwrap_or_default(),
+        job.name_any(),
+        job.uid()?
+    ))
 }
 
 /// The `Admitted=False` reason for a quota denial.
@@ -247,15 +270,43 @@ mod tests {
     }
 
     #[test]
+    fn a_job_without_an_output_gets_one_of_its_own_under_the_accounts_storage() {
+        let mut spec = HarvestAccountSpec::for_namespaces(&["a"]);
+        spec.storage = Some(harvest_crds::account::AccountStorage {
+            prefix: "s3://harvest/teams/a/".into(),
+            credentials_secret: None,
+        });
+        let account = HarvestAccount::new("team-a", spec);
+        let mut job = job("a", &[]);
+        job.metadata.uid = Some("0a1b".into());
+        assert_eq!(chosen_output(&job, &account), None, "the spec names one");
+        job.spec.output = None;
+        assert_eq!(
+            chosen_output(&job, &account).as_deref(),
+            Some("s3://harvest/teams/a/a/j-0a1b")
+        );
+        // The chosen output lies within the account's storage; inputs must too.
+        job.spec.output = chosen_output(&job, &account);
+        job.spec.input.prompts = "s3://harvest/teams/a/in.jsonl".into();
+        let accounts = [std::sync::Arc::new(account.clone())];
+        assert_eq!(storage_refusal(&job, &accounts, "team-a"), None);
+        job.spec.input.prompts = "s3://harvest/teams/b/in.jsonl".into();
+        assert!(storage_refusal(&job, &accounts, "team-a").is_some());
+        let bare = HarvestAccount::new("team-a", HarvestAccountSpec::for_namespaces(&["a"]));
+        job.spec.output = None;
+        assert_eq!(chosen_output(&job, &bare), None);
+    }
+
+    #[test]
     fn a_job_reading_or_writing_outside_its_accounts_storage_prefix_is_refused_naming_both() {
         let mut spec = HarvestAccountSpec::for_namespaces(&["a"]);
         spec.storage_prefixes = vec!["s3://harvest/teams/a".into(), "s3://inputs/a".into()];
         let accounts = [std::sync::Arc::new(HarvestAccount::new("team-a", spec))];
         let mut job = job("a", &[]);
         job.spec.input.prompts = "s3://inputs/a/in.jsonl".into();
-        job.spec.output = "s3://harvest/teams/a/out/j".into();
+        job.spec.output = Some("s3://harvest/teams/a/out/j".into());
         assert_eq!(storage_refusal(&job, &accounts, "team-a"), None);
-        job.spec.output = "s3://harvest".into();
+        job.spec.output = Some("s3://harvest".into());
         let Some(crate::admission::Admission::Refuse { reason, message }) =
             storage_refusal(&job, &accounts, "team-a")
         else {
@@ -266,7 +317,7 @@ mod tests {
             message.contains("output \"s3://harvest\"") && message.contains("teams/a"),
             "{message}"
         );
-        job.spec.output = "s3://harvest/teams/a/out".into();
+        job.spec.output = Some("s3://harvest/teams/a/out".into());
         job.spec.input.directions = Some("s3://harvest/teams/b/d.npy".into());
         assert!(storage_refusal(&job, &accounts, "team-a").is_some());
         // An account without a prefix refuses nothing.

@@ -48,6 +48,19 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
+    /// The account that pays for `job`, from the cache.
+    pub(crate) fn paying_account(
+        &self,
+        job: &HarvestJob,
+    ) -> Option<std::sync::Arc<HarvestAccount>> {
+        let all_accounts = self.accounts.state();
+        let binding =
+            accounts::bind(job, &all_accounts, self.config.api_namespace.as_deref()).ok()?;
+        all_accounts
+            .into_iter()
+            .find(|a| a.name_any() == binding.account)
+    }
+
     /// The spec check: the catalogue entry and the validated job, or why it cannot run.
     pub(crate) fn check(&self, job: &HarvestJob) -> Result<harvest_crds::ValidJob, SpecError> {
         let entry = self
@@ -183,8 +196,12 @@ impl Context {
                 }
             };
         // Before any hold: a refused job holds nothing. A stale cache cannot let a job through
-        // for long, as the hold is written over the account's resourceVersion.
-        if let Some(refusal) = accounts::storage_refusal(job, &all_accounts, &binding.account) {
+        // for long, as the hold is written over the account's resourceVersion. The REST API's
+        // jobs (only it may create jobs in its namespace) use the API's own storage.
+        let from_api = job.namespace().as_deref() == self.config.api_namespace.as_deref();
+        if let Some(refusal) =
+            accounts::storage_refusal(job, &all_accounts, &binding.account).filter(|_| !from_api)
+        {
             return Ok((refusal, None));
         }
         let verdict = self.admit(job, lane, &binding.account, now);

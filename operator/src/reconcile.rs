@@ -55,6 +55,9 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     if let Some(requeue) = shell.finalizer().await? {
         return Ok(requeue);
     }
+    if let Some(requeue) = shell.choose_output().await? {
+        return Ok(requeue);
+    }
     let now = Timestamp::now();
     let checked = ctx.check(&job);
     let old = job.status_or_default();
@@ -125,17 +128,54 @@ impl Shell<'_> {
         if !missing.is_empty() {
             let mut finalizers = job.finalizers().to_vec();
             finalizers.extend(missing.into_iter().map(str::to_owned));
-            let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": job.resource_version()}});
-            self.jobs
-                .patch(
-                    &job.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
+            self.patch_job(json!({"metadata": {"finalizers": finalizers}}))
                 .await?;
             return Ok(Some(Requeue::await_change()));
         }
         Ok(None)
+    }
+
+    /// A merge patch of the job, conditional on the resourceVersion this reconcile read.
+    async fn patch_job(&self, mut patch: serde_json::Value) -> Result<()> {
+        patch["metadata"]["resourceVersion"] = json!(self.job.resource_version());
+        self.jobs
+            .patch(
+                &self.job.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Sets `spec.output` of a job that names none, once, under its paying account's storage
+    /// ([`accounts::chosen_output`]), conditional on the resourceVersion read; `Some` when that
+    /// was this reconcile's whole work. Without account storage the spec check fails the job.
+    async fn choose_output(&self) -> Result<Option<Requeue>> {
+        let job = self.job;
+        if job.spec.output.is_some()
+            || conditions::is_true(&job.status_or_default().conditions, FINISHED)
+        {
+            return Ok(None);
+        }
+        let Some(output) = self
+            .ctx
+            .paying_account(job)
+            .and_then(|account| crate::accounts::chosen_output(job, &account))
+        else {
+            return Ok(None);
+        };
+        self.patch_job(json!({"spec": {"output": output}})).await?;
+        info!(%output, "output chosen under the account's storage");
+        publish(
+            self.ctx,
+            job,
+            false,
+            "OutputChosen",
+            &format!("the outputs go to {output}"),
+        )
+        .await;
+        Ok(Some(Requeue::await_change()))
     }
 
     /// What `decide` needs: the spec check, the attempt's Pod and its worker's progress, and,
@@ -219,6 +259,9 @@ impl Shell<'_> {
                     else {
                         continue;
                     };
+                    let credentials = ctx
+                        .paying_account(self.job)
+                        .and_then(|a| a.spec.storage.as_ref()?.credentials_secret.clone());
                     let pod = render(
                         self.job,
                         valid,
@@ -226,6 +269,7 @@ impl Shell<'_> {
                         &ctx.config,
                         *attempt,
                         *deadline_seconds,
+                        credentials.as_deref(),
                     )?;
                     match self.pods.create(&post_params(), &pod).await {
                         Ok(_) => info!(attempt, "created the attempt's Pod"),
@@ -422,10 +466,13 @@ async fn finalize(
     }
     // Without the cleanup finalizer (only the worker's) the outputs stay.
     let clean = job.finalizers().iter().any(|f| f == CLEANUP_FINALIZER);
+    // A job that never had an output has nothing to clean.
+    let output = job.spec.output.as_deref().unwrap_or_default();
+    let clean = clean && !output.is_empty();
     if clean && !left.is_zero() {
-        match cleanup::delete_outputs(&job.spec.output, &uid, left).await {
+        match cleanup::delete_outputs(output, &uid, left).await {
             Ok(cleanup::Cleanup::Deleted(deleted)) => {
-                let note = format!("deleted {deleted} objects under {}", job.spec.output);
+                let note = format!("deleted {deleted} objects under {output}");
                 publish(ctx, job, false, "OutputsDeleted", &note).await;
             }
             Ok(cleanup::Cleanup::Kept(why)) => {
@@ -445,8 +492,7 @@ async fn finalize(
         }
     } else if clean {
         let note = format!(
-            "cleanup of {} took longer than {} s; the outputs are left in place",
-            job.spec.output,
+            "cleanup of {output} took longer than {} s; the outputs are left in place",
             budget.as_secs()
         );
         publish(ctx, job, true, "CleanupAbandoned", &note).await;

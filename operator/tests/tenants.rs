@@ -85,7 +85,7 @@ async fn deleting_a_job_aimed_at_another_jobs_output_or_the_whole_store_deletes_
     let out = output.display().to_string();
     cluster
         .submit("into-victim", prompts.clone(), |s| {
-            s.output = out;
+            s.output = Some(out);
             s.harvest.layers = Some(vec![3]);
             s.output_retention = harvest_crds::OutputRetention::Delete;
         })
@@ -93,7 +93,7 @@ async fn deleting_a_job_aimed_at_another_jobs_output_or_the_whole_store_deletes_
     let store = output.parent().unwrap().display().to_string();
     cluster
         .submit("whole-store", prompts, |s| {
-            s.output = store;
+            s.output = Some(store);
             s.suspend = true;
             s.output_retention = harvest_crds::OutputRetention::Delete;
         })
@@ -163,7 +163,9 @@ async fn a_job_aimed_outside_its_accounts_storage_prefix_is_refused_holding_noth
     let prompts = cluster.prompts("escape", 2, 2);
     let outside = cluster.dir.path().parent().unwrap().display().to_string();
     cluster
-        .submit("escape", prompts.clone(), |s| s.output = outside.clone())
+        .submit("escape", prompts.clone(), |s| {
+            s.output = Some(outside.clone());
+        })
         .await;
     let job = cluster.finished("escape").await;
     let condition = finished(&job);
@@ -249,4 +251,55 @@ async fn with_workers_in_the_operators_namespace_a_tenant_needs_no_credentials_a
     )
     .await;
     assert!(tenant_pods.get_opt(&name).await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_puts_a_job_without_an_output_under_its_accounts_storage_and_reads_inputs_only_there()
+ {
+    let cluster = Cluster::start(2).await;
+    // Without account storage there is nowhere to put it.
+    let prompts = cluster.prompts("nowhere", 2, 2);
+    cluster
+        .submit("nowhere", prompts, |s| s.output = None)
+        .await;
+    let job = cluster.finished("nowhere").await;
+    assert_eq!(finished(&job).reason, "NoOutput", "{:?}", job.status);
+    let root = cluster.dir.path().join("acct");
+    std::fs::create_dir_all(&root).unwrap();
+    let prefix = root.display().to_string();
+    cluster
+        .set_account(|spec| {
+            spec.storage = Some(harvest_crds::account::AccountStorage {
+                prefix: prefix.clone(),
+                credentials_secret: None,
+            });
+        })
+        .await;
+    let prompts = root.join("mine.jsonl");
+    std::fs::copy(cluster.prompts("mine", 4, 2), &prompts).unwrap();
+    let prompts = prompts.display().to_string();
+    let job = cluster
+        .submit("mine", prompts.clone(), |s| s.output = None)
+        .await;
+    let uid = job.metadata.uid.unwrap();
+    let job = cluster.finished("mine").await;
+    assert_eq!(finished(&job).reason, "Succeeded", "{:?}", job.status);
+    let output = format!("{prefix}/default/mine-{uid}");
+    assert_eq!(job.spec.output.as_deref(), Some(output.as_str()));
+    assert!(
+        std::path::Path::new(&output)
+            .join("manifest.json")
+            .is_file()
+    );
+    // Inputs outside the account's storage are refused, output or not.
+    let outside = cluster.prompts("theirs", 4, 2);
+    cluster.submit("theirs", outside, |s| s.output = None).await;
+    let job = cluster.finished("theirs").await;
+    let condition = finished(&job);
+    assert_eq!(condition.reason, "OutsideAccountStorage", "{condition:?}");
+    assert!(
+        condition.message.contains("input.prompts"),
+        "{}",
+        condition.message
+    );
 }

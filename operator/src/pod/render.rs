@@ -18,7 +18,9 @@ use super::{
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
-/// Builds attempt `attempt`'s Pod. `deadline_seconds` is what is left of the job's deadline.
+/// Builds attempt `attempt`'s Pod. `deadline_seconds` is what is left of the job's deadline;
+/// `credentials` names the paying account's own Secret, if it has one (else the catalogue's
+/// `workerEnvSecret` is used).
 pub fn render(
     job: &HarvestJob,
     valid: &ValidJob,
@@ -26,10 +28,12 @@ pub fn render(
     config: &OperatorConfig,
     attempt: u32,
     deadline_seconds: Option<i64>,
+    credentials: Option<&str>,
 ) -> Result<Pod> {
     let args = worker_args(job, valid, model, config)?;
     let resources = resources(model);
-    let (env, env_from) = environment(job, config);
+    let secret = credentials.or(config.worker_env_secret.as_deref());
+    let (env, env_from) = environment(job, secret);
     let owner = job
         .controller_owner_ref(&())
         .ok_or_else(|| Error::MissingUid {
@@ -98,7 +102,7 @@ pub fn render(
 /// The job's name and namespace, and the storage Secret as the environment.
 fn environment(
     job: &HarvestJob,
-    config: &OperatorConfig,
+    secret: Option<&str>,
 ) -> (Vec<EnvVar>, Option<Vec<EnvFromSource>>) {
     let env = vec![
         EnvVar {
@@ -112,10 +116,10 @@ fn environment(
             ..EnvVar::default()
         },
     ];
-    let env_from = config.worker_env_secret.as_ref().map(|name| {
+    let env_from = secret.map(|name| {
         vec![EnvFromSource {
             secret_ref: Some(SecretEnvSource {
-                name: name.clone(),
+                name: name.to_owned(),
                 optional: Some(false),
             }),
             ..EnvFromSource::default()

@@ -38,7 +38,7 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
-    let pod = render(&job(), &valid, entry, &config, 2, Some(60)).unwrap();
+    let pod = render(&job(), &valid, entry, &config, 2, Some(60), None).unwrap();
     assert_eq!(pod.metadata.name.as_deref(), Some("j-uid1-2"));
     let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(
@@ -266,7 +266,7 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
-    let pod = render(&job, &valid, entry, &config, 1, None).unwrap();
+    let pod = render(&job, &valid, entry, &config, 1, None, Some("acme-s3")).unwrap();
     assert_eq!(pod.metadata.namespace.as_deref(), Some("harvest-system"));
     assert_eq!(pod.metadata.owner_references, None);
     let labels = pod.metadata.labels.unwrap();
@@ -274,4 +274,7 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
     let annotations = pod.metadata.annotations.unwrap();
     assert_eq!(annotations["harvest.dev/job-namespace"], "team");
     assert_eq!(annotations["harvest.dev/job-name"], "j");
+    // The paying account's own credentials, not the catalogue's shared Secret.
+    let env_from = pod.spec.unwrap().containers[0].env_from.clone().unwrap();
+    assert_eq!(env_from[0].secret_ref.as_ref().unwrap().name, "acme-s3");
 }
