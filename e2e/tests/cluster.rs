@@ -310,6 +310,71 @@ async fn the_example_job_finishes_through_an_operator_rollout_and_is_charged_onc
         let names = cluster.field(&[kind, "-n", "my-team"], "{.items[*].metadata.name}");
         assert_eq!(names, "", "{kind} in the tenant's namespace");
     }
+    a_tenant_with_edit_rights_reaches_no_storage_credentials(&cluster).await;
+}
+
+/// The attack: a tenant with `edit` in my-team looks for the storage credentials in its own
+/// namespace, then in harvest-system, and tries to run a Pod beside the workers. Its token is
+/// a ServiceAccount's, mounted into a Pod it runs (RBAC applies to ServiceAccount tokens).
+async fn a_tenant_with_edit_rights_reaches_no_storage_credentials(cluster: &LocalCluster) {
+    let objects = "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: alice, namespace: my-team}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: tenant-core, labels: {rbac.authorization.k8s.io/aggregate-to-edit: \"true\"}}\nrules: [{apiGroups: [\"\"], resources: [secrets, pods, configmaps], verbs: [\"*\"]}]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: edit}\naggregationRule: {clusterRoleSelectors: [{matchLabels: {rbac.authorization.k8s.io/aggregate-to-edit: \"true\"}}]}\nrules: []\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: alice-edit, namespace: my-team}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: edit}\nsubjects: [{kind: ServiceAccount, name: alice, namespace: my-team}]\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: alice-shell, namespace: my-team}\nspec: {serviceAccountName: alice, restartPolicy: Never, containers: [{name: shell, image: \"ghcr.io/harvest-dev/harvester:0.1.0\", args: [\"--help\"]}]}\n";
+    cluster
+        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(objects))
+        .unwrap();
+    let kubeconfig = cluster.pod_kubeconfig("my-team", "alice-shell");
+    let text = eventually("alice's Pod to get its token", WITHIN, || {
+        std::fs::read_to_string(&kubeconfig).map_err(|e| e.to_string())
+    })
+    .await;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    let (server, token) = (field("server:"), field("token:"));
+    let http = reqwest::Client::new();
+    let as_alice = |method: reqwest::Method, path: &str| {
+        http.request(method, format!("{server}{path}"))
+            .bearer_auth(&token)
+    };
+    let own: Value = as_alice(reqwest::Method::GET, "/api/v1/namespaces/my-team/secrets")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        own["items"],
+        json!([]),
+        "alice may list her Secrets: there are none"
+    );
+    for path in [
+        "/api/v1/namespaces/harvest-system/secrets/harvest-s3",
+        "/api/v1/namespaces/harvest-system/pods",
+    ] {
+        let status = as_alice(reqwest::Method::GET, path)
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 403, "{path}");
+    }
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "beside-the-workers"},
+        "spec": {"containers": [{"name": "shell", "image": "ghcr.io/harvest-dev/harvester:0.1.0",
+                 "envFrom": [{"secretRef": {"name": "harvest-s3"}}]}]}});
+    let status = as_alice(
+        reqwest::Method::POST,
+        "/api/v1/namespaces/harvest-system/pods",
+    )
+    .json(&pod)
+    .send()
+    .await
+    .unwrap()
+    .status();
+    assert_eq!(status, 403);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
