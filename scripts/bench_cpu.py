@@ -14,6 +14,15 @@ Needs the pinned environment of scripts/reference/requirements.txt.
 
     python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
 
+With llama-cpp-python importable (it is not in the pinned environment, as it compiles
+llama.cpp for a quarter of an hour: `$HARVEST_CACHE/tools/bin/python -m pip install
+llama-cpp-python==0.3.36`), llama.cpp runs too, on the very GGUF the checkpoint was imported
+from (SmolLM2-135M-Instruct.Q4_1.gguf, so its weights are 4-bit and its compute its own):
+prompt processing of the same token ids, one prompt per decode (a context as long as the
+prompt), with embeddings output enabled. `--skip-llama-cpp` leaves it out.
+
+    python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
+
 runs the same comparison on a bench-sized AFMoE (AfmoeForCausalLM) with seeded random bf16
 weights, which transformers writes on first use under $HARVEST_CACHE/bench/: 8 blocks of width
 1024 (2 dense), 32 experts with 4 routed per token plus one shared, a 128-token window in three
@@ -32,6 +41,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("HARVEST_CACHE", pathlib.Path.home() / ".cache" / "harvest"))
 MODEL = CACHE / "models" / "smollm2-135m"
+GGUF = CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 AFMOE = CACHE / "bench" / "afmoe-1024x8-e32k4"
 
 
@@ -56,6 +66,27 @@ def make_afmoe(path):
     model.to(torch.bfloat16).save_pretrained(path)
 
 
+def bench_llama_cpp(gguf, ids, threads):
+    """llama.cpp's prompt processing of `ids` with embeddings output: tokens per second, or
+    None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+        import llama_cpp
+    except ImportError:
+        return None, None
+    longest = max(len(p) for p in ids)
+    llm = Llama(model_path=str(gguf), embedding=True, n_ctx=longest, n_batch=longest, n_ubatch=longest,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.reset()
+    llm.eval(ids[0])
+    start = time.perf_counter()
+    for prompt in ids:
+        llm.reset()
+        llm.eval(prompt)
+    seconds = time.perf_counter() - start
+    return sum(len(p) for p in ids) / seconds, llama_cpp.__version__
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
@@ -64,6 +95,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--layers", default="all")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--afmoe", action="store_true", help="bench a random AFMoE instead of SmolLM2")
     args = ap.parse_args()
     model_dir = MODEL
@@ -106,7 +138,14 @@ def main():
             peers[f"torch {torch.__version__} ({str(dtype).split('.')[-1]})"] = args.prompts * args.tokens / seconds
             del model
 
-    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16"} & set(
+    if not args.afmoe and not args.skip_llama_cpp:
+        rate, version = bench_llama_cpp(GGUF, ids, args.threads)
+        if rate is None:
+            print("llama.cpp: llama-cpp-python is not installed; see this script's docstring", file=sys.stderr)
+        else:
+            peers[f"llama.cpp {version} (Q4_1)"] = rate
+
+    flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & set(
         next(l for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()))
     used = ours["bf16"]["bf16_dot_instructions"] if "bf16" in ours else "-"
     print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {used}; model: {model_dir.name}")
