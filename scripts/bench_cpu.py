@@ -15,11 +15,17 @@ Needs the pinned environment of scripts/reference/requirements.txt.
     python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
 
 With llama-cpp-python importable (it is not in the pinned environment, as it compiles
-llama.cpp for a quarter of an hour: `$HARVEST_CACHE/tools/bin/python -m pip install
-llama-cpp-python==0.3.36`), llama.cpp runs too, on the very GGUF the checkpoint was imported
-from (SmolLM2-135M-Instruct.Q4_1.gguf, so its weights are 4-bit and its compute its own):
-prompt processing of the same token ids, one prompt per decode (a context as long as the
-prompt), with embeddings output enabled. `--skip-llama-cpp` leaves it out.
+llama.cpp for several minutes), llama.cpp runs too, on the very GGUF the checkpoint was
+imported from (SmolLM2-135M-Instruct.Q4_1.gguf, so its weights are 4-bit and its kernels its
+own): prompt processing of the same token ids, one prompt per decode, with every token's
+embedding as output (pooling none). Build it without AMX, whose tiles this kind of VM does not
+grant (a native build segfaults in its first decode):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \\
+      -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \\
+      -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" python -m pip install llama-cpp-python==0.3.36
+
+`--skip-llama-cpp` leaves it out.
 
     python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
 
@@ -67,22 +73,29 @@ def make_afmoe(path):
 
 
 def bench_llama_cpp(gguf, ids, threads):
-    """llama.cpp's prompt processing of `ids` with embeddings output: tokens per second, or
-    None without llama-cpp-python."""
+    """llama.cpp's prompt processing of `ids`, one prompt per decode, every token's embedding
+    output (pooling none): tokens per second, or None without llama-cpp-python."""
     try:
-        from llama_cpp import Llama
         import llama_cpp
+        from llama_cpp import Llama
     except ImportError:
         return None, None
     longest = max(len(p) for p in ids)
-    llm = Llama(model_path=str(gguf), embedding=True, n_ctx=longest, n_batch=longest, n_ubatch=longest,
-                n_threads=threads, n_threads_batch=threads, verbose=False)
-    llm.reset()
-    llm.eval(ids[0])
+    llm = Llama(model_path=str(gguf), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE,
+                n_ctx=longest, n_batch=longest, n_ubatch=longest, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+
+    def run(prompt):
+        # What Llama.embed does per batch, on token ids instead of text.
+        llm._batch.reset()
+        llm._batch.add_sequence(prompt, 0, True)
+        llm._ctx.kv_cache_clear()
+        llm._ctx.decode(llm._batch)
+
+    run(ids[0])
     start = time.perf_counter()
     for prompt in ids:
-        llm.reset()
-        llm.eval(prompt)
+        run(prompt)
     seconds = time.perf_counter() - start
     return sum(len(p) for p in ids) / seconds, llama_cpp.__version__
 
