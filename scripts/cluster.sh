@@ -46,7 +46,25 @@ print_exports() {
 }
 
 start_storage() {
-  local weed=$1 ports=() flag
+  local weed=$1 attempt
+  # Ports are picked free and then bound by SeaweedFS, so a cluster starting beside another
+  # can lose one to it; a server that exits is started again on fresh ports.
+  for attempt in 1 2 3; do
+    if launch_storage "$weed"; then
+      create_buckets
+      return 0
+    fi
+    say "the S3 server did not come up (attempt $attempt): $(tail -n 3 "$dir/s3.log" 2>/dev/null | tr '\n' ' ')"
+    kill "$(cat "$dir/s3.pid")" 2>/dev/null || true
+  done
+  say "the S3 server did not start (logs under $dir)"
+  return 1
+}
+
+# Starts SeaweedFS on fresh ports; succeeds once its S3 gateway answers, fails if the server
+# exits first or does not answer within 120 s.
+launch_storage() {
+  local weed=$1 flag
   # Fresh each time: SeaweedFS keeps its old ports in its data directory.
   rm -rf "$dir/s3"
   mkdir -p "$dir/s3"
@@ -56,20 +74,28 @@ start_storage() {
     s3.port s3.port.grpc s3.port.iceberg s3.port.lance webdav.port admin.port admin.port.grpc; do
     local port
     port=$(free_port)
-    ports+=("$port")
     args+=("-$flag=$port")
     [ "$flag" = s3.port ] && echo "http://127.0.0.1:$port" > "$dir/s3.endpoint"
     [ "$flag" = filer.port ] && echo "http://127.0.0.1:$port" > "$dir/filer.endpoint"
   done
   setsid "$weed" "${args[@]}" > "$dir/s3.log" 2>&1 < /dev/null &
   echo $! > "$dir/s3.pid"
+  local until=$((SECONDS + 120))
   # Any HTTP answer (403 to an unsigned request) means the gateway is up.
-  wait_for "the S3 server answering" 120 python3 -c "
+  until python3 -c "
 import sys, urllib.request, urllib.error
 try: urllib.request.urlopen(sys.argv[1], timeout=2)
-except urllib.error.HTTPError: pass" "$(cat "$dir/s3.endpoint")/harvest"
-  # The buckets manifests/examples/harvestjob.yaml names, as directories under the filer's
-  # /buckets (how SeaweedFS keeps buckets).
+except urllib.error.HTTPError: pass" "$(cat "$dir/s3.endpoint")/harvest" >/dev/null 2>&1; do
+    if ! alive s3 || [ "$SECONDS" -ge "$until" ]; then
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+# The buckets manifests/examples/harvestjob.yaml names, as directories under the filer's
+# /buckets (how SeaweedFS keeps buckets).
+create_buckets() {
   python3 -c "
 import sys, urllib.request
 for bucket in ('harvest-inputs', 'harvest-outputs'):
