@@ -26,6 +26,7 @@ pub const DEFAULT_BACKOFF_LIMIT: i32 = 3;
     printcolumn = r#"{"name": "Prompts", "type": "integer", "jsonPath": ".status.progress.promptsTotal"}"#,
     printcolumn = r#"{"name": "Tokens", "type": "integer", "jsonPath": ".status.tokens.charged"}"#,
     printcolumn = r#"{"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"}"#,
+    printcolumn = r#"{"name": "Parts", "type": "string", "jsonPath": ".status.partsSummary"}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -77,6 +78,14 @@ pub struct HarvestJobSpec {
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message("outputRetention is immutable"))]
     pub output_retention: OutputRetention,
+    /// Workers the job is split over: contiguous, shard-aligned ranges of its prompts, one
+    /// Pod each, then one finalize step; the output is byte for byte that of one worker. At
+    /// most the model's `maxParallelism` in the catalogue. Left out, the operator chooses it
+    /// from the token budget and the catalogue's `tokensPerPart`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("parallelism is immutable"))]
+    #[schemars(range(min = 1, max = 256))]
+    pub parallelism: Option<u32>,
 }
 
 fn default_backoff_limit() -> i32 {
@@ -394,6 +403,74 @@ pub struct HarvestJobStatus {
     /// What a successful run produced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<ResultSummary>,
+    /// Workers the job runs in, fixed at admission (absent: one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism: Option<u32>,
+    /// Each part of a job run in parts, by index. `attempts` and `pod` above then describe
+    /// the finalize step, which runs once every part has succeeded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<PartStatus>,
+    /// Parts done out of all, like `2/3`, for `kubectl get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts_summary: Option<String>,
+}
+
+/// Where a part of a job stands.
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
+)]
+pub enum PartPhase {
+    /// No Pod yet: waiting for a Pod slot (`maxPods`) or a retry's delay.
+    #[default]
+    Waiting,
+    /// Its Pod is starting or running.
+    Running,
+    /// Its shards and their records are written.
+    Succeeded,
+}
+
+/// One part of a job run in parts.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartStatus {
+    /// The part's index, from 0.
+    pub index: u32,
+    /// Where it stands.
+    pub phase: PartPhase,
+    /// Pods created for it so far.
+    #[serde(default)]
+    pub attempts: u32,
+    /// Its failures that count against the job's `backoffLimit` (summed over the parts).
+    #[serde(default)]
+    pub failures: u32,
+    /// Its current Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Prompts of its range run, as its worker last reported.
+    #[serde(default)]
+    pub prompts_done: u32,
+    /// Prompts in its range (0 until its worker reports).
+    #[serde(default)]
+    pub prompts_total: u32,
+    /// Tokens its successful attempt ran (shards resumed from earlier attempts excluded).
+    #[serde(default)]
+    pub tokens: u64,
+    /// Its shards, `[first, end)`, once it succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<Vec<u32>>,
+    /// When its last attempt failed, which starts the retry delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_at: Option<Time>,
+    /// Why it waits or why its last attempt failed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+impl HarvestJobStatus {
+    /// The workers the job runs in: 1 unless admission chose more.
+    pub fn part_count(&self) -> u32 {
+        self.parallelism.unwrap_or(1).max(1)
+    }
 }
 
 /// Tokens reserved at admission and charged when the job ended. A set `charged` means the job
@@ -540,6 +617,7 @@ impl HarvestJobSpec {
             backoff_limit: DEFAULT_BACKOFF_LIMIT,
             ttl_seconds_after_finished: None,
             output_retention: OutputRetention::Retain,
+            parallelism: None,
         }
     }
 }

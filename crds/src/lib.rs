@@ -27,7 +27,8 @@ pub use account::{
 };
 pub use job::{
     EnginePrecision, FileLayout, HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions,
-    HookSite, InputRef, JobPhase, OutputRetention, Progress, ResultSummary, TokenUsage,
+    HookSite, InputRef, JobPhase, OutputRetention, PartPhase, PartStatus, Progress, ResultSummary,
+    TokenUsage,
 };
 pub use validate::{SpecError, ValidJob};
 

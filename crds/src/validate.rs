@@ -35,6 +35,26 @@ pub enum SpecError {
         "spec.output is not set, and the paying account names no storage to put the output under: set spec.output, or spec.storage.prefix on the HarvestAccount"
     )]
     NoOutput,
+    /// More workers than the model's catalogue entry allows.
+    #[error(
+        "spec.parallelism {wanted} is above model {model:?}'s maxParallelism {cap}: use at most {cap}, or leave it out and the operator chooses"
+    )]
+    Parallelism {
+        /// What the spec asked.
+        wanted: u32,
+        /// The catalogue's cap.
+        cap: u32,
+        /// The model.
+        model: String,
+    },
+    /// Parts asked of a job whose norm filter spans the corpus in order.
+    #[error(
+        "spec.parallelism {wanted} cannot be combined with spec.harvest.maxNormMultiple, whose running median spans the corpus in order: drop one of them"
+    )]
+    PartsWithNormFilter {
+        /// What the spec asked.
+        wanted: u32,
+    },
     /// A location that is neither `s3://bucket/...` nor an absolute path.
     #[error("spec.{field}: {value:?} is not a location: write s3://bucket/key or an absolute path")]
     BadLocation {
@@ -55,6 +75,8 @@ impl SpecError {
             Self::Selection(_) => "InvalidSelection",
             Self::BadLocation { .. } => "InvalidLocation",
             Self::NoOutput => "NoOutput",
+            Self::Parallelism { .. } => "ParallelismAboveCap",
+            Self::PartsWithNormFilter { .. } => "InvalidParallelism",
         }
     }
 }
@@ -68,6 +90,8 @@ pub struct ValidJob {
     pub lane: Lane,
     /// Tokens reserved at admission.
     pub token_budget: u64,
+    /// Workers it runs in (1 from the spec check; the operator applies its catalogue).
+    pub parallelism: u32,
 }
 
 impl HarvestJobSpec {
@@ -85,6 +109,7 @@ impl HarvestJobSpec {
             backoff_limit: _,
             ttl_seconds_after_finished: _,
             output_retention: _,
+            parallelism: _,
         } = self;
         let selection = match (&harvest.layers, harvest.all_layers) {
             (_, true) => LayerSelection::All,
@@ -133,6 +158,7 @@ impl HarvestJobSpec {
             plan,
             lane: model.lane,
             token_budget: *token_budget,
+            parallelism: 1,
         })
     }
 }

@@ -211,8 +211,9 @@ struct RunArgs {
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
     /// Run only part INDEX/COUNT of the job's shards (INDEX from 0), for several workers on one
-    /// job; `harvester finalize` closes it once every part has run.
-    #[arg(long)]
+    /// job; `harvester finalize` closes it once every part has run. The operator's part Pods
+    /// set it through HARVEST_PART, as an Indexed Job's Pods get their index.
+    #[arg(long, env = "HARVEST_PART")]
     part: Option<harvest_core::plan::Part>,
     /// Split the model's blocks into N contiguous pipeline stages, balanced by bytes, each
     /// owned by its own thread, with batches flowing between them (CPU stages for now). Stages

@@ -65,11 +65,33 @@ pub struct CatalogueEntry {
     /// the job fails and frees its slot.
     #[serde(default = "default_start_timeout")]
     pub start_timeout_seconds: u64,
+    /// Most workers one job of this model may be split over (`spec.parallelism`); 1 runs
+    /// every job as one Pod.
+    #[serde(default = "default_max_parallelism")]
+    pub max_parallelism: u32,
+    /// The token budget per worker the operator aims at when a job does not set
+    /// `spec.parallelism`: a job gets `ceil(tokenBudget / tokensPerPart)` parts, at most
+    /// `maxParallelism`. Unset: such jobs run as one Pod.
+    #[serde(default)]
+    pub tokens_per_part: Option<u64>,
+    /// Most worker Pods of this model at once, over every job: parts (and one-Pod jobs) past
+    /// it wait, first come first served. Unset: no cap beyond the lanes. Finalize Pods, which
+    /// take no GPU, are not counted.
+    #[serde(default)]
+    pub max_pods: Option<u32>,
 }
 
 fn default_start_timeout() -> u64 {
     600
 }
+
+fn default_max_parallelism() -> u32 {
+    1
+}
+
+/// The largest `maxParallelism` a catalogue entry may set, as the CRD schema bounds
+/// `spec.parallelism`.
+pub const PARALLELISM_LIMIT: u32 = 256;
 
 const DEVICES: [&str; 3] = ["auto", "cpu", "cuda"];
 
@@ -119,6 +141,17 @@ impl CatalogueEntry {
                 ));
             }
         }
+        if !(1..=PARALLELISM_LIMIT).contains(&self.max_parallelism) {
+            return Err(format!(
+                "model {name:?}: maxParallelism {} is not from 1 to {PARALLELISM_LIMIT}",
+                self.max_parallelism
+            ));
+        }
+        if self.tokens_per_part == Some(0) || self.max_pods == Some(0) {
+            return Err(format!(
+                "model {name:?}: tokensPerPart and maxPods must be at least 1 (leave them out for no target or no cap)"
+            ));
+        }
         if self.start_timeout_seconds == 0 {
             return Err(format!(
                 "model {name:?}: startTimeoutSeconds is 0: give the seconds a Pod may take to start (default 600)"
@@ -151,6 +184,36 @@ fn is_quantity(text: &str) -> bool {
 }
 
 impl CatalogueEntry {
+    /// The workers a job of this model runs in: its `spec.parallelism` within
+    /// `maxParallelism`, or else one per `tokensPerPart` of its budget, at most
+    /// `maxParallelism` (and 1 for a norm filter, whose median spans the corpus in order).
+    pub fn parallelism(
+        &self,
+        spec: &harvest_crds::HarvestJobSpec,
+    ) -> Result<u32, harvest_crds::SpecError> {
+        let norm_filter = spec.harvest.max_norm_multiple.is_some();
+        match spec.parallelism {
+            Some(wanted) if wanted > self.max_parallelism => {
+                Err(harvest_crds::SpecError::Parallelism {
+                    wanted,
+                    cap: self.max_parallelism,
+                    model: self.name.clone(),
+                })
+            }
+            Some(wanted) if wanted > 1 && norm_filter => {
+                Err(harvest_crds::SpecError::PartsWithNormFilter { wanted })
+            }
+            Some(wanted) => Ok(wanted.max(1)),
+            None if norm_filter => Ok(1),
+            None => Ok(self.tokens_per_part.map_or(1, |per_part| {
+                let parts = spec.token_budget.div_ceil(per_part.max(1));
+                u32::try_from(parts)
+                    .unwrap_or(u32::MAX)
+                    .clamp(1, self.max_parallelism)
+            })),
+        }
+    }
+
     /// The model as every component describes it; spec validation resolves layers with it.
     pub fn served(&self) -> ServedModel {
         ServedModel {

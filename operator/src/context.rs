@@ -2,8 +2,9 @@
 //! decisions it takes from them before any write: the spec check and the admission of a
 //! waiting job into its account's books and the cluster's lanes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestAccount, HarvestJob, SpecError};
@@ -19,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::ledger;
 use crate::metrics::Metrics;
 use crate::reconcile::key_of;
+use crate::slots;
 
 /// What every reconcile shares.
 pub struct Context {
@@ -37,6 +39,35 @@ pub struct Context {
     /// Jobs admitted by this process that the cache may not show yet, so two concurrent
     /// reconciles never both take the last slot of a lane.
     pub admitting: Mutex<HashSet<String>>,
+    /// Worker Pods granted under the models' `maxPods` that the cache may not show yet.
+    pub pod_grants: Mutex<PodGrants>,
+}
+
+/// Pods granted under `maxPods` by this process, until the jobs' statuses show them.
+#[derive(Debug, Default)]
+pub struct PodGrants {
+    /// By job key, part (`None` for a one-Pod job) and attempt: when granted.
+    created: HashMap<(String, Option<u32>, u32), Instant>,
+    /// Slots a reconcile in flight may still take, by job key.
+    reserved: HashMap<String, (u32, Instant)>,
+}
+
+/// How long a grant is counted at most: a status write that failed leaves none for longer.
+const GRANT_TTL: Duration = Duration::from_secs(30);
+
+/// Frees a reconcile's unused `maxPods` reservation however it ends.
+pub(crate) struct SlotRelease<'a>(pub &'a Context, pub String);
+
+impl Drop for SlotRelease<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.pod_grants).reserved.remove(&self.1);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for Context {
@@ -70,8 +101,11 @@ impl Context {
                 model: job.spec.model.clone(),
                 known: self.config.model_names(),
             })?;
-        job.spec
-            .validate(&entry.served(), std::path::Path::new(&entry.path))
+        let mut valid = job
+            .spec
+            .validate(&entry.served(), std::path::Path::new(&entry.path))?;
+        valid.parallelism = entry.parallelism(&job.spec)?;
+        Ok(valid)
     }
 
     /// The cluster queue's verdict for a waiting job; remembers an admission until the cache
@@ -165,6 +199,91 @@ impl Context {
             }
             _ => false,
         })
+    }
+
+    /// Worker Pods `job` may start now under its model's `maxPods` (no cap: `u32::MAX`),
+    /// first come first served over every job of the model in the cache, less the Pods
+    /// granted or reserved a moment ago; reserved for this reconcile until its
+    /// [`SlotRelease`] drops.
+    pub(crate) fn pod_slots(&self, job: &HarvestJob) -> u32 {
+        let Some(max_pods) = self.config.model(&job.spec.model).and_then(|m| m.max_pods) else {
+            return u32::MAX;
+        };
+        let key = key_of(job);
+        let cached: Vec<_> = self
+            .jobs
+            .state()
+            .into_iter()
+            .filter(|other| other.spec.model == job.spec.model)
+            .collect();
+        let jobs: Vec<slots::JobPods> = cached
+            .iter()
+            .filter(|other| key_of(other) != key)
+            .filter_map(|other| slots::job_pods(other, key_of(other)))
+            .collect();
+        let status = job.status_or_default();
+        let me = slots::job_pods(job, key.clone()).unwrap_or(slots::JobPods {
+            key: key.clone(),
+            queued_since: Timestamp::now(),
+            occupying: 0,
+            waiting: status.part_count(),
+        });
+        let mut grants = lock(&self.pod_grants);
+        let now = Instant::now();
+        grants.created.retain(|(owner, part, attempt), at| {
+            let shown = cached.iter().find(|j| &key_of(j) == owner).is_none_or(|j| {
+                let status = j.status_or_default();
+                let attempts = match part {
+                    None => status.attempts,
+                    Some(index) => status
+                        .parts
+                        .iter()
+                        .find(|p| p.index == *index)
+                        .map_or(0, |p| p.attempts),
+                };
+                attempts >= *attempt || conditions::is_true(&status.conditions, FINISHED)
+            });
+            !shown && now.duration_since(*at) < GRANT_TTL
+        });
+        grants
+            .reserved
+            .retain(|_, (_, at)| now.duration_since(*at) < GRANT_TTL);
+        let held = u32::try_from(grants.created.len()).unwrap_or(u32::MAX)
+            + grants
+                .reserved
+                .iter()
+                .filter(|(owner, _)| **owner != key)
+                .map(|(_, (n, _))| *n)
+                .sum::<u32>();
+        let free = slots::free_for(&jobs, &me, max_pods, held);
+        grants.reserved.insert(key, (free, now));
+        free
+    }
+
+    /// Records a worker Pod created under the model's `maxPods`, out of the reconcile's
+    /// reservation. Finalize Pods take no slot.
+    pub(crate) fn grant_pod(&self, job: &HarvestJob, attempt: &crate::pod::Attempt) {
+        let part = match attempt.role {
+            crate::pod::Role::Whole => None,
+            crate::pod::Role::Part { index, .. } => Some(index),
+            crate::pod::Role::Finalize => return,
+        };
+        if self
+            .config
+            .model(&job.spec.model)
+            .and_then(|m| m.max_pods)
+            .is_none()
+        {
+            return;
+        }
+        let key = key_of(job);
+        let mut grants = lock(&self.pod_grants);
+        if let Some((left, _)) = grants.reserved.get_mut(&key) {
+            *left = left.saturating_sub(1);
+        }
+        grants
+            .created
+            .insert((key, part, attempt.number), Instant::now());
     }
 
     pub(crate) fn forget_admission(&self, job: &HarvestJob) {

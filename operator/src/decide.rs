@@ -10,7 +10,12 @@
 //! admitted ──► no Pod: create attempt n+1 │ Pod running │ succeeded: Finished, charge tokens run
 //!                                         │ failed: input → Failed; job → retry (counted, backoff);
 //!                                         │         infrastructure → retry (not counted)
+//! in parts ──► each part as above, on its own (`decide_parts.rs`); all done ──► the finalize
+//!              Pod, driven as the one Pod above
 //! ```
+//!
+//! New worker Pods wait for a slot under the model's `maxPods` (`Workers::pod_slots`), which
+//! the shell reckons first come first served over every job.
 
 use std::time::Duration;
 
@@ -22,7 +27,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 
 use crate::admission::Admission;
-use crate::pod::{Blame, Failure, PodState, pod_name};
+use crate::pod::{Attempt, Blame, Failure, PodState, Role, role_pod_name};
 
 /// The limits `decide` applies, from the operator's configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +71,38 @@ pub struct Observed<'a> {
     pub now: Timestamp,
     /// How long the model's Pod may take to start (the catalogue's `startTimeoutSeconds`).
     pub start_timeout: Option<Duration>,
+    /// The job's workers: parts and Pod slots.
+    pub workers: Workers,
 }
+
+/// What the reconcile observed of a job's parts, and the Pods it may start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workers {
+    /// The workers the spec check chose, which admission fixes in the status.
+    pub parallelism: u32,
+    /// Each part's current Pod (`status.parts[i].pod`), if it exists, by index.
+    pub parts: Vec<Option<PodState>>,
+    /// Each running part's last progress line, by index.
+    pub reports: Vec<Option<harvest_core::worker::ProgressEvent>>,
+    /// Worker Pods the job may create now under the model's `maxPods`.
+    pub pod_slots: u32,
+}
+
+impl Default for Workers {
+    /// One worker, no cap.
+    fn default() -> Self {
+        Self {
+            parallelism: 1,
+            parts: Vec::new(),
+            reports: Vec::new(),
+            pod_slots: u32::MAX,
+        }
+    }
+}
+
+/// The reason of the `Running` condition while a job's Pods wait for a slot under the model's
+/// `maxPods`; the shell counts such jobs as queued.
+pub const WAITING_FOR_POD_SLOT: &str = "WaitingForPodSlot";
 
 /// The reason of a Pod create the apiserver refused, on its Event and on the Running
 /// condition the shell sets, which the next decision reads as the attempt's failure.
@@ -75,13 +111,8 @@ pub const FAILED_CREATE: &str = "FailedCreate";
 /// Something the shell does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Create attempt `attempt`'s Pod, with `deadline_seconds` left of the job's deadline.
-    CreatePod {
-        /// The 1-based attempt.
-        attempt: u32,
-        /// Seconds left, for the Pod's own `activeDeadlineSeconds`.
-        deadline_seconds: Option<i64>,
-    },
+    /// Create this attempt's Pod.
+    CreatePod(Attempt),
     /// Delete this Pod.
     DeletePod(String),
     /// Delete the job (its TTL ran out).
@@ -208,6 +239,8 @@ impl Builder<'_> {
                         reserved,
                         charged: None,
                     });
+                    let parallelism = self.observed.workers.parallelism;
+                    self.status.parallelism = (parallelism > 1).then_some(parallelism);
                     self.event(false, "Admitted", format!("admitted to the {lane} lane"));
                 }
             }
@@ -218,10 +251,20 @@ impl Builder<'_> {
     /// An admitted job: start, watch or retry its Pod.
     fn drive(&mut self, policy: &Policy) {
         self.note_running();
+        if self.status.part_count() > 1 && !self.parts_done(&self.old) {
+            self.drive_parts(policy);
+            if self.finished() || !self.parts_done(&self.status) {
+                return self.wake_for_deadline();
+            }
+        }
         let attempts = self.old.attempts;
         let infra_retries = attempts.saturating_sub(1 + self.old.failures);
         match self.observed.pod.clone() {
-            None if attempts == 0 || self.old.pod.is_none() => self.start_attempt(0),
+            None if attempts == 0 || self.old.pod.is_none() => {
+                if self.pod_slot_free(policy) {
+                    self.start_attempt(0);
+                }
+            }
             None => {
                 let refused = conditions::get(&self.old.conditions, RUNNING)
                     .filter(|c| c.reason == FAILED_CREATE);
@@ -267,26 +310,38 @@ impl Builder<'_> {
             }
             Some(PodState::Terminating) => {}
             Some(PodState::Foreign { controller }) => self.foreign(controller),
-            Some(PodState::Succeeded { result }) => self.finish(Outcome::Succeeded(result)),
+            Some(PodState::Succeeded { result, .. }) => self.finish(Outcome::Succeeded(result)),
             Some(PodState::Failed {
                 failure,
                 finished_at,
             }) => self.retry(failure, finished_at, infra_retries, policy),
         }
+        self.wake_for_deadline();
+    }
+
+    /// Looks again when the deadline runs out.
+    fn wake_for_deadline(&mut self) {
         if let Some(left) = self.deadline_left()
             && !self.finished()
         {
-            let wake = Duration::from_secs(left.max(1) as u64);
-            self.requeue_after = Some(self.requeue_after.map_or(wake, |r| r.min(wake)));
+            self.wake_within(Duration::from_secs(left.max(1) as u64));
         }
+    }
+
+    /// Reconciles again within `wake` at the latest.
+    fn wake_within(&mut self, wake: Duration) {
+        self.requeue_after = Some(self.requeue_after.map_or(wake, |r| r.min(wake)));
     }
 
     /// Records the first time a worker is seen to have run.
     fn note_running(&mut self) {
-        let ran = matches!(
-            self.observed.pod,
-            Some(PodState::Running | PodState::Succeeded { .. } | PodState::Failed { .. })
-        );
+        let ran = |pod: &Option<PodState>| {
+            matches!(
+                pod,
+                Some(PodState::Running | PodState::Succeeded { .. } | PodState::Failed { .. })
+            )
+        };
+        let ran = ran(&self.observed.pod) || self.observed.workers.parts.iter().any(ran);
         if ran && self.status.running_since.is_none() {
             self.status.running_since = Some(self.now.clone());
         }
@@ -332,17 +387,7 @@ impl Builder<'_> {
     /// Pod is left alone.
     fn foreign(&mut self, controller: Option<String>) {
         let pod = self.old.pod.clone().unwrap_or_default();
-        let owner = controller.map_or_else(
-            || "it has no controller".to_owned(),
-            |c| format!("its controller is {c}"),
-        );
-        let message = format!(
-            "Pod {pod} exists but was not created by harvest-operator for this job ({owner}); nothing of it is read. Delete that Pod, or recreate the job"
-        );
-        self.finish(Outcome::Failed {
-            reason: "PodNameTaken".into(),
-            message,
-        });
+        self.finish(foreign_outcome(&pod, controller));
     }
 
     fn retry(
@@ -370,6 +415,9 @@ impl Builder<'_> {
                 });
             }
             Blame::Infrastructure => {
+                if !self.pod_slot_free(policy) {
+                    return;
+                }
                 self.event(
                     true,
                     &failure.reason,
@@ -403,7 +451,7 @@ impl Builder<'_> {
                     );
                     self.set(RUNNING, false, &failure.reason, message);
                     self.requeue_after = Some(Duration::try_from(wait).unwrap_or(delay));
-                } else {
+                } else if self.pod_slot_free(policy) {
                     self.event(
                         true,
                         &failure.reason,
@@ -415,13 +463,37 @@ impl Builder<'_> {
         }
     }
 
+    /// Whether the job's one worker Pod may start now under the model's `maxPods` (a finalize
+    /// Pod always may); if not, the job says it waits and looks again.
+    fn pod_slot_free(&mut self, policy: &Policy) -> bool {
+        if self.status.part_count() > 1 || self.observed.workers.pod_slots > 0 {
+            return true;
+        }
+        let message = format!(
+            "waiting for a Pod slot: model {} has its maxPods worker Pods running",
+            self.observed.job.spec.model
+        );
+        self.set(RUNNING, false, WAITING_FOR_POD_SLOT, message);
+        self.wake_within(policy.admission_poll);
+        false
+    }
+
     /// Starts the next attempt; `counted` is 1 when the previous attempt's failure counts.
     fn start_attempt(&mut self, counted: u32) {
         let attempt = self.old.attempts + 1;
+        let role = match self.status.part_count() {
+            1 => Role::Whole,
+            _ => Role::Finalize,
+        };
         self.status.attempts = attempt;
         self.status.failures = self.old.failures + counted;
         let job = self.observed.job;
-        self.status.pod = Some(pod_name(&job.name_any(), job.uid().as_deref(), attempt));
+        self.status.pod = Some(role_pod_name(
+            &job.name_any(),
+            job.uid().as_deref(),
+            role,
+            attempt,
+        ));
         if self.status.start_time.is_none() {
             self.status.start_time = Some(self.now.clone());
         }
@@ -434,16 +506,18 @@ impl Builder<'_> {
             "PodCreated",
             format!("attempt {attempt} created"),
         );
-        self.actions.push(Action::CreatePod {
-            attempt,
+        self.actions.push(Action::CreatePod(Attempt {
+            role,
+            number: attempt,
             deadline_seconds: self.deadline_left(),
-        });
+        }));
     }
 
     fn suspend(&mut self, admitted: bool) {
-        if let Some(pod) = self.live_pod() {
+        for pod in self.live_pods() {
             self.actions.push(Action::DeletePod(pod));
         }
+        self.suspend_parts();
         if admitted {
             self.event(
                 false,
@@ -495,7 +569,7 @@ impl Builder<'_> {
             ));
             self.status.result = Some(result);
         }
-        if let Some(pod) = self.live_pod() {
+        for pod in self.live_pods() {
             self.actions.push(Action::DeletePod(pod));
         }
         let generation = self.observed.job.metadata.generation;
@@ -506,7 +580,7 @@ impl Builder<'_> {
     }
 
     fn after_finish(&mut self) {
-        if let Some(pod) = self.live_pod() {
+        for pod in self.live_pods() {
             self.actions.push(Action::DeletePod(pod));
         }
         self.schedule_ttl();
@@ -535,11 +609,20 @@ impl Builder<'_> {
         Some(limit - self.observed.now.duration_since(start.0).as_secs())
     }
 
-    fn live_pod(&self) -> Option<String> {
-        match self.observed.pod {
-            Some(PodState::Starting { .. } | PodState::Running) => self.old.pod.clone(),
-            _ => None,
-        }
+    /// The job's Pods that are starting or running: its one Pod (or finalize Pod) and its
+    /// parts'.
+    fn live_pods(&self) -> Vec<String> {
+        let live = |pod: &Option<PodState>| {
+            matches!(pod, Some(PodState::Starting { .. } | PodState::Running))
+        };
+        let parts = self.old.parts.iter().filter_map(|part| {
+            let observed = self.observed.workers.parts.get(part.index as usize)?;
+            live(observed).then(|| part.pod.clone()).flatten()
+        });
+        let whole = live(&self.observed.pod)
+            .then(|| self.old.pod.clone())
+            .flatten();
+        whole.into_iter().chain(parts).collect()
     }
 
     fn finished(&self) -> bool {
@@ -570,6 +653,21 @@ impl Builder<'_> {
     }
 }
 
+/// How a job ends whose Pod's name `pod` is taken by a Pod not made for it.
+fn foreign_outcome(pod: &str, controller: Option<String>) -> Outcome {
+    let owner = controller.map_or_else(
+        || "it has no controller".to_owned(),
+        |c| format!("its controller is {c}"),
+    );
+    let message = format!(
+        "Pod {pod} exists but was not created by harvest-operator for this job ({owner}); nothing of it is read. Delete that Pod, or recreate the job"
+    );
+    Outcome::Failed {
+        reason: "PodNameTaken".into(),
+        message,
+    }
+}
+
 /// The display phase, derived from the conditions.
 pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
     if let Some(finished) =
@@ -585,6 +683,9 @@ pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
         JobPhase::Pending
     }
 }
+
+#[path = "decide_parts.rs"]
+mod parts;
 
 #[cfg(test)]
 #[path = "decide_tests.rs"]

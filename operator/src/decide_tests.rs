@@ -11,6 +11,15 @@ const POLICY: Policy = Policy {
     progress_refresh: Duration::from_secs(5),
 };
 
+/// Attempt `number` of a one-Pod job.
+fn whole(number: u32, deadline_seconds: Option<i64>) -> Attempt {
+    Attempt {
+        role: Role::Whole,
+        number,
+        deadline_seconds,
+    }
+}
+
 fn at(second: i64) -> Timestamp {
     Timestamp::from_second(second).unwrap()
 }
@@ -38,6 +47,7 @@ fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64)
         lane: Some("small".into()),
         now: at(now),
         start_timeout: None,
+        workers: Workers::default(),
     };
     decide(&observed, &POLICY)
 }
@@ -60,10 +70,11 @@ fn failed(blame: Blame, finished: i64) -> Option<PodState> {
 #[test]
 fn an_admitted_job_reserves_its_budget_and_creates_attempt_one() {
     let decision = step(&job(), None, Admission::Admit, 0);
-    assert!(decision.actions.contains(&Action::CreatePod {
-        attempt: 1,
-        deadline_seconds: None
-    }));
+    assert!(
+        decision
+            .actions
+            .contains(&Action::CreatePod(whole(1, None)))
+    );
     assert_eq!(
         decision.status.tokens,
         Some(TokenUsage {
@@ -104,10 +115,7 @@ fn a_counted_failure_waits_out_its_backoff_then_retries_and_the_next_one_fails_t
     );
     assert_eq!(waiting.requeue_after, Some(Duration::from_secs(7)));
     let retry = step(&job, failed(Blame::Job, 100), Admission::Admit, 111);
-    assert!(retry.actions.contains(&Action::CreatePod {
-        attempt: 2,
-        deadline_seconds: None
-    }));
+    assert!(retry.actions.contains(&Action::CreatePod(whole(2, None))));
     assert_eq!(retry.status.failures, 1);
     apply(&mut job, &retry);
     let last = step(&job, failed(Blame::Job, 200), Admission::Admit, 300);
@@ -134,10 +142,11 @@ fn infrastructure_failures_retry_at_once_without_counting_until_the_cap() {
             Admission::Admit,
             10,
         );
-        assert!(decision.actions.contains(&Action::CreatePod {
-            attempt,
-            deadline_seconds: None
-        }));
+        assert!(
+            decision
+                .actions
+                .contains(&Action::CreatePod(whole(attempt, None)))
+        );
         assert_eq!(decision.status.failures, 0);
         apply(&mut job, &decision);
     }
@@ -169,6 +178,7 @@ fn success_charges_what_ran_and_a_ttl_deletes_the_job_once_it_expires() {
         &job,
         Some(PodState::Succeeded {
             result: Some(result),
+            part: None,
         }),
         Admission::Admit,
         100,
@@ -223,13 +233,14 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
         lane: None,
         now: at(0),
         start_timeout: None,
+        workers: Workers::default(),
     };
     let decision = decide(&observed, &POLICY);
     assert!(
         !decision
             .actions
             .iter()
-            .any(|a| matches!(a, Action::CreatePod { .. }))
+            .any(|a| matches!(a, Action::CreatePod(_)))
     );
     assert_eq!(
         get(&decision.status.conditions, FINISHED).unwrap().reason,
@@ -243,10 +254,11 @@ fn the_deadline_fails_a_running_job_and_the_pod_gets_what_is_left() {
     let mut job = job();
     job.spec.active_deadline_seconds = Some(100);
     let first = step(&job, None, Admission::Admit, 0);
-    assert!(first.actions.contains(&Action::CreatePod {
-        attempt: 1,
-        deadline_seconds: Some(100)
-    }));
+    assert!(
+        first
+            .actions
+            .contains(&Action::CreatePod(whole(1, Some(100))))
+    );
     apply(&mut job, &first);
     let late = step(&job, Some(PodState::Running), Admission::Admit, 100);
     assert_eq!(
@@ -274,6 +286,7 @@ fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
         lane: Some("small".into()),
         now: at(3),
         start_timeout: None,
+        workers: Workers::default(),
     };
     let decision = decide(&observed, &POLICY);
     let progress = decision.status.progress.unwrap();
@@ -308,6 +321,7 @@ fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
         lane: Some("small".into()),
         now: at(3),
         start_timeout: None,
+        workers: Workers::default(),
     };
     let progress = decide(&observed, &POLICY).status.progress.unwrap();
     assert_eq!(progress.phase.as_deref(), Some("loading"));
@@ -341,6 +355,7 @@ fn a_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothin
             lane: Some("small".into()),
             now: at(now),
             start_timeout: Some(Duration::from_secs(600)),
+            workers: Workers::default(),
         };
         decide(&observed, &POLICY)
     };
@@ -388,7 +403,7 @@ fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_noth
         !backoff
             .actions
             .iter()
-            .any(|a| matches!(a, Action::CreatePod { .. }))
+            .any(|a| matches!(a, Action::CreatePod(_)))
     );
     apply(&mut job, &backoff);
     let second = step(&job, None, Admission::Admit, 11);
@@ -396,7 +411,7 @@ fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_noth
         second
             .actions
             .iter()
-            .any(|a| matches!(a, Action::CreatePod { attempt: 2, .. }))
+            .any(|a| matches!(a, Action::CreatePod(Attempt { number: 2, .. })))
     );
     apply(&mut job, &second);
     refuse(&mut job, 11);
@@ -443,6 +458,7 @@ fn a_worker_reporting_more_tokens_than_were_reserved_is_charged_the_reservation(
     };
     let succeeded = Some(PodState::Succeeded {
         result: Some(result),
+        part: None,
     });
     let done = step(&job, succeeded, Admission::Admit, 9);
     assert_eq!(done.status.tokens.unwrap().charged, Some(500));
@@ -457,4 +473,275 @@ fn a_job_recreated_under_its_old_name_gets_pods_of_another_name() {
     let name = |job: &HarvestJob| step(job, None, Admission::Admit, 0).status.pod.unwrap();
     assert_eq!(name(&first), "j-0a1b2c3d-1");
     assert_eq!(name(&second), "j-9f8e7d6c-1");
+}
+
+/// One reconcile of a job in parts: `parts` are the parts' Pods as observed, `slots` the
+/// worker Pods `maxPods` leaves it, `pod` its finalize Pod.
+fn step_parts(
+    job: &HarvestJob,
+    parts: Vec<Option<PodState>>,
+    pod: Option<PodState>,
+    slots: u32,
+    now: i64,
+) -> Decision {
+    let observed = Observed {
+        job,
+        spec: Ok(job.spec.token_budget),
+        pod,
+        reported: None,
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(now),
+        start_timeout: None,
+        workers: Workers {
+            parallelism: 3,
+            parts,
+            reports: Vec::new(),
+            pod_slots: slots,
+        },
+    };
+    decide(&observed, &POLICY)
+}
+
+fn part_created(decision: &Decision, index: u32, number: u32) -> bool {
+    decision.actions.iter().any(|a| {
+        matches!(a, Action::CreatePod(Attempt { role: Role::Part { index: i, count: 3 }, number: n, .. }) if *i == index && *n == number)
+    })
+}
+
+fn part_done(tokens: u64) -> Option<PodState> {
+    Some(PodState::Succeeded {
+        result: None,
+        part: Some(harvest_core::worker::PartResult {
+            part: "0/3".into(),
+            shards: [0, 1],
+            written: 1,
+            resumed: 0,
+            tokens,
+        }),
+    })
+}
+
+#[test]
+fn a_job_in_three_parts_starts_each_part_then_finalizes_once_and_is_charged_its_result() {
+    let mut job = job();
+    let admitted = step_parts(&job, Vec::new(), None, u32::MAX, 0);
+    assert!((0..3).all(|i| part_created(&admitted, i, 1)));
+    assert_eq!(admitted.status.parallelism, Some(3));
+    assert_eq!(admitted.status.parts_summary.as_deref(), Some("0/3"));
+    assert_eq!(admitted.status.pod, None);
+    apply(&mut job, &admitted);
+    let running = vec![Some(PodState::Running); 3];
+    let one_done = step_parts(
+        &job,
+        vec![part_done(40), running[1].clone(), running[2].clone()],
+        None,
+        u32::MAX,
+        5,
+    );
+    assert_eq!(one_done.status.parts_summary.as_deref(), Some("1/3"));
+    assert_eq!(one_done.status.parts[0].tokens, 40);
+    assert!(
+        !one_done
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+    apply(&mut job, &one_done);
+    let all_done = step_parts(
+        &job,
+        vec![part_done(40), part_done(30), part_done(20)],
+        None,
+        u32::MAX,
+        9,
+    );
+    let finalize = Attempt {
+        role: Role::Finalize,
+        number: 1,
+        deadline_seconds: None,
+    };
+    assert!(all_done.actions.contains(&Action::CreatePod(finalize)));
+    assert_eq!(all_done.status.pod.as_deref(), Some("j-finalize-1"));
+    assert!(!conditions::is_true(&all_done.status.conditions, FINISHED));
+    apply(&mut job, &all_done);
+    let result = harvest_crds::ResultSummary {
+        tokens: 90,
+        ..Default::default()
+    };
+    let finished = step_parts(
+        &job,
+        vec![part_done(40), part_done(30), part_done(20)],
+        Some(PodState::Succeeded {
+            result: Some(result),
+            part: None,
+        }),
+        u32::MAX,
+        12,
+    );
+    assert_eq!(finished.status.phase, Some(JobPhase::Succeeded));
+    assert_eq!(finished.status.tokens.unwrap().charged, Some(90));
+    assert!(
+        !finished
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+}
+
+#[test]
+fn a_failed_part_is_retried_alone_after_its_backoff_and_the_parts_share_the_backoff_limit() {
+    let mut job = job();
+    job.metadata.uid = None;
+    let admitted = step_parts(&job, Vec::new(), None, u32::MAX, 0);
+    apply(&mut job, &admitted);
+    let run = || Some(PodState::Running);
+    // Part 1 runs out of memory at second 5: counted, retried after the 10 s base delay.
+    let failed_once = step_parts(&job, vec![run(), failed(Blame::Job, 5), run()], None, 0, 6);
+    let part = &failed_once.status.parts[1];
+    assert_eq!((part.failures, part.pod.as_deref()), (1, None));
+    assert!(
+        !failed_once
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+    assert_eq!(failed_once.requeue_after, Some(Duration::from_secs(9)));
+    assert!(
+        failed_once
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::Event { reason, .. } if reason == "PartFailed"))
+    );
+    apply(&mut job, &failed_once);
+    let retried = step_parts(&job, vec![run(), None, run()], None, 1, 15);
+    assert!(part_created(&retried, 1, 2));
+    assert!(!part_created(&retried, 0, 2) && !part_created(&retried, 2, 2));
+    assert_eq!(retried.status.parts[1].pod.as_deref(), Some("j-p1-2"));
+    apply(&mut job, &retried);
+    // A second counted failure, of another part, passes backoffLimit 1: the job fails and
+    // its live part Pods are stopped.
+    let exhausted = step_parts(
+        &job,
+        vec![run(), run(), failed(Blame::Job, 20)],
+        None,
+        1,
+        21,
+    );
+    assert_eq!(
+        get(&exhausted.status.conditions, FINISHED).unwrap().reason,
+        "BackoffLimitExceeded"
+    );
+    for pod in ["j-p0-1", "j-p1-2"] {
+        assert!(
+            exhausted.actions.contains(&Action::DeletePod(pod.into())),
+            "{pod}"
+        );
+    }
+}
+
+#[test]
+fn parts_past_the_models_pod_slots_wait_and_start_in_index_order_as_slots_free() {
+    let mut job = job();
+    job.metadata.uid = None;
+    let admitted = step_parts(&job, Vec::new(), None, 1, 0);
+    assert!(part_created(&admitted, 0, 1));
+    assert!(!part_created(&admitted, 1, 1) && !part_created(&admitted, 2, 1));
+    assert_eq!(
+        admitted.status.parts[1].phase,
+        harvest_crds::PartPhase::Waiting
+    );
+    apply(&mut job, &admitted);
+    let none_free = step_parts(&job, vec![Some(PodState::Running), None, None], None, 0, 1);
+    assert!(
+        !none_free
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+    assert_eq!(none_free.requeue_after, Some(POLICY.admission_poll));
+    apply(&mut job, &none_free);
+    let one_free = step_parts(&job, vec![Some(PodState::Running), None, None], None, 1, 2);
+    assert!(part_created(&one_free, 1, 1) && !part_created(&one_free, 2, 1));
+}
+
+#[test]
+fn a_one_pod_job_without_a_pod_slot_stays_admitted_and_says_it_waits() {
+    let observed = |job: &HarvestJob, slots: u32| {
+        let observed = Observed {
+            job,
+            spec: Ok(job.spec.token_budget),
+            pod: None,
+            reported: None,
+            admission: Admission::Admit,
+            account: Some("acct".into()),
+            lane: Some("small".into()),
+            now: at(0),
+            start_timeout: None,
+            workers: Workers {
+                pod_slots: slots,
+                ..Workers::default()
+            },
+        };
+        decide(&observed, &POLICY)
+    };
+    let mut job = job();
+    let waiting = observed(&job, 0);
+    assert!(
+        !waiting
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+    assert!(conditions::is_true(&waiting.status.conditions, ADMITTED));
+    assert_eq!(
+        get(&waiting.status.conditions, RUNNING).unwrap().reason,
+        WAITING_FOR_POD_SLOT
+    );
+    apply(&mut job, &waiting);
+    assert!(
+        observed(&job, 1)
+            .actions
+            .contains(&Action::CreatePod(whole(1, None)))
+    );
+}
+
+#[test]
+fn suspending_a_job_in_parts_stops_its_parts_and_resuming_starts_only_the_unfinished() {
+    let mut job = job();
+    job.metadata.uid = None;
+    let admitted = step_parts(&job, Vec::new(), None, u32::MAX, 0);
+    apply(&mut job, &admitted);
+    let one_done = step_parts(
+        &job,
+        vec![
+            part_done(5),
+            Some(PodState::Running),
+            Some(PodState::Running),
+        ],
+        None,
+        u32::MAX,
+        3,
+    );
+    apply(&mut job, &one_done);
+    job.spec.suspend = true;
+    let live = vec![None, Some(PodState::Running), Some(PodState::Running)];
+    let suspended = step_parts(&job, live, None, u32::MAX, 4);
+    for pod in ["j-p1-1", "j-p2-1"] {
+        assert!(
+            suspended.actions.contains(&Action::DeletePod(pod.into())),
+            "{pod}"
+        );
+    }
+    apply(&mut job, &suspended);
+    job.spec.suspend = false;
+    let resumed = step_parts(&job, vec![None, None, None], None, u32::MAX, 5);
+    assert!(part_created(&resumed, 1, 2) && part_created(&resumed, 2, 2));
+    assert!(!resumed.actions.iter().any(|a| matches!(
+        a,
+        Action::CreatePod(Attempt {
+            role: Role::Part { index: 0, .. },
+            ..
+        })
+    )));
 }

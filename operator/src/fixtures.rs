@@ -99,6 +99,7 @@ fn context(client: Client) -> Arc<Context> {
         jobs,
         accounts,
         admitting: Mutex::new(HashSet::new()),
+        pod_grants: Mutex::new(crate::context::PodGrants::default()),
     })
 }
 

@@ -27,6 +27,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod pod;
 pub mod reconcile;
+pub mod slots;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -108,6 +109,7 @@ pub async fn run(
         jobs,
         accounts: account_controller.store(),
         admitting: Mutex::new(HashSet::new()),
+        pod_grants: Mutex::new(context::PodGrants::default()),
     });
     info!("controller started");
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));

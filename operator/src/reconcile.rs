@@ -9,7 +9,7 @@ use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestJob, OutputRetention, SpecError};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action as Requeue;
 use kube::runtime::events::{Event, EventType};
 use kube::{Api, Resource, ResourceExt};
@@ -18,7 +18,7 @@ use tracing::{info, instrument, warn};
 
 use crate::admission::Admission;
 pub use crate::context::Context;
-use crate::decide::{Action, Decision, FAILED_CREATE, Observed, decide};
+use crate::decide::{Action, Decision, FAILED_CREATE, Observed, Workers, decide};
 use crate::error::{Error, Result};
 use crate::pod::{PodState, observe_for_job, render, reported_progress};
 use crate::{cleanup, ledger};
@@ -43,6 +43,7 @@ pub(crate) fn key_of(job: &HarvestJob) -> String {
 #[instrument(skip_all, fields(job = %key_of(&job)))]
 pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeue> {
     let _timer = ctx.metrics.reconcile_started();
+    let _slots = crate::context::SlotRelease(&ctx, key_of(&job));
     let namespace = job.namespace().unwrap_or_default();
     let pod_namespace = ctx.config.pod_namespace(&job);
     let shell = Shell {
@@ -203,6 +204,7 @@ impl Shell<'_> {
             }
             _ => None,
         };
+        let workers = self.observe_workers(checked, &old, &uid).await?;
         let (admission, account) = match (waiting, checked) {
             (true, Ok(valid)) => {
                 self.ctx
@@ -234,6 +236,50 @@ impl Shell<'_> {
                 .config
                 .model(&job.spec.model)
                 .map(|m| Duration::from_secs(m.start_timeout_seconds)),
+            workers,
+        })
+    }
+
+    /// The job's parts' Pods and progress, and the worker Pods it may start under the model's
+    /// `maxPods`.
+    async fn observe_workers(
+        &self,
+        checked: &std::result::Result<harvest_crds::ValidJob, SpecError>,
+        old: &harvest_crds::HarvestJobStatus,
+        uid: &str,
+    ) -> Result<Workers> {
+        let mut parts = Vec::new();
+        let mut reports = Vec::new();
+        for index in 0..old.part_count() {
+            let name = old
+                .parts
+                .iter()
+                .find(|p| p.index == index)
+                .and_then(|p| p.pod.clone());
+            let pod = match &name {
+                Some(name) => self
+                    .pods
+                    .get_opt(name)
+                    .await?
+                    .map(|p| observe_for_job(&p, uid, self.elsewhere)),
+                None => None,
+            };
+            let report = match (&pod, &name) {
+                (Some(PodState::Running), Some(name)) => worker_progress(&self.pods, name).await,
+                _ => None,
+            };
+            parts.push(pod);
+            reports.push(report);
+        }
+        if old.part_count() <= 1 {
+            parts.clear();
+            reports.clear();
+        }
+        Ok(Workers {
+            parallelism: checked.as_ref().map_or(1, |v| v.parallelism),
+            parts,
+            reports,
+            pod_slots: self.ctx.pod_slots(self.job),
         })
     }
 
@@ -250,10 +296,7 @@ impl Shell<'_> {
         for action in &decision.actions {
             match action {
                 Action::DeletePod(pod_name) => delete_pod(&self.pods, pod_name).await?,
-                Action::CreatePod {
-                    attempt,
-                    deadline_seconds,
-                } => {
+                Action::CreatePod(attempt) => {
                     let (Ok(valid), Some(entry)) =
                         (checked, ctx.config.model(&self.job.spec.model))
                     else {
@@ -267,18 +310,19 @@ impl Shell<'_> {
                         valid,
                         entry,
                         &ctx.config,
-                        *attempt,
-                        *deadline_seconds,
+                        attempt,
                         credentials.as_deref(),
                     )?;
+                    ctx.grant_pod(self.job, attempt);
+                    let (role, attempt) = (what(attempt.role), attempt.number);
                     match self.pods.create(&post_params(), &pod).await {
-                        Ok(_) => info!(attempt, "created the attempt's Pod"),
+                        Ok(_) => info!(attempt, role = role.trim(), "created the attempt's Pod"),
                         Err(kube::Error::Api(status)) if status.code == 409 => {}
                         Err(kube::Error::Api(status))
                             if matches!(status.code, 400 | 403 | 404 | 422) =>
                         {
                             let message = format!(
-                                "attempt {attempt}: Error creating Pod: {}",
+                                "{role}attempt {attempt}: Error creating Pod: {}",
                                 status.message
                             );
                             warn!(attempt, error = %status.message, "the apiserver refused the attempt's Pod");
@@ -353,12 +397,22 @@ impl Shell<'_> {
                         Err(e) => return Err(e.into()),
                     }
                 }
-                Action::DeletePod(_) | Action::CreatePod { .. } => {}
+                Action::DeletePod(_) | Action::CreatePod(_) => {}
             }
         }
         Ok(decision
             .requeue_after
             .map_or_else(Requeue::await_change, Requeue::requeue))
+    }
+}
+
+/// A Pod's role as its messages begin: nothing for a one-Pod job, `part I/N ` (which the
+/// part's retry reads back from a refused create's condition) or `finalize `.
+fn what(role: crate::pod::Role) -> String {
+    match role {
+        crate::pod::Role::Whole => String::new(),
+        crate::pod::Role::Part { index, count } => format!("part {index}/{count} "),
+        crate::pod::Role::Finalize => "finalize ".to_owned(),
     }
 }
 
@@ -460,8 +514,19 @@ async fn finalize(
     let spent = Timestamp::now().duration_since(deleted_at).as_secs().max(0) as u64;
     let left = budget.saturating_sub(Duration::from_secs(spent));
     let uid = job.uid().unwrap_or_default();
-    if let Some(pod) = &job.status_or_default().pod {
-        let elsewhere = pods.namespace() != job.namespace().as_deref();
+    let elsewhere = pods.namespace() != job.namespace().as_deref();
+    let status = job.status_or_default();
+    let mut names: Vec<String> = status.pod.iter().cloned().collect();
+    names.extend(status.parts.iter().filter_map(|p| p.pod.clone()));
+    if elsewhere && !uid.is_empty() {
+        // Every attempt's and part's Pod, the failed ones too: no garbage collector will.
+        let selector = format!("{}={uid}", crate::pod::JOB_UID_LABEL);
+        let listed = pods.list(&ListParams::default().labels(&selector)).await?;
+        names.extend(listed.items.iter().map(ResourceExt::name_any));
+    }
+    names.sort();
+    names.dedup();
+    for pod in &names {
         delete_own_pod(pods, pod, &uid, elsewhere).await?;
     }
     // Without the cleanup finalizer (only the worker's) the outputs stay.

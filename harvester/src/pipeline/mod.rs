@@ -246,9 +246,24 @@ pub fn run_source(source: &PlanSource, options: &RunOptions) -> Termination {
 
 /// `harvester finalize` as a supervisor sees it (see [`finalize`]).
 pub fn finalize_source(source: &PlanSource, options: &RunOptions) -> Termination {
-    with_plan(source, options, |plan, options| {
-        finalize(plan, options).map(Termination::Done)
-    })
+    // The device only decides the arithmetic the plan's fingerprint records: finalize never
+    // runs the model, so it probes nothing and runs where no GPU is (the operator's finalize
+    // Pod takes none).
+    let options = RunOptions {
+        device: match options.device {
+            DeviceChoice::Cuda(device) => DeviceChoice::Cuda(device),
+            DeviceChoice::Auto | DeviceChoice::Cpu => DeviceChoice::Cpu,
+        },
+        ..options.clone()
+    };
+    let raw = match source.read() {
+        Ok(raw) => raw,
+        Err(message) => return result::bad_input(&message),
+    };
+    let outcome = HarvestPlan::try_from(raw)
+        .map_err(Error::from)
+        .and_then(|plan| finalize(&plan, &options).map(Termination::Done));
+    result::termination(outcome)
 }
 
 /// Reads and validates the plan, picks the device, and turns `act`'s outcome into the worker

@@ -32,6 +32,51 @@ pub const CONTAINER: &str = "harvester";
 /// Pod may still be terminating. A job name too long for the suffix (names may have 253
 /// characters) is shortened with a hash of itself.
 pub fn pod_name(job: &str, uid: Option<&str>, attempt: u32) -> String {
+    role_pod_name(job, uid, Role::Whole, attempt)
+}
+
+/// What a worker Pod does for its job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Runs the whole job.
+    Whole,
+    /// Runs part `index` of `count` (`harvester run --part`, the part in `HARVEST_PART`).
+    Part {
+        /// From 0.
+        index: u32,
+        /// Parts in the job.
+        count: u32,
+    },
+    /// Closes a job whose parts have all run (`harvester finalize`); takes no GPU.
+    Finalize,
+}
+
+/// Label with a part's index, on the Pods of a job run in parts.
+pub const PART_LABEL: &str = "harvest.dev/part";
+/// The environment variable a part's worker reads its `INDEX/COUNT` from, as an Indexed Job's
+/// Pods read `JOB_COMPLETION_INDEX`.
+pub const PART_ENV: &str = "HARVEST_PART";
+
+/// A Pod to create: what it does, its 1-based attempt (per part, for parts), and what is left
+/// of the job's deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// What it does.
+    pub role: Role,
+    /// The attempt, from 1.
+    pub number: u32,
+    /// Seconds left, for the Pod's own `activeDeadlineSeconds`.
+    pub deadline_seconds: Option<i64>,
+}
+
+/// The Pod name of attempt `attempt` of `role` for the job `job` with UID `uid`: `-N` for a
+/// whole run, `-pI-N` for part I, `-finalize-N` for the finalize step (see [`pod_name`]).
+pub fn role_pod_name(job: &str, uid: Option<&str>, role: Role, attempt: u32) -> String {
+    let role = match role {
+        Role::Whole => String::new(),
+        Role::Part { index, .. } => format!("p{index}-"),
+        Role::Finalize => "finalize-".to_owned(),
+    };
     let alphanumeric: Vec<char> = uid
         .unwrap_or_default()
         .chars()
@@ -42,8 +87,8 @@ pub fn pod_name(job: &str, uid: Option<&str>, attempt: u32) -> String {
         .iter()
         .collect();
     let suffix = match uid.is_empty() {
-        true => format!("-{attempt}"),
-        false => format!("-{uid}-{attempt}"),
+        true => format!("-{role}{attempt}"),
+        false => format!("-{uid}-{role}{attempt}"),
     };
     format!("{}{suffix}", shortened(job, 253 - suffix.len()))
 }
@@ -110,6 +155,8 @@ pub enum PodState {
     Succeeded {
         /// The summary from the termination message.
         result: Option<ResultSummary>,
+        /// A part's summary from it, for a part's Pod.
+        part: Option<harvest_core::worker::PartResult>,
     },
     /// The attempt failed; `finished_at` starts the retry delay.
     Failed {

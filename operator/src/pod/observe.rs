@@ -61,14 +61,25 @@ pub fn observe(pod: &Pod) -> PodState {
     let terminated = container.as_ref().and_then(|s| s.terminated.clone());
     match status.phase.as_deref() {
         Some("Running") => PodState::Running,
-        Some("Succeeded") => PodState::Succeeded {
-            result: terminated
+        Some("Succeeded") => {
+            let termination = terminated
                 .and_then(|t| t.message)
-                .and_then(|m| match Termination::parse(&m) {
-                    Some(Termination::Done(result)) => Some(summary(&result)),
-                    _ => None,
-                }),
-        },
+                .and_then(|m| Termination::parse(&m));
+            match termination {
+                Some(Termination::Done(result)) => PodState::Succeeded {
+                    result: Some(summary(&result)),
+                    part: None,
+                },
+                Some(Termination::Part(part)) => PodState::Succeeded {
+                    result: None,
+                    part: Some(part),
+                },
+                _ => PodState::Succeeded {
+                    result: None,
+                    part: None,
+                },
+            }
+        }
         Some("Failed") => PodState::Failed {
             finished_at: terminated.as_ref().and_then(|t| t.finished_at.clone()),
             failure: failure(&status, terminated),

@@ -12,28 +12,31 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 
 use super::{
-    CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL, MANAGED_BY,
-    TERMINATION_LOG, job_label, pod_name,
+    Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL,
+    MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, job_label, role_pod_name,
 };
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
-/// Builds attempt `attempt`'s Pod. `deadline_seconds` is what is left of the job's deadline;
-/// `credentials` names the paying account's own Secret, if it has one (else the catalogue's
-/// `workerEnvSecret` is used).
+/// Builds `attempt`'s Pod. `credentials` names the paying account's own Secret, if it has one
+/// (else the catalogue's `workerEnvSecret` is used).
 pub fn render(
     job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
-    attempt: u32,
-    deadline_seconds: Option<i64>,
+    attempt: &Attempt,
     credentials: Option<&str>,
 ) -> Result<Pod> {
-    let args = worker_args(job, valid, model, config)?;
-    let resources = resources(model);
+    let Attempt {
+        role,
+        number: attempt,
+        deadline_seconds,
+    } = *attempt;
+    let args = worker_args(job, valid, model, config, role)?;
+    let resources = resources(model, role);
     let secret = credentials.or(config.worker_env_secret.as_deref());
-    let (env, env_from) = environment(job, secret);
+    let (env, env_from) = environment(job, secret, role);
     let owner = job
         .controller_owner_ref(&())
         .ok_or_else(|| Error::MissingUid {
@@ -43,12 +46,21 @@ pub fn render(
     // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
     // label, and the job's finalizer deletes it.
     let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
-    let labels = BTreeMap::from([
+    let mut labels = BTreeMap::from([
         (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
         (JOB_LABEL.to_owned(), job_label(&job.name_any())),
         (JOB_UID_LABEL.to_owned(), owner.uid.clone()),
         ("harvest.dev/attempt".to_owned(), attempt.to_string()),
     ]);
+    match role {
+        Role::Whole => {}
+        Role::Part { index, .. } => {
+            labels.insert(PART_LABEL.to_owned(), index.to_string());
+        }
+        Role::Finalize => {
+            labels.insert(PART_LABEL.to_owned(), "finalize".to_owned());
+        }
+    }
     let annotations = BTreeMap::from([
         (
             JOB_NAMESPACE_ANNOTATION.to_owned(),
@@ -58,7 +70,12 @@ pub fn render(
     ]);
     Ok(Pod {
         metadata: ObjectMeta {
-            name: Some(pod_name(&job.name_any(), job.uid().as_deref(), attempt)),
+            name: Some(role_pod_name(
+                &job.name_any(),
+                job.uid().as_deref(),
+                role,
+                attempt,
+            )),
             namespace: Some(namespace),
             labels: Some(labels),
             annotations: Some(annotations),
@@ -99,12 +116,14 @@ pub fn render(
     })
 }
 
-/// The job's name and namespace, and the storage Secret as the environment.
+/// The job's name and namespace, a part's `INDEX/COUNT`, and the storage Secret as the
+/// environment.
 fn environment(
     job: &HarvestJob,
     secret: Option<&str>,
+    role: Role,
 ) -> (Vec<EnvVar>, Option<Vec<EnvFromSource>>) {
-    let env = vec![
+    let mut env = vec![
         EnvVar {
             name: "HARVEST_JOB_NAME".into(),
             value: Some(job.name_any()),
@@ -116,6 +135,13 @@ fn environment(
             ..EnvVar::default()
         },
     ];
+    if let Role::Part { index, count } = role {
+        env.push(EnvVar {
+            name: PART_ENV.into(),
+            value: Some(format!("{index}/{count}")),
+            ..EnvVar::default()
+        });
+    }
     let env_from = secret.map(|name| {
         vec![EnvFromSource {
             secret_ref: Some(SecretEnvSource {
@@ -152,21 +178,27 @@ fn restricted_container() -> SecurityContext {
     }
 }
 
-/// The harvester's arguments: the resolved plan inline, the model's name, the job's token
-/// budget and UID, the termination log and JSON progress, then the configuration's extra
-/// arguments.
+/// The harvester's arguments: `run` (a part reads its range from `HARVEST_PART`) or
+/// `finalize`, the resolved plan inline, the model's name, the job's token budget and UID
+/// (the same for every part and the finalize step, which the byte identity needs), the
+/// termination log and JSON progress, then the configuration's extra arguments.
 fn worker_args(
     job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
+    role: Role,
 ) -> Result<Vec<String>> {
     let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
         what: "the harvester plan",
         source,
     })?;
+    let command = match role {
+        Role::Whole | Role::Part { .. } => "run",
+        Role::Finalize => "finalize",
+    };
     let mut args = vec![
-        "run".to_owned(),
+        command.to_owned(),
         "--plan-json".to_owned(),
         plan,
         "--model-name".to_owned(),
@@ -187,10 +219,11 @@ fn worker_args(
     Ok(args)
 }
 
-/// The catalogue's CPU and memory, with the model's GPUs requested and limited.
-fn resources(model: &CatalogueEntry) -> ResourceRequirements {
+/// The catalogue's CPU and memory, with the model's GPUs requested and limited (none for the
+/// finalize step, which merges records and never runs the model).
+fn resources(model: &CatalogueEntry, role: Role) -> ResourceRequirements {
     let mut resources = model.resources.clone();
-    if model.gpus > 0 {
+    if model.gpus > 0 && role != Role::Finalize {
         let gpus = Quantity(model.gpus.to_string());
         resources
             .limits

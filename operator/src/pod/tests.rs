@@ -38,7 +38,19 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
-    let pod = render(&job(), &valid, entry, &config, 2, Some(60), None).unwrap();
+    let pod = render(
+        &job(),
+        &valid,
+        entry,
+        &config,
+        &Attempt {
+            role: Role::Whole,
+            number: 2,
+            deadline_seconds: Some(60),
+        },
+        None,
+    )
+    .unwrap();
     assert_eq!(pod.metadata.name.as_deref(), Some("j-uid1-2"));
     let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(
@@ -135,6 +147,7 @@ fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason()
     );
     let PodState::Succeeded {
         result: Some(result),
+        part: None,
     } = observe(&pod)
     else {
         panic!("no result")
@@ -266,7 +279,19 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
-    let pod = render(&job, &valid, entry, &config, 1, None, Some("acme-s3")).unwrap();
+    let pod = render(
+        &job,
+        &valid,
+        entry,
+        &config,
+        &Attempt {
+            role: Role::Whole,
+            number: 1,
+            deadline_seconds: None,
+        },
+        Some("acme-s3"),
+    )
+    .unwrap();
     assert_eq!(pod.metadata.namespace.as_deref(), Some("harvest-system"));
     assert_eq!(pod.metadata.owner_references, None);
     let labels = pod.metadata.labels.unwrap();
