@@ -56,7 +56,7 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     let prompts = cluster.prompts("kubectl", 4, 1);
     let output = cluster.output("from-kubectl");
     let job = format!(
-        "apiVersion: harvest.dev/v1alpha1\nkind: HarvestJob\nmetadata:\n  name: from-kubectl\nspec:\n  model: smollm2-135m\n  input: {{prompts: {prompts}}}\n  harvest: {{layers: [1, 2], shardSize: 2}}\n  output: {}\n  tokenBudget: 10000\n",
+        "apiVersion: harvest.dev/v1alpha1\nkind: HarvestJob\nmetadata:\n  name: from-kubectl\nspec:\n  model: smollm2-135m\n  input: {{prompts: {prompts}}}\n  harvest: {{layers: [1, 2], shardSize: 2}}\n  output: {}\n  tokenBudget: 10000\n  parallelism: 2\n",
         output.display()
     );
     let (config, job) = (kubeconfig.clone(), job.clone());
@@ -100,7 +100,7 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
         .find(|l| l.starts_with("NAME") && l.contains("PHASE"))
         .unwrap();
     for column in [
-        "NAME", "PHASE", "MODEL", "PROMPTS", "TOKENS", "PROGRESS", "AGE",
+        "NAME", "PHASE", "MODEL", "PROMPTS", "TOKENS", "PROGRESS", "PARTS", "AGE",
     ] {
         assert!(header.contains(column), "{listed}");
     }
@@ -126,6 +126,9 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
         row.contains("Succeeded") && row.contains("smollm2-135m") && row.contains("2/2 shards"),
         "{listed}"
     );
+    // Run as two parts, one shard each: done out of total.
+    let parts = header.find("PARTS").unwrap();
+    assert!(row[parts..].starts_with("2/2 "), "{listed}");
     assert!(output.join("manifest.json").exists());
 }
 

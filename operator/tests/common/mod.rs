@@ -23,6 +23,8 @@ const IMAGE: &str = "harvest/harvester:test";
 pub const ACCOUNT: &str = "default-acct";
 /// A model whose image the kubelet cannot pull: its Pods wait in `ErrImagePull`.
 pub const UNPULLABLE: &str = "unpullable";
+/// SmolLM2 again, with at most 2 worker Pods at once over every job (`maxPods`).
+pub const CAPPED: &str = "smollm2-capped";
 /// Where the REST API creates its jobs.
 pub const API_NAMESPACE: &str = "harvest-api";
 
@@ -108,7 +110,8 @@ impl Cluster {
             .map(|ns| format!("workerNamespace: {ns}\n"))
             .unwrap_or_default();
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n{workers}",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4}}\n- {{name: {CAPPED}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4, maxPods: 2}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\n{workers}",
+            smollm2().display(),
             smollm2().display(),
             smollm2().display(),
             self.lanes
