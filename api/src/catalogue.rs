@@ -28,6 +28,8 @@ pub struct CatalogueModel {
     pub bos_token_id: Option<u32>,
     /// Devices one job of it occupies.
     pub devices: u32,
+    /// Most workers one job of it may be split over.
+    pub max_parallelism: usize,
 }
 
 /// The catalogue, by name.
@@ -166,6 +168,7 @@ impl Catalogue {
             max_tokens: shape.max_position_embeddings,
             architecture: shape.architectures.first().cloned().unwrap_or_default(),
             devices: model.devices,
+            max_parallelism: model.max_parallelism,
             bos_token_id: shape
                 .bos_token_id
                 .as_ref()

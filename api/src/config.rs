@@ -116,6 +116,14 @@ pub struct ModelConfig {
     /// refused naming it; if false (the default), the server refuses to start.
     #[serde(default)]
     pub optional: bool,
+    /// Most workers one job of it may be split over (the `parallelism` extension). On the
+    /// Kubernetes backend, give the operator's catalogue's `maxParallelism`; default 16.
+    #[serde(default = "max_parallelism")]
+    pub max_parallelism: usize,
+}
+
+fn max_parallelism() -> usize {
+    crate::wire::MAX_PARALLELISM
 }
 
 fn one_device() -> u32 {

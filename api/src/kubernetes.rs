@@ -346,12 +346,6 @@ impl JobBackend for KubeBackend {
         submission: &Submission,
         _model: &CatalogueModel,
     ) -> Result<(), ApiError> {
-        if submission.parallelism > 1 {
-            return Err(ApiError::invalid(format!(
-                "parallelism {} is not offered on the Kubernetes backend yet: omit it, and one worker Pod runs the job",
-                submission.parallelism
-            )));
-        }
         // Just after start the caches may not have listed yet; the pre-check needs them.
         let mut changes = self.changes();
         let deadline = tokio::time::Instant::now() + CACHE_WAIT;
@@ -644,6 +638,11 @@ impl KubeBackend {
                 job.reserved.max(1),
             )
         };
+        let spec = HarvestJobSpec {
+            parallelism: (job.spec.parallelism > 1)
+                .then(|| u32::try_from(job.spec.parallelism).unwrap_or(u32::MAX)),
+            ..spec
+        };
         let mut annotations = BTreeMap::from([
             (RUN_ID.to_owned(), job.run_id.clone()),
             (PROMPTS.to_owned(), job.n_prompts.to_string()),
@@ -847,7 +846,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             lane: job_lane(job),
             estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
             estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
-            parallelism: 1,
+            parallelism: job.spec.parallelism.map_or(1, |n| n as usize),
         },
     }
 }

@@ -96,6 +96,12 @@ pub(crate) async fn submit(
     let model = catalogue_model(&state, &request.model)?;
     let dry_run = request.dry_run.unwrap_or(false);
     let submission = request.validate(&model.model)?;
+    if submission.parallelism > model.max_parallelism {
+        return Err(ApiError::invalid(format!(
+            "parallelism {} is above model {}'s cap of {}: use at most {}, or leave it out for one worker",
+            submission.parallelism, model.model.name, model.max_parallelism, model.max_parallelism
+        )));
+    }
     let counts = count_tokens(&state, &caller, model, &submission).await?;
     let predicted = predict(model, &submission, &counts);
     let throughput = state.backend.throughput(&submission.model).await?;

@@ -91,8 +91,9 @@ pub struct HarvestRequest {
     #[serde(default)]
     pub dry_run: Option<bool>,
     /// Our extension: run the job as this many harvester processes at once, each on its own
-    /// share of the shards (1, the default, to 16, and at most the job's shards); the files are
-    /// byte for byte those of one process. Embedded backend only for now.
+    /// share of the shards (1, the default, to 16, at most the job's shards and the model's
+    /// cap); the files are byte for byte those of one process. On Kubernetes, one worker Pod
+    /// per part, then a finalize Pod.
     #[serde(default)]
     pub parallelism: Option<usize>,
 }

@@ -389,7 +389,8 @@ fn job_files(job: &serde_json::Value) -> Vec<Vec<u8>> {
 fn a_job_run_as_three_harvesters_writes_the_bytes_of_one_and_is_charged_the_same() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let server = start(&write_config(dir.path(), port, 1), port);
+    let models = json!({"models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small", "max_parallelism": 3}]});
+    let server = start(&write_config_with(dir.path(), port, 1, models), port);
     let key = create_key(&server.config, "acme");
     let prompts: Vec<String> = (0..14)
         .map(|i| {
@@ -451,6 +452,7 @@ fn a_job_run_as_three_harvesters_writes_the_bytes_of_one_and_is_charged_the_same
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains(named), "{message}");
     }
+    parts_flow(&server, &key, 3);
 }
 
 #[test]

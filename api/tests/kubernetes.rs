@@ -140,7 +140,7 @@ fn cluster_with(
                 .unwrap();
         }
         let config = OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\n",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 3}}\nlanes: {{small: 4, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\n",
             smollm2().display()
         ))
         .unwrap();
@@ -159,7 +159,7 @@ fn cluster_with(
         let api_config = json!({
             "data_dir": dir.join("data"),
             "public_url": format!("http://127.0.0.1:{port}"),
-            "models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small"}],
+            "models": [{"name": "smollm2-135m", "path": smollm2(), "lane": "small", "max_parallelism": 3}],
             "kubernetes": {"namespace": API_NAMESPACE, "storage": storage},
         });
         let config = dir.join("api.json");
@@ -196,6 +196,28 @@ fn the_seed_flow_on_kubernetes_long_polls_and_downloads_the_bytes_of_a_direct_ru
         Some("acme"),
         "charged to the key's account"
     );
+}
+
+#[test]
+fn a_job_sent_in_parts_runs_as_part_pods_and_a_finalize_pod_and_downloads_the_bytes_of_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cluster = cluster(dir.path(), port);
+    let server = cluster.api(port);
+    let key = cluster.key("acme");
+    parts_flow(&server, &key, 3);
+    let jobs: Vec<HarvestJob> = reqwest::runtime().block_on(async {
+        let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), API_NAMESPACE);
+        jobs.list(&Default::default()).await.unwrap().items
+    });
+    let parts: Vec<_> = jobs
+        .iter()
+        .filter_map(|j| j.status.clone())
+        .filter(|s| s.parallelism == Some(3))
+        .collect();
+    assert_eq!(parts.len(), 1, "{jobs:?}");
+    assert_eq!(parts[0].parts_summary.as_deref(), Some("3/3"));
+    assert!(parts[0].pod.as_deref().unwrap().contains("-finalize-"));
 }
 
 #[test]

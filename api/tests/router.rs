@@ -62,6 +62,7 @@ async fn fixture_with(
             lane: Lane::Small,
             devices: 1,
             optional: false,
+            max_parallelism: 16,
         }],
         accounts: vec![
             AccountConfig {
@@ -634,6 +635,7 @@ fn with_smollm2(config: &mut ServerConfig) {
         lane: Lane::Small,
         devices: 1,
         optional: false,
+        max_parallelism: 16,
     });
 }
 
@@ -1087,6 +1089,7 @@ fn missing_model(name: &str, optional: bool) -> ModelConfig {
         lane: Lane::Large,
         devices: 8,
         optional,
+        max_parallelism: 16,
     }
 }
 

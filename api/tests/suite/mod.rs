@@ -666,3 +666,57 @@ pub fn key_admin_flow(server: &Server, env: &[(&str, &str)]) {
     let (ok, _, err) = admin(config, env, &["revoke-key", "--label", "moved"], None);
     assert!(!ok && err.contains("no active key is labelled"), "{err}");
 }
+
+/// The files of a done job, downloaded: the manifest (its `job_uid` and job id left out, which
+/// are all two jobs of one plan may differ by), the statistics and every shard.
+fn downloaded(job: &Value) -> (Value, Vec<Vec<u8>>) {
+    let result = &job["result"];
+    let get = |url: &Value| reqwest::blocking_get(url.as_str().unwrap()).unwrap();
+    let id = job["job_id"].as_str().unwrap();
+    let manifest = String::from_utf8(get(&result["manifest_url"])).unwrap();
+    let mut manifest: Value = serde_json::from_str(&manifest.replace(id, "JOB")).unwrap();
+    manifest.as_object_mut().unwrap().remove("job_uid");
+    let mut files = vec![get(&result["stats_url"])];
+    files.extend(result["shard_urls"].as_array().unwrap().iter().map(get));
+    (manifest, files)
+}
+
+/// A job sent with the `parallelism` extension runs in that many workers and writes the
+/// files of one, charged the same; past the model's cap (`max_parallelism`, given as
+/// `cap`) it is refused with 400 naming the cap.
+pub fn parts_flow(server: &Server, key: &str, cap: usize) {
+    let prompts: Vec<String> = (0..10)
+        .map(|i| {
+            format!(
+                "Part prompt {i}: {}",
+                "the residual stream ".repeat(1 + i % 4)
+            )
+        })
+        .collect();
+    let body = |parallelism: Option<usize>| {
+        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": [3, 17], "shard_size": 2});
+        if let Some(n) = parallelism {
+            body["parallelism"] = json!(n);
+        }
+        body
+    };
+    let done = |id: String| {
+        wait_for(server, key, &id, |j| {
+            j["status"] == "done" || j["status"] == "failed"
+        })
+    };
+    let one = done(submit_ok(server, key, body(None)));
+    let parts = done(submit_ok(server, key, body(Some(cap))));
+    assert_eq!(parts["status"], "done", "{parts}");
+    assert_eq!(parts["tokens"], one["tokens"]);
+    assert_eq!(downloaded(&parts), downloaded(&one));
+    let (status, answer) = request(
+        "POST",
+        &format!("{}/v1/harvest", server.base),
+        key,
+        Some(body(Some(cap + 1))),
+    );
+    assert_eq!(status, 400, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&format!("cap of {cap}")), "{message}");
+}
