@@ -28,11 +28,8 @@ pub fn render(
     attempt: &Attempt,
     credentials: Option<&str>,
 ) -> Result<Pod> {
-    let Attempt {
-        role,
-        number: attempt,
-        deadline_seconds,
-    } = *attempt;
+    let (role, deadline_seconds, attempt) =
+        (attempt.role, attempt.deadline_seconds, attempt.number);
     let args = worker_args(job, valid, model, config, role)?;
     let resources = resources(model, role);
     let secret = credentials.or(config.worker_env_secret.as_deref());
@@ -46,21 +43,7 @@ pub fn render(
     // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
     // label, and the job's finalizer deletes it.
     let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
-    let mut labels = BTreeMap::from([
-        (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
-        (JOB_LABEL.to_owned(), job_label(&job.name_any())),
-        (JOB_UID_LABEL.to_owned(), owner.uid.clone()),
-        ("harvest.dev/attempt".to_owned(), attempt.to_string()),
-    ]);
-    match role {
-        Role::Whole => {}
-        Role::Part { index, .. } => {
-            labels.insert(PART_LABEL.to_owned(), index.to_string());
-        }
-        Role::Finalize => {
-            labels.insert(PART_LABEL.to_owned(), "finalize".to_owned());
-        }
-    }
+    let labels = labels(job, &owner.uid, attempt, role);
     let annotations = BTreeMap::from([
         (
             JOB_NAMESPACE_ANNOTATION.to_owned(),
@@ -114,6 +97,26 @@ pub fn render(
         }),
         status: None,
     })
+}
+
+/// Who manages the Pod, its job by name and UID, its attempt, and a part's index.
+fn labels(job: &HarvestJob, uid: &str, attempt: u32, role: Role) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
+        (JOB_LABEL.to_owned(), job_label(&job.name_any())),
+        (JOB_UID_LABEL.to_owned(), uid.to_owned()),
+        ("harvest.dev/attempt".to_owned(), attempt.to_string()),
+    ]);
+    match role {
+        Role::Whole => {}
+        Role::Part { index, .. } => {
+            labels.insert(PART_LABEL.to_owned(), index.to_string());
+        }
+        Role::Finalize => {
+            labels.insert(PART_LABEL.to_owned(), "finalize".to_owned());
+        }
+    }
+    labels
 }
 
 /// The job's name and namespace, a part's `INDEX/COUNT`, and the storage Secret as the
