@@ -4,7 +4,7 @@
 //! `ttlSecondsAfterFinished` may change after creation; the CEL rules in the schema say so and
 //! the apiserver enforces them.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
@@ -370,6 +370,10 @@ pub struct HarvestJobStatus {
     /// The generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// When the job was last admitted, to the microsecond: its place in its model's `maxPods`
+    /// queue (condition times keep only seconds, which would order same-second jobs by name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admitted_at: Option<MicroTime>,
     /// When the first attempt started (the deadline counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,

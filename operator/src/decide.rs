@@ -22,7 +22,7 @@ use std::time::Duration;
 use harvest_core::lifecycle::JobEvent;
 use harvest_crds::conditions::{self, ADMITTED, ConditionUpdate, FINISHED, RUNNING};
 use harvest_crds::{HarvestJob, HarvestJobStatus, JobPhase, Progress, SpecError, TokenUsage};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 
@@ -234,6 +234,7 @@ impl Builder<'_> {
                         format!("admitted to the {lane} lane, holding {reserved} tokens"),
                     );
                     self.status.lane = self.observed.lane.clone();
+                    self.status.admitted_at = Some(MicroTime(self.observed.now));
                     self.status.account = self.observed.account.clone();
                     self.status.tokens = Some(TokenUsage {
                         reserved,

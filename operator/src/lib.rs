@@ -44,7 +44,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client};
-use tracing::info;
+use tracing::{info, warn};
 
 pub use config::OperatorConfig;
 pub use error::{Error, Result};
@@ -74,6 +74,10 @@ pub struct Settings {
     /// The reporter name on Events.
     pub instance: String,
 }
+
+/// How long a stopping replica waits for the reconciles in flight before it stops without
+/// them, well inside the Pod's 30 s termination grace so it still releases its Lease.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
 
 /// Runs the controller until `shutdown` resolves or leadership is lost.
 pub async fn run(
@@ -122,7 +126,7 @@ pub async fn run(
         )
         .for_each(|_| futures::future::ready(()));
     let accounts_running = account_controller
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(shutdown.clone())
         .run(
             ledger::reconcile_account,
             ledger::account_error_policy,
@@ -130,7 +134,20 @@ pub async fn run(
         )
         .for_each(|_| futures::future::ready(()));
     let running = async {
-        futures::join!(jobs_running, accounts_running);
+        let drained = async {
+            futures::join!(jobs_running, accounts_running);
+        };
+        let overdue = async {
+            shutdown.await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            () = drained => {}
+            () = overdue => warn!(
+                grace_seconds = SHUTDOWN_GRACE.as_secs(),
+                "reconciles still running past the shutdown grace; stopping without them"
+            ),
+        }
     };
     let outcome = match leadership {
         Some(leadership) => {

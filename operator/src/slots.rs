@@ -1,6 +1,6 @@
 //! The model's `maxPods`, pure: how many worker Pods a job may start now, when the Pods of
 //! every job of the model together may not pass the cap and queued Pods start first come
-//! first served (by admission time, then by job).
+//! first served (by admission time to the microsecond, then by job).
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED, RUNNING};
 use harvest_crds::{HarvestJob, PartPhase};
@@ -50,7 +50,10 @@ pub fn job_pods(job: &HarvestJob, key: String) -> Option<JobPods> {
     };
     Some(JobPods {
         key,
-        queued_since: admitted.last_transition_time.0,
+        queued_since: status
+            .admitted_at
+            .as_ref()
+            .map_or(admitted.last_transition_time.0, |at| at.0),
         occupying,
         waiting,
     })
@@ -107,6 +110,37 @@ mod tests {
         assert_eq!(free_for(&jobs, &me, 2, 0), 0);
         // Never more than the job waits to start.
         assert_eq!(free_for(&jobs, &me, 100, 0), 3);
+    }
+
+    fn admitted_job(name: &str, micros: i64) -> HarvestJob {
+        use harvest_crds::{HarvestJobSpec, HarvestJobStatus};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
+        let at = Timestamp::from_microsecond(5_000_000 + micros).unwrap();
+        let mut job = HarvestJob::new(name, HarvestJobSpec::new("m", "/p", "/o", 10));
+        job.status = Some(HarvestJobStatus {
+            conditions: vec![Condition {
+                type_: ADMITTED.into(),
+                status: "True".into(),
+                reason: "Admitted".into(),
+                message: String::new(),
+                // What the apiserver keeps of a condition's time: whole seconds.
+                last_transition_time: Time(Timestamp::from_second(5).unwrap()),
+                observed_generation: None,
+            }],
+            admitted_at: Some(MicroTime(at)),
+            ..Default::default()
+        });
+        job
+    }
+
+    #[test]
+    fn jobs_admitted_in_the_same_second_queue_by_their_admission_microsecond_not_by_name() {
+        let first = job_pods(&admitted_job("wide", 100), "ns/wide".into()).unwrap();
+        let second = job_pods(&admitted_job("narrow", 900), "ns/narrow".into()).unwrap();
+        assert_eq!((first.occupying, first.waiting), (0, 1));
+        let jobs = [first.clone(), second.clone()];
+        assert_eq!(free_for(&jobs, &first, 1, 0), 1);
+        assert_eq!(free_for(&jobs, &second, 1, 0), 0);
     }
 
     #[test]

@@ -241,7 +241,11 @@ async fn a_leader_that_stops_cleanly_gives_up_its_lease_at_once() {
     .await;
     assert_eq!(cluster.leader().as_deref(), Some("replica-a"));
     let _ = stop.send(());
-    replica.await.unwrap().unwrap();
+    tokio::time::timeout(harvest_testkit::SETTLE_WITHIN, replica)
+        .await
+        .expect("the replica stops within the deadline")
+        .unwrap()
+        .unwrap();
     assert_eq!(
         cluster.leader(),
         None,
