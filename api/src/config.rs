@@ -31,6 +31,10 @@ pub struct ServerConfig {
     /// Threads each harvester process may use (default: all cores).
     #[serde(default)]
     pub worker_threads: Option<usize>,
+    /// The GPUs (CUDA ordinals) the workers run on, each harvester on its own while it runs,
+    /// a job's parts on one each (default none: harvesters run on the CPU).
+    #[serde(default)]
+    pub worker_gpus: Vec<u32>,
     /// Longest a submit may spend counting its corpus's tokens before it is answered 429
     /// `harvest_count_busy` (the hosted service's 10 s).
     #[serde(default = "default_count_timeout")]
@@ -218,6 +222,14 @@ impl ServerConfig {
             return Err(StartupError::config(format!(
                 "count_timeout_seconds is {}: give a positive number of seconds (default 10)",
                 config.count_timeout_seconds
+            )));
+        }
+        let mut gpus = config.worker_gpus.clone();
+        gpus.sort_unstable();
+        if let Some(twice) = gpus.windows(2).find(|w| w[0] == w[1]) {
+            return Err(StartupError::config(format!(
+                "worker_gpus lists GPU {} twice: list each CUDA ordinal once",
+                twice[0]
             )));
         }
         if let Some(limit) = &config.rate_limit {

@@ -25,6 +25,7 @@ pub mod config;
 pub mod counting;
 pub mod embedded;
 pub mod error;
+pub mod gpus;
 pub mod kubernetes;
 pub mod listing;
 pub mod lookups;

@@ -79,6 +79,7 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
             .job_timeout_seconds
             .map(std::time::Duration::from_secs),
         attempts: config.worker_attempts,
+        gpus: config.worker_gpus.clone(),
     };
     remove_orphan_files(&store, &config.data_dir)?;
     let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);

@@ -24,6 +24,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::{Semaphore, oneshot, watch};
 
+use crate::gpus::GpuPool;
 use crate::paths::{JobPaths, now};
 use crate::store::{Outcome, Store};
 use crate::wire::{JobResult, Progress};
@@ -73,6 +74,8 @@ pub struct WorkerConfig {
     /// Runs of a job's harvester, the first included, when it dies of a signal or an
     /// infrastructure failure.
     pub attempts: u32,
+    /// The GPUs (CUDA ordinals) harvesters run on, one each while they run (none: the CPU).
+    pub gpus: Vec<u32>,
 }
 
 /// Why a harvester is stopped from outside.
@@ -90,6 +93,7 @@ pub struct Workers {
     store: Arc<Store>,
     config: WorkerConfig,
     slots: Arc<Semaphore>,
+    gpus: Arc<GpuPool>,
     running: Mutex<HashMap<String, oneshot::Sender<Stop>>>,
     stopping: std::sync::atomic::AtomicBool,
     capacity: usize,
@@ -110,12 +114,13 @@ impl Workers {
         let (changes, _) = watch::channel(0);
         Arc::new(Self {
             store,
-            config,
             slots: Arc::new(Semaphore::new(max_workers)),
+            gpus: GpuPool::new(&config.gpus),
             running: Mutex::default(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             capacity: max_workers,
             changes,
+            config,
         })
     }
 
@@ -372,10 +377,21 @@ impl Workers {
         stop_rx: &mut oneshot::Receiver<Stop>,
         deadline: Option<tokio::time::Instant>,
     ) -> Result<Ended, WorkerError> {
+        // Finalize only merges records: it takes no GPU.
+        let lease = match roles {
+            [Role::Finalize] => None,
+            _ => tokio::select! {
+                lease = self.gpus.lease(roles.len()) => lease,
+                why = &mut *stop_rx => return Ok(Ended::Stopped(why.unwrap_or(Stop::Shutdown))),
+            },
+        };
         let tally = Arc::new(Tally::new(roles.len()));
         let (mut children, mut readers) = (Vec::new(), Vec::new());
         for (slot, role) in roles.iter().enumerate() {
-            let mut child = self.command(model, paths, *role, roles.len()).spawn()?;
+            let device = lease.as_ref().map(|l| l.device_for(slot));
+            let mut child = self
+                .command(model, paths, *role, (roles.len(), device))
+                .spawn()?;
             tracing::info!(job = %id, pid = child.id(), role = %role, "worker started");
             let (store, id, tally) = (Arc::clone(&self.store), id.to_owned(), Arc::clone(&tally));
             readers.push(tokio::spawn(read_progress(
@@ -444,8 +460,14 @@ impl Workers {
     }
 
     /// The harvester of one role of a job, its progress on stderr as JSON lines; `of` is how
-    /// many run at once, which share the threads.
-    fn command(&self, model: &str, paths: &JobPaths, role: Role, of: usize) -> Command {
+    /// many run at once, which share the threads, and `device` its GPU (none: the default).
+    fn command(
+        &self,
+        model: &str,
+        paths: &JobPaths,
+        role: Role,
+        (of, device): (usize, Option<String>),
+    ) -> Command {
         let mut command = Command::new(&self.config.harvester);
         command.arg(match role {
             Role::Whole | Role::Part(..) => "run",
@@ -453,6 +475,9 @@ impl Workers {
         });
         if let Role::Part(index, count) = role {
             command.args(["--part", &format!("{index}/{count}")]);
+        }
+        if let Some(device) = device {
+            command.args(["--device", &device]);
         }
         command
             .arg("--plan")
@@ -749,6 +774,47 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
+
+    #[test]
+    fn a_part_runs_on_the_gpu_it_was_given_and_shares_the_threads_with_the_other_parts() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("harvest.sqlite")).unwrap());
+        let config = WorkerConfig {
+            harvester: "/bin/harvester".into(),
+            data_dir: dir.path().into(),
+            threads: Some(8),
+            deadline: None,
+            attempts: 1,
+            gpus: vec![3],
+        };
+        let workers = Workers::new(store, config, 1);
+        let paths = JobPaths::new(dir.path(), "job");
+        let args = |command: Command| -> Vec<String> {
+            let std = command.as_std();
+            let env = std
+                .get_envs()
+                .find(|(k, _)| *k == "HARVEST_THREADS")
+                .and_then(|(_, v)| v)
+                .map(|v| v.to_string_lossy().into_owned());
+            let mut args: Vec<String> = std
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            args.extend(env);
+            args
+        };
+        let part = args(workers.command("m", &paths, Role::Part(1, 2), (2, Some("cuda:3".into()))));
+        let at = part.iter().position(|a| a == "--device").unwrap();
+        assert_eq!(part[at + 1], "cuda:3");
+        assert!(part.windows(2).any(|w| w == ["--part", "1/2"]), "{part:?}");
+        assert_eq!(
+            part.last().map(String::as_str),
+            Some("4"),
+            "8 threads over 2 parts"
+        );
+        let finalize = args(workers.command("m", &paths, Role::Finalize, (1, None)));
+        assert!(!finalize.iter().any(|a| a == "--device"), "{finalize:?}");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {

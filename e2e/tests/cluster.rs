@@ -514,3 +514,111 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         "{refused}"
     );
 }
+
+/// A done job's files through its signed links: the manifest (less the job's id and uid, all
+/// that two jobs of one plan may differ by), the statistics and every shard.
+async fn downloaded(done: &Value) -> (Value, Vec<Vec<u8>>) {
+    let result = &done["result"];
+    let get = |url: &Value| {
+        let url = url.as_str().unwrap().to_owned();
+        async move {
+            let answer = reqwest::get(&url).await.unwrap();
+            assert_eq!(answer.status(), 200, "{url}");
+            answer.bytes().await.unwrap().to_vec()
+        }
+    };
+    let id = done["job_id"].as_str().unwrap();
+    let manifest = String::from_utf8(get(&result["manifest_url"]).await).unwrap();
+    let mut manifest: Value = serde_json::from_str(&manifest.replace(id, "JOB")).unwrap();
+    manifest.as_object_mut().unwrap().remove("job_uid");
+    let mut files = vec![get(&result["stats_url"]).await];
+    for url in result["shard_urls"].as_array().unwrap() {
+        files.push(get(url).await);
+    }
+    (manifest, files)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rest_job_in_three_parts_with_one_part_pod_deleted_downloads_the_bytes_of_one_worker() {
+    let cluster = LocalCluster::up();
+    let key = cluster.create_key("acme");
+    let http = reqwest::Client::new();
+    let prompts: Vec<String> = (0..36)
+        .map(|i| format!("Prompt {i}: {}", "a residual stream ".repeat(8 + i % 5)))
+        .collect();
+    let submit = |parallelism: Option<u32>| {
+        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": [4, 20], "shard_size": 4});
+        if let Some(n) = parallelism {
+            body["parallelism"] = json!(n);
+        }
+        let request = http
+            .post(format!("{}/harvest", cluster.api))
+            .bearer_auth(&key)
+            .json(&body);
+        async move {
+            let answer = request.send().await.unwrap();
+            assert_eq!(answer.status(), 202);
+            let job: Value = answer.json().await.unwrap();
+            job["job_id"].as_str().unwrap().to_owned()
+        }
+    };
+    let parts = submit(Some(3)).await;
+    let job = ["harvestjob", parts.as_str(), "-n", "harvest-system"];
+    // The middle part's Pod is deleted as soon as it exists: the part alone runs again.
+    let killed = eventually("part 1's Pod", WITHIN, || {
+        let pod = cluster.field(&job, "{.status.parts[1].pod}");
+        let phase = cluster.field(&job, "{.status.parts[1].phase}");
+        (phase == "Running" && !pod.is_empty())
+            .then_some(pod)
+            .ok_or(phase)
+    })
+    .await;
+    cluster
+        .kubectl(&[
+            "delete",
+            "pod",
+            &killed,
+            "-n",
+            "harvest-system",
+            "--wait=false",
+        ])
+        .unwrap();
+    let one = submit(None).await;
+    let done = |id: String| {
+        let request = http
+            .get(format!("{}/harvest/{id}?wait=30", cluster.api))
+            .bearer_auth(&key);
+        async move {
+            let deadline = tokio::time::Instant::now() + WITHIN;
+            loop {
+                let view: Value = request
+                    .try_clone()
+                    .unwrap()
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                match view["status"].as_str() {
+                    Some("done") => break view,
+                    Some("pending" | "running") if tokio::time::Instant::now() < deadline => {}
+                    _ => panic!("the job did not finish: {view}"),
+                }
+            }
+        }
+    };
+    let (parts_done, one_done) = (done(parts.clone()).await, done(one).await);
+    assert_eq!(parts_done["tokens"], one_done["tokens"]);
+    assert!(downloaded(&parts_done).await == downloaded(&one_done).await);
+    let attempts = cluster.field(&job, "{.status.parts[1].attempts}");
+    assert!(attempts.parse::<u32>().unwrap() >= 2, "attempts {attempts}");
+    // `kubectl get hj` shows the parts done out of all.
+    let listed = cluster
+        .kubectl(&["get", "hj", &parts, "-n", "harvest-system"])
+        .unwrap();
+    assert!(
+        listed.contains("PARTS") && listed.contains("3/3"),
+        "{listed}"
+    );
+}
