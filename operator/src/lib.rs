@@ -133,22 +133,12 @@ pub async fn run(
             context,
         )
         .for_each(|_| futures::future::ready(()));
-    let running = async {
-        let drained = async {
+    let running = drain_within_grace(
+        async {
             futures::join!(jobs_running, accounts_running);
-        };
-        let overdue = async {
-            shutdown.await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
-        };
-        tokio::select! {
-            () = drained => {}
-            () = overdue => warn!(
-                grace_seconds = SHUTDOWN_GRACE.as_secs(),
-                "reconciles still running past the shutdown grace; stopping without them"
-            ),
-        }
-    };
+        },
+        shutdown,
+    );
     let outcome = match leadership {
         Some(leadership) => {
             tokio::select! {
@@ -168,6 +158,25 @@ pub async fn run(
         task.abort();
     }
     outcome
+}
+
+/// Runs `controllers` until they have drained after `shutdown`, or for [`SHUTDOWN_GRACE`]
+/// past it, whichever comes first.
+async fn drain_within_grace(
+    controllers: impl Future<Output = ()>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let overdue = async {
+        shutdown.await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        () = controllers => {}
+        () = overdue => warn!(
+            grace_seconds = SHUTDOWN_GRACE.as_secs(),
+            "reconciles still running past the shutdown grace; stopping without them"
+        ),
+    }
 }
 
 /// Waits for the Lease when replicas elect a leader; `None` when they do not.
