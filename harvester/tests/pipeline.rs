@@ -1238,6 +1238,36 @@ fn a_job_run_in_three_parts_at_once_and_finalized_writes_the_bytes_of_one_run() 
 }
 
 #[test]
+fn a_part_with_no_shard_left_to_run_never_loads_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = parts_prompts(dir.path());
+    let out = dir.path().join("parts");
+    let part = |part: &str| {
+        let mut args = run_args_with(&prompts, &out, &["--part", part]);
+        let mode = args.iter().position(|a| a == "--progress").unwrap();
+        args[mode + 1] = "json".into();
+        let output = run_ok(&args);
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        (report, String::from_utf8_lossy(&output.stderr).into_owned())
+    };
+    // 6 shards over 7 parts: part 0 has one, part 6 none.
+    let (first, loaded) = part("0/7");
+    assert_eq!(first["shards"], serde_json::json!([0, 1]));
+    assert!(loaded.contains("\"loading\""), "{loaded}");
+    let (empty, idle) = part("6/7");
+    assert_eq!(empty["shards"], serde_json::json!([6, 6]));
+    assert_eq!(empty["written"], 0);
+    assert!(!idle.contains("\"loading\""), "{idle}");
+    // Run again once its shard is recorded, part 0 has nothing left either.
+    let (again, rerun) = part("0/7");
+    assert_eq!(
+        (again["written"].clone(), again["resumed"].clone()),
+        (0.into(), 1.into())
+    );
+    assert!(!rerun.contains("\"loading\""), "{rerun}");
+}
+
+#[test]
 fn a_killed_part_reruns_from_its_records_and_the_job_finalizes_to_the_same_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = parts_prompts(dir.path());

@@ -323,7 +323,13 @@ pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<
         .clone()
         .filter(|s| ready.resumed.contains_key(s))
         .count();
-    let (fresh, _) = harvest(&ready, options, shards.clone(), (&runtime, load_start))?;
+    let fresh = if resumed == shards.len() {
+        // Nothing left to run (every shard recorded by an earlier try, or none in this part's
+        // range): the model is never loaded.
+        Vec::new()
+    } else {
+        harvest(&ready, options, shards.clone(), (&runtime, load_start))?.0
+    };
     let tokens = fresh
         .iter()
         .map(|r| r.token_counts.iter().sum::<usize>() as u64)
