@@ -8,8 +8,9 @@ All run SmolLM2-135M (the checkpoint imported by scripts/fetch-model.sh) over th
 forward pass: ours with --precision f32 and bf16, PyTorch (transformers) in float32 and
 bfloat16, running the base model (no LM head) with output_hidden_states, the closest equivalent
 of capturing every layer. Prints the CPU's flags, tokens/s for each and the ratio to PyTorch
-f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library measured in the same
-run.
+f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library and against the
+machine's f32 FMA and bf16 dot ceilings (which `harvester bench` times on registers alone), all
+measured in the same run.
 Needs the pinned environment of scripts/reference/requirements.txt.
 
     python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
@@ -175,7 +176,16 @@ def main():
     print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (gemm crate, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s; "
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
               f", bf16 {100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%" if "bf16" in ours else ""))
-
+    peaks = [ours["f32"].get(name) for name in ("f32_fma_peak", "bf16_dot_peak")]
+    print("ceilings (every thread, registers only, same run): " + "; ".join(
+        f"{p['instruction']} {p['gflops']:.1f} GFLOP/s" for p in peaks if p))
+    for precision in precisions:
+        fraction = ours[precision].get("fraction_of_peak")
+        if fraction is not None:
+            ceiling = "bf16 dot" if precision == "bf16" and ours[precision]["bf16_dot_instructions"] else "f32 FMA"
+            print(f"harvest {precision} reaches {100 * fraction:.0f}% of its own ceiling ({ceiling})")
+    if base and peaks[0]:
+        print(f"torch f32 reaches {100 * base * per_token / peaks[0]['gflops']:.0f}% of the f32 FMA ceiling")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,17 +1,20 @@
 //! `harvester bench`: forward-pass throughput of an engine on a fixed corpus of token ids, next
 //! to the throughput of a plain GEMM on the model's largest projection shape (the practical
-//! ceiling): f32 `gemm` for the CPU, bf16 cuBLAS for CUDA. Weight loading is timed too.
+//! ceiling): f32 `gemm` for the CPU, bf16 cuBLAS for CUDA. On the CPU it also measures the
+//! arithmetic ceilings themselves (`backend::cpu::peak`). Weight loading is timed too.
 //! `scripts/bench_cpu.py` runs the CPU engine beside PyTorch; `scripts/gpu-check.sh` runs CUDA.
 
 use std::path::Path;
 use std::time::Instant;
 
 use gemm::Parallelism;
+use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Sites};
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
+use crate::backend::cpu::peak::{self, Peak};
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -33,7 +36,7 @@ pub struct BenchConfig<'a> {
     /// Tokens per forward batch.
     pub batch_tokens: usize,
     /// The arithmetic.
-    pub precision: harvest_core::plan::Precision,
+    pub precision: Precision,
     /// The engine.
     pub device: DeviceChoice,
     /// Project onto this many seeded random directions instead of keeping activations.
@@ -75,6 +78,16 @@ pub struct BenchReport {
     pub fraction_of_gemm: f64,
     /// The GEMM shape measured, `[m, n, k]`.
     pub gemm_shape: [usize; 3],
+    /// On the CPU: the f32 FMA ceiling of every thread together, measured in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub f32_fma_peak: Option<Peak>,
+    /// On the CPU with `vdpbf16ps`: the bf16 dot ceiling, measured in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_dot_peak: Option<Peak>,
+    /// `gflops` over this precision's own ceiling: the bf16 dot peak for bf16 products on
+    /// `vdpbf16ps`, else the f32 FMA peak.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fraction_of_peak: Option<f64>,
     /// Seconds to read the checkpoint and hand the weights to the engine (on the CPU, every
     /// mapped page read in once).
     pub load_seconds: f64,
@@ -274,11 +287,17 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let gemm_gflops = match config.device {
-        DeviceChoice::Cuda(ordinal) => {
-            crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?
-        }
-        DeviceChoice::Cpu | DeviceChoice::Auto => gemm_rate(gemm_shape),
+    let (gemm_gflops, peaks) = match config.device {
+        DeviceChoice::Cuda(ordinal) => (
+            crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?,
+            (None, None),
+        ),
+        DeviceChoice::Cpu | DeviceChoice::Auto => (gemm_rate(gemm_shape), cpu_peaks()),
+    };
+    let (f32_fma_peak, bf16_dot_peak) = peaks;
+    let ceiling = match config.precision {
+        Precision::Bf16 => bf16_dot_peak.or(f32_fma_peak),
+        Precision::F32 => f32_fma_peak,
     };
     Ok(BenchReport {
         engine: backend.name(),
@@ -297,6 +316,9 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         gemm_gflops,
         fraction_of_gemm: gflops / gemm_gflops,
         gemm_shape,
+        f32_fma_peak,
+        bf16_dot_peak,
+        fraction_of_peak: ceiling.map(|peak| gflops / peak.gflops),
         load_seconds,
         weight_bytes_bf16,
         load_gb_per_s: weight_bytes_bf16 as f64 / load_seconds / 1e9,
@@ -374,6 +396,11 @@ pub fn pack(prompts: &[Vec<u32>], budget: usize) -> Vec<Batch> {
         batches.push(current);
     }
     batches
+}
+
+/// The CPU's f32 FMA and bf16 dot ceilings.
+fn cpu_peaks() -> (Option<Peak>, Option<Peak>) {
+    (peak::f32_fma(), peak::bf16_dot())
 }
 
 /// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ`, best of several runs after a warm-up.

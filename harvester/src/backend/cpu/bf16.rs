@@ -25,7 +25,7 @@ const ROWS_PER_TASK: usize = 8 * MR;
 /// A bf16 value's bits from an f32, rounded to nearest even (NaN stays NaN).
 #[inline]
 pub fn to_bf16_bits(value: f32) -> u16 {
-    half::bf16::from_f32(value).to_bits()
+    (crate::dtype::bf16_rounded_bits(value) >> 16) as u16
 }
 
 /// Rounds `src` to bf16 bits into `dst` (the same length), in parallel.

@@ -25,6 +25,7 @@ pub mod bf16;
 pub mod kernels;
 pub mod matmul;
 mod moe;
+pub mod peak;
 
 use std::path::Path;
 
@@ -88,6 +89,8 @@ struct GemmScratch {
     tile: Vec<f32>,
     /// A GEMM's input rounded to bf16, in bf16 mode.
     input_bf16: Vec<u16>,
+    /// The same, widened back to f32, where the bf16 product runs on the f32 GEMM.
+    input_rounded: Vec<f32>,
     /// The bf16 product's packed operands.
     packed: bf16::Packed,
 }
@@ -117,6 +120,9 @@ fn project(
     };
     let k = input.cols;
     let values = &input.data[..input.rows * k];
+    if !bf16::has_dot_instructions() {
+        return project_widened(input, w, w16, out, out_stride, accumulate, scratch);
+    }
     scratch.input_bf16.resize(values.len(), 0);
     bf16::round_into(values, &mut scratch.input_bf16);
     let mut column = 0;
@@ -132,6 +138,58 @@ fn project(
             &mut scratch.packed,
         );
         column += cols;
+    }
+}
+
+/// The bf16 product where the CPU has no bf16 dot instruction: the input rounded to bf16 and
+/// both operands widened exactly to f32 into the scratch (nothing allocated), then one
+/// whole-width f32 GEMM, as in f32 mode. Only the order of the f32 sums differs from
+/// `vdpbf16ps`.
+fn project_widened(
+    input: MatRef<'_>,
+    w: &crate::model::Matrix,
+    w16: &Bf16Matrix,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+    scratch: &mut GemmScratch,
+) {
+    let values = &input.data[..input.rows * input.cols];
+    let rounded = &mut scratch.input_rounded;
+    rounded.resize(values.len(), 0.0);
+    rounded
+        .par_chunks_mut(ROWS_PER_TASK * input.cols.max(1))
+        .zip(values.par_chunks(ROWS_PER_TASK * input.cols.max(1)))
+        .for_each(|(dst, src)| {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = crate::dtype::round_bf16(s);
+            }
+        });
+    let input = MatRef::dense(rounded, input.rows, input.cols);
+    match w16 {
+        // The checkpoint's own bf16: widening it is exact, as f32 mode does.
+        Bf16Matrix::Mapped => matmul_weight(
+            input,
+            w,
+            out,
+            out_stride,
+            accumulate,
+            ALL_THREADS,
+            &mut scratch.tile,
+        ),
+        Bf16Matrix::Owned(bits) => {
+            let tile = &mut scratch.tile;
+            tile.resize(bits.len(), 0.0);
+            tile.par_chunks_mut(4096)
+                .zip(bits.par_chunks(4096))
+                .for_each(|(dst, src)| {
+                    for (d, &b) in dst.iter_mut().zip(src) {
+                        *d = half::bf16::from_bits(b).to_f32();
+                    }
+                });
+            let weight = MatRef::dense(tile, w.rows(), w.cols());
+            matmul_transposed(input, weight, out, out_stride, 1.0, accumulate, ALL_THREADS);
+        }
     }
 }
 
