@@ -1,13 +1,13 @@
 //! `harvester bench`: forward-pass throughput of an engine on a fixed corpus of token ids, next
 //! to the throughput of a plain GEMM on the model's largest projection shape (the practical
-//! ceiling): f32 `gemm` for the CPU, bf16 cuBLAS for CUDA. On the CPU it also measures the
-//! arithmetic ceilings themselves (`backend::cpu::peak`). Weight loading is timed too.
+//! ceiling): our own f32 kernel (`sgemm`) for the CPU, beside the `gemm` crate on the same shape,
+//! and bf16 cuBLAS for CUDA. On the CPU it also measures the arithmetic ceilings themselves
+//! (`backend::cpu::peak`). Weight loading is timed too.
 //! `scripts/bench_cpu.py` runs the CPU engine beside PyTorch; `scripts/gpu-check.sh` runs CUDA.
 
 use std::path::Path;
 use std::time::Instant;
 
-use gemm::Parallelism;
 use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Sites};
 use serde::Serialize;
@@ -15,6 +15,7 @@ use serde::Serialize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
 use crate::backend::cpu::peak::{self, Peak};
+use crate::backend::cpu::sgemm;
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -72,8 +73,14 @@ pub struct BenchReport {
     pub tokens_per_s: f64,
     /// Model FLOP per second achieved (projections and attention).
     pub gflops: f64,
-    /// A plain f32 GEMM of the same library, GFLOP/s.
+    /// A plain f32 GEMM of the engine's own kernel, GFLOP/s.
     pub gemm_gflops: f64,
+    /// On the CPU: the engine's f32 kernel (`sgemm`'s register block).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_kernel: Option<&'static str>,
+    /// On the CPU: the `gemm` crate on the same shape, GFLOP/s (a peer for our kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_crate_gflops: Option<f64>,
     /// `gflops / gemm_gflops`.
     pub fraction_of_gemm: f64,
     /// The GEMM shape measured, `[m, n, k]`.
@@ -287,13 +294,18 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let (gemm_gflops, peaks) = match config.device {
+    let (gemm_gflops, gemm_crate_gflops, peaks) = match config.device {
         DeviceChoice::Cuda(ordinal) => (
             crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?,
+            None,
             (None, None),
         ),
-        DeviceChoice::Cpu | DeviceChoice::Auto => (gemm_rate(gemm_shape), cpu_peaks()),
+        DeviceChoice::Cpu | DeviceChoice::Auto => {
+            let [ours, crate_peer] = gemm_rates(gemm_shape);
+            (ours, Some(crate_peer), cpu_peaks())
+        }
     };
+    let gemm_kernel = gemm_crate_gflops.map(|_| sgemm::Kernel::detect().name());
     let (f32_fma_peak, bf16_dot_peak) = peaks;
     let ceiling = match config.precision {
         Precision::Bf16 => bf16_dot_peak.or(f32_fma_peak),
@@ -314,6 +326,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         tokens_per_s: tokens as f64 / seconds,
         gflops,
         gemm_gflops,
+        gemm_kernel,
+        gemm_crate_gflops,
         fraction_of_gemm: gflops / gemm_gflops,
         gemm_shape,
         f32_fma_peak,
@@ -403,28 +417,26 @@ fn cpu_peaks() -> (Option<Peak>, Option<Peak>) {
     (peak::f32_fma(), peak::bf16_dot())
 }
 
-/// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ`, best of several runs after a warm-up.
-fn gemm_rate([m, n, k]: [usize; 3]) -> f64 {
+/// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ` on our kernel and on the `gemm` crate, each the
+/// best of several runs after a warm-up, the two alternating so drifts hit both alike.
+fn gemm_rates([m, n, k]: [usize; 3]) -> [f64; 2] {
     let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
     let b: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let (a, b) = (MatRef::dense(&a, m, k), MatRef::dense(&b, n, k));
     let mut out = vec![0.0f32; m * n];
-    let mut best = f64::INFINITY;
+    let mut best = [f64::INFINITY; 2];
     for round in 0..6 {
         let start = Instant::now();
-        matmul_transposed(
-            MatRef::dense(&a, m, k),
-            MatRef::dense(&b, n, k),
-            &mut out,
-            n,
-            1.0,
-            false,
-            Parallelism::Rayon(0),
-        );
+        sgemm::product(a, &b, &mut out, n, false);
+        let ours = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        matmul_transposed(a, b, &mut out, n, 1.0, false, gemm::Parallelism::Rayon(0));
+        let theirs = start.elapsed().as_secs_f64();
         if round > 0 {
-            best = best.min(start.elapsed().as_secs_f64());
+            best = [best[0].min(ours), best[1].min(theirs)];
         }
     }
-    2.0 * (m * n * k) as f64 / best / 1e9
+    best.map(|seconds| 2.0 * (m * n * k) as f64 / seconds / 1e9)
 }
 
 #[cfg(test)]

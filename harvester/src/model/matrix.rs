@@ -183,6 +183,36 @@ impl Matrix {
         }
     }
 
+    /// Columns `[start, start + dst.len())` of row `row`, widened exactly to f32 into `dst`: what
+    /// a matrix product packs, a block of columns at a time.
+    ///
+    /// # Panics
+    /// If the segment is out of range: a bug in the caller.
+    pub fn decode_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
+        let cols = self.cols;
+        assert!(
+            row < self.rows && start + dst.len() <= cols,
+            "matrix segment out of range. This is a bug."
+        );
+        match &self.data {
+            Data::F32(values) => {
+                let from = row * cols + start;
+                dst.copy_from_slice(&values[from..from + dst.len()]);
+            }
+            Data::Mapped { format, parts } => {
+                let mut first = 0;
+                for part in parts {
+                    if row < first + part.rows {
+                        let from = part.offset + ((row - first) * cols + start) * 2;
+                        widen(*format, &part.map[from..from + dst.len() * 2], dst);
+                        return;
+                    }
+                    first += part.rows;
+                }
+            }
+        }
+    }
+
     /// Reads one byte of every page of a mapped matrix, so its pages are resident (what a
     /// benchmark's load time must include; a run lets its first pass fault them in).
     pub fn touch(&self) -> u8 {

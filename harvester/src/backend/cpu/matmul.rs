@@ -1,14 +1,12 @@
-//! The one doorway to the `gemm` crate, which picks AVX-512, AVX2 or baseline kernels at run
-//! time. Shapes are checked here, before any pointer is handed over.
+//! The doorway to the matrix products. Products with a weight go to our own kernel
+//! ([`super::sgemm`]), whose summation order is fixed; attention's per-sequence products go to
+//! the `gemm` crate (their shapes depend on the sequence alone, so their bits do too). Shapes
+//! are checked here, before any pointer is handed over.
 #![allow(unsafe_code)]
 
 use gemm::Parallelism;
-use rayon::prelude::*;
 
 use crate::model::Matrix;
-
-/// Rows one rayon task widens.
-const WIDEN_ROWS_PER_TASK: usize = 16;
 
 /// A row-major matrix view with an arbitrary row stride (unit column stride).
 #[derive(Debug, Clone, Copy)]
@@ -66,34 +64,17 @@ pub fn matmul_transposed(
     product(a, b.data, rhs, out, out_stride, scale, accumulate, threads);
 }
 
-/// `out (+)= a · wᵀ` for a weight as the checkpoint stores it: an f32 one directly, a bf16 or f16
-/// one widened exactly into `tile` first. The whole matrix is widened at once, not a block of
-/// rows at a time: gemm's blocking depends on the output width, so only a whole-width product
-/// gives the same bits as the f32 weight (and as earlier versions, which decoded every weight
-/// to f32 at load). The tile is as large as the largest weight (llama-8b's gate|up: 470 MB),
-/// a few percent of the resident weights.
+/// `out (+)= a · wᵀ` for a weight as the checkpoint stores it (f32, or bf16 and f16 widened
+/// exactly as they are packed), in the fixed summation order of [`super::sgemm`]: a row's bits
+/// do not depend on the batch or the thread count.
 pub fn matmul_weight(
     a: MatRef<'_>,
     w: &Matrix,
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
-    threads: Parallelism,
-    tile: &mut Vec<f32>,
 ) {
-    let (rows, cols) = (w.rows(), w.cols());
-    let values = match w.as_f32() {
-        Some(values) => values,
-        None => {
-            tile.resize(rows * cols, 0.0);
-            tile.par_chunks_mut(WIDEN_ROWS_PER_TASK * cols.max(1))
-                .enumerate()
-                .for_each(|(i, chunk)| w.decode_rows(i * WIDEN_ROWS_PER_TASK, chunk));
-            &tile[..rows * cols]
-        }
-    };
-    let b = MatRef::dense(values, rows, cols);
-    matmul_transposed(a, b, out, out_stride, 1.0, accumulate, threads);
+    super::sgemm::product(a, w, out, out_stride, accumulate);
 }
 
 /// `out[r, c] = Σ_k a[r, k] · b[k, c]` with `b` row-major `[k, n]` (probabilities × values).

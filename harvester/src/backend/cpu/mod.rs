@@ -1,7 +1,8 @@
-//! The CPU backend: the Llama block in f32, multi-threaded with rayon, matrix products through
-//! `gemm` (AVX-512/AVX2 picked at run time). Weights stay in the checkpoint's precision; a bf16
-//! or f16 matrix is widened to f32 just before each product ([`matmul::matmul_weight`]).
-//! It is the reference the CUDA backend is checked against.
+//! The CPU backend: the Llama block in f32, multi-threaded with rayon, products with weights on
+//! our own kernel (`sgemm`: AVX-512, AVX2 or portable, picked at run time, one summation order
+//! for all). Weights stay in the checkpoint's precision; a bf16 or f16 matrix is widened to f32
+//! block by block as the product packs it. It is the reference the CUDA backend is checked
+//! against.
 //!
 //! One block, on packed rows `x: [tokens, hidden]`:
 //! ```text
@@ -11,8 +12,9 @@
 //! normed = rms_norm(x)                  gate_up = normed · W(gate|up)ᵀ
 //! act    = silu(gate) ⊙ up              x  += act · Wdownᵀ          ← mlp_out, resid_post
 //! ```
-//! A branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added only at
-//! the blocks that keep it; elsewhere the product accumulates straight into `x`.
+//! Each branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added, kept
+//! or not: `x + Σ` rounds once more than a product chained on from `x` would, and doing it the
+//! one way everywhere means keeping a site never changes the stream's bits.
 //!
 //! An AFMoE block (`model::AfmoeBlock`) adds to this: RMSNorm on each Q and K head before RoPE,
 //! RoPE only in its sliding-window blocks, the attention output times `sigmoid(normed · Wgateᵀ)`,
@@ -26,16 +28,16 @@ pub mod kernels;
 pub mod matmul;
 mod moe;
 pub mod peak;
+pub mod sgemm;
 
 use std::path::Path;
 
-use gemm::Parallelism;
 use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Site, Sites};
 use rayon::prelude::*;
 
 use self::attention::AttentionShape;
-use self::matmul::{MatRef, matmul_transposed, matmul_weight};
+use self::matmul::{MatRef, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
 use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
@@ -43,8 +45,6 @@ use crate::projection::Directions;
 
 /// Rows handed to one rayon task in the element-wise passes.
 const ROWS_PER_TASK: usize = 16;
-/// Matrix products use every rayon thread.
-const ALL_THREADS: Parallelism = Parallelism::Rayon(0);
 
 /// The f32 reference backend, with a bf16 compute mode.
 #[derive(Debug)]
@@ -85,18 +85,16 @@ struct Scratch {
 
 #[derive(Debug, Default)]
 struct GemmScratch {
-    /// Half-precision weight rows widened for one f32 GEMM.
-    tile: Vec<f32>,
     /// A GEMM's input rounded to bf16, in bf16 mode.
     input_bf16: Vec<u16>,
-    /// The same, widened back to f32, where the bf16 product runs on the f32 GEMM.
+    /// The same, widened back to f32, where the bf16 product runs on the f32 kernel.
     input_rounded: Vec<f32>,
     /// The bf16 product's packed operands.
     packed: bf16::Packed,
 }
 
-/// `out (+)= input · wᵀ`: in f32 with the weight widened into the tile, or, given its bf16 form
-/// `w16`, with `input` rounded to bf16 and the bf16 product (f32 accumulation).
+/// `out (+)= input · wᵀ`: in f32 with the weight widened as it is packed, or, given its bf16
+/// form `w16`, with `input` rounded to bf16 and the bf16 product (f32 accumulation).
 fn project(
     input: MatRef<'_>,
     w: &crate::model::Matrix,
@@ -107,15 +105,7 @@ fn project(
     scratch: &mut GemmScratch,
 ) {
     let Some(w16) = w16 else {
-        matmul_weight(
-            input,
-            w,
-            out,
-            out_stride,
-            accumulate,
-            ALL_THREADS,
-            &mut scratch.tile,
-        );
+        matmul_weight(input, w, out, out_stride, accumulate);
         return;
     };
     let k = input.cols;
@@ -141,10 +131,9 @@ fn project(
     }
 }
 
-/// The bf16 product where the CPU has no bf16 dot instruction: the input rounded to bf16 and
-/// both operands widened exactly to f32 into the scratch (nothing allocated), then one
-/// whole-width f32 GEMM, as in f32 mode. Only the order of the f32 sums differs from
-/// `vdpbf16ps`.
+/// The bf16 product where the CPU has no bf16 dot instruction: the input rounded to bf16 into
+/// the scratch (nothing allocated), then the f32 kernel, which widens the bf16 weight exactly as
+/// it packs it. Only the order of the f32 sums differs from `vdpbf16ps`; it is as fixed.
 fn project_widened(
     input: MatRef<'_>,
     w: &crate::model::Matrix,
@@ -167,28 +156,14 @@ fn project_widened(
         });
     let input = MatRef::dense(rounded, input.rows, input.cols);
     match w16 {
-        // The checkpoint's own bf16: widening it is exact, as f32 mode does.
-        Bf16Matrix::Mapped => matmul_weight(
-            input,
-            w,
-            out,
-            out_stride,
-            accumulate,
-            ALL_THREADS,
-            &mut scratch.tile,
-        ),
+        // The checkpoint's own bf16: the f32 mode's product on the same mapped rows.
+        Bf16Matrix::Mapped => matmul_weight(input, w, out, out_stride, accumulate),
         Bf16Matrix::Owned(bits) => {
-            let tile = &mut scratch.tile;
-            tile.resize(bits.len(), 0.0);
-            tile.par_chunks_mut(4096)
-                .zip(bits.par_chunks(4096))
-                .for_each(|(dst, src)| {
-                    for (d, &b) in dst.iter_mut().zip(src) {
-                        *d = half::bf16::from_bits(b).to_f32();
-                    }
-                });
-            let weight = MatRef::dense(tile, w.rows(), w.cols());
-            matmul_transposed(input, weight, out, out_stride, 1.0, accumulate, ALL_THREADS);
+            let weight = sgemm::Bf16Rows {
+                bits,
+                cols: w.cols(),
+            };
+            sgemm::product(input, &weight, out, out_stride, accumulate);
         }
     }
 }
@@ -309,8 +284,8 @@ impl CpuBackend {
     }
 
     /// What a pass over batches of up to `tokens` tokens holds besides the weights: the
-    /// scratch rows of every intermediate, the captured layers, and the widened tile of the
-    /// largest half-precision matrix.
+    /// scratch rows of every intermediate, the captured layers, and each thread's packing
+    /// panels.
     pub fn working_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
         let c = &weights.config;
         let inter = max_mlp_width(weights);
@@ -327,19 +302,17 @@ impl CpuBackend {
             + c.qkv_width()
             + c.num_heads * c.head_dim
             + 3 * inter
-            + if needs_branch(&spec.sites) || c.afmoe.is_some() {
-                c.hidden_size
-            } else {
-                0
-            }
+            + c.hidden_size
             + afmoe
             + spec.slots() * spec.width(c.hidden_size);
         let matrices = || weights.blocks.iter().flat_map(BlockWeights::matrices);
+        let widest_product = matrices().map(|m| m.rows()).max().unwrap_or(0);
+        let panels = sgemm::working_bytes(widest_product, rayon::current_num_threads());
         let bf16_mode = spec.precision == Precision::Bf16;
         if bf16_mode {
-            // No widened tile; each product's input as bf16 (twice: rounded, then padded), the
-            // largest weight packed into panels, and a bf16 copy of every weight the checkpoint
-            // does not store in bf16.
+            // Each product's input as bf16 (twice: rounded, then padded), the largest weight
+            // packed into panels, and a bf16 copy of every weight the checkpoint does not store
+            // in bf16.
             let widest = c.hidden_size.max(2 * inter).max(c.num_heads * c.head_dim);
             let largest = matrices().map(|m| m.len()).max().unwrap_or(0);
             let copies: usize = matrices()
@@ -347,14 +320,9 @@ impl CpuBackend {
                 .map(|m| m.len())
                 .sum();
             let bf16_values = 2 * tokens * widest + largest + copies;
-            return (tokens * per_token * 4 + bf16_values * 2) as u64;
+            return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels;
         }
-        let tile = matrices()
-            .filter(|m| m.half().is_some())
-            .map(|m| m.len())
-            .max()
-            .unwrap_or(0);
-        ((tokens * per_token + tile) * 4) as u64
+        (tokens * per_token * 4) as u64 + panels
     }
 
     /// Refuses, before anything is read, weights and batches of `tokens` that would not fit
@@ -439,8 +407,7 @@ impl CpuBackend {
         let config = &self.weights.config;
         let tokens = batch.num_tokens();
         let s = &mut self.scratch;
-        let branch = needs_branch(&self.spec.sites) || config.afmoe.is_some();
-        s.resize(config, tokens, max_mlp_width(&self.weights), branch);
+        s.resize(config, tokens, max_mlp_width(&self.weights));
         if self.weights.first_block == 0 {
             embed(&self.weights, batch, &mut s.x);
         }
@@ -498,11 +465,6 @@ fn max_mlp_width(weights: &LlamaWeights) -> usize {
         .unwrap_or(0)
 }
 
-/// Whether any kept site is a branch output, which needs its own buffer.
-fn needs_branch(sites: &Sites) -> bool {
-    sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
-}
-
 /// Where a kept block's sites go.
 struct Keep<'a> {
     sites: &'a Sites,
@@ -512,16 +474,10 @@ struct Keep<'a> {
     out: &'a mut Captured,
 }
 
-impl Keep<'_> {
-    fn wants(&self, site: Site) -> bool {
-        self.sites.contains(site)
-    }
-}
-
 impl Scratch {
     /// Sizes every buffer for `tokens` rows and MLPs up to `inter` wide (they only grow in
     /// capacity).
-    fn resize(&mut self, config: &ModelConfig, tokens: usize, inter: usize, branch: bool) {
+    fn resize(&mut self, config: &ModelConfig, tokens: usize, inter: usize) {
         let hidden = config.hidden_size;
         self.x.resize(tokens * hidden, 0.0);
         self.normed.resize(tokens * hidden, 0.0);
@@ -530,9 +486,7 @@ impl Scratch {
             .resize(tokens * config.num_heads * config.head_dim, 0.0);
         self.gate_up.resize(tokens * 2 * inter, 0.0);
         self.act.resize(tokens * inter, 0.0);
-        if branch {
-            self.branch.resize(tokens * hidden, 0.0);
-        }
+        self.branch.resize(tokens * hidden, 0.0);
         if config.afmoe.is_some() {
             self.gate
                 .resize(tokens * config.num_heads * config.head_dim, 0.0);
@@ -558,30 +512,22 @@ impl Pass<'_> {
         s: &mut Scratch,
         mut keep: Option<&mut Keep<'_>>,
     ) {
-        let wants = |site| keep.as_ref().is_some_and(|k| k.wants(site));
         let afmoe = block.afmoe.as_ref();
-        // AFMoE norms each branch output before adding it, so it always takes the buffer.
-        let split_attn = wants(Site::AttnOut) || afmoe.is_some();
-        let split_mlp = wants(Site::MlpOut) || afmoe.is_some();
         let hidden = self.config.hidden_size;
         self.keep(keep.as_deref_mut(), Site::ResidPre, &s.x);
-        self.attention((block, w16), index, s, split_attn);
-        if split_attn {
-            if let Some(a) = afmoe {
-                self.norm_branch(s, &a.attn_out_norm);
-            }
-            self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
-            add_rows(&mut s.x, &s.branch, hidden);
+        self.attention((block, w16), index, s);
+        if let Some(a) = afmoe {
+            self.norm_branch(s, &a.attn_out_norm);
         }
+        self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
+        add_rows(&mut s.x, &s.branch, hidden);
         self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
-        self.mlp((block, w16), s, split_mlp);
-        if split_mlp {
-            if let Some(a) = afmoe {
-                self.norm_branch(s, &a.mlp_out_norm);
-            }
-            self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
-            add_rows(&mut s.x, &s.branch, hidden);
+        self.mlp((block, w16), s);
+        if let Some(a) = afmoe {
+            self.norm_branch(s, &a.mlp_out_norm);
         }
+        self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
+        add_rows(&mut s.x, &s.branch, hidden);
         self.keep(keep, Site::ResidPost, &s.x);
     }
 
@@ -595,15 +541,14 @@ impl Pass<'_> {
         std::mem::swap(&mut s.branch, &mut s.normed);
     }
 
-    /// `x += o(attention(rope(qkv(rms_norm(x)))))`, or with `split` that output written to
-    /// `s.branch` for the caller to keep and add. AFMoE norms Q and K per head, rotates only in
+    /// `o(attention(rope(qkv(rms_norm(x)))))` into `s.branch`, for the caller to keep and add.
+    /// AFMoE norms Q and K per head, rotates only in
     /// its sliding blocks, and gates the attention output.
     fn attention(
         &self,
         (block, w16): (&BlockWeights, Option<&Bf16Block>),
         index: usize,
         s: &mut Scratch,
-        split: bool,
     ) {
         let (c, tokens) = (self.config, self.tokens);
         let hidden = c.hidden_size;
@@ -658,14 +603,14 @@ impl Pass<'_> {
             );
         }
         let attn = MatRef::dense(&s.attn, tokens, attn_width);
-        let dst = if split { &mut s.branch } else { &mut s.x };
+        let dst = &mut s.branch;
         project(
             attn,
             &block.o,
             w16.map(|w| &w.o),
             dst,
             hidden,
-            !split,
+            false,
             &mut s.gemm,
         );
         if let Some(bias) = &block.o_bias {
@@ -709,10 +654,10 @@ impl Pass<'_> {
             });
     }
 
-    /// `x += down(silu(gate) ⊙ up)` of `rms_norm(x)`, or with `split` that output written to
-    /// `s.branch`. In an AFMoE sparse block that MLP is the shared experts, and the routed
+    /// `down(silu(gate) ⊙ up)` of `rms_norm(x)` into `s.branch`, for the caller to keep and add.
+    /// In an AFMoE sparse block that MLP is the shared experts, and the routed
     /// experts' output is added to it.
-    fn mlp(&self, (block, w16): (&BlockWeights, Option<&Bf16Block>), s: &mut Scratch, split: bool) {
+    fn mlp(&self, (block, w16): (&BlockWeights, Option<&Bf16Block>), s: &mut Scratch) {
         let (c, tokens) = (self.config, self.tokens);
         let (hidden, inter) = (c.hidden_size, block.down.cols());
         let eps = c.rms_norm_eps as f32;
@@ -720,7 +665,7 @@ impl Pass<'_> {
             kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
         });
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let dst = if split { &mut s.branch } else { &mut s.x };
+        let dst = &mut s.branch;
         if inter > 0 {
             let gate_up = &mut s.gate_up[..tokens * 2 * inter];
             let gate_up16 = w16.map(|w| &w.gate_up);
@@ -747,7 +692,7 @@ impl Pass<'_> {
                 w16.map(|w| &w.down),
                 dst,
                 hidden,
-                !split,
+                false,
                 &mut s.gemm,
             );
         } else {
@@ -778,8 +723,7 @@ impl Pass<'_> {
             Some(directions) => {
                 let x = MatRef::dense(x, self.tokens, hidden);
                 let units = MatRef::dense(directions.unit_vectors(), directions.count(), hidden);
-                let width = directions.count();
-                matmul_transposed(x, units, dst, width, 1.0, false, ALL_THREADS);
+                sgemm::product(x, &units, dst, directions.count(), false);
             }
         }
     }

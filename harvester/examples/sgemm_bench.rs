@@ -1,0 +1,83 @@
+//! Our f32 weight product (`sgemm`) beside the `gemm` crate on the products of SmolLM2-135M and
+//! llama-8b, in one run: GFLOP/s, best of several alternating rounds, with the CPU's flags.
+//!
+//!     cargo run --release -p harvester --example sgemm_bench [-- --threads N --rows M]
+#![allow(clippy::print_stdout)]
+
+use std::time::Instant;
+
+use harvester::backend::cpu::matmul::{MatRef, matmul_transposed};
+use harvester::backend::cpu::sgemm::{self, Kernel};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str, default: usize| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let threads = flag("--threads", 2);
+    let rows = flag("--rows", 4096);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .expect("the first pool");
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: Vec<&str> = flags
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"];
+    let shown: Vec<&str> = wanted.into_iter().filter(|f| flags.contains(f)).collect();
+    println!(
+        "cpu flags: {}; kernel: {}; threads: {threads}; rows (tokens): {rows}",
+        shown.join(" "),
+        Kernel::detect().name()
+    );
+    println!(
+        "{:<34}{:>12}{:>14}{:>10}",
+        "product [m x k]·[k x n]", "ours GFLOP/s", "gemm GFLOP/s", "ratio"
+    );
+    let shapes: Vec<(&str, usize, usize)> = if args.iter().any(|a| a == "--cache") {
+        vec![("in cache", 128, 256)]
+    } else {
+        vec![
+            ("smollm2 qkv", 960, 576),
+            ("smollm2 o", 576, 576),
+            ("smollm2 gate|up", 3072, 576),
+            ("smollm2 down", 576, 1536),
+            ("llama-8b qkv", 6144, 4096),
+            ("llama-8b down", 4096, 14336),
+        ]
+    };
+    for (name, n, k) in shapes {
+        let m = rows;
+        let a: Vec<f32> = (0..m * k).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
+        let b: Vec<f32> = (0..n * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+        let (a, b) = (MatRef::dense(&a, m, k), MatRef::dense(&b, n, k));
+        let mut out = vec![0.0f32; m * n];
+        let flop = 2.0 * (m * n * k) as f64;
+        let rounds = ((2e11 / flop) as usize).clamp(3, 2000);
+        let mut best = [f64::INFINITY; 2];
+        for round in 0..rounds {
+            let start = Instant::now();
+            sgemm::product(a, &b, &mut out, n, false);
+            let ours = start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            matmul_transposed(a, b, &mut out, n, 1.0, false, gemm::Parallelism::Rayon(0));
+            let theirs = start.elapsed().as_secs_f64();
+            if round > 0 {
+                best = [best[0].min(ours), best[1].min(theirs)];
+            }
+        }
+        let [ours, theirs] = best.map(|s| flop / s / 1e9);
+        println!(
+            "{:<34}{ours:>12.1}{theirs:>14.1}{:>9.2}x",
+            format!("{name} [{m}x{k}]·[{k}x{n}]"),
+            ours / theirs
+        );
+    }
+}

@@ -1,0 +1,814 @@
+//! The f32 product with a weight: `out[r, c] (+)= Σ_k a[r, k] · w[c, k]`, `w` a PyTorch
+//! `[out, in]` matrix in whatever precision the checkpoint stores it.
+//!
+//! **One summation order.** Every output is one fused multiply-add chain over `k` in increasing
+//! order, started from zero (or from `out` when accumulating). Blocks of `k` continue the chain
+//! through `out`, which holds the partial sum exactly. No split of the rows, columns or threads
+//! changes that order, so a prompt gives the same bits alone as in any batch, on any thread
+//! count, and with the AVX-512, AVX2 or portable kernel alike. (A general GEMM such as the
+//! `gemm` crate picks its blocking of `k` from the matrix shape, so a row's bits there depend on
+//! the rows beside it.)
+//!
+//! **Packing converts.** Per block of [`KC`] columns of `k`, `w` is widened exactly to f32 as it
+//! is packed into panels of `NR` rows (`[k][NR]`, what the register block reads), so a bf16 or
+//! f16 weight is never widened whole: beside the weights a product holds `n × KC` packed values
+//! and, per thread, one block of rows of `a`. A bf16 weight and its f32 widening give the same
+//! bits.
+//!
+//! Blocking is BLIS's: per block of `k`, every panel of `w` is packed once (in parallel); then
+//! tasks of up to `STRIPS_PER_BLOCK × MR` rows (packed, in L2) sweep their share of the panels,
+//! each panel staying in L1 while it meets every strip of `MR` rows.
+#![allow(unsafe_code)]
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::matmul::MatRef;
+
+/// Columns of `k` packed and summed per pass (as even blocks: 576 runs as 3 × 192): a panel of
+/// `w` is `KC × NR` values (16 KiB with AVX2), inside L1.
+pub const KC: usize = 256;
+/// Strips of `MR` rows of `a` a task packs and runs together (96 rows with AVX2, 192 with
+/// AVX-512: 96 or 192 KiB at `KC`, inside L2), each panel meeting every strip while in L1.
+const STRIPS_PER_BLOCK: usize = 16;
+/// Tasks per thread to aim for, so that uneven tasks still balance.
+const TASKS_PER_THREAD: usize = 4;
+/// Panels of `w` one packing task widens.
+const PANELS_PER_PACK_TASK: usize = 4;
+/// Multiply-adds below which a product runs on the calling thread alone: waking the pool
+/// costs more than it saves.
+const SERIAL_BELOW: usize = 1 << 22;
+
+/// A matrix whose rows the product packs: `[rows, cols]`, read a row segment at a time.
+pub trait WeightRows: Sync {
+    /// Rows (output columns of the product).
+    fn rows(&self) -> usize;
+    /// Columns (the shared `k`).
+    fn cols(&self) -> usize;
+    /// Columns `[start, start + dst.len())` of row `row`, widened exactly to f32.
+    fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]);
+}
+
+impl WeightRows for crate::model::Matrix {
+    fn rows(&self) -> usize {
+        self.rows()
+    }
+
+    fn cols(&self) -> usize {
+        self.cols()
+    }
+
+    fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
+        self.decode_segment(row, start, dst);
+    }
+}
+
+impl WeightRows for MatRef<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
+        let from = row * self.row_stride + start;
+        dst.copy_from_slice(&self.data[from..from + dst.len()]);
+    }
+}
+
+/// Row-major bf16 bits, `[rows, cols]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16Rows<'a> {
+    /// The bits, `rows * cols` of them.
+    pub bits: &'a [u16],
+    /// Columns.
+    pub cols: usize,
+}
+
+impl WeightRows for Bf16Rows<'_> {
+    fn rows(&self) -> usize {
+        self.bits.len().checked_div(self.cols).unwrap_or(0)
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
+        let from = row * self.cols + start;
+        let bits = &self.bits[from..from + dst.len()];
+        for (d, &b) in dst.iter_mut().zip(bits) {
+            *d = f32::from_bits(u32::from(b) << 16);
+        }
+    }
+}
+
+/// The register-block kernel this CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// 12 rows × 32 columns in zmm registers.
+    Avx512,
+    /// 6 rows × 16 columns in ymm registers.
+    Avx2,
+    /// Scalar `mul_add`, 4 rows × 8 columns: any CPU, the same bits.
+    Portable,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU has, detected once.
+    pub fn detect() -> Self {
+        static DETECTED: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    return Self::Avx512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return Self::Avx2;
+                }
+            }
+            Self::Portable
+        })
+    }
+
+    /// The name benchmarks print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Avx512 => "avx512 12x32",
+            Self::Avx2 => "avx2 6x16",
+            Self::Portable => "portable 4x8",
+        }
+    }
+
+    /// Rows and columns of its register block.
+    fn block(self) -> (usize, usize) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => (x86::avx512::MR, x86::avx512::NR),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => (x86::avx2::MR, x86::avx2::NR),
+            _ => (portable::MR, portable::NR),
+        }
+    }
+}
+
+/// A task's buffers, grown once and reused by every product after.
+#[derive(Default)]
+struct TaskBuffers {
+    /// A block of rows of `a`: `[strip][kc][MR]`.
+    strips: Vec<f32>,
+    /// One panel's rows as widened, `[NR][kc]`, before they are interleaved.
+    rows: Vec<f32>,
+}
+
+thread_local! {
+    /// Every panel of `w` for one block of `k`, `[panel][kc][NR]`: held by the thread that
+    /// calls a product, read by its tasks.
+    static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static TASK: RefCell<TaskBuffers> = RefCell::new(TaskBuffers::default());
+}
+
+/// Runs `f` on this thread's `buffers`, or on fresh ones if they are in use further up this
+/// thread's stack (a thread that waits on rayon may run another product's work meanwhile).
+fn with<T: Default + 'static, R>(
+    buffers: &'static std::thread::LocalKey<RefCell<T>>,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
+    buffers.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut held) => f(&mut held),
+        Err(_) => f(&mut T::default()),
+    })
+}
+
+/// Bytes of packing buffers a product with `n` output columns holds (for the memory check):
+/// its panels of `w`, and each thread's rows of `a`.
+pub fn working_bytes(n: usize, threads: usize) -> u64 {
+    let (mr, nr) = Kernel::detect().block();
+    let panels = n.next_multiple_of(nr) * KC;
+    let per_thread = STRIPS_PER_BLOCK * mr * KC + nr * KC;
+    ((panels + threads * per_thread) * 4) as u64
+}
+
+/// The output as the tasks share it: each task writes only its own rows × columns.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    stride: usize,
+}
+
+// SAFETY: `product_on` hands each task a disjoint block of rows × columns of `out`, and nothing
+// else reads or writes `out` while the tasks run (it is borrowed mutably for the whole call).
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+/// How a product is cut into tasks: blocks of rows × runs of panels.
+#[derive(Debug, Clone, Copy)]
+struct Grid {
+    rows_per_block: usize,
+    row_blocks: usize,
+    panels_per_block: usize,
+    column_blocks: usize,
+}
+
+impl Grid {
+    /// Row blocks of `STRIPS_PER_BLOCK × mr`, and the panels split further only when there are
+    /// too few row blocks to keep every thread busy (few tokens).
+    fn new(m: usize, panel_count: usize, mr: usize, threads: usize) -> Self {
+        let rows_per_block = STRIPS_PER_BLOCK * mr;
+        let row_blocks = m.div_ceil(rows_per_block);
+        let wanted = (TASKS_PER_THREAD * threads).div_ceil(row_blocks);
+        let panels_per_block = panel_count.div_ceil(wanted.clamp(1, panel_count));
+        Self {
+            rows_per_block,
+            row_blocks,
+            panels_per_block,
+            column_blocks: panel_count.div_ceil(panels_per_block),
+        }
+    }
+}
+
+/// `out[r, c] (+)= Σ_k a[r, k] · w[c, k]` on `kernel` (tests pin one; the engine passes
+/// [`Kernel::detect`]). `out` has row stride `out_stride`; its first `w.rows()` columns of
+/// `a.rows` rows are written.
+///
+/// # Panics
+/// If a view does not fit its slice, the inner dimensions differ, or `kernel` is not one this
+/// CPU runs: a bug in the caller.
+pub fn product_on<W: WeightRows>(
+    kernel: Kernel,
+    a: MatRef<'_>,
+    w: &W,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+) {
+    let (m, n, k) = (a.rows, w.rows(), a.cols);
+    assert_eq!(
+        k,
+        w.cols(),
+        "matmul inner dimensions differ. This is a bug."
+    );
+    assert!(
+        m == 0 || k == 0 || (m - 1) * a.row_stride + k <= a.data.len(),
+        "matmul operand view out of bounds. This is a bug."
+    );
+    assert!(
+        m == 0 || n == 0 || (n <= out_stride && (m - 1) * out_stride + n <= out.len()),
+        "matmul output view out of bounds. This is a bug."
+    );
+    assert!(
+        runs(kernel),
+        "the {} kernel does not run on this CPU. This is a bug.",
+        kernel.name()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out.chunks_mut(out_stride)
+                .take(m)
+                .for_each(|row| row[..n].fill(0.0));
+        }
+        return;
+    }
+    let (mr, nr) = kernel.block();
+    let panel_count = n.div_ceil(nr);
+    let serial = m * n * k < SERIAL_BELOW;
+    let threads = if serial {
+        1
+    } else {
+        rayon::current_num_threads()
+    };
+    let grid = Grid::new(m, panel_count, mr, threads);
+    let kc_step = k.div_ceil(k.div_ceil(KC));
+    let out = Out {
+        ptr: out.as_mut_ptr(),
+        stride: out_stride,
+    };
+    with(&PANELS, |panels| {
+        for k0 in (0..k).step_by(kc_step) {
+            let kc = kc_step.min(k - k0);
+            panels.resize(panel_count * kc * nr, 0.0);
+            let pack = |(task, chunk): (usize, &mut [f32])| {
+                let first = task * PANELS_PER_PACK_TASK;
+                with(&TASK, |own| {
+                    pack_panels(w, first, k0, kc, nr, chunk, &mut own.rows);
+                });
+            };
+            let chunk = PANELS_PER_PACK_TASK * kc * nr;
+            if serial {
+                panels.chunks_mut(chunk).enumerate().for_each(pack);
+            } else {
+                panels.par_chunks_mut(chunk).enumerate().for_each(pack);
+            }
+            let block = Block {
+                kernel,
+                a,
+                panels: &panels[..panel_count * kc * nr],
+                n,
+                k0,
+                kc,
+                // The chain continues from `out` after the first block of `k`.
+                load: accumulate || k0 > 0,
+            };
+            let run = |task: usize| {
+                let (rows, panels) = (task / grid.column_blocks, task % grid.column_blocks);
+                let first_row = rows * grid.rows_per_block;
+                let rows = first_row..(first_row + grid.rows_per_block).min(m);
+                let first = panels * grid.panels_per_block;
+                let panels = first..(first + grid.panels_per_block).min(panel_count);
+                with(&TASK, |own| block.run(rows, panels, out, &mut own.strips));
+            };
+            let tasks = grid.row_blocks * grid.column_blocks;
+            if serial {
+                (0..tasks).for_each(run);
+            } else {
+                (0..tasks).into_par_iter().for_each(run);
+            }
+        }
+    });
+}
+
+/// [`product_on`] with the fastest kernel this CPU has.
+pub fn product<W: WeightRows>(
+    a: MatRef<'_>,
+    w: &W,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+) {
+    product_on(Kernel::detect(), a, w, out, out_stride, accumulate);
+}
+
+/// Whether this CPU runs `kernel`.
+pub fn runs(kernel: Kernel) -> bool {
+    match kernel {
+        Kernel::Portable => true,
+        Kernel::Avx2 => {
+            #[cfg(target_arch = "x86_64")]
+            {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        }
+        Kernel::Avx512 => Kernel::detect() == Kernel::Avx512,
+    }
+}
+
+/// One block of `k` of a product, as its tasks share it.
+struct Block<'a> {
+    kernel: Kernel,
+    a: MatRef<'a>,
+    /// Every panel of `w` for this block of `k`.
+    panels: &'a [f32],
+    n: usize,
+    k0: usize,
+    kc: usize,
+    load: bool,
+}
+
+impl Block<'_> {
+    /// One task: `rows` of `a`, packed into `strips`, against `panels`.
+    fn run(
+        &self,
+        rows: std::ops::Range<usize>,
+        panels: std::ops::Range<usize>,
+        out: Out,
+        strips: &mut Vec<f32>,
+    ) {
+        let (mr, nr) = self.kernel.block();
+        let kc = self.kc;
+        pack_strips(self.a, rows.clone(), self.k0, kc, mr, strips);
+        for p in panels {
+            let c = p * nr;
+            let width = nr.min(self.n - c);
+            let panel = &self.panels[p * kc * nr..(p + 1) * kc * nr];
+            for (s, r) in rows.clone().step_by(mr).enumerate() {
+                let dst = Dst {
+                    // SAFETY: row `r` < m and column `c` < n, so the offset lies inside `out`
+                    // (checked against its length in `product_on`).
+                    ptr: unsafe { out.ptr.add(r * out.stride + c) },
+                    stride: out.stride,
+                    height: mr.min(rows.end - r),
+                    width,
+                    load: self.load,
+                };
+                let operands = Operands {
+                    strip: &strips[s * kc * mr..(s + 1) * kc * mr],
+                    panel,
+                    kc,
+                };
+                // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
+                // `out`, which no other task touches; the kernel runs on this CPU (checked in
+                // `product_on`).
+                unsafe { run_block(self.kernel, operands, dst) }
+            }
+        }
+    }
+}
+
+/// What one register block reads.
+struct Operands<'a> {
+    /// One packed strip of `a`, `[kc][MR]`.
+    strip: &'a [f32],
+    /// One packed panel of `w`, `[kc][NR]`.
+    panel: &'a [f32],
+    kc: usize,
+}
+
+/// Where one register block's sums go.
+struct Dst {
+    ptr: *mut f32,
+    stride: usize,
+    /// Rows that exist (at most MR).
+    height: usize,
+    /// Columns that exist (at most NR).
+    width: usize,
+    /// Start each chain from the cell's value rather than zero.
+    load: bool,
+}
+
+/// Packs columns `[k0, k0 + kc)` of `rows` of `a` into strips of `mr` rows, `[strip][kc][mr]`,
+/// zero past the last row.
+fn pack_strips(
+    a: MatRef<'_>,
+    rows: std::ops::Range<usize>,
+    k0: usize,
+    kc: usize,
+    mr: usize,
+    strips: &mut Vec<f32>,
+) {
+    let count = rows.len().div_ceil(mr);
+    strips.resize(count * kc * mr, 0.0);
+    for (s, strip) in strips.chunks_exact_mut(kc * mr).enumerate() {
+        let first = rows.start + s * mr;
+        for i in 0..mr {
+            let cells = strip[i..].iter_mut().step_by(mr);
+            if first + i < rows.end {
+                let src = &a.data[(first + i) * a.row_stride + k0..][..kc];
+                cells.zip(src).for_each(|(cell, &v)| *cell = v);
+            } else {
+                cells.for_each(|cell| *cell = 0.0);
+            }
+        }
+    }
+}
+
+/// Packs columns `[k0, k0 + kc)` of `w`'s rows from panel `first` on into `dst` (whole panels
+/// of `nr` rows, `[panel][kc][nr]`, zero past the last row), widening them through `rows`.
+fn pack_panels<W: WeightRows>(
+    w: &W,
+    first: usize,
+    k0: usize,
+    kc: usize,
+    nr: usize,
+    dst: &mut [f32],
+    rows: &mut Vec<f32>,
+) {
+    rows.resize(kc, 0.0);
+    for (p, panel) in dst.chunks_exact_mut(kc * nr).enumerate() {
+        let first_row = (first + p) * nr;
+        for j in 0..nr {
+            let cells = panel[j..].iter_mut().step_by(nr);
+            if first_row + j < w.rows() {
+                w.widen_segment(first_row + j, k0, rows);
+                cells.zip(rows.iter()).for_each(|(cell, &v)| *cell = v);
+            } else {
+                cells.for_each(|cell| *cell = 0.0);
+            }
+        }
+    }
+}
+
+/// Runs the block on `kernel`, monomorphised on its height.
+///
+/// # Safety
+/// `dst` must describe `height × width` writable cells that no other thread touches, and this
+/// CPU must run `kernel`.
+unsafe fn run_block(kernel: Kernel, operands: Operands<'_>, dst: Dst) {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: passed on from the caller.
+        Kernel::Avx512 => unsafe { x86::avx512::block(operands, dst) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: passed on from the caller.
+        Kernel::Avx2 => unsafe { x86::avx2::block(operands, dst) },
+        // SAFETY: passed on from the caller.
+        _ => unsafe { portable::block(operands, dst) },
+    }
+}
+
+/// Calls `$block::<H>` for the block's height `H` in `1..=MR`.
+macro_rules! by_height {
+    ($block:ident, $operands:ident, $dst:ident; $($h:literal)*) => {
+        match $dst.height {
+            $($h => $block::<$h>($operands, $dst),)*
+            _ => unreachable!("block height beyond MR. This is a bug."),
+        }
+    };
+}
+
+/// The scalar kernel: the same chains as the SIMD ones, so the same bits, on any CPU.
+mod portable {
+    use super::{Dst, Operands};
+
+    pub const MR: usize = 4;
+    pub const NR: usize = 8;
+
+    /// # Safety
+    /// See [`super::run_block`].
+    pub(super) unsafe fn block(operands: Operands<'_>, dst: Dst) {
+        // SAFETY: passed on from the caller.
+        unsafe { by_height!(rows, operands, dst; 1 2 3 4) }
+    }
+
+    /// # Safety
+    /// See [`super::run_block`].
+    unsafe fn rows<const H: usize>(operands: Operands<'_>, dst: Dst) {
+        let Operands { strip, panel, kc } = operands;
+        let mut acc = [[0.0f32; NR]; H];
+        for (i, row) in acc.iter_mut().enumerate() {
+            for (j, cell) in row.iter_mut().enumerate().take(dst.width) {
+                if dst.load {
+                    // SAFETY: (i, j) lies inside the caller's `height × width` cells.
+                    *cell = unsafe { *dst.ptr.add(i * dst.stride + j) };
+                }
+            }
+        }
+        let strips = strip[..kc * MR].chunks_exact(MR);
+        for (column, group) in strips.zip(panel[..kc * NR].chunks_exact(NR)) {
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x = column[i];
+                for (cell, &b) in row.iter_mut().zip(group) {
+                    *cell = x.mul_add(b, *cell);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate().take(dst.width) {
+                // SAFETY: as above.
+                unsafe { *dst.ptr.add(i * dst.stride + j) = v };
+            }
+        }
+    }
+}
+
+/// The AVX2 and AVX-512 register blocks: one source, two vector widths.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    /// A register block of `MR` rows × two vectors of columns for one vector ISA.
+    macro_rules! register_block {
+        (
+            $isa:ident, $features:literal, $vector:ty, $lanes:literal, $mr:literal,
+            zero: $zero:ident, load: $load:ident, store: $store:ident, splat: $splat:ident,
+            fma: $fma:ident, heights: [$($h:literal)*]
+        ) => {
+            pub mod $isa {
+                use std::arch::x86_64::*;
+
+                use crate::backend::cpu::sgemm::{Dst, Operands};
+
+                /// Rows of a register block.
+                pub const MR: usize = $mr;
+                /// Columns of a register block: two vectors.
+                pub const NR: usize = 2 * $lanes;
+                const LANES: usize = $lanes;
+
+                /// # Safety
+                /// See `sgemm::run_block`; this CPU must have the ISA's features.
+                pub(in crate::backend::cpu::sgemm) unsafe fn block(
+                    operands: Operands<'_>,
+                    dst: Dst,
+                ) {
+                    // SAFETY: passed on from the caller.
+                    unsafe { by_height!(rows, operands, dst; $($h)*) }
+                }
+
+                /// # Safety
+                /// As [`block`].
+                #[target_feature(enable = $features)]
+                unsafe fn rows<const H: usize>(operands: Operands<'_>, dst: Dst) {
+                    let Operands { strip, panel, kc } = operands;
+                    let strip = &strip[..kc * MR];
+                    let panel = &panel[..kc * NR];
+                    let mut acc: [[$vector; 2]; H] = [[$zero(); 2]; H];
+                    if dst.load {
+                        for (i, row) in acc.iter_mut().enumerate() {
+                            // SAFETY: row i < height, and `load_row` reads `width` cells.
+                            *row = unsafe { load_row(dst.ptr.add(i * dst.stride), dst.width) };
+                        }
+                    }
+                    let (a_ptr, b_ptr) = (strip.as_ptr(), panel.as_ptr());
+                    for p in 0..kc {
+                        // SAFETY: p < kc, so `p * NR + NR <= panel.len()` and, for every row
+                        // i < H <= MR, `p * MR + i < strip.len()` (both sliced above).
+                        unsafe {
+                            let b0 = $load(b_ptr.add(p * NR));
+                            let b1 = $load(b_ptr.add(p * NR + LANES));
+                            for (i, row) in acc.iter_mut().enumerate() {
+                                let x = $splat(*a_ptr.add(p * MR + i));
+                                row[0] = $fma(x, b0, row[0]);
+                                row[1] = $fma(x, b1, row[1]);
+                            }
+                        }
+                    }
+                    for (i, row) in acc.iter().enumerate() {
+                        // SAFETY: as for the load.
+                        unsafe { store_row(dst.ptr.add(i * dst.stride), dst.width, row) };
+                    }
+                }
+
+                /// Two vectors from `width` cells at `ptr` (zero past them).
+                ///
+                /// # Safety
+                /// `ptr` must have `width` readable cells.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn load_row(ptr: *const f32, width: usize) -> [$vector; 2] {
+                    let mut lanes = [0.0f32; NR];
+                    // SAFETY: `width <= NR` cells are readable at `ptr` (the caller's contract).
+                    unsafe {
+                        if width == NR {
+                            return [$load(ptr), $load(ptr.add(LANES))];
+                        }
+                        std::ptr::copy_nonoverlapping(ptr, lanes.as_mut_ptr(), width);
+                        [$load(lanes.as_ptr()), $load(lanes.as_ptr().add(LANES))]
+                    }
+                }
+
+                /// Writes the first `width` lanes of `row` to `ptr`.
+                ///
+                /// # Safety
+                /// `ptr` must have `width` writable cells.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn store_row(ptr: *mut f32, width: usize, row: &[$vector; 2]) {
+                    let mut lanes = [0.0f32; NR];
+                    // SAFETY: `width <= NR` cells are writable at `ptr` (the caller's contract);
+                    // `lanes` holds NR.
+                    unsafe {
+                        if width == NR {
+                            $store(ptr, row[0]);
+                            $store(ptr.add(LANES), row[1]);
+                            return;
+                        }
+                        $store(lanes.as_mut_ptr(), row[0]);
+                        $store(lanes.as_mut_ptr().add(LANES), row[1]);
+                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr, width);
+                    }
+                }
+            }
+        };
+    }
+
+    register_block!(
+        avx2, "avx2,fma", __m256, 8, 6,
+        zero: _mm256_setzero_ps, load: _mm256_loadu_ps, store: _mm256_storeu_ps,
+        splat: _mm256_set1_ps, fma: _mm256_fmadd_ps, heights: [1 2 3 4 5 6]
+    );
+    register_block!(
+        avx512, "avx512f", __m512, 16, 12,
+        zero: _mm512_setzero_ps, load: _mm512_loadu_ps, store: _mm512_storeu_ps,
+        splat: _mm512_set1_ps, fma: _mm512_fmadd_ps, heights: [1 2 3 4 5 6 7 8 9 10 11 12]
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel this CPU runs.
+    fn kernels() -> Vec<Kernel> {
+        [Kernel::Portable, Kernel::Avx2, Kernel::Avx512]
+            .into_iter()
+            .filter(|&k| runs(k))
+            .collect()
+    }
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 - 1001.0) / 317.0)
+            .collect()
+    }
+
+    /// The defining chain: `fma` over `k` in order from `start`.
+    fn chain(a: &[f32], b: &[f32], start: f32) -> f32 {
+        a.iter()
+            .zip(b)
+            .fold(start, |acc, (&x, &y)| x.mul_add(y, acc))
+    }
+
+    #[test]
+    fn every_kernel_gives_the_bits_of_one_fused_chain_per_output_for_ragged_shapes() {
+        for kernel in kernels() {
+            for (m, n, k) in [
+                (1, 1, 1),
+                (5, 7, 33),
+                (13, 40, 300),
+                (37, 33, 257),
+                (70, 300, 31),
+                (3, 17, 600),
+            ] {
+                let (a, b) = (values(m * k, 1), values(n * k, 2));
+                let stride = n + 3;
+                let mut out = values(m * stride, 3);
+                let before = out.clone();
+                let w = MatRef::dense(&b, n, k);
+                product_on(kernel, MatRef::dense(&a, m, k), &w, &mut out, stride, true);
+                for r in 0..m {
+                    for c in 0..n {
+                        let want = chain(
+                            &a[r * k..(r + 1) * k],
+                            &b[c * k..(c + 1) * k],
+                            before[r * stride + c],
+                        );
+                        assert_eq!(
+                            out[r * stride + c].to_bits(),
+                            want.to_bits(),
+                            "{} {m}x{n}x{k} [{r},{c}]",
+                            kernel.name()
+                        );
+                    }
+                    assert_eq!(
+                        out[r * stride + n..(r + 1) * stride],
+                        before[r * stride + n..(r + 1) * stride],
+                        "columns past n are untouched"
+                    );
+                }
+                product_on(kernel, MatRef::dense(&a, m, k), &w, &mut out, stride, false);
+                let want = chain(&a[(m - 1) * k..], &b[(n - 1) * k..], 0.0);
+                assert_eq!(out[(m - 1) * stride + n - 1].to_bits(), want.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gives_the_same_bits_alone_as_in_any_batch_on_any_thread_count() {
+        let (n, k) = (300, 700);
+        let a = values(200 * k, 4);
+        let b = values(n * k, 5);
+        let w = MatRef::dense(&b, n, k);
+        let run = |rows: std::ops::Range<usize>, threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut out = vec![0.0; rows.len() * n];
+            let a = MatRef::dense(&a[rows.start * k..rows.end * k], rows.len(), k);
+            pool.install(|| product(a, &w, &mut out, n, false));
+            out
+        };
+        let all = run(0..200, 3);
+        assert_eq!(run(0..200, 1), all);
+        assert_eq!(run(117..118, 2), all[117 * n..118 * n]);
+        assert_eq!(run(50..61, 4), all[50 * n..61 * n]);
+    }
+
+    #[test]
+    fn a_bf16_weight_gives_the_bits_of_its_f32_widening() {
+        let (m, n, k) = (9, 45, 270);
+        let a = values(m * k, 6);
+        let bits: Vec<u16> = values(n * k, 7)
+            .iter()
+            .map(|&v| (crate::dtype::bf16_rounded_bits(v) >> 16) as u16)
+            .collect();
+        let widened: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        let (mut from_bits, mut from_f32) = (vec![0.0; m * n], vec![0.0; m * n]);
+        let a = MatRef::dense(&a, m, k);
+        product(
+            a,
+            &Bf16Rows {
+                bits: &bits,
+                cols: k,
+            },
+            &mut from_bits,
+            n,
+            false,
+        );
+        product(a, &MatRef::dense(&widened, n, k), &mut from_f32, n, false);
+        assert_eq!(from_bits, from_f32);
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_writes_zeros_or_leaves_the_sums() {
+        let mut out = vec![5.0; 6];
+        let w = MatRef::dense(&[], 3, 0);
+        product(MatRef::dense(&[], 2, 0), &w, &mut out, 3, true);
+        assert_eq!(out, [5.0; 6]);
+        product(MatRef::dense(&[], 2, 0), &w, &mut out, 3, false);
+        assert_eq!(out, [0.0; 6]);
+    }
+}
