@@ -475,17 +475,33 @@ fn pack_panels<W: WeightRows>(
     dst: &mut [f32],
     rows: &mut Vec<f32>,
 ) {
-    rows.resize(kc, 0.0);
+    rows.resize(nr * kc, 0.0);
     for (p, panel) in dst.chunks_exact_mut(kc * nr).enumerate() {
         let first_row = (first + p) * nr;
-        for j in 0..nr {
-            let cells = panel[j..].iter_mut().step_by(nr);
+        for (j, row) in rows.chunks_exact_mut(kc).enumerate() {
             if first_row + j < w.rows() {
-                w.widen_segment(first_row + j, k0, rows);
-                cells.zip(rows.iter()).for_each(|(cell, &v)| *cell = v);
+                w.widen_segment(first_row + j, k0, row);
             } else {
-                cells.for_each(|cell| *cell = 0.0);
+                row.fill(0.0);
             }
+        }
+        interleave(rows, panel, kc, nr);
+    }
+}
+
+/// `panel[i][j] = rows[j][i]` for `nr` rows of `kc`: 8 × 8 blocks in AVX registers where the
+/// CPU has them (the packing of a product over few tokens is mostly this), else one by one.
+fn interleave(rows: &[f32], panel: &mut [f32], kc: usize, nr: usize) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if nr.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx") {
+        done = kc - kc % 8;
+        // SAFETY: the CPU has AVX (checked just above); the function indexes slices only.
+        unsafe { x86::transpose_blocks(rows, panel, kc, nr, done) };
+    }
+    for i in done..kc {
+        for (j, cell) in panel[i * nr..(i + 1) * nr].iter_mut().enumerate() {
+            *cell = rows[j * kc + i];
         }
     }
 }
@@ -671,6 +687,71 @@ mod x86 {
         };
     }
 
+    use std::arch::x86_64::{
+        __m256, _mm256_loadu_ps, _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_ps,
+        _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+    };
+
+    /// `panel[i][j] = rows[j][i]` for `i < columns` (a multiple of 8) and every `j < nr` (a
+    /// multiple of 8), one 8 × 8 block at a time: 8 loads, 24 shuffles, 8 stores.
+    #[target_feature(enable = "avx")]
+    pub(super) fn transpose_blocks(
+        rows: &[f32],
+        panel: &mut [f32],
+        kc: usize,
+        nr: usize,
+        columns: usize,
+    ) {
+        assert!(
+            nr.is_multiple_of(8)
+                && columns.is_multiple_of(8)
+                && columns <= kc
+                && rows.len() >= nr * kc
+                && panel.len() >= kc * nr,
+            "transpose shapes. This is a bug."
+        );
+        for j in (0..nr).step_by(8) {
+            for i in (0..columns).step_by(8) {
+                let r: [__m256; 8] = std::array::from_fn(|t| {
+                    let row = &rows[(j + t) * kc + i..][..8];
+                    // SAFETY: `row` holds 8 f32, one 256-bit load.
+                    unsafe { _mm256_loadu_ps(row.as_ptr()) }
+                });
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                let columns = [
+                    _mm256_permute2f128_ps::<0x20>(s0, s4),
+                    _mm256_permute2f128_ps::<0x20>(s1, s5),
+                    _mm256_permute2f128_ps::<0x20>(s2, s6),
+                    _mm256_permute2f128_ps::<0x20>(s3, s7),
+                    _mm256_permute2f128_ps::<0x31>(s0, s4),
+                    _mm256_permute2f128_ps::<0x31>(s1, s5),
+                    _mm256_permute2f128_ps::<0x31>(s2, s6),
+                    _mm256_permute2f128_ps::<0x31>(s3, s7),
+                ];
+                for (c, column) in columns.into_iter().enumerate() {
+                    let cells = &mut panel[(i + c) * nr + j..][..8];
+                    // SAFETY: `cells` holds 8 f32, one 256-bit store.
+                    unsafe { _mm256_storeu_ps(cells.as_mut_ptr(), column) };
+                }
+            }
+        }
+    }
+
     register_block!(
         avx2, "avx2,fma", __m256, 8, 6,
         zero: _mm256_setzero_ps, load: _mm256_loadu_ps, store: _mm256_storeu_ps,
@@ -800,6 +881,20 @@ mod tests {
         );
         product(a, &MatRef::dense(&widened, n, k), &mut from_f32, n, false);
         assert_eq!(from_bits, from_f32);
+    }
+
+    #[test]
+    fn packing_interleaves_rows_into_panels_whatever_the_width() {
+        for (nr, kc) in [(8, 8), (16, 19), (32, 256), (16, 3)] {
+            let rows = values(nr * kc, 8);
+            let mut panel = vec![0.0; kc * nr];
+            interleave(&rows, &mut panel, kc, nr);
+            for i in 0..kc {
+                for j in 0..nr {
+                    assert_eq!(panel[i * nr + j], rows[j * kc + i], "{nr}x{kc} [{i},{j}]");
+                }
+            }
+        }
     }
 
     #[test]
