@@ -173,7 +173,7 @@ def main():
         ratio = f"{tps / base:.2f}x" if base else "-"
         print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}")
     m, n, k = ours["f32"]["gemm_shape"]
-    print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (gemm crate, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s; "
+    print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (our kernel, {ours['f32'].get('gemm_kernel')}, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s (gemm crate {ours['f32'].get('gemm_crate_gflops') or 0:.1f}); "
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
               f", bf16 {100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%" if "bf16" in ours else ""))
     peaks = [ours["f32"].get(name) for name in ("f32_fma_peak", "bf16_dot_peak")]
