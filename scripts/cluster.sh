@@ -145,7 +145,12 @@ up() {
     --claim "*/harvest-models=$cache/models" \
     > "$dir/cluster.log" 2>&1 < /dev/null &
   echo $! > "$dir/cluster.pid"
-  wait_for "the apiserver writing its kubeconfig" 60 test -f "$dir/state/kubeconfig"
+  if ! wait_for "the apiserver writing its kubeconfig" 60 test -f "$dir/state/kubeconfig"; then
+    alive cluster || say "harvest-test-cluster has exited"
+    say "the end of $dir/cluster.log:"
+    tail -n 40 "$dir/cluster.log" >&2 || true
+    return 1
+  fi
   say "kubectl apply -k manifests/"
   # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
   # apiserver validates custom resources against their schemas itself.

@@ -15,7 +15,8 @@ export LD_LIBRARY_PATH=$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} HARVEST_R
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --workspace --all-targets "$@" 2>&1 | tee "$log" || status=$?
+# --no-fail-fast: one failing test binary must not hide the results of the others.
+cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 # The client as a user installs it (its `harvest` command included), against the debug binaries.
 "$tools/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
   --force-reinstall ./clients/python >&2

@@ -26,11 +26,14 @@ use rayon::prelude::*;
 
 use super::matmul::MatRef;
 
-/// Columns of `k` packed and summed per pass (as even blocks: 576 runs as 3 × 192): a panel of
-/// `w` is `KC × NR` values (16 KiB with AVX2), inside L1.
+/// Columns of `k` packed and summed per pass, at most (as even blocks: 576 runs as 3 × 192): a
+/// panel of `w` is `KC × NR` values, 16 KiB with AVX2, inside L1 beside a strip of `a`.
 pub const KC: usize = 256;
+/// The same for AVX-512, whose panels are twice as wide: 16 KiB again, so that a panel and a
+/// strip (6 KiB) fit a 32 KiB L1 (Zen 4's; Intel's since Ice Lake have 48).
+const KC_AVX512: usize = 128;
 /// Strips of `MR` rows of `a` a task packs and runs together (96 rows with AVX2, 192 with
-/// AVX-512: 96 or 192 KiB at `KC`, inside L2), each panel meeting every strip while in L1.
+/// AVX-512: 96 KiB at their `KC`, inside L2), each panel meeting every strip while in L1.
 const STRIPS_PER_BLOCK: usize = 16;
 /// Tasks per thread to aim for, so that uneven tasks still balance.
 const TASKS_PER_THREAD: usize = 4;
@@ -288,7 +291,12 @@ pub fn product_on<W: WeightRows>(
         rayon::current_num_threads()
     };
     let grid = Grid::new(m, panel_count, mr, threads);
-    let kc_step = k.div_ceil(k.div_ceil(KC));
+    let most = if kernel == Kernel::Avx512 {
+        KC_AVX512
+    } else {
+        KC
+    };
+    let kc_step = k.div_ceil(k.div_ceil(most));
     let out = Out {
         ptr: out.as_mut_ptr(),
         stride: out_stride,
