@@ -4,10 +4,7 @@
 //!     cargo run --release -p harvester --example sgemm_bench [-- --threads N --rows M]
 #![allow(clippy::print_stdout)]
 
-use std::time::Instant;
-
-use harvester::backend::cpu::matmul::{MatRef, matmul_transposed};
-use harvester::backend::cpu::sgemm::{self, Kernel};
+use harvester::backend::cpu::sgemm::Kernel;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -55,25 +52,9 @@ fn main() {
     };
     for (name, n, k) in shapes {
         let m = rows;
-        let a: Vec<f32> = (0..m * k).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
-        let b: Vec<f32> = (0..n * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
-        let (a, b) = (MatRef::dense(&a, m, k), MatRef::dense(&b, n, k));
-        let mut out = vec![0.0f32; m * n];
         let flop = 2.0 * (m * n * k) as f64;
         let rounds = ((2e11 / flop) as usize).clamp(3, 2000);
-        let mut best = [f64::INFINITY; 2];
-        for round in 0..rounds {
-            let start = Instant::now();
-            sgemm::product(a, &b, &mut out, n, false);
-            let ours = start.elapsed().as_secs_f64();
-            let start = Instant::now();
-            matmul_transposed(a, b, &mut out, n, 1.0, false, gemm::Parallelism::Rayon(0));
-            let theirs = start.elapsed().as_secs_f64();
-            if round > 0 {
-                best = [best[0].min(ours), best[1].min(theirs)];
-            }
-        }
-        let [ours, theirs] = best.map(|s| flop / s / 1e9);
+        let [ours, theirs] = harvester::bench::gemm_rates([m, n, k], rounds);
         println!(
             "{:<34}{ours:>12.1}{theirs:>14.1}{:>9.2}x",
             format!("{name} [{m}x{k}]·[{k}x{n}]"),

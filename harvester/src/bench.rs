@@ -301,7 +301,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
             (None, None),
         ),
         DeviceChoice::Cpu | DeviceChoice::Auto => {
-            let [ours, crate_peer] = gemm_rates(gemm_shape);
+            let [ours, crate_peer] = gemm_rates(gemm_shape, 6);
             (ours, Some(crate_peer), cpu_peaks())
         }
     };
@@ -418,14 +418,14 @@ fn cpu_peaks() -> (Option<Peak>, Option<Peak>) {
 }
 
 /// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ` on our kernel and on the `gemm` crate, each the
-/// best of several runs after a warm-up, the two alternating so drifts hit both alike.
-fn gemm_rates([m, n, k]: [usize; 3]) -> [f64; 2] {
+/// best of `rounds` runs after a warm-up, the two alternating so drifts hit both alike.
+pub fn gemm_rates([m, n, k]: [usize; 3], rounds: usize) -> [f64; 2] {
     let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
     let b: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
     let (a, b) = (MatRef::dense(&a, m, k), MatRef::dense(&b, n, k));
     let mut out = vec![0.0f32; m * n];
     let mut best = [f64::INFINITY; 2];
-    for round in 0..6 {
+    for round in 0..=rounds {
         let start = Instant::now();
         sgemm::product(a, &b, &mut out, n, false);
         let ours = start.elapsed().as_secs_f64();
