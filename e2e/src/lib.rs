@@ -53,6 +53,11 @@ impl LocalCluster {
         let dir = tempfile::tempdir().unwrap();
         let out = script(dir.path(), &["up"]);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            // What it started before it failed (the S3 server, the cluster) must not outlive
+            // the test: no `LocalCluster` exists to stop it on drop.
+            script(dir.path(), &["down"]);
+        }
         assert!(
             out.status.success(),
             "scripts/cluster.sh up failed:\n{stdout}\n{}",

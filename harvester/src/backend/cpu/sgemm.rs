@@ -221,6 +221,22 @@ struct Grid {
 }
 
 impl Grid {
+    /// Task `task`'s rows of `a` and panels of `w`.
+    fn task(
+        &self,
+        task: usize,
+        m: usize,
+        panel_count: usize,
+    ) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (rows, panels) = (task / self.column_blocks, task % self.column_blocks);
+        let first_row = rows * self.rows_per_block;
+        let first_panel = panels * self.panels_per_block;
+        (
+            first_row..(first_row + self.rows_per_block).min(m),
+            first_panel..(first_panel + self.panels_per_block).min(panel_count),
+        )
+    }
+
     /// Row blocks of `STRIPS_PER_BLOCK × mr`, and the panels split further only when there are
     /// too few row blocks to keep every thread busy (few tokens).
     fn new(m: usize, panel_count: usize, mr: usize, threads: usize) -> Self {
@@ -305,44 +321,44 @@ pub fn product_on<W: WeightRows>(
         for k0 in (0..k).step_by(kc_step) {
             let kc = kc_step.min(k - k0);
             panels.resize(panel_count * kc * nr, 0.0);
-            let pack = |(task, chunk): (usize, &mut [f32])| {
-                let first = task * PANELS_PER_PACK_TASK;
-                with(&TASK, |own| {
-                    pack_panels(w, first, k0, kc, nr, chunk, &mut own.rows);
-                });
-            };
-            let chunk = PANELS_PER_PACK_TASK * kc * nr;
-            if serial {
-                panels.chunks_mut(chunk).enumerate().for_each(pack);
-            } else {
-                panels.par_chunks_mut(chunk).enumerate().for_each(pack);
-            }
+            pack_all(w, panels, k0, kc, nr, serial);
             let block = Block {
                 kernel,
                 a,
-                panels: &panels[..panel_count * kc * nr],
+                panels,
                 n,
                 k0,
                 kc,
                 // The chain continues from `out` after the first block of `k`.
                 load: accumulate || k0 > 0,
             };
-            let run = |task: usize| {
-                let (rows, panels) = (task / grid.column_blocks, task % grid.column_blocks);
-                let first_row = rows * grid.rows_per_block;
-                let rows = first_row..(first_row + grid.rows_per_block).min(m);
-                let first = panels * grid.panels_per_block;
-                let panels = first..(first + grid.panels_per_block).min(panel_count);
-                with(&TASK, |own| block.run(rows, panels, out, &mut own.strips));
-            };
-            let tasks = grid.row_blocks * grid.column_blocks;
-            if serial {
-                (0..tasks).for_each(run);
-            } else {
-                (0..tasks).into_par_iter().for_each(run);
-            }
+            block.run_all(grid, out, serial);
         }
     });
+}
+
+/// Packs every panel of `w` for columns `[k0, k0 + kc)` of `k` into `panels`, in parallel
+/// unless `serial`.
+fn pack_all<W: WeightRows>(
+    w: &W,
+    panels: &mut [f32],
+    k0: usize,
+    kc: usize,
+    nr: usize,
+    serial: bool,
+) {
+    let pack = |(task, chunk): (usize, &mut [f32])| {
+        let first = task * PANELS_PER_PACK_TASK;
+        with(&TASK, |own| {
+            pack_panels(w, first, k0, kc, nr, chunk, &mut own.rows);
+        });
+    };
+    let chunk = PANELS_PER_PACK_TASK * kc * nr;
+    if serial {
+        panels.chunks_mut(chunk).enumerate().for_each(pack);
+    } else {
+        panels.par_chunks_mut(chunk).enumerate().for_each(pack);
+    }
 }
 
 /// [`product_on`] with the fastest kernel this CPU has.
@@ -386,6 +402,22 @@ struct Block<'a> {
 }
 
 impl Block<'_> {
+    /// Every task of `grid`, in parallel unless `serial`.
+    fn run_all(&self, grid: Grid, out: Out, serial: bool) {
+        let (_, nr) = self.kernel.block();
+        let panel_count = self.n.div_ceil(nr);
+        let run = |task: usize| {
+            let (rows, panels) = grid.task(task, self.a.rows, panel_count);
+            with(&TASK, |own| self.run(rows, panels, out, &mut own.strips));
+        };
+        let tasks = grid.row_blocks * grid.column_blocks;
+        if serial {
+            (0..tasks).for_each(run);
+        } else {
+            (0..tasks).into_par_iter().for_each(run);
+        }
+    }
+
     /// One task: `rows` of `a`, packed into `strips`, against `panels`.
     fn run(
         &self,
