@@ -148,10 +148,22 @@ impl SharedPermit {
             id,
         }))
     }
+
+    /// Gives the permit back now and waits for it, so that the caller's next request (a submit
+    /// after its dry run) finds it free. Dropping it instead gives it back in the background.
+    pub async fn give_back(mut self) {
+        let id = std::mem::take(&mut self.id);
+        if let Err(error) = self.limits.give_back(&id).await {
+            tracing::warn!(permit = %id, %error, "could not give a permit back; it lapses on its own");
+        }
+    }
 }
 
 impl Drop for SharedPermit {
     fn drop(&mut self) {
+        if self.id.is_empty() {
+            return; // given back already
+        }
         let (limits, id) = (Arc::clone(&self.limits), std::mem::take(&mut self.id));
         // Outside a runtime (a test dropping it late) the permit simply lapses.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -192,6 +204,47 @@ mod tests {
         assert!(permits.give_back("b0"));
         assert!(!permits.give_back("b0"), "given back once");
         assert!(permits.take("c0", Scope::wait("cccc"), LATER));
+    }
+
+    /// Permits in memory, given back only after a yield, as a round trip to the apiserver would.
+    #[derive(Debug, Default)]
+    struct RoundTripLimits {
+        permits: std::sync::Mutex<Permits>,
+        given_back: std::sync::atomic::AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl SharedLimits for RoundTripLimits {
+        async fn take(&self, id: &str, scope: Scope, _lasts: Duration) -> Result<bool, ApiError> {
+            Ok(self.permits.lock().unwrap().take(id, scope, LATER))
+        }
+
+        async fn give_back(&self, id: &str) -> Result<(), ApiError> {
+            tokio::task::yield_now().await;
+            self.given_back
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.permits.lock().unwrap().give_back(id);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_count_permit_given_back_explicitly_is_free_for_the_accounts_next_submit_at_once() {
+        let fake = Arc::new(RoundTripLimits::default());
+        let limits: Arc<dyn SharedLimits> = fake.clone();
+        let lasts = Duration::from_secs(10);
+        let dry_run = SharedPermit::take(&limits, Scope::count("acme"), lasts).await;
+        let dry_run = dry_run.unwrap().expect("the first count of the account");
+        let meanwhile = SharedPermit::take(&limits, Scope::count("acme"), lasts).await;
+        assert!(meanwhile.unwrap().is_none(), "one count per account");
+        dry_run.give_back().await;
+        let submit = SharedPermit::take(&limits, Scope::count("acme"), lasts).await;
+        assert!(
+            submit.unwrap().is_some(),
+            "free as soon as give_back returns"
+        );
+        let given_back = fake.given_back.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(given_back, 1, "given back once, not again when dropped");
     }
 
     #[test]

@@ -271,10 +271,25 @@ async fn count_tokens(
     let _permit = Arc::clone(&state.counting)
         .try_acquire_owned()
         .map_err(|_| ApiError::CountBusy)?;
-    let _shared = state
+    let shared = state
         .shared_permit(Scope::count(&caller.account), state.count_timeout)
         .await
         .ok_or(ApiError::CountBusy)?;
+    let counted = count_within_timeout(state, model, submission).await;
+    // Before the answer goes out: a client's next submit (after its dry run) must find the
+    // account's turn free among the replicas too.
+    if let Some(shared) = shared {
+        shared.give_back().await;
+    }
+    counted
+}
+
+/// The count itself, stopped at the configured timeout.
+async fn count_within_timeout(
+    state: &Arc<AppState>,
+    model: &CatalogueModel,
+    submission: &Submission,
+) -> Result<Counts, ApiError> {
     let tokenizer = Arc::clone(&model.tokenizer);
     let prompts = submission.prompts.clone();
     let special = submission.add_special_tokens;
