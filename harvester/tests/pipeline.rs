@@ -382,8 +382,18 @@ fn run_ok<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
 /// Waits until the run `child` writes into `out` has recorded `records` shards, while it still
 /// runs.
 fn wait_for_records(child: &mut std::process::Child, out: &Path, records: usize) {
+    // Only whole records: the object store writes each one to a staging file beside it
+    // (`<name>#<n>`) and renames it, so counting every entry could stop a run mid-write.
+    let whole = |entry: &std::fs::DirEntry| {
+        entry
+            .file_name()
+            .to_str()
+            .is_some_and(|name| name.ends_with(".record.safetensors"))
+    };
     let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_dir(out.join("partial")).map_or(0, |d| d.count()) < records {
+    while std::fs::read_dir(out.join("partial")).map_or(0, |d| d.flatten().filter(whole).count())
+        < records
+    {
         assert!(Instant::now() < deadline, "no shard was recorded in time");
         assert!(
             child.try_wait().unwrap().is_none(),
