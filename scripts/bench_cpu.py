@@ -176,6 +176,11 @@ def main():
     print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (our kernel, {ours['f32'].get('gemm_kernel')}, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s (gemm crate {ours['f32'].get('gemm_crate_gflops') or 0:.1f}); "
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
               f", bf16 {100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%" if "bf16" in ours else ""))
+    if "bf16" in ours and ours["bf16"].get("gemm_bf16_gflops"):
+        kind = "vdpbf16ps" if ours["bf16"]["bf16_dot_instructions"] else "widened to f32"
+        print(f"plain bf16 GEMM, same shape (our bf16 product, {kind}, same run): "
+              f"{ours['bf16']['gemm_bf16_gflops']:.1f} GFLOP/s; harvest bf16 reaches "
+              f"{100 * ours['bf16']['gflops'] / ours['bf16']['gemm_bf16_gflops']:.0f}% of it")
     peaks = [ours["f32"].get(name) for name in ("f32_fma_peak", "bf16_dot_peak")]
     print("ceilings (every thread, registers only, same run): " + "; ".join(
         f"{p['instruction']} {p['gflops']:.1f} GFLOP/s" for p in peaks if p))

@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
 use crate::backend::cpu::peak::{self, Peak};
-use crate::backend::cpu::sgemm;
+use crate::backend::cpu::{bf16, sgemm};
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -81,6 +81,9 @@ pub struct BenchReport {
     /// On the CPU: the `gemm` crate on the same shape, GFLOP/s (a peer for our kernel).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gemm_crate_gflops: Option<f64>,
+    /// On the CPU: our bf16 product on the same shape, GFLOP/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_bf16_gflops: Option<f64>,
     /// `gflops / gemm_gflops`.
     pub fraction_of_gemm: f64,
     /// The GEMM shape measured, `[m, n, k]`.
@@ -294,17 +297,18 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let (gemm_gflops, gemm_crate_gflops, peaks) = match config.device {
+    let (gemm_gflops, cpu_rates, peaks) = match config.device {
         DeviceChoice::Cuda(ordinal) => (
             crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?,
             None,
             (None, None),
         ),
         DeviceChoice::Cpu | DeviceChoice::Auto => {
-            let [ours, crate_peer] = gemm_rates(gemm_shape, 6);
-            (ours, Some(crate_peer), cpu_peaks())
+            let [ours, crate_peer, ours_bf16] = gemm_rates(gemm_shape, 6);
+            (ours, Some((crate_peer, ours_bf16)), cpu_peaks())
         }
     };
+    let (gemm_crate_gflops, gemm_bf16_gflops) = cpu_rates.unzip();
     let gemm_kernel = gemm_crate_gflops.map(|_| sgemm::Kernel::detect().name());
     let (f32_fma_peak, bf16_dot_peak) = peaks;
     let ceiling = match config.precision {
@@ -316,7 +320,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         directions: config.directions.unwrap_or(0),
         sites: config.sites.to_string(),
         precision: config.precision.as_str(),
-        bf16_dot_instructions: crate::backend::cpu::bf16::has_dot_instructions(),
+        bf16_dot_instructions: bf16::has_dot_instructions(),
         layers: backend.spec().layers.len(),
         threads: rayon::current_num_threads(),
         prompts: config.prompts.len(),
@@ -328,6 +332,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         gemm_gflops,
         gemm_kernel,
         gemm_crate_gflops,
+        gemm_bf16_gflops,
         fraction_of_gemm: gflops / gemm_gflops,
         gemm_shape,
         f32_fma_peak,
@@ -417,14 +422,18 @@ fn cpu_peaks() -> (Option<Peak>, Option<Peak>) {
     (peak::f32_fma(), peak::bf16_dot())
 }
 
-/// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ` on our kernel and on the `gemm` crate, each the
-/// best of `rounds` runs after a warm-up, the two alternating so drifts hit both alike.
-pub fn gemm_rates([m, n, k]: [usize; 3], rounds: usize) -> [f64; 2] {
+/// GFLOP/s of `out[m, n] = a[m, k] · b[n, k]ᵀ` on our f32 kernel, on the `gemm` crate and on
+/// our bf16 product (the operands rounded to bf16), each the best of `rounds` runs after a
+/// warm-up, the three alternating so drifts hit all alike.
+pub fn gemm_rates([m, n, k]: [usize; 3], rounds: usize) -> [f64; 3] {
     let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
     let b: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let a16: Vec<u16> = a.iter().map(|&v| bf16::to_bf16_bits(v)).collect();
+    let b16: Vec<u16> = b.iter().map(|&v| bf16::to_bf16_bits(v)).collect();
     let (a, b) = (MatRef::dense(&a, m, k), MatRef::dense(&b, n, k));
     let mut out = vec![0.0f32; m * n];
-    let mut best = [f64::INFINITY; 2];
+    let mut packed = bf16::Packed::default();
+    let mut best = [f64::INFINITY; 3];
     for round in 0..=rounds {
         let start = Instant::now();
         sgemm::product(a, &b, &mut out, n, false);
@@ -432,8 +441,15 @@ pub fn gemm_rates([m, n, k]: [usize; 3], rounds: usize) -> [f64; 2] {
         let start = Instant::now();
         matmul_transposed(a, b, &mut out, n, 1.0, false, gemm::Parallelism::Rayon(0));
         let theirs = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        bf16::matmul_bf16(&a16, &b16, k, &mut out, n, false, &mut packed);
+        let ours_bf16 = start.elapsed().as_secs_f64();
         if round > 0 {
-            best = [best[0].min(ours), best[1].min(theirs)];
+            best = [
+                best[0].min(ours),
+                best[1].min(theirs),
+                best[2].min(ours_bf16),
+            ];
         }
     }
     best.map(|seconds| 2.0 * (m * n * k) as f64 / seconds / 1e9)

@@ -1,27 +1,34 @@
 //! The bf16 compute mode's matrix product: bf16 inputs, f32 accumulation.
 //!
 //! `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` with `a` and `b` row-major bf16 (`b` a PyTorch
-//! `[out, in]` weight). On a CPU with AVX512-BF16, `b` is packed per product into panels of
-//! [`PANEL`] columns with each pair of `k` adjacent (the layout `vdpbf16ps` reads), and an
-//! [`MR`]-row × [`PANEL`]-column block of `out` accumulates in registers, one pair of `k` at a
-//! time: 32 products per instruction, no horizontal sums. Elsewhere both operands widen exactly
-//! to f32 and the f32 kernel (`sgemm`) runs, which differs only in the order of the f32 sums.
-//! Either way each output is one row of `a` against one row of `b`, summed in a fixed order, so
-//! the result does not depend on the batch it is in or on the thread count.
+//! `[out, in]` weight). On a CPU with AVX512-BF16 it runs like the f32 product (`sgemm`), on
+//! pairs of `k` (what one `vdpbf16ps` lane sums): per block of at most [`KC`] of `k`, every
+//! panel of [`PANEL`] rows of `b` is packed once, `[pairs][PANEL]`, and tasks sweep [`MR`] rows
+//! of `a` at a time across the panels. An `MR × PANEL` block of `out` accumulates in 16 zmm
+//! registers, 32 products per instruction, each row's pair of `a` broadcast straight from `a`
+//! itself: a row-major row already holds its pairs adjacent, so `a` is not packed (only copied
+//! once, padded, when `k` is odd). Blocks of `k` continue the sums through `out`. Elsewhere both
+//! operands widen exactly to f32 and the f32 kernel runs, which differs only in the order of
+//! the f32 sums. Either way each output is one row of `a` against one row of `b`, summed in an
+//! order fixed by `k` alone, so the result does not depend on the batch it is in or on the
+//! thread count.
 #![allow(unsafe_code)]
 
 use rayon::prelude::*;
 
 use super::matmul::MatRef;
-use super::sgemm;
+use super::sgemm::{self, Dst, Grid, Out};
 
-/// Rows of `a` in one register block.
+/// Rows of `a` in one register block: 16 zmm accumulators. (12 rows, as the f32 kernel has,
+/// measured 5-15% slower on a Zen 4 EPYC.)
 pub const MR: usize = 8;
 /// Columns of `out` in one register block and one packed panel of `b` (two zmm of f32).
 pub const PANEL: usize = 32;
-/// Rows of `a` one rayon task takes (a multiple of [`MR`]): enough that each packed panel is
-/// reused across many register blocks while it is in cache.
-const ROWS_PER_TASK: usize = 8 * MR;
+/// Columns of `k` per block, at most (as even blocks): `MR` rows of `a` are `KC × MR` bf16 (16
+/// KiB, in L1) and a panel `KC × PANEL` (64 KiB, streaming from L2). On a Zen 4 EPYC, blocks of
+/// 256 measured 5-20% slower (the sums go through `out` more often), 2048 as much slower on
+/// llama-8b's `k` of 4096 (the rows fill L1).
+pub const KC: usize = 1024;
 
 /// A bf16 value's bits from an f32, rounded to nearest even (NaN stays NaN).
 #[inline]
@@ -78,10 +85,16 @@ pub fn has_dot_instructions() -> bool {
 /// Scratch of the packed product, kept across calls so steady state allocates nothing.
 #[derive(Debug, Default)]
 pub struct Packed {
-    /// `a` padded to whole register blocks and an even `k`.
-    a: Vec<u16>,
-    /// `b` in panels: `[panel][k / 2][PANEL][2]`.
-    b: Vec<u16>,
+    /// Every panel of `b` for one block of `k`, `[panel][pairs][PANEL]`.
+    panels: Vec<u32>,
+    /// `a` with each row padded to an even length, when `k` is odd.
+    a_even: Vec<u16>,
+}
+
+/// Bytes a product with `n` output columns holds beside its operands (for the memory check):
+/// the packed panels of one block of `k`.
+pub fn working_bytes(n: usize) -> u64 {
+    (n.next_multiple_of(PANEL) * KC * 2) as u64
 }
 
 /// `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` for `a: [rows, k]` and `b: [cols, k]` bf16 bits;
@@ -112,80 +125,172 @@ pub fn matmul_bf16(
     }
     #[cfg(target_arch = "x86_64")]
     if has_dot_instructions() {
-        let kp = k.next_multiple_of(2);
-        pack(a, b, k, packed);
-        let (a, b) = (&packed.a, &packed.b);
-        out.par_chunks_mut(ROWS_PER_TASK * out_stride)
-            .enumerate()
-            .for_each(|(task, out)| {
-                let first = task * ROWS_PER_TASK;
-                let task_rows = ROWS_PER_TASK.min(rows - first);
-                let a = &a[first * kp..(first + task_rows.next_multiple_of(MR)) * kp];
-                for (panel, b) in b.chunks_exact(kp * PANEL).enumerate() {
-                    let c = panel * PANEL;
-                    let width = PANEL.min(cols - c);
-                    for (block, a) in a.chunks_exact(MR * kp).enumerate() {
-                        let r = block * MR;
-                        let height = MR.min(task_rows - r);
-                        let out = &mut out[r * out_stride + c..];
-                        let tile = Tile {
-                            out,
-                            out_stride,
-                            height,
-                            width,
-                            accumulate,
-                        };
-                        // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (checked
-                        // above); the kernel only indexes slices, bounds-checked.
-                        unsafe { avx512::kernel(a, b, kp, tile) }
-                    }
-                }
-            });
-        return;
+        let out = Out {
+            ptr: out.as_mut_ptr(),
+            stride: out_stride,
+        };
+        let Packed { panels, a_even } = packed;
+        let mut operands = Operands {
+            a,
+            a_stride: k,
+            b,
+            k,
+            rows,
+            cols,
+        };
+        if k % 2 == 1 {
+            a_even.clear();
+            a_even.resize(rows * (k + 1), 0);
+            a_even
+                .par_chunks_mut(k + 1)
+                .zip(a.par_chunks(k))
+                .for_each(|(dst, src)| dst[..k].copy_from_slice(src));
+            operands.a = a_even;
+            operands.a_stride = k + 1;
+        }
+        return product_on_pairs(operands, out, accumulate, panels);
     }
     let _ = packed;
     widened(a, b, k, out, out_stride, accumulate);
 }
 
-/// One register block's destination.
-struct Tile<'a> {
-    out: &'a mut [f32],
-    out_stride: usize,
-    /// Rows of the block that exist (the rest of `a` is padding).
-    height: usize,
-    /// Columns of the panel that exist.
-    width: usize,
-    accumulate: bool,
+/// Both operands of a product, as bf16 rows.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    /// `rows` rows of `a_stride` (even: `k`, padded by one when `k` is odd).
+    a: &'a [u16],
+    a_stride: usize,
+    b: &'a [u16],
+    k: usize,
+    rows: usize,
+    cols: usize,
 }
 
-/// Pads `a` to whole register blocks of rows and an even `k`, and packs `b` into panels of
-/// [`PANEL`] columns with pairs of `k` adjacent, zero-padded.
-fn pack(a: &[u16], b: &[u16], k: usize, packed: &mut Packed) {
-    let kp = k.next_multiple_of(2);
-    let rows = a.len() / k;
-    let cols = b.len() / k;
-    packed.a.clear();
-    packed.a.resize(rows.next_multiple_of(MR) * kp, 0);
-    packed
-        .a
-        .par_chunks_mut(kp)
-        .zip(a.par_chunks(k))
-        .for_each(|(dst, src)| dst[..k].copy_from_slice(src));
-    let panels = cols.div_ceil(PANEL);
-    packed.b.clear();
-    packed.b.resize(panels * kp * PANEL, 0);
-    packed
-        .b
-        .par_chunks_mut(kp * PANEL)
-        .enumerate()
-        .for_each(|(panel, dst)| {
-            for j in 0..PANEL.min(cols - panel * PANEL) {
-                let src = &b[(panel * PANEL + j) * k..][..k];
-                for (i, &v) in src.iter().enumerate() {
-                    dst[(i / 2) * 2 * PANEL + j * 2 + i % 2] = v;
-                }
+/// The `vdpbf16ps` product, block of `k` by block of `k`.
+#[cfg(target_arch = "x86_64")]
+fn product_on_pairs(operands: Operands<'_>, out: Out, accumulate: bool, panels: &mut Vec<u32>) {
+    let Operands { k, rows, cols, .. } = operands;
+    let pairs = k.div_ceil(2);
+    let step = pairs.div_ceil(pairs.div_ceil(KC / 2));
+    let panel_count = cols.div_ceil(PANEL);
+    let serial = rows * cols * k < sgemm::SERIAL_BELOW;
+    let threads = if serial {
+        1
+    } else {
+        rayon::current_num_threads()
+    };
+    let grid = Grid::new(rows, panel_count, MR, threads);
+    for first_pair in (0..pairs).step_by(step) {
+        let block = PairBlock {
+            operands,
+            first_pair,
+            pairs: step.min(pairs - first_pair),
+            // The sums continue from `out` after the first block of `k`.
+            load: accumulate || first_pair > 0,
+        };
+        panels.resize(panel_count * block.pairs * PANEL, 0);
+        let chunk = block.pairs * PANEL;
+        if serial {
+            panels
+                .chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(p, dst)| block.pack_panel(p, dst));
+        } else {
+            panels
+                .par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(p, dst)| block.pack_panel(p, dst));
+        }
+        let panels = &panels[..];
+        let run = |task: usize| {
+            let (task_rows, task_panels) = grid.task(task, rows, panel_count);
+            block.run(task_rows, task_panels, panels, out);
+        };
+        if serial {
+            (0..grid.tasks()).for_each(run);
+        } else {
+            (0..grid.tasks()).into_par_iter().for_each(run);
+        }
+    }
+}
+
+/// One block of pairs of `k` of a product.
+#[derive(Clone, Copy)]
+struct PairBlock<'a> {
+    operands: Operands<'a>,
+    first_pair: usize,
+    pairs: usize,
+    load: bool,
+}
+
+impl PairBlock<'_> {
+    /// Panel `panel` of `b` for this block, `[pairs][PANEL]`: row `j` of the panel goes to lane
+    /// `j` of each pair, zero past the rows that exist.
+    fn pack_panel(&self, panel: usize, dst: &mut [u32]) {
+        let Operands { b, k, cols, .. } = self.operands;
+        let from = 2 * self.first_pair;
+        let to = (from + 2 * self.pairs).min(k);
+        for j in 0..PANEL {
+            let row = panel * PANEL + j;
+            let cells = dst[j..].iter_mut().step_by(PANEL);
+            if row >= cols {
+                cells.for_each(|c| *c = 0);
+                continue;
             }
-        });
+            let segment = &b[row * k + from..row * k + to];
+            let (whole, odd) = segment.as_chunks::<2>();
+            let mut cells = cells;
+            // `whole` leads the zip, so that no cell is taken past its end.
+            for (&[low, high], cell) in whole.iter().zip(cells.by_ref()) {
+                *cell = u32::from(low) | (u32::from(high) << 16);
+            }
+            if let (Some(cell), [low]) = (cells.next(), odd) {
+                *cell = u32::from(*low);
+            }
+        }
+    }
+
+    /// One task: its rows of `a`, [`MR`] at a time, each swept across its panels.
+    #[cfg(target_arch = "x86_64")]
+    fn run(
+        &self,
+        rows: std::ops::Range<usize>,
+        panels: std::ops::Range<usize>,
+        packed: &[u32],
+        out: Out,
+    ) {
+        let Operands {
+            a, a_stride, cols, ..
+        } = self.operands;
+        let pairs = self.pairs;
+        for r in rows.clone().step_by(MR) {
+            let height = MR.min(rows.end - r);
+            // The block's rows of `a`, from its first pair on.
+            let a = &a[r * a_stride + 2 * self.first_pair..(r + height) * a_stride];
+            for p in panels.clone() {
+                let c = p * PANEL;
+                let dst = Dst {
+                    // SAFETY: row `r` < rows and column `c` < cols, so the offset lies inside
+                    // `out` (checked against its length in `matmul_bf16`).
+                    ptr: unsafe { out.ptr.add(r * out.stride + c) },
+                    stride: out.stride,
+                    height,
+                    width: PANEL.min(cols - c),
+                    load: self.load,
+                };
+                let operands = avx512::Operands {
+                    a,
+                    a_stride,
+                    panel: &packed[p * pairs * PANEL..(p + 1) * pairs * PANEL],
+                    pairs,
+                };
+                // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
+                // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
+                // (checked in `matmul_bf16`).
+                unsafe { avx512::block(operands, dst) }
+            }
+        }
+    }
 }
 
 /// The portable path: `a` widened exactly to f32, then the f32 kernel, which widens `b` as it
@@ -209,11 +314,21 @@ fn widened(a: &[u16], b: &[u16], k: usize, out: &mut [f32], out_stride: usize, a
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        __m512, __m512bh, __m512i, _mm512_add_ps, _mm512_dpbf16_ps, _mm512_loadu_epi16,
-        _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
+        __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
     };
 
-    use super::{MR, PANEL, Tile};
+    use super::{Dst, MR, PANEL};
+
+    /// What one register block reads.
+    pub(super) struct Operands<'a> {
+        /// The block's rows of `a` from its first pair on, `a_stride` apart (even).
+        pub a: &'a [u16],
+        pub a_stride: usize,
+        /// One packed panel, `[pairs][PANEL]`.
+        pub panel: &'a [u32],
+        pub pairs: usize,
+    }
 
     /// Bit-for-bit reinterpretation of 32 16-bit lanes as 32 bf16 lanes.
     #[inline]
@@ -223,67 +338,112 @@ mod avx512 {
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     }
 
-    /// One [`MR`] × [`PANEL`] block: `a` is `MR` padded rows of `kp` bf16, `b` one packed panel.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) fn kernel(a: &[u16], b: &[u16], kp: usize, tile: Tile<'_>) {
-        let mut lo = [_mm512_setzero_ps(); MR];
-        let mut hi = [_mm512_setzero_ps(); MR];
-        let a = &a[..MR * kp];
-        let b = &b[..kp * PANEL];
-        for p in 0..kp / 2 {
-            let pair = &b[p * 2 * PANEL..(p + 1) * 2 * PANEL];
-            // SAFETY: `pair` holds 64 u16 = two 512-bit loads, in bounds.
-            let (b0, b1) = unsafe {
-                (
-                    as_bf16(_mm512_loadu_epi16(pair.as_ptr().cast())),
-                    as_bf16(_mm512_loadu_epi16(pair[PANEL..].as_ptr().cast())),
-                )
+    /// One block, monomorphised on its height.
+    ///
+    /// # Safety
+    /// `dst` must describe `height × width` writable cells that no other thread touches, and
+    /// the CPU must have AVX512-F, -BW and -BF16.
+    pub(super) unsafe fn block(operands: Operands<'_>, dst: Dst) {
+        macro_rules! by_height {
+            ($($h:literal)*) => {
+                match dst.height {
+                    // SAFETY: passed on from the caller.
+                    $($h => unsafe { rows::<$h>(operands, dst) },)*
+                    _ => unreachable!("block height beyond MR. This is a bug."),
+                }
             };
-            for i in 0..MR {
-                let x = u32::from(a[i * kp + 2 * p]) | (u32::from(a[i * kp + 2 * p + 1]) << 16);
-                let x = as_bf16(_mm512_set1_epi32(x as i32));
-                lo[i] = _mm512_dpbf16_ps(lo[i], x, b0);
-                hi[i] = _mm512_dpbf16_ps(hi[i], x, b1);
-            }
         }
-        store(&lo, &hi, tile);
+        by_height!(1 2 3 4 5 6 7 8);
     }
 
-    /// Writes (or adds) the block's existing rows and columns.
-    #[target_feature(enable = "avx512f")]
-    fn store(lo: &[__m512; MR], hi: &[__m512; MR], tile: Tile<'_>) {
-        let Tile {
-            out,
-            out_stride,
-            height,
-            width,
-            accumulate,
-        } = tile;
-        for i in 0..height {
-            let row = &mut out[i * out_stride..];
-            if width == PANEL {
-                let row = &mut row[..PANEL];
-                // SAFETY: `row` holds 32 f32 = two 512-bit vectors, in bounds.
-                unsafe {
-                    let (mut l, mut h) = (lo[i], hi[i]);
-                    if accumulate {
-                        l = _mm512_add_ps(l, _mm512_loadu_ps(row.as_ptr()));
-                        h = _mm512_add_ps(h, _mm512_loadu_ps(row[16..].as_ptr()));
-                    }
-                    _mm512_storeu_ps(row.as_mut_ptr(), l);
-                    _mm512_storeu_ps(row[16..].as_mut_ptr(), h);
-                }
-            } else {
-                let mut lanes = [0.0f32; PANEL];
-                // SAFETY: `lanes` holds 32 f32 = two 512-bit vectors.
-                unsafe {
-                    _mm512_storeu_ps(lanes.as_mut_ptr(), lo[i]);
-                    _mm512_storeu_ps(lanes[16..].as_mut_ptr(), hi[i]);
-                }
-                for (cell, &v) in row[..width].iter_mut().zip(&lanes) {
-                    *cell = if accumulate { *cell + v } else { v };
+    /// # Safety
+    /// As [`block`], with `H` its height.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn rows<const H: usize>(operands: Operands<'_>, dst: Dst) {
+        let Operands {
+            a,
+            a_stride,
+            panel,
+            pairs,
+        } = operands;
+        assert!(
+            H <= MR
+                && a_stride.is_multiple_of(2)
+                && (H - 1) * a_stride + 2 * pairs <= a.len()
+                && pairs * PANEL <= panel.len(),
+            "bf16 register block shapes. This is a bug."
+        );
+        let mut acc = [[_mm512_setzero_ps(); 2]; H];
+        if dst.load {
+            for (i, row) in acc.iter_mut().enumerate() {
+                // SAFETY: row i < height, and `load_row` reads `width` cells.
+                *row = unsafe { load_row(dst.ptr.add(i * dst.stride), dst.width) };
+            }
+        }
+        let (a_ptr, b_ptr) = (a.as_ptr(), panel.as_ptr());
+        for q in 0..pairs {
+            // SAFETY: q < pairs, so `q * PANEL + PANEL <= panel.len()` and, for every row
+            // i < H, the pair at `i * a_stride + 2 * q` lies inside `a` (both asserted above).
+            unsafe {
+                let b0 = as_bf16(_mm512_loadu_si512(b_ptr.add(q * PANEL).cast()));
+                let b1 = as_bf16(_mm512_loadu_si512(b_ptr.add(q * PANEL + 16).cast()));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let pair = a_ptr
+                        .add(i * a_stride + 2 * q)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    let x = as_bf16(_mm512_set1_epi32(pair));
+                    row[0] = _mm512_dpbf16_ps(row[0], x, b0);
+                    row[1] = _mm512_dpbf16_ps(row[1], x, b1);
                 }
             }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            // SAFETY: as for the load.
+            unsafe { store_row(dst.ptr.add(i * dst.stride), dst.width, row) };
+        }
+    }
+
+    /// Two vectors from `width` cells at `ptr` (zero past them).
+    ///
+    /// # Safety
+    /// `ptr` must have `width` readable cells.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_row(ptr: *const f32, width: usize) -> [__m512; 2] {
+        let mut lanes = [0.0f32; PANEL];
+        // SAFETY: `width <= PANEL` cells are readable at `ptr` (the caller's contract).
+        unsafe {
+            if width == PANEL {
+                return [_mm512_loadu_ps(ptr), _mm512_loadu_ps(ptr.add(16))];
+            }
+            std::ptr::copy_nonoverlapping(ptr, lanes.as_mut_ptr(), width);
+            [
+                _mm512_loadu_ps(lanes.as_ptr()),
+                _mm512_loadu_ps(lanes.as_ptr().add(16)),
+            ]
+        }
+    }
+
+    /// Writes the first `width` lanes of `row` to `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must have `width` writable cells.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_row(ptr: *mut f32, width: usize, row: &[__m512; 2]) {
+        let mut lanes = [0.0f32; PANEL];
+        // SAFETY: `width <= PANEL` cells are writable at `ptr` (the caller's contract); `lanes`
+        // holds PANEL.
+        unsafe {
+            if width == PANEL {
+                _mm512_storeu_ps(ptr, row[0]);
+                _mm512_storeu_ps(ptr.add(16), row[1]);
+                return;
+            }
+            _mm512_storeu_ps(lanes.as_mut_ptr(), row[0]);
+            _mm512_storeu_ps(lanes.as_mut_ptr().add(16), row[1]);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr, width);
         }
     }
 }
@@ -319,6 +479,8 @@ mod tests {
             (4, 4, 96),
             (9, 13, 200),
             (70, 40, 31),
+            (13, 33, 600),
+            (200, 70, 2 * KC + 77),
         ] {
             let a: Vec<f32> = (0..rows * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
@@ -349,30 +511,33 @@ mod tests {
     }
 
     #[test]
-    fn a_row_gives_the_same_bits_alone_as_in_a_batch() {
-        let k = 70;
-        let a: Vec<u16> = bits(
-            &(0..9 * k)
+    fn a_row_gives_the_same_bits_alone_as_in_any_batch_on_any_thread_count() {
+        // More rows than one task takes and a `k` over two blocks, so that tasks, strips and
+        // blocks of `k` all split the batch.
+        let (rows, cols, k) = (2 * sgemm::STRIPS_PER_BLOCK * MR + 7, 70, 2 * KC + 78);
+        let a = bits(
+            &(0..rows * k)
                 .map(|i| (i as f32 * 0.37).sin())
                 .collect::<Vec<_>>(),
         );
-        let b: Vec<u16> = bits(
-            &(0..5 * k)
+        let b = bits(
+            &(0..cols * k)
                 .map(|i| (i as f32 * 0.11).cos())
                 .collect::<Vec<_>>(),
         );
-        let mut all = vec![0.0; 9 * 5];
-        matmul_bf16(&a, &b, k, &mut all, 5, false, &mut Packed::default());
-        let mut one = vec![0.0; 5];
-        matmul_bf16(
-            &a[6 * k..7 * k],
-            &b,
-            k,
-            &mut one,
-            5,
-            false,
-            &mut Packed::default(),
-        );
-        assert_eq!(one, all[6 * 5..7 * 5]);
+        let product = |a: &[u16], threads: usize| {
+            let mut out = vec![0.0; a.len() / k * cols];
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+            pool.unwrap().install(|| {
+                matmul_bf16(a, &b, k, &mut out, cols, false, &mut Packed::default());
+            });
+            out
+        };
+        let all = product(&a, 2);
+        assert_eq!(product(&a, 1), all, "one thread or two");
+        for row in [0, MR + 3, rows - 1] {
+            let one = product(&a[row * k..(row + 1) * k], 2);
+            assert_eq!(one, all[row * cols..(row + 1) * cols], "row {row} alone");
+        }
     }
 }

@@ -310,17 +310,16 @@ impl CpuBackend {
         let panels = sgemm::working_bytes(widest_product, rayon::current_num_threads());
         let bf16_mode = spec.precision == Precision::Bf16;
         if bf16_mode {
-            // Each product's input as bf16 (twice: rounded, then padded), the largest weight
-            // packed into panels, and a bf16 copy of every weight the checkpoint does not store
-            // in bf16.
+            // Each product's input rounded to bf16, its packed panels and strips, and a bf16
+            // copy of every weight the checkpoint does not store in bf16.
             let widest = c.hidden_size.max(2 * inter).max(c.num_heads * c.head_dim);
-            let largest = matrices().map(|m| m.len()).max().unwrap_or(0);
             let copies: usize = matrices()
                 .filter(|m| m.half() != Some(crate::model::Half::Bf16))
                 .map(|m| m.len())
                 .sum();
-            let bf16_values = 2 * tokens * widest + largest + copies;
-            return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels;
+            let packing = bf16::working_bytes(widest_product);
+            let bf16_values = tokens * widest + copies;
+            return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels + packing;
         }
         (tokens * per_token * 4) as u64 + panels
     }

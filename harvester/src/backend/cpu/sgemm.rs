@@ -36,14 +36,14 @@ pub const KC: usize = 256;
 const KC_AVX512: usize = 128;
 /// Strips of `MR` rows of `a` per task (96 rows with AVX2, 192 with AVX-512): several tasks per
 /// thread at a thousand tokens, few enough that each sweeps the panels many times.
-const STRIPS_PER_BLOCK: usize = 16;
+pub(super) const STRIPS_PER_BLOCK: usize = 16;
 /// Tasks per thread to aim for, so that uneven tasks still balance.
 const TASKS_PER_THREAD: usize = 4;
 /// Panels of `w` one packing task widens.
 const PANELS_PER_PACK_TASK: usize = 4;
 /// Multiply-adds below which a product runs on the calling thread alone: waking the pool
 /// costs more than it saves.
-const SERIAL_BELOW: usize = 1 << 22;
+pub(super) const SERIAL_BELOW: usize = 1 << 22;
 
 /// A matrix whose rows the product packs: `[rows, cols]`, read a row segment at a time.
 pub trait WeightRows: Sync {
@@ -175,7 +175,7 @@ thread_local! {
 
 /// Runs `f` on this thread's `buffers`, or on fresh ones if they are in use further up this
 /// thread's stack (a thread that waits on rayon may run another product's work meanwhile).
-fn with<T: Default + 'static, R>(
+pub(super) fn with<T: Default + 'static, R>(
     buffers: &'static std::thread::LocalKey<RefCell<T>>,
     f: impl FnOnce(&mut T) -> R,
 ) -> R {
@@ -196,9 +196,9 @@ pub fn working_bytes(n: usize, threads: usize) -> u64 {
 
 /// The output as the tasks share it: each task writes only its own rows × columns.
 #[derive(Clone, Copy)]
-struct Out {
-    ptr: *mut f32,
-    stride: usize,
+pub(super) struct Out {
+    pub(super) ptr: *mut f32,
+    pub(super) stride: usize,
 }
 
 // SAFETY: `product_on` hands each task a disjoint block of rows × columns of `out`, and nothing
@@ -209,7 +209,7 @@ unsafe impl Sync for Out {}
 
 /// How a product is cut into tasks: blocks of rows × runs of panels.
 #[derive(Debug, Clone, Copy)]
-struct Grid {
+pub(super) struct Grid {
     rows_per_block: usize,
     row_blocks: usize,
     panels_per_block: usize,
@@ -218,7 +218,7 @@ struct Grid {
 
 impl Grid {
     /// Task `task`'s rows of `a` and panels of `w`.
-    fn task(
+    pub(super) fn task(
         &self,
         task: usize,
         m: usize,
@@ -233,9 +233,14 @@ impl Grid {
         )
     }
 
+    /// How many tasks there are.
+    pub(super) fn tasks(&self) -> usize {
+        self.row_blocks * self.column_blocks
+    }
+
     /// Row blocks of `STRIPS_PER_BLOCK × mr`, and the panels split further only when there are
     /// too few row blocks to keep every thread busy (few tokens).
-    fn new(m: usize, panel_count: usize, mr: usize, threads: usize) -> Self {
+    pub(super) fn new(m: usize, panel_count: usize, mr: usize, threads: usize) -> Self {
         let rows_per_block = STRIPS_PER_BLOCK * mr;
         let row_blocks = m.div_ceil(rows_per_block);
         let wanted = (TASKS_PER_THREAD * threads).div_ceil(row_blocks);
@@ -446,7 +451,7 @@ impl Block<'_> {
             let (rows, panels) = grid.task(task, self.a.rows, panel_count);
             with(&TASK, |own| self.run(rows, panels, out, &mut own.strip));
         };
-        let tasks = grid.row_blocks * grid.column_blocks;
+        let tasks = grid.tasks();
         if serial {
             (0..tasks).for_each(run);
         } else {
@@ -505,15 +510,15 @@ struct Operands<'a> {
 }
 
 /// Where one register block's sums go.
-struct Dst {
-    ptr: *mut f32,
-    stride: usize,
+pub(super) struct Dst {
+    pub(super) ptr: *mut f32,
+    pub(super) stride: usize,
     /// Rows that exist (at most MR).
-    height: usize,
+    pub(super) height: usize,
     /// Columns that exist (at most NR).
-    width: usize,
+    pub(super) width: usize,
     /// Start each chain from the cell's value rather than zero.
-    load: bool,
+    pub(super) load: bool,
 }
 
 /// Cells past a strip that the vector packing may scribble on: it stores whole vectors, and the
