@@ -31,9 +31,11 @@ use super::matmul::MatRef;
 /// strip of `a` is `KC × MR` values (6 KiB with AVX2) and stays in L1 beside the panel of `w`
 /// streaming past it (16 KiB).
 pub const KC: usize = 256;
-/// The same for AVX-512, whose panels are twice as wide: 16 KiB again, so that a panel and a
-/// strip (6 KiB) fit a 32 KiB L1 (Zen 4's; Intel's since Ice Lake have 48).
-const KC_AVX512: usize = 128;
+/// The same for AVX-512: a strip of 12 rows is 24 KiB and stays in a 32 KiB L1 (Zen 4's;
+/// Intel's since Ice Lake have 48) while the panels (64 KiB) stream from L2. Measured on a Zen 4
+/// EPYC with `sgemm_bench`: 0.92-0.96× the `gemm` crate at 128, 1.00-1.03× at 512; 1024 (a
+/// 48 KiB strip) lost a quarter on llama-8b's `k` of 4096.
+const KC_AVX512: usize = 512;
 /// Strips of `MR` rows of `a` per task (96 rows with AVX2, 192 with AVX-512): several tasks per
 /// thread at a thousand tokens, few enough that each sweeps the panels many times.
 pub(super) const STRIPS_PER_BLOCK: usize = 16;
@@ -145,6 +147,11 @@ impl Kernel {
         }
     }
 
+    /// Columns of `k` it sums per block, at most.
+    fn kc(self) -> usize {
+        if self == Self::Avx512 { KC_AVX512 } else { KC }
+    }
+
     /// Rows and columns of its register block.
     fn block(self) -> (usize, usize) {
         match self {
@@ -188,9 +195,10 @@ pub(super) fn with<T: Default + 'static, R>(
 /// Bytes of packing buffers a product with `n` output columns holds (for the memory check):
 /// its panels of `w`, and each thread's rows of `a`.
 pub fn working_bytes(n: usize, threads: usize) -> u64 {
-    let (mr, nr) = Kernel::detect().block();
-    let panels = n.next_multiple_of(nr) * KC;
-    let per_thread = mr * KC + STRIP_SLACK + nr * KC;
+    let kernel = Kernel::detect();
+    let ((mr, nr), kc) = (kernel.block(), kernel.kc());
+    let panels = n.next_multiple_of(nr) * kc;
+    let per_thread = mr * kc + STRIP_SLACK + nr * kc;
     ((panels + threads * per_thread) * 4) as u64
 }
 
@@ -308,11 +316,7 @@ pub fn product_on<W: WeightRows>(
         rayon::current_num_threads()
     };
     let grid = Grid::new(m, panel_count, mr, threads);
-    let most = if kernel == Kernel::Avx512 {
-        KC_AVX512
-    } else {
-        KC
-    };
+    let most = kernel.kc();
     let kc_step = k.div_ceil(k.div_ceil(most));
     let out = Out {
         ptr: out.as_mut_ptr(),
@@ -411,7 +415,7 @@ fn first_agreeing(
 /// Whether `kernel` gives the portable kernel's bits on a ragged product that crosses blocks of
 /// `k`, with and without accumulating: about 10⁶ multiply-adds, a millisecond.
 pub fn agrees_with_portable(kernel: Kernel) -> bool {
-    let (m, n, k) = (2 * 12 + 5, 2 * 32 + 7, 2 * KC + 9);
+    let (m, n, k) = (2 * 12 + 5, 2 * 32 + 7, 2 * kernel.kc() + 9);
     let fill = |len: usize, seed: usize| -> Vec<f32> {
         (0..len)
             .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0 - 1.0)
