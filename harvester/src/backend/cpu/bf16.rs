@@ -40,23 +40,13 @@ pub fn to_bf16_bits(value: f32) -> u16 {
 pub fn round_into(src: &[f32], dst: &mut [u16]) {
     dst.par_chunks_mut(4096)
         .zip(src.par_chunks(4096))
-        .for_each(|(d, s)| {
-            for (d, &s) in d.iter_mut().zip(s) {
-                *d = to_bf16_bits(s);
-            }
-        });
+        .for_each(|(d, s)| super::kernels::bf16_bits_rows(s, d));
 }
 
-/// Rounds every value of `values` to the nearest bf16, in place (kept as f32).
-pub fn round_in_place(values: &mut [f32]) {
-    values.par_chunks_mut(4096).for_each(round_rows);
-}
-
-/// [`round_in_place`] on one chunk, for callers that already split the work.
+/// Rounds every value of `values` to the nearest bf16, in place (kept as f32): one chunk of a
+/// pass the caller has already split.
 pub fn round_rows(values: &mut [f32]) {
-    for v in values {
-        *v = crate::dtype::round_bf16(*v);
-    }
+    super::kernels::round_bf16_rows(values);
 }
 
 /// Little-endian bf16 bytes as `u16`s without a copy, when they are 2-byte aligned and the

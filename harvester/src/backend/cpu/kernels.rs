@@ -1,12 +1,14 @@
 //! Element-wise kernels of the Llama block, each over many rows at once so that the CPU-feature
 //! dispatch happens once per call, not per element.
 //!
-//! Every kernel is written once as plain Rust (`*_rows`) and compiled twice: for the baseline
-//! target and with AVX2+FMA enabled, picked at run time. The bodies are branch-free loops that
-//! LLVM vectorises, including a polynomial `exp`.
+//! Every kernel is written once as plain Rust (`*_rows`) and compiled three times: for the
+//! baseline target, with AVX2+FMA and with AVX-512 enabled, picked at run time. The bodies are
+//! branch-free loops that LLVM vectorises, including a polynomial `exp`; the builds differ only
+//! in vector width, never in the order of an operation, so they give the same bits.
 #![allow(unsafe_code)]
 
-/// Runs `$body` compiled with AVX2 and FMA when the CPU has them, else the baseline build.
+/// Runs `$body` compiled with AVX-512 or with AVX2 and FMA when the CPU has them, else the
+/// baseline build.
 macro_rules! dispatch {
     ($name:ident($($arg:ident: $ty:ty),*) $body:block) => {
         pub fn $name($($arg: $ty),*) {
@@ -15,8 +17,22 @@ macro_rules! dispatch {
 
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                fn with_avx512($($arg: $ty),*) { generic($($arg),*) }
+
                 #[target_feature(enable = "avx2,fma")]
                 fn with_avx2($($arg: $ty),*) { generic($($arg),*) }
+
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU supports AVX-512 (F, BW, VL, DQ), AVX2 and FMA, checked
+                    // just above (every AVX-512 CPU has AVX2).
+                    return unsafe { with_avx512($($arg),*) };
+                }
 
                 if std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
@@ -92,6 +108,18 @@ dispatch!(silu_mul_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
             *o = g / (1.0 + exp(-g)) * u;
         }
+    }
+});
+
+dispatch!(round_bf16_rows(values: &mut [f32]) {
+    for v in values {
+        *v = crate::dtype::round_bf16(*v);
+    }
+});
+
+dispatch!(bf16_bits_rows(values: &[f32], bits: &mut [u16]) {
+    for (b, &v) in bits.iter_mut().zip(values) {
+        *b = (crate::dtype::bf16_rounded_bits(v) >> 16) as u16;
     }
 });
 

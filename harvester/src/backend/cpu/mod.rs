@@ -150,9 +150,8 @@ fn project_widened(
         .par_chunks_mut(ROWS_PER_TASK * input.cols.max(1))
         .zip(values.par_chunks(ROWS_PER_TASK * input.cols.max(1)))
         .for_each(|(dst, src)| {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = crate::dtype::round_bf16(s);
-            }
+            dst.copy_from_slice(src);
+            bf16::round_rows(dst);
         });
     let input = MatRef::dense(rounded, input.rows, input.cols);
     match w16 {
@@ -677,13 +676,18 @@ impl Pass<'_> {
                 false,
                 &mut s.gemm,
             );
-            if w16.is_some() {
-                bf16::round_in_place(gate_up);
-            }
             let act = &mut s.act[..tokens * inter];
-            rows_pass(gate_up, 2 * inter, act, inter, |gu, act| {
-                kernels::silu_mul_rows(gu, inter, act);
-            });
+            if w16.is_some() {
+                // bf16 mode rounds the product's output: here, each chunk while it is in cache.
+                rows_pass_mut(gate_up, 2 * inter, act, inter, |gu, act| {
+                    bf16::round_rows(gu);
+                    kernels::silu_mul_rows(gu, inter, act);
+                });
+            } else {
+                rows_pass(gate_up, 2 * inter, act, inter, |gu, act| {
+                    kernels::silu_mul_rows(gu, inter, act);
+                });
+            }
             let act = MatRef::dense(act, tokens, inter);
             project(
                 act,
@@ -753,6 +757,20 @@ fn add_rows(x: &mut [f32], branch: &[f32], hidden: usize) {
 }
 
 /// Applies a row kernel to `[rows, in_width]` → `[rows, out_width]` in parallel chunks of rows.
+/// [`rows_pass`] with the input's chunks writable too.
+fn rows_pass_mut(
+    input: &mut [f32],
+    in_width: usize,
+    output: &mut [f32],
+    out_width: usize,
+    kernel: impl Fn(&mut [f32], &mut [f32]) + Sync,
+) {
+    output
+        .par_chunks_mut(out_width * ROWS_PER_TASK)
+        .zip(input.par_chunks_mut(in_width * ROWS_PER_TASK))
+        .for_each(|(out, inp)| kernel(inp, out));
+}
+
 fn rows_pass(
     input: &[f32],
     in_width: usize,
