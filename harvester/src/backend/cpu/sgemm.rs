@@ -125,9 +125,10 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU has that passes [`agrees_with_portable`], chosen once. A
-    /// kernel no machine of ours has run yet (AVX-512 at the time of writing) is thereby
-    /// checked where it is first used, and a wrong one is passed over rather than trusted.
+    /// The fastest kernel this CPU has that passes [`agrees_with_portable`], chosen once. Each
+    /// kernel is thereby checked on every machine where it is used (a CPU model none of ours
+    /// has run, a toolchain that builds it differently), and a wrong one is passed over rather
+    /// than trusted.
     pub fn detect() -> Self {
         static DETECTED: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *DETECTED.get_or_init(|| {
