@@ -15,6 +15,11 @@ export LD_LIBRARY_PATH=$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} HARVEST_R
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
+# The e2e tests run the workspace's binaries from target/debug (scripts/cluster.sh with
+# HARVEST_BIN_DIR), and `cargo test` builds a package's plain binaries only for that package's
+# own integration tests: harvest-test-cluster (fake-apiserver has none) would be missing on a
+# new machine.
+cargo build --workspace --bins --quiet
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 # The client as a user installs it (its `harvest` command included), against the debug binaries.
