@@ -259,15 +259,10 @@ impl PairBlock<'_> {
             let a = &a[r * a_stride + 2 * self.first_pair..(r + height) * a_stride];
             for p in panels.clone() {
                 let c = p * PANEL;
-                let dst = Dst {
-                    // SAFETY: row `r` < rows and column `c` < cols, so the offset lies inside
-                    // `out` (checked against its length in `matmul_bf16`).
-                    ptr: unsafe { out.ptr.add(r * out.stride + c) },
-                    stride: out.stride,
-                    height,
-                    width: PANEL.min(cols - c),
-                    load: self.load,
-                };
+                let shape = (height, PANEL.min(cols - c));
+                // SAFETY: row `r` < rows and column `c` < cols, inside `out` (checked against
+                // its length in `matmul_bf16`).
+                let dst = unsafe { out.block((r, c), shape, self.load) };
                 let operands = avx512::Operands {
                     a,
                     a_stride,

@@ -123,6 +123,17 @@ dispatch!(bf16_bits_rows(values: &[f32], bits: &mut [u16]) {
     }
 });
 
+dispatch!(silu_mul_bf16_inputs_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]) {
+    // `silu_mul_rows` on `gate_up` rounded to bf16 first (bf16 mode), without writing it back.
+    for (gu, out) in gate_up.chunks_exact(2 * intermediate).zip(output.chunks_exact_mut(intermediate)) {
+        let (gate, up) = gu.split_at(intermediate);
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let (g, u) = (crate::dtype::round_bf16(g), crate::dtype::round_bf16(u));
+            *o = g / (1.0 + exp(-g)) * u;
+        }
+    }
+});
+
 dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
     for row in rows.chunks_exact_mut(bias.len()) {
         for (x, &b) in row.iter_mut().zip(bias) {

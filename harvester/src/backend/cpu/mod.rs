@@ -108,13 +108,32 @@ fn project(
         matmul_weight(input, w, out, out_stride, accumulate);
         return;
     };
-    let k = input.cols;
-    let values = &input.data[..input.rows * k];
     if !bf16::has_dot_instructions() {
         return project_widened(input, w, w16, out, out_stride, accumulate, scratch);
     }
+    let values = &input.data[..input.rows * input.cols];
     scratch.input_bf16.resize(values.len(), 0);
     bf16::round_into(values, &mut scratch.input_bf16);
+    project_rounded(input.cols, w, w16, out, out_stride, accumulate, scratch);
+}
+
+/// Whether products in this mode take their input as bf16 bits (`vdpbf16ps`), which the pass
+/// that makes the input can round for them while each chunk is in cache.
+fn rounds_ahead(w16: Option<&Bf16Block>) -> bool {
+    w16.is_some() && bf16::has_dot_instructions()
+}
+
+/// The `vdpbf16ps` product on an input of width `k` already rounded into
+/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`rounds_ahead`]).
+fn project_rounded(
+    k: usize,
+    w: &crate::model::Matrix,
+    w16: &Bf16Matrix,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+    scratch: &mut GemmScratch,
+) {
     let mut column = 0;
     for part in w16.parts(w) {
         let cols = part.len() / k.max(1);
@@ -552,20 +571,35 @@ impl Pass<'_> {
         let hidden = c.hidden_size;
         let (qkv_width, attn_width) = (c.qkv_width(), c.num_heads * c.head_dim);
         let eps = c.rms_norm_eps as f32;
-        rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
-            kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
-        });
+        let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
+        if let (true, Some(w16)) = (rounds_ahead(w16), w16) {
+            let bits = &mut s.gemm.input_bf16;
+            rows_pass_rounding(&s.x, hidden, &mut s.normed, hidden, bits, norm);
+            let qkv = &mut s.qkv;
+            project_rounded(
+                hidden,
+                &block.qkv,
+                &w16.qkv,
+                qkv,
+                qkv_width,
+                false,
+                &mut s.gemm,
+            );
+        } else {
+            rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
+            let normed = MatRef::dense(&s.normed, tokens, hidden);
+            let qkv16 = w16.map(|w| &w.qkv);
+            project(
+                normed,
+                &block.qkv,
+                qkv16,
+                &mut s.qkv,
+                qkv_width,
+                false,
+                &mut s.gemm,
+            );
+        }
         let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let qkv16 = w16.map(|w| &w.qkv);
-        project(
-            normed,
-            &block.qkv,
-            qkv16,
-            &mut s.qkv,
-            qkv_width,
-            false,
-            &mut s.gemm,
-        );
         let rounding = w16.is_some();
         if let Some(a) = &block.afmoe {
             // AFMoE runs in f32 only (see `CpuBackend::new`).
@@ -659,45 +693,49 @@ impl Pass<'_> {
         let (c, tokens) = (self.config, self.tokens);
         let (hidden, inter) = (c.hidden_size, block.down.cols());
         let eps = c.rms_norm_eps as f32;
-        rows_pass(&s.x, hidden, &mut s.normed, hidden, |x, y| {
-            kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
-        });
+        let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
+        let ahead = rounds_ahead(w16).then_some(w16).flatten();
+        if ahead.is_some() {
+            let bits = &mut s.gemm.input_bf16;
+            rows_pass_rounding(&s.x, hidden, &mut s.normed, hidden, bits, norm);
+        } else {
+            rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
+        }
         let normed = MatRef::dense(&s.normed, tokens, hidden);
         let dst = &mut s.branch;
         if inter > 0 {
             let gate_up = &mut s.gate_up[..tokens * 2 * inter];
-            let gate_up16 = w16.map(|w| &w.gate_up);
-            project(
-                normed,
-                &block.gate_up,
-                gate_up16,
-                gate_up,
-                2 * inter,
-                false,
-                &mut s.gemm,
-            );
-            let act = &mut s.act[..tokens * inter];
-            if w16.is_some() {
-                // bf16 mode rounds the product's output: here, each chunk while it is in cache.
-                rows_pass_mut(gate_up, 2 * inter, act, inter, |gu, act| {
-                    bf16::round_rows(gu);
-                    kernels::silu_mul_rows(gu, inter, act);
-                });
-            } else {
-                rows_pass(gate_up, 2 * inter, act, inter, |gu, act| {
-                    kernels::silu_mul_rows(gu, inter, act);
-                });
+            match ahead {
+                Some(w16) => {
+                    let (w, w16) = (&block.gate_up, &w16.gate_up);
+                    project_rounded(hidden, w, w16, gate_up, 2 * inter, false, &mut s.gemm);
+                }
+                None => {
+                    let gate_up16 = w16.map(|w| &w.gate_up);
+                    let (w, gemm) = (&block.gate_up, &mut s.gemm);
+                    project(normed, w, gate_up16, gate_up, 2 * inter, false, gemm);
+                }
             }
-            let act = MatRef::dense(act, tokens, inter);
-            project(
-                act,
-                &block.down,
-                w16.map(|w| &w.down),
-                dst,
-                hidden,
-                false,
-                &mut s.gemm,
-            );
+            let act = &mut s.act[..tokens * inter];
+            // bf16 mode rounds the gate|up output: as SwiGLU reads it.
+            let swiglu = |gu: &[f32], act: &mut [f32]| match w16 {
+                Some(_) => kernels::silu_mul_bf16_inputs_rows(gu, inter, act),
+                None => kernels::silu_mul_rows(gu, inter, act),
+            };
+            match ahead {
+                Some(w16) => {
+                    let bits = &mut s.gemm.input_bf16;
+                    rows_pass_rounding(gate_up, 2 * inter, act, inter, bits, swiglu);
+                    let (w, w16) = (&block.down, &w16.down);
+                    project_rounded(inter, w, w16, dst, hidden, false, &mut s.gemm);
+                }
+                None => {
+                    rows_pass(gate_up, 2 * inter, act, inter, swiglu);
+                    let act = MatRef::dense(act, tokens, inter);
+                    let down16 = w16.map(|w| &w.down);
+                    project(act, &block.down, down16, dst, hidden, false, &mut s.gemm);
+                }
+            }
         } else {
             // A sparse block without shared experts: the routed experts alone.
             dst[..tokens * hidden].fill(0.0);
@@ -757,18 +795,27 @@ fn add_rows(x: &mut [f32], branch: &[f32], hidden: usize) {
 }
 
 /// Applies a row kernel to `[rows, in_width]` → `[rows, out_width]` in parallel chunks of rows.
-/// [`rows_pass`] with the input's chunks writable too.
-fn rows_pass_mut(
-    input: &mut [f32],
+/// [`rows_pass`] that also rounds each chunk of the output to bf16 bits into `bits` while the
+/// chunk is in cache: the input of the product that follows.
+fn rows_pass_rounding(
+    input: &[f32],
     in_width: usize,
     output: &mut [f32],
     out_width: usize,
-    kernel: impl Fn(&mut [f32], &mut [f32]) + Sync,
+    bits: &mut Vec<u16>,
+    kernel: impl Fn(&[f32], &mut [f32]) + Sync,
 ) {
+    let rows = input.len() / in_width.max(1);
+    let output = &mut output[..rows * out_width];
+    bits.resize(output.len(), 0);
     output
         .par_chunks_mut(out_width * ROWS_PER_TASK)
-        .zip(input.par_chunks_mut(in_width * ROWS_PER_TASK))
-        .for_each(|(out, inp)| kernel(inp, out));
+        .zip(input.par_chunks(in_width * ROWS_PER_TASK))
+        .zip(bits.par_chunks_mut(out_width * ROWS_PER_TASK))
+        .for_each(|((out, inp), bits)| {
+            kernel(inp, out);
+            kernels::bf16_bits_rows(out, bits);
+        });
 }
 
 fn rows_pass(

@@ -216,6 +216,29 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
+impl Out {
+    /// The `height × width` cells of the register block whose first cell is row `r`, column
+    /// `c`; `load` starts its sums from them.
+    ///
+    /// # Safety
+    /// Row `r` and column `c` must lie inside the output this was made from.
+    pub(super) unsafe fn block(
+        self,
+        (r, c): (usize, usize),
+        (height, width): (usize, usize),
+        load: bool,
+    ) -> Dst {
+        Dst {
+            // SAFETY: (r, c) lies inside the output (the caller's contract).
+            ptr: unsafe { self.ptr.add(r * self.stride + c) },
+            stride: self.stride,
+            height,
+            width,
+            load,
+        }
+    }
+}
+
 /// How a product is cut into tasks: blocks of rows × runs of panels.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Grid {
@@ -482,15 +505,10 @@ impl Block<'_> {
             pack_strip(self.a, r, height, self.k0, kc, mr, strip);
             for p in panels.clone() {
                 let c = p * nr;
-                let dst = Dst {
-                    // SAFETY: row `r` < m and column `c` < n, so the offset lies inside `out`
-                    // (checked against its length in `product_on`).
-                    ptr: unsafe { out.ptr.add(r * out.stride + c) },
-                    stride: out.stride,
-                    height,
-                    width: nr.min(self.n - c),
-                    load: self.load,
-                };
+                let shape = (height, nr.min(self.n - c));
+                // SAFETY: row `r` < m and column `c` < n, inside `out` (checked against its
+                // length in `product_on`).
+                let dst = unsafe { out.block((r, c), shape, self.load) };
                 let operands = Operands {
                     strip: &strip[..kc * mr],
                     panel: &self.panels[p * kc * nr..(p + 1) * kc * nr],
