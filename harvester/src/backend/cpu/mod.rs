@@ -114,7 +114,7 @@ fn project(
     let values = &input.data[..input.rows * input.cols];
     scratch.input_bf16.resize(values.len(), 0);
     bf16::round_into(values, &mut scratch.input_bf16);
-    project_rounded(input.cols, w, w16, out, out_stride, accumulate, scratch);
+    project_rounded(input.cols, (w, w16), out, out_stride, accumulate, scratch);
 }
 
 /// Whether products in this mode take their input as bf16 bits (`vdpbf16ps`), which the pass
@@ -124,11 +124,11 @@ fn rounds_ahead(w16: Option<&Bf16Block>) -> bool {
 }
 
 /// The `vdpbf16ps` product on an input of width `k` already rounded into
-/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`rounds_ahead`]).
+/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`rounds_ahead`]), with
+/// a weight in both its forms.
 fn project_rounded(
     k: usize,
-    w: &crate::model::Matrix,
-    w16: &Bf16Matrix,
+    (w, w16): (&crate::model::Matrix, &Bf16Matrix),
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
@@ -576,15 +576,8 @@ impl Pass<'_> {
             let bits = &mut s.gemm.input_bf16;
             rows_pass_rounding(&s.x, hidden, &mut s.normed, hidden, bits, norm);
             let qkv = &mut s.qkv;
-            project_rounded(
-                hidden,
-                &block.qkv,
-                &w16.qkv,
-                qkv,
-                qkv_width,
-                false,
-                &mut s.gemm,
-            );
+            let weight = (&block.qkv, &w16.qkv);
+            project_rounded(hidden, weight, qkv, qkv_width, false, &mut s.gemm);
         } else {
             rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
             let normed = MatRef::dense(&s.normed, tokens, hidden);
@@ -707,8 +700,8 @@ impl Pass<'_> {
             let gate_up = &mut s.gate_up[..tokens * 2 * inter];
             match ahead {
                 Some(w16) => {
-                    let (w, w16) = (&block.gate_up, &w16.gate_up);
-                    project_rounded(hidden, w, w16, gate_up, 2 * inter, false, &mut s.gemm);
+                    let weight = (&block.gate_up, &w16.gate_up);
+                    project_rounded(hidden, weight, gate_up, 2 * inter, false, &mut s.gemm);
                 }
                 None => {
                     let gate_up16 = w16.map(|w| &w.gate_up);
@@ -726,8 +719,8 @@ impl Pass<'_> {
                 Some(w16) => {
                     let bits = &mut s.gemm.input_bf16;
                     rows_pass_rounding(gate_up, 2 * inter, act, inter, bits, swiglu);
-                    let (w, w16) = (&block.down, &w16.down);
-                    project_rounded(inter, w, w16, dst, hidden, false, &mut s.gemm);
+                    let weight = (&block.down, &w16.down);
+                    project_rounded(inter, weight, dst, hidden, false, &mut s.gemm);
                 }
                 None => {
                     rows_pass(gate_up, 2 * inter, act, inter, swiglu);
