@@ -54,7 +54,8 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p.mul_add(r, 1.398_199_9e-3);
@@ -63,7 +64,14 @@ pub fn exp(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 0.5);
     let e = p.mul_add(r * r, r) + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // `n` (within ±127 after the clamp) sits in the low mantissa bits of `shifted`: integer
+    // arithmetic on those bits vectorises, where `n as i32` (a saturating conversion) makes
+    // LLVM convert lane by lane.
+    let biased = shifted
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits())
+        .wrapping_add(127);
+    e * f32::from_bits(biased << 23)
 }
 
 dispatch!(rms_norm_rows(input: &[f32], weight: &[f32], eps: f32, output: &mut [f32]) {
@@ -214,6 +222,22 @@ mod tests {
         }
         assert!(worst < 4e-7, "worst relative error {worst}");
         assert_eq!(exp(-1000.0), exp(-87.3));
+    }
+
+    #[test]
+    fn the_exponent_read_from_the_rounding_bits_is_the_converted_integer_at_every_edge() {
+        for x in [
+            -1000.0f32, -87.3, -87.0, -0.5, -0.0, 0.0, 0.34657, 0.5, 1.0, 88.0, 88.3, 1e9,
+        ] {
+            let n = (x.clamp(-87.3, 88.3) * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let converted = f32::from_bits(((n as i32 + 127) as u32) << 23);
+            let ratio = exp(x) / converted;
+            assert!(
+                (0.7..1.5).contains(&ratio),
+                "exp({x}) = {} vs 2^{n}",
+                exp(x)
+            );
+        }
     }
 
     #[test]
