@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 
 use super::matmul::MatRef;
-use super::sgemm::{self, Dst, Grid, Out};
+use super::sgemm::{self, Dst, Grid, Out, Threads};
 
 /// Rows of `a` in one register block: 16 zmm accumulators. (12 rows, as the f32 kernel has,
 /// measured 5-15% slower on a Zen 4 EPYC.)
@@ -104,8 +104,58 @@ pub fn matmul_bf16(
     let rows = a.len().checked_div(k).unwrap_or(0);
     let cols = b.len().checked_div(k).unwrap_or(0);
     assert!(
-        a.len() == rows * k
-            && b.len() == cols * k
+        a.len() == rows * k && b.len() == cols * k,
+        "bf16 matmul shapes do not fit. This is a bug."
+    );
+    let (a, b) = (Bf16View::dense(a, rows, k), Bf16View::dense(b, cols, k));
+    matmul_bf16_views(a, b, out, out_stride, accumulate, Threads::Pool, packed);
+}
+
+/// `rows × cols` bf16 bits, rows `stride` apart.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16View<'a> {
+    pub bits: &'a [u16],
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl<'a> Bf16View<'a> {
+    /// Rows packed end to end.
+    pub fn dense(bits: &'a [u16], rows: usize, cols: usize) -> Self {
+        Self {
+            bits,
+            rows,
+            cols,
+            stride: cols,
+        }
+    }
+
+    fn fits(&self) -> bool {
+        self.cols <= self.stride
+            && (self.rows == 0 || (self.rows - 1) * self.stride + self.cols <= self.bits.len())
+    }
+}
+
+/// `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` for `a: [rows, k]` and `b: [cols, k]` views; `out`
+/// has row stride `out_stride` and its first `cols` columns are written.
+///
+/// # Panics
+/// If a view does not fit its slice or the inner dimensions differ: a bug in the caller.
+pub fn matmul_bf16_views(
+    a: Bf16View<'_>,
+    b: Bf16View<'_>,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+    threads: Threads,
+    packed: &mut Packed,
+) {
+    let (rows, cols, k) = (a.rows, b.rows, a.cols);
+    assert!(
+        a.fits()
+            && b.fits()
+            && b.cols == k
             && cols <= out_stride
             && (rows == 0 || out.len() >= (rows - 1) * out_stride + cols),
         "bf16 matmul shapes do not fit. This is a bug."
@@ -121,36 +171,134 @@ pub fn matmul_bf16(
         };
         let Packed { panels, a_even } = packed;
         let mut operands = Operands {
-            a,
-            a_stride: k,
-            b,
+            a: a.bits,
+            a_stride: a.stride,
+            b: b.bits,
+            b_stride: b.stride,
             k,
             rows,
             cols,
         };
-        if k % 2 == 1 {
+        // The register block reads each pair of `a` as one 32-bit word.
+        if k % 2 == 1 || a.stride % 2 == 1 {
+            let even = k.next_multiple_of(2);
             a_even.clear();
-            a_even.resize(rows * (k + 1), 0);
-            a_even
-                .par_chunks_mut(k + 1)
-                .zip(a.par_chunks(k))
-                .for_each(|(dst, src)| dst[..k].copy_from_slice(src));
+            a_even.resize(rows * even, 0);
+            for (r, dst) in a_even.chunks_mut(even).enumerate() {
+                dst[..k].copy_from_slice(&a.bits[r * a.stride..r * a.stride + k]);
+            }
             operands.a = a_even;
-            operands.a_stride = k + 1;
+            operands.a_stride = even;
         }
-        return product_on_pairs(operands, out, accumulate, panels);
+        return product_on_pairs(operands, out, accumulate, threads, panels);
     }
-    let _ = packed;
-    widened(a, b, k, out, out_stride, accumulate);
+    let _ = (packed, threads);
+    widened(a, b, out, out_stride, accumulate);
+}
+
+/// `u32`s one packed panel of rows of width `k` takes: [`pack_rows`] writes one per
+/// [`PANEL`] rows.
+pub fn panel_len(k: usize) -> usize {
+    k.div_ceil(2) * PANEL
+}
+
+/// Every panel of `b`'s rows over all of its columns, `[panel][pairs][PANEL]`, for products
+/// that share them ([`product_packed`]): attention packs each sequence's keys once for all of
+/// its queries.
+///
+/// # Panics
+/// If `dst` is not `b.rows.div_ceil(PANEL)` panels long: a bug in the caller.
+pub fn pack_rows(b: Bf16View<'_>, dst: &mut [u32]) {
+    let k = b.cols;
+    assert!(
+        b.fits() && dst.len() == b.rows.div_ceil(PANEL) * panel_len(k),
+        "bf16 panel shapes do not fit. This is a bug."
+    );
+    if k == 0 {
+        return;
+    }
+    let block = PairBlock {
+        operands: Operands {
+            a: &[],
+            a_stride: 0,
+            b: b.bits,
+            b_stride: b.stride,
+            k,
+            rows: 0,
+            cols: b.rows,
+        },
+        first_pair: 0,
+        pairs: k.div_ceil(2),
+        load: false,
+    };
+    for (p, panel) in dst.chunks_exact_mut(panel_len(k)).enumerate() {
+        block.pack_panel(p, panel);
+    }
+}
+
+/// `out[r, c] = Σ_k a[r, k] · b[c, k]` for `c < cols` on the calling thread, `b` as
+/// [`pack_rows`] packed it (its first panel first), in one block of all of `k`: the sums of
+/// [`matmul_bf16_views`] for a `k` of at most [`KC`].
+///
+/// # Panics
+/// If the CPU lacks `vdpbf16ps`, `k` or `a`'s stride is odd, or a shape does not fit: a bug in
+/// the caller.
+pub fn product_packed(
+    a: Bf16View<'_>,
+    panels: &[u32],
+    cols: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let (rows, k) = (a.rows, a.cols);
+    let pairs = k.div_ceil(2);
+    assert!(
+        has_dot_instructions()
+            && a.fits()
+            && k.is_multiple_of(2)
+            && a.stride.is_multiple_of(2)
+            && k <= KC
+            && panels.len() >= cols.div_ceil(PANEL) * panel_len(k)
+            && cols <= out_stride
+            && (rows == 0 || out.len() >= (rows - 1) * out_stride + cols),
+        "packed bf16 product shapes do not fit. This is a bug."
+    );
+    if rows == 0 || cols == 0 || k == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let block = PairBlock {
+            operands: Operands {
+                a: a.bits,
+                a_stride: a.stride,
+                b: &[],
+                b_stride: 0,
+                k,
+                rows,
+                cols,
+            },
+            first_pair: 0,
+            pairs,
+            load: false,
+        };
+        let out = Out {
+            ptr: out.as_mut_ptr(),
+            stride: out_stride,
+        };
+        block.run(0..rows, 0..cols.div_ceil(PANEL), panels, out);
+    }
 }
 
 /// Both operands of a product, as bf16 rows.
 #[derive(Clone, Copy)]
 struct Operands<'a> {
-    /// `rows` rows of `a_stride` (even: `k`, padded by one when `k` is odd).
+    /// `rows` rows `a_stride` apart (even).
     a: &'a [u16],
     a_stride: usize,
+    /// `cols` rows `b_stride` apart.
     b: &'a [u16],
+    b_stride: usize,
     k: usize,
     rows: usize,
     cols: usize,
@@ -158,12 +306,18 @@ struct Operands<'a> {
 
 /// The `vdpbf16ps` product, block of `k` by block of `k`.
 #[cfg(target_arch = "x86_64")]
-fn product_on_pairs(operands: Operands<'_>, out: Out, accumulate: bool, panels: &mut Vec<u32>) {
+fn product_on_pairs(
+    operands: Operands<'_>,
+    out: Out,
+    accumulate: bool,
+    threads: Threads,
+    panels: &mut Vec<u32>,
+) {
     let Operands { k, rows, cols, .. } = operands;
     let pairs = k.div_ceil(2);
     let step = pairs.div_ceil(pairs.div_ceil(KC / 2));
     let panel_count = cols.div_ceil(PANEL);
-    let serial = rows * cols * k < sgemm::SERIAL_BELOW;
+    let serial = threads == Threads::Caller || rows * cols * k < sgemm::SERIAL_BELOW;
     let threads = if serial {
         1
     } else {
@@ -217,7 +371,13 @@ impl PairBlock<'_> {
     /// Panel `panel` of `b` for this block, `[pairs][PANEL]`: row `j` of the panel goes to lane
     /// `j` of each pair, zero past the rows that exist.
     fn pack_panel(&self, panel: usize, dst: &mut [u32]) {
-        let Operands { b, k, cols, .. } = self.operands;
+        let Operands {
+            b,
+            b_stride,
+            k,
+            cols,
+            ..
+        } = self.operands;
         let from = 2 * self.first_pair;
         let to = (from + 2 * self.pairs).min(k);
         for j in 0..PANEL {
@@ -227,7 +387,7 @@ impl PairBlock<'_> {
                 cells.for_each(|c| *c = 0);
                 continue;
             }
-            let segment = &b[row * k + from..row * k + to];
+            let segment = &b[row * b_stride + from..row * b_stride + to];
             let (whole, odd) = segment.as_chunks::<2>();
             let mut cells = cells;
             // `whole` leads the zip, so that no cell is taken past its end.
@@ -256,12 +416,13 @@ impl PairBlock<'_> {
         for r in rows.clone().step_by(MR) {
             let height = MR.min(rows.end - r);
             // The block's rows of `a`, from its first pair on.
-            let a = &a[r * a_stride + 2 * self.first_pair..(r + height) * a_stride];
+            let from = r * a_stride + 2 * self.first_pair;
+            let a = &a[from..from + (height - 1) * a_stride + 2 * pairs];
             for p in panels.clone() {
                 let c = p * PANEL;
                 let shape = (height, PANEL.min(cols - c));
                 // SAFETY: row `r` < rows and column `c` < cols, inside `out` (checked against
-                // its length in `matmul_bf16`).
+                // its length in `matmul_bf16_views`).
                 let dst = unsafe { out.block((r, c), shape, self.load) };
                 let operands = avx512::Operands {
                     a,
@@ -271,7 +432,7 @@ impl PairBlock<'_> {
                 };
                 // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
                 // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
-                // (checked in `matmul_bf16`).
+                // (checked in `matmul_bf16_views`).
                 unsafe { avx512::block(operands, dst) }
             }
         }
@@ -281,14 +442,14 @@ impl PairBlock<'_> {
 /// The portable path: `a` widened exactly to f32, then the f32 kernel, which widens `b` as it
 /// packs it. (The engine rounds its f32 input itself and calls the f32 kernel directly; this
 /// serves direct callers.)
-fn widened(a: &[u16], b: &[u16], k: usize, out: &mut [f32], out_stride: usize, accumulate: bool) {
-    let a32: Vec<f32> = a
-        .par_iter()
+fn widened(a: Bf16View<'_>, b: Bf16View<'_>, out: &mut [f32], out_stride: usize, accumulate: bool) {
+    let k = a.cols;
+    let a32: Vec<f32> = (0..a.rows)
+        .flat_map(|r| &a.bits[r * a.stride..r * a.stride + k])
         .map(|&v| half::bf16::from_bits(v).to_f32())
         .collect();
-    let b = sgemm::Bf16Rows { bits: b, cols: k };
     sgemm::product(
-        MatRef::dense(&a32, a.len() / k, k),
+        MatRef::dense(&a32, a.rows, k),
         &b,
         out,
         out_stride,

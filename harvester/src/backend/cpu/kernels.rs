@@ -150,28 +150,31 @@ dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
     }
 });
 
-dispatch!(softmax_in_place(row: &mut [f32]) {
-    // Eight independent lanes, so the reductions vectorise (a single float accumulator cannot
-    // be reordered by the compiler).
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let mut chunks = row.chunks_exact(8);
+dispatch!(softmax_in_place(row: &mut [f32], scale: f32) {
+    // The softmax of `row × scale` (scale > 0), scaling as the exponentials are taken: the
+    // largest product is the product of the largest value, whatever the rounding. Sixteen
+    // independent lanes, so the reductions vectorise (a single float accumulator cannot be
+    // reordered by the compiler).
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
     for c in &mut chunks {
-        for i in 0..8 {
+        for i in 0..16 {
             lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
         }
     }
     let max = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    let mut sums = [0.0f32; 8];
-    let mut chunks = row.chunks_exact_mut(8);
+    let max = max * scale;
+    let mut sums = [0.0f32; 16];
+    let mut chunks = row.chunks_exact_mut(16);
     for c in &mut chunks {
-        for i in 0..8 {
-            c[i] = exp(c[i] - max);
+        for i in 0..16 {
+            c[i] = exp(c[i] * scale - max);
             sums[i] += c[i];
         }
     }
     let mut sum: f32 = sums.iter().sum();
     for v in chunks.into_remainder() {
-        *v = exp(*v - max);
+        *v = exp(*v * scale - max);
         sum += *v;
     }
     let inv = 1.0 / sum;
@@ -286,10 +289,22 @@ mod tests {
     #[test]
     fn softmax_sums_to_one_and_keeps_order() {
         let mut row = [1.0, 2.0, 3.0, -1e30];
-        softmax_in_place(&mut row);
+        softmax_in_place(&mut row, 1.0);
         assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(row[2] > row[1] && row[1] > row[0]);
         assert!(row[3] < 1e-30, "a hugely negative score gets no weight");
+    }
+
+    #[test]
+    fn a_scaled_softmax_gives_the_bits_of_the_softmax_of_the_scaled_row() {
+        let row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.71).sin() * 9.0).collect();
+        for scale in [0.125, 0.088_388_35, 1.0] {
+            let mut scaled = row.clone();
+            softmax_in_place(&mut scaled, scale);
+            let mut reference: Vec<f32> = row.iter().map(|v| v * scale).collect();
+            softmax_in_place(&mut reference, 1.0);
+            assert_eq!(scaled, reference, "scale {scale}");
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The doorway to the matrix products. Products with a weight go to our own kernel
-//! ([`super::sgemm`]), whose summation order is fixed; attention's per-sequence products go to
-//! the `gemm` crate (their shapes depend on the sequence alone, so their bits do too). Shapes
-//! are checked here, before any pointer is handed over.
+//! ([`super::sgemm`]), whose summation order is fixed. The `gemm` crate remains as the peer
+//! that `harvester bench` times our kernel against ([`matmul_transposed`]); its shapes are
+//! checked here, before any pointer is handed over.
 #![allow(unsafe_code)]
 
 use gemm::Parallelism;
@@ -32,7 +32,7 @@ impl<'a> MatRef<'a> {
         }
     }
 
-    fn fits(&self) -> bool {
+    pub(super) fn fits(&self) -> bool {
         self.rows == 0
             || self.cols == 0
             || (self.rows - 1) * self.row_stride + self.cols <= self.data.len()
@@ -75,23 +75,6 @@ pub fn matmul_weight(
     accumulate: bool,
 ) {
     super::sgemm::product(a, w, out, out_stride, accumulate);
-}
-
-/// `out[r, c] = Σ_k a[r, k] · b[k, c]` with `b` row-major `[k, n]` (probabilities × values).
-pub fn matmul(
-    a: MatRef<'_>,
-    b: MatRef<'_>,
-    out: &mut [f32],
-    out_stride: usize,
-    threads: Parallelism,
-) {
-    let rhs = Rhs {
-        n: b.cols,
-        k: b.rows,
-        k_stride: b.row_stride,
-        n_stride: 1,
-    };
-    product(a, b.data, rhs, out, out_stride, 1.0, false, threads);
 }
 
 /// The right operand's shape and strides as gemm sees it: `[k, n]`.
@@ -195,25 +178,5 @@ mod tests {
             Parallelism::None,
         );
         assert_eq!(out, [6.0, 3.0, 18.0, 9.0, 15.0, 7.5, 45.0, 22.5]);
-    }
-
-    #[test]
-    fn plain_product_honours_row_strides() {
-        let a = [1.0, 2.0, 9.0, 3.0, 4.0, 9.0]; // [2, 2] inside stride 3
-        let b = [1.0, 1.0, 0.0, 1.0]; // [2, 2]
-        let mut out = [0.0; 4];
-        matmul(
-            MatRef {
-                data: &a,
-                rows: 2,
-                cols: 2,
-                row_stride: 3,
-            },
-            MatRef::dense(&b, 2, 2),
-            &mut out,
-            2,
-            Parallelism::None,
-        );
-        assert_eq!(out, [1.0, 3.0, 3.0, 7.0]);
     }
 }

@@ -24,6 +24,7 @@
 
 mod attention;
 pub mod bf16;
+mod in_place;
 pub mod kernels;
 pub mod matmul;
 mod moe;
@@ -70,6 +71,10 @@ struct Scratch {
     x: Vec<f32>,
     normed: Vec<f32>,
     qkv: Vec<f32>,
+    /// `qkv` as bf16 bits, where attention's `Q·Kᵀ` is a `vdpbf16ps` product (bf16 mode).
+    qkv_bf16: Vec<u16>,
+    /// Attention's keys, laid out once per layer for every query that reads them.
+    keys: attention::KeyScratch,
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
@@ -177,10 +182,7 @@ fn project_widened(
         // The checkpoint's own bf16: the f32 mode's product on the same mapped rows.
         Bf16Matrix::Mapped => matmul_weight(input, w, out, out_stride, accumulate),
         Bf16Matrix::Owned(bits) => {
-            let weight = sgemm::Bf16Rows {
-                bits,
-                cols: w.cols(),
-            };
+            let weight = bf16::Bf16View::dense(bits, w.rows(), w.cols());
             sgemm::product(input, &weight, out, out_stride, accumulate);
         }
     }
@@ -607,14 +609,19 @@ impl Pass<'_> {
                 &mut s.gemm,
             );
         }
-        self.finish_qkv(block, index, &mut s.qkv, rounding);
+        let qk_bits = rounds_ahead(w16).then(|| {
+            s.qkv_bf16.resize(tokens * qkv_width, 0);
+            &mut s.qkv_bf16[..]
+        });
+        let qk_bits = self.finish_qkv(block, index, &mut s.qkv, rounding, qk_bits);
         let shape = AttentionShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             window: c.attention_windows[index],
         };
-        attention::attention(&s.qkv, self.batch, shape, &mut s.attn);
+        let keys = &mut s.keys;
+        attention::attention(&s.qkv, qk_bits, self.batch, shape, keys, &mut s.attn);
         if block.afmoe.is_some() {
             let gate = &s.gate[..tokens * attn_width];
             rows_pass(
@@ -646,37 +653,62 @@ impl Pass<'_> {
 
     /// Readies the QKV product's rows for attention, in parallel chunks: the bias, AFMoE's
     /// per-head norms and RoPE (where block `index` rotates), rounding to bf16 after each step
-    /// in bf16 mode.
-    fn finish_qkv(&self, block: &BlockWeights, index: usize, qkv: &mut [f32], rounding: bool) {
+    /// in bf16 mode. Given `bits`, also writes the finished rows there as bf16 bits, and
+    /// returns them.
+    fn finish_qkv<'b>(
+        &self,
+        block: &BlockWeights,
+        index: usize,
+        qkv: &mut [f32],
+        rounding: bool,
+        bits: Option<&'b mut [u16]>,
+    ) -> Option<&'b [u16]> {
         let c = self.config;
         let (qkv_width, eps) = (c.qkv_width(), c.rms_norm_eps as f32);
         let heads = (c.num_heads, c.num_kv_heads, c.head_dim);
         let qk_norm = block.afmoe.as_ref().map(|a| (&a.q_norm[..], &a.k_norm[..]));
         let rotary = c.rotary[index];
         let (cos, sin) = (&self.rope.cos, &self.rope.sin);
-        qkv.par_chunks_mut(qkv_width * ROWS_PER_TASK)
-            .zip(self.batch.positions.par_chunks(ROWS_PER_TASK))
-            .for_each(|(rows, positions)| {
-                if let Some(bias) = &block.qkv_bias {
-                    kernels::add_bias_rows(rows, bias);
-                }
+        let finish = |rows: &mut [f32], positions: &[u32]| {
+            if let Some(bias) = &block.qkv_bias {
+                kernels::add_bias_rows(rows, bias);
+            }
+            if rounding {
+                bf16::round_rows(rows);
+            }
+            if let Some(norms) = qk_norm {
+                head_norms(rows, heads, norms, eps);
                 if rounding {
                     bf16::round_rows(rows);
                 }
-                if let Some(norms) = qk_norm {
-                    head_norms(rows, heads, norms, eps);
-                    if rounding {
-                        bf16::round_rows(rows);
-                    }
+            }
+            if rotary {
+                let rotated = heads.0 + heads.1;
+                kernels::rope_rows(rows, qkv_width, rotated, heads.2, positions, cos, sin);
+                if rounding {
+                    bf16::round_rows(rows);
                 }
-                if rotary {
-                    let rotated = heads.0 + heads.1;
-                    kernels::rope_rows(rows, qkv_width, rotated, heads.2, positions, cos, sin);
-                    if rounding {
-                        bf16::round_rows(rows);
-                    }
-                }
+            }
+        };
+        let chunk = qkv_width * ROWS_PER_TASK;
+        let qkv = &mut qkv[..self.tokens * qkv_width];
+        let positions = self.batch.positions.par_chunks(ROWS_PER_TASK);
+        let Some(bits) = bits else {
+            qkv.par_chunks_mut(chunk)
+                .zip(positions)
+                .for_each(|(rows, positions)| finish(rows, positions));
+            return None;
+        };
+        let bits = &mut bits[..qkv.len()];
+        qkv.par_chunks_mut(chunk)
+            .zip(bits.par_chunks_mut(chunk))
+            .zip(positions)
+            .for_each(|((rows, bits), positions)| {
+                finish(rows, positions);
+                // Exact: in bf16 mode the finished rows hold bf16 values.
+                kernels::bf16_bits_rows(rows, bits);
             });
+        Some(bits)
     }
 
     /// `down(silu(gate) ⊙ up)` of `rms_norm(x)` into `s.branch`, for the caller to keep and add.

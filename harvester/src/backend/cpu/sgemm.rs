@@ -47,6 +47,15 @@ const PANELS_PER_PACK_TASK: usize = 4;
 /// costs more than it saves.
 pub(super) const SERIAL_BELOW: usize = 1 << 22;
 
+/// Where a product runs its tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    /// On the rayon pool when the product is big enough to repay waking it.
+    Pool,
+    /// On the calling thread: the caller is already one of many parallel tasks.
+    Caller,
+}
+
 /// A matrix whose rows the product packs: `[rows, cols]`, read a row segment at a time.
 pub trait WeightRows: Sync {
     /// Rows (output columns of the product).
@@ -55,6 +64,28 @@ pub trait WeightRows: Sync {
     fn cols(&self) -> usize;
     /// Columns `[start, start + dst.len())` of row `row`, widened exactly to f32.
     fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]);
+
+    /// Rows `[first_row, first_row + nr)`, columns `[k0, k0 + kc)`, as the panel the register
+    /// block reads, `[kc][nr]`, zero past the last row. `rows` is scratch. A matrix whose
+    /// columns lie in memory as rows overrides it with plain copies.
+    fn pack_panel(
+        &self,
+        first_row: usize,
+        (k0, kc): (usize, usize),
+        nr: usize,
+        panel: &mut [f32],
+        rows: &mut Vec<f32>,
+    ) {
+        rows.resize(nr * kc, 0.0);
+        for (j, row) in rows.chunks_exact_mut(kc).enumerate() {
+            if first_row + j < self.rows() {
+                self.widen_segment(first_row + j, k0, row);
+            } else {
+                row.fill(0.0);
+            }
+        }
+        interleave(rows, panel, kc, nr);
+    }
 }
 
 impl WeightRows for crate::model::Matrix {
@@ -86,18 +117,9 @@ impl WeightRows for MatRef<'_> {
     }
 }
 
-/// Row-major bf16 bits, `[rows, cols]`.
-#[derive(Debug, Clone, Copy)]
-pub struct Bf16Rows<'a> {
-    /// The bits, `rows * cols` of them.
-    pub bits: &'a [u16],
-    /// Columns.
-    pub cols: usize,
-}
-
-impl WeightRows for Bf16Rows<'_> {
+impl WeightRows for super::bf16::Bf16View<'_> {
     fn rows(&self) -> usize {
-        self.bits.len().checked_div(self.cols).unwrap_or(0)
+        self.rows
     }
 
     fn cols(&self) -> usize {
@@ -105,7 +127,7 @@ impl WeightRows for Bf16Rows<'_> {
     }
 
     fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
-        let from = row * self.cols + start;
+        let from = row * self.stride + start;
         let bits = &self.bits[from..from + dst.len()];
         for (d, &b) in dst.iter_mut().zip(bits) {
             *d = f32::from_bits(u32::from(b) << 16);
@@ -301,6 +323,18 @@ pub fn product_on<W: WeightRows>(
     out_stride: usize,
     accumulate: bool,
 ) {
+    product_threaded(kernel, a, w, (out, out_stride), accumulate, Threads::Pool);
+}
+
+/// [`product_on`], on the calling thread alone if `threads` says so.
+pub fn product_threaded<W: WeightRows>(
+    kernel: Kernel,
+    a: MatRef<'_>,
+    w: &W,
+    (out, out_stride): (&mut [f32], usize),
+    accumulate: bool,
+    threads: Threads,
+) {
     let (m, n, k) = (a.rows, w.rows(), a.cols);
     assert_eq!(
         k,
@@ -333,7 +367,7 @@ pub fn product_on<W: WeightRows>(
     }
     let (mr, nr) = kernel.block();
     let panel_count = n.div_ceil(nr);
-    let serial = m * n * k < SERIAL_BELOW;
+    let serial = threads == Threads::Caller || m * n * k < SERIAL_BELOW;
     let threads = if serial {
         1
     } else {
@@ -597,17 +631,8 @@ fn pack_panels<W: WeightRows>(
     dst: &mut [f32],
     rows: &mut Vec<f32>,
 ) {
-    rows.resize(nr * kc, 0.0);
     for (p, panel) in dst.chunks_exact_mut(kc * nr).enumerate() {
-        let first_row = (first + p) * nr;
-        for (j, row) in rows.chunks_exact_mut(kc).enumerate() {
-            if first_row + j < w.rows() {
-                w.widen_segment(first_row + j, k0, row);
-            } else {
-                row.fill(0.0);
-            }
-        }
-        interleave(rows, panel, kc, nr);
+        w.pack_panel((first + p) * nr, (k0, kc), nr, panel, rows);
     }
 }
 
@@ -1056,10 +1081,7 @@ mod tests {
         let a = MatRef::dense(&a, m, k);
         product(
             a,
-            &Bf16Rows {
-                bits: &bits,
-                cols: k,
-            },
+            &crate::backend::cpu::bf16::Bf16View::dense(&bits, n, k),
             &mut from_bits,
             n,
             false,
