@@ -80,14 +80,15 @@ enum Keys<'a> {
 /// Computes softmax(Q Kᵀ / √d) V per sequence and head, writing `[tokens, heads × head_dim]` rows
 /// into `out`. `qkv` holds `[tokens, (heads + 2 kv_heads) × head_dim]` rows with RoPE applied;
 /// `qk_bits`, the same rows as bf16 bits (bf16 mode on a CPU with `vdpbf16ps`), makes `Q·Kᵀ`
-/// a bf16 product.
+/// a bf16 product. Given `out_bits`, each tile also rounds its output rows to bf16 bits there
+/// while they are in cache: the input of the output projection in bf16 mode.
 pub fn attention(
     qkv: &[f32],
     qk_bits: Option<&[u16]>,
     batch: &Batch,
     shape: AttentionShape,
     scratch: &mut KeyScratch,
-    out: &mut [f32],
+    (out, out_bits): (&mut [f32], Option<&mut [u16]>),
 ) {
     let tiles: Vec<Tile> = (0..batch.num_sequences())
         .flat_map(|sequence| {
@@ -106,9 +107,16 @@ pub fn attention(
     let out_width = shape.num_heads * shape.head_dim;
     let mut chunks = Vec::with_capacity(tiles.len());
     let mut rest = &mut out[..batch.num_tokens() * out_width];
+    let mut rest_bits = out_bits.map(|b| &mut b[..batch.num_tokens() * out_width]);
     for tile in &tiles {
-        let (head, tail) = rest.split_at_mut((tile.end - tile.start) * out_width);
-        chunks.push(head);
+        let len = (tile.end - tile.start) * out_width;
+        let (head, tail) = rest.split_at_mut(len);
+        let bits = rest_bits.take().map(|b| {
+            let (head, tail) = b.split_at_mut(len);
+            rest_bits = Some(tail);
+            head
+        });
+        chunks.push((head, bits));
         rest = tail;
     }
     // The packed product reads each pair of Q as one 32-bit word, in one block of `k`.
@@ -138,8 +146,11 @@ pub fn attention(
     tiles
         .par_iter()
         .zip(chunks)
-        .for_each_init(Vec::new, |scores, (tile, out_rows)| {
+        .for_each_init(Vec::new, |scores, (tile, (out_rows, bits))| {
             attend_tile(qkv, keys, shape, *tile, scores, out_rows);
+            if let Some(bits) = bits {
+                kernels::bf16_bits_rows(out_rows, bits);
+            }
         });
 }
 
@@ -373,13 +384,20 @@ mod tests {
         let sequences: Vec<Vec<u32>> = lengths.iter().map(|&n| vec![0; n]).collect();
         let batch = Batch::from_sequences(&sequences);
         let mut out = vec![f32::NAN; batch.num_tokens() * shape.num_heads * shape.head_dim];
+        let mut out_bits = vec![0; out.len()];
+        let mut keys = KeyScratch::default();
         attention(
             qkv,
             bits,
             &batch,
             shape,
-            &mut KeyScratch::default(),
-            &mut out,
+            &mut keys,
+            (&mut out, Some(&mut out_bits)),
+        );
+        let rounded: Vec<u16> = out.iter().map(|&v| bf16::to_bf16_bits(v)).collect();
+        assert!(
+            out_bits == rounded,
+            "the output's bits are its values rounded"
         );
         out
     }

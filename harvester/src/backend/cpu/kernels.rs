@@ -74,24 +74,53 @@ pub fn exp(x: f32) -> f32 {
     e * f32::from_bits(biased << 23)
 }
 
+/// `1 / rms(x)` with `eps`, summed in eight lanes so that it vectorises.
+#[inline(always)]
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            acc[i] = c[i].mul_add(c[i], acc[i]);
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    let sum_sq = acc.iter().sum::<f32>() + tail;
+    1.0 / (sum_sq / x.len() as f32 + eps).sqrt()
+}
+
 dispatch!(rms_norm_rows(input: &[f32], weight: &[f32], eps: f32, output: &mut [f32]) {
     let hidden = weight.len();
     for (x, y) in input.chunks_exact(hidden).zip(output.chunks_exact_mut(hidden)) {
-        let mut acc = [0.0f32; 8];
-        let mut chunks = x.chunks_exact(8);
-        for c in &mut chunks {
-            for i in 0..8 {
-                acc[i] = c[i].mul_add(c[i], acc[i]);
-            }
-        }
-        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-        let sum_sq = acc.iter().sum::<f32>() + tail;
-        let scale = 1.0 / (sum_sq / hidden as f32 + eps).sqrt();
+        let scale = rms_scale(x, eps);
         for ((y, &x), &w) in y.iter_mut().zip(x).zip(weight) {
             *y = w * (x * scale);
         }
     }
 });
+
+dispatch!(rms_norm_bits_rows(input: &[f32], weight: &[f32], eps: f32, bits: &mut [u16]) {
+    // `rms_norm_rows` rounded to bf16 bits, for a product that reads nothing else.
+    let hidden = weight.len();
+    for (x, b) in input.chunks_exact(hidden).zip(bits.chunks_exact_mut(hidden)) {
+        let scale = rms_scale(x, eps);
+        for ((b, &x), &w) in b.iter_mut().zip(x).zip(weight) {
+            *b = bf16_bits(w * (x * scale));
+        }
+    }
+});
+
+/// The top half of `value` rounded to the nearest bf16.
+#[inline(always)]
+fn bf16_bits(value: f32) -> u16 {
+    (crate::dtype::bf16_rounded_bits(value) >> 16) as u16
+}
+
+/// SwiGLU of one gate and its up value.
+#[inline(always)]
+fn silu_mul(g: f32, u: f32) -> f32 {
+    g / (1.0 + exp(-g)) * u
+}
 
 dispatch!(rms_norm_in_place(rows: &mut [f32], weight: &[f32], eps: f32) {
     let width = weight.len();
@@ -114,7 +143,7 @@ dispatch!(silu_mul_rows(gate_up: &[f32], intermediate: usize, output: &mut [f32]
     for (gu, out) in gate_up.chunks_exact(2 * intermediate).zip(output.chunks_exact_mut(intermediate)) {
         let (gate, up) = gu.split_at(intermediate);
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + exp(-g)) * u;
+            *o = silu_mul(g, u);
         }
     }
 });
@@ -127,7 +156,7 @@ dispatch!(round_bf16_rows(values: &mut [f32]) {
 
 dispatch!(bf16_bits_rows(values: &[f32], bits: &mut [u16]) {
     for (b, &v) in bits.iter_mut().zip(values) {
-        *b = (crate::dtype::bf16_rounded_bits(v) >> 16) as u16;
+        *b = bf16_bits(v);
     }
 });
 
@@ -136,8 +165,17 @@ dispatch!(silu_mul_bf16_inputs_rows(gate_up: &[f32], intermediate: usize, output
     for (gu, out) in gate_up.chunks_exact(2 * intermediate).zip(output.chunks_exact_mut(intermediate)) {
         let (gate, up) = gu.split_at(intermediate);
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            let (g, u) = (crate::dtype::round_bf16(g), crate::dtype::round_bf16(u));
-            *o = g / (1.0 + exp(-g)) * u;
+            *o = silu_mul(crate::dtype::round_bf16(g), crate::dtype::round_bf16(u));
+        }
+    }
+});
+
+dispatch!(silu_mul_bf16_bits_rows(gate_up: &[f32], intermediate: usize, bits: &mut [u16]) {
+    // `silu_mul_bf16_inputs_rows` rounded to bf16 bits, for a product that reads nothing else.
+    for (gu, b) in gate_up.chunks_exact(2 * intermediate).zip(bits.chunks_exact_mut(intermediate)) {
+        let (gate, up) = gu.split_at(intermediate);
+        for ((b, &g), &u) in b.iter_mut().zip(gate).zip(up) {
+            *b = bf16_bits(silu_mul(crate::dtype::round_bf16(g), crate::dtype::round_bf16(u)));
         }
     }
 });

@@ -318,8 +318,10 @@ impl CpuBackend {
                 + 3 * m.expert_intermediate_size
                 + 4 * m.experts_per_token
         });
+        // Attention's keys laid out per layer: transposed in f32 (in bf16 mode, see below).
         let per_token = 2 * c.hidden_size
             + c.qkv_width()
+            + c.num_kv_heads * c.head_dim
             + c.num_heads * c.head_dim
             + 3 * inter
             + c.hidden_size
@@ -338,7 +340,10 @@ impl CpuBackend {
                 .map(|m| m.len())
                 .sum();
             let packing = bf16::working_bytes(widest_product);
-            let bf16_values = tokens * widest + copies;
+            // Q|K|V as bits, and the keys' panels: a sequence's last panel is padded to
+            // `PANEL` keys, so one-token prompts take `PANEL` times their keys.
+            let attention = tokens * (c.qkv_width() + bf16::PANEL * c.num_kv_heads * c.head_dim);
+            let bf16_values = tokens * widest + copies + attention;
             return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels + packing;
         }
         (tokens * per_token * 4) as u64 + panels
@@ -576,7 +581,9 @@ impl Pass<'_> {
         let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
         if let (true, Some(w16)) = (rounds_ahead(w16), w16) {
             let bits = &mut s.gemm.input_bf16;
-            rows_pass_rounding(&s.x, hidden, &mut s.normed, hidden, bits, norm);
+            rows_pass_bits(&s.x, hidden, bits, hidden, |x, b| {
+                kernels::rms_norm_bits_rows(x, &block.attn_norm, eps, b);
+            });
             let qkv = &mut s.qkv;
             let weight = (&block.qkv, &w16.qkv);
             project_rounded(hidden, weight, qkv, qkv_width, false, &mut s.gemm);
@@ -620,8 +627,13 @@ impl Pass<'_> {
             head_dim: c.head_dim,
             window: c.attention_windows[index],
         };
-        let keys = &mut s.keys;
-        attention::attention(&s.qkv, qk_bits, self.batch, shape, keys, &mut s.attn);
+        let ahead = rounds_ahead(w16);
+        let out_bits = ahead.then(|| {
+            s.gemm.input_bf16.resize(tokens * attn_width, 0);
+            &mut s.gemm.input_bf16[..]
+        });
+        let (keys, out) = (&mut s.keys, &mut s.attn[..]);
+        attention::attention(&s.qkv, qk_bits, self.batch, shape, keys, (out, out_bits));
         if block.afmoe.is_some() {
             let gate = &s.gate[..tokens * attn_width];
             rows_pass(
@@ -634,17 +646,19 @@ impl Pass<'_> {
                 },
             );
         }
-        let attn = MatRef::dense(&s.attn, tokens, attn_width);
         let dst = &mut s.branch;
-        project(
-            attn,
-            &block.o,
-            w16.map(|w| &w.o),
-            dst,
-            hidden,
-            false,
-            &mut s.gemm,
-        );
+        match w16.filter(|_| ahead) {
+            // Attention rounded its output into `s.gemm.input_bf16`.
+            Some(w16) => {
+                let weight = (&block.o, &w16.o);
+                project_rounded(attn_width, weight, dst, hidden, false, &mut s.gemm);
+            }
+            None => {
+                let attn = MatRef::dense(&s.attn, tokens, attn_width);
+                let o16 = w16.map(|w| &w.o);
+                project(attn, &block.o, o16, dst, hidden, false, &mut s.gemm);
+            }
+        }
         if let Some(bias) = &block.o_bias {
             dst.par_chunks_mut(hidden * ROWS_PER_TASK)
                 .for_each(|rows| kernels::add_bias_rows(rows, bias));
@@ -722,7 +736,9 @@ impl Pass<'_> {
         let ahead = rounds_ahead(w16).then_some(w16).flatten();
         if ahead.is_some() {
             let bits = &mut s.gemm.input_bf16;
-            rows_pass_rounding(&s.x, hidden, &mut s.normed, hidden, bits, norm);
+            rows_pass_bits(&s.x, hidden, bits, hidden, |x, b| {
+                kernels::rms_norm_bits_rows(x, &block.mlp_norm, eps, b);
+            });
         } else {
             rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
         }
@@ -750,7 +766,9 @@ impl Pass<'_> {
             match ahead {
                 Some(w16) => {
                     let bits = &mut s.gemm.input_bf16;
-                    rows_pass_rounding(gate_up, 2 * inter, act, inter, bits, swiglu);
+                    rows_pass_bits(gate_up, 2 * inter, bits, inter, |gu, b| {
+                        kernels::silu_mul_bf16_bits_rows(gu, inter, b);
+                    });
                     let weight = (&block.down, &w16.down);
                     project_rounded(inter, weight, dst, hidden, false, &mut s.gemm);
                 }
@@ -819,30 +837,24 @@ fn add_rows(x: &mut [f32], branch: &[f32], hidden: usize) {
         .for_each(|(x, b)| kernels::add_bias_rows(x, b));
 }
 
-/// Applies a row kernel to `[rows, in_width]` → `[rows, out_width]` in parallel chunks of rows.
-/// [`rows_pass`] that also rounds each chunk of the output to bf16 bits into `bits` while the
-/// chunk is in cache: the input of the product that follows.
-fn rows_pass_rounding(
+/// A row kernel from `[rows, in_width]` to `[rows, out_width]` bf16 bits in `bits`, in
+/// parallel chunks of rows: in bf16 mode the pass before a product writes the product's input
+/// and nothing else.
+fn rows_pass_bits(
     input: &[f32],
     in_width: usize,
-    output: &mut [f32],
-    out_width: usize,
     bits: &mut Vec<u16>,
-    kernel: impl Fn(&[f32], &mut [f32]) + Sync,
+    out_width: usize,
+    kernel: impl Fn(&[f32], &mut [u16]) + Sync,
 ) {
     let rows = input.len() / in_width.max(1);
-    let output = &mut output[..rows * out_width];
-    bits.resize(output.len(), 0);
-    output
-        .par_chunks_mut(out_width * ROWS_PER_TASK)
+    bits.resize(rows * out_width, 0);
+    bits.par_chunks_mut(out_width * ROWS_PER_TASK)
         .zip(input.par_chunks(in_width * ROWS_PER_TASK))
-        .zip(bits.par_chunks_mut(out_width * ROWS_PER_TASK))
-        .for_each(|((out, inp), bits)| {
-            kernel(inp, out);
-            kernels::bf16_bits_rows(out, bits);
-        });
+        .for_each(|(bits, input)| kernel(input, bits));
 }
 
+/// Applies a row kernel to `[rows, in_width]` → `[rows, out_width]` in parallel chunks of rows.
 fn rows_pass(
     input: &[f32],
     in_width: usize,
