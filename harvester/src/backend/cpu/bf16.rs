@@ -24,11 +24,13 @@ use super::sgemm::{self, Dst, Grid, Out, Threads};
 pub const MR: usize = 8;
 /// Columns of `out` in one register block and one packed panel of `b` (two zmm of f32).
 pub const PANEL: usize = 32;
-/// Columns of `k` per block, at most (as even blocks): `MR` rows of `a` are `KC × MR` bf16 (16
-/// KiB, in L1) and a panel `KC × PANEL` (64 KiB, streaming from L2). On a Zen 4 EPYC, blocks of
+/// Columns of `k` per block, at most (as even blocks): `MR` rows of `a` are `KC × MR` bf16 (24
+/// KiB, in L1) and a panel `KC × PANEL` (96 KiB, streaming from L2). On a Zen 4 EPYC, blocks of
 /// 256 measured 5-20% slower (the sums go through `out` more often), 2048 as much slower on
-/// llama-8b's `k` of 4096 (the rows fill L1).
-pub const KC: usize = 1024;
+/// llama-8b's `k` of 4096 (the rows fill L1); 1536 against 1024 took SmolLM2's down product
+/// (`k` 1536, one block instead of two) from 385-393 to 419-440 GFLOP/s (`sgemm_bench`,
+/// alternated), llama-8b's shapes within the noise.
+pub const KC: usize = 1536;
 
 /// A bf16 value's bits from an f32, rounded to nearest even (NaN stays NaN).
 #[inline]
