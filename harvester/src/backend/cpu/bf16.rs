@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::matmul::MatRef;
+use super::matmul::{MatRef, output_fits};
 use super::sgemm::{self, Dst, Grid, Out, Threads};
 
 /// Rows of `a` in one register block: 16 zmm accumulators. (12 rows, as the f32 kernel has,
@@ -155,11 +155,7 @@ pub fn matmul_bf16_views(
 ) {
     let (rows, cols, k) = (a.rows, b.rows, a.cols);
     assert!(
-        a.fits()
-            && b.fits()
-            && b.cols == k
-            && cols <= out_stride
-            && (rows == 0 || out.len() >= (rows - 1) * out_stride + cols),
+        a.fits() && b.fits() && b.cols == k && output_fits(out.len(), (rows, cols), out_stride),
         "bf16 matmul shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 {
@@ -261,8 +257,7 @@ pub fn product_packed(
             && a.stride.is_multiple_of(2)
             && k <= KC
             && panels.len() >= cols.div_ceil(PANEL) * panel_len(k)
-            && cols <= out_stride
-            && (rows == 0 || out.len() >= (rows - 1) * out_stride + cols),
+            && output_fits(out.len(), (rows, cols), out_stride),
         "packed bf16 product shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 || k == 0 {

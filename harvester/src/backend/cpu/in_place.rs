@@ -10,7 +10,7 @@
 //! that exist are stored.
 #![allow(unsafe_code)]
 
-use super::matmul::MatRef;
+use super::matmul::{MatRef, output_fits};
 
 /// `out[r, c] = Σ_j a[r, j] · b[j, c]` for `r < a.rows`, `c < b.cols`; `out` has row stride
 /// `out_stride`.
@@ -24,8 +24,7 @@ pub fn product(a: MatRef<'_>, b: MatRef<'_>, out: &mut [f32], out_stride: usize)
         a.cols == b.rows
             && a.fits()
             && b.fits()
-            && cols <= out_stride
-            && (rows == 0 || out.len() >= (rows - 1) * out_stride + cols),
+            && output_fits(out.len(), (rows, cols), out_stride),
         "in-place product shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 {

@@ -39,6 +39,11 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// Whether `rows × cols` outputs with rows `out_stride` apart lie inside `len` values.
+pub(super) fn output_fits(len: usize, (rows, cols): (usize, usize), out_stride: usize) -> bool {
+    cols <= out_stride && (rows == 0 || (rows - 1) * out_stride + cols <= len)
+}
+
 /// `out[r, c] (+)= scale * Σ_k a[r, k] · b[c, k]`: `a` times the transpose of `b`, which is how a
 /// PyTorch `[out, in]` weight is applied. `out` has row stride `out_stride`.
 ///
