@@ -1,8 +1,10 @@
 //! The CPU backend: the Llama block in f32, multi-threaded with rayon, products with weights on
 //! our own kernel (`sgemm`: AVX-512, AVX2 or portable, picked at run time, one summation order
-//! for all). Weights stay in the checkpoint's precision; a bf16 or f16 matrix is widened to f32
-//! block by block as the product packs it. It is the reference the CUDA backend is checked
-//! against.
+//! for all), attention's products on kernels of its own (`attention`, `in_place`). Weights stay
+//! in the checkpoint's precision; a bf16 or f16 matrix is widened to f32 block by block as the
+//! product packs it. In bf16 mode the products take bf16 inputs (`bf16`: `vdpbf16ps` where the
+//! CPU has it), rounded where the CUDA backend rounds. It is the reference the CUDA backend is
+//! checked against.
 //!
 //! One block, on packed rows `x: [tokens, hidden]`:
 //! ```text
