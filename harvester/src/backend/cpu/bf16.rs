@@ -377,6 +377,34 @@ impl PairBlock<'_> {
         } = self.operands;
         let from = 2 * self.first_pair;
         let to = (from + 2 * self.pairs).min(k);
+        #[cfg(target_arch = "x86_64")]
+        if to - from == 2 * self.pairs && has_transpose_instructions() {
+            let first_row = panel * PANEL;
+            let present = PANEL.min(cols.saturating_sub(first_row));
+            let rows = Rows {
+                bits: b,
+                stride: b_stride,
+                first_row,
+                present,
+                from,
+            };
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            return unsafe { avx512::pack_panel(rows, self.pairs, dst) };
+        }
+        self.pack_panel_portable(panel, dst);
+    }
+
+    /// [`Self::pack_panel`] one cell at a time: the reference, and the path for an odd `k`.
+    fn pack_panel_portable(&self, panel: usize, dst: &mut [u32]) {
+        let Operands {
+            b,
+            b_stride,
+            k,
+            cols,
+            ..
+        } = self.operands;
+        let from = 2 * self.first_pair;
+        let to = (from + 2 * self.pairs).min(k);
         for j in 0..PANEL {
             let row = panel * PANEL + j;
             let cells = dst[j..].iter_mut().step_by(PANEL);
@@ -436,6 +464,24 @@ impl PairBlock<'_> {
     }
 }
 
+/// Whether this CPU packs panels with the AVX-512 transpose.
+#[cfg(target_arch = "x86_64")]
+fn has_transpose_instructions() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// The rows of `b` one panel packs: `present` of [`PANEL`] exist (the rest pack as zeros), each
+/// read from column `from` on.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    bits: &'a [u16],
+    stride: usize,
+    first_row: usize,
+    present: usize,
+    from: usize,
+}
+
 /// The portable path: `a` widened exactly to f32, then the f32 kernel, which widens `b` as it
 /// packs it. (The engine rounds its f32 input itself and calls the f32 kernel directly; this
 /// serves direct callers.)
@@ -458,10 +504,109 @@ fn widened(a: Bf16View<'_>, b: Bf16View<'_>, out: &mut [f32], out_stride: usize,
 mod avx512 {
     use std::arch::x86_64::{
         __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
+        _mm512_maskz_loadu_epi32, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
+        _mm512_shuffle_i32x4, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_unpackhi_epi32,
+        _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
     };
 
-    use super::{Dst, MR, PANEL};
+    use super::{Dst, MR, PANEL, Rows};
+
+    /// Pairs one transpose moves per row: a zmm of `u32`.
+    const PAIRS_PER_STEP: usize = 16;
+
+    /// `dst[q][j]` = pair `q` of row `j` of `rows` (zero past the rows present), for `pairs`
+    /// pairs: 16 rows by 16 pairs at a time, through registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    ///
+    /// # Panics
+    /// If `dst` is not `pairs × PANEL` long or a present row is shorter than `from + 2 × pairs`:
+    /// a bug in the caller.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn pack_panel(rows: Rows<'_>, pairs: usize, dst: &mut [u32]) {
+        let Rows {
+            bits,
+            stride,
+            first_row,
+            present,
+            from,
+        } = rows;
+        assert!(
+            dst.len() == pairs * PANEL
+                && present <= PANEL
+                && (present == 0
+                    || (first_row + present - 1) * stride + from + 2 * pairs <= bits.len()),
+            "bf16 panel shapes do not fit. This is a bug."
+        );
+        let dst = dst.as_mut_ptr();
+        for q0 in (0..pairs).step_by(PAIRS_PER_STEP) {
+            let count = PAIRS_PER_STEP.min(pairs - q0);
+            let mask = (1u32 << count).wrapping_sub(1) as u16;
+            for half in 0..PANEL / 16 {
+                let mut block = [_mm512_setzero_si512(); 16];
+                for (i, row) in block.iter_mut().enumerate() {
+                    let j = half * 16 + i;
+                    if j < present {
+                        let start = (first_row + j) * stride + from + 2 * q0;
+                        // SAFETY: `count` pairs (2 × count u16) from `start` lie inside `bits`
+                        // (asserted above); masked-off lanes are not read.
+                        *row = unsafe {
+                            _mm512_maskz_loadu_epi32(mask, bits.as_ptr().add(start).cast())
+                        };
+                    }
+                }
+                let columns = transpose(block);
+                for (c, column) in columns.iter().enumerate().take(count) {
+                    // SAFETY: pair q0 + c < pairs, so its 16 cells from row `half × 16` lie
+                    // inside `dst` (asserted `pairs × PANEL` long).
+                    unsafe {
+                        _mm512_storeu_si512(dst.add((q0 + c) * PANEL + half * 16).cast(), *column);
+                    };
+                }
+            }
+        }
+    }
+
+    /// The 16 × 16 transpose of 32-bit cells: `out[c]` lane `r` = `rows[r]` lane `c`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose(rows: [__m512i; 16]) -> [__m512i; 16] {
+        // Lanes of 128 bits are `L`; after two rounds of unpacking, `by_four[g][o]` holds, in
+        // lane `L`, column `4L + o` of rows `4g..4g + 4`.
+        let mut by_four = [[_mm512_setzero_si512(); 4]; 4];
+        for (g, four) in by_four.iter_mut().enumerate() {
+            let r = &rows[4 * g..4 * g + 4];
+            let (t0, t1) = (
+                _mm512_unpacklo_epi32(r[0], r[1]),
+                _mm512_unpackhi_epi32(r[0], r[1]),
+            );
+            let (t2, t3) = (
+                _mm512_unpacklo_epi32(r[2], r[3]),
+                _mm512_unpackhi_epi32(r[2], r[3]),
+            );
+            *four = [
+                _mm512_unpacklo_epi64(t0, t2),
+                _mm512_unpackhi_epi64(t0, t2),
+                _mm512_unpacklo_epi64(t1, t3),
+                _mm512_unpackhi_epi64(t1, t3),
+            ];
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for o in 0..4 {
+            let [w0, w1, w2, w3] = [by_four[0][o], by_four[1][o], by_four[2][o], by_four[3][o]];
+            // Lanes 0 and 1, then 2 and 3, of two groups side by side.
+            let x0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(w0, w1);
+            let x1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(w0, w1);
+            let y0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(w2, w3);
+            let y1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(w2, w3);
+            out[o] = _mm512_shuffle_i32x4::<0b10_00_10_00>(x0, y0);
+            out[4 + o] = _mm512_shuffle_i32x4::<0b11_01_11_01>(x0, y0);
+            out[8 + o] = _mm512_shuffle_i32x4::<0b10_00_10_00>(x1, y1);
+            out[12 + o] = _mm512_shuffle_i32x4::<0b11_01_11_01>(x1, y1);
+        }
+        out
+    }
 
     /// What one register block reads.
     pub(super) struct Operands<'a> {
@@ -648,6 +793,47 @@ mod tests {
                     out[r * (cols + 2) + cols],
                     1.0,
                     "columns past cols are untouched"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn panels_packed_through_registers_equal_panels_packed_cell_by_cell() {
+        // Ragged rows (a last panel part empty), pairs past a multiple of 16, an odd stride
+        // (unaligned pairs) and a block of `k` that starts past the first pair.
+        for (cols, k, stride, first_pair) in [
+            (70, 64, 64, 0),
+            (32, 2, 3, 0),
+            (5, 94, 97, 7),
+            (100, 600, 601, 13),
+            (64, 40, 40, 10),
+        ] {
+            let b: Vec<u16> = (0..cols * stride)
+                .map(|i| (i * 7919 % 65521) as u16)
+                .collect();
+            let block = PairBlock {
+                operands: Operands {
+                    a: &[],
+                    a_stride: 0,
+                    b: &b,
+                    b_stride: stride,
+                    k,
+                    rows: 0,
+                    cols,
+                },
+                first_pair,
+                pairs: k / 2 - first_pair,
+                load: false,
+            };
+            for panel in 0..cols.div_ceil(PANEL) {
+                let mut fast = vec![1; block.pairs * PANEL];
+                let mut slow = vec![2; block.pairs * PANEL];
+                block.pack_panel(panel, &mut fast);
+                block.pack_panel_portable(panel, &mut slow);
+                assert_eq!(
+                    fast, slow,
+                    "{cols} rows, k {k}, stride {stride}, panel {panel}"
                 );
             }
         }
