@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the same three plans (quartile layers; every layer in shards of 4; projections onto 3
-# directions without special tokens) with two harvester binaries on SmolLM2 and says whether
-# every output file but result.json (whose timings differ) is byte-identical. For refactors
-# that must not change a harvest's bytes:
+# Runs the same four plans (quartile layers; every layer in shards of 4; every hook site of two
+# layers; projections onto 3 directions without special tokens) with two harvester binaries on
+# SmolLM2 and says whether every output file but result.json (whose timings differ) is
+# byte-identical. For refactors that must not change a harvest's bytes:
 #   scripts/same-bytes.sh OLD_HARVESTER NEW_HARVESTER
 set -euo pipefail
 old=$1 new=$2
@@ -25,13 +25,14 @@ with open(f"{work}/dirs.npy", "wb") as f:
     f.write(struct.pack(f"<{len(values)}f", *values))
 PY
 status=0
-for plan in quartiles all projections; do
+for plan in quartiles all sites projections; do
   for side in old new; do
     bin=${!side}
     out=$work/$side-$plan
     case $plan in
       quartiles) args=() ;;
       all) args=(--layers all --shard-size 4) ;;
+      sites) args=(--layers 0,29 --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post) ;;
       projections) args=(--layers 3,17 --project-onto "$work/dirs.npy" --shard-size 16 --no-special-tokens) ;;
     esac
     "$bin" run --model "$model" --prompts "$work/prompts.jsonl" --out "$out" --progress off "${args[@]}" >/dev/null

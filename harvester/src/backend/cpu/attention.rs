@@ -119,12 +119,7 @@ pub fn attention(
         chunks.push((head, bits));
         rest = tail;
     }
-    // The packed product reads each pair of Q as one 32-bit word, in one block of `k`.
-    let qk_bits = qk_bits.filter(|_| {
-        shape.head_dim.is_multiple_of(2)
-            && shape.width().is_multiple_of(2)
-            && shape.head_dim <= bf16::KC
-    });
+    let qk_bits = qk_bits.filter(|_| scores_from_bits(shape));
     let starts: Vec<usize>;
     let keys = match qk_bits {
         Some(bits) => {
@@ -152,6 +147,14 @@ pub fn attention(
                 kernels::bf16_bits_rows(out_rows, bits);
             }
         });
+}
+
+/// Whether [`attention`] takes its scores from the bits it is handed (else from the f32 rows):
+/// the packed product reads each pair of Q as one 32-bit word, in one block of `k`.
+pub fn scores_from_bits(shape: AttentionShape) -> bool {
+    shape.head_dim.is_multiple_of(2)
+        && shape.width().is_multiple_of(2)
+        && shape.head_dim <= bf16::KC
 }
 
 /// Each sequence's key heads as bf16 panels into `panels`; returns where each sequence's

@@ -110,6 +110,21 @@ dispatch!(rms_norm_bits_rows(input: &[f32], weight: &[f32], eps: f32, bits: &mut
     }
 });
 
+dispatch!(add_rms_norm_bits_rows(x: &mut [f32], branch: &[f32], weight: &[f32], eps: f32, bits: &mut [u16]) {
+    // `x += branch`, then `rms_norm_bits_rows` of the sum, row by row while it is in cache.
+    let hidden = weight.len();
+    let rows = x.chunks_exact_mut(hidden).zip(branch.chunks_exact(hidden));
+    for ((x, branch), b) in rows.zip(bits.chunks_exact_mut(hidden)) {
+        for (x, &v) in x.iter_mut().zip(branch) {
+            *x += v;
+        }
+        let scale = rms_scale(x, eps);
+        for ((b, &x), &w) in b.iter_mut().zip(&*x).zip(weight) {
+            *b = bf16_bits(w * (x * scale));
+        }
+    }
+});
+
 /// The top half of `value` rounded to the nearest bf16.
 #[inline(always)]
 fn bf16_bits(value: f32) -> u16 {
@@ -290,6 +305,28 @@ mod tests {
         assert!((out[0] - 3.0 / rms).abs() < 1e-6);
         assert!((out[1] - 2.0 * 4.0 / rms).abs() < 1e-6);
         assert_eq!(&out[4..], &[1.0, 2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn the_fused_residual_add_and_norm_gives_the_bits_of_the_two_passes() {
+        let hidden = 40;
+        let x: Vec<f32> = (0..3 * hidden)
+            .map(|i| (i as f32 * 0.73).sin() * 3.0)
+            .collect();
+        let branch: Vec<f32> = (0..3 * hidden).map(|i| (i as f32 * 0.31).cos()).collect();
+        let weight: Vec<f32> = (0..hidden).map(|i| 0.5 + i as f32 / 64.0).collect();
+        let (mut sum, mut expected) = (x.clone(), vec![0u16; x.len()]);
+        for (row, b) in sum
+            .chunks_exact_mut(hidden)
+            .zip(branch.chunks_exact(hidden))
+        {
+            add_bias_rows(row, b);
+        }
+        rms_norm_bits_rows(&sum, &weight, 1e-5, &mut expected);
+        let (mut fused, mut bits) = (x, vec![0u16; sum.len()]);
+        add_rms_norm_bits_rows(&mut fused, &branch, &weight, 1e-5, &mut bits);
+        assert_eq!(fused, sum, "the residual stream");
+        assert_eq!(bits, expected, "the norm's bits");
     }
 
     #[test]

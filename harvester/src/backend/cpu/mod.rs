@@ -546,9 +546,14 @@ impl Pass<'_> {
             self.norm_branch(s, &a.attn_out_norm);
         }
         self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
-        add_rows(&mut s.x, &s.branch, hidden);
+        // Where the MLP's norm writes bits, it adds the branch itself, row by row in cache;
+        // the MLP leaves `s.x` alone after that, so it is still `resid_mid` when kept below.
+        let add_in_norm = afmoe.is_none() && rounds_ahead(w16);
+        if !add_in_norm {
+            add_rows(&mut s.x, &s.branch, hidden);
+        }
+        self.mlp((block, w16), s, add_in_norm);
         self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
-        self.mlp((block, w16), s);
         if let Some(a) = afmoe {
             self.norm_branch(s, &a.mlp_out_norm);
         }
@@ -618,17 +623,17 @@ impl Pass<'_> {
                 &mut s.gemm,
             );
         }
-        let qk_bits = rounds_ahead(w16).then(|| {
-            s.qkv_bf16.resize(tokens * qkv_width, 0);
-            &mut s.qkv_bf16[..]
-        });
-        let qk_bits = self.finish_qkv(block, index, &mut s.qkv, rounding, qk_bits);
         let shape = AttentionShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             window: c.attention_windows[index],
         };
+        let qk_bits = (rounds_ahead(w16) && attention::scores_from_bits(shape)).then(|| {
+            s.qkv_bf16.resize(tokens * qkv_width, 0);
+            &mut s.qkv_bf16[..]
+        });
+        let qk_bits = self.finish_qkv(block, index, &mut s.qkv, rounding, qk_bits);
         let ahead = rounds_ahead(w16);
         let out_bits = ahead.then(|| {
             s.gemm.input_bf16.resize(tokens * attn_width, 0);
@@ -670,7 +675,8 @@ impl Pass<'_> {
     /// Readies the QKV product's rows for attention, in parallel chunks: the bias, AFMoE's
     /// per-head norms and RoPE (where block `index` rotates), rounding to bf16 after each step
     /// in bf16 mode. Given `bits`, also writes the finished rows there as bf16 bits, and
-    /// returns them.
+    /// returns them; attention then reads Q and K from the bits alone, so the last step that
+    /// changes only Q and K leaves its rounding to the bits.
     fn finish_qkv<'b>(
         &self,
         block: &BlockWeights,
@@ -685,23 +691,25 @@ impl Pass<'_> {
         let qk_norm = block.afmoe.as_ref().map(|a| (&a.q_norm[..], &a.k_norm[..]));
         let rotary = c.rotary[index];
         let (cos, sin) = (&self.rope.cos, &self.rope.sin);
+        let bits_round_qk = bits.is_some();
         let finish = |rows: &mut [f32], positions: &[u32]| {
             if let Some(bias) = &block.qkv_bias {
                 kernels::add_bias_rows(rows, bias);
             }
+            // V's only rounding, and Q's and K's until a later step changes them.
             if rounding {
                 bf16::round_rows(rows);
             }
             if let Some(norms) = qk_norm {
                 head_norms(rows, heads, norms, eps);
-                if rounding {
+                if rounding && (rotary || !bits_round_qk) {
                     bf16::round_rows(rows);
                 }
             }
             if rotary {
                 let rotated = heads.0 + heads.1;
                 kernels::rope_rows(rows, qkv_width, rotated, heads.2, positions, cos, sin);
-                if rounding {
+                if rounding && !bits_round_qk {
                     bf16::round_rows(rows);
                 }
             }
@@ -721,7 +729,7 @@ impl Pass<'_> {
             .zip(positions)
             .for_each(|((rows, bits), positions)| {
                 finish(rows, positions);
-                // Exact: in bf16 mode the finished rows hold bf16 values.
+                // Rounds Q and K after their last step, as `finish` would have; exact for V.
                 kernels::bf16_bits_rows(rows, bits);
             });
         Some(bits)
@@ -729,14 +737,35 @@ impl Pass<'_> {
 
     /// `down(silu(gate) ⊙ up)` of `rms_norm(x)` into `s.branch`, for the caller to keep and add.
     /// In an AFMoE sparse block that MLP is the shared experts, and the routed
-    /// experts' output is added to it.
-    fn mlp(&self, (block, w16): (&BlockWeights, Option<&Bf16Block>), s: &mut Scratch) {
+    /// experts' output is added to it. With `add_branch` (only where the norm writes bits),
+    /// the norm's pass first adds `s.branch` to `s.x`.
+    fn mlp(
+        &self,
+        (block, w16): (&BlockWeights, Option<&Bf16Block>),
+        s: &mut Scratch,
+        add_branch: bool,
+    ) {
         let (c, tokens) = (self.config, self.tokens);
         let (hidden, inter) = (c.hidden_size, block.down.cols());
         let eps = c.rms_norm_eps as f32;
         let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
         let ahead = rounds_ahead(w16).then_some(w16).flatten();
-        if ahead.is_some() {
+        assert!(
+            !add_branch || ahead.is_some(),
+            "the branch is added in the norm's bits pass only. This is a bug."
+        );
+        if add_branch {
+            let bits = &mut s.gemm.input_bf16;
+            bits.resize(tokens * hidden, 0);
+            let chunk = hidden * ROWS_PER_TASK;
+            let x = &mut s.x[..tokens * hidden];
+            x.par_chunks_mut(chunk)
+                .zip(s.branch.par_chunks(chunk))
+                .zip(bits.par_chunks_mut(chunk))
+                .for_each(|((x, branch), b)| {
+                    kernels::add_rms_norm_bits_rows(x, branch, &block.mlp_norm, eps, b);
+                });
+        } else if ahead.is_some() {
             let bits = &mut s.gemm.input_bf16;
             rows_pass_bits(&s.x, hidden, bits, hidden, |x, b| {
                 kernels::rms_norm_bits_rows(x, &block.mlp_norm, eps, b);
