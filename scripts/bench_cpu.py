@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU engine vs PyTorch, side by side, in one run on the same machine and corpus.
 
-    python3 scripts/bench_cpu.py [--prompts 64] [--tokens 256] [--threads N]
+    python3 scripts/bench_cpu.py [--prompts 64] [--tokens 256] [--threads N] [--rounds 3]
 
 All run SmolLM2-135M (the checkpoint imported by scripts/fetch-model.sh) over the same token ids
 (seeded), through every block, with the same thread count and the same batch of tokens per
@@ -10,7 +10,9 @@ bfloat16, running the base model (no LM head) with output_hidden_states, the clo
 of capturing every layer. Prints the CPU's flags, tokens/s for each and the ratio to PyTorch
 f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library and against the
 machine's f32 FMA and bf16 dot ceilings (which `harvester bench` times on registers alone), all
-measured in the same run.
+measured in the same run. The engines run in turn, `--rounds` times, and every figure is the
+median of its rounds, printed with their range: on a shared VM whose speed drifts by ±10% over
+minutes, each engine then meets the same drifts.
 Needs the pinned environment of scripts/reference/requirements.txt.
 
     python3 scripts/bench_cpu.py --afmoe [--prompts 16] [--tokens 256]
@@ -73,9 +75,10 @@ def make_afmoe(path):
     model.to(torch.bfloat16).save_pretrained(path)
 
 
-def bench_llama_cpp(gguf, ids, threads):
+def llama_cpp_engine(gguf, ids, threads):
     """llama.cpp's prompt processing of `ids`, one prompt per decode, every token's embedding
-    output (pooling none): tokens per second, or None without llama-cpp-python."""
+    output (pooling none): a function that times one pass in tokens per second, and the
+    version, or (None, None) without llama-cpp-python."""
     try:
         import llama_cpp
         from llama_cpp import Llama
@@ -93,12 +96,20 @@ def bench_llama_cpp(gguf, ids, threads):
         llm._ctx.kv_cache_clear()
         llm._ctx.decode(llm._batch)
 
-    run(ids[0])
-    start = time.perf_counter()
-    for prompt in ids:
-        run(prompt)
-    seconds = time.perf_counter() - start
-    return sum(len(p) for p in ids) / seconds, llama_cpp.__version__
+    def timed():
+        run(ids[0])
+        start = time.perf_counter()
+        for prompt in ids:
+            run(prompt)
+        return sum(len(p) for p in ids) / (time.perf_counter() - start)
+
+    return timed, llama_cpp.__version__
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def main():
@@ -108,6 +119,8 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--layers", default="all")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every engine in turn; each figure is the median of its rounds")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--afmoe", action="store_true", help="bench a random AFMoE instead of SmolLM2")
@@ -126,15 +139,17 @@ def main():
     binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
-    ours = {}
-    for precision in precisions:
-        ours[precision] = json.loads(subprocess.run(
-            [str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", f.name,
-             "--layers", args.layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision],
-            check=True, capture_output=True, text=True).stdout)
-    os.unlink(f.name)
 
-    peers = {}
+    # Every engine, as a function that times one pass over the corpus. Rounds run them in turn,
+    # so that each engine meets the same drifts of a shared machine's speed.
+    engines = {}
+    for precision in precisions:
+        def ours(precision=precision):
+            return json.loads(subprocess.run(
+                [str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", f.name,
+                 "--layers", args.layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision],
+                check=True, capture_output=True, text=True).stdout)
+        engines[f"harvest cpu ({precision})"] = ours
     if not args.skip_torch:
         import torch
         from transformers import AutoModel
@@ -143,21 +158,38 @@ def main():
         batches = [torch.tensor(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
         for dtype in (torch.float32, torch.bfloat16):
             model = AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
-            with torch.inference_mode():
-                model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
-                start = time.perf_counter()
-                for batch in batches:
-                    model(input_ids=batch, output_hidden_states=True, use_cache=False)
-                seconds = time.perf_counter() - start
-            peers[f"torch {torch.__version__} ({str(dtype).split('.')[-1]})"] = args.prompts * args.tokens / seconds
-            del model
 
+            def timed(model=model):
+                with torch.inference_mode():
+                    model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
+                    start = time.perf_counter()
+                    for batch in batches:
+                        model(input_ids=batch, output_hidden_states=True, use_cache=False)
+                    return args.prompts * args.tokens / (time.perf_counter() - start)
+            engines[f"torch {torch.__version__} ({str(dtype).split('.')[-1]})"] = timed
     if not args.afmoe and not args.skip_llama_cpp:
-        rate, version = bench_llama_cpp(GGUF, ids, args.threads)
-        if rate is None:
+        timed, version = llama_cpp_engine(GGUF, ids, args.threads)
+        if timed is None:
             print("llama.cpp: llama-cpp-python is not installed; see this script's docstring", file=sys.stderr)
         else:
-            peers[f"llama.cpp {version} (Q4_1)"] = rate
+            engines[f"llama.cpp {version} (Q4_1)"] = timed
+
+    results = {name: [] for name in engines}
+    for _ in range(max(1, args.rounds)):
+        for name, timed in engines.items():
+            results[name].append(timed())
+    os.unlink(f.name)
+    rates = {name: [r["tokens_per_s"] if isinstance(r, dict) else r for r in runs] for name, runs in results.items()}
+    # Our figures beside the rate come from the round whose rate is the median (the lower
+    # middle one for an even count), so that they belong to one process.
+    ours = {}
+    for precision in precisions:
+        runs = sorted(results[f"harvest cpu ({precision})"], key=lambda r: r["tokens_per_s"])
+        ours[precision] = dict(runs[(len(runs) - 1) // 2])
+        fractions = [r["fraction_of_peak"] for r in runs if r.get("fraction_of_peak") is not None]
+        ours[precision]["fraction_of_peak"] = median(fractions) if fractions else None
+        ours[precision]["fractions_of_peak"] = fractions
+    peers = {name: median(r) for name, r in rates.items() if not name.startswith("harvest")}
 
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & set(
         next(l for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()))
@@ -165,13 +197,20 @@ def main():
     print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {used}; model: {model_dir.name}")
     print(f"corpus: {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads, "
           f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['f32']['blocks']}")
-    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}")
-    base = next((v for k, v in peers.items() if k.endswith("(float32)")), None)
-    rows = [(f"harvest cpu ({p})", ours[p]["tokens_per_s"]) for p in precisions] + list(peers.items())
+    rounds = len(next(iter(rates.values())))
+    print(f"{rounds} rounds of every engine in turn; each figure is the median of its rounds, "
+          f"with the range of its rounds' tokens/s and its ratios to torch f32 in the same round")
+    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}   range (tokens/s; vs torch f32)")
+    base_name = next((k for k in peers if k.endswith("(float32)")), None)
     per_token = ours["f32"]["gflops"] / ours["f32"]["tokens_per_s"]
-    for name, tps in rows:
-        ratio = f"{tps / base:.2f}x" if base else "-"
-        print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}")
+    for name, runs in rates.items():
+        tps = median(runs)
+        ratio, spread = "-", f"{min(runs):.1f}-{max(runs):.1f}"
+        if base_name:
+            ratio = f"{tps / median(rates[base_name]):.2f}x"
+            paired = [r / b for r, b in zip(runs, rates[base_name])]
+            spread += f"; {min(paired):.2f}-{max(paired):.2f}x"
+        print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}   {spread}")
     m, n, k = ours["f32"]["gemm_shape"]
     print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (our kernel, {ours['f32'].get('gemm_kernel')}, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s (gemm crate {ours['f32'].get('gemm_crate_gflops') or 0:.1f}); "
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
@@ -188,9 +227,11 @@ def main():
         fraction = ours[precision].get("fraction_of_peak")
         if fraction is not None:
             ceiling = "bf16 dot" if precision == "bf16" and ours[precision]["bf16_dot_instructions"] else "f32 FMA"
-            print(f"harvest {precision} reaches {100 * fraction:.0f}% of its own ceiling ({ceiling})")
-    if base and peaks[0]:
-        print(f"torch f32 reaches {100 * base * per_token / peaks[0]['gflops']:.0f}% of the f32 FMA ceiling")
+            each = ", ".join(f"{100 * x:.0f}%" for x in ours[precision]["fractions_of_peak"])
+            print(f"harvest {precision} reaches {100 * fraction:.0f}% of its own ceiling ({ceiling}; "
+                  f"each round, against the ceiling its own process measured: {each})")
+    if base_name and peaks[0]:
+        print(f"torch f32 reaches {100 * peers[base_name] * per_token / peaks[0]['gflops']:.0f}% of the f32 FMA ceiling")
 
 if __name__ == "__main__":
     sys.exit(main())

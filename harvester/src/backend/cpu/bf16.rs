@@ -163,10 +163,93 @@ pub fn matmul_bf16_views(
     }
     #[cfg(target_arch = "x86_64")]
     if has_dot_instructions() {
-        let out = Out {
+        let out = Target::F32(Out {
             ptr: out.as_mut_ptr(),
             stride: out_stride,
-        };
+        });
+        return on_pairs(a, b, out, accumulate, threads, packed);
+    }
+    let _ = (packed, threads);
+    widened(a, b, out, out_stride, accumulate);
+}
+
+/// `bits[r, c] = bf16(Σ_k a[r, k] · b[c, k])` for `a: [rows, k]` and `b: [cols, k]` bf16 bits,
+/// each sum rounded to the nearest bf16 as the register block stores it: for a product whose
+/// output is rounded to bf16 next, which then never exists in f32. `bits` has row stride
+/// `stride`; its first `cols` columns are written. The sums are [`matmul_bf16`]'s, bit for bit.
+///
+/// # Panics
+/// Without `vdpbf16ps` ([`rounds_output`]), with `k` over one block ([`KC`]), or if a slice is
+/// shorter than its shape: a bug in the caller.
+pub fn matmul_bf16_rounded(
+    a: &[u16],
+    b: &[u16],
+    k: usize,
+    (bits, stride): (&mut [u16], usize),
+    packed: &mut Packed,
+) {
+    let rows = a.len().checked_div(k).unwrap_or(0);
+    let cols = b.len().checked_div(k).unwrap_or(0);
+    assert!(
+        rounds_output(k)
+            && a.len() == rows * k
+            && b.len() == cols * k
+            && output_fits(bits.len(), (rows, cols), stride),
+        "rounded bf16 matmul shapes do not fit. This is a bug."
+    );
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (a, b) = (Bf16View::dense(a, rows, k), Bf16View::dense(b, cols, k));
+        let out = Target::Bits(OutBits {
+            ptr: bits.as_mut_ptr(),
+            stride,
+        });
+        on_pairs(a, b, out, false, Threads::Pool, packed);
+    }
+}
+
+/// Whether [`matmul_bf16_rounded`] runs products of width `k`: on `vdpbf16ps`, in one block of
+/// `k`, so that each sum is whole in registers when it is stored.
+pub fn rounds_output(k: usize) -> bool {
+    has_dot_instructions() && k <= KC
+}
+
+/// Where a product's sums go: f32 cells, or bf16 bits rounded as they are stored (one block of
+/// `k` only, since later blocks continue the sums through the output).
+#[derive(Clone, Copy)]
+enum Target {
+    F32(Out),
+    Bits(OutBits),
+}
+
+/// A bf16 output: `ptr` and its row stride.
+#[derive(Clone, Copy)]
+struct OutBits {
+    ptr: *mut u16,
+    stride: usize,
+}
+
+// SAFETY: as for `Out`: each task writes a disjoint block of rows × columns, and the output is
+// borrowed mutably for the whole call.
+unsafe impl Send for OutBits {}
+// SAFETY: as above.
+unsafe impl Sync for OutBits {}
+
+/// The `vdpbf16ps` product of two checked views into `out`.
+#[cfg(target_arch = "x86_64")]
+fn on_pairs(
+    a: Bf16View<'_>,
+    b: Bf16View<'_>,
+    out: Target,
+    accumulate: bool,
+    threads: Threads,
+    packed: &mut Packed,
+) {
+    let (rows, cols, k) = (a.rows, b.rows, a.cols);
+    {
         let Packed { panels, a_even } = packed;
         let mut operands = Operands {
             a: a.bits,
@@ -188,10 +271,8 @@ pub fn matmul_bf16_views(
             operands.a = a_even;
             operands.a_stride = even;
         }
-        return product_on_pairs(operands, out, accumulate, threads, panels);
+        product_on_pairs(operands, out, accumulate, threads, panels);
     }
-    let _ = (packed, threads);
-    widened(a, b, out, out_stride, accumulate);
 }
 
 /// `u32`s one packed panel of rows of width `k` takes: [`pack_rows`] writes one per
@@ -279,10 +360,10 @@ pub fn product_packed(
             pairs,
             load: false,
         };
-        let out = Out {
+        let out = Target::F32(Out {
             ptr: out.as_mut_ptr(),
             stride: out_stride,
-        };
+        });
         block.run(0..rows, 0..cols.div_ceil(PANEL), panels, out);
     }
 }
@@ -305,7 +386,7 @@ struct Operands<'a> {
 #[cfg(target_arch = "x86_64")]
 fn product_on_pairs(
     operands: Operands<'_>,
-    out: Out,
+    out: Target,
     accumulate: bool,
     threads: Threads,
     panels: &mut Vec<u32>,
@@ -313,6 +394,10 @@ fn product_on_pairs(
     let Operands { k, rows, cols, .. } = operands;
     let pairs = k.div_ceil(2);
     let step = pairs.div_ceil(pairs.div_ceil(KC / 2));
+    assert!(
+        matches!(out, Target::F32(_)) || (step == pairs && !accumulate),
+        "a rounded bf16 output takes one block of k. This is a bug."
+    );
     let panel_count = cols.div_ceil(PANEL);
     let serial = threads == Threads::Caller || rows * cols * k < sgemm::SERIAL_BELOW;
     let threads = if serial {
@@ -432,7 +517,7 @@ impl PairBlock<'_> {
         rows: std::ops::Range<usize>,
         panels: std::ops::Range<usize>,
         packed: &[u32],
-        out: Out,
+        out: Target,
     ) {
         let Operands {
             a, a_stride, cols, ..
@@ -445,10 +530,20 @@ impl PairBlock<'_> {
             let a = &a[from..from + (height - 1) * a_stride + 2 * pairs];
             for p in panels.clone() {
                 let c = p * PANEL;
-                let shape = (height, PANEL.min(cols - c));
+                let (height, width) = (height, PANEL.min(cols - c));
                 // SAFETY: row `r` < rows and column `c` < cols, inside `out` (checked against
-                // its length in `matmul_bf16_views`).
-                let dst = unsafe { out.block((r, c), shape, self.load) };
+                // its length by the public function that made it).
+                let dst = match out {
+                    Target::F32(out) => {
+                        avx512::Store::F32(unsafe { out.block((r, c), (height, width), self.load) })
+                    }
+                    Target::Bits(bits) => avx512::Store::Bits {
+                        ptr: unsafe { bits.ptr.add(r * bits.stride + c) },
+                        stride: bits.stride,
+                        height,
+                        width,
+                    },
+                };
                 let operands = avx512::Operands {
                     a,
                     a_stride,
@@ -457,7 +552,7 @@ impl PairBlock<'_> {
                 };
                 // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
                 // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
-                // (checked in `matmul_bf16_views`).
+                // (checked by the public function that made `out`).
                 unsafe { avx512::block(operands, dst) }
             }
         }
@@ -503,10 +598,13 @@ fn widened(a: Bf16View<'_>, b: Bf16View<'_>, out: &mut [f32], out_stride: usize,
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-        _mm512_maskz_loadu_epi32, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
-        _mm512_shuffle_i32x4, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_unpackhi_epi32,
-        _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+        __m256i, __m512, __m512bh, __m512i, _mm256_storeu_si256, _mm512_add_epi32,
+        _mm512_and_si512, _mm512_castps_si512, _mm512_cmpgt_epi32_mask, _mm512_cvtepi32_epi16,
+        _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_mov_epi32,
+        _mm512_maskz_loadu_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_setzero_ps,
+        _mm512_setzero_si512, _mm512_shuffle_i32x4, _mm512_srli_epi32, _mm512_storeu_ps,
+        _mm512_storeu_si512, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpacklo_epi32,
+        _mm512_unpacklo_epi64,
     };
 
     use super::{Dst, MR, PANEL, Rows};
@@ -626,15 +724,37 @@ mod avx512 {
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     }
 
+    /// Where one register block's sums go.
+    pub(super) enum Store {
+        /// f32 cells, which the sums may start from.
+        F32(Dst),
+        /// bf16 bits, each sum rounded to the nearest (the sums start from zero).
+        Bits {
+            ptr: *mut u16,
+            stride: usize,
+            height: usize,
+            width: usize,
+        },
+    }
+
+    impl Store {
+        fn height(&self) -> usize {
+            match self {
+                Self::F32(dst) => dst.height,
+                Self::Bits { height, .. } => *height,
+            }
+        }
+    }
+
     /// One block, monomorphised on its height.
     ///
     /// # Safety
     /// `dst` must describe `height × width` writable cells that no other thread touches, and
     /// the CPU must have AVX512-F, -BW and -BF16.
-    pub(super) unsafe fn block(operands: Operands<'_>, dst: Dst) {
+    pub(super) unsafe fn block(operands: Operands<'_>, dst: Store) {
         macro_rules! by_height {
             ($($h:literal)*) => {
-                match dst.height {
+                match dst.height() {
                     // SAFETY: passed on from the caller.
                     $($h => unsafe { rows::<$h>(operands, dst) },)*
                     _ => unreachable!("block height beyond MR. This is a bug."),
@@ -647,7 +767,7 @@ mod avx512 {
     /// # Safety
     /// As [`block`], with `H` its height.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn rows<const H: usize>(operands: Operands<'_>, dst: Dst) {
+    unsafe fn rows<const H: usize>(operands: Operands<'_>, dst: Store) {
         let Operands {
             a,
             a_stride,
@@ -662,7 +782,9 @@ mod avx512 {
             "bf16 register block shapes. This is a bug."
         );
         let mut acc = [[_mm512_setzero_ps(); 2]; H];
-        if dst.load {
+        if let Store::F32(dst) = &dst
+            && dst.load
+        {
             for (i, row) in acc.iter_mut().enumerate() {
                 // SAFETY: row i < height, and `load_row` reads `width` cells.
                 *row = unsafe { load_row(dst.ptr.add(i * dst.stride), dst.width) };
@@ -686,9 +808,55 @@ mod avx512 {
                 }
             }
         }
-        for (i, row) in acc.iter().enumerate() {
-            // SAFETY: as for the load.
-            unsafe { store_row(dst.ptr.add(i * dst.stride), dst.width, row) };
+        match dst {
+            Store::F32(dst) => {
+                for (i, row) in acc.iter().enumerate() {
+                    // SAFETY: as for the load.
+                    unsafe { store_row(dst.ptr.add(i * dst.stride), dst.width, row) };
+                }
+            }
+            Store::Bits {
+                ptr, stride, width, ..
+            } => {
+                for (i, row) in acc.iter().enumerate() {
+                    // SAFETY: row i < height, and `store_bits_row` writes `width` cells.
+                    unsafe { store_bits_row(ptr.add(i * stride), width, row) };
+                }
+            }
+        }
+    }
+
+    /// `crate::dtype::bf16_rounded_bits` of every lane, in the low 16 bits of each.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn rounded_bits(v: __m512) -> __m256i {
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+        let chosen = _mm512_mask_mov_epi32(rounded, nan, quiet);
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(chosen))
+    }
+
+    /// Writes the first `width` lanes of `row`, rounded to bf16 bits, to `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must have `width` writable cells.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_bits_row(ptr: *mut u16, width: usize, row: &[__m512; 2]) {
+        let halves = [rounded_bits(row[0]), rounded_bits(row[1])];
+        // SAFETY: `width <= PANEL` cells are writable at `ptr` (the caller's contract);
+        // `halves` holds PANEL.
+        unsafe {
+            if width == PANEL {
+                _mm256_storeu_si256(ptr.cast(), halves[0]);
+                _mm256_storeu_si256(ptr.add(16).cast(), halves[1]);
+                return;
+            }
+            std::ptr::copy_nonoverlapping(halves.as_ptr().cast::<u16>(), ptr, width);
         }
     }
 
@@ -794,6 +962,45 @@ mod tests {
                     1.0,
                     "columns past cols are untouched"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_product_rounded_as_it_is_stored_gives_the_bits_of_the_f32_product_rounded() {
+        if !rounds_output(KC) {
+            return; // Without `vdpbf16ps` there is nothing to round in registers.
+        }
+        for (rows, cols, k) in [(1, 1, 2), (5, 7, 33), (37, 70, 64), (19, 40, KC)] {
+            let mut a = bits(
+                &(0..rows * k)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                    .collect::<Vec<_>>(),
+            );
+            let mut b = bits(
+                &(0..cols * k)
+                    .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                    .collect::<Vec<_>>(),
+            );
+            // An infinity meets a zero weight (a NaN sum, which must stay a NaN as bits) and
+            // the other weights (infinite sums).
+            a[0] = to_bf16_bits(f32::INFINITY);
+            b[0] = 0;
+            let mut f32_out = vec![0.0f32; rows * cols];
+            matmul_bf16(&a, &b, k, &mut f32_out, cols, false, &mut Packed::default());
+            assert!(f32_out[0].is_nan(), "the test's NaN");
+            let expected: Vec<u16> = f32_out.iter().map(|&v| to_bf16_bits(v)).collect();
+            let mut rounded = vec![7u16; rows * (cols + 1)];
+            let out = (&mut rounded[..], cols + 1);
+            matmul_bf16_rounded(&a, &b, k, out, &mut Packed::default());
+            for r in 0..rows {
+                let row = &rounded[r * (cols + 1)..(r + 1) * (cols + 1)];
+                assert_eq!(
+                    row[..cols],
+                    expected[r * cols..(r + 1) * cols],
+                    "{rows}x{cols}x{k} row {r}"
+                );
+                assert_eq!(row[cols], 7, "columns past cols are untouched");
             }
         }
     }

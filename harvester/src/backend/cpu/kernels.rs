@@ -195,6 +195,17 @@ dispatch!(silu_mul_bf16_bits_rows(gate_up: &[f32], intermediate: usize, bits: &m
     }
 });
 
+dispatch!(silu_mul_bits_rows(gate_up: &[u16], intermediate: usize, bits: &mut [u16]) {
+    // `silu_mul_bf16_bits_rows` on gate|up that the product already rounded to bf16 bits.
+    let widen = |b: u16| f32::from_bits(u32::from(b) << 16);
+    for (gu, b) in gate_up.chunks_exact(2 * intermediate).zip(bits.chunks_exact_mut(intermediate)) {
+        let (gate, up) = gu.split_at(intermediate);
+        for ((b, &g), &u) in b.iter_mut().zip(gate).zip(up) {
+            *b = bf16_bits(silu_mul(widen(g), widen(u)));
+        }
+    }
+});
+
 dispatch!(add_bias_rows(rows: &mut [f32], bias: &[f32]) {
     for row in rows.chunks_exact_mut(bias.len()) {
         for (x, &b) in row.iter_mut().zip(bias) {
@@ -305,6 +316,22 @@ mod tests {
         assert!((out[0] - 3.0 / rms).abs() < 1e-6);
         assert!((out[1] - 2.0 * 4.0 / rms).abs() < 1e-6);
         assert_eq!(&out[4..], &[1.0, 2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn swiglu_on_rounded_bits_gives_the_bits_of_swiglu_rounding_its_f32_inputs() {
+        let inter = 24;
+        let mut gate_up: Vec<f32> = (0..2 * 2 * inter)
+            .map(|i| (i as f32 * 0.77).sin() * 9.0)
+            .collect();
+        gate_up[1] = f32::NAN;
+        gate_up[2] = f32::INFINITY;
+        let mut expected = vec![0u16; 2 * inter];
+        silu_mul_bf16_bits_rows(&gate_up, inter, &mut expected);
+        let rounded: Vec<u16> = gate_up.iter().map(|&v| bf16_bits(v)).collect();
+        let mut bits = vec![0u16; 2 * inter];
+        silu_mul_bits_rows(&rounded, inter, &mut bits);
+        assert_eq!(bits, expected);
     }
 
     #[test]

@@ -79,6 +79,8 @@ struct Scratch {
     keys: attention::KeyScratch,
     attn: Vec<f32>,
     gate_up: Vec<f32>,
+    /// The same rounded to bf16 bits, where the product stores them so (bf16 mode).
+    gate_up_bits: Vec<u16>,
     act: Vec<f32>,
     /// A branch output (attention or MLP) kept before it is added to `x`.
     branch: Vec<f32>,
@@ -153,6 +155,23 @@ fn project_rounded(
             accumulate,
             &mut scratch.packed,
         );
+        column += cols;
+    }
+}
+
+/// [`project_rounded`] with each output rounded to bf16 bits as it is stored
+/// ([`bf16::matmul_bf16_rounded`]: `k` in one block, on `vdpbf16ps`).
+fn project_to_bits(
+    k: usize,
+    (w, w16): (&crate::model::Matrix, &Bf16Matrix),
+    (out, out_stride): (&mut [u16], usize),
+    scratch: &mut GemmScratch,
+) {
+    let mut column = 0;
+    for part in w16.parts(w) {
+        let cols = part.len() / k.max(1);
+        let out = (&mut out[column..], out_stride);
+        bf16::matmul_bf16_rounded(&scratch.input_bf16, part, k, out, &mut scratch.packed);
         column += cols;
     }
 }
@@ -345,7 +364,13 @@ impl CpuBackend {
             // Q|K|V as bits, and the keys' panels: a sequence's last panel is padded to
             // `PANEL` keys, so one-token prompts take `PANEL` times their keys.
             let attention = tokens * (c.qkv_width() + bf16::PANEL * c.num_kv_heads * c.head_dim);
-            let bf16_values = tokens * widest + copies + attention;
+            // gate|up as bits, where the product can round as it stores.
+            let gate_up_bits = if bf16::rounds_output(c.hidden_size) {
+                tokens * 2 * inter
+            } else {
+                0
+            };
+            let bf16_values = tokens * widest + copies + attention + gate_up_bits;
             return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels + packing;
         }
         (tokens * per_token * 4) as u64 + panels
@@ -777,7 +802,18 @@ impl Pass<'_> {
         let dst = &mut s.branch;
         if inter > 0 {
             let gate_up = &mut s.gate_up[..tokens * 2 * inter];
+            // bf16 mode rounds the gate|up output before SwiGLU: where the product's sums are
+            // whole in registers, it stores them rounded, and they never exist in f32 (half
+            // the bytes written, and read back).
+            let mut gate_up_bits = None;
             match ahead {
+                Some(w16) if bf16::rounds_output(hidden) => {
+                    let bits = &mut s.gate_up_bits;
+                    bits.resize(tokens * 2 * inter, 0);
+                    let weight = (&block.gate_up, &w16.gate_up);
+                    project_to_bits(hidden, weight, (bits, 2 * inter), &mut s.gemm);
+                    gate_up_bits = Some(&s.gate_up_bits[..]);
+                }
                 Some(w16) => {
                     let weight = (&block.gate_up, &w16.gate_up);
                     project_rounded(hidden, weight, gate_up, 2 * inter, false, &mut s.gemm);
@@ -797,9 +833,17 @@ impl Pass<'_> {
             match ahead {
                 Some(w16) => {
                     let bits = &mut s.gemm.input_bf16;
-                    rows_pass_bits(gate_up, 2 * inter, bits, inter, |gu, b| {
-                        kernels::silu_mul_bf16_bits_rows(gu, inter, b);
-                    });
+                    match gate_up_bits {
+                        Some(gu_bits) => {
+                            bits.resize(tokens * inter, 0);
+                            bits.par_chunks_mut(inter * ROWS_PER_TASK)
+                                .zip(gu_bits.par_chunks(2 * inter * ROWS_PER_TASK))
+                                .for_each(|(b, gu)| kernels::silu_mul_bits_rows(gu, inter, b));
+                        }
+                        None => rows_pass_bits(gate_up, 2 * inter, bits, inter, |gu, b| {
+                            kernels::silu_mul_bf16_bits_rows(gu, inter, b);
+                        }),
+                    }
                     let weight = (&block.down, &w16.down);
                     project_rounded(inter, weight, dst, hidden, false, &mut s.gemm);
                 }
