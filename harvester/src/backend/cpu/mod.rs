@@ -4,7 +4,9 @@
 //! in the checkpoint's precision; a bf16 or f16 matrix is widened to f32 block by block as the
 //! product packs it. In bf16 mode the products take bf16 inputs (`bf16`: `vdpbf16ps` where the
 //! CPU has it), rounded where the CUDA backend rounds. It is the reference the CUDA backend is
-//! checked against.
+//! checked against. There the passes between products write only what the next one reads: the
+//! norms and SwiGLU write bf16 bits, the MLP's norm adds the attention branch as it goes, and
+//! the gate|up product stores its sums as bits where they are whole in registers.
 //!
 //! One block, on packed rows `x: [tokens, hidden]`:
 //! ```text
