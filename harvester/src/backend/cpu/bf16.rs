@@ -450,31 +450,30 @@ struct PairBlock<'a> {
 }
 
 impl PairBlock<'_> {
+    /// The columns of `k` this block covers (the last pair is half past `k` when it is odd).
+    fn columns(&self) -> (usize, usize) {
+        let from = 2 * self.first_pair;
+        (from, (from + 2 * self.pairs).min(self.operands.k))
+    }
+
     /// Panel `panel` of `b` for this block, `[pairs][PANEL]`: row `j` of the panel goes to lane
     /// `j` of each pair, zero past the rows that exist.
     fn pack_panel(&self, panel: usize, dst: &mut [u32]) {
-        let Operands {
-            b,
-            b_stride,
-            k,
-            cols,
-            ..
-        } = self.operands;
-        let from = 2 * self.first_pair;
-        let to = (from + 2 * self.pairs).min(k);
         #[cfg(target_arch = "x86_64")]
-        if to - from == 2 * self.pairs && has_transpose_instructions() {
-            let first_row = panel * PANEL;
-            let present = PANEL.min(cols.saturating_sub(first_row));
-            let rows = Rows {
-                bits: b,
-                stride: b_stride,
-                first_row,
-                present,
-                from,
-            };
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { avx512::pack_panel(rows, self.pairs, dst) };
+        {
+            let (from, to) = self.columns();
+            if to - from == 2 * self.pairs && has_transpose_instructions() {
+                let first_row = panel * PANEL;
+                let rows = Rows {
+                    bits: self.operands.b,
+                    stride: self.operands.b_stride,
+                    first_row,
+                    present: PANEL.min(self.operands.cols.saturating_sub(first_row)),
+                    from,
+                };
+                // SAFETY: the CPU has AVX-512F (checked just above).
+                return unsafe { avx512::pack_panel(rows, self.pairs, dst) };
+            }
         }
         self.pack_panel_portable(panel, dst);
     }
@@ -482,14 +481,9 @@ impl PairBlock<'_> {
     /// [`Self::pack_panel`] one cell at a time: the reference, and the path for an odd `k`.
     fn pack_panel_portable(&self, panel: usize, dst: &mut [u32]) {
         let Operands {
-            b,
-            b_stride,
-            k,
-            cols,
-            ..
+            b, b_stride, cols, ..
         } = self.operands;
-        let from = 2 * self.first_pair;
-        let to = (from + 2 * self.pairs).min(k);
+        let (from, to) = self.columns();
         for j in 0..PANEL {
             let row = panel * PANEL + j;
             let cells = dst[j..].iter_mut().step_by(PANEL);
