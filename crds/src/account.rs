@@ -179,6 +179,11 @@ pub struct HarvestAccountStatus {
     /// `used/limit` per budget, for `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budgets: Option<BudgetSummary>,
+    /// The spec generation the operator has read: a job admitted before this reaches
+    /// `metadata.generation` may have been judged by the limits and storage prefixes of the
+    /// edit before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
 }
 
 /// Running jobs per lane.

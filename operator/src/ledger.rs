@@ -138,6 +138,7 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     status.store(&book, &limits, &BTreeMap::new(), now);
     let status_pending = mine.iter().filter(|j| accounts::is_pending(j)).count() as u32;
     status.pending_jobs = status_pending;
+    status.observed_generation = account.metadata.generation;
     if status != old {
         let mut updated = (*account).clone();
         updated.status = Some(status);

@@ -236,15 +236,22 @@ impl Cluster {
     }
 
     /// Changes the account's limits (a merge patch of the spec, as `kubectl patch` does, so the
-    /// operator's concurrent status writes cannot make it conflict).
+    /// operator's concurrent status writes cannot make it conflict), and waits until the
+    /// operator says it has read them: a job submitted sooner could be judged by the old ones.
     pub async fn set_account(&self, change: impl FnOnce(&mut HarvestAccountSpec)) {
         let api = Api::<HarvestAccount>::all(self.client.clone());
         let mut spec = api.get(ACCOUNT).await.unwrap().spec;
         change(&mut spec);
         let patch = json!({ "spec": spec });
-        api.patch(ACCOUNT, &PatchParams::default(), &Patch::Merge(&patch))
+        let patched = api
+            .patch(ACCOUNT, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .unwrap();
+        if self.operator.is_some() {
+            let generation = patched.metadata.generation;
+            self.account_until(|status| status.observed_generation >= generation)
+                .await;
+        }
     }
 
     pub fn prompts(&self, name: &str, count: usize, words: usize) -> String {
