@@ -17,7 +17,7 @@ use crate::backend::cpu::matmul::{MatRef, matmul_transposed};
 use crate::backend::cpu::peak::{self, Peak};
 use crate::backend::cpu::{bf16, sgemm};
 use crate::backend::cuda::DeviceChoice;
-use crate::backend::cuda::forward::CudaBackend;
+use crate::backend::cuda::forward::{CudaBackend, LoadPhases};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
 use crate::model::{LlamaWeights, ModelConfig};
@@ -102,6 +102,12 @@ pub struct BenchReport {
     /// Seconds to read the checkpoint and hand the weights to the engine (on the CPU, every
     /// mapped page read in once).
     pub load_seconds: f64,
+    /// Of `load_seconds`: reading the mapped checkpoint in from disk or the page cache.
+    pub load_read_seconds: f64,
+    /// On CUDA: rounding non-bf16 weights to bf16, uploading them, and compiling and loading
+    /// the kernels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_load: Option<LoadPhases>,
     /// The loaded weights at 2 bytes a parameter (bf16, as the GPU holds them).
     pub weight_bytes_bf16: u64,
     /// `weight_bytes_bf16 / load_seconds`, GB/s.
@@ -171,15 +177,19 @@ fn parameters(weights: &LlamaWeights) -> usize {
             .sum::<usize>()
 }
 
-/// Opens the engine `device` names over `weights`.
+/// Opens the engine `device` names over `weights`, with the CUDA load's phases.
 fn open(
     weights: LlamaWeights,
     spec: CaptureSpec,
     device: DeviceChoice,
-) -> Result<Box<dyn Backend>> {
+) -> Result<(Box<dyn Backend>, Option<LoadPhases>)> {
     Ok(match device {
-        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
-        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+        DeviceChoice::Cuda(ordinal) => {
+            let backend = CudaBackend::new(weights, spec, ordinal)?;
+            let phases = backend.load_phases();
+            (Box::new(backend), Some(phases))
+        }
+        DeviceChoice::Cpu | DeviceChoice::Auto => (Box::new(CpuBackend::new(weights, spec)?), None),
     })
 }
 
@@ -216,6 +226,8 @@ struct Loaded {
     baseline: Option<Box<dyn Backend>>,
     parameters: usize,
     load_seconds: f64,
+    read_seconds: f64,
+    cuda_load: Option<LoadPhases>,
 }
 
 /// Loads the checkpoint and opens the engines, timing it.
@@ -235,10 +247,11 @@ fn load(config: &BenchConfig<'_>) -> Result<Loaded> {
         precision: config.precision,
         directions,
     };
-    if !matches!(config.device, DeviceChoice::Cuda(_)) {
-        // Mapped weights load lazily; the load figure counts reading them all in.
-        weights.touch();
-    }
+    // Mapped weights load lazily; the load figure counts reading them all in, apart from
+    // what the engine then does with them.
+    let read_start = Instant::now();
+    weights.touch();
+    let read_seconds = read_start.elapsed().as_secs_f64();
     let baseline = if config.sites.is_default() {
         None
     } else {
@@ -246,15 +259,17 @@ fn load(config: &BenchConfig<'_>) -> Result<Loaded> {
             sites: Sites::default(),
             ..spec.clone()
         };
-        Some(open(weights.clone(), spec, config.device)?)
+        Some(open(weights.clone(), spec, config.device)?.0)
     };
-    let backend = open(weights, spec, config.device)?;
+    let (backend, cuda_load) = open(weights, spec, config.device)?;
     Ok(Loaded {
         model_config,
         backend,
         baseline,
         parameters,
         load_seconds: load_start.elapsed().as_secs_f64(),
+        read_seconds,
+        cuda_load,
     })
 }
 
@@ -266,6 +281,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         mut baseline,
         parameters,
         load_seconds,
+        read_seconds,
+        cuda_load,
     } = load(&config)?;
     let weight_bytes_bf16 = 2 * parameters as u64;
     let blocks = backend.spec().layers.deepest() + 1;
@@ -349,6 +366,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         bf16_dot_peak,
         fraction_of_peak: ceiling.map(|peak| gflops / peak.gflops),
         load_seconds,
+        load_read_seconds: read_seconds,
+        cuda_load,
         weight_bytes_bf16,
         load_gb_per_s: weight_bytes_bf16 as f64 / load_seconds / 1e9,
         baseline,

@@ -85,6 +85,14 @@ enum Command {
         #[arg(long)]
         tokenizer_from: Option<PathBuf>,
     },
+    /// Report what the CUDA backend finds here: driver and NVRTC versions, the device, the
+    /// CUDA libraries loaded (with paths), and whether the kernels compile, load and run as a
+    /// cubin and as PTX; prints JSON, and fails when no form runs.
+    CudaInfo {
+        /// The GPU: cuda or cuda:N.
+        #[arg(long, default_value = "cuda")]
+        device: harvester::backend::cuda::DeviceChoice,
+    },
     /// Compare two local harvests of the same plan: token ids, and each token row's relative
     /// error; prints JSON, and fails when ids differ or an error exceeds --max-relative-error.
     Compare {
@@ -435,6 +443,16 @@ fn tool(command: Command) -> anyhow::Result<()> {
                 "{}\n",
                 serde_json::json!({"model": out, "shape": shape, "weight_bytes": bytes})
             ));
+        }
+        Command::CudaInfo { device } => {
+            let harvester::backend::cuda::DeviceChoice::Cuda(ordinal) = device else {
+                anyhow::bail!("cuda-info takes --device cuda or cuda:N, not {device:?}");
+            };
+            let info = harvester::backend::cuda::info::report(ordinal)?;
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&info)?));
+            if !info.kernels.iter().any(|form| form.ran) {
+                anyhow::bail!("no form of the CUDA kernels ran on cuda:{ordinal}");
+            }
         }
         Command::Compare {
             reference,

@@ -7,13 +7,14 @@
 //! it with the CPU backend. Until that has passed, `--device auto` keeps choosing the CPU.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::error::CudaError;
-use super::kernels;
+use super::kernels::{self, KernelCode};
 use super::launch::{self, AttentionShape, gemm};
 use super::plan::{attention_tiles, check_heads};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
@@ -37,23 +38,133 @@ fn bf16(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
-/// A weight's bf16 bits for upload: a bf16 checkpoint's bytes as they are mapped (no f32 round
-/// trip); an f32 or f16 one rounded to bf16 once.
-fn bf16_matrix(matrix: &Matrix) -> Vec<u16> {
-    if matrix.half() == Some(Half::Bf16) {
-        let mut bits = Vec::with_capacity(matrix.len());
-        for part in matrix.half_bytes() {
-            bits.extend(
-                part.chunks_exact(2)
-                    .map(|b| u16::from_le_bytes([b[0], b[1]])),
-            );
+/// Seconds each phase of putting the weights on the device took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct LoadPhases {
+    /// Rounding f32 or f16 weights to bf16 on the host (none for a bf16 checkpoint).
+    pub convert_seconds: f64,
+    /// Copying the bf16 weights to the device.
+    pub upload_seconds: f64,
+    /// Compiling the kernels and loading their module.
+    pub kernels_seconds: f64,
+    /// The form of the kernels that loaded.
+    pub kernel_code: &'static str,
+}
+
+/// A mapped bf16 part viewed as bf16 bits, when it is 2-byte aligned (a safetensors payload
+/// is; the view is refused otherwise and the caller converts).
+fn bf16_bits(part: &[u8]) -> Option<&[u16]> {
+    // SAFETY: every bit pattern is a valid u16, and `align_to` only yields the aligned middle;
+    // empty ends mean the whole part was viewed. x86-64 is little-endian, as safetensors is.
+    #[allow(unsafe_code)]
+    let (head, bits, tail) = unsafe { part.align_to::<u16>() };
+    (head.is_empty() && tail.is_empty()).then_some(bits)
+}
+
+/// Puts weights on the device, timing conversion and upload apart.
+struct Uploader<'a> {
+    stream: &'a Arc<CudaStream>,
+    phases: LoadPhases,
+}
+
+impl Uploader<'_> {
+    /// Copies `bits` into `device` starting at element `offset`.
+    fn copy(&mut self, bits: &[u16], device: &mut CudaSlice<u16>, offset: usize) -> Result<()> {
+        let start = Instant::now();
+        self.stream
+            .memcpy_htod(bits, &mut device.slice_mut(offset..offset + bits.len()))
+            .map_err(|e| memory_error("uploading the weights")(e))?;
+        self.phases.upload_seconds += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<CudaSlice<u16>> {
+        // SAFETY: every element is written by `copy` before any kernel reads it (the callers
+        // cover `0..len` with their parts).
+        #[allow(unsafe_code)]
+        let slice = unsafe { self.stream.alloc::<u16>(len) };
+        slice.map_err(|e| memory_error("allocating the weights")(e))
+    }
+
+    /// f32 values (norm weights) rounded to bf16.
+    fn values(&mut self, values: &[f32]) -> Result<CudaSlice<u16>> {
+        let start = Instant::now();
+        let bits = bf16(values);
+        self.phases.convert_seconds += start.elapsed().as_secs_f64();
+        let mut device = self.alloc(bits.len())?;
+        self.copy(&bits, &mut device, 0)?;
+        Ok(device)
+    }
+
+    /// A weight matrix in bf16: a bf16 checkpoint's mapped bytes go straight to the device;
+    /// f32 or f16 weights are rounded to bf16 once on the host.
+    fn matrix(&mut self, matrix: &Matrix) -> Result<CudaSlice<u16>> {
+        let mut device = self.alloc(matrix.len())?;
+        if matrix.half() == Some(Half::Bf16) {
+            let mut offset = 0;
+            for part in matrix.half_bytes() {
+                match bf16_bits(part) {
+                    Some(bits) => self.copy(bits, &mut device, offset)?,
+                    None => {
+                        let start = Instant::now();
+                        let bits: Vec<u16> = part
+                            .chunks_exact(2)
+                            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                            .collect();
+                        self.phases.convert_seconds += start.elapsed().as_secs_f64();
+                        self.copy(&bits, &mut device, offset)?;
+                    }
+                }
+                offset += part.len() / 2;
+            }
+            return Ok(device);
         }
-        return bits;
+        let start = Instant::now();
+        let bits = match matrix.as_f32() {
+            Some(values) => bf16(values),
+            None => bf16(&matrix.to_f32_vec()),
+        };
+        self.phases.convert_seconds += start.elapsed().as_secs_f64();
+        self.copy(&bits, &mut device, 0)?;
+        Ok(device)
     }
-    match matrix.as_f32() {
-        Some(values) => bf16(values),
-        None => bf16(&matrix.to_f32_vec()),
+}
+
+/// A closure that classes a driver error met during `action`: out of device memory, or a fault.
+fn memory_error(action: &'static str) -> impl Fn(cudarc::driver::DriverError) -> crate::Error {
+    move |error| CudaError::from_driver(action, error).into()
+}
+
+/// Compiles the kernels and loads them on `context` in the first form of `order` that loads.
+fn load_kernels(
+    context: &Arc<CudaContext>,
+    order: &[KernelCode],
+) -> Result<(Arc<cudarc::driver::CudaModule>, KernelCode)> {
+    let mut attempts = Vec::new();
+    for &code in order {
+        let image = match kernels::compile(code) {
+            Ok(image) => image,
+            Err(crate::Error::Cuda(CudaError::Compile { log })) => {
+                attempts.push(format!("{}: did not compile: {log}", code.as_str()));
+                continue;
+            }
+            Err(other) => return Err(other),
+        };
+        match context.load_module(image) {
+            Ok(module) => return Ok((module, code)),
+            Err(e) => attempts.push(format!("{}: {e}", code.as_str())),
+        }
     }
+    let nvrtc = kernels::nvrtc_version().map_or_else(
+        |e| e.to_string(),
+        |(major, minor)| format!("{major}.{minor}"),
+    );
+    Err(CudaError::ModuleLoad {
+        attempts: attempts.join("; "),
+        nvrtc,
+        driver: super::driver_version().unwrap_or_else(|| "unknown".into()),
+    }
+    .into())
 }
 
 struct Kernels {
@@ -103,6 +214,7 @@ pub struct CudaBackend {
     directions: Option<CudaSlice<f32>>,
     scratch: Option<Scratch>,
     host_tiles: Vec<u32>,
+    phases: LoadPhases,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -163,11 +275,16 @@ impl CudaBackend {
         super::probe(ordinal)?;
         spec.check(&weights)?;
         let deepest = spec.layers.deepest();
-        let ptx = kernels::compile()?;
+        let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
         let context = CudaContext::new(ordinal).map_err(driver)?;
         let stream = context.default_stream();
-        let module = context.load_module(ptx).map_err(driver)?;
-        let function = |name: &str| module.load_function(name).map_err(driver);
+        let kernels_start = Instant::now();
+        let (module, code) = load_kernels(&context, &order)?;
+        let function = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::from_driver("finding a kernel in its module", e))
+        };
         let kernels = Kernels {
             embed_gather: function("embed_gather")?,
             rms_norm: function("rms_norm")?,
@@ -176,24 +293,31 @@ impl CudaBackend {
             attention: function("attention_varlen")?,
             project: function("project")?,
         };
+        let kernels_seconds = kernels_start.elapsed().as_secs_f64();
         let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
-        let upload = |values: &[f32]| stream.clone_htod(&bf16(values)).map_err(driver);
-        let upload_matrix =
-            |matrix: &Matrix| stream.clone_htod(&bf16_matrix(matrix)).map_err(driver);
-        let embed = upload_matrix(&weights.embed)?;
+        let mut up = Uploader {
+            stream: &stream,
+            phases: LoadPhases {
+                kernels_seconds,
+                kernel_code: code.as_str(),
+                ..LoadPhases::default()
+            },
+        };
+        let embed = up.matrix(&weights.embed)?;
         let blocks = weights.blocks[..=deepest]
             .iter()
             .map(|b| {
                 Ok(DeviceBlock {
-                    attn_norm: upload(&b.attn_norm)?,
-                    qkv: upload_matrix(&b.qkv)?,
-                    o: upload_matrix(&b.o)?,
-                    mlp_norm: upload(&b.mlp_norm)?,
-                    gate_up: upload_matrix(&b.gate_up)?,
-                    down: upload_matrix(&b.down)?,
+                    attn_norm: up.values(&b.attn_norm)?,
+                    qkv: up.matrix(&b.qkv)?,
+                    o: up.matrix(&b.o)?,
+                    mlp_norm: up.values(&b.mlp_norm)?,
+                    gate_up: up.matrix(&b.gate_up)?,
+                    down: up.matrix(&b.down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let phases = up.phases;
         let inv_freq: Vec<f32> = config
             .inverse_frequencies()
             .iter()
@@ -204,6 +328,9 @@ impl CudaBackend {
             Some(d) => Some(stream.clone_htod(d.unit_vectors()).map_err(driver)?),
             None => None,
         };
+        stream
+            .synchronize()
+            .map_err(|e| CudaError::from_driver("uploading the weights", e))?;
         Ok(Self {
             spec,
             config,
@@ -216,20 +343,50 @@ impl CudaBackend {
             directions,
             scratch: None,
             host_tiles: Vec::new(),
+            phases,
         })
+    }
+
+    /// How long each phase of the load took.
+    pub fn load_phases(&self) -> LoadPhases {
+        self.phases
+    }
+
+    /// Device bytes a batch of `tokens` needs for its activations and captured rows.
+    fn batch_bytes(&self, tokens: usize) -> u64 {
+        let c = &self.config;
+        let shape = super::plan::Shape {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            q_heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let capture = (4 * self.spec.layers.len() * self.capture_width()) as u64;
+        shape.activation_bytes(tokens) + capture * tokens as u64 + 16 * tokens as u64
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
         if self.scratch.as_ref().is_some_and(|s| s.tokens >= tokens) {
             return Ok(());
         }
+        // The old buffers go first, so their bytes count as free.
+        self.scratch = None;
+        let needed = self.batch_bytes(tokens);
+        let (free, total) = self
+            .stream
+            .context()
+            .mem_get_info()
+            .map_err(|e| CudaError::from_driver("reading the free device memory", e))?;
+        super::plan::check_fits(tokens, needed, free as u64, total as u64)?;
         let c = &self.config;
         let width = self.capture_width();
         let kept = self.spec.layers.len();
         let s = &self.stream;
-        let f32s = |n: usize| s.alloc_zeros::<f32>(n).map_err(driver);
-        let u16s = |n: usize| s.alloc_zeros::<u16>(n).map_err(driver);
-        let u32s = |n: usize| s.alloc_zeros::<u32>(n).map_err(driver);
+        let action = "allocating a batch's activations";
+        let f32s = |n: usize| s.alloc_zeros::<f32>(n).map_err(memory_error(action));
+        let u16s = |n: usize| s.alloc_zeros::<u16>(n).map_err(memory_error(action));
+        let u32s = |n: usize| s.alloc_zeros::<u32>(n).map_err(memory_error(action));
         self.scratch = Some(Scratch {
             tokens,
             ids: u32s(tokens)?,
@@ -300,11 +457,17 @@ impl Backend for CudaBackend {
             }
         }
         let total = self.spec.layers.len() * tokens * width;
-        let copy = CudaError::fault("copying the captures to the host");
+        // A kernel fault surfaces at the first synchronisation after it: wait for the pass
+        // first, so it is not blamed on the copy (CUDA_LAUNCH_BLOCKING=1 names the kernel).
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::from_driver("running the forward pass's kernels", e))?;
         self.stream
             .memcpy_dtoh(&s.captured.slice(..total), &mut out.data[..total])
-            .map_err(&copy)?;
-        self.stream.synchronize().map_err(copy)?;
+            .map_err(|e| CudaError::from_driver("copying the captures to the host", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::from_driver("copying the captures to the host", e))?;
         Ok(())
     }
 }
@@ -522,7 +685,7 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     let mut best = f64::INFINITY;
     for round in 0..4 {
         stream.synchronize().map_err(&timing)?;
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         for _ in 0..REPS {
             gemm(
                 &blas,

@@ -1,4 +1,9 @@
-//! The kernels' CUDA C source and its compilation by NVRTC, once per process.
+//! The kernels' CUDA C source and its compilation by NVRTC, once per process: a cubin for
+//! [`SM_ARCH`] (machine code: no JIT, so an NVRTC newer than the driver still loads) or PTX for
+//! [`ARCH`] (JIT-compiled by the driver, which must be at least as new as the NVRTC). The
+//! backend tries them in [`KernelCode::order`] and keeps the first whose module loads.
+
+use std::ffi::{CString, c_char, c_int};
 
 use crate::error::{CudaError, Result};
 
@@ -20,8 +25,48 @@ pub const ATTENTION_QUERIES_PER_BLOCK: u32 = 8;
 /// The widest head the attention kernel takes (`MAX_HEAD_DIM`).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 128;
 
-/// The GPU generation compiled for: Hopper (H100, H200).
+/// The virtual GPU generation PTX is compiled for: Hopper (H100, H200).
 pub const ARCH: &str = "compute_90";
+/// The real GPU generation a cubin is compiled for.
+pub const SM_ARCH: &str = "sm_90";
+
+/// The environment variable that forces one form of the kernels (`cubin` or `ptx`).
+pub const CODE_VARIABLE: &str = "HARVEST_CUDA_CODE";
+
+/// The form the kernels reach the driver in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelCode {
+    /// Machine code for [`SM_ARCH`], made by NVRTC.
+    Cubin,
+    /// PTX for [`ARCH`], compiled by the driver when the module loads.
+    Ptx,
+}
+
+impl KernelCode {
+    /// Its name, as [`CODE_VARIABLE`] takes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cubin => "cubin",
+            Self::Ptx => "ptx",
+        }
+    }
+
+    /// The forms to try, in order: the one `forced` names (the value of [`CODE_VARIABLE`]),
+    /// else a cubin first, since it loads whatever the driver's age.
+    pub fn order(forced: Option<&str>) -> Result<Vec<Self>> {
+        match forced.map(str::trim) {
+            None | Some("") => Ok(vec![Self::Cubin, Self::Ptx]),
+            Some("cubin") => Ok(vec![Self::Cubin]),
+            Some("ptx") => Ok(vec![Self::Ptx]),
+            Some(other) => Err(CudaError::Unavailable {
+                reason: format!(
+                    "{CODE_VARIABLE}={other:?} is not cubin or ptx: unset it, or set one of those"
+                ),
+            }
+            .into()),
+        }
+    }
+}
 
 /// Whether NVRTC's library loads here.
 pub fn nvrtc_present() -> bool {
@@ -32,18 +77,96 @@ pub fn nvrtc_present() -> bool {
     }
 }
 
-/// Compiles [`SOURCE`] to PTX for [`ARCH`].
-pub fn compile() -> Result<cudarc::nvrtc::Ptx> {
-    if !nvrtc_present() {
-        return Err(CudaError::Unavailable {
-            reason: "NVRTC (libnvrtc.so.13) is not on this machine: install the CUDA runtime or the nvidia-cuda-nvrtc wheel and put its lib directory on LD_LIBRARY_PATH".into(),
-        }
-        .into());
+fn require_nvrtc() -> Result<()> {
+    if nvrtc_present() {
+        return Ok(());
     }
-    let options = cudarc::nvrtc::CompileOptions {
-        arch: Some(ARCH),
-        ..Default::default()
+    Err(CudaError::Unavailable {
+        reason: "NVRTC (libnvrtc.so.13) is not on this machine: install the CUDA runtime or the nvidia-cuda-nvrtc wheel and put its lib directory on LD_LIBRARY_PATH".into(),
+    }
+    .into())
+}
+
+/// NVRTC's version, `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    require_nvrtc()?;
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); both pointers are to live locals.
+    #[allow(unsafe_code)]
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&raw mut major, &raw mut minor) };
+    status.result().map_err(|e| CudaError::Compile {
+        log: format!("nvrtcVersion: {e:?}"),
+    })?;
+    Ok((major, minor))
+}
+
+/// Compiles [`SOURCE`] in the form `code` names.
+pub fn compile(code: KernelCode) -> Result<cudarc::nvrtc::Ptx> {
+    require_nvrtc()?;
+    match code {
+        KernelCode::Ptx => {
+            let options = cudarc::nvrtc::CompileOptions {
+                arch: Some(ARCH),
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
+                .map_err(|e| CudaError::Compile { log: e.to_string() }.into())
+        }
+        KernelCode::Cubin => compile_cubin().map(cudarc::nvrtc::Ptx::from_binary),
+    }
+}
+
+/// NVRTC's log of `program`, or what went wrong reading it.
+///
+/// # Safety
+/// `program` must be a live program from `create_program`.
+#[allow(unsafe_code)]
+unsafe fn program_log(program: cudarc::nvrtc::sys::nvrtcProgram) -> String {
+    // SAFETY: the caller passes a live program.
+    match unsafe { cudarc::nvrtc::result::get_program_log(program) } {
+        Ok(raw) => {
+            let bytes: Vec<u8> = raw
+                .iter()
+                .map(|&c| c as u8)
+                .take_while(|&b| b != 0)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        Err(e) => format!("(no log: {e:?})"),
+    }
+}
+
+/// [`SOURCE`] compiled to a cubin (an ELF image) for [`SM_ARCH`].
+pub fn compile_cubin() -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let source = CString::new(SOURCE).map_err(|e| CudaError::Compile { log: e.to_string() })?;
+    let program = result::create_program(&source, None).map_err(|e| CudaError::Compile {
+        log: format!("nvrtcCreateProgram: {e:?}"),
+    })?;
+    let options = [format!("--gpu-architecture={SM_ARCH}")];
+    // SAFETY: `program` was created just above and is destroyed once, at the end; every NVRTC
+    // call gets it and buffers of the sizes NVRTC reported.
+    #[allow(unsafe_code)]
+    let outcome = unsafe {
+        match result::compile_program(program, &options) {
+            Err(e) => Err(format!("{e:?}: {}", program_log(program))),
+            Ok(()) => {
+                let mut size = 0usize;
+                match sys::nvrtcGetCUBINSize(program, &raw mut size).result() {
+                    Err(e) => Err(format!("nvrtcGetCUBINSize: {e:?}")),
+                    Ok(()) => {
+                        let mut cubin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast::<c_char>())
+                            .result()
+                            .map(|()| cubin)
+                            .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
+                    }
+                }
+            }
+        }
     };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
-        .map_err(|e| CudaError::Compile { log: e.to_string() }.into())
+    // SAFETY: `program` is live and not used after this.
+    #[allow(unsafe_code)]
+    let _ = unsafe { result::destroy_program(program) };
+    outcome.map_err(|log| CudaError::Compile { log }.into())
 }

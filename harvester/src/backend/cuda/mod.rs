@@ -16,6 +16,7 @@
 mod emulation;
 mod error;
 pub mod forward;
+pub mod info;
 pub mod kernels;
 mod launch;
 pub mod plan;
@@ -182,6 +183,21 @@ fn compute_capability(
             )?,
         ))
     }
+}
+
+/// The CUDA version the driver supports, as `major.minor`, if the driver loads.
+pub fn driver_version() -> Option<String> {
+    if !driver_present() {
+        return None;
+    }
+    let mut version = 0;
+    // SAFETY: the driver library loads (checked above); the pointer is to a live local.
+    #[allow(unsafe_code)]
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&raw mut version) };
+    status
+        .result()
+        .ok()
+        .map(|()| format!("{}.{}", version / 1000, version % 1000 / 10))
 }
 
 /// The device `choice` resolves to here: `Auto` becomes `Cuda(0)` when the probe finds a GPU.

@@ -34,6 +34,21 @@ pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<(
     Err(CudaError::Unsupported { reason }.into())
 }
 
+/// Refuses a batch of `tokens` that needs `needed` device bytes when `free` of `total` are
+/// free, keeping a tenth of what is free for cuBLAS's workspace and the allocator's rounding.
+pub fn check_fits(tokens: usize, needed: u64, free: u64, total: u64) -> Result<()> {
+    if needed > free - free / 10 {
+        return Err(CudaError::DoesNotFit {
+            tokens,
+            needed,
+            free,
+            total,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The shape that sizes a batch's activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
@@ -95,6 +110,28 @@ mod tests {
         let wide = check_heads(32, 8, 256).unwrap_err().to_string();
         assert!(wide.contains("head_dim 256"), "{wide}");
         assert!(check_heads(10, 4, 64).is_err());
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_free_memory_is_refused_naming_the_bytes() {
+        check_fits(4096, 900, 1000, 2000).unwrap();
+        let error = check_fits(8192, 950, 1000, 2000).unwrap_err().to_string();
+        assert!(
+            error.contains("8192 tokens")
+                && error.contains("950 bytes")
+                && error.contains("1000 of the device's 2000"),
+            "{error}"
+        );
+        assert_eq!(
+            crate::Error::from(CudaError::DoesNotFit {
+                tokens: 1,
+                needed: 2,
+                free: 1,
+                total: 2
+            })
+            .kind(),
+            harvest_core::worker::ErrorKind::BadInput
+        );
     }
 
     #[test]

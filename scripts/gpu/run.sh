@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# The GPU window (issue 33), the GPU side: `scripts/gpu-window.sh pack` copies this into .gpu/
+# with the stripped harvester, a tokenizer, the parity prompts and the CPU references, and
+# prints the one command that runs it there:   bash .gpu/run.sh OUT
+# Every step has its own time limit, so one hang costs that step alone; everything is teed
+# into OUT (at most 8 files: log.txt, env.txt, cuda-info.json, parity.jsonl, sanitizer.txt,
+# bench.jsonl, peer.jsonl, summary.txt), with one summary line per figure at the end.
+# DEVICE=cpu runs the same steps on the CPU with a SmolLM2-shaped bench model (how CI checks
+# this script); the transformers peer is skipped where torch is missing, and says so.
+set -uo pipefail
+out=${1:?usage: run.sh OUT}
+device=${DEVICE:-cuda}
+here=$(cd "$(dirname "$0")" && pwd)
+harvester=$here/harvester
+work=${WORK:-$(mktemp -d)}
+mkdir -p "$out" "$work"
+exec > >(tee -a "$out/log.txt") 2>&1
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+step() { echo; echo "== $* ($(date +%T))"; }
+failures=0
+# Runs "$@" under a time limit of $1 seconds, saying so when it is killed.
+limited() {
+  local seconds=$1; shift
+  timeout --kill-after=10 "$seconds" "$@"
+  local rc=$?
+  [ "$rc" = 124 ] && echo "!! timed out after ${seconds}s: $*"
+  return "$rc"
+}
+
+# ---------------------------------------------------------------------------------------------
+step "environment"
+{
+  date -u
+  uname -a
+  grep -m1 'model name' /proc/cpuinfo
+  grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E 'avx512|avx2|amx' | tr '\n' ' '; echo
+  nproc; free -g | head -2
+} 2>&1 | tee "$out/env.txt"
+export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
+if [ "$device" != cpu ]; then
+  nvidia-smi 2>&1 | tee -a "$out/env.txt"
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+  echo "driver $driver, CUDA $driver_cuda" | tee -a "$out/env.txt"
+
+  # Every folder that holds a CUDA library, with `ls -l` of each library in it.
+  candidates=$( {
+    ls -d /usr/local/cuda-*/targets/x86_64-linux/lib /usr/local/cuda-*/lib64 \
+      /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda/lib64 2>/dev/null
+    for py in python3 /opt/torch/.venv/bin/python3; do
+      command -v "$py" >/dev/null 2>&1 && "$py" - <<'PY' 2>/dev/null
+import glob, os, site
+for root in site.getsitepackages():
+    for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib"))):
+        print(lib)
+PY
+    done
+    ldconfig -p 2>/dev/null | awk '/libcuda\.so|libcublas|libnvrtc/ {print $NF}' | xargs -r -n1 dirname
+    ls -d /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu 2>/dev/null
+  } | awk '!seen[$0]++')
+  echo "-- CUDA libraries found" | tee -a "$out/env.txt"
+  for d in $candidates; do
+    ls -l "$d"/libcuda.so* "$d"/libcublas*.so* "$d"/libnvrtc*.so* "$d"/libnvJitLink*.so* 2>/dev/null
+    [ -f "$d/../version.json" ] && echo "   $d: toolkit $(grep -m1 -A1 '"cuda"' "$d/../version.json" | sed -n 's/.*"version" *: *"\([^"]*\)".*/\1/p')"
+  done | tee -a "$out/env.txt"
+  # One folder for cuBLAS, cuBLASLt, NVRTC and NVRTC's builtins, never two installs mixed:
+  # a toolkit whose version matches the driver's CUDA first, then any folder that holds all four.
+  has_all() { ls "$1"/libcublas.so.1[0-9]* "$1"/libcublasLt.so.1[0-9]* "$1"/libnvrtc.so.1[0-9]* \
+    "$1"/libnvrtc-builtins.so.1[0-9]* >/dev/null 2>&1; }
+  chosen=
+  for d in $candidates; do
+    v=$(sed -n 's/.*"version" *: *"\([0-9]*\.[0-9]*\).*/\1/p' "$d/../version.json" 2>/dev/null | head -1)
+    if [ -n "$v" ] && [ "$v" = "$driver_cuda" ] && has_all "$d"; then chosen=$d; break; fi
+  done
+  if [ -z "$chosen" ]; then
+    for d in $candidates; do has_all "$d" && { chosen=$d; break; }; done
+  fi
+  driver_dir=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / {print $NF; exit}' | xargs -r dirname)
+  [ -z "$driver_dir" ] && [ -e /usr/local/nvidia/lib64/libcuda.so.1 ] && driver_dir=/usr/local/nvidia/lib64
+  export LD_LIBRARY_PATH=${chosen}${driver_dir:+:$driver_dir}
+  note "libraries: chosen folder ${chosen:-NONE (all four libraries in one folder were not found)}; driver ${driver_dir:-from the linker cache}; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  command -v compute-sanitizer >/dev/null && note "compute-sanitizer: $(command -v compute-sanitizer)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+if [ "$device" != cpu ]; then
+  step "kernels: compile for sm_90 (cubin) and compute_90 (PTX), load and run each"
+  if limited 120 "$harvester" cuda-info --device "$device" >"$out/cuda-info.json"; then
+    cat "$out/cuda-info.json"
+  else
+    cat "$out/cuda-info.json"; failures=$((failures + 1))
+  fi
+  python3 - "$out/cuda-info.json" <<'PY' | tee -a "$summary"
+import json, sys
+try:
+    info = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"kernels: no report ({e})"); sys.exit()
+print(f"device: {info['device']} (capability {info['compute_capability']}), driver CUDA {info['driver_cuda']}, NVRTC {info['nvrtc']}, {info['free_bytes']/2**30:.1f} of {info['total_bytes']/2**30:.1f} GiB free")
+for k in info["kernels"]:
+    print(f"kernels as {k['code']}: {'RAN' if k['ran'] else 'FAILED'}, {k['bytes']} bytes, compile {k['compile_seconds']:.2f} s, load {k['load_seconds']:.3f} s{'; ' + k['error'] if k['error'] else ''}")
+print("loaded: " + ", ".join(info["loaded_libraries"]))
+PY
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "parity: SmolLM2-shaped random checkpoint, $device against the CPU bf16 reference"
+smol=$work/smollm2-shaped
+limited 120 "$harvester" synth-model --shape smollm2-135m --out "$smol" --tokenizer-from "$here/tokenizer" >/dev/null
+candidate=$work/candidate
+: >"$out/parity.jsonl"
+if CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run --device "$device" --precision bf16 \
+  --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+  --progress off --out "$candidate" >/dev/null; then
+  if "$harvester" compare "$here/reference-bf16" "$candidate" --max-relative-error 2e-3 \
+    | tee -a "$out/parity.jsonl"; then
+    parity=passed
+  else
+    parity=FAILED
+  fi
+  "$harvester" compare "$here/reference-f32" "$candidate" --max-relative-error 1e-2 \
+    | sed 's/^{/{"against":"cpu-f32",/' | tee -a "$out/parity.jsonl" || true
+else
+  parity="FAILED (the $device run did not finish)"
+fi
+python3 - "$out/parity.jsonl" "$parity" "$device" <<'PY' | tee -a "$summary"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+bf16 = next((l for l in lines if "against" not in l), None)
+f32 = next((l for l in lines if l.get("against") == "cpu-f32"), None)
+print(f"parity {sys.argv[3]} vs cpu bf16 (2e-3): {sys.argv[2]}" + (f"; max {bf16['max_relative_error']:.3e}, mean {bf16['mean_relative_error']:.3e} over {bf16['rows']} rows" if bf16 else ""))
+if f32:
+    print(f"parity {sys.argv[3]} vs cpu f32 (information): max {f32['max_relative_error']:.3e}, mean {f32['mean_relative_error']:.3e}")
+PY
+if [ "$parity" != passed ]; then
+  failures=$((failures + 1))
+  if [ "$device" != cpu ] && command -v compute-sanitizer >/dev/null; then
+    step "the parity run again under compute-sanitizer --tool memcheck"
+    limited 150 compute-sanitizer --tool memcheck --print-limit 50 \
+      "$harvester" run --device "$device" --precision bf16 --model "$smol" \
+      --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
+      --out "$work/sanitized" >"$out/sanitizer.txt" 2>&1
+    tail -40 "$out/sanitizer.txt"
+    note "sanitizer: $(grep -m1 -E 'ERROR SUMMARY|errors' "$out/sanitizer.txt" || echo 'no summary line')"
+  fi
+fi
+if [ -d "$candidate" ]; then
+  step "parity against transformers (float32 on $device as the reference, bf16 as the peer)"
+  peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
+  limited 150 python3 "$here/peer.py" parity --model "$smol" --device "$peer_device" \
+    --harvest "harvester-$device" "$candidate" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
+    | tee "$out/peer.jsonl"
+  python3 - "$out/peer.jsonl" <<'PY' | tee -a "$summary"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l) if l.startswith("{") else {}
+    if r.get("step") == "parity-summary":
+        for name, e in r["engines"].items():
+            print(f"vs transformers f32: {name}: max {e['max']:.3e}, median of layer medians {e['median_of_medians']:.3e}")
+    elif r.get("skipped"):
+        print("transformers peer: skipped: " + r["skipped"])
+PY
+fi
+
+# ---------------------------------------------------------------------------------------------
+if [ "$device" = cpu ]; then
+  shape=${BENCH_SHAPE:-smollm2-135m}; short=(4 64); long=(2 256); batch_tokens=256
+else
+  shape=${BENCH_SHAPE:-llama-8b}; short=(64 512); long=(8 4096); batch_tokens=8192
+fi
+step "speed: a $shape-shaped random bf16 model on $device"
+bench_model=$work/bench-model
+start=$(date +%s.%N)
+limited 240 "$harvester" synth-model --shape "$shape" --out "$bench_model" >/dev/null
+note "synth $shape: $(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')") s"
+python3 - "$work" "${short[@]}" "${long[@]}" <<'PY'
+import json, random, sys
+work, a, b, c, d = sys.argv[1], *map(int, sys.argv[2:])
+random.seed(7)
+for name, n, length in (("short", a, b), ("long", c, d)):
+    ids = [[random.randrange(1, 40000) for _ in range(length)] for _ in range(n)]
+    json.dump(ids, open(f"{work}/ids-{name}.json", "w"))
+PY
+blocks=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$bench_model/config.json")
+three="$((blocks / 4)),$((blocks / 2)),$((3 * blocks / 4))"
+: >"$out/bench.jsonl"
+# name : ids : layers : directions
+shapes=("${short[0]}x${short[1]}-3-layers:$work/ids-short.json:$three:0"
+        "${short[0]}x${short[1]}-all-layers:$work/ids-short.json:all:0"
+        "${long[0]}x${long[1]}-all-layers:$work/ids-long.json:all:0"
+        "${short[0]}x${short[1]}-8-directions:$work/ids-short.json:all:8")
+for spec in "${shapes[@]}"; do
+  IFS=: read -r name ids layers directions <<<"$spec"
+  projection=(); [ "$directions" != 0 ] && projection=(--directions "$directions")
+  echo "-- $name"
+  if limited 150 "$harvester" bench --device "$device" --precision bf16 --model "$bench_model" \
+    --ids "$ids" --layers "$layers" --batch-tokens "$batch_tokens" "${projection[@]}" \
+    >"$work/bench.json"; then
+    sed "s/^{/{\"shape\":\"$name\",/" "$work/bench.json" | tee -a "$out/bench.jsonl"
+  else
+    echo "{\"shape\":\"$name\",\"failed\":true}" | tee -a "$out/bench.jsonl"
+    failures=$((failures + 1))
+  fi
+done
+step "speed: transformers on the same token ids"
+peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
+peer_shapes=(); for spec in "${shapes[@]}"; do peer_shapes+=(--shape "$spec"); done
+limited 240 python3 "$here/peer.py" speed --model "$bench_model" --device "$peer_device" \
+  --batch-tokens "$batch_tokens" "${peer_shapes[@]}" | tee -a "$out/peer.jsonl"
+
+# ---------------------------------------------------------------------------------------------
+step "summary"
+python3 - "$out/bench.jsonl" "$out/peer.jsonl" "$device" <<'PY' | tee -a "$summary"
+import json, sys
+H200_BF16_GFLOPS = 790_000.0  # bf16 products measured on this kind of machine
+ours = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+peer = {r["shape"]: r for r in map(json.loads, (l for l in open(sys.argv[2]) if l.startswith("{")))
+        if r.get("step") == "peer-speed"}
+for r in ours:
+    if r.get("failed"):
+        print(f"speed {r['shape']}: ours FAILED"); continue
+    p = peer.get(r["shape"])
+    line = (f"speed {r['shape']}: ours {r['tokens_per_s']:.0f} tok/s ({r['gflops']/1000:.1f} TFLOP/s, "
+            f"{100*r['fraction_of_gemm']:.1f}% of the {r['gemm_gflops']/1000:.0f} TFLOP/s GEMM measured here")
+    if sys.argv[3] != "cpu":
+        line += f", {100*r['gflops']/H200_BF16_GFLOPS:.1f}% of 790 TFLOP/s"
+    line += ")"
+    line += f"; transformers {p['tokens_per_s']:.0f} tok/s ({r['tokens_per_s']/p['tokens_per_s']:.2f}x)" if p else "; transformers: no figure"
+    print(line)
+    c = r.get("cuda_load") or {}
+    print(f"load {r['shape']}: {r['weight_bytes_bf16']/1e9:.1f} GB in {r['load_seconds']:.1f} s = {r['load_gb_per_s']:.1f} GB/s"
+          f" (read {r['load_read_seconds']:.1f} s, convert {c.get('convert_seconds', 0):.1f} s, upload {c.get('upload_seconds', 0):.1f} s,"
+          f" kernels {c.get('kernels_seconds', 0):.2f} s as {c.get('kernel_code', '-')})")
+for l in open(sys.argv[2]):
+    r = json.loads(l) if l.startswith("{") else {}
+    if r.get("step") == "peer-load":
+        print(f"load transformers: {r['seconds']:.1f} s = {r['gb_per_s']:.1f} GB/s")
+PY
+note "steps failed: $failures"
+[ "$failures" = 0 ]
