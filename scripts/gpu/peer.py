@@ -4,8 +4,9 @@ parity: the same random SmolLM2-shaped checkpoint in transformers, float32 on th
     reference and bfloat16 as the peer's own error; each harvest given (ours on CUDA, ours on the
     CPU in bf16 mode) is compared with the float32 reference layer by layer, next to
     transformers' bf16 error. Per token row, the relative error is |a - ref| / |ref|.
-speed: transformers' forward (SDPA attention, bf16, output_hidden_states) on the token ids the
-    harvester's bench ran, the kept layers copied to the host as a harvest must; tokens/s.
+speed: transformers' forward (SDPA attention, bf16) on the token ids the harvester's bench ran,
+    in batches of the same tokens, the kept blocks' outputs taken by forward hooks, the pass
+    stopped after the deepest, and the kept layers copied to the host as a harvest must.
 
 Without torch (a CPU machine in CI) it prints that the peer is skipped and exits 0.
 """
@@ -43,20 +44,30 @@ def load_model(path, dtype, device):
     return model.to(device).eval()
 
 
-def layer_outputs(model, input_ids, keep):
-    """Runs the model, returning the residual stream after each decoder block in `keep`
-    (hooked, so the last block comes before the final norm, as a harvest keeps it)."""
+class _Stop(Exception):
+    """Raised by the deepest kept block's hook: the blocks after it need not run."""
+
+
+def harvest(model, input_ids, keep):
+    """The residual stream after each block in `keep`, as a harvest takes it: forward hooks on
+    the decoder blocks (the last one before the final norm), the pass stopped after the
+    deepest kept block, as the harvester stops."""
     import torch
 
     captured = {}
+    deepest = max(keep)
     hooks = []
     for index in keep:
         def hook(_module, _inputs, output, index=index):
             captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == deepest:
+                raise _Stop
         hooks.append(model.layers[index].register_forward_hook(hook))
     try:
         with torch.no_grad():
             model(input_ids=input_ids)
+    except _Stop:
+        pass
     finally:
         for h in hooks:
             h.remove()
@@ -103,8 +114,8 @@ def parity(args):
     errors = {name: [[] for _ in keep] for name in list(harvests) + ["transformers-bf16"]}
     for index, (tokens, _) in sorted(first.items()):
         ids = tokens.to(device)[None]
-        ref = layer_outputs(reference, ids, keep)
-        bf = layer_outputs(peer, ids, keep)
+        ref = harvest(reference, ids, keep)
+        bf = harvest(peer, ids, keep)
         for layer in keep:
             r = ref[layer][0]
             errors["transformers-bf16"][layer].append(relative_errors(bf[layer][0], r).cpu())
@@ -142,16 +153,13 @@ def speed(args):
     parameters = sum(p.numel() for p in model.parameters())
     emit({"step": "peer-load", "seconds": load_seconds,
           "gb_per_s": 2 * parameters / load_seconds / 1e9})
-    full_layers = model.layers
-    all_blocks = len(full_layers)
+    all_blocks = len(model.layers)
     for spec in args.shape:
         name, ids_path, layers, directions = spec.split(":")
         with open(ids_path) as f:
             prompts = json.load(f)
         keep = list(range(all_blocks)) if layers == "all" else [int(x) for x in layers.split(",")]
         blocks = max(keep) + 1
-        # Only the blocks up to the deepest kept one run, as in the harvester.
-        model.layers = full_layers[:blocks]
         length = len(prompts[0])
         per_batch = max(1, args.batch_tokens // length)
         batches = [torch.tensor(prompts[i:i + per_batch], device=device)
@@ -163,9 +171,7 @@ def speed(args):
 
         def one_pass():
             for batch in batches:
-                with torch.no_grad():
-                    out = model(input_ids=batch, output_hidden_states=True)
-                kept = [out.hidden_states[k + 1] for k in keep]
+                kept = harvest(model, batch, keep)
                 if units is not None:
                     kept = [h.float() @ units.T for h in kept]
                 for h in kept:

@@ -107,34 +107,64 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 step "parity: SmolLM2-shaped random checkpoint, $device against the CPU bf16 reference"
+# Two bf16 engines that round at different points differ by about as much as each differs from
+# the float32 truth (the first window measured 8.7e-3 between CUDA and the CPU bf16 mode, each
+# about 1.2e-2 from transformers float32), so the CPU check is a guard (PARITY_VS_CPU), and the
+# verdict is against transformers float32: no further from it than the CPU bf16 mode (times
+# 1.25) and than transformers' own bf16 pass.
+vs_cpu=${PARITY_VS_CPU:-1.5e-2}
 smol=$work/smollm2-shaped
 limited 120 "$harvester" synth-model --shape smollm2-135m --out "$smol" --tokenizer-from "$here/tokenizer" >/dev/null
 candidate=$work/candidate
 : >"$out/parity.jsonl"
+parity=passed
 if CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run --device "$device" --precision bf16 \
   --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
   --progress off --out "$candidate" >/dev/null; then
-  if "$harvester" compare "$here/reference-bf16" "$candidate" --max-relative-error 2e-3 \
-    | tee -a "$out/parity.jsonl"; then
-    parity=passed
-  else
-    parity=FAILED
-  fi
-  "$harvester" compare "$here/reference-f32" "$candidate" --max-relative-error 1e-2 \
+  "$harvester" compare "$here/reference-bf16" "$candidate" --max-relative-error "$vs_cpu" \
+    | tee -a "$out/parity.jsonl" || parity="FAILED (against the CPU bf16 mode)"
+  "$harvester" compare "$here/reference-f32" "$candidate" --max-relative-error 1 \
     | sed 's/^{/{"against":"cpu-f32",/' | tee -a "$out/parity.jsonl" || true
 else
   parity="FAILED (the $device run did not finish)"
 fi
-python3 - "$out/parity.jsonl" "$parity" "$device" <<'PY' | tee -a "$summary"
+if [ -d "$candidate/partial" ] || [ -f "$candidate/manifest.json" ]; then
+  step "parity against transformers (float32 on $device as the reference, bf16 as the peer)"
+  peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
+  limited 150 python3 "$here/peer.py" parity --model "$smol" --device "$peer_device" \
+    --harvest "harvester-$device" "$candidate" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
+    | tee "$out/peer.jsonl"
+fi
+verdict=$(python3 - "$out/parity.jsonl" "$out/peer.jsonl" "$parity" "$device" "$vs_cpu" <<'PY' 2>&1
 import json, sys
-lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+parity_file, peer_file, parity, device, vs_cpu = sys.argv[1:]
+def records(path):
+    try:
+        return [json.loads(l) for l in open(path) if l.startswith("{")]
+    except FileNotFoundError:
+        return []
+lines = records(parity_file)
 bf16 = next((l for l in lines if "against" not in l), None)
 f32 = next((l for l in lines if l.get("against") == "cpu-f32"), None)
-print(f"parity {sys.argv[3]} vs cpu bf16 (2e-3): {sys.argv[2]}" + (f"; max {bf16['max_relative_error']:.3e}, mean {bf16['mean_relative_error']:.3e} over {bf16['rows']} rows" if bf16 else ""))
+if bf16:
+    print(f"parity {device} vs cpu bf16 (guard {vs_cpu}): max {bf16['max_relative_error']:.3e}, mean {bf16['mean_relative_error']:.3e} over {bf16['rows']} rows")
 if f32:
-    print(f"parity {sys.argv[3]} vs cpu f32 (information): max {f32['max_relative_error']:.3e}, mean {f32['mean_relative_error']:.3e}")
+    print(f"parity {device} vs cpu f32 (information): max {f32['max_relative_error']:.3e}, mean {f32['mean_relative_error']:.3e}")
+for r in records(peer_file):
+    if r.get("step") == "parity-summary":
+        e = r["engines"]
+        for name, v in e.items():
+            print(f"vs transformers f32: {name}: max {v['max']:.3e}, median of layer medians {v['median_of_medians']:.3e}")
+        ours, cpu, peer = e[f"harvester-{device}"]["max"], e["harvester-cpu-bf16"]["max"], e["transformers-bf16"]["max"]
+        if parity == "passed" and not (ours <= 1.25 * cpu and ours <= peer):
+            parity = f"FAILED (against transformers f32: {ours:.3e}, over 1.25 x the CPU bf16 mode's {cpu:.3e} or transformers bf16's {peer:.3e})"
+    elif r.get("skipped"):
+        print("transformers peer: skipped: " + r["skipped"])
+print(f"parity: {parity}")
 PY
-if [ "$parity" != passed ]; then
+)
+echo "$verdict" | tee -a "$summary"
+case "$verdict" in *"parity: passed"*) ;; *)
   failures=$((failures + 1))
   if [ "$device" != cpu ] && command -v compute-sanitizer >/dev/null; then
     step "the parity run again under compute-sanitizer --tool memcheck"
@@ -143,25 +173,18 @@ if [ "$parity" != passed ]; then
       --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
       --out "$work/sanitized" >"$out/sanitizer.txt" 2>&1
     tail -40 "$out/sanitizer.txt"
-    note "sanitizer: $(grep -m1 -E 'ERROR SUMMARY|errors' "$out/sanitizer.txt" || echo 'no summary line')"
+    note "sanitizer: $(grep -m1 -E 'ERROR SUMMARY' "$out/sanitizer.txt" || echo 'no summary line')"
+  fi ;;
+esac
+if [ "$device" != cpu ]; then
+  step "parity with the kernels as PTX (HARVEST_CUDA_CODE=ptx), against the cubin run"
+  if HARVEST_CUDA_CODE=ptx limited 120 "$harvester" run --device "$device" --precision bf16 \
+    --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+    --progress off --out "$work/candidate-ptx" >/dev/null; then
+    note "ptx run: $("$harvester" compare "$candidate" "$work/candidate-ptx" --max-relative-error 0 2>&1 | head -1)"
+  else
+    note "ptx run: FAILED"
   fi
-fi
-if [ -d "$candidate" ]; then
-  step "parity against transformers (float32 on $device as the reference, bf16 as the peer)"
-  peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
-  limited 150 python3 "$here/peer.py" parity --model "$smol" --device "$peer_device" \
-    --harvest "harvester-$device" "$candidate" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
-    | tee "$out/peer.jsonl"
-  python3 - "$out/peer.jsonl" <<'PY' | tee -a "$summary"
-import json, sys
-for l in open(sys.argv[1]):
-    r = json.loads(l) if l.startswith("{") else {}
-    if r.get("step") == "parity-summary":
-        for name, e in r["engines"].items():
-            print(f"vs transformers f32: {name}: max {e['max']:.3e}, median of layer medians {e['median_of_medians']:.3e}")
-    elif r.get("skipped"):
-        print("transformers peer: skipped: " + r["skipped"])
-PY
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +227,14 @@ for spec in "${shapes[@]}"; do
     failures=$((failures + 1))
   fi
 done
+if [ "$device" != cpu ]; then
+  # Information for the speed work: the same corpus in batches four times larger.
+  echo "-- ${short[0]}x${short[1]}-3-layers-batch-$((4 * batch_tokens))"
+  limited 150 "$harvester" bench --device "$device" --precision bf16 --model "$bench_model" \
+    --ids "$work/ids-short.json" --layers "$three" --batch-tokens $((4 * batch_tokens)) \
+    | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-batch-$((4 * batch_tokens))\",/" \
+    | tee -a "$out/bench.jsonl"
+fi
 step "speed: transformers on the same token ids"
 peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
 peer_shapes=(); for spec in "${shapes[@]}"; do peer_shapes+=(--shape "$spec"); done

@@ -30,6 +30,8 @@ pub struct CudaInfo {
     pub free_bytes: u64,
     /// Each form of the kernels.
     pub kernels: Vec<KernelForm>,
+    /// Whether a cuBLAS handle opened, or why not.
+    pub cublas: std::result::Result<(), String>,
     /// The CUDA libraries this process loaded, with their paths.
     pub loaded_libraries: Vec<String>,
 }
@@ -153,6 +155,9 @@ pub fn report(ordinal: usize) -> Result<CudaInfo> {
         .into_iter()
         .map(|code| try_form(&context, code))
         .collect();
+    let cublas = cudarc::cublas::CudaBlas::new(context.default_stream())
+        .map(drop)
+        .map_err(|e| e.to_string());
     Ok(CudaInfo {
         driver_cuda: super::driver_version(),
         nvrtc,
@@ -161,6 +166,7 @@ pub fn report(ordinal: usize) -> Result<CudaInfo> {
         total_bytes: total as u64,
         free_bytes: free as u64,
         kernels,
+        cublas,
         loaded_libraries: loaded_libraries(),
     })
 }
