@@ -22,7 +22,8 @@ mkdir -p "$pack/tokenizer"
 strip -o "$pack/harvester" target/release/harvester
 model=$(HARVESTER=$pack/harvester scripts/fetch-model.sh | tail -1)
 cp "$model/tokenizer.json" "$model/tokenizer_config.json" "$pack/tokenizer/"
-cp scripts/gpu/parity_prompts.jsonl scripts/gpu/run.sh scripts/gpu/peer.py "$pack/"
+cp scripts/gpu/parity_prompts.jsonl scripts/gpu/run.sh scripts/gpu/cuda-env.sh scripts/gpu/profile.sh \
+  scripts/gpu/peer.py "$pack/"
 
 # The CPU references: the checkpoint is rebuilt from its seed on the GPU machine (270 MB does
 # not travel), and its harvests are small.
