@@ -34,13 +34,15 @@ for name in short long; do
   echo "ncu exit $?"; tail -3 "$work/ncu.err"
   python3 - "$out/ncu-$name.csv" <<'PY'
 import csv, collections, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows:
+rows = list(csv.reader(open(sys.argv[1])))
+start = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), None)
+if start is None:
     print("no kernel rows"); sys.exit()
-head = rows[0]
+head = rows[start]
+rows = [head] + [r for r in rows[start + 1:] if len(r) == len(head)]
 name_at, value_at, unit_at = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
 total = collections.Counter(); count = collections.Counter()
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 for r in rows[1:]:
     name = r[name_at].split("(")[0][:60]
     total[name] += float(r[value_at].replace(",", "")) * scale.get(r[unit_at], 1.0)
