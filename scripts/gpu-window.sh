@@ -19,7 +19,7 @@ pack=$root/.gpu
 cargo build --release --quiet -p harvester
 rm -rf "$pack"
 mkdir -p "$pack/tokenizer"
-strip -o "$pack/harvester" target/release/harvester
+strip -o "$pack/harvester" "${CARGO_TARGET_DIR:-$root/target}/release/harvester"
 model=$(HARVESTER=$pack/harvester scripts/fetch-model.sh | tail -1)
 cp "$model/tokenizer.json" "$model/tokenizer_config.json" "$pack/tokenizer/"
 cp scripts/gpu/parity_prompts.jsonl scripts/gpu/run.sh scripts/gpu/cuda-env.sh scripts/gpu/profile.sh \

@@ -143,14 +143,20 @@ case "$verdict" in *"parity: passed"*) ;; *)
   fi ;;
 esac
 if [ "$device" != cpu ]; then
-  step "parity with the kernels as PTX (HARVEST_CUDA_CODE=ptx), against the cubin run"
-  if HARVEST_CUDA_CODE=ptx limited 120 "$harvester" run --device "$device" --precision bf16 \
-    --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
-    --progress off --out "$work/candidate-ptx" >/dev/null; then
-    note "ptx run: $("$harvester" compare "$candidate" "$work/candidate-ptx" --max-relative-error 0 2>&1 | head -1)"
-  else
-    note "ptx run: FAILED"
-  fi
+  step "the parity run with the kernels as PTX, and with CUDA-core attention, against the default"
+  for variant in HARVEST_CUDA_CODE=ptx HARVEST_CUDA_ATTENTION=simple; do
+    if env "$variant" timeout 120 "$harvester" run --device "$device" --precision bf16 \
+      --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+      --progress off --out "$work/candidate-$variant" >/dev/null; then
+      note "$variant: $("$harvester" compare "$candidate" "$work/candidate-$variant" --max-relative-error 1 2>&1 | head -1)"
+    else
+      note "$variant: the run FAILED"
+    fi
+  done
+  [ -d "$work/candidate-HARVEST_CUDA_ATTENTION=simple" ] && limited 150 python3 "$here/peer.py" parity \
+    --model "$smol" --device cuda --harvest harvester-cuda-simple-attention \
+    "$work/candidate-HARVEST_CUDA_ATTENTION=simple" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
+    | grep parity-summary | sed 's/^/simple attention: /' | tee -a "$summary"
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ for r in ours:
     c = r.get("cuda_load") or {}
     print(f"load {r['shape']}: {r['weight_bytes_bf16']/1e9:.1f} GB in {r['load_seconds']:.1f} s = {r['load_gb_per_s']:.1f} GB/s"
           f" (read {r['load_read_seconds']:.1f} s, convert {c.get('convert_seconds', 0):.1f} s, upload {c.get('upload_seconds', 0):.1f} s,"
-          f" kernels {c.get('kernels_seconds', 0):.2f} s as {c.get('kernel_code', '-')})")
+          f" kernels {c.get('kernels_seconds', 0):.2f} s as {c.get('kernel_code', '-')}; attention {c.get('attention_kernel', '-')})")
 for l in open(sys.argv[2]):
     r = json.loads(l) if l.startswith("{") else {}
     if r.get("step") == "peer-load":

@@ -75,7 +75,7 @@ fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     let row_width = heads.row_width();
     let mut out = heads.output(cu, f32::NAN);
     let mut tiles = Vec::new();
-    attention_tiles(cu, &mut tiles);
+    attention_tiles(cu, QUERIES as u32, &mut tiles);
     let scale = 1.0 / (head_dim as f32).sqrt();
     for tile in tiles.chunks(2) {
         let (seq, first) = (tile[0] as usize, tile[1] as usize);

@@ -15,8 +15,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::error::CudaError;
 use super::kernels::{self, KernelCode};
-use super::launch::{self, AttentionShape, gemm};
-use super::plan::{attention_tiles, check_heads};
+use super::launch::{self, AttentionKernel, AttentionShape, gemm};
+use super::plan::{ATTENTION_VARIABLE, attention_tiles, check_heads, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
@@ -49,6 +49,8 @@ pub struct LoadPhases {
     pub kernels_seconds: f64,
     /// The form of the kernels that loaded.
     pub kernel_code: &'static str,
+    /// The attention kernel chosen for the model's head width.
+    pub attention_kernel: &'static str,
 }
 
 /// A mapped bf16 part viewed as bf16 bits, when it is 2-byte aligned (a safetensors payload
@@ -135,6 +137,35 @@ fn memory_error(action: &'static str) -> impl Fn(cudarc::driver::DriverError) ->
     move |error| CudaError::from_driver(action, error).into()
 }
 
+/// The attention kernel for heads of `head_dim`: on tensor cores where one is built for that
+/// width (unless `HARVEST_CUDA_ATTENTION=simple`), else the CUDA-core kernel.
+fn attention_kernel(
+    function: &dyn Fn(&str) -> Result<CudaFunction>,
+    head_dim: usize,
+) -> Result<AttentionKernel> {
+    let forced = std::env::var(ATTENTION_VARIABLE).ok();
+    Ok(if uses_tensor_cores(head_dim, forced.as_deref()) {
+        let name = if head_dim == 64 {
+            "attention_mma_64"
+        } else {
+            "attention_mma_128"
+        };
+        AttentionKernel {
+            function: function(name)?,
+            name,
+            queries_per_block: kernels::ATTENTION_MMA_QUERIES_PER_BLOCK,
+            threads: kernels::ATTENTION_MMA_THREADS,
+        }
+    } else {
+        AttentionKernel {
+            function: function("attention_varlen")?,
+            name: "attention_varlen",
+            queries_per_block: kernels::ATTENTION_QUERIES_PER_BLOCK,
+            threads: 32 * kernels::ATTENTION_QUERIES_PER_BLOCK,
+        }
+    })
+}
+
 /// Compiles the kernels and loads them on `context` in the first form of `order` that loads.
 fn load_kernels(
     context: &Arc<CudaContext>,
@@ -172,7 +203,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope: CudaFunction,
     swiglu: CudaFunction,
-    attention: CudaFunction,
+    attention: AttentionKernel,
     project: CudaFunction,
 }
 
@@ -283,14 +314,14 @@ impl CudaBackend {
         let function = |name: &str| {
             module
                 .load_function(name)
-                .map_err(|e| CudaError::from_driver("finding a kernel in its module", e))
+                .map_err(|e| CudaError::from_driver("finding a kernel in its module", e).into())
         };
         let kernels = Kernels {
             embed_gather: function("embed_gather")?,
             rms_norm: function("rms_norm")?,
             rope: function("rope")?,
             swiglu: function("swiglu")?,
-            attention: function("attention_varlen")?,
+            attention: attention_kernel(&function, config.head_dim)?,
             project: function("project")?,
         };
         let kernels_seconds = kernels_start.elapsed().as_secs_f64();
@@ -300,6 +331,7 @@ impl CudaBackend {
             phases: LoadPhases {
                 kernels_seconds,
                 kernel_code: code.as_str(),
+                attention_kernel: kernels.attention.name,
                 ..LoadPhases::default()
             },
         };
@@ -427,7 +459,11 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.ensure_scratch(tokens)?;
-        attention_tiles(&batch.cu_seq_lengths, &mut self.host_tiles);
+        attention_tiles(
+            &batch.cu_seq_lengths,
+            self.kernels.attention.queries_per_block,
+            &mut self.host_tiles,
+        );
         let Some(s) = self.scratch.as_mut() else {
             return Ok(());
         };

@@ -184,3 +184,215 @@ extern "C" __global__ void project(const float* x, const float* directions, floa
         if (lane == 0) out[(long long)t * n_directions + n] = dot;
     }
 }
+
+// Causal grouped-query attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate),
+// flash-attention style: one block handles `MMA_QUERIES` consecutive queries of one sequence for
+// one query head, each of its 4 warps 16 of them; keys and values stream through shared memory
+// `MMA_KEYS` at a time (rows padded by 8 so ldmatrix's 8 rows fall in distinct banks). Scores
+// stay in registers; the online softmax runs in base 2 on the scaled scores; P is rounded to
+// bf16 for the P·V product, as flash attention does. `tiles` holds (sequence, first query)
+// pairs of `MMA_QUERIES` queries. Grid: (tiles, q_heads); block: 128. head_dim is D (64 or 128).
+#define MMA_QUERIES 64
+#define MMA_KEYS 64
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
+    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A generic pointer into shared memory as a shared-space address.
+__device__ __forceinline__ unsigned int shared_address(const void* pointer) {
+    unsigned int address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(address)
+        : "l"(pointer));
+    return address;
+}
+
+// Four 8x8 bf16 matrices from shared memory: lanes 8i..8i+7 give the rows of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const bf16* row) {
+    const unsigned int address = shared_address(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const bf16* row) {
+    const unsigned int address = shared_address(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+template <int D>
+__device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
+                                              const unsigned int* cu_seq_lengths,
+                                              const unsigned int* tiles, int q_heads,
+                                              int kv_heads, float scale) {
+    constexpr int STRIDE = D + 8;
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces of a row
+    __shared__ __align__(16) bf16 k_tile[MMA_KEYS * STRIDE];
+    __shared__ __align__(16) bf16 v_tile[MMA_KEYS * STRIDE];
+    const int seq = tiles[2 * blockIdx.x], first = tiles[2 * blockIdx.x + 1];
+    const int head = blockIdx.y, kv_head = head / (q_heads / kv_heads);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int start = cu_seq_lengths[seq], length = cu_seq_lengths[seq + 1] - start;
+    const long long row_width = (long long)(q_heads + 2 * kv_heads) * D;
+    const int k_offset = q_heads * D + kv_head * D;
+    const int v_offset = (q_heads + kv_heads) * D + kv_head * D;
+    const int q0 = first + warp * 16;  // this warp's first query, a position in the sequence
+    const int rows[2] = {q0 + g, q0 + g + 8};
+    const bool busy = q0 < length;
+
+    // The warp's 16 queries as A fragments, one per 16 dimensions.
+    unsigned int qa[D / 16][4];
+    #pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = rows[r];
+                qa[kc][2 * half + r] =
+                    row < length ? *(const unsigned int*)(qkv + (start + row) * row_width +
+                                                          head * D + kc * 16 + half * 8 + 2 * t)
+                                 : 0u;
+            }
+        }
+    }
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float o[D / 8][4];
+    #pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float running_max[2] = {NEG_INF, NEG_INF}, running_sum[2] = {0.0f, 0.0f};
+
+    const int kv_end = min(first + MMA_QUERIES, length);
+    for (int kb = 0; kb < kv_end; kb += MMA_KEYS) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < MMA_KEYS * CHUNKS; i += blockDim.x) {
+            const int j = i / CHUNKS, c = i % CHUNKS;
+            uint4 k = make_uint4(0, 0, 0, 0), v = k;
+            if (kb + j < kv_end) {
+                const bf16* row = qkv + (start + kb + j) * row_width;
+                k = *(const uint4*)(row + k_offset + 8 * c);
+                v = *(const uint4*)(row + v_offset + 8 * c);
+            }
+            *(uint4*)(k_tile + j * STRIDE + 8 * c) = k;
+            *(uint4*)(v_tile + j * STRIDE + 8 * c) = v;
+        }
+        __syncthreads();
+        if (!busy || kb > q0 + 15) continue;
+
+        // S = Q Kᵀ for 64 keys: 8 tiles of 8 keys.
+        float s[MMA_KEYS / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            const bf16* key_row = k_tile + (nt * 8 + (lane & 7)) * STRIDE + (lane >> 3) * 8;
+            #pragma unroll
+            for (int kc = 0; kc < D / 16; kc += 2) {
+                unsigned int b[4];
+                ldmatrix_x4(b, key_row + kc * 16);
+                mma_bf16(s[nt], qa[kc], b[0], b[1]);
+                mma_bf16(s[nt], qa[kc + 1], b[2], b[3]);
+            }
+        }
+        // Mask (causal and past the sequence's end), scale, and the online softmax.
+        float tile_max[2] = {NEG_INF, NEG_INF};
+        #pragma unroll
+        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kb + nt * 8 + 2 * t + (e & 1), r = e >> 1;
+                const float v = (key <= rows[r] && key < kv_end) ? s[nt][e] * scale_log2 : NEG_INF;
+                s[nt][e] = v;
+                tile_max[r] = fmaxf(tile_max[r], v);
+            }
+        }
+        float correction[2];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(running_max[r], tile_max[r]);
+            correction[r] = new_max == NEG_INF ? 1.0f : exp2f(running_max[r] - new_max);
+            running_max[r] = new_max;
+            running_sum[r] *= correction[r];
+        }
+        #pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            o[i][0] *= correction[0];
+            o[i][1] *= correction[0];
+            o[i][2] *= correction[1];
+            o[i][3] *= correction[1];
+        }
+        // P, rounded to bf16, as A fragments of 16 keys each; O += P V.
+        #pragma unroll
+        for (int kc = 0; kc < MMA_KEYS / 16; ++kc) {
+            unsigned int pa[4];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float* p = s[2 * kc + h];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    p[e] = running_max[r] == NEG_INF ? 0.0f : exp2f(p[e] - running_max[r]);
+                }
+                const unsigned int lo = pack_bf16(p[0], p[1]), hi = pack_bf16(p[2], p[3]);
+                pa[2 * h] = lo;
+                pa[2 * h + 1] = hi;
+                // The sum counts P as the product sees it, rounded.
+                running_sum[0] += bf16_to_f32((bf16)(lo & 0xffff)) + bf16_to_f32((bf16)(lo >> 16));
+                running_sum[1] += bf16_to_f32((bf16)(hi & 0xffff)) + bf16_to_f32((bf16)(hi >> 16));
+            }
+            const bf16* value_row =
+                v_tile + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+            #pragma unroll
+            for (int dt = 0; dt < D / 8; dt += 2) {
+                unsigned int b[4];
+                ldmatrix_x4_trans(b, value_row + dt * 8);
+                mma_bf16(o[dt], pa, b[0], b[1]);
+                mma_bf16(o[dt + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+    if (!busy) return;
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 1);
+        running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 2);
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= length) continue;
+        const float inv = 1.0f / running_sum[r];
+        bf16* dst = out + (long long)(start + rows[r]) * (q_heads * D) + head * D + 2 * t;
+        #pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            *(unsigned int*)(dst + i * 8) = pack_bf16(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma_64(const bf16* qkv, bf16* out, const unsigned int* cu_seq_lengths,
+                     const unsigned int* tiles, int q_heads, int kv_heads, float scale) {
+    attention_mma<64>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_mma_128(const bf16* qkv, bf16* out, const unsigned int* cu_seq_lengths,
+                      const unsigned int* tiles, int q_heads, int kv_heads, float scale) {
+    attention_mma<128>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, scale);
+}

@@ -11,12 +11,14 @@ use crate::error::{CudaError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 6] = [
+pub const NAMES: [&str; 8] = [
     "embed_gather",
     "rms_norm",
     "rope",
     "swiglu",
     "attention_varlen",
+    "attention_mma_64",
+    "attention_mma_128",
     "project",
 ];
 
@@ -24,6 +26,12 @@ pub const NAMES: [&str; 6] = [
 pub const ATTENTION_QUERIES_PER_BLOCK: u32 = 8;
 /// The widest head the attention kernel takes (`MAX_HEAD_DIM`).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 128;
+/// Queries per block of the tensor-core attention kernels (`MMA_QUERIES`): 16 per warp.
+pub const ATTENTION_MMA_QUERIES_PER_BLOCK: u32 = 64;
+/// Threads per block of the tensor-core attention kernels: four warps.
+pub const ATTENTION_MMA_THREADS: u32 = 128;
+/// The head widths with a tensor-core attention kernel (`attention_mma_<D>`).
+pub const ATTENTION_MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The virtual GPU generation PTX is compiled for: Hopper (H100, H200).
 pub const ARCH: &str = "compute_90";

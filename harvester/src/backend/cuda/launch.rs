@@ -10,7 +10,6 @@ use cudarc::driver::{
 };
 
 use super::error::CudaError;
-use super::kernels::ATTENTION_QUERIES_PER_BLOCK;
 use crate::error::Result;
 
 /// Threads per block of the row kernels.
@@ -173,17 +172,29 @@ pub(super) struct AttentionShape {
     pub scale: f32,
 }
 
+/// An attention kernel and the shape of its blocks.
+pub(super) struct AttentionKernel {
+    /// The loaded kernel.
+    pub function: CudaFunction,
+    /// Its name, for errors.
+    pub name: &'static str,
+    /// Queries per block (the host's tiles are cut to this).
+    pub queries_per_block: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
 /// Causal GQA attention over the packed batch: `attn[t, head] = softmax(q·kᵀ)·v`.
 pub(super) fn attention(
     stream: &CudaStream,
-    kernel: &CudaFunction,
+    kernel: &AttentionKernel,
     qkv: &CudaSlice<u16>,
     attn: &mut CudaSlice<u16>,
     cu_seq_lengths: &CudaSlice<u32>,
     tiles: &CudaSlice<u32>,
     shape: AttentionShape,
 ) -> Result<()> {
-    const NAME: &str = "attention_varlen";
+    let name = kernel.name;
     let AttentionShape {
         tokens,
         tiles: n_tiles,
@@ -193,42 +204,44 @@ pub(super) fn attention(
         scale,
     } = shape;
     fits(
-        NAME,
+        name,
         "qkv",
         qkv.len(),
         tokens * (heads + 2 * kv_heads) * head_dim,
     )?;
-    fits(NAME, "attn", attn.len(), tokens * heads * head_dim)?;
-    fits(NAME, "tiles", tiles.len(), 2 * n_tiles)?;
-    fits(NAME, "cu_seq_lengths", cu_seq_lengths.len(), 2)?;
-    let config = grid(NAME, n_tiles, heads, 32 * ATTENTION_QUERIES_PER_BLOCK)?;
+    fits(name, "attn", attn.len(), tokens * heads * head_dim)?;
+    fits(name, "tiles", tiles.len(), 2 * n_tiles)?;
+    fits(name, "cu_seq_lengths", cu_seq_lengths.len(), 2)?;
+    let config = grid(name, n_tiles, heads, kernel.threads)?;
     let (heads, kv_heads, head_dim) = (
-        int(NAME, heads)?,
-        int(NAME, kv_heads)?,
-        int(NAME, head_dim)?,
+        int(name, heads)?,
+        int(name, kv_heads)?,
+        int(name, head_dim)?,
     );
+    let mut builder = stream.launch_builder(&kernel.function);
+    builder
+        .arg(qkv)
+        .arg(attn)
+        .arg(cu_seq_lengths)
+        .arg(tiles)
+        .arg(&heads)
+        .arg(&kv_heads);
+    // The tensor-core kernels take their head width as a template parameter, not an argument.
+    if kernel.name == "attention_varlen" {
+        builder.arg(&head_dim);
+    }
+    builder.arg(&scale);
     // SAFETY: the arguments match `attention_varlen(const bf16*, bf16*, const unsigned*,
-    // const unsigned*, int, int, int, float)` in order and type; the tiles come from the host
-    // plan over this batch's `cu_seq_lengths`, so every query and key row they name lies in
-    // `qkv`, and `attn` holds every query head's output (checked above); `check_heads` bounds
-    // head_dim to the kernel's shared tile.
+    // const unsigned*, int, int, int, float)`, or `attention_mma_<D>` (the same less head_dim,
+    // D being this head width: `uses_tensor_cores`), in order and type; the tiles come from the
+    // host plan over this batch's `cu_seq_lengths` cut to this kernel's queries per block, so
+    // every query and key row they name lies in `qkv`, and `attn` holds every query head's
+    // output (checked above); `check_heads` bounds head_dim to the kernel's shared tile.
     #[allow(unsafe_code)]
-    let launched = unsafe {
-        stream
-            .launch_builder(kernel)
-            .arg(qkv)
-            .arg(attn)
-            .arg(cu_seq_lengths)
-            .arg(tiles)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&scale)
-            .launch(config)
-    };
+    let launched = unsafe { builder.launch(config) };
     launched
         .map(|_| ())
-        .map_err(|e| CudaError::fault(NAME)(e).into())
+        .map_err(|e| CudaError::fault(name)(e).into())
 }
 
 /// `act = silu(gate) · up` over `tokens` rows of the fused gate|up output.

@@ -2,22 +2,32 @@
 //! list over a packed batch, and how much device memory a batch's activations take (how a
 //! model's blocks split into pipeline stages is `backend::stages`).
 
-use super::kernels::{ATTENTION_MAX_HEAD_DIM, ATTENTION_QUERIES_PER_BLOCK};
+use super::kernels::{ATTENTION_MAX_HEAD_DIM, ATTENTION_MMA_HEAD_DIMS};
 use crate::error::{CudaError, Result};
 
 /// The attention kernel's blocks for a packed batch: `(sequence, first query)` pairs, each
-/// covering up to [`ATTENTION_QUERIES_PER_BLOCK`] queries of one sequence, flattened as the
-/// kernel reads them.
-pub fn attention_tiles(cu_seq_lengths: &[u32], tiles: &mut Vec<u32>) {
+/// covering up to `queries_per_block` queries of one sequence (8 for the CUDA-core kernel, 64
+/// on tensor cores), flattened
+/// as the kernel reads them.
+pub fn attention_tiles(cu_seq_lengths: &[u32], queries_per_block: u32, tiles: &mut Vec<u32>) {
     tiles.clear();
     for (seq, bounds) in cu_seq_lengths.windows(2).enumerate() {
         let length = bounds[1] - bounds[0];
         let mut first = 0;
         while first < length {
             tiles.extend([seq as u32, first]);
-            first += ATTENTION_QUERIES_PER_BLOCK;
+            first += queries_per_block;
         }
     }
+}
+
+/// The environment variable that forces the CUDA-core attention kernel (`simple`).
+pub const ATTENTION_VARIABLE: &str = "HARVEST_CUDA_ATTENTION";
+
+/// Whether attention of width `head_dim` runs on tensor cores: when the width has a
+/// tensor-core kernel and `forced` (the value of [`ATTENTION_VARIABLE`]) is not `simple`.
+pub fn uses_tensor_cores(head_dim: usize, forced: Option<&str>) -> bool {
+    ATTENTION_MMA_HEAD_DIMS.contains(&head_dim) && forced.map(str::trim) != Some("simple")
 }
 
 /// Checks the head shape the attention kernel supports.
@@ -86,11 +96,14 @@ impl Shape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cuda::kernels::{
+        ATTENTION_MMA_QUERIES_PER_BLOCK, ATTENTION_QUERIES_PER_BLOCK,
+    };
 
     #[test]
     fn tiles_cover_every_query_of_every_sequence_once() {
         let mut tiles = Vec::new();
-        attention_tiles(&[0, 3, 20, 21], &mut tiles);
+        attention_tiles(&[0, 3, 20, 21], ATTENTION_QUERIES_PER_BLOCK, &mut tiles);
         // 3 queries: one tile; 17 queries: three tiles (0, 8, 16); 1 query: one tile.
         assert_eq!(tiles, [0, 0, 1, 0, 1, 8, 1, 16, 2, 0]);
         let covered: u32 = tiles
@@ -101,6 +114,23 @@ mod tests {
             })
             .sum();
         assert_eq!(covered, 21);
+    }
+
+    #[test]
+    fn tensor_core_tiles_hold_sixty_four_queries_each() {
+        let mut tiles = Vec::new();
+        attention_tiles(
+            &[0, 64, 65, 200],
+            ATTENTION_MMA_QUERIES_PER_BLOCK,
+            &mut tiles,
+        );
+        assert_eq!(tiles, [0, 0, 1, 0, 2, 0, 2, 64, 2, 128]);
+        assert!(uses_tensor_cores(128, None) && uses_tensor_cores(64, Some("")));
+        assert!(
+            !uses_tensor_cores(96, None),
+            "96 is not a tensor-core width yet"
+        );
+        assert!(!uses_tensor_cores(128, Some("simple")));
     }
 
     #[test]
