@@ -3,7 +3,8 @@
 //! ceiling): our own f32 kernel (`sgemm`) for the CPU, beside the `gemm` crate on the same shape,
 //! and bf16 cuBLAS for CUDA. On the CPU it also measures the arithmetic ceilings themselves
 //! (`backend::cpu::peak`). Weight loading is timed too.
-//! `scripts/bench_cpu.py` runs the CPU engine beside PyTorch; `scripts/gpu-check.sh` runs CUDA.
+//! `scripts/bench_cpu.py` runs the CPU engine beside PyTorch; the GPU window
+//! (`scripts/gpu/run.sh`) runs CUDA beside transformers.
 
 use std::path::Path;
 use std::time::Instant;

@@ -1,6 +1,6 @@
 //! `harvester compare A B`: two harvests of the same plan agree — the same token ids for every
 //! prompt, and every token's captured row within a relative error (`‖a − b‖ / ‖a‖`). This is
-//! how a new backend is checked against the CPU reference (`scripts/gpu-check.sh`).
+//! how a new backend is checked against the CPU reference (the GPU window, `scripts/gpu/run.sh`).
 
 use std::path::Path;
 

@@ -641,7 +641,8 @@ impl Sizing {
 }
 
 /// Loads the blocks up to the deepest kept layer onto the chosen device; on the CPU, first
-/// checks that they and batches of `batch_tokens` fit the memory.
+/// checks that they and batches of `batch_tokens` fit the memory; on a GPU, allocates a batch
+/// of `batch_tokens` against the device's free memory.
 fn open_backend(
     plan: &ResolvedPlan,
     spec: CaptureSpec,
@@ -662,7 +663,13 @@ fn open_backend(
     }
     read_weights(&[&weights], progress);
     Ok(match device {
-        DeviceChoice::Cuda(ordinal) => Box::new(CudaBackend::new(weights, spec, ordinal)?),
+        DeviceChoice::Cuda(ordinal) => {
+            let mut backend = CudaBackend::new(weights, spec, ordinal)?;
+            // The job's largest batch is allocated now, so one that does not fit the GPU is
+            // refused before any prompt runs, naming the bytes.
+            backend.reserve(sizing.batch_tokens)?;
+            Box::new(backend)
+        }
         DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
     })
 }

@@ -8,11 +8,15 @@ use super::plan::attention_tiles;
 /// Mirrors `#define QUERIES` and `KEYS` in `kernels.cu` (checked against the source below).
 const QUERIES: usize = 8;
 const KEYS: usize = 32;
+/// Mirrors `#define MMA_QUERIES` and `MMA_KEYS`: the tensor-core kernel's queries per block
+/// (16 a warp) and keys per shared tile.
+const MMA_QUERIES: usize = 64;
+const MMA_KEYS: usize = 64;
 
 /// SHA-256 of the kernel functions this file replays, whitespace-collapsed: a change to the
 /// CUDA C fails [`the_replayed_kernels_are_the_ones_in_kernels_cu`] until the replay here is
 /// brought in line and these are updated.
-const MIRRORED: [(&str, &str); 2] = [
+const MIRRORED: [(&str, &str); 3] = [
     (
         "f32_to_bf16",
         "cf110c3fbd9029c7be42bc38fca22b370bedf7bb64baffeae0ad9c9177c3e0cd",
@@ -20,6 +24,10 @@ const MIRRORED: [(&str, &str); 2] = [
     (
         "attention_varlen",
         "5fd89e746fff9d4e47b9c5a0cbef5a920c76ec7915fc86742b49925dda9148ba",
+    ),
+    (
+        "attention_mma",
+        "46f9976cc6984f74d4276c7cc656384e270b45efe9b82bcfe1f0f6150b84fe25",
     ),
 ];
 
@@ -126,6 +134,87 @@ fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     out
 }
 
+/// `attention_mma<D>` as the kernel computes it on bf16 inputs: blocks of `MMA_QUERIES`
+/// queries in warps of 16, keys in shared tiles of `MMA_KEYS` up to the block's last query,
+/// scores scaled into base 2 and masked (causal, and past the sequence), each tile's row max
+/// folded into the running max, P rounded to bf16 for the P·V product and summed as rounded,
+/// the output divided by the sum at the end. The products' summation order is the tensor
+/// cores' own, so a replay agrees with the kernel to rounding, not to the bit.
+fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+    let Heads(q_heads, kv_heads, head_dim) = heads;
+    let row_width = heads.row_width();
+    let round = |v: f32| f32::from_bits(u32::from(kernel_bf16(v)) << 16);
+    let mut out = heads.output(cu, f32::NAN);
+    let mut tiles = Vec::new();
+    attention_tiles(cu, MMA_QUERIES as u32, &mut tiles);
+    let scale_log2 = 1.0 / (head_dim as f32).sqrt() * std::f32::consts::LOG2_E;
+    for tile in tiles.chunks(2) {
+        let (seq, first) = (tile[0] as usize, tile[1] as usize);
+        let start = cu[seq] as usize;
+        let length = cu[seq + 1] as usize - start;
+        let kv_end = (first + MMA_QUERIES).min(length);
+        for head in 0..q_heads {
+            let kv_head = head / (q_heads / kv_heads);
+            let k_offset = q_heads * head_dim + kv_head * head_dim;
+            let v_offset = (q_heads + kv_heads) * head_dim + kv_head * head_dim;
+            for warp in 0..MMA_QUERIES / 16 {
+                let q0 = first + warp * 16;
+                if q0 >= length {
+                    continue;
+                }
+                for query in (q0..q0 + 16).filter(|&q| q < length) {
+                    let q = &qkv[(start + query) * row_width + head * head_dim..][..head_dim];
+                    let mut o = vec![0.0f32; head_dim];
+                    let (mut running_max, mut running_sum) = (f32::NEG_INFINITY, 0.0f32);
+                    for kb in (0..kv_end).step_by(MMA_KEYS) {
+                        if kb > q0 + 15 {
+                            continue;
+                        }
+                        let keys = kb..(kb + MMA_KEYS).min(kv_end);
+                        let scores: Vec<f32> = keys
+                            .clone()
+                            .map(|key| {
+                                if key > query {
+                                    return f32::NEG_INFINITY;
+                                }
+                                let k = &qkv[(start + key) * row_width + k_offset..][..head_dim];
+                                q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale_log2
+                            })
+                            .collect();
+                        let tile_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let new_max = running_max.max(tile_max);
+                        let correction = if new_max == f32::NEG_INFINITY {
+                            1.0
+                        } else {
+                            (running_max - new_max).exp2()
+                        };
+                        running_max = new_max;
+                        running_sum *= correction;
+                        o.iter_mut().for_each(|v| *v *= correction);
+                        for (key, score) in keys.zip(scores) {
+                            let p = if running_max == f32::NEG_INFINITY {
+                                0.0
+                            } else {
+                                round((score - running_max).exp2())
+                            };
+                            running_sum += p;
+                            let v = &qkv[(start + key) * row_width + v_offset..][..head_dim];
+                            o.iter_mut()
+                                .zip(v)
+                                .for_each(|(acc, value)| *acc += p * value);
+                        }
+                    }
+                    let dst = (start + query) * q_heads * head_dim + head * head_dim;
+                    for d in 0..head_dim {
+                        out[dst + d] = round(o[d] / running_sum);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past.
 fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
@@ -179,6 +268,12 @@ fn the_replayed_kernels_are_the_ones_in_kernels_cu() {
     use sha2::{Digest, Sha256};
     assert_eq!(kernel_define("QUERIES"), QUERIES);
     assert_eq!(kernel_define("KEYS"), KEYS);
+    assert_eq!(kernel_define("MMA_QUERIES"), MMA_QUERIES);
+    assert_eq!(kernel_define("MMA_KEYS"), MMA_KEYS);
+    assert_eq!(
+        MMA_QUERIES,
+        super::kernels::ATTENTION_MMA_QUERIES_PER_BLOCK as usize
+    );
     assert_eq!(
         kernel_define("QUERIES"),
         super::kernels::ATTENTION_QUERIES_PER_BLOCK as usize
@@ -228,6 +323,44 @@ fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa() {
         kernel.iter().all(|v| v.is_finite()),
         "every query was written"
     );
+}
+
+#[test]
+fn the_tensor_core_attention_replay_equals_plain_causal_gqa_to_bf16_rounding() {
+    // Sequences shorter than a warp's 16 queries, spanning several blocks of 64 and several
+    // key tiles, and one of a single token; inputs in bf16, as the kernel reads them.
+    let cu = [0u32, 5, 75, 76, 216];
+    for heads in [Heads(4, 2, 64), Heads(2, 1, 128)] {
+        let row_width = heads.row_width();
+        let mut state = 17u64;
+        let qkv: Vec<f32> = (0..216 * row_width)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let value = ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+                f32::from_bits(u32::from(kernel_bf16(value)) << 16)
+            })
+            .collect();
+        let kernel = kernel_attention_mma(&qkv, &cu, heads);
+        let reference = reference_attention(&qkv, &cu, heads);
+        assert!(
+            kernel.iter().all(|v| v.is_finite()),
+            "every query was written"
+        );
+        // Per output row: P and the output rounded to bf16 (2^-9 relative each).
+        let width = heads.2;
+        let worst = kernel
+            .chunks(width)
+            .zip(reference.chunks(width))
+            .map(|(a, b)| {
+                let diff: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+                let norm: f32 = b.iter().map(|y| y * y).sum();
+                (diff / norm.max(1e-30)).sqrt()
+            })
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-2, "worst relative row error {worst}");
+    }
 }
 
 #[test]

@@ -99,12 +99,12 @@ impl CudaError {
     /// A driver error met during `action`: out of memory, or else a fault.
     pub fn from_driver(action: &'static str, error: cudarc::driver::DriverError) -> Self {
         use cudarc::driver::sys::CUresult;
+        // The code's name, not cudarc's Display, which asks the driver for a string and
+        // panics where the driver library is absent.
+        let reason = format!("{:?}", error.0);
         match error.0 {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Self::OutOfMemory {
-                action,
-                reason: error.to_string(),
-            },
-            _ => Self::fault(action)(error),
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Self::OutOfMemory { action, reason },
+            _ => Self::Fault { action, reason },
         }
     }
 
@@ -137,7 +137,11 @@ mod tests {
         );
         assert!(matches!(fault, CudaError::Fault { .. }), "{fault}");
         assert_eq!(fault.kind(), ErrorKind::Internal);
-        assert!(fault.to_string().contains("running the kernels"), "{fault}");
+        assert!(
+            fault.to_string().contains("running the kernels")
+                && fault.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{fault}"
+        );
     }
 
     #[test]
