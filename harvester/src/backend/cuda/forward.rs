@@ -14,6 +14,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
+use super::download::Slots;
 use super::error::CudaError;
 use super::kernels::{self, KernelCode};
 use super::launch::{self, AttentionKernel, AttentionShape, gemm};
@@ -204,6 +205,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope: CudaFunction,
     swiglu: CudaFunction,
+    round_bf16: CudaFunction,
     attention: AttentionKernel,
     project: CudaFunction,
 }
@@ -230,7 +232,13 @@ struct Scratch {
     attn: CudaSlice<u16>,
     gate_up: CudaSlice<u16>,
     act: CudaSlice<u16>,
-    captured: CudaSlice<f32>,
+    kept: Kept,
+}
+
+/// The kept layers' slots: residual rows in bf16, or projections in f32.
+enum Kept {
+    Rows(Slots<u16>),
+    Projections(Slots<f32>),
 }
 
 /// The CUDA backend on one device.
@@ -238,6 +246,8 @@ pub struct CudaBackend {
     spec: CaptureSpec,
     config: ModelConfig,
     stream: Arc<CudaStream>,
+    /// Copies kept layers to the host while later blocks run on `stream`.
+    copies: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
     embed: CudaSlice<u16>,
@@ -309,7 +319,18 @@ impl CudaBackend {
         let deepest = spec.layers.deepest();
         let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
         let context = CudaContext::new(ordinal).map_err(driver)?;
+        // SAFETY: called before any buffer or second stream exists. Every launch, GEMM and
+        // upload runs on `stream`, in order; the one other stream, `copies`, only reads kept
+        // slots, each behind an event recorded after the slot is written (`Slots::send`), and
+        // `capture` waits for every copy before it returns, so no slot or host buffer is
+        // reused while a copy may read it. cudarc's per-buffer events would add a record and
+        // a wait to every launch for nothing.
+        #[allow(unsafe_code)]
+        unsafe {
+            context.disable_event_tracking();
+        }
         let stream = context.default_stream();
+        let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
         let (module, code) = load_kernels(&context, &order)?;
         let function = |name: &str| {
@@ -322,6 +343,7 @@ impl CudaBackend {
             rms_norm: function("rms_norm")?,
             rope: function("rope")?,
             swiglu: function("swiglu")?,
+            round_bf16: function("round_bf16")?,
             attention: attention_kernel(&function, config.head_dim)?,
             project: function("project")?,
         };
@@ -368,6 +390,7 @@ impl CudaBackend {
             spec,
             config,
             stream,
+            copies,
             blas,
             kernels,
             embed,
@@ -401,7 +424,8 @@ impl CudaBackend {
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         };
-        let capture = (4 * self.spec.layers.len() * self.capture_width()) as u64;
+        let value_bytes = if self.spec.directions.is_some() { 4 } else { 2 };
+        let capture = (value_bytes * self.spec.layers.len() * self.capture_width()) as u64;
         shape.activation_bytes(tokens) + capture * tokens as u64 + 16 * tokens as u64
     }
 
@@ -438,8 +462,24 @@ impl CudaBackend {
             attn: u16s(tokens * c.num_heads * c.head_dim)?,
             gate_up: u16s(tokens * 2 * c.intermediate_size)?,
             act: u16s(tokens * c.intermediate_size)?,
-            captured: f32s(kept * tokens * width)?,
+            kept: if self.spec.directions.is_some() {
+                Kept::Projections(Slots::new(s, kept, tokens * width)?)
+            } else {
+                Kept::Rows(Slots::new(s, kept, tokens * width)?)
+            },
         });
+        if let Some(scratch) = &self.scratch {
+            let pinned_bytes = match &scratch.kept {
+                Kept::Rows(slots) => slots.host_bytes(),
+                Kept::Projections(slots) => slots.host_bytes(),
+            };
+            tracing::info!(
+                tokens,
+                device_bytes = needed,
+                pinned_bytes,
+                "batch buffers ready"
+            );
+        }
         Ok(())
     }
 }
@@ -496,21 +536,17 @@ impl Backend for CudaBackend {
         for (index, block) in self.blocks.iter().enumerate() {
             pass.block(block, s)?;
             if let Some(kept) = self.spec.layers.position(index) {
-                pass.keep(s, kept, width, self.directions.as_ref())?;
+                pass.keep(s, kept, width, self.directions.as_ref(), &self.copies)?;
             }
         }
-        let total = self.spec.layers.len() * tokens * width;
-        // A kernel fault surfaces at the first synchronisation after it: wait for the pass
-        // first, so it is not blamed on the copy (CUDA_LAUNCH_BLOCKING=1 names the kernel).
-        self.stream
-            .synchronize()
-            .map_err(|e| CudaError::from_driver("running the forward pass's kernels", e))?;
-        self.stream
-            .memcpy_dtoh(&s.captured.slice(..total), &mut out.data[..total])
-            .map_err(|e| CudaError::from_driver("copying the captures to the host", e))?;
-        self.stream
-            .synchronize()
-            .map_err(|e| CudaError::from_driver("copying the captures to the host", e))?;
+        // Each kept layer is widened as its copy lands, while the blocks after it run.
+        for kept in 0..self.spec.layers.len() {
+            let rows = out.layer_mut(kept);
+            match &s.kept {
+                Kept::Rows(slots) => slots.receive(kept, rows)?,
+                Kept::Projections(slots) => slots.receive(kept, rows)?,
+            }
+        }
         Ok(())
     }
 }
@@ -672,30 +708,43 @@ impl Pass<'_> {
         )
     }
 
-    /// Copies the residual stream into kept layer `kept`'s slot, or its projections when
-    /// `directions` are given.
+    /// Writes the residual stream into kept layer `kept`'s slot, rounded to bf16, or its
+    /// projections when `directions` are given, and queues the slot's copy to the host on
+    /// `copies`.
     fn keep(
         &self,
         s: &mut Scratch,
         kept: usize,
         width: usize,
         directions: Option<&CudaSlice<f32>>,
+        copies: &Arc<CudaStream>,
     ) -> Result<()> {
         let size = self.tokens * width;
-        let mut dst = s.captured.slice_mut(kept * size..(kept + 1) * size);
-        match directions {
-            None => self
-                .stream
-                .memcpy_dtod(&s.x.slice(..size), &mut dst)
-                .map_err(|e| CudaError::fault("copying a kept layer")(e).into()),
-            Some(units) => launch::project(
-                self.stream,
-                &self.kernels.project,
-                &s.x,
-                units,
-                &mut dst,
-                (self.tokens, self.config.hidden_size, width),
-            ),
+        match (&mut s.kept, directions) {
+            (Kept::Rows(slots), None) => {
+                let start = kept * slots.capacity;
+                let mut slot = slots.device.slice_mut(start..start + size);
+                launch::round_bf16(self.stream, &self.kernels.round_bf16, &s.x, &mut slot, size)?;
+                slots.send(self.stream, copies, kept, size)
+            }
+            (Kept::Projections(slots), Some(units)) => {
+                let start = kept * slots.capacity;
+                let mut slot = slots.device.slice_mut(start..start + size);
+                launch::project(
+                    self.stream,
+                    &self.kernels.project,
+                    &s.x,
+                    units,
+                    &mut slot,
+                    (self.tokens, self.config.hidden_size, width),
+                )?;
+                slots.send(self.stream, copies, kept, size)
+            }
+            _ => Err(CudaError::Fault {
+                action: "keeping a layer",
+                reason: "the capture slots do not match the job's contents".into(),
+            }
+            .into()),
         }
     }
 }

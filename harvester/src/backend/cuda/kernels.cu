@@ -5,7 +5,7 @@
 // outputs are bf16 [tokens, width]; the fused QKV buffer is bf16 [tokens, (q + 2 kv) * head_dim]
 // with the query heads first, then the key heads, then the value heads. There is no residual-add
 // or row-gather kernel: the O and down GEMMs add into `x` (beta = 1), and a kept layer is
-// copied whole.
+// rounded whole to bf16 (`round_bf16`) or projected (`project`) into its capture slot.
 
 typedef unsigned short bf16;
 
@@ -85,14 +85,27 @@ extern "C" __global__ void rope(bf16* qkv, const unsigned int* positions, const 
     h[i + half] = f32_to_bf16(b * c + a * s);
 }
 
-// out[t, j] = silu(gate[t, j]) * up[t, j], with gate_up [tokens, 2 * inter] (gate first).
-extern "C" __global__ void swiglu(const bf16* gate_up, bf16* out, int inter, long long n) {
-    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n;
-         k += (long long)gridDim.x * blockDim.x) {
-        const long long t = k / inter, j = k % inter;
-        const float g = bf16_to_f32(gate_up[t * 2 * inter + j]);
-        const float u = bf16_to_f32(gate_up[t * 2 * inter + inter + j]);
-        out[k] = f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+// out[t, j] = silu(gate[t, j]) * up[t, j], with gate_up [tokens, 2 * inter] (gate first). Rows
+// stride over grid.y and columns over grid.x, so no thread divides. Grid: (column blocks,
+// min(tokens, 65535)); block: any.
+extern "C" __global__ void swiglu(const bf16* gate_up, bf16* out, int inter, int tokens) {
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const bf16* gate = gate_up + (long long)t * 2 * inter;
+        const bf16* up = gate + inter;
+        bf16* row = out + (long long)t * inter;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inter; j += gridDim.x * blockDim.x) {
+            const float g = bf16_to_f32(gate[j]);
+            row[j] = f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(up[j]));
+        }
+    }
+}
+
+// out[i] = bf16(x[i]) for the n values of a kept layer's residual stream (the shards' dtype).
+// Grid-strided; grid and block: any.
+extern "C" __global__ void round_bf16(const float* x, bf16* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(x[i]);
     }
 }
 

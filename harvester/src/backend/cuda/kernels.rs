@@ -11,11 +11,12 @@ use crate::error::{CudaError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "embed_gather",
     "rms_norm",
     "rope",
     "swiglu",
+    "round_bf16",
     "attention_varlen",
     "attention_mma_64",
     "attention_mma_128",

@@ -14,8 +14,10 @@ use crate::error::Result;
 
 /// Threads per block of the row kernels.
 pub(super) const ROW_THREADS: u32 = 256;
-/// Most blocks of the grid-stride SwiGLU kernel.
-const SWIGLU_MAX_BLOCKS: usize = 65_535;
+/// Most blocks of a grid-strided kernel (`round_bf16`): enough to fill any GPU several times.
+const GRID_STRIDE_MAX_BLOCKS: usize = 65_535;
+/// The largest grid height the driver takes; the SwiGLU kernel strides its rows over it.
+const GRID_Y_MAX: usize = 65_535;
 
 /// Refuses a launch whose buffer `what` holds fewer than `needed` elements.
 fn fits(kernel: &'static str, what: &str, len: usize, needed: usize) -> Result<()> {
@@ -255,13 +257,12 @@ pub(super) fn swiglu(
     const NAME: &str = "swiglu";
     fits(NAME, "gate_up", gate_up.len(), tokens * 2 * inter)?;
     fits(NAME, "act", act.len(), tokens * inter)?;
-    let elements = i64::try_from(tokens * inter).unwrap_or(i64::MAX);
-    let blocks = (tokens * inter / ROW_THREADS as usize + 1).min(SWIGLU_MAX_BLOCKS);
-    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
-    let inter = int(NAME, inter)?;
-    // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, long long)` in order and
-    // type; the kernel strides over `tokens · inter` outputs, all inside `act`, reading rows of
-    // `2 · inter` inside `gate_up` (checked above).
+    let column_blocks = inter.div_ceil(ROW_THREADS as usize);
+    let config = grid(NAME, column_blocks, tokens.min(GRID_Y_MAX), ROW_THREADS)?;
+    let (inter, tokens) = (int(NAME, inter)?, int(NAME, tokens)?);
+    // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, int)` in order and type;
+    // the kernel strides over `tokens` rows of `inter` outputs, all inside `act`, reading rows
+    // of `2 · inter` inside `gate_up` (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
         stream
@@ -269,6 +270,38 @@ pub(super) fn swiglu(
             .arg(gate_up)
             .arg(act)
             .arg(&inter)
+            .arg(&tokens)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `out = bf16(x)` over `n` values: a kept layer's residual stream in the shards' dtype.
+pub(super) fn round_bf16(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, u16>,
+    n: usize,
+) -> Result<()> {
+    const NAME: &str = "round_bf16";
+    fits(NAME, "x", x.len(), n)?;
+    fits(NAME, "out", out.len(), n)?;
+    let blocks = n
+        .div_ceil(ROW_THREADS as usize)
+        .clamp(1, GRID_STRIDE_MAX_BLOCKS);
+    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
+    let elements = i64::try_from(n).unwrap_or(i64::MAX);
+    // SAFETY: the arguments match `round_bf16(const float*, bf16*, long long)` in order and
+    // type; the kernel strides over `n` values, all inside `x` and `out` (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(out)
             .arg(&elements)
             .launch(config)
     };

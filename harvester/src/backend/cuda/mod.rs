@@ -13,6 +13,7 @@
 //!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x) → capture] → copy back
 //! ```
 
+mod download;
 #[cfg(test)]
 mod emulation;
 mod error;

@@ -1,0 +1,199 @@
+//! Captured rows on their way to the host, overlapped with the rest of the pass. Each kept
+//! layer has its own slot on the device and its own pinned host buffer. As soon as a kept block
+//! has run, its slot is queued for copying on a second stream (behind an event, so the copy
+//! waits for that block and nothing later), and the host widens each slot into the caller's
+//! f32 rows as its copy lands, while later blocks still run. Only the deepest kept layer's copy
+//! and widening are left at the end of a batch.
+//!
+//! Activations travel as bf16: the shards store bf16, so the copy loses nothing a shard keeps,
+//! and it moves half the bytes. Projections travel as f32, as their shards store them.
+//!
+//! ```text
+//! compute stream: block k ─ keep k ─ record computed[k] ─ block k+1 ─ …
+//! copy stream:              wait computed[k] ─ copy slot k → pinned[k] ─ record downloaded[k]
+//! host:                                          wait downloaded[k] ─ widen pinned[k] → out[k]
+//! ```
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
+use rayon::prelude::*;
+
+use super::error::CudaError;
+use crate::error::Result;
+
+/// Values each host thread widens at a time: large enough to amortise rayon's scheduling,
+/// small enough to spread one slot of a small batch over the cores.
+const WIDEN_CHUNK: usize = 1 << 16;
+
+/// A value type a slot travels in.
+pub(super) trait Element:
+    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync
+{
+    /// The value as the caller's f32.
+    fn widen(self) -> f32;
+}
+
+impl Element for u16 {
+    /// bf16 bits: the top half of an f32, exactly.
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+}
+
+impl Element for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// Widens `source` into `out` (the same length) on the rayon pool.
+pub(super) fn widen<T: Element>(source: &[T], out: &mut [f32]) {
+    out.par_chunks_mut(WIDEN_CHUNK)
+        .zip(source.par_chunks(WIDEN_CHUNK))
+        .for_each(|(out, source)| {
+            for (out, &value) in out.iter_mut().zip(source) {
+                *out = value.widen();
+            }
+        });
+}
+
+/// The kept layers' slots of one batch, on the device and on the host.
+pub(super) struct Slots<T> {
+    /// `[kept, capacity]` on the device; the forward pass writes slot `k` at
+    /// `k * capacity..`.
+    pub device: CudaSlice<T>,
+    /// Slot `k`'s copy on the host, page-locked so the copy engine writes it directly.
+    host: Vec<PinnedHostSlice<T>>,
+    /// Recorded on the compute stream once slot `k` is written.
+    computed: Vec<CudaEvent>,
+    /// Recorded on the copy stream once slot `k` is on the host.
+    downloaded: Vec<CudaEvent>,
+    /// Values per slot: tokens times width of the largest batch.
+    pub capacity: usize,
+}
+
+impl<T: Element> Slots<T> {
+    /// Slots for `kept` layers of `capacity` values each, on `stream`'s device.
+    pub fn new(stream: &Arc<CudaStream>, kept: usize, capacity: usize) -> Result<Self> {
+        let action = "allocating the captured rows";
+        let context = stream.context();
+        let device = stream
+            .alloc_zeros::<T>(kept * capacity)
+            .map_err(|e| CudaError::from_driver(action, e))?;
+        let mut host = Vec::with_capacity(kept);
+        for _ in 0..kept {
+            // SAFETY: the memory is filled with zeros below before any read. Flags 0: cached,
+            // not write-combined, since the host reads it back.
+            #[allow(unsafe_code)]
+            let mut slice = unsafe { context.alloc_pinned_with_flags::<T>(capacity, 0) }
+                .map_err(|e| CudaError::from_driver("allocating page-locked host memory", e))?;
+            slice
+                .as_mut_slice()
+                .map_err(|e| CudaError::from_driver("allocating page-locked host memory", e))?
+                .fill(T::default());
+            host.push(slice);
+        }
+        let event = |flags| {
+            context
+                .new_event(Some(flags))
+                .map_err(|e| CudaError::from_driver(action, e))
+        };
+        let computed = (0..kept)
+            .map(|_| event(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .collect::<std::result::Result<_, _>>()?;
+        // The host blocks on these: a blocking wait yields the core instead of spinning (the
+        // flag cannot be combined with DISABLE_TIMING through cudarc's enum; timing costs
+        // little at one record a slot).
+        let downloaded = (0..kept)
+            .map(|_| event(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Self {
+            device,
+            host,
+            computed,
+            downloaded,
+            capacity,
+        })
+    }
+
+    /// Page-locked host bytes these slots hold.
+    pub fn host_bytes(&self) -> usize {
+        self.host.iter().map(PinnedHostSlice::num_bytes).sum()
+    }
+
+    /// Queues slot `slot`'s first `len` values for the host, after the work queued on
+    /// `compute` so far (which wrote the slot).
+    pub fn send(
+        &mut self,
+        compute: &CudaStream,
+        copies: &Arc<CudaStream>,
+        slot: usize,
+        len: usize,
+    ) -> Result<()> {
+        let action = "queueing a kept layer's copy to the host";
+        let fault = |e| CudaError::from_driver(action, e);
+        self.computed[slot].record(compute).map_err(fault)?;
+        copies.wait(&self.computed[slot]).map_err(fault)?;
+        let start = slot * self.capacity;
+        copies
+            .memcpy_dtoh(&self.device.slice(start..start + len), &mut self.host[slot])
+            .map_err(fault)?;
+        self.downloaded[slot].record(copies).map_err(fault)?;
+        Ok(())
+    }
+
+    /// Waits until slot `slot` is on the host, then widens its first `out.len()` values into
+    /// `out`.
+    pub fn receive(&self, slot: usize, out: &mut [f32]) -> Result<()> {
+        // A kernel fault of the pass surfaces here, the first wait after it.
+        let action = "running the forward pass and copying its captures";
+        self.downloaded[slot]
+            .synchronize()
+            .map_err(|e| CudaError::from_driver(action, e))?;
+        let host = self.host[slot]
+            .as_slice()
+            .map_err(|e| CudaError::from_driver(action, e))?;
+        widen(&host[..out.len()], out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_bits_widen_to_the_same_value_exactly_across_chunk_edges() {
+        let values: Vec<f32> = (0..WIDEN_CHUNK * 2 + 37)
+            .map(|i| (i as f32 - 70_000.0) * 0.37)
+            .collect();
+        let bits: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let mut out = vec![f32::NAN; bits.len()];
+        widen(&bits, &mut out);
+        for (i, (&bits, &widened)) in bits.iter().zip(&out).enumerate() {
+            assert_eq!(widened, half::bf16::from_bits(bits).to_f32(), "value {i}");
+        }
+        // Rounding to bf16 and back stays within bf16's half-ulp of the f32 it came from.
+        for (&value, &widened) in values.iter().zip(&out) {
+            assert!(
+                (value - widened).abs() <= value.abs() / 256.0,
+                "{value} {widened}"
+            );
+        }
+    }
+
+    #[test]
+    fn f32_projections_pass_through_unchanged() {
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * -1.5e-3).collect();
+        let mut out = vec![0.0; values.len()];
+        widen(&values, &mut out);
+        assert_eq!(out, values);
+    }
+}
