@@ -257,7 +257,9 @@ pub(super) fn swiglu(
     const NAME: &str = "swiglu";
     fits(NAME, "gate_up", gate_up.len(), tokens * 2 * inter)?;
     fits(NAME, "act", act.len(), tokens * inter)?;
-    let column_blocks = inter.div_ceil(ROW_THREADS as usize);
+    // Eight values a thread when rows allow 16-byte access (the kernel's own test).
+    let per_thread = if inter.is_multiple_of(8) { 8 } else { 1 };
+    let column_blocks = inter.div_ceil(per_thread * ROW_THREADS as usize);
     let config = grid(NAME, column_blocks, tokens.min(GRID_Y_MAX), ROW_THREADS)?;
     let (inter, tokens) = (int(NAME, inter)?, int(NAME, tokens)?);
     // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, int)` in order and type;
