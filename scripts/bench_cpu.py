@@ -194,7 +194,8 @@ def main():
     flags = sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & set(
         next(l for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split()))
     used = ours["bf16"]["bf16_dot_instructions"] if "bf16" in ours else "-"
-    print(f"cpu flags: {' '.join(flags)}; vdpbf16ps used: {used}; model: {model_dir.name}")
+    level = next(iter(ours.values()))["cpu_level"] if ours else "-"
+    print(f"cpu flags: {' '.join(flags)}; kernel level: {level}; vdpbf16ps used: {used}; model: {model_dir.name}")
     print(f"corpus: {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads, "
           f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['f32']['blocks']}")
     rounds = len(next(iter(rates.values())))

@@ -4,8 +4,14 @@
 # SmolLM2 and says whether every output file but result.json (whose timings differ) is
 # byte-identical. For refactors that must not change a harvest's bytes:
 #   scripts/same-bytes.sh OLD_HARVESTER NEW_HARVESTER
+# A side written HARVESTER@LEVEL runs at that CPU kernel level (HARVEST_CPU_LEVEL), and
+# PRECISION=bf16 runs the bf16 mode (f32 by default). The f32 mode promises the same bytes at
+# every level; the bf16 mode, the same bytes at one level (docs/engine.md):
+#   scripts/same-bytes.sh target/release/harvester@portable target/release/harvester
+#   PRECISION=bf16 scripts/same-bytes.sh target/release/harvester@avx2 target/release/harvester@avx2
 set -euo pipefail
 old=$1 new=$2
+precision=${PRECISION:-f32}
 model=${HARVEST_CACHE:-$HOME/.cache/harvest}/models/smollm2-135m
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -27,7 +33,9 @@ PY
 status=0
 for plan in quartiles all sites projections; do
   for side in old new; do
-    bin=${!side}
+    bin=${!side%@*}
+    level=
+    [[ ${!side} == *@* ]] && level=${!side##*@}
     out=$work/$side-$plan
     case $plan in
       quartiles) args=() ;;
@@ -35,7 +43,8 @@ for plan in quartiles all sites projections; do
       sites) args=(--layers 0,29 --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post) ;;
       projections) args=(--layers 3,17 --project-onto "$work/dirs.npy" --shard-size 16 --no-special-tokens) ;;
     esac
-    "$bin" run --model "$model" --prompts "$work/prompts.jsonl" --out "$out" --progress off "${args[@]}" >/dev/null
+    HARVEST_CPU_LEVEL=$level "$bin" run --model "$model" --prompts "$work/prompts.jsonl" --out "$out" \
+      --progress off --precision "$precision" "${args[@]}" >/dev/null
     (cd "$out" && find . -type f ! -name result.json | sort | xargs sha256sum) > "$work/$side-$plan.sha"
   done
   files=$(wc -l < "$work/old-$plan.sha")

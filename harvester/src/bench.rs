@@ -58,6 +58,8 @@ pub struct BenchReport {
     pub precision: &'static str,
     /// Whether the bf16 products ran on `vdpbf16ps`.
     pub bf16_dot_instructions: bool,
+    /// The CPU kernel level the run used (`HARVEST_CPU_LEVEL` caps it).
+    pub cpu_level: &'static str,
     /// Layers kept.
     pub layers: usize,
     /// Worker threads.
@@ -349,6 +351,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         sites: config.sites.to_string(),
         precision: config.precision.as_str(),
         bf16_dot_instructions: bf16::has_dot_instructions(),
+        cpu_level: crate::backend::cpu::level::Level::current().name(),
         layers: backend.spec().layers.len(),
         threads: rayon::current_num_threads(),
         prompts: config.prompts.len(),

@@ -132,6 +132,12 @@ pub enum Error {
         /// What is wrong with them.
         reason: String,
     },
+    /// `HARVEST_CPU_LEVEL` names no kernel level, or one above this CPU's.
+    #[error("CPU kernel level: {reason}")]
+    CpuLevel {
+        /// The value, what the CPU lacks and the fix.
+        reason: String,
+    },
     /// A batch handed to a backend breaks its own invariants (a bug in the caller).
     #[error("invalid batch: {reason}")]
     InvalidBatch {
@@ -291,7 +297,9 @@ impl Error {
             | Self::Json { .. }
             | Self::InsufficientMemory { .. }
             | Self::StageMemory { .. }
-            | Self::PartsMissing { .. } => ErrorKind::Infrastructure,
+            | Self::PartsMissing { .. }
+            // This machine's environment asks for instructions its CPU lacks; another may not.
+            | Self::CpuLevel { .. } => ErrorKind::Infrastructure,
             Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }

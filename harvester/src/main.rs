@@ -93,6 +93,9 @@ enum Command {
         #[arg(long, default_value = "cuda")]
         device: harvester::backend::cuda::DeviceChoice,
     },
+    /// Report the CPU backend's kernel levels here: the CPU's highest, the one the kernels run
+    /// at (HARVEST_CPU_LEVEL caps it), and what the CPU lacks for each; prints JSON.
+    CpuInfo,
     /// Compare two local harvests of the same plan: token ids, and each token row's relative
     /// error; prints JSON, and fails when ids differ or an error exceeds --max-relative-error.
     Compare {
@@ -453,6 +456,10 @@ fn tool(command: Command) -> anyhow::Result<()> {
             if !info.kernels.iter().any(|form| form.ran) {
                 anyhow::bail!("no form of the CUDA kernels ran on cuda:{ordinal}");
             }
+        }
+        Command::CpuInfo => {
+            let report = harvester::backend::cpu::level::report()?;
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?));
         }
         Command::Compare {
             reference,

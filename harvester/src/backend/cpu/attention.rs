@@ -150,9 +150,12 @@ pub fn attention(
 }
 
 /// Whether [`attention`] takes its scores from the bits it is handed (else from the f32 rows):
-/// the packed product reads each pair of Q as one 32-bit word, in one block of `k`.
+/// the kernel level allows `vdpbf16ps`, and the packed product reads each pair of Q as one
+/// 32-bit word, in one block of `k`. [`attention`] asks this itself, so bits handed to it on a
+/// CPU without the instruction are ignored rather than reaching the packed product.
 pub fn scores_from_bits(shape: AttentionShape) -> bool {
-    shape.head_dim.is_multiple_of(2)
+    bf16::has_dot_instructions()
+        && shape.head_dim.is_multiple_of(2)
         && shape.width().is_multiple_of(2)
         && shape.head_dim <= bf16::KC
 }

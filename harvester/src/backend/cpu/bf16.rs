@@ -60,18 +60,9 @@ pub fn aligned(bytes: &[u8]) -> Option<&[u16]> {
     (head.is_empty() && tail.is_empty() && cfg!(target_endian = "little")).then_some(body)
 }
 
-/// Whether this CPU runs the `vdpbf16ps` kernel.
+/// Whether the `vdpbf16ps` kernel runs: the CPU has it and the kernel level allows it.
 pub fn has_dot_instructions() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    super::level::Level::Avx512Bf16.enabled()
 }
 
 /// Scratch of the packed product, kept across calls so steady state allocates nothing.
@@ -553,10 +544,10 @@ impl PairBlock<'_> {
     }
 }
 
-/// Whether this CPU packs panels with the AVX-512 transpose.
+/// Whether panels are packed with the AVX-512 transpose (the kernel level allows AVX-512).
 #[cfg(target_arch = "x86_64")]
 fn has_transpose_instructions() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+    super::level::Level::Avx512.enabled()
 }
 
 /// The rows of `b` one panel packs: `present` of [`PANEL`] exist (the rest pack as zeros), each

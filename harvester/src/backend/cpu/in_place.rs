@@ -32,13 +32,15 @@ pub fn product(a: MatRef<'_>, b: MatRef<'_>, out: &mut [f32], out_stride: usize)
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above); the shapes fit (asserted).
+        use super::level::Level;
+        if Level::Avx512.enabled() {
+            // SAFETY: the level is at most the CPU's, and it includes AVX-512F; the shapes fit
+            // (asserted).
             return unsafe { x86::avx512(a, b, out, out_stride) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above); the shapes fit (asserted).
+        if Level::Avx2.enabled() {
+            // SAFETY: the level is at most the CPU's, and it includes AVX2 and FMA; the shapes
+            // fit (asserted).
             return unsafe { x86::avx2(a, b, out, out_stride) };
         }
     }
@@ -246,11 +248,9 @@ mod tests {
             portable(a, b, &mut reference, out_stride);
             assert_eq!(fast, reference, "{rows}x{k}x{cols}");
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if super::super::level::Level::Avx2.enabled() {
                 let mut avx2 = vec![sentinel; rows * out_stride];
-                // SAFETY: the CPU has AVX2 and FMA (checked just above); the shapes fit.
+                // SAFETY: the level (at most the CPU's) includes AVX2 and FMA; the shapes fit.
                 unsafe { x86::avx2(a, b, &mut avx2, out_stride) };
                 assert_eq!(avx2, reference, "AVX2, {rows}x{k}x{cols}");
             }

@@ -2,13 +2,14 @@
 //! dispatch happens once per call, not per element.
 //!
 //! Every kernel is written once as plain Rust (`*_rows`) and compiled three times: for the
-//! baseline target, with AVX2+FMA and with AVX-512 enabled, picked at run time. The bodies are
+//! baseline target, with AVX2+FMA and with AVX-512 enabled, picked at run time by the kernel
+//! level (`level`). The bodies are
 //! branch-free loops that LLVM vectorises, including a polynomial `exp`; the builds differ only
 //! in vector width, never in the order of an operation, so they give the same bits.
 #![allow(unsafe_code)]
 
-/// Runs `$body` compiled with AVX-512 or with AVX2 and FMA when the CPU has them, else the
-/// baseline build.
+/// Runs `$body` compiled with AVX-512 or with AVX2 and FMA when the kernel level allows them
+/// (`level`), else the baseline build.
 macro_rules! dispatch {
     ($name:ident($($arg:ident: $ty:ty),*) $body:block) => {
         pub fn $name($($arg: $ty),*) {
@@ -23,21 +24,16 @@ macro_rules! dispatch {
                 #[target_feature(enable = "avx2,fma")]
                 fn with_avx2($($arg: $ty),*) { generic($($arg),*) }
 
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU supports AVX-512 (F, BW, VL, DQ), AVX2 and FMA, checked
-                    // just above (every AVX-512 CPU has AVX2).
+                use $crate::backend::cpu::level::Level;
+                if Level::Avx512.enabled() {
+                    // SAFETY: the level is at most the CPU's, and the avx512 level needs
+                    // AVX-512 F, BW, VL and DQ on top of AVX2 and FMA.
                     return unsafe { with_avx512($($arg),*) };
                 }
 
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+                if Level::Avx2.enabled() {
+                    // SAFETY: the level is at most the CPU's, and the avx2 level needs AVX2
+                    // and FMA.
                     return unsafe { with_avx2($($arg),*) };
                 }
             }

@@ -30,6 +30,7 @@ mod attention;
 pub mod bf16;
 mod in_place;
 pub mod kernels;
+pub mod level;
 pub mod matmul;
 mod moe;
 pub mod peak;
@@ -279,6 +280,7 @@ impl CpuBackend {
     }
 
     fn build(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
+        level::Level::configured()?;
         if spec.precision == Precision::Bf16 && weights.config.afmoe.is_some() {
             // Measured on the AFMoE fixture: bf16 rounding moves router inputs enough to send
             // 6-20% of tokens (per site) to other experts, so those activations are not the

@@ -31,17 +31,17 @@ pub fn f32_fma() -> Option<Peak> {
 fn f32_fma_over(steps: usize) -> Option<Peak> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F was detected just above.
+        use super::level::Level;
+        if Level::Avx512.enabled() {
+            // SAFETY: the level (at most the CPU's) includes AVX-512F.
             let rate = all_threads(|| unsafe { x86::fma512(steps) });
             return Some(Peak {
                 gflops: rate,
                 instruction: "vfmadd231ps zmm",
             });
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA were detected just above.
+        if Level::Avx2.enabled() {
+            // SAFETY: the level (at most the CPU's) includes AVX2 and FMA.
             let rate = all_threads(|| unsafe { x86::fma256(steps) });
             return Some(Peak {
                 gflops: rate,
@@ -164,9 +164,8 @@ mod tests {
     #[test]
     fn an_x86_cpu_with_avx2_reports_a_positive_fma_ceiling() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            let peak = f32_fma_over(10_000).expect("AVX2 and FMA are here");
+        if super::super::level::Level::Avx2.enabled() {
+            let peak = f32_fma_over(10_000).expect("the level allows AVX2 and FMA");
             assert!(peak.gflops.is_finite() && peak.gflops > 0.0, "{peak:?}");
             assert!(peak.instruction.starts_with("vfmadd231ps"), "{peak:?}");
         }

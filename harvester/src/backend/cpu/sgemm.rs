@@ -440,12 +440,9 @@ pub fn runs(kernel: Kernel) -> bool {
     match kernel {
         Kernel::Portable => true,
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        }
+        Kernel::Avx2 => super::level::Level::Avx2.enabled(),
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+        Kernel::Avx512 => super::level::Level::Avx512.enabled(),
         #[cfg(not(target_arch = "x86_64"))]
         _ => false,
     }
@@ -597,7 +594,7 @@ fn pack_strip(
     strip.resize(kc * mr + STRIP_SLACK, 0.0);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if mr <= x86::STRIP_ROWS_MOST && std::arch::is_x86_feature_detected!("avx") {
+    if mr <= x86::STRIP_ROWS_MOST && super::level::Level::Avx2.enabled() {
         done = kc - kc % 8;
         let source = x86::StripSource {
             data: a.data,
@@ -606,7 +603,8 @@ fn pack_strip(
             height,
             k0,
         };
-        // SAFETY: the CPU has AVX (checked just above); the function indexes slices only.
+        // SAFETY: the level (at most the CPU's) includes AVX2, so AVX; the function indexes
+        // slices only.
         unsafe { x86::pack_strip_blocks(source, mr, done, strip) };
     }
     for i in (0..mr).filter(|_| done < kc) {
@@ -641,9 +639,10 @@ fn pack_panels<W: WeightRows>(
 fn interleave(rows: &[f32], panel: &mut [f32], kc: usize, nr: usize) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if nr.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx") {
+    if nr.is_multiple_of(8) && super::level::Level::Avx2.enabled() {
         done = kc - kc % 8;
-        // SAFETY: the CPU has AVX (checked just above); the function indexes slices only.
+        // SAFETY: the level (at most the CPU's) includes AVX2, so AVX; the function indexes
+        // slices only.
         unsafe { x86::transpose_blocks(rows, panel, kc, nr, done) };
     }
     for i in done..kc {

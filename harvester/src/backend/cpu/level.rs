@@ -1,0 +1,263 @@
+//! The CPU's kernel level: which instruction sets the CPU backend's kernels may use. Every
+//! kernel asks [`Level::current`], never the CPU directly, so one setting moves them all:
+//! `HARVEST_CPU_LEVEL=portable|avx2|avx512|avx512bf16` caps the level below what the CPU has,
+//! which lets an AVX-512 machine run (and CI test) what an AVX2 laptop or any x86-64 CPU runs.
+//! Asking for more than the CPU has is refused ([`Level::configured`]); it never reaches an
+//! instruction the CPU lacks.
+//!
+//! ```text
+//! portable ─► avx2 (AVX, AVX2, FMA) ─► avx512 (+ F, BW, VL, DQ) ─► avx512bf16 (+ BF16: vdpbf16ps)
+//! ```
+
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+
+/// The environment variable that caps the level.
+pub const LEVEL_VARIABLE: &str = "HARVEST_CPU_LEVEL";
+
+/// A kernel level, each one a superset of the one before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Level {
+    /// Plain Rust for the baseline x86-64 (SSE2): any CPU.
+    Portable,
+    /// 256-bit vectors with FMA.
+    Avx2,
+    /// 512-bit vectors.
+    Avx512,
+    /// 512-bit vectors and the bf16 dot product `vdpbf16ps`.
+    Avx512Bf16,
+}
+
+impl Level {
+    /// Every level, lowest first.
+    pub const ALL: [Self; 4] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Bf16];
+
+    /// Its name, as [`LEVEL_VARIABLE`] takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+            Self::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// The CPU features (as `/proc/cpuinfo` spells them) this level needs beyond the one below.
+    fn features(self) -> &'static [&'static str] {
+        match self {
+            Self::Portable => &[],
+            Self::Avx2 => &["avx", "avx2", "fma"],
+            Self::Avx512 => &["avx512f", "avx512bw", "avx512vl", "avx512dq"],
+            Self::Avx512Bf16 => &["avx512_bf16"],
+        }
+    }
+
+    /// The features this CPU lacks for `self` and every level below it: empty when it runs it.
+    pub fn lacking(self) -> Vec<&'static str> {
+        Self::ALL
+            .into_iter()
+            .filter(|&level| level <= self)
+            .flat_map(Self::features)
+            .copied()
+            .filter(|&feature| !cpu_has(feature))
+            .collect()
+    }
+
+    /// The highest level this CPU runs.
+    pub fn detected() -> Self {
+        static DETECTED: OnceLock<Level> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            Self::ALL
+                .into_iter()
+                .rev()
+                .find(|level| level.lacking().is_empty())
+                .unwrap_or(Self::Portable)
+        })
+    }
+
+    /// The level `forced` (the value of [`LEVEL_VARIABLE`]) asks for on a CPU whose highest is
+    /// `detected`: `detected` when unset; an error naming the value when it is not a level or
+    /// asks for more than the CPU has.
+    pub fn choose(forced: Option<&str>, detected: Self) -> Result<Self> {
+        let Some(text) = forced.map(str::trim).filter(|t| !t.is_empty()) else {
+            return Ok(detected);
+        };
+        let names = || Self::ALL.map(Self::name).join(", ");
+        let level = Self::ALL
+            .into_iter()
+            .find(|level| level.name() == text)
+            .ok_or_else(|| Error::CpuLevel {
+                reason: format!(
+                    "{LEVEL_VARIABLE}={text:?} is not a kernel level: use one of {}, or unset it",
+                    names()
+                ),
+            })?;
+        if level > detected {
+            return Err(Error::CpuLevel {
+                reason: format!(
+                    "{LEVEL_VARIABLE}={text} asks for more than this CPU has (it lacks {}; its highest level is {}): use a level up to {}, or unset it",
+                    level.lacking().join(", "),
+                    detected.name(),
+                    detected.name()
+                ),
+            });
+        }
+        Ok(level)
+    }
+
+    /// The level [`LEVEL_VARIABLE`] sets here, checked: entry points call this once so that a
+    /// bad value is refused before any work.
+    pub fn configured() -> Result<Self> {
+        Self::choose(
+            std::env::var(LEVEL_VARIABLE).ok().as_deref(),
+            Self::detected(),
+        )
+    }
+
+    /// The level the kernels run at, read once per process: [`Level::configured`], or the
+    /// detected level where that is refused (the entry point has already said why).
+    pub fn current() -> Self {
+        static CURRENT: OnceLock<Level> = OnceLock::new();
+        *CURRENT.get_or_init(|| Self::configured().unwrap_or_else(|_| Self::detected()))
+    }
+
+    /// Whether the kernels may use `self`'s instructions now.
+    pub fn enabled(self) -> bool {
+        Self::current() >= self
+    }
+}
+
+/// What `harvester cpu-info` prints: the CPU's level, the one the kernels run at, and what
+/// the CPU lacks for each level.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LevelReport {
+    /// The highest level this CPU runs.
+    pub detected: &'static str,
+    /// The level the kernels run at (capped by [`LEVEL_VARIABLE`]).
+    pub running: &'static str,
+    /// Each level, lowest first.
+    pub levels: Vec<LevelSupport>,
+}
+
+/// One level on this CPU.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LevelSupport {
+    /// Its name.
+    pub level: &'static str,
+    /// Whether this CPU runs it.
+    pub runs: bool,
+    /// The CPU features it lacks for it.
+    pub lacks: Vec<&'static str>,
+}
+
+/// This CPU's levels; refuses a bad [`LEVEL_VARIABLE`] as [`Level::configured`] does.
+pub fn report() -> Result<LevelReport> {
+    Ok(LevelReport {
+        detected: Level::detected().name(),
+        running: Level::configured()?.name(),
+        levels: Level::ALL
+            .into_iter()
+            .map(|level| LevelSupport {
+                level: level.name(),
+                runs: level.lacking().is_empty(),
+                lacks: level.lacking(),
+            })
+            .collect(),
+    })
+}
+
+impl std::fmt::Display for Level {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether the CPU has `feature` (spelled as in `/proc/cpuinfo`).
+fn cpu_has(feature: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        match feature {
+            "avx" => has!("avx"),
+            "avx2" => has!("avx2"),
+            "fma" => has!("fma"),
+            "avx512f" => has!("avx512f"),
+            "avx512bw" => has!("avx512bw"),
+            "avx512vl" => has!("avx512vl"),
+            "avx512dq" => has!("avx512dq"),
+            "avx512_bf16" => has!("avx512bf16"),
+            _ => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = feature;
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_ordered_and_each_needs_the_features_below_it() {
+        assert!(Level::Portable < Level::Avx2 && Level::Avx512 < Level::Avx512Bf16);
+        assert!(
+            Level::Portable.lacking().is_empty(),
+            "every CPU runs portable"
+        );
+        let detected = Level::detected();
+        for level in Level::ALL {
+            assert_eq!(level.lacking().is_empty(), level <= detected, "{level}");
+        }
+    }
+
+    #[test]
+    fn an_unset_level_is_the_cpus_and_a_lower_one_is_taken() {
+        assert_eq!(Level::choose(None, Level::Avx512).unwrap(), Level::Avx512);
+        assert_eq!(Level::choose(Some(" "), Level::Avx2).unwrap(), Level::Avx2);
+        assert_eq!(
+            Level::choose(Some("avx2"), Level::Avx512Bf16).unwrap(),
+            Level::Avx2
+        );
+        assert_eq!(
+            Level::choose(Some("portable"), Level::Portable).unwrap(),
+            Level::Portable
+        );
+    }
+
+    #[test]
+    fn a_level_above_the_cpus_or_an_unknown_one_is_refused_by_name() {
+        let error = Level::choose(Some("avx512bf16"), Level::Avx2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("HARVEST_CPU_LEVEL=avx512bf16") && error.contains("up to avx2"),
+            "{error}"
+        );
+        let error = Level::choose(Some("sse4"), Level::Avx2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("\"sse4\"") && error.contains("portable, avx2, avx512, avx512bf16"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_running_level_never_exceeds_the_cpus() {
+        assert!(Level::current() <= Level::detected());
+        // A CI run that forces a level must run at it, or fail here: a forced level the CPU
+        // lacks is never reported as tested.
+        if let Ok(forced) = std::env::var(LEVEL_VARIABLE) {
+            assert_eq!(
+                Level::current().name(),
+                forced.trim(),
+                "{}",
+                Level::configured().map_or_else(|e| e.to_string(), |_| String::new())
+            );
+        }
+    }
+}
