@@ -5,6 +5,8 @@
 # Every step has its own time limit, so one hang costs that step alone; everything is teed
 # into OUT (at most 8 files: log.txt, env.txt, cuda-info.json, parity.jsonl, sanitizer.txt,
 # bench.jsonl, peer.jsonl, summary.txt), with one summary line per figure at the end.
+# After parity, every hook site of three layers is compared with the CPU bf16 mode (run on the
+# GPU machine's own CPU), and resid_post alone with resid_post beside every other site.
 # DEVICE=cpu runs the same steps on the CPU with a SmolLM2-shaped bench model (how CI checks
 # this script); the transformers peer is skipped where torch is missing, and says so.
 set -uo pipefail
@@ -157,6 +159,40 @@ if [ "$device" != cpu ]; then
     --model "$smol" --device cuda --harvest harvester-cuda-simple-attention \
     "$work/candidate-HARVEST_CUDA_ATTENTION=simple" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
     | grep parity-summary | sed 's/^/simple attention: /' | tee -a "$summary"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "every hook site: $device against the CPU bf16 mode (both run here), and resid_post with and without the other sites kept"
+# The CPU reference is made here: the bf16 mode gives the same bytes on every CPU of one kind
+# (docs/engine.md), and three layers of five sites do not fit the pack. A branch output kept
+# apart joins the stream by the same one f32 addition as the GEMM's beta = 1, so resid_post
+# must keep its bits whatever else is kept.
+vs_sites=${PARITY_SITES:-3e-2}
+all_sites=resid_pre,attn_out,resid_mid,mlp_out,resid_post
+sites_plan=(--precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers 0,14,29
+  --shard-size 4 --progress off)
+if limited 120 "$harvester" run --device cpu "${sites_plan[@]}" --sites "$all_sites" \
+    --out "$work/sites-cpu" >/dev/null \
+  && CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$device" "${sites_plan[@]}" \
+    --sites "$all_sites" --out "$work/sites-$device" >/dev/null \
+  && limited 120 "$harvester" run --device "$device" "${sites_plan[@]}" \
+    --out "$work/post-$device" >/dev/null; then
+  if sites=$("$harvester" compare "$work/sites-cpu" "$work/sites-$device" --max-relative-error "$vs_sites" 2>&1); then
+    note "sites $device vs cpu bf16 (guard $vs_sites): passed: $(echo "$sites" | head -1)"
+  else
+    note "sites $device vs cpu bf16 (guard $vs_sites): FAILED: $(echo "$sites" | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+  echo "$sites" | head -1 | sed 's/^{/{"against":"cpu-bf16-sites",/' >>"$out/parity.jsonl"
+  if same=$("$harvester" compare "$work/post-$device" "$work/sites-$device" --max-relative-error 0 2>&1); then
+    note "resid_post alone against resid_post with every site kept: the same bits: $(echo "$same" | head -1)"
+  else
+    note "resid_post alone against resid_post with every site kept: DIFFERENT: $(echo "$same" | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+else
+  note "sites: a run FAILED"
+  failures=$((failures + 1))
 fi
 
 # ---------------------------------------------------------------------------------------------

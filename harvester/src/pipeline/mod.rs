@@ -650,9 +650,6 @@ fn open_backend(
     sizing: Sizing,
     progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
-    if let DeviceChoice::Cuda(_) = device {
-        CudaBackend::supports(&spec)?;
-    }
     let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
     if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
         let Sizing {

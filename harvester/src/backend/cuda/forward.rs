@@ -19,6 +19,8 @@ use super::error::CudaError;
 use super::kernels::{self, KernelCode};
 use super::launch::{self, AttentionKernel, AttentionShape, gemm};
 use super::plan::{ATTENTION_VARIABLE, attention_tiles, check_heads, uses_tensor_cores};
+use harvest_core::{Site, Sites};
+
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
@@ -206,6 +208,7 @@ struct Kernels {
     rope: CudaFunction,
     swiglu: CudaFunction,
     round_bf16: CudaFunction,
+    add_rows: CudaFunction,
     attention: AttentionKernel,
     project: CudaFunction,
 }
@@ -232,6 +235,9 @@ struct Scratch {
     attn: CudaSlice<u16>,
     gate_up: CudaSlice<u16>,
     act: CudaSlice<u16>,
+    /// A branch output kept as a hook site (`attn_out`, `mlp_out`) before it joins `x`; one
+    /// value when the job keeps neither.
+    branch: CudaSlice<f32>,
     kept: Kept,
 }
 
@@ -294,24 +300,9 @@ fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
 }
 
 impl CudaBackend {
-    /// Refuses what this backend cannot capture yet, before any weight is read.
-    pub fn supports(spec: &CaptureSpec) -> Result<()> {
-        if !spec.sites.is_default() {
-            return Err(CudaError::Unsupported {
-                reason: format!(
-                    "hook sites other than resid_post (this job asks for {})",
-                    spec.sites
-                ),
-            }
-            .into());
-        }
-        Ok(())
-    }
-
     /// Uploads `weights` (the blocks up to the deepest kept one) in bf16 to GPU `ordinal` and
     /// compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
-        Self::supports(&spec)?;
         let config = weights.config.clone();
         check_model(&config, &weights)?;
         super::probe(ordinal)?;
@@ -344,6 +335,7 @@ impl CudaBackend {
             rope: function("rope")?,
             swiglu: function("swiglu")?,
             round_bf16: function("round_bf16")?,
+            add_rows: function("add_rows")?,
             attention: attention_kernel(&function, config.head_dim)?,
             project: function("project")?,
         };
@@ -425,8 +417,13 @@ impl CudaBackend {
             head_dim: c.head_dim,
         };
         let value_bytes = if self.spec.directions.is_some() { 4 } else { 2 };
-        let capture = (value_bytes * self.spec.layers.len() * self.capture_width()) as u64;
-        shape.activation_bytes(tokens) + capture * tokens as u64 + 16 * tokens as u64
+        let capture = (value_bytes * self.spec.slots() * self.capture_width()) as u64;
+        let branch = if keeps_branches(&self.spec.sites) {
+            4 * c.hidden_size as u64
+        } else {
+            0
+        };
+        shape.activation_bytes(tokens) + (capture + branch + 16) * tokens as u64
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
@@ -444,7 +441,12 @@ impl CudaBackend {
         super::plan::check_fits(tokens, needed, free as u64, total as u64)?;
         let c = &self.config;
         let width = self.capture_width();
-        let kept = self.spec.layers.len();
+        let kept = self.spec.slots();
+        let branch = if keeps_branches(&self.spec.sites) {
+            tokens * c.hidden_size
+        } else {
+            1
+        };
         let s = &self.stream;
         let action = "allocating a batch's activations";
         let f32s = |n: usize| s.alloc_zeros::<f32>(n).map_err(memory_error(action));
@@ -462,6 +464,7 @@ impl CudaBackend {
             attn: u16s(tokens * c.num_heads * c.head_dim)?,
             gate_up: u16s(tokens * 2 * c.intermediate_size)?,
             act: u16s(tokens * c.intermediate_size)?,
+            branch: f32s(branch)?,
             kept: if self.spec.directions.is_some() {
                 Kept::Projections(Slots::new(s, kept, tokens * width)?)
             } else {
@@ -501,7 +504,7 @@ impl Backend for CudaBackend {
         batch.validate(self.config.vocab_size)?;
         let tokens = batch.num_tokens();
         let width = self.capture_width();
-        out.reset(1, self.spec.layers.len(), tokens, width);
+        out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
         if tokens == 0 {
             return Ok(());
         }
@@ -534,17 +537,22 @@ impl Backend for CudaBackend {
             tiles: self.host_tiles.len() / 2,
         };
         for (index, block) in self.blocks.iter().enumerate() {
-            pass.block(block, s)?;
-            if let Some(kept) = self.spec.layers.position(index) {
-                pass.keep(s, kept, width, self.directions.as_ref(), &self.copies)?;
-            }
+            let keeping = self.spec.layers.position(index).map(|layer| Keeping {
+                layer,
+                layers: self.spec.layers.len(),
+                sites: &self.spec.sites,
+                width,
+                directions: self.directions.as_ref(),
+                copies: &self.copies,
+            });
+            pass.block(block, s, keeping.as_ref())?;
         }
-        // Each kept layer is widened as its copy lands, while the blocks after it run.
-        for kept in 0..self.spec.layers.len() {
-            let rows = out.layer_mut(kept);
+        // Each kept slot is widened as its copy lands, while the blocks after it run.
+        for slot in 0..self.spec.slots() {
+            let rows = out.layer_mut(slot);
             match &s.kept {
-                Kept::Rows(slots) => slots.receive(kept, rows)?,
-                Kept::Projections(slots) => slots.receive(kept, rows)?,
+                Kept::Rows(slots) => slots.receive(slot, rows)?,
+                Kept::Projections(slots) => slots.receive(slot, rows)?,
             }
         }
         Ok(())
@@ -589,15 +597,90 @@ struct Pass<'a> {
     tiles: usize,
 }
 
+/// Where one kept block's hook sites go.
+struct Keeping<'a> {
+    /// The block's place among the kept layers.
+    layer: usize,
+    /// Kept layers.
+    layers: usize,
+    /// Kept sites.
+    sites: &'a Sites,
+    /// Values per captured token.
+    width: usize,
+    /// Projection directions, when the job projects.
+    directions: Option<&'a CudaSlice<f32>>,
+    /// The stream that copies kept slots to the host.
+    copies: &'a Arc<CudaStream>,
+}
+
+impl Keeping<'_> {
+    /// The capture slot of `site` in this block, if it is kept.
+    fn slot(&self, site: Site) -> Option<usize> {
+        self.sites
+            .position(site)
+            .map(|position| position * self.layers + self.layer)
+    }
+}
+
+/// Whether a job keeps a branch output (`attn_out` or `mlp_out`), which then needs a buffer
+/// of its own before it joins the residual stream.
+fn keeps_branches(sites: &Sites) -> bool {
+    sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
+}
+
 impl Pass<'_> {
     /// One decoder block, as the CPU reference runs it: the residual stream `x` gains the
-    /// attention output, then the MLP output (both added by their GEMM's `beta = 1`).
-    fn block(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
+    /// attention output, then the MLP output. `keeping` says which sites of this block are
+    /// kept, if it is a kept layer. A branch output is added by its GEMM's `beta = 1`, or, when
+    /// it is kept, written apart and added by `add_rows`: one f32 addition either way.
+    fn block(
+        &self,
+        block: &DeviceBlock,
+        s: &mut Scratch,
+        keeping: Option<&Keeping<'_>>,
+    ) -> Result<()> {
+        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
+        let attn_width = self.config.num_heads * self.config.head_dim;
+        let slot = |site| keeping.and_then(|k| Some((k, k.slot(site)?)));
+        if let Some((keeping, slot)) = slot(Site::ResidPre) {
+            self.keep(&s.x, &mut s.kept, keeping, slot)?;
+        }
         self.attention(block, s)?;
-        self.mlp(block, s)
+        let into = Branch {
+            x: &mut s.x,
+            branch: &mut s.branch,
+            kept: &mut s.kept,
+        };
+        self.branch(
+            &s.attn,
+            &block.o,
+            into,
+            (hidden, attn_width),
+            slot(Site::AttnOut),
+        )?;
+        if let Some((keeping, slot)) = slot(Site::ResidMid) {
+            self.keep(&s.x, &mut s.kept, keeping, slot)?;
+        }
+        self.mlp(block, s)?;
+        let into = Branch {
+            x: &mut s.x,
+            branch: &mut s.branch,
+            kept: &mut s.kept,
+        };
+        self.branch(
+            &s.act,
+            &block.down,
+            into,
+            (hidden, inter),
+            slot(Site::MlpOut),
+        )?;
+        if let Some((keeping, slot)) = slot(Site::ResidPost) {
+            self.keep(&s.x, &mut s.kept, keeping, slot)?;
+        }
+        Ok(())
     }
 
-    /// `x += o(attention(rope(qkv(rms_norm(x)))))`.
+    /// `attn = attention(rope(qkv(rms_norm(x))))`, the input of the O projection.
     fn attention(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
         let (c, k) = (self.config, self.kernels);
         self.norm(&block.attn_norm, &s.x, &mut s.normed)?;
@@ -634,19 +717,10 @@ impl Pass<'_> {
             &s.cu_seq_lengths,
             &s.tiles,
             shape,
-        )?;
-        let attn_width = c.num_heads * c.head_dim;
-        self.gemm(
-            &s.attn,
-            &block.o,
-            &mut s.x,
-            F32,
-            (c.hidden_size, attn_width),
-            1.0,
         )
     }
 
-    /// `x += down(swiglu(gate_up(rms_norm(x))))`.
+    /// `act = swiglu(gate_up(rms_norm(x)))`, the input of the down projection.
     fn mlp(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
         let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
         self.norm(&block.mlp_norm, &s.x, &mut s.normed)?;
@@ -664,8 +738,31 @@ impl Pass<'_> {
             &s.gate_up,
             &mut s.act,
             (self.tokens, inter),
-        )?;
-        self.gemm(&s.act, &block.down, &mut s.x, F32, (hidden, inter), 1.0)
+        )
+    }
+
+    /// `x += input · wᵀ`: straight into `x` (`beta = 1`), or, when the branch output is kept
+    /// (`kept` names where), into its own buffer first, kept, then added.
+    fn branch(
+        &self,
+        input: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        into: Branch<'_>,
+        shape: (usize, usize),
+        kept: Option<(&Keeping<'_>, usize)>,
+    ) -> Result<()> {
+        let Some((keeping, slot)) = kept else {
+            return self.gemm(input, w, into.x, F32, shape, 1.0);
+        };
+        self.gemm(input, w, into.branch, F32, shape, 0.0)?;
+        self.keep(into.branch, into.kept, keeping, slot)?;
+        launch::add_rows(
+            self.stream,
+            &self.kernels.add_rows,
+            into.x,
+            into.branch,
+            self.tokens * self.config.hidden_size,
+        )
     }
 
     /// `out = rms_norm(x) · weight` over the batch.
@@ -708,37 +805,41 @@ impl Pass<'_> {
         )
     }
 
-    /// Writes the residual stream into kept layer `kept`'s slot, rounded to bf16, or its
-    /// projections when `directions` are given, and queues the slot's copy to the host on
-    /// `copies`.
+    /// Writes `source` (`[tokens, hidden]` f32) into capture slot `slot`, rounded to bf16, or
+    /// its projections when the job projects, and queues the slot's copy to the host.
     fn keep(
         &self,
-        s: &mut Scratch,
-        kept: usize,
-        width: usize,
-        directions: Option<&CudaSlice<f32>>,
-        copies: &Arc<CudaStream>,
+        source: &CudaSlice<f32>,
+        kept: &mut Kept,
+        keeping: &Keeping<'_>,
+        slot: usize,
     ) -> Result<()> {
-        let size = self.tokens * width;
-        match (&mut s.kept, directions) {
+        let size = self.tokens * keeping.width;
+        match (kept, keeping.directions) {
             (Kept::Rows(slots), None) => {
-                let start = kept * slots.capacity;
-                let mut slot = slots.device.slice_mut(start..start + size);
-                launch::round_bf16(self.stream, &self.kernels.round_bf16, &s.x, &mut slot, size)?;
-                slots.send(self.stream, copies, kept, size)
+                let start = slot * slots.capacity;
+                let mut view = slots.device.slice_mut(start..start + size);
+                launch::round_bf16(
+                    self.stream,
+                    &self.kernels.round_bf16,
+                    source,
+                    &mut view,
+                    size,
+                )?;
+                slots.send(self.stream, keeping.copies, slot, size)
             }
             (Kept::Projections(slots), Some(units)) => {
-                let start = kept * slots.capacity;
-                let mut slot = slots.device.slice_mut(start..start + size);
+                let start = slot * slots.capacity;
+                let mut view = slots.device.slice_mut(start..start + size);
                 launch::project(
                     self.stream,
                     &self.kernels.project,
-                    &s.x,
+                    source,
                     units,
-                    &mut slot,
-                    (self.tokens, self.config.hidden_size, width),
+                    &mut view,
+                    (self.tokens, self.config.hidden_size, keeping.width),
                 )?;
-                slots.send(self.stream, copies, kept, size)
+                slots.send(self.stream, keeping.copies, slot, size)
             }
             _ => Err(CudaError::Fault {
                 action: "keeping a layer",
@@ -747,6 +848,13 @@ impl Pass<'_> {
             .into()),
         }
     }
+}
+
+/// Where a branch output goes: the residual stream, its own buffer, the capture slots.
+struct Branch<'a> {
+    x: &'a mut CudaSlice<f32>,
+    branch: &'a mut CudaSlice<f32>,
+    kept: &'a mut Kept,
 }
 
 /// bf16 GEMM GFLOP/s of cuBLAS on GPU `ordinal` for `out[m, n] = a[m, k] · b[n, k]ᵀ` (f32

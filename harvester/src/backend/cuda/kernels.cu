@@ -126,6 +126,15 @@ extern "C" __global__ void swiglu(const bf16* gate_up, bf16* out, int inter, int
     }
 }
 
+// x[i] += branch[i] over n values: a branch output kept apart (a hook site) joins the residual
+// stream, the one f32 addition the GEMM's beta = 1 makes otherwise. Grid-strided; any grid.
+extern "C" __global__ void add_rows(float* x, const float* branch, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] += branch[i];
+    }
+}
+
 // out[i] = bf16(x[i]) for the n values of a kept layer's residual stream (the shards' dtype).
 // Grid-strided; grid and block: any.
 extern "C" __global__ void round_bf16(const float* x, bf16* out, long long n) {

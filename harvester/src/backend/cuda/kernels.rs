@@ -11,12 +11,13 @@ use crate::error::{CudaError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "embed_gather",
     "rms_norm",
     "rope",
     "swiglu",
     "round_bf16",
+    "add_rows",
     "attention_varlen",
     "attention_mma_64",
     "attention_mma_128",

@@ -14,7 +14,7 @@ use crate::error::Result;
 
 /// Threads per block of the row kernels.
 pub(super) const ROW_THREADS: u32 = 256;
-/// Most blocks of a grid-strided kernel (`round_bf16`): enough to fill any GPU several times.
+/// Most blocks of a grid-strided kernel (`round_bf16`, `add_rows`): enough to fill any GPU several times.
 const GRID_STRIDE_MAX_BLOCKS: usize = 65_535;
 /// The largest grid height the driver takes; the SwiGLU kernel strides its rows over it.
 const GRID_Y_MAX: usize = 65_535;
@@ -273,6 +273,38 @@ pub(super) fn swiglu(
             .arg(act)
             .arg(&inter)
             .arg(&tokens)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `x += branch` over `n` values: a branch output kept apart joins the residual stream.
+pub(super) fn add_rows(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &mut CudaSlice<f32>,
+    branch: &CudaSlice<f32>,
+    n: usize,
+) -> Result<()> {
+    const NAME: &str = "add_rows";
+    fits(NAME, "x", x.len(), n)?;
+    fits(NAME, "branch", branch.len(), n)?;
+    let blocks = n
+        .div_ceil(ROW_THREADS as usize)
+        .clamp(1, GRID_STRIDE_MAX_BLOCKS);
+    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
+    let elements = i64::try_from(n).unwrap_or(i64::MAX);
+    // SAFETY: the arguments match `add_rows(float*, const float*, long long)` in order and
+    // type; the kernel strides over `n` values, all inside `x` and `branch` (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(branch)
+            .arg(&elements)
             .launch(config)
     };
     launched

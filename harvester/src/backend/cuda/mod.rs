@@ -4,13 +4,14 @@
 //! device into a clear error instead of cudarc's panic. The forward pass (`forward`: bf16
 //! weights, cuBLAS GEMMs, the kernels, each launched through its own checked wrapper in
 //! `launch`) has run on an H200 in the GPU window (`scripts/gpu-window.sh`, `docs/gpu.md`),
-//! for dense Llama models keeping `resid_post`. Errors are a typed [`CudaError`], classed by
+//! for dense Llama models, at every hook site. Errors are a typed [`CudaError`], classed by
 //! who can fix them (its module says how).
 //!
 //! ```text
 //! probe (libcuda? device N?) ─► kernels::compile (NVRTC, once) ─► forward: upload bf16 weights,
 //!   per batch: embed → [rms_norm → QKV GEMM → rope → attention → O GEMM (+= x)
-//!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x) → capture] → copy back
+//!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x)], each kept site
+//!   rounded to bf16 (or projected) into its slot and copied back on a second stream (`download`)
 //! ```
 
 mod download;
@@ -226,7 +227,7 @@ pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
         (DeviceChoice::Cuda(device), _) => Ok(DeviceChoice::Cuda(device)),
         (_, DeviceChoice::Cuda(_)) => {
             tracing::warn!(
-                "a GPU is present, but auto runs on the CPU while the CUDA backend lacks hook sites, attention biases, sliding windows and AFMoE: pass --device cuda to use it"
+                "a GPU is present, but auto runs on the CPU while the CUDA backend lacks attention biases, sliding windows and AFMoE: pass --device cuda to use it"
             );
             Ok(DeviceChoice::Cpu)
         }
