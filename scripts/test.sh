@@ -3,7 +3,7 @@
 # test-only tools (both cached in ~/.cache/harvest), runs every test of the workspace, then
 # installs the Python client (clients/python) and runs its pytest suite against the binaries
 # cargo just built (the status page's browser test included), and closes with one line that
-# adds up both. The harvester's CPU kernel tests run once more at each lower kernel level.
+# adds up both. The harvester's CPU kernel tests run once more at each other kernel level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
@@ -22,15 +22,16 @@ status=0
 cargo build --workspace --bins --quiet
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
-# The CPU kernels again at every lower kernel level this CPU runs (HARVEST_CPU_LEVEL), so a
+# The CPU kernels again at every other kernel level this CPU runs (HARVEST_CPU_LEVEL), so a
 # machine with AVX-512 tests what an AVX2 laptop or any x86-64 CPU runs: the kernel and
 # attention unit tests, and the parity and forward-pass tests. A level the CPU lacks is named
-# as skipped, with what it lacks, and counts as nothing.
+# as skipped, with what it lacks, and counts as nothing. (The run above was at the running
+# level: the CPU's, or the one HARVEST_CPU_LEVEL names.)
 levels=$("${CARGO_TARGET_DIR:-$PWD/target}/debug/harvester" cpu-info | "$tools/python" -c '
 import json, sys
 report = json.load(sys.stdin)
 for level in report["levels"]:
-    if level["level"] != report["detected"]:
+    if level["level"] != report["running"]:
         print(level["level"], ",".join(level["lacks"]) or "-")')
 while read -r level lacks; do
   [ -n "$level" ] || continue
