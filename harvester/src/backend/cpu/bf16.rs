@@ -169,9 +169,12 @@ pub fn matmul_bf16_views(
 /// output is rounded to bf16 next, which then never exists in f32. `bits` has row stride
 /// `stride`; its first `cols` columns are written. The sums are [`matmul_bf16`]'s, bit for bit.
 ///
+/// Without `vdpbf16ps`, or with `k` over one block ([`KC`]), the sums cannot be rounded in
+/// registers ([`rounds_output`]): they are then [`matmul_bf16`]'s on its other path, made in a
+/// temporary f32 buffer and rounded from there. Slower, the same contract, never a panic.
+///
 /// # Panics
-/// Without `vdpbf16ps` ([`rounds_output`]), with `k` over one block ([`KC`]), or if a slice is
-/// shorter than its shape: a bug in the caller.
+/// If a slice is shorter than its shape: a bug in the caller.
 pub fn matmul_bf16_rounded(
     a: &[u16],
     b: &[u16],
@@ -182,13 +185,18 @@ pub fn matmul_bf16_rounded(
     let rows = a.len().checked_div(k).unwrap_or(0);
     let cols = b.len().checked_div(k).unwrap_or(0);
     assert!(
-        rounds_output(k)
-            && a.len() == rows * k
-            && b.len() == cols * k
-            && output_fits(bits.len(), (rows, cols), stride),
+        a.len() == rows * k && b.len() == cols * k && output_fits(bits.len(), (rows, cols), stride),
         "rounded bf16 matmul shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 {
+        return;
+    }
+    if !rounds_output(k) {
+        let mut sums = vec![0.0f32; rows * cols];
+        matmul_bf16(a, b, k, &mut sums, cols, false, packed);
+        for (r, row) in sums.chunks_exact(cols).enumerate() {
+            round_into(row, &mut bits[r * stride..r * stride + cols]);
+        }
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -310,10 +318,13 @@ pub fn pack_rows(b: Bf16View<'_>, dst: &mut [u32]) {
 /// [`pack_rows`] packed it (its first panel first), in one block of all of `k`: the sums of
 /// [`matmul_bf16_views`] for a `k` of at most [`KC`].
 ///
+/// Private to the crate: its one caller, attention, asks [`has_dot_instructions`] first
+/// (`scores_from_bits`), and packed panels have no other use.
+///
 /// # Panics
-/// If the CPU lacks `vdpbf16ps`, `k` or `a`'s stride is odd, or a shape does not fit: a bug in
-/// the caller.
-pub fn product_packed(
+/// If the kernel level lacks `vdpbf16ps`, `k` or `a`'s stride is odd, or a shape does not fit:
+/// a bug in the caller.
+pub(crate) fn product_packed(
     a: Bf16View<'_>,
     panels: &[u32],
     cols: usize,
@@ -953,10 +964,15 @@ mod tests {
 
     #[test]
     fn a_product_rounded_as_it_is_stored_gives_the_bits_of_the_f32_product_rounded() {
-        if !rounds_output(KC) {
-            return; // Without `vdpbf16ps` there is nothing to round in registers.
-        }
-        for (rows, cols, k) in [(1, 1, 2), (5, 7, 33), (37, 70, 64), (19, 40, KC)] {
+        // In registers where `vdpbf16ps` runs; past one block of `k`, or at a kernel level
+        // without it, through the f32 product.
+        for (rows, cols, k) in [
+            (1, 1, 2),
+            (5, 7, 33),
+            (37, 70, 64),
+            (19, 40, KC),
+            (3, 9, KC + 6),
+        ] {
             let mut a = bits(
                 &(0..rows * k)
                     .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
