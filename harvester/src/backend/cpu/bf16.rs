@@ -281,7 +281,7 @@ pub fn panel_len(k: usize) -> usize {
 }
 
 /// Every panel of `b`'s rows over all of its columns, `[panel][pairs][PANEL]`, for products
-/// that share them ([`product_packed`]): attention packs each sequence's keys once for all of
+/// that share them (`product_packed`): attention packs each sequence's keys once for all of
 /// its queries.
 ///
 /// # Panics

@@ -280,6 +280,18 @@ pub(super) fn swiglu(
         .map_err(|e| CudaError::fault(NAME)(e).into())
 }
 
+/// The launch of a grid-strided kernel over `n` values, and `n` as its `long long` parameter.
+fn grid_strided(kernel: &'static str, n: usize) -> Result<(LaunchConfig, i64)> {
+    let blocks = n
+        .div_ceil(ROW_THREADS as usize)
+        .clamp(1, GRID_STRIDE_MAX_BLOCKS);
+    let elements = i64::try_from(n).map_err(|_| CudaError::Fault {
+        action: kernel,
+        reason: format!("{n} values do not fit the kernel's long long parameter"),
+    })?;
+    Ok((grid(kernel, blocks, 1, ROW_THREADS)?, elements))
+}
+
 /// `x += branch` over `n` values: a branch output kept apart joins the residual stream.
 pub(super) fn add_rows(
     stream: &CudaStream,
@@ -291,11 +303,7 @@ pub(super) fn add_rows(
     const NAME: &str = "add_rows";
     fits(NAME, "x", x.len(), n)?;
     fits(NAME, "branch", branch.len(), n)?;
-    let blocks = n
-        .div_ceil(ROW_THREADS as usize)
-        .clamp(1, GRID_STRIDE_MAX_BLOCKS);
-    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
-    let elements = i64::try_from(n).unwrap_or(i64::MAX);
+    let (config, elements) = grid_strided(NAME, n)?;
     // SAFETY: the arguments match `add_rows(float*, const float*, long long)` in order and
     // type; the kernel strides over `n` values, all inside `x` and `branch` (checked above).
     #[allow(unsafe_code)]
@@ -323,11 +331,7 @@ pub(super) fn round_bf16(
     const NAME: &str = "round_bf16";
     fits(NAME, "x", x.len(), n)?;
     fits(NAME, "out", out.len(), n)?;
-    let blocks = n
-        .div_ceil(ROW_THREADS as usize)
-        .clamp(1, GRID_STRIDE_MAX_BLOCKS);
-    let config = grid(NAME, blocks, 1, ROW_THREADS)?;
-    let elements = i64::try_from(n).unwrap_or(i64::MAX);
+    let (config, elements) = grid_strided(NAME, n)?;
     // SAFETY: the arguments match `round_bf16(const float*, bf16*, long long)` in order and
     // type; the kernel strides over `n` values, all inside `x` and `out` (checked above).
     #[allow(unsafe_code)]
