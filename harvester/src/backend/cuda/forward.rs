@@ -102,6 +102,18 @@ impl Uploader<'_> {
         Ok(device)
     }
 
+    /// One decoder block's weights.
+    fn block(&mut self, block: &crate::model::BlockWeights) -> Result<DeviceBlock> {
+        Ok(DeviceBlock {
+            attn_norm: self.values(&block.attn_norm)?,
+            qkv: self.matrix(&block.qkv)?,
+            o: self.matrix(&block.o)?,
+            mlp_norm: self.values(&block.mlp_norm)?,
+            gate_up: self.matrix(&block.gate_up)?,
+            down: self.matrix(&block.down)?,
+        })
+    }
+
     /// A weight matrix in bf16: a bf16 checkpoint's mapped bytes go straight to the device;
     /// f32 or f16 weights are rounded to bf16 once on the host.
     fn matrix(&mut self, matrix: &Matrix) -> Result<CudaSlice<u16>> {
@@ -213,6 +225,32 @@ struct Kernels {
     project: CudaFunction,
 }
 
+impl Kernels {
+    /// Compiles the kernels, loads them on `context` in the first form that loads
+    /// ([`kernels::CODE_VARIABLE`] may force one) and finds each entry point; the attention
+    /// kernel is the one for heads of `head_dim`.
+    fn load(context: &Arc<CudaContext>, head_dim: usize) -> Result<(Self, KernelCode)> {
+        let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
+        let (module, code) = load_kernels(context, &order)?;
+        let function = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::from_driver("finding a kernel in its module", e).into())
+        };
+        let kernels = Self {
+            embed_gather: function("embed_gather")?,
+            rms_norm: function("rms_norm")?,
+            rope: function("rope")?,
+            swiglu: function("swiglu")?,
+            round_bf16: function("round_bf16")?,
+            add_rows: function("add_rows")?,
+            attention: attention_kernel(&function, head_dim)?,
+            project: function("project")?,
+        };
+        Ok((kernels, code))
+    }
+}
+
 struct DeviceBlock {
     attn_norm: CudaSlice<u16>,
     qkv: CudaSlice<u16>,
@@ -308,7 +346,6 @@ impl CudaBackend {
         super::probe(ordinal)?;
         spec.check(&weights)?;
         let deepest = spec.layers.deepest();
-        let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
         let context = CudaContext::new(ordinal).map_err(driver)?;
         // SAFETY: called before any buffer or second stream exists. Every launch, GEMM and
         // upload runs on `stream`, in order; the one other stream, `copies`, only reads kept
@@ -323,28 +360,12 @@ impl CudaBackend {
         let stream = context.default_stream();
         let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
-        let (module, code) = load_kernels(&context, &order)?;
-        let function = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::from_driver("finding a kernel in its module", e).into())
-        };
-        let kernels = Kernels {
-            embed_gather: function("embed_gather")?,
-            rms_norm: function("rms_norm")?,
-            rope: function("rope")?,
-            swiglu: function("swiglu")?,
-            round_bf16: function("round_bf16")?,
-            add_rows: function("add_rows")?,
-            attention: attention_kernel(&function, config.head_dim)?,
-            project: function("project")?,
-        };
-        let kernels_seconds = kernels_start.elapsed().as_secs_f64();
+        let (kernels, code) = Kernels::load(&context, config.head_dim)?;
         let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
         let mut up = Uploader {
             stream: &stream,
             phases: LoadPhases {
-                kernels_seconds,
+                kernels_seconds: kernels_start.elapsed().as_secs_f64(),
                 kernel_code: code.as_str(),
                 attention_kernel: kernels.attention.name,
                 ..LoadPhases::default()
@@ -353,16 +374,7 @@ impl CudaBackend {
         let embed = up.matrix(&weights.embed)?;
         let blocks = weights.blocks[..=deepest]
             .iter()
-            .map(|b| {
-                Ok(DeviceBlock {
-                    attn_norm: up.values(&b.attn_norm)?,
-                    qkv: up.matrix(&b.qkv)?,
-                    o: up.matrix(&b.o)?,
-                    mlp_norm: up.values(&b.mlp_norm)?,
-                    gate_up: up.matrix(&b.gate_up)?,
-                    down: up.matrix(&b.down)?,
-                })
-            })
+            .map(|b| up.block(b))
             .collect::<Result<Vec<_>>>()?;
         let phases = up.phases;
         let inv_freq: Vec<f32> = config
