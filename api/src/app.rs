@@ -70,6 +70,8 @@ pub struct AppState {
     long_polls: Mutex<HashMap<String, usize>>,
     /// Each key's request allowance; `None` when the limit is off.
     rate_limiter: Option<Mutex<RateLimiter>>,
+    /// Running jobs' record headers already read (`?partial=true`).
+    pub(crate) records: crate::ready::RecordCache,
     pub(crate) metrics: Metrics,
 }
 
@@ -154,6 +156,7 @@ impl AppState {
             long_polls: Mutex::default(),
             rate_limiter: rate_limit.map(|limit| Mutex::new(RateLimiter::new(limit))),
             metrics: Metrics::new(),
+            records: crate::ready::RecordCache::default(),
         })
     }
 

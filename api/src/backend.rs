@@ -84,6 +84,9 @@ pub trait JobBackend: Send + Sync + std::fmt::Debug {
     /// A done job's result, or `None` when its files are gone.
     async fn result(&self, job: &JobRecord) -> Result<Option<JobResult>, ApiError>;
 
+    /// Where job outputs are stored: what a running job has ready is read from there.
+    fn outputs(&self) -> crate::storage::Storage;
+
     /// Links to `files` of job `id` that work until `expires` (Unix seconds).
     async fn links(
         &self,
@@ -199,6 +202,11 @@ mod tests {
         }
         async fn result(&self, _: &JobRecord) -> Result<Option<JobResult>, ApiError> {
             Ok(None)
+        }
+        fn outputs(&self) -> crate::storage::Storage {
+            crate::storage::Storage::Local {
+                root: std::path::PathBuf::new(),
+            }
         }
         async fn links(&self, _: &str, _: &[String], _: i64) -> Result<Vec<String>, ApiError> {
             Ok(Vec::new())

@@ -269,6 +269,12 @@ impl JobBackend for EmbeddedBackend {
             .filter(|_| out.join("manifest.json").is_file()))
     }
 
+    fn outputs(&self) -> crate::storage::Storage {
+        crate::storage::Storage::Local {
+            root: self.data_dir.clone(),
+        }
+    }
+
     async fn links(
         &self,
         id: &str,

@@ -541,6 +541,10 @@ impl JobBackend for KubeBackend {
         Ok(Some(JobResult::from_run(&run)))
     }
 
+    fn outputs(&self) -> Storage {
+        self.storage.clone()
+    }
+
     /// Presigned S3 links, or links this server signs for local storage.
     async fn links(
         &self,

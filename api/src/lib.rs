@@ -12,7 +12,8 @@
 //!                                 └─ kubernetes: HarvestJobs, watch caches, storage (S3)
 //! ```
 //! `app` holds the state and the router, `routes` the handlers (`listing` the job list and the
-//! account's usage, `page` the status page's built-in files), `signing` the links this
+//! account's usage, `page` the status page's built-in files, `ready` the shards of a running
+//! job that can be read already), `signing` the links this
 //! server signs, `paths` where a job's files live, and `server` wires one backend up and
 //! serves until shutdown.
 #![forbid(unsafe_code)]
@@ -34,6 +35,7 @@ pub mod page;
 pub mod paths;
 pub mod permits;
 pub mod ratelimit;
+pub mod ready;
 pub mod routes;
 pub mod server;
 pub mod signing;

@@ -8,8 +8,8 @@ use utoipa::{Modify, OpenApi, ToSchema};
 use crate::catalogue::ModelView;
 use crate::listing::{JobList, LaneUsage, Measure, TokenUsage, Usage};
 use crate::wire::{
-    DryRun, Estimate, FileSizes, HarvestRequest, JobResult, JobView, Progress, ProjectOnto,
-    ResultTimings, ShardFiles,
+    DryRun, Estimate, FileSizes, HarvestRequest, JobResult, JobView, PartialInfo, Progress,
+    ProjectOnto, ReadyShardUrl, ResultTimings, ShardFiles,
 };
 
 /// The error envelope every error is answered with.
@@ -54,7 +54,7 @@ impl Modify for BearerAuth {
 #[openapi(
     info(title = "harvest", description = "Bulk harvesting of residual-stream activations. See docs/api.md.", version = "1"),
     paths(crate::routes::submit, crate::routes::status, crate::routes::cancel, crate::routes::models, crate::routes::list, crate::routes::account),
-    components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody, JobList, Usage, Measure, LaneUsage, TokenUsage, DryRun, Estimate, FileSizes, ShardFiles)),
+    components(schemas(HarvestRequest, ProjectOnto, JobView, JobResult, ResultTimings, Progress, ModelView, ModelList, ErrorEnvelope, ErrorBody, JobList, Usage, Measure, LaneUsage, TokenUsage, DryRun, Estimate, FileSizes, ShardFiles, ReadyShardUrl, PartialInfo)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

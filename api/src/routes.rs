@@ -26,7 +26,8 @@ use crate::paths::{JobPaths, now};
 use crate::permits::Scope;
 use crate::store::{JobRecord, JobSpec};
 use crate::wire::{
-    self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, ShardFiles, Submission,
+    self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, PartialInfo, ReadyShardUrl,
+    ShardFiles, Submission,
 };
 use harvest_core::estimate::{self, JobShape, KeptTokens, Predicted};
 use harvest_core::format::{Contents, ModelInfo};
@@ -390,7 +391,62 @@ fn summary(job: &JobRecord) -> JobView {
             bytes: job.spec.estimated_bytes,
             seconds: job.spec.estimated_ms.map(|ms| ms as f64 / 1000.0),
         }),
+        ready_shard_urls: None,
+        partial: None,
     }
+}
+
+/// What a shuffled job answers to `?partial=true`.
+const SHUFFLED_NOT_READY: &str = "the shuffled layout writes its training files when the job commits: none is ready before it ends (use the by_prompt layout to read shards while it runs)";
+
+/// The job as answered, and with `partial` its ready shards while it is pending or running.
+async fn answer(state: &AppState, job: &JobRecord, partial: bool) -> Result<JobView, ApiError> {
+    let mut view = view(state, job).await?;
+    if !partial {
+        return Ok(view);
+    }
+    if job.status.is_terminal() {
+        state.records.forget(&job.id);
+        return Ok(view);
+    }
+    if job.spec.layout.name() != harvest_core::layout::LayoutName::ByPrompt {
+        view.ready_shard_urls = Some(Vec::new());
+        view.partial = Some(PartialInfo {
+            shards_total: None,
+            bos_token_id: None,
+            unavailable: Some(SHUFFLED_NOT_READY.to_owned()),
+        });
+        return Ok(view);
+    }
+    let ready = crate::ready::scan(&state.backend.outputs(), &job.id, &state.records)
+        .await
+        .map_err(|detail| ApiError::Internal { detail })?;
+    let expires = (now().0 + state.url_ttl_s * 1000) / 1000;
+    let urls = state
+        .backend
+        .links(&job.id, &crate::ready::file_names(&ready), expires)
+        .await?;
+    view.ready_shard_urls = Some(
+        ready
+            .shards
+            .into_iter()
+            .zip(urls)
+            .map(|(shard, url)| ReadyShardUrl {
+                file: shard.file,
+                url,
+                prompts: shard.prompts,
+                bytes: shard.bytes,
+                sha256: shard.sha256,
+            })
+            .collect(),
+    );
+    view.urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
+    view.partial = Some(PartialInfo {
+        shards_total: Some(job.n_prompts.div_ceil(job.spec.shard_size.max(1))),
+        bos_token_id: ready.bos_token_id,
+        unavailable: None,
+    });
+    Ok(view)
 }
 
 /// Looks up the caller's own job; an unknown id and another account's job look the same.
@@ -407,6 +463,17 @@ async fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobR
 #[derive(Deserialize)]
 pub(crate) struct WaitQuery {
     pub(crate) wait: Option<String>,
+    pub(crate) partial: Option<String>,
+}
+
+fn wants_partial(query: &WaitQuery) -> Result<bool, ApiError> {
+    match query.partial.as_deref() {
+        None | Some("" | "false" | "0") => Ok(false),
+        Some("true" | "1") => Ok(true),
+        Some(text) => Err(ApiError::invalid(format!(
+            "partial={text:?} must be true or false"
+        ))),
+    }
 }
 
 fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
@@ -425,7 +492,8 @@ fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
 /// change (pending to running, or to an end).
 #[utoipa::path(get, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
     params(("job_id" = String, Path, description = "The job's UUID"),
-        ("wait" = Option<String>, Query, description = "Seconds to wait for the status to change, at most 60")),
+        ("wait" = Option<String>, Query, description = "Seconds to wait for the status to change, at most 60"),
+        ("partial" = Option<String>, Query, description = "Our extension: true adds ready_shard_urls, the finished shards of a pending or running job")),
     responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
         (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
         (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope)))]
@@ -437,13 +505,14 @@ pub(crate) async fn status(
 ) -> Result<Response, ApiError> {
     let job = own_job(&state, &caller, &job_id).await?;
     let wait = wait_seconds(&query)?;
+    let partial = wants_partial(&query)?;
     if wait == 0.0 || job.status.is_terminal() {
-        return Ok(Json(view(&state, &job).await?).into_response());
+        return Ok(Json(answer(&state, &job, partial).await?).into_response());
     }
     let lasts = Duration::from_secs_f64(wait);
     let Some(_slot) = state.long_poll_slot(&caller.key_hash, lasts).await else {
         state.metrics.long_polls_declined.inc();
-        let mut response = Json(view(&state, &job).await?).into_response();
+        let mut response = Json(answer(&state, &job, partial).await?).into_response();
         response
             .headers_mut()
             .insert("x-acs-longpoll", HeaderValue::from_static("declined"));
@@ -462,7 +531,7 @@ pub(crate) async fn status(
     let job = waited
         .filter(|job| job.account == caller.account)
         .ok_or(ApiError::NotFound)?;
-    Ok(Json(view(&state, &job).await?).into_response())
+    Ok(Json(answer(&state, &job, partial).await?).into_response())
 }
 
 /// The caller's account's jobs, newest first, a page at a time (our extension).

@@ -1,4 +1,5 @@
-//! Where the Kubernetes backend keeps job inputs and finds outputs, and how it links to them.
+//! Where the Kubernetes backend keeps job inputs and finds outputs, and how it links to them;
+//! both backends list a running job's outputs through it (the embedded one as `local`).
 //!
 //! - `local`: a directory that the API and the workers share (one node, or tests). Links are
 //!   signed by the API and served by its `/files` route, exactly as on the embedded backend.
@@ -7,14 +8,15 @@
 //!   credentials (a presigned URL dies with the credentials that signed it, and those expire
 //!   within hours), and live at most 7 days (the SigV4 limit).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use object_store::ObjectStoreExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
 use object_store::signer::{Method, Signer};
+use object_store::{ObjectStore, ObjectStoreExt};
 use serde::Deserialize;
 
 use crate::error::StartupError;
@@ -253,6 +255,100 @@ impl Storage {
                 let path = ObjectPath::from(Self::key(prefix, id, &format!("out/{name}")));
                 match store.get(&path).await {
                     Ok(result) => result.bytes().await.map(Some).map_err(|e| e.to_string()),
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        }
+    }
+
+    /// Job `id`'s output files directly under `folder` (`""` for the top level) with their
+    /// sizes, named as under the output (`partial/shard_00000.record.safetensors`); empty when
+    /// there is none.
+    pub async fn list_output(
+        &self,
+        id: &str,
+        folder: &str,
+    ) -> Result<BTreeMap<String, u64>, String> {
+        let joined = |name: &str| {
+            if folder.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{folder}/{name}")
+            }
+        };
+        let mut files = BTreeMap::new();
+        match self {
+            Self::Local { root } => {
+                let dir = JobPaths::new(root, id).output().join(folder);
+                let mut entries = match tokio::fs::read_dir(&dir).await {
+                    Ok(entries) => entries,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(files),
+                    Err(e) => return Err(format!("{}: {e}", dir.display())),
+                };
+                while let Some(entry) = entries.next_entry().await.map_err(|e| e.to_string())? {
+                    let Ok(meta) = entry.metadata().await else {
+                        continue; // removed since the listing: not a file any more
+                    };
+                    if let (true, Some(name)) = (meta.is_file(), entry.file_name().to_str()) {
+                        files.insert(joined(name), meta.len());
+                    }
+                }
+            }
+            Self::S3 { store, prefix, .. } => {
+                let out = Self::key(prefix, id, "out");
+                let under = if folder.is_empty() {
+                    out.clone()
+                } else {
+                    format!("{out}/{folder}")
+                };
+                let listing = store
+                    .list_with_delimiter(Some(&ObjectPath::from(under)))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for object in listing.objects {
+                    if let Some(name) = object.location.filename() {
+                        files.insert(joined(name), object.size);
+                    }
+                }
+            }
+        }
+        Ok(files)
+    }
+
+    /// The first `len` bytes of job `id`'s output `name` (all of it when shorter), or `None`
+    /// when it is not there.
+    pub async fn read_output_head(
+        &self,
+        id: &str,
+        name: &str,
+        len: u64,
+    ) -> Result<Option<Bytes>, String> {
+        match self {
+            Self::Local { root } => {
+                use tokio::io::AsyncReadExt;
+                let path = JobPaths::new(root, id).output().join(name);
+                let file = match tokio::fs::File::open(&path).await {
+                    Ok(file) => file,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                    Err(e) => return Err(format!("{}: {e}", path.display())),
+                };
+                let mut head = Vec::new();
+                file.take(len)
+                    .read_to_end(&mut head)
+                    .await
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                Ok(Some(head.into()))
+            }
+            Self::S3 { store, prefix, .. } => {
+                let path = ObjectPath::from(Self::key(prefix, id, &format!("out/{name}")));
+                let size = match store.head(&path).await {
+                    Ok(meta) => meta.size,
+                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(e) => return Err(e.to_string()),
+                };
+                match store.get_range(&path, 0..len.min(size)).await {
+                    Ok(bytes) => Ok(Some(bytes)),
                     Err(object_store::Error::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e.to_string()),
                 }

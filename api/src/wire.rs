@@ -546,6 +546,42 @@ pub struct JobView {
     /// Its predicted output (our extension), when it was made at submit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimate: Option<Estimate>,
+    /// Our extension, with `?partial=true` on a pending or running job: the shards that are
+    /// finished and will not change, with links, in shard order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ready_shard_urls: Option<Vec<ReadyShardUrl>>,
+    /// Our extension, beside `ready_shard_urls`: what a reader needs before the manifest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partial: Option<PartialInfo>,
+}
+
+/// A finished shard of a running job (our extension): it is byte for byte the file of that
+/// name the done job lists.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ReadyShardUrl {
+    /// Its file name (`shard_NNNNN.safetensors`).
+    pub file: String,
+    /// A link to it, valid until `urls_expire_at`.
+    pub url: String,
+    /// Its first and last prompt, inclusive.
+    pub prompts: [usize; 2],
+    /// Its size.
+    pub bytes: u64,
+    /// Its hex sha256.
+    pub sha256: String,
+}
+
+/// What `?partial=true` says besides the links (our extension).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PartialInfo {
+    /// Shards the job will have; null for the shuffled layout.
+    pub shards_total: Option<usize>,
+    /// The tokenizer's BOS id, for dropping each prompt's leading BOS as the statistics do;
+    /// null until a shard is ready, or for a model without one.
+    pub bos_token_id: Option<u32>,
+    /// Why no shard can be ready before the job ends, when none can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// A job's predicted output (our extension): its files' bytes, and how long it should take
@@ -842,6 +878,8 @@ mod tests {
             error: None,
             progress: None,
             estimate: None,
+            ready_shard_urls: None,
+            partial: None,
         };
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["status"], "pending");

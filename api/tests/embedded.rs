@@ -496,3 +496,29 @@ fn a_random_part_killed_mid_job_is_run_again_from_its_records_and_the_job_is_cha
     let (_, ledger) = store.account("acme").unwrap();
     assert_eq!(ledger.tokens_today, charged, "each job charged once");
 }
+
+#[test]
+fn a_running_jobs_ready_shards_download_as_the_bytes_the_finished_job_lists() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    for parallelism in [1, 2] {
+        let body = json!({"model": "smollm2-135m", "prompts": long_prompts(), "layers": "all",
+            "shard_size": 4, "parallelism": parallelism});
+        let early = partial_flow(&server, &key, body);
+        eprintln!("{parallelism} part(s): {early} of 6 shards read before the end");
+    }
+    // A shuffled job has nothing ready before it commits, and says so.
+    let body = json!({"model": "smollm2-135m", "prompts": long_prompts(), "layers": [3],
+        "shard_size": 4, "layout": "shuffled"});
+    let id = submit_ok(&server, &key, body);
+    let url = format!("{}/v1/harvest/{id}?partial=true", server.base);
+    let (_, job) = request("GET", &url, &key, None);
+    assert!(job["status"] == "pending" || job["status"] == "running", "{job}");
+    assert_eq!(job["ready_shard_urls"], json!([]));
+    let why = job["partial"]["unavailable"].as_str().unwrap();
+    assert!(why.contains("shuffled layout"), "{why}");
+    partial_refusals(&server, &key, &id);
+    wait_for(&server, &key, &id, |j| j["status"] == "done");
+}

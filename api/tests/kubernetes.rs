@@ -273,6 +273,11 @@ fn with_s3_storage_the_files_download_through_presigned_urls_that_s3_verifies() 
     let tampered = shard.replace("X-Amz-Signature=", "X-Amz-Signature=0");
     let refused = reqwest::runtime().block_on(async { ::reqwest::get(&tampered).await.unwrap() });
     assert_eq!(refused.status().as_u16(), 403, "a tampered link is refused");
+    // A running job's finished shards, read from the bucket's records and presigned.
+    let body = json!({"model": "smollm2-135m", "prompts": long_prompts(), "layers": "all", "shard_size": 4});
+    let early = partial_flow(&server, &key, body);
+    eprintln!("{early} of 6 shards read before the end");
+    partial_refusals(&server, &key, done["job_id"].as_str().unwrap());
 }
 
 #[test]

@@ -13,6 +13,7 @@
 //!         ──to_raw()──► RawPlan with the layers listed: what a worker is handed (model)
 //! worker protocol: RunResult, ProgressEvent, Termination, ExitStatus, prompts JSONL (worker)
 //! shard planning (plan), RunningStats (stats), Manifest schema (format), file sizes (estimate)
+//! a run in progress: shard records and which shards are ready to read (partial)
 //! what a job keeps: hook sites (sites), token selection (selection), file layout (layout)
 //! job lifecycle: next(status, reserved, event) -> Transition (lifecycle)
 //! quota: Ledger::admit / finish over lanes, UTC day/month budgets and job quotas (quota, clock)
@@ -28,6 +29,7 @@ pub mod layout;
 pub mod lifecycle;
 pub mod model;
 pub mod npy;
+pub mod partial;
 pub mod plan;
 pub mod quota;
 pub mod selection;

@@ -720,3 +720,76 @@ pub fn parts_flow(server: &Server, key: &str, cap: usize) {
     let message = answer["error"]["message"].as_str().unwrap();
     assert!(message.contains(&format!("cap of {cap}")), "{message}");
 }
+
+/// Hex sha256, as the ready list gives it.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Reading a job while it runs (`?partial=true`): submits `body`, fetches every shard the
+/// running job lists as ready (each at its size and sha256, and its prompts in its range),
+/// then checks each against the same file of the done job, byte for byte. Returns how many
+/// shards were read before the end.
+pub fn partial_flow(server: &Server, key: &str, body: Value) -> usize {
+    let id = submit_ok(server, key, body);
+    let url = format!("{}/v1/harvest/{id}?partial=true", server.base);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut early: std::collections::BTreeMap<String, Vec<u8>> = Default::default();
+    let done = loop {
+        let (status, job) = request("GET", &url, key, None);
+        assert_eq!(status, 200, "{job}");
+        if job["status"] != "pending" && job["status"] != "running" {
+            assert!(job.get("ready_shard_urls").is_none(), "{job}");
+            break job;
+        }
+        let ready = job["ready_shard_urls"].as_array().expect("listed").clone();
+        let info = &job["partial"];
+        assert_eq!(info["shards_total"], 6, "{job}");
+        for shard in ready {
+            let file = shard["file"].as_str().unwrap().to_owned();
+            if early.contains_key(&file) {
+                continue;
+            }
+            let bytes = reqwest::blocking_get(shard["url"].as_str().unwrap()).unwrap();
+            assert_eq!(bytes.len() as u64, shard["bytes"].as_u64().unwrap());
+            assert_eq!(sha256_hex(&bytes), shard["sha256"].as_str().unwrap());
+            let index: usize = file[6..11].parse().unwrap();
+            assert_eq!(shard["prompts"], json!([index * 4, index * 4 + 3]));
+            assert_eq!(info["bos_token_id"], 1, "SmolLM2's BOS, from the records");
+            early.insert(file, bytes);
+        }
+        assert!(Instant::now() < deadline, "timed out; last state {job}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(done["status"], "done", "{done}");
+    assert!(
+        !early.is_empty(),
+        "no shard was ready while the job ran: the job ended before a poll saw one"
+    );
+    let urls = done["result"]["shard_urls"].as_array().unwrap();
+    for (file, bytes) in &early {
+        let index: usize = file[6..11].parse().unwrap();
+        let finished = reqwest::blocking_get(urls[index].as_str().unwrap()).unwrap();
+        assert!(&finished == bytes, "{file} changed after it was listed");
+    }
+    early.len()
+}
+
+/// `?partial=` answers: a bad value is a 400 naming it, an unknown job a 404, and a job
+/// asked without it answers exactly as before (no extension fields).
+pub fn partial_refusals(server: &Server, key: &str, id: &str) {
+    let base = format!("{}/v1/harvest", server.base);
+    let (status, answer) = request("GET", &format!("{base}/{id}?partial=yes"), key, None);
+    assert_eq!(status, 400, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("partial=\"yes\""), "{message}");
+    let unknown = "0b0e4d1c-3f1a-4c6e-9d7b-2a1f0e9c8b7a";
+    let (status, answer) = request("GET", &format!("{base}/{unknown}?partial=true"), key, None);
+    assert_eq!(status, 404, "{answer}");
+    let (_, plain) = request("GET", &format!("{base}/{id}"), key, None);
+    assert!(plain.get("ready_shard_urls").is_none() && plain.get("partial").is_none());
+}

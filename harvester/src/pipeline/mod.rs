@@ -1094,6 +1094,7 @@ fn assemble_stage(
             {
                 let (bytes, mut record) = done.finish(job.fingerprint)?;
                 record.seal(&bytes);
+                record.bos_token_id = job.bos_id;
                 busy += start.elapsed().as_secs_f64();
                 upload
                     .blocking_send((bytes, record))

@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 
 use harvest_core::format::{Contents, Truncation};
+use harvest_core::partial::{RECORD_KEY, RecordMeta};
 use harvest_core::selection::{Dropped, NormHistogram};
 use harvest_core::{RunningStats, Sites};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use serde::{Deserialize, Serialize};
 
 use crate::backend::Captured;
 use crate::error::{Error, Result};
@@ -100,22 +100,8 @@ pub struct ShardRecord {
     pub norms: Option<NormHistogram>,
     /// The plan that produced it.
     pub fingerprint: String,
-}
-
-#[derive(Serialize, Deserialize)]
-struct RecordMeta {
-    shard: usize,
-    first_prompt: usize,
-    token_counts: Vec<usize>,
-    truncations: Vec<Truncation>,
-    sha256: String,
-    bytes: u64,
-    counts: Vec<u64>,
-    fingerprint: String,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    kept_counts: Vec<usize>,
-    #[serde(default)]
-    dropped: Dropped,
+    /// The tokenizer's BOS id, for readers of the shard before the manifest exists.
+    pub bos_token_id: Option<u32>,
 }
 
 impl ShardAssembly {
@@ -282,6 +268,7 @@ impl ShardAssembly {
             dropped: self.dropped,
             norms: self.norms,
             fingerprint: fingerprint.to_owned(),
+            bos_token_id: None,
         };
         Ok((bytes, record))
     }
@@ -316,7 +303,7 @@ impl ShardRecord {
 
     /// The record's file name under the output prefix.
     pub fn file_name(shard: usize) -> String {
-        format!("partial/shard_{shard:05}.record.safetensors")
+        harvest_core::partial::record_file_name(shard)
     }
 
     /// Serialises the record: f64 tensors for the statistics (exact), JSON metadata for the rest.
@@ -352,6 +339,7 @@ impl ShardRecord {
             fingerprint: self.fingerprint.clone(),
             kept_counts: self.kept_counts.clone(),
             dropped: self.dropped,
+            bos_token_id: self.bos_token_id,
         };
         let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
             reason: e.to_string(),
@@ -383,7 +371,7 @@ impl ShardRecord {
         let meta = serde_json::to_string(&meta).map_err(|e| Error::InvalidBatch {
             reason: e.to_string(),
         })?;
-        safetensors::serialize(views, Some(HashMap::from([("record".to_owned(), meta)])))
+        safetensors::serialize(views, Some(HashMap::from([(RECORD_KEY.to_owned(), meta)])))
             .map_err(invalid)
     }
 
@@ -392,7 +380,7 @@ impl ShardRecord {
         let st = SafeTensors::deserialize(bytes).ok()?;
         let (_, header) = SafeTensors::read_metadata(bytes).ok()?;
         let meta: RecordMeta =
-            serde_json::from_str(header.metadata().as_ref()?.get("record")?).ok()?;
+            serde_json::from_str(header.metadata().as_ref()?.get(RECORD_KEY)?).ok()?;
         let f64s = |name: &str| -> Option<(Vec<usize>, Vec<f64>)> {
             let view = st.tensor(name).ok()?;
             let values = view
@@ -437,6 +425,7 @@ impl ShardRecord {
             dropped: meta.dropped,
             norms,
             fingerprint: meta.fingerprint,
+            bos_token_id: meta.bos_token_id,
         })
     }
 }
