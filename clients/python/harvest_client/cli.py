@@ -1,4 +1,4 @@
-"""The ``harvest`` command: models, submit, status, cancel and download, with human output by
+"""The ``harvest`` command: models, submit, status, cancel, download, stream and export, with human output by
 default and ``--json`` for scripts. Errors print one line and exit 1 (2 for bad usage)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -224,6 +225,77 @@ def _download(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _stream(client: Client, args: argparse.Namespace) -> int:
+    from .stream import StreamReport
+
+    job = client.job(args.job_id)
+    report = StreamReport()
+    batches = job.stream(
+        args.layer,
+        args.batch_size,
+        shuffle_buffer=args.shuffle_buffer,
+        seed=args.seed,
+        drop_bos=not args.keep_bos,
+        site=args.site,
+        poll_s=args.poll,
+        report=report,
+    )
+    shown = 0.0
+    for _ in batches:
+        if args.batches and report.batches >= args.batches:
+            break
+        if not args.json and time.monotonic() - shown >= args.every:
+            shown = time.monotonic()
+            print(
+                f"{report.rows} rows in {report.batches} batches, {report.rows_per_second():,.0f} rows/s; "
+                f"{report.shards} shards read ({report.early_shards} while the job ran)",
+                file=sys.stderr,
+            )
+    summary = {
+        "job_id": job.id,
+        "rows": report.rows,
+        "batches": report.batches,
+        "rows_per_s": round(report.rows_per_second(), 1),
+        "seconds": round(time.monotonic() - report.started, 3),
+        "shards": report.shards,
+        "early_shards": report.early_shards,
+        "fetched_bytes": report.fetched_bytes,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(
+            f"{summary['rows']} rows in {summary['batches']} batches in {summary['seconds']} s: {summary['rows_per_s']:,.0f} rows/s "
+            f"({summary['shards']} shards, {summary['early_shards']} read while the job ran)"
+        )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    summary = export(
+        args.directory,
+        args.out,
+        format=args.format,
+        layer=args.layer,
+        site=args.site,
+        context_size=args.context_size,
+        hook=args.hook_name,
+        drop_bos=not args.keep_bos,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    elif args.format == "saelens":
+        print(
+            f"{summary['out']}: {summary['rows']} rows of {summary['context_size']} tokens in column {summary['hook_name']} "
+            f"(d_in {summary['width']}); {summary['left_out_tokens']} tokens past the last full row left out"
+        )
+    else:
+        print(f"{summary['out']}: {summary['rows']} token rows of width {summary['width']}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="harvest", description="Harvest residual-stream activations through a harvest server.")
     top.add_argument("--base-url", help="the API base, ending in /v1 (default: $ACS_API_BASE)")
@@ -270,12 +342,38 @@ def parser() -> argparse.ArgumentParser:
     download.add_argument("directory")
     download.add_argument("--workers", type=int, default=4, help="files fetched at once (default 4)")
     download.set_defaults(run=_download)
+
+    stream = commands.add_parser("stream", help="read a job's rows as training batches while it runs, and report rows/s")
+    stream.add_argument("job_id")
+    stream.add_argument("--layer", type=int, required=True, help="a kept block")
+    stream.add_argument("--site", default="resid_post", help="a kept hook site (default resid_post)")
+    stream.add_argument("--batch-size", type=int, default=4096, help="rows per batch (default 4096)")
+    stream.add_argument("--shuffle-buffer", type=int, default=65536, help="rows mixed at once; 0 keeps shard order (default 65536)")
+    stream.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
+    stream.add_argument("--keep-bos", action="store_true", help="keep each prompt's leading BOS")
+    stream.add_argument("--batches", type=int, help="stop after this many batches")
+    stream.add_argument("--poll", type=float, default=1.0, help="seconds between asks while no shard is ready (default 1)")
+    stream.add_argument("--every", type=float, default=5.0, help="seconds between progress lines (default 5)")
+    stream.set_defaults(run=_stream)
+
+    export = commands.add_parser("export", help="write a downloaded job as a SAELens cache or a Hugging Face dataset")
+    export.add_argument("directory", help="a downloaded job (harvest download)")
+    export.add_argument("--format", choices=["saelens", "hf"], required=True)
+    export.add_argument("--layer", type=int, required=True, help="a kept block")
+    export.add_argument("--site", default="resid_post", help="a kept hook site (default resid_post)")
+    export.add_argument("--out", required=True, help="a new or empty directory")
+    export.add_argument("--context-size", type=int, default=128, help="tokens per SAELens row (default 128, SAELens's default)")
+    export.add_argument("--hook-name", help="the SAELens column (default blocks.LAYER.hook_SITE)")
+    export.add_argument("--keep-bos", action="store_true", help="keep each prompt's leading BOS")
+    export.set_defaults(run=_export, offline=True)
     return top
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if getattr(args, "offline", False):
+            return int(args.run(args))
         client = Client(args.base_url, args.api_key)
         return int(args.run(client, args))
     except errors.HarvestError as error:

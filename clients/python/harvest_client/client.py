@@ -343,6 +343,52 @@ class Job:
 
         return download_job(self, Path(directory), workers=workers, progress=progress)
 
+    def stream(
+        self,
+        layer: int,
+        batch_size: int,
+        *,
+        shuffle_buffer: int = 65536,
+        seed: int = 0,
+        drop_bos: bool = True,
+        site: str = "resid_post",
+        directory: Union[str, Path, None] = None,
+        poll_s: float = 1.0,
+        drop_last: bool = False,
+        report: Any = None,
+    ) -> Iterator[Any]:
+        """Float32 ``[batch, width]`` rows of hook site ``site`` at block ``layer``, yielded
+        while the job runs: each shard the server lists as ready is fetched, checked against
+        its sha256, read and deleted (kept when ``directory`` is given), then the rest once
+        the job is done. Every kept token comes once (``drop_bos`` leaves out each prompt's
+        leading BOS, as the statistics and :meth:`Reader.token_batches` do); rows are mixed
+        in a buffer of ``shuffle_buffer`` rows drawn from ``seed`` (0: shard order), which
+        bounds the memory. The order depends on when shards become ready; the rows do not.
+        Raises ``JobFailed`` or ``JobCancelled`` if the job ends that way. Pass a
+        :class:`~harvest_client.stream.StreamReport` as ``report`` to follow rows/s."""
+        from .stream import stream_job
+
+        return stream_job(
+            self,
+            layer,
+            batch_size,
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
+            drop_bos=drop_bos,
+            site=site,
+            directory=directory,
+            poll_s=poll_s,
+            drop_last=drop_last,
+            report=report,
+        )
+
+    def torch_stream(self, layer: int, batch_size: int, **kwargs: Any):
+        """:meth:`stream` as a ``torch.utils.data.IterableDataset`` of float32 tensors (needs
+        torch: ``pip install harvest-client[torch]``)."""
+        from .stream import torch_dataset
+
+        return torch_dataset(self, layer, batch_size, **kwargs)
+
     def open(self, directory: Union[str, Path]):
         """A :class:`~harvest_client.reader.Reader` over the files downloaded to ``directory``."""
         from .reader import Reader

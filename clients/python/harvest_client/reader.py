@@ -176,6 +176,28 @@ class Reader:
             return tokens, th.from_numpy(raw)
         return self.tokens(i), shard.float32(name)
 
+    def rows(self, i: int, layer: int, *, site: str = "resid_post", drop_bos: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+        """Prompt ``i`` at block ``layer`` alone: float32 ``[n_kept, width]`` rows of hook
+        site ``site`` and the int32 ``[n_kept]`` positions they hold. ``drop_bos`` leaves out
+        a leading BOS by the statistics' rule (as :meth:`token_batches` does)."""
+        position = self.layer_position(layer)
+        shard = self._shard_of(i)
+        name = self._tensor_name(site, i)
+        raw = shard.raw(name)[position]
+        positions = self.positions(i)
+        first = 1 if drop_bos and self._leading_bos(i) else 0
+        values = raw[first:]
+        return (bf16_to_f32(values) if shard.dtype(name) == "BF16" else np.array(values, dtype=np.float32)), positions[first:]
+
+    def _leading_bos(self, i: int) -> bool:
+        """Whether prompt ``i``'s activations start with the BOS the statistics leave out."""
+        bos = self.manifest.get("tokenizer", {}).get("bos_token_id")
+        if bos is None or self._where[i][1] == 0:
+            return False
+        shard = self._shard_of(i)
+        leading = self.selection is None or int(shard.raw(f"positions_{i}")[0]) == 0
+        return leading and int(shard.raw(f"tokens_{i}")[0]) == bos
+
     def stats(self, site: str = "resid_post") -> Dict[str, Any]:
         """``mean`` and ``std`` of hook site ``site`` (float32 ``[n_layers_kept, width]``) and
         ``count`` (tokens counted: all but each prompt's leading BOS)."""
@@ -191,13 +213,11 @@ class Reader:
     def _index(self, drop_bos: bool) -> Tuple[np.ndarray, np.ndarray]:
         """Every token as (prompt, position), leaving out each leading BOS when asked, by the
         same rule as the statistics: a prompt whose first id is the tokenizer's BOS."""
-        bos = self.manifest.get("tokenizer", {}).get("bos_token_id")
         prompts: List[np.ndarray] = []
         positions: List[np.ndarray] = []
         for i in range(self.n_prompts):
             n = self._where[i][1]
-            leading = self.selection is None or (n > 0 and int(self._shard_of(i).raw(f"positions_{i}")[0]) == 0)
-            first = 1 if drop_bos and bos is not None and n > 0 and leading and int(self._shard_of(i).raw(f"tokens_{i}")[0]) == bos else 0
+            first = 1 if drop_bos and self._leading_bos(i) else 0
             positions.append(np.arange(first, n, dtype=np.int32))
             prompts.append(np.full(n - first, i, dtype=np.int32))
         if not prompts:
