@@ -515,7 +515,10 @@ fn a_running_jobs_ready_shards_download_as_the_bytes_the_finished_job_lists() {
     let id = submit_ok(&server, &key, body);
     let url = format!("{}/v1/harvest/{id}?partial=true", server.base);
     let (_, job) = request("GET", &url, &key, None);
-    assert!(job["status"] == "pending" || job["status"] == "running", "{job}");
+    assert!(
+        job["status"] == "pending" || job["status"] == "running",
+        "{job}"
+    );
     assert_eq!(job["ready_shard_urls"], json!([]));
     let why = job["partial"]["unavailable"].as_str().unwrap();
     assert!(why.contains("shuffled layout"), "{why}");

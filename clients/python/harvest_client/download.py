@@ -13,14 +13,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import requests
 
 from . import errors
+from .jobs import JobLike
 
-if TYPE_CHECKING:
-    from .client import Job
 
 #: Bytes read from the network at a time.
 CHUNK = 1 << 20
@@ -80,7 +79,7 @@ def _matches(path: Path, wanted: _Wanted) -> bool:
 class _Links:
     """The job's current links, renewed (once per expiry, whichever thread sees it first)."""
 
-    def __init__(self, job: "Job", report: Download) -> None:
+    def __init__(self, job: JobLike, report: Download) -> None:
         self.job = job
         self.report = report
         self.lock = threading.Lock()
@@ -209,7 +208,7 @@ def _manifest(session: requests.Session, links: _Links, report: Download) -> byt
     raise errors.HarvestError("the manifest's link was refused (HTTP 403) even after it was renewed")
 
 
-def download_job(job: "Job", directory: Path, *, workers: int = 4, progress: bool = False) -> Download:
+def download_job(job: JobLike, directory: Path, *, workers: int = 4, progress: bool = False) -> Download:
     """See :meth:`harvest_client.Job.download`."""
     if job.status != "done" or job.result is None:
         job.refresh()

@@ -11,16 +11,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 
 from . import errors
+from .jobs import JobLike
 from .download import _Expired, _fetch, _matches, _Wanted, Download
 from .reader import SafetensorsFile, bf16_to_f32
 
-if TYPE_CHECKING:
-    from .client import Job
 
 #: Rows the shuffle buffer holds by default (256 MB of float32 rows at width 1024).
 DEFAULT_SHUFFLE_BUFFER = 65536
@@ -124,7 +123,7 @@ class _Shard:
 class _Stream:
     """One pass over a job's rows of hook site ``site`` at block ``layer``."""
 
-    def __init__(self, job: "Job", layer: int, site: str, drop_bos: bool, directory: Path, keep_files: bool, report: StreamReport) -> None:
+    def __init__(self, job: JobLike, layer: int, site: str, drop_bos: bool, directory: Path, keep_files: bool, report: StreamReport) -> None:
         self.job = job
         self.site = site
         self.drop_bos = drop_bos
@@ -240,7 +239,7 @@ class _Stream:
 
 
 def stream_job(
-    job: "Job",
+    job: JobLike,
     layer: int,
     batch_size: int,
     *,
@@ -327,7 +326,7 @@ def _batches(stream: _Stream, batch_size: int, shuffle_buffer: int, seed: int, p
         yield rest
 
 
-def torch_dataset(job: "Job", layer: int, batch_size: int, **kwargs: Any):
+def torch_dataset(job: JobLike, layer: int, batch_size: int, **kwargs: Any):
     """A ``torch.utils.data.IterableDataset`` whose items are float32 ``[batch, width]``
     tensors from :meth:`Job.stream` (pass ``batch_size=None`` to the ``DataLoader``). Each
     iteration streams the job again; use it with one worker, since a second would read the

@@ -77,6 +77,19 @@ def test_a_stream_of_a_layer_or_site_the_job_did_not_keep_names_what_it_kept(str
         next(job.stream(3, 8, site="mlp_out"))
 
 
+def test_a_job_cancelled_while_it_streams_raises_job_cancelled(client):
+    from harvest_client import JobCancelled
+
+    prompts = [f"{p} " + "a long and winding residual stream " * 12 for p in corpus(64)]
+    job = client.submit(prompts, model=MODEL, layers=[3], shard_size=1)
+    batches = job.stream(3, 16, shuffle_buffer=0, poll_s=0.05)
+    next(batches)
+    client.job(job.id).cancel()
+    with pytest.raises(JobCancelled, match=job.id):
+        for _ in batches:
+            pass
+
+
 def test_the_shuffle_buffer_lets_every_row_out_exactly_once_within_its_memory():
     rng = np.random.default_rng(0)
     buffer = ShuffleBuffer(7, 1, rng)
