@@ -59,6 +59,13 @@ struct Shape {
     bos_token_id: Option<serde_json::Value>,
 }
 
+/// `GET /v1/models`.
+#[derive(Debug, utoipa::ToSchema)]
+pub struct ModelList {
+    /// The catalogue.
+    pub models: Vec<ModelView>,
+}
+
 /// A model as `GET /v1/models` lists it. An unavailable one (an optional entry whose files are
 /// missing) has `available: false` and `unavailable_reason`, and no shape.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]

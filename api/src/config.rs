@@ -2,11 +2,15 @@
 //! things live), with flags and environment variables overriding the paths.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use harvest_core::quota::{AccountLimits, Lane};
 use serde::Deserialize;
 
 use crate::error::StartupError;
+
+/// Longest a submit may spend counting tokens, unless the configuration says otherwise.
+pub const COUNT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long download links live: the S3-style maximum of 7 days.
 pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;
@@ -173,7 +177,7 @@ fn default_grace() -> u64 {
 }
 
 fn default_count_timeout() -> f64 {
-    crate::app::COUNT_TIMEOUT.as_secs_f64()
+    COUNT_TIMEOUT.as_secs_f64()
 }
 
 fn default_ttl() -> u64 {

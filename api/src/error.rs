@@ -192,7 +192,7 @@ pub enum StartupError {
     Config(String),
     /// The store could not be opened.
     #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
+    Store(String),
     /// A file or socket failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -202,22 +202,6 @@ impl StartupError {
     /// Shorthand for [`StartupError::Config`].
     pub fn config(message: impl Into<String>) -> Self {
         Self::Config(message.into())
-    }
-}
-
-impl From<crate::store::StoreError> for ApiError {
-    fn from(error: crate::store::StoreError) -> Self {
-        use crate::store::StoreError as S;
-        match error {
-            S::Denied(denial) => Self::Denied(denial),
-            S::Lifecycle(e) => Self::NotCancellable {
-                message: e.to_string(),
-            },
-            S::NotFound { .. } => Self::NotFound,
-            other => Self::Internal {
-                detail: other.to_string(),
-            },
-        }
     }
 }
 
@@ -234,6 +218,24 @@ impl IntoResponse for ApiError {
         }
         response
     }
+}
+
+/// The error envelope every error is answered with.
+#[derive(Debug, utoipa::ToSchema)]
+pub struct ErrorEnvelope {
+    /// The error.
+    pub error: ErrorBody,
+}
+
+/// One error.
+#[derive(Debug, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// A stable machine-readable code, e.g. `harvest_concurrency_exceeded`.
+    pub code: String,
+    /// What went wrong and what to do.
+    pub message: String,
+    /// The job concerned, where one was recorded (503 `harvest_unavailable`).
+    pub job_id: Option<String>,
 }
 
 #[cfg(test)]

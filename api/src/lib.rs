@@ -11,11 +11,11 @@
 //!            backend::JobBackend ─┬─ embedded: store (SQLite) + workers (harvester processes)
 //!                                 └─ kubernetes: HarvestJobs, watch caches, storage (S3)
 //! ```
-//! `app` holds the state and the router, `routes` the handlers (`listing` the job list and the
-//! account's usage, `page` the status page's built-in files, `ready` the shards of a running
-//! job that can be read already), `signing` the links this
-//! server signs, `paths` where a job's files live, and `server` wires one backend up and
-//! serves until shutdown.
+//! `state` holds what the handlers share, `app` the router, `routes` the handlers (`listing`
+//! the job list and the account's usage, `page` the status page's built-in files, `ready` the
+//! shards of a running job that can be read already), `signing` the links this server signs,
+//! `paths` where a job's files live, and `server` wires one backend up and serves until
+//! shutdown.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -39,6 +39,7 @@ pub mod ready;
 pub mod routes;
 pub mod server;
 pub mod signing;
+pub mod state;
 pub mod storage;
 pub mod store;
 pub mod wire;

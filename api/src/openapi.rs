@@ -3,39 +3,15 @@
 //! difference.
 
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{Modify, OpenApi};
 
-use crate::catalogue::ModelView;
+use crate::catalogue::{ModelList, ModelView};
+use crate::error::{ErrorBody, ErrorEnvelope};
 use crate::listing::{JobList, LaneUsage, Measure, TokenUsage, Usage};
 use crate::wire::{
     DryRun, Estimate, FileSizes, HarvestRequest, JobResult, JobView, PartialInfo, Progress,
     ProjectOnto, ReadyShardUrl, ResultTimings, ShardFiles,
 };
-
-/// The error envelope every error is answered with.
-#[derive(Debug, ToSchema)]
-pub struct ErrorEnvelope {
-    /// The error.
-    pub error: ErrorBody,
-}
-
-/// One error.
-#[derive(Debug, ToSchema)]
-pub struct ErrorBody {
-    /// A stable machine-readable code, e.g. `harvest_concurrency_exceeded`.
-    pub code: String,
-    /// What went wrong and what to do.
-    pub message: String,
-    /// The job concerned, where one was recorded (503 `harvest_unavailable`).
-    pub job_id: Option<String>,
-}
-
-/// `GET /v1/models`.
-#[derive(Debug, ToSchema)]
-pub struct ModelList {
-    /// The catalogue.
-    pub models: Vec<ModelView>,
-}
 
 struct BearerAuth;
 

@@ -14,8 +14,14 @@ use std::time::Duration;
 use harvest_core::clock::UnixMillis;
 use serde::{Deserialize, Serialize};
 
-use crate::app::{COUNTS_SERVER_WIDE, LONG_POLLS_PER_KEY, LONG_POLLS_SERVER_WIDE};
 use crate::error::ApiError;
+
+/// Submits counted at once, server-wide (one per account besides).
+pub const COUNTS_SERVER_WIDE: usize = 2;
+/// Long-polls waiting at once per key.
+pub const LONG_POLLS_PER_KEY: usize = 4;
+/// Long-polls waiting at once, server-wide.
+pub const LONG_POLLS_SERVER_WIDE: usize = 8;
 
 /// How long past its holder's own end a permit lasts, so that clocks a little apart between
 /// replicas never expire a live one.

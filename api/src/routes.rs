@@ -16,7 +16,6 @@ use harvest_core::lifecycle::JobStatus;
 use serde::Deserialize;
 use tower::ServiceExt;
 
-use crate::app::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
 use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
 use crate::counting::{self, Counted, Counts};
@@ -24,6 +23,7 @@ use crate::error::ApiError;
 use crate::listing::{JobFilter, JobList, Usage};
 use crate::paths::{JobPaths, now};
 use crate::permits::Scope;
+use crate::state::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
 use crate::store::{JobRecord, JobSpec};
 use crate::wire::{
     self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, PartialInfo, ReadyShardUrl,
@@ -83,12 +83,12 @@ fn json_rejection(rejection: &JsonRejection) -> ApiError {
 #[utoipa::path(post, tag = "harvest", path = "/v1/harvest", request_body = HarvestRequest, security(("bearer" = [])),
     responses((status = 202, description = "The job, pending", body = JobView),
         (status = 200, description = "With dry_run (our extension): what the job would be; no job is made and no quota is used", body = DryRun),
-        (status = 400, description = "invalid_request or harvest_too_large", body = crate::openapi::ErrorEnvelope),
-        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
-        (status = 413, description = "payload_too_large", body = crate::openapi::ErrorEnvelope),
-        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::openapi::ErrorEnvelope),
-        (status = 507, description = "insufficient_storage (our extension): the job's files would not fit the server's disk or the account's storage budget", body = crate::openapi::ErrorEnvelope),
-        (status = 503, description = "harvest_unavailable, with the job id", body = crate::openapi::ErrorEnvelope)))]
+        (status = 400, description = "invalid_request or harvest_too_large", body = crate::error::ErrorEnvelope),
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::error::ErrorEnvelope),
+        (status = 507, description = "insufficient_storage (our extension): the job's files would not fit the server's disk or the account's storage budget", body = crate::error::ErrorEnvelope),
+        (status = 503, description = "harvest_unavailable, with the job id", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn submit(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -495,8 +495,8 @@ fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
         ("wait" = Option<String>, Query, description = "Seconds to wait for the status to change, at most 60"),
         ("partial" = Option<String>, Query, description = "Our extension: true adds ready_shard_urls, the finished shards of a pending or running job")),
     responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
-        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope),
-        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope)))]
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
+        (status = 404, description = "not_found", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn status(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -540,8 +540,8 @@ pub(crate) async fn status(
         ("after" = Option<String>, Query, description = "Only jobs older than this one: the next_after of the previous page"),
         ("status" = Option<String>, Query, description = "Only jobs in this status: pending, running, done, failed or cancelled")),
     responses((status = 200, description = "A page of jobs, each without its result (GET the job for its links)", body = JobList),
-        (status = 400, description = "invalid_request, naming the parameter", body = crate::openapi::ErrorEnvelope),
-        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope)))]
+        (status = 400, description = "invalid_request, naming the parameter", body = crate::error::ErrorEnvelope),
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn list(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -565,7 +565,7 @@ pub(crate) async fn list(
 /// against its limit (our extension).
 #[utoipa::path(get, tag = "harvest", path = "/v1/account", security(("bearer" = [])),
     responses((status = 200, description = "The account's usage", body = Usage),
-        (status = 401, description = "invalid_api_key", body = crate::openapi::ErrorEnvelope)))]
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn account(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -577,8 +577,8 @@ pub(crate) async fn account(
 #[utoipa::path(delete, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
     params(("job_id" = String, Path, description = "The job's UUID")),
     responses((status = 200, description = "The cancelled job", body = JobView),
-        (status = 404, description = "not_found", body = crate::openapi::ErrorEnvelope),
-        (status = 409, description = "harvest_not_cancellable", body = crate::openapi::ErrorEnvelope)))]
+        (status = 404, description = "not_found", body = crate::error::ErrorEnvelope),
+        (status = 409, description = "harvest_not_cancellable", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn cancel(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -591,7 +591,7 @@ pub(crate) async fn cancel(
 
 /// The models catalogue.
 #[utoipa::path(get, tag = "harvest", path = "/v1/models", security(("bearer" = [])),
-    responses((status = 200, description = "The models", body = crate::openapi::ModelList)))]
+    responses((status = 200, description = "The models", body = crate::catalogue::ModelList)))]
 pub(crate) async fn models(
     State(state): State<Arc<AppState>>,
     _caller: Caller,

@@ -15,6 +15,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::error::ApiError;
 use crate::wire::{JobResult, Progress};
 
 /// Errors of the store.
@@ -52,6 +53,28 @@ pub enum StoreError {
         /// The accounts it names keys of.
         accounts: Vec<String>,
     },
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        use StoreError as S;
+        match error {
+            S::Denied(denial) => Self::Denied(denial),
+            S::Lifecycle(e) => Self::NotCancellable {
+                message: e.to_string(),
+            },
+            S::NotFound { .. } => Self::NotFound,
+            other => Self::Internal {
+                detail: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<StoreError> for crate::error::StartupError {
+    fn from(error: StoreError) -> Self {
+        Self::Store(error.to_string())
+    }
 }
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;

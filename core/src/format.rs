@@ -134,16 +134,16 @@ impl Manifest {
         let stats = self.stats_file.as_ref().map(|f| f.file.clone());
         data.chain(train)
             .chain(stats)
-            .chain([
-                crate::worker::RESULT_FILE.to_owned(),
-                MANIFEST_FILE.to_owned(),
-            ])
+            .chain([RESULT_FILE.to_owned(), MANIFEST_FILE.to_owned()])
             .collect()
     }
 }
 
 /// The manifest's file name, at the top of a harvest's output.
 pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// The run's summary beside the outputs (the worker protocol's `RunResult`).
+pub const RESULT_FILE: &str = "result.json";
 
 fn is_by_prompt(layout: &LayoutName) -> bool {
     *layout == LayoutName::ByPrompt

@@ -26,11 +26,16 @@ pub enum LayoutName {
     Shuffled,
 }
 
+/// The file name of shard `shard`.
+pub fn shard_file_name(shard: usize) -> String {
+    format!("shard_{shard:05}.safetensors")
+}
+
 impl LayoutName {
     /// The name of output file `index` of this layout: a shard or a training file.
     pub fn file_name(self, index: usize) -> String {
         match self {
-            Self::ByPrompt => crate::plan::shard_file_name(index),
+            Self::ByPrompt => shard_file_name(index),
             Self::Shuffled => train_file_name(index),
         }
     }

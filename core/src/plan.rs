@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
+/// The file name of shard `shard` (the by-prompt layout's files).
+pub use crate::layout::shard_file_name;
 use crate::layout::{Layout, LayoutError, LayoutName};
 use crate::model::ModelShape;
 use crate::selection::{RawSelection, SelectionError, TokenSelection};
@@ -569,11 +571,6 @@ pub fn shard_prompts(
 ) -> std::ops::Range<usize> {
     let size = shard_size.get();
     (shard * size).min(n_prompts)..((shard + 1) * size).min(n_prompts)
-}
-
-/// The file name of shard `shard`.
-pub fn shard_file_name(shard: usize) -> String {
-    format!("shard_{shard:05}.safetensors")
 }
 
 #[cfg(test)]

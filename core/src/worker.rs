@@ -14,8 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::Contents;
 
-/// The result summary beside the outputs.
-pub const RESULT_FILE: &str = "result.json";
+pub use crate::format::RESULT_FILE;
 /// Most bytes Kubernetes keeps of a termination message.
 pub const TERMINATION_MESSAGE_LIMIT: usize = 4096;
 

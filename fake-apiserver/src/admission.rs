@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::store::ApiError;
+use crate::error::ApiError;
 
 /// Looks an object up by plural (core group), namespace and name.
 pub type Lookup<'a> = dyn Fn(&str, &str, &str) -> Option<&'a Value> + 'a;
@@ -12,7 +12,7 @@ pub type Lookup<'a> = dyn Fn(&str, &str, &str) -> Option<&'a Value> + 'a;
 /// Admits `pod` into namespace `ns`, or says why not with the apiserver's 403.
 pub fn pod(lookup: &Lookup<'_>, ns: &str, pod: &Value) -> Result<(), ApiError> {
     let name = pod["metadata"]["name"].as_str().unwrap_or_default();
-    let account = crate::launch::service_account(pod);
+    let account = service_account(pod);
     // Kubernetes' ServiceAccount controller makes `default` in every namespace.
     if account != "default" && lookup("serviceaccounts", ns, account).is_none() {
         return Err(ApiError::new(
@@ -116,6 +116,14 @@ pub fn restricted_violations(pod: &Value) -> Vec<String> {
         }
     }
     problems
+}
+
+/// The Pod's ServiceAccount (`default` when unnamed).
+pub fn service_account(pod: &Value) -> &str {
+    pod["spec"]["serviceAccountName"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .unwrap_or("default")
 }
 
 #[cfg(test)]

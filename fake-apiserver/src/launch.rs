@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::admission::service_account;
 use crate::store::{ResourceKey, Store};
 
 /// Where a Pod runs on this machine.
@@ -193,14 +194,6 @@ fn pod_field(pod: &Value, path: &str, ip: &str) -> Option<String> {
             }
         }
     }
-}
-
-/// The Pod's ServiceAccount (`default` when unnamed).
-pub fn service_account(pod: &Value) -> &str {
-    pod["spec"]["serviceAccountName"]
-        .as_str()
-        .filter(|s| !s.is_empty())
-        .unwrap_or("default")
 }
 
 /// `$(NAME)` references to defined variables expanded; `$$` escapes; others left as written.

@@ -21,6 +21,7 @@
 
 pub mod admission;
 pub mod controllers;
+pub mod error;
 pub mod http;
 pub mod kinds;
 pub mod kubelet;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use harvest_core::worker::{ErrorKind, ExitStatus};
 
-pub use crate::backend::cuda::CudaError;
+pub use crate::backend::cuda::error::CudaError;
 
 /// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
 
 use harvest_core::quota::Lane;
 use harvest_core::{ModelShape, ServedModel};
@@ -12,7 +11,6 @@ use k8s_openapi::api::core::v1::{
 };
 use serde::Deserialize;
 
-use crate::decide::Policy;
 use crate::error::Error;
 
 /// One model of the catalogue and the Pod that runs it.
@@ -365,16 +363,6 @@ impl OperatorConfig {
     pub fn model_names(&self) -> Vec<String> {
         self.models.iter().map(|m| m.name.clone()).collect()
     }
-
-    /// The limits the pure decision applies.
-    pub fn policy(&self) -> Policy {
-        Policy {
-            retry_base: Duration::from_secs(self.retry_base_seconds),
-            max_infrastructure_retries: self.max_infrastructure_retries,
-            admission_poll: Duration::from_secs(self.admission_poll_seconds),
-            progress_refresh: Duration::from_secs(self.progress_refresh_seconds),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -399,9 +387,7 @@ lanes: {small: 2, large: 1}
         let config = OperatorConfig::parse(EXAMPLE).unwrap();
         assert_eq!(config.model("smollm2-135m").unwrap().gpus, 1);
         assert_eq!(config.worker_service_account, "harvest-worker");
-        assert_eq!(config.policy().retry_delay(1), Duration::from_secs(10));
-        assert_eq!(config.policy().retry_delay(3), Duration::from_secs(40));
-        assert_eq!(config.policy().retry_delay(30), Duration::from_secs(300));
+        assert_eq!(config.retry_base_seconds, 10, "the default retry base");
     }
 
     #[test]

@@ -3,23 +3,22 @@
 //! waiting job into its account's books and the cluster's lanes.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestAccount, HarvestJob, SpecError};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::Recorder;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 
 use crate::accounts::{self, Binding};
 use crate::admission::{self, Admission, QueueEntry, QueueState};
 use crate::config::OperatorConfig;
 use crate::error::{Error, Result};
-use crate::ledger;
+use crate::holds;
 use crate::metrics::Metrics;
-use crate::reconcile::key_of;
 use crate::slots;
 
 /// What every reconcile shares.
@@ -78,12 +77,18 @@ impl std::fmt::Debug for Context {
     }
 }
 
+pub(crate) fn key_of(job: &HarvestJob) -> String {
+    format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
+}
+
 impl Context {
+    /// The cached HarvestAccount `name`.
+    pub fn account(&self, name: &str) -> Option<Arc<HarvestAccount>> {
+        self.accounts.get(&ObjectRef::new(name))
+    }
+
     /// The account that pays for `job`, from the cache.
-    pub(crate) fn paying_account(
-        &self,
-        job: &HarvestJob,
-    ) -> Option<std::sync::Arc<HarvestAccount>> {
+    pub(crate) fn paying_account(&self, job: &HarvestJob) -> Option<Arc<HarvestAccount>> {
         let all_accounts = self.accounts.state();
         let binding =
             accounts::bind(job, &all_accounts, self.config.api_namespace.as_deref()).ok()?;
@@ -334,7 +339,7 @@ impl Context {
             self.forget_admission(job);
             return Err(Error::StaleCache { job: key_of(job) });
         }
-        let Some(account) = ledger::cached(self, &binding.account) else {
+        let Some(account) = self.account(&binding.account) else {
             // Deleted since it was bound a moment ago.
             self.forget_admission(job);
             let unbound = accounts::Unbound::UnknownAccount {
@@ -346,7 +351,7 @@ impl Context {
             };
             return Ok((wait, None));
         };
-        match ledger::hold(self, job, &account, &binding, lane, tokens, now).await {
+        match holds::hold(&self.client, job, &account, &binding, lane, tokens, now).await {
             Ok(None) => Ok((Admission::Admit, Some(binding.account))),
             Ok(Some(denial)) => {
                 self.forget_admission(job);

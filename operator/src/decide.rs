@@ -27,6 +27,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 
 use crate::admission::Admission;
+use crate::config::OperatorConfig;
 use crate::pod::{Attempt, Blame, Failure, PodState, Role, role_pod_name};
 
 /// The limits `decide` applies, from the operator's configuration.
@@ -40,6 +41,18 @@ pub struct Policy {
     pub admission_poll: Duration,
     /// How often a running job's progress is read from its worker's log.
     pub progress_refresh: Duration,
+}
+
+impl From<&OperatorConfig> for Policy {
+    /// The limits the configuration sets.
+    fn from(config: &OperatorConfig) -> Self {
+        Self {
+            retry_base: Duration::from_secs(config.retry_base_seconds),
+            max_infrastructure_retries: config.max_infrastructure_retries,
+            admission_poll: Duration::from_secs(config.admission_poll_seconds),
+            progress_refresh: Duration::from_secs(config.progress_refresh_seconds),
+        }
+    }
 }
 
 impl Policy {

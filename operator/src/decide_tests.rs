@@ -745,3 +745,15 @@ fn suspending_a_job_in_parts_stops_its_parts_and_resuming_starts_only_the_unfini
         })
     )));
 }
+
+#[test]
+fn the_configured_retry_base_doubles_per_counted_failure_up_to_five_minutes() {
+    let config = OperatorConfig::parse(
+        "models:\n  - {name: m, path: /m, numLayers: 2, hiddenSize: 8, lane: small, image: i, gpus: 1}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap();
+    let policy = Policy::from(&config);
+    assert_eq!(policy.retry_delay(1), Duration::from_secs(10));
+    assert_eq!(policy.retry_delay(3), Duration::from_secs(40));
+    assert_eq!(policy.retry_delay(30), Duration::from_secs(300));
+}

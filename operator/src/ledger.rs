@@ -1,6 +1,5 @@
-//! The accounts' books on the cluster: taking a job's hold in its HarvestAccount's status at
-//! admission, and the account controller that settles holds, rolls the UTC windows and counts
-//! pending jobs. Every write is a status replace with a resourceVersion precondition, so two
+//! The accounts' books on the cluster: the account controller that settles holds, rolls the
+//! UTC windows and counts pending jobs (a job's hold is taken at admission, in `holds`). Every write is a status replace with a resourceVersion precondition, so two
 //! writers (two reconciles, or a restarted leader) cannot both spend the same budget; holds are
 //! keyed by job UID, so a repeated admission or settlement changes nothing.
 //!
@@ -12,78 +11,27 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use harvest_core::quota::{Admitted, Denial, Lane};
 use harvest_crds::{HarvestAccount, HarvestJob, account::millis};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::PostParams;
 use kube::runtime::controller::Action as Requeue;
-use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use tracing::{info, instrument};
 
-use crate::accounts::{self, Binding};
+use crate::accounts;
+use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::holds::post_params;
 use crate::metrics::AccountUsage;
-use crate::reconcile::Context;
 
-/// The field manager of the operator's writes.
-const MANAGER: &str = "harvest-operator";
 /// How often an account is looked at with nothing changing (window roll-over, stale holds).
 const ACCOUNT_RESYNC: Duration = Duration::from_secs(60);
 /// How often an account with open holds is looked at: the job cache this controller reads can
 /// lag the job watch that woke it, so a job that just finished may not look finished yet.
 const HOLDS_RESYNC: Duration = Duration::from_secs(2);
 
-fn post_params() -> PostParams {
-    PostParams {
-        field_manager: Some(MANAGER.into()),
-        ..PostParams::default()
-    }
-}
-
 /// The cached account `name`.
 pub fn cached(ctx: &Context, name: &str) -> Option<Arc<HarvestAccount>> {
-    ctx.accounts.get(&ObjectRef::new(name))
-}
-
-/// Takes `job`'s hold in `account`'s books (from the cache), unless it holds one already.
-/// `Ok(Some(denial))` when the account's limits say wait.
-pub async fn hold(
-    ctx: &Context,
-    job: &HarvestJob,
-    account: &HarvestAccount,
-    binding: &Binding,
-    lane: Lane,
-    tokens: u64,
-    now: Timestamp,
-) -> Result<Option<Denial>> {
-    let uid = job.uid().ok_or_else(|| Error::MissingUid {
-        job: job.name_any(),
-    })?;
-    let now = millis(now);
-    let mut status = account.status_or_default();
-    let mut book = status.book(now);
-    book.roll(now);
-    let limits = account.spec.limits();
-    match book.admit(&uid, &binding.key, &limits, lane, tokens, now) {
-        Err(denial) => Ok(Some(denial)),
-        Ok(Admitted::AlreadyHeld) => Ok(None),
-        Ok(Admitted::New) => {
-            let names = BTreeMap::from([(
-                uid,
-                format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any()),
-            )]);
-            status.store(&book, &limits, &names, now);
-            let mut updated = account.clone();
-            updated.status = Some(status);
-            let accounts: Api<HarvestAccount> = Api::all(ctx.client.clone());
-            accounts
-                .replace_status(&account.name_any(), &post_params(), &updated)
-                .await?;
-            info!(account = %binding.account, tokens, %lane, "hold taken");
-            Ok(None)
-        }
-    }
+    ctx.account(name)
 }
 
 /// Whether `job` still holds tokens in its account (it may not be deleted by TTL until settled).

@@ -22,6 +22,7 @@ pub mod decide;
 pub mod error;
 #[cfg(test)]
 mod fixtures;
+pub mod holds;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;

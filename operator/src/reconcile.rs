@@ -18,7 +18,8 @@ use tracing::{info, instrument, warn};
 
 use crate::admission::Admission;
 pub use crate::context::Context;
-use crate::decide::{Action, Decision, FAILED_CREATE, Observed, Workers, decide};
+pub(crate) use crate::context::key_of;
+use crate::decide::{Action, Decision, FAILED_CREATE, Observed, Policy, Workers, decide};
 use crate::error::{Error, Result};
 use crate::pod::{PodState, observe_for_job, render, reported_progress};
 use crate::{cleanup, ledger};
@@ -34,10 +35,6 @@ pub const WORKER_FINALIZER: &str = "harvest.dev/worker";
 const MANAGER: &str = "harvest-operator";
 /// Log lines read for the newest progress report (the worker writes one per batch).
 const PROGRESS_LOG_LINES: i64 = 20;
-
-pub(crate) fn key_of(job: &HarvestJob) -> String {
-    format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
-}
 
 /// One reconcile of one job: observe, decide (pure, in `decide`), then apply.
 #[instrument(skip_all, fields(job = %key_of(&job)))]
@@ -67,7 +64,7 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
         && !job.spec.suspend
         && !job.spec.cancel;
     let observed = shell.observe(&checked, waiting, now).await?;
-    let decision = decide(&observed, &ctx.config.policy());
+    let decision = decide(&observed, &Policy::from(&ctx.config));
     let mut decision = decision;
     if let Some(refusal) = shell.apply_pods(&decision, &checked).await? {
         // The next reconcile reads this condition as the attempt's failure.

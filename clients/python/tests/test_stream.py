@@ -53,7 +53,7 @@ def streamed(client, tmp_path_factory):
 
 def test_a_stream_started_mid_job_yields_the_rows_token_batches_reads_from_the_finished_job(streamed):
     _, batches, report, reader = streamed
-    print(f"stream: {report.early_shards} of {report.shards} shards read while the job ran, {report.rows} rows, {report.rows_per_second():,.0f} rows/s")
+    print(f"\nstream: {report.early_shards} of {report.shards} shards read while the job ran, {report.rows} rows, {report.rows_per_second():,.0f} rows/s")
     assert report.early_shards >= 1, "some shards were read while the job ran"
     assert report.shards == 20 and report.rows == reader.n_tokens()
     assert all(b.shape == (64, 576) and b.dtype == np.float32 for b in batches[:-1])

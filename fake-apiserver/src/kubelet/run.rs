@@ -136,7 +136,7 @@ impl PodTask {
 
     fn token(&self) -> Option<String> {
         let (ns, _) = self.name();
-        let account = launch::service_account(&self.pod);
+        let account = crate::admission::service_account(&self.pod);
         let declared = self.pod["spec"]["automountServiceAccountToken"]
             .as_bool()
             .or_else(|| {

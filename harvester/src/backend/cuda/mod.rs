@@ -17,7 +17,7 @@
 mod download;
 #[cfg(test)]
 mod emulation;
-mod error;
+pub(crate) mod error;
 pub mod forward;
 pub mod info;
 pub mod kernels;
