@@ -5,10 +5,10 @@ use std::fmt::Write;
 
 use crate::config::ServerConfig;
 use crate::error::StartupError;
+use crate::keys::KeyInfo;
 use crate::kubernetes;
 use crate::paths::now;
 use crate::server::open_store;
-use crate::store::KeyInfo;
 
 /// Why an admin command failed.
 #[derive(Debug, thiserror::Error)]
@@ -18,7 +18,7 @@ pub enum AdminError {
     Startup(#[from] StartupError),
     /// The store refused.
     #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] crate::embedded::store::StoreError),
     /// The cluster refused.
     #[error(transparent)]
     Kube(#[from] kubernetes::KubeBackendError),

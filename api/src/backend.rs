@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::job::JobRecord;
 use crate::listing::{JobFilter, JobPage, Usage};
-use crate::store::JobRecord;
 use crate::wire::{JobResult, Submission};
 use harvest_core::lifecycle::JobStatus;
 
@@ -145,7 +145,7 @@ mod tests {
                 result: None,
                 error: None,
                 progress: None,
-                spec: crate::store::JobSpec {
+                spec: crate::job::JobSpec {
                     layers: vec![0],
                     sites: harvest_core::Sites::default(),
                     selection: Default::default(),

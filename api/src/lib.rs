@@ -8,14 +8,17 @@
 //! HTTP ──routes (Caller, AppJson)──wire::HarvestRequest──validate(ServedModel)──► wire::Submission
 //!                                                                    │ errors: error::ApiError
 //!                                                                    ▼   (one status/code table)
-//!            backend::JobBackend ─┬─ embedded: store (SQLite) + workers (harvester processes)
-//!                                 └─ kubernetes: HarvestJobs, watch caches, storage (S3)
+//!            backend::JobBackend ─┬─ embedded/: store (SQLite), workers (harvester processes), gpus
+//!                                 └─ kubernetes/: HarvestJobs, watch caches, lookups, cancel, limits
 //! ```
-//! `state` holds what the handlers share, `app` the router, `routes` the handlers (`listing`
-//! the job list and the account's usage, `page` the status page's built-in files, `ready` the
-//! shards of a running job that can be read already), `signing` the links this server signs,
-//! `paths` where a job's files live, and `server` wires one backend up and serves until
-//! shutdown.
+//! The handlers and the wire types depend on neither backend: they see jobs as `job::JobRecord`
+//! and callers as `backend::Caller`, keys by `keys` (only hashes are kept). `state` holds what
+//! the handlers share, `app` the router, `routes` the handlers (`listing` the job list and the
+//! account's usage, `page` the status page's built-in files, `ready` the shards of a running
+//! job that can be read already), `signing` the links this server signs (both backends, for
+//! local outputs), `storage` where outputs live (local or S3), `paths` where a job's files live
+//! in the data directory. `server` and `admin` are the only modules that know both backends:
+//! they wire one up and serve, or run the key commands.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -26,10 +29,10 @@ pub mod config;
 pub mod counting;
 pub mod embedded;
 pub mod error;
-pub mod gpus;
+pub mod job;
+pub mod keys;
 pub mod kubernetes;
 pub mod listing;
-pub mod lookups;
 pub mod openapi;
 pub mod page;
 pub mod paths;
@@ -41,8 +44,6 @@ pub mod server;
 pub mod signing;
 pub mod state;
 pub mod storage;
-pub mod store;
 pub mod wire;
-pub mod workers;
 
 pub use error::ApiError;

@@ -11,7 +11,7 @@ use harvest_core::quota::{AccountLimits, Ledger};
 use serde::Serialize;
 
 use crate::error::ApiError;
-use crate::store::JobRecord;
+use crate::job::JobRecord;
 use crate::wire::{self, JobView};
 
 /// Jobs in a page when `limit` is not given.
@@ -243,7 +243,7 @@ mod tests {
             result: None,
             error: None,
             progress: None,
-            spec: crate::store::JobSpec {
+            spec: crate::job::JobSpec {
                 layers: vec![0],
                 sites: harvest_core::Sites::default(),
                 selection: Default::default(),

@@ -20,11 +20,11 @@ use crate::backend::Caller;
 use crate::catalogue::CatalogueModel;
 use crate::counting::{self, Counted, Counts};
 use crate::error::ApiError;
+use crate::job::{JobRecord, JobSpec};
 use crate::listing::{JobFilter, JobList, Usage};
 use crate::paths::{JobPaths, now};
 use crate::permits::Scope;
 use crate::state::{AppState, LONG_POLL_RETRY_AFTER_S, MAX_BODY_BYTES, MAX_JOB_TOKENS, MAX_WAIT_S};
-use crate::store::{JobRecord, JobSpec};
 use crate::wire::{
     self, DryRun, Estimate, FileSizes, HarvestRequest, JobView, PartialInfo, ReadyShardUrl,
     ShardFiles, Submission,

@@ -10,14 +10,14 @@ use crate::app::{AppState, router};
 use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
 use crate::config::{KubernetesConfig, ServerConfig};
+use crate::embedded::store::Store;
+use crate::embedded::workers::{WorkerConfig, Workers};
 use crate::embedded::{EmbeddedBackend, StoragePolicy};
 pub use crate::error::StartupError;
 use crate::kubernetes::KubeBackend;
 use crate::paths::now;
 use crate::signing::{Links, Signer};
 use crate::storage::Storage;
-use crate::store::Store;
-use crate::workers::{WorkerConfig, Workers};
 
 /// Opens the store at the configured data directory (the database created readable by its
 /// owner only) with its accounts as the configuration lists them: accounts no longer listed

@@ -147,7 +147,7 @@ impl AppState {
         let Some(limiter) = &self.rate_limiter else {
             return Ok(());
         };
-        let hash = crate::store::key_hash(key);
+        let hash = crate::keys::key_hash(key);
         let mut limiter = limiter
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);

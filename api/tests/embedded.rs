@@ -116,7 +116,8 @@ fn a_server_killed_mid_job_finishes_it_after_a_restart_without_double_charging()
     );
     let shard = reqwest::blocking_get(done["result"]["shard_urls"][5].as_str().unwrap()).unwrap();
     assert!(!shard.is_empty());
-    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let store =
+        harvest_api::embedded::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
     let (_, ledger) = store.account("acme").unwrap();
     assert_eq!(
         ledger.tokens_today,
@@ -191,7 +192,8 @@ fn a_harvester_killed_by_a_signal_is_run_again_and_the_job_is_charged_once() {
     });
     assert_eq!(done["status"], "done", "{done}");
     assert!(!first.is_empty() && harvester_pids(&id).is_empty());
-    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let store =
+        harvest_api::embedded::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
     let (_, ledger) = store.account("acme").unwrap();
     assert_eq!(
         ledger.tokens_today,
@@ -242,7 +244,7 @@ fn a_harvester_gets_none_of_the_servers_environment_but_what_it_needs() {
     );
     for name in &names {
         assert!(
-            harvest_api::workers::PASSED_ENV.contains(&name.as_str())
+            harvest_api::embedded::workers::PASSED_ENV.contains(&name.as_str())
                 || ["RUST_LOG", "HARVEST_THREADS"].contains(&name.as_str()),
             "{name} reached the harvester"
         );
@@ -492,7 +494,8 @@ fn a_random_part_killed_mid_job_is_run_again_from_its_records_and_the_job_is_cha
         assert_eq!(job_files(&done), job_files(&single), "{parallelism} parts");
         charged += done["tokens"].as_u64().unwrap();
     }
-    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let store =
+        harvest_api::embedded::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
     let (_, ledger) = store.account("acme").unwrap();
     assert_eq!(ledger.tokens_today, charged, "each job charged once");
 }

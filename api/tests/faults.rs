@@ -164,7 +164,8 @@ fn kills_of_the_server_and_its_workers_lose_no_job_no_charge_and_no_file() {
     }
     // Let every job end, on a server left alone (also a job admitted just before a kill, whose
     // 202 never reached its client).
-    let store = harvest_api::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
+    let store =
+        harvest_api::embedded::store::Store::open(&dir.path().join("data/harvest.sqlite")).unwrap();
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let open: Vec<String> = ["acme", "other"]
@@ -196,7 +197,7 @@ fn kills_of_the_server_and_its_workers_lose_no_job_no_charge_and_no_file() {
 /// where jobs are; no harvester left.
 fn check_books_files_and_processes(
     dir: &Path,
-    store: &harvest_api::store::Store,
+    store: &harvest_api::embedded::store::Store,
     answered: &BTreeMap<String, usize>,
 ) {
     let mut all = Vec::new();

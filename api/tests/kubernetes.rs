@@ -498,7 +498,8 @@ fn junk_keys_and_unknown_job_ids_cost_the_apiserver_next_to_nothing() {
         assert_eq!(status, 404);
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let budget = (harvest_api::lookups::LIVE_LOOKUPS_PER_SECOND * (1.0 + elapsed)).ceil() as u64;
+    let budget =
+        (harvest_api::kubernetes::lookups::LIVE_LOOKUPS_PER_SECOND * (1.0 + elapsed)).ceil() as u64;
     let secret_gets = store.requests("GET", "/secrets/") - secrets;
     let job_gets = store.requests("GET", "/harvestjobs/") - jobs;
     println!(

@@ -20,7 +20,7 @@ use tower::ServiceExt;
 struct Fixture {
     _dir: tempfile::TempDir,
     state: Arc<AppState>,
-    store: Arc<harvest_api::store::Store>,
+    store: Arc<harvest_api::embedded::store::Store>,
     key: String,
     other_key: String,
 }
@@ -607,7 +607,7 @@ async fn a_done_job_whose_files_are_gone_says_urls_expired() {
     f.store
         .apply(id, JobEvent::Started, Default::default(), now)
         .unwrap();
-    let outcome = harvest_api::store::Outcome {
+    let outcome = harvest_api::embedded::store::Outcome {
         result: Some(result),
         error: None,
     };

@@ -1,6 +1,6 @@
 //! The embedded backend: jobs, accounts and keys in the SQLite [`Store`], each job run by a
 //! `harvester` child process of the [`Workers`] pool, outputs in the data directory, and links
-//! this server signs and serves itself. Store calls run on Tokio's blocking threads, so a slow
+//! this server signs and serves itself (`gpus` hands its devices to workers). Store calls run on Tokio's blocking threads, so a slow
 //! disk never stalls the async workers.
 
 use std::collections::HashMap;
@@ -14,15 +14,20 @@ use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::{Location, ResolvedPlan};
 use tokio::sync::watch;
 
+pub mod gpus;
+pub mod store;
+pub mod workers;
+
+use self::store::{Outcome, Store, StoreError};
+use self::workers::Workers;
 use crate::backend::{Caller, JobBackend};
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::job::JobRecord;
 use crate::listing::{self, JobFilter, JobPage, Measure, Usage};
 use crate::paths::{JobPaths, now};
 use crate::signing::Links;
-use crate::store::{JobRecord, Outcome, Store, StoreError};
 use crate::wire::{JobResult, Submission};
-use crate::workers::Workers;
 
 /// How the embedded backend keeps its disk from filling.
 #[derive(Debug, Clone, Default)]

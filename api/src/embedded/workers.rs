@@ -24,9 +24,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::{Semaphore, oneshot, watch};
 
-use crate::gpus::GpuPool;
+use crate::embedded::gpus::GpuPool;
+use crate::embedded::store::{Outcome, Store};
 use crate::paths::{JobPaths, now};
-use crate::store::{Outcome, Store};
 use crate::wire::{JobResult, Progress};
 
 /// Why a worker could not run its job.
@@ -34,7 +34,7 @@ use crate::wire::{JobResult, Progress};
 pub enum WorkerError {
     /// The store failed.
     #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] crate::embedded::store::StoreError),
     /// Spawning or reading the harvester failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -295,7 +295,9 @@ impl Workers {
                         s.apply(&owned, JobEvent::Started, Outcome::default(), now())
                     })
                     .await;
-                if let Err(WorkerError::Store(crate::store::StoreError::Lifecycle(_))) = started {
+                if let Err(WorkerError::Store(crate::embedded::store::StoreError::Lifecycle(_))) =
+                    started
+                {
                     // Cancelled while it waited for its slot.
                     return Ok(());
                 }
@@ -564,7 +566,8 @@ impl Workers {
                 .store_call(move |s| s.apply(&owned, event, outcome, now()))
                 .await
             {
-                Ok(_) | Err(WorkerError::Store(crate::store::StoreError::Lifecycle(_))) => {
+                Ok(_)
+                | Err(WorkerError::Store(crate::embedded::store::StoreError::Lifecycle(_))) => {
                     return Ok(());
                 }
                 Err(error) if attempt == FINAL_WRITE_TRIES => return Err(error),
@@ -581,7 +584,7 @@ impl Workers {
     /// Runs a store call on a blocking thread, off the async workers.
     async fn store_call<T: Send + 'static>(
         &self,
-        call: impl FnOnce(&Store) -> Result<T, crate::store::StoreError> + Send + 'static,
+        call: impl FnOnce(&Store) -> Result<T, crate::embedded::store::StoreError> + Send + 'static,
     ) -> Result<T, WorkerError> {
         let store = Arc::clone(&self.store);
         Ok(tokio::task::spawn_blocking(move || call(&store)).await??)

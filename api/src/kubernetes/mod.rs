@@ -34,15 +34,15 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::watch;
 
+use self::lookups::Lookups;
 use crate::backend::{Caller, JobBackend};
 use crate::catalogue::CatalogueModel;
 use crate::error::ApiError;
+use crate::job::{JobRecord, JobSpec};
 use crate::listing::{self, JobFilter, JobPage, Usage};
-use crate::lookups::Lookups;
 use crate::paths::{JobPaths, now};
 use crate::signing::Links;
 use crate::storage::Storage;
-use crate::store::{JobRecord, JobSpec};
 use crate::wire::{JobResult, Progress, Submission};
 
 /// Label on the Secrets that hold API keys.
@@ -62,6 +62,7 @@ const MANAGER: &str = "harvest-api";
 
 mod cancel;
 pub mod limits;
+pub mod lookups;
 
 /// Why a Kubernetes call failed.
 #[derive(Debug, thiserror::Error)]
@@ -307,7 +308,7 @@ impl JobBackend for KubeBackend {
 
     /// The account and key hash of a valid key.
     async fn authenticate(&self, key: &str) -> Result<Option<Caller>, ApiError> {
-        let hash = &crate::store::key_hash(key);
+        let hash = &crate::keys::key_hash(key);
         let name = key_secret_name(hash);
         let secret = match self
             .keys
@@ -873,13 +874,13 @@ pub async fn create_key(
     }
     let key = match import {
         Some(key) => {
-            crate::store::check_key_format(key)
+            crate::keys::check_key_format(key)
                 .map_err(|e| KubeBackendError::BadKey(e.to_string()))?;
             key.to_owned()
         }
-        None => crate::store::new_key(),
+        None => crate::keys::new_key(),
     };
-    let hash = crate::store::key_hash(&key);
+    let hash = crate::keys::key_hash(&key);
     let data = BTreeMap::from([
         ("hash".to_owned(), ByteString(hash.clone().into_bytes())),
         (
@@ -889,7 +890,7 @@ pub async fn create_key(
         ("label".to_owned(), ByteString(label.as_bytes().to_vec())),
         (
             "prefix".to_owned(),
-            ByteString(crate::store::shown_prefix(&key).into_bytes()),
+            ByteString(crate::keys::shown_prefix(&key).into_bytes()),
         ),
     ]);
     let secret = Secret {
@@ -917,7 +918,7 @@ pub async fn revoke_key(
     namespace: &str,
     key: &str,
 ) -> Result<bool, KubeBackendError> {
-    let name = key_secret_name(&crate::store::key_hash(key));
+    let name = key_secret_name(&crate::keys::key_hash(key));
     match Api::<Secret>::namespaced(client, namespace)
         .delete(&name, &Default::default())
         .await
@@ -933,7 +934,7 @@ pub async fn list_keys(
     client: Client,
     namespace: &str,
     account: Option<&str>,
-) -> Result<Vec<crate::store::KeyInfo>, KubeBackendError> {
+) -> Result<Vec<crate::keys::KeyInfo>, KubeBackendError> {
     let secrets = Api::<Secret>::namespaced(client, namespace)
         .list(&ListParams::default().labels(&format!("{KEY_SECRET_LABEL}=true")))
         .await?;
@@ -945,10 +946,10 @@ pub async fn list_keys(
             .map(|v| String::from_utf8_lossy(&v.0).into_owned())
             .unwrap_or_default()
     };
-    let mut keys: Vec<crate::store::KeyInfo> = secrets
+    let mut keys: Vec<crate::keys::KeyInfo> = secrets
         .items
         .iter()
-        .map(|s| crate::store::KeyInfo {
+        .map(|s| crate::keys::KeyInfo {
             account: field(s, "account"),
             label: field(s, "label"),
             prefix: field(s, "prefix"),
@@ -995,13 +996,9 @@ pub async fn revoke_label(
     accounts.sort();
     accounts.dedup();
     if accounts.len() > 1 {
-        return Err(KubeBackendError::BadKey(
-            crate::store::StoreError::AmbiguousLabel {
-                label: label.to_owned(),
-                accounts,
-            }
-            .to_string(),
-        ));
+        return Err(KubeBackendError::BadKey(crate::keys::ambiguous_label(
+            label, &accounts,
+        )));
     }
     for secret in &matching {
         api.delete(&secret.name_any(), &Default::default()).await?;

@@ -7,16 +7,14 @@ use std::sync::Mutex;
 
 use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
-use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
 use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
-use harvest_core::selection::TokenSelection;
 use rusqlite::{Connection, OptionalExtension, params};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
-use crate::wire::{JobResult, Progress};
+use crate::job::{JobRecord, JobSpec, StoredResult};
+use crate::keys::{KeyInfo, check_key_format, key_hash, new_key, shown_prefix};
+use crate::wire::Progress;
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +44,7 @@ pub enum StoreError {
         reason: String,
     },
     /// A label names keys of several accounts.
-    #[error("label {label:?} names keys of accounts {}: add --account to say whose", accounts.join(", "))]
+    #[error("{}", crate::keys::ambiguous_label(label, accounts))]
     AmbiguousLabel {
         /// The label.
         label: String,
@@ -79,92 +77,6 @@ impl From<StoreError> for crate::error::StartupError {
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// How to (re)start a job's worker; everything else lives in the job's input folder.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JobSpec {
-    /// Kept layers.
-    pub layers: Vec<usize>,
-    /// Kept hook sites (`resid_post` alone for jobs stored before sites were).
-    #[serde(default, skip_serializing_if = "Sites::is_default")]
-    pub sites: Sites,
-    /// Which tokens are kept (every token for jobs stored before selections were).
-    #[serde(default, skip_serializing_if = "TokenSelection::is_everything")]
-    pub selection: TokenSelection,
-    /// How the files are laid out (by prompt for jobs stored before layouts were).
-    #[serde(default, skip_serializing_if = "Layout::is_by_prompt")]
-    pub layout: Layout,
-    /// The engine's arithmetic (f32 for jobs stored before it was chosen).
-    #[serde(default)]
-    pub precision: harvest_core::plan::Precision,
-    /// Prompts per shard.
-    pub shard_size: usize,
-    /// Whether special tokens are added.
-    pub add_special_tokens: bool,
-    /// Whether `directions.npy` was sent.
-    pub has_directions: bool,
-    /// The model's lane.
-    pub lane: Lane,
-    /// The bytes its files will take, as predicted at submit (0 for jobs stored before
-    /// estimates were).
-    #[serde(default)]
-    pub estimated_bytes: u64,
-    /// How long it should take, in milliseconds, from the last measured throughput of its model
-    /// (none when nothing was measured yet).
-    #[serde(default)]
-    pub estimated_ms: Option<u64>,
-    /// Harvester processes the job runs in (1 for jobs stored before parallelism was).
-    #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub parallelism: usize,
-}
-
-/// A job row.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobRecord {
-    /// Job id.
-    pub id: String,
-    /// Run id.
-    pub run_id: String,
-    /// Owning account.
-    pub account: String,
-    /// The key that submitted it (hash).
-    pub key_hash: String,
-    /// Catalogue model name.
-    pub model: String,
-    /// Status.
-    pub status: JobStatus,
-    /// Prompts.
-    pub n_prompts: usize,
-    /// Reserved tokens.
-    pub reserved: u64,
-    /// Charged tokens, once ended.
-    pub tokens: Option<u64>,
-    /// Creation time.
-    pub created_at: UnixMillis,
-    /// Start of its run.
-    pub started_at: Option<UnixMillis>,
-    /// End.
-    pub completed_at: Option<UnixMillis>,
-    /// The harvester's result summary, for a done job.
-    pub result: Option<StoredResult>,
-    /// Why it failed.
-    pub error: Option<String>,
-    /// Latest progress.
-    pub progress: Option<Progress>,
-    /// How to run it.
-    pub spec: JobSpec,
-}
-
-fn one() -> usize {
-    1
-}
-
-fn is_one(n: &usize) -> bool {
-    *n == 1
-}
-
-/// What the harvester reported for a done job (its result.json, less the links).
-pub type StoredResult = JobResult;
-
 /// The store.
 #[derive(Debug)]
 pub struct Store {
@@ -190,95 +102,9 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
 CREATE INDEX IF NOT EXISTS jobs_by_account ON jobs (account, created_at);
 ";
 
-/// The hash under which a key is stored: hex sha256 of the key.
-pub fn key_hash(key: &str) -> String {
-    Sha256::digest(key.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// How many characters of a key after its scheme (`sk-hv-`, `sk-acs-`, `acs-bm-`) are kept
-/// to tell keys apart in `list-keys`.
-const SHOWN_KEY_CHARS: usize = 4;
-
-/// The key formats `create-key --import` takes: ours, the hosted service's, and its old
-/// platform's, each a scheme and at least 16 characters of letters, digits, `-` or `_`.
-pub const KEY_SCHEMES: [&str; 3] = ["sk-hv-", "sk-acs-", "acs-bm-"];
-
-/// Checks a key to import against [`KEY_SCHEMES`].
-pub fn check_key_format(key: &str) -> Result<()> {
-    let body = KEY_SCHEMES
-        .iter()
-        .find_map(|scheme| key.strip_prefix(scheme))
-        .ok_or_else(|| StoreError::BadKey {
-            reason: format!(
-                "a key to import starts with {}; this one starts with {:?}",
-                KEY_SCHEMES.join(", "),
-                key.chars().take(7).collect::<String>()
-            ),
-        })?;
-    if body.len() < 16
-        || !body
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        return Err(StoreError::BadKey {
-            reason: format!(
-                "after its scheme a key has at least 16 letters, digits, '-' or '_'; this one has {} characters{}",
-                body.len(),
-                if body
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-                {
-                    ""
-                } else {
-                    ", some of them others"
-                }
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// What `list-keys` shows of a key: its scheme and first characters, never the whole key.
-pub fn shown_prefix(key: &str) -> String {
-    let scheme = KEY_SCHEMES
-        .iter()
-        .find(|scheme| key.starts_with(*scheme))
-        .map_or(0, |scheme| scheme.len());
-    key.chars().take(scheme + SHOWN_KEY_CHARS).collect()
-}
-
-/// A key as `list-keys` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyInfo {
-    /// Its account.
-    pub account: String,
-    /// Its label.
-    pub label: String,
-    /// Its scheme and first characters (empty for keys made before prefixes were kept).
-    pub prefix: String,
-    /// When it was made.
-    pub created_at: UnixMillis,
-    /// When it last authenticated a request (to the minute), if ever.
-    pub last_used: Option<UnixMillis>,
-    /// When it was revoked, if it was.
-    pub revoked_at: Option<UnixMillis>,
-}
-
 /// How often a key's `last_used` is written at most: a request a minute per key, not one per
 /// request.
 const LAST_USED_RESOLUTION_MS: i64 = 60_000;
-
-/// A fresh API key: `sk-hv-` and 64 random hex digits.
-pub fn new_key() -> String {
-    format!(
-        "sk-hv-{}{}",
-        uuid::Uuid::new_v4().simple(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
 
 /// Adds the columns later versions added to a store an earlier one made.
 fn migrate(conn: &Connection) -> Result<()> {
@@ -475,7 +301,7 @@ impl Store {
     /// Stores a key made elsewhere (the hosted service's `sk-acs-…`, its old platform's
     /// `acs-bm-…`, or another harvest server's `sk-hv-…`) for `account`.
     pub fn import_key(&self, account: &str, label: &str, key: &str, now: UnixMillis) -> Result<()> {
-        check_key_format(key)?;
+        check_key_format(key).map_err(|reason| StoreError::BadKey { reason })?;
         self.store_key(account, label, key, now)
     }
 
