@@ -17,6 +17,7 @@ pub const MAX_ROWS_PER_FILE: usize = 1 << 24;
 
 /// The layout as requests and plans name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum LayoutName {
     /// One tensor per prompt and site, prompts in order (the seed's shards).

@@ -24,6 +24,7 @@ pub const MAX_PROMPTS: usize = 4096;
 
 /// The arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
     /// f32 throughout (weights widened exactly from their storage): the reference.

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 /// One hook site of a decoder block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Site {
     /// The block's input.

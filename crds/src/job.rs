@@ -126,7 +126,7 @@ pub struct HarvestOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 5))]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
-    pub sites: Option<Vec<HookSite>>,
+    pub sites: Option<Vec<harvest_core::Site>>,
     /// Prompts per shard.
     #[serde(default = "default_shard_size")]
     #[schemars(range(min = 1, max = 4096))]
@@ -154,52 +154,14 @@ pub struct HarvestOptions {
     pub max_norm_multiple: Option<f64>,
     /// `by_prompt` (shards, the default) or `shuffled` (training files permuted with `seed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layout: Option<FileLayout>,
+    pub layout: Option<harvest_core::layout::LayoutName>,
     /// Rows per training file of the shuffled layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 16_777_216))]
     pub rows_per_file: Option<u32>,
     /// The CPU engine's arithmetic: `f32` (the default) or `bf16`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub precision: Option<EnginePrecision>,
-}
-
-/// An arithmetic as the schema spells it.
-#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum EnginePrecision {
-    /// f32 throughout.
-    F32,
-    /// bf16 product inputs, f32 accumulation.
-    Bf16,
-}
-
-impl From<EnginePrecision> for harvest_core::plan::Precision {
-    fn from(precision: EnginePrecision) -> Self {
-        match precision {
-            EnginePrecision::F32 => Self::F32,
-            EnginePrecision::Bf16 => Self::Bf16,
-        }
-    }
-}
-
-/// A file layout as the schema spells it.
-#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum FileLayout {
-    /// One tensor per prompt and site, prompts in order.
-    ByPrompt,
-    /// Rows permuted over the whole job, in training files.
-    Shuffled,
-}
-
-impl From<FileLayout> for harvest_core::layout::LayoutName {
-    fn from(layout: FileLayout) -> Self {
-        match layout {
-            FileLayout::ByPrompt => Self::ByPrompt,
-            FileLayout::Shuffled => Self::Shuffled,
-        }
-    }
+    pub precision: Option<harvest_core::plan::Precision>,
 }
 
 impl HarvestOptions {
@@ -207,9 +169,7 @@ impl HarvestOptions {
     pub fn sites(&self) -> Result<harvest_core::Sites, harvest_core::SiteError> {
         match &self.sites {
             None => Ok(harvest_core::Sites::default()),
-            Some(sites) => {
-                harvest_core::Sites::new(&sites.iter().map(|&s| s.into()).collect::<Vec<_>>())
-            }
+            Some(sites) => harvest_core::Sites::new(sites),
         }
     }
 
@@ -234,14 +194,14 @@ impl HarvestOptions {
                 seed: self.seed,
                 max_norm_multiple: self.max_norm_multiple,
             },
-            self.layout.map(Into::into).unwrap_or_default(),
+            self.layout.unwrap_or_default(),
             self.rows_per_file.map(|r| r as usize),
         )
     }
 
     /// The engine's arithmetic, f32 when omitted.
     pub fn precision(&self) -> harvest_core::plan::Precision {
-        self.precision.map(Into::into).unwrap_or_default()
+        self.precision.unwrap_or_default()
     }
 }
 
@@ -271,46 +231,6 @@ fn default_shard_size() -> u32 {
 
 fn default_true() -> bool {
     true
-}
-
-/// A hook site: where in a decoder block its activations are read.
-#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum HookSite {
-    /// The block's input.
-    ResidPre,
-    /// The attention output after `o_proj`, before it is added.
-    AttnOut,
-    /// `resid_pre + attn_out`.
-    ResidMid,
-    /// The MLP output, before it is added.
-    MlpOut,
-    /// The block's output.
-    ResidPost,
-}
-
-impl From<HookSite> for harvest_core::Site {
-    fn from(site: HookSite) -> Self {
-        match site {
-            HookSite::ResidPre => Self::ResidPre,
-            HookSite::AttnOut => Self::AttnOut,
-            HookSite::ResidMid => Self::ResidMid,
-            HookSite::MlpOut => Self::MlpOut,
-            HookSite::ResidPost => Self::ResidPost,
-        }
-    }
-}
-
-impl From<harvest_core::Site> for HookSite {
-    fn from(site: harvest_core::Site) -> Self {
-        match site {
-            harvest_core::Site::ResidPre => Self::ResidPre,
-            harvest_core::Site::AttnOut => Self::AttnOut,
-            harvest_core::Site::ResidMid => Self::ResidMid,
-            harvest_core::Site::MlpOut => Self::MlpOut,
-            harvest_core::Site::ResidPost => Self::ResidPost,
-        }
-    }
 }
 
 /// What happens to a job's output files when the job is deleted.

@@ -26,9 +26,8 @@ pub use account::{
     HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HoldEntry, LaneLimits,
 };
 pub use job::{
-    EnginePrecision, FileLayout, HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions,
-    HookSite, InputRef, JobPhase, OutputRetention, PartPhase, PartStatus, Progress, ResultSummary,
-    TokenUsage,
+    HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
+    OutputRetention, PartPhase, PartStatus, Progress, ResultSummary, TokenUsage,
 };
 pub use validate::{SpecError, ValidJob};
 

@@ -222,10 +222,13 @@ mod tests {
     #[test]
     fn sites_a_selection_and_the_shuffled_layout_reach_the_workers_plan() {
         let mut spec = spec();
-        spec.harvest.sites = Some(vec![crate::HookSite::ResidPost, crate::HookSite::AttnOut]);
+        spec.harvest.sites = Some(vec![
+            harvest_core::Site::ResidPost,
+            harvest_core::Site::AttnOut,
+        ]);
         spec.harvest.positions = Some(vec![1, 64]);
         spec.harvest.seed = Some(9);
-        spec.harvest.layout = Some(crate::FileLayout::Shuffled);
+        spec.harvest.layout = Some(harvest_core::layout::LayoutName::Shuffled);
         spec.harvest.rows_per_file = Some(1024);
         let plan = spec
             .validate(&smollm(), Path::new(CHECKPOINT))
@@ -253,7 +256,7 @@ mod tests {
         let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
         assert!(error.to_string().contains("shuffled"), "{error}");
         let mut spec = self::spec();
-        spec.harvest.sites = Some(vec![crate::HookSite::MlpOut, crate::HookSite::MlpOut]);
+        spec.harvest.sites = Some(vec![harvest_core::Site::MlpOut, harvest_core::Site::MlpOut]);
         let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
         assert_eq!(error.reason(), "InvalidSites");
     }

@@ -22,8 +22,8 @@ use harvest_core::worker::{RESULT_FILE, RunResult};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
 use harvest_crds::{
-    ACCOUNT_LABEL, EnginePrecision, FileLayout, HarvestAccount, HarvestJob, HarvestJobSpec,
-    HarvestOptions, InputRef, JobPhase, KEY_LABEL,
+    ACCOUNT_LABEL, HarvestAccount, HarvestJob, HarvestJobSpec, HarvestOptions, InputRef, JobPhase,
+    KEY_LABEL,
 };
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
@@ -611,14 +611,7 @@ impl KubeBackend {
             harvest: HarvestOptions {
                 layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
                 all_layers: false,
-                sites: (!job.spec.sites.is_default()).then(|| {
-                    job.spec
-                        .sites
-                        .as_slice()
-                        .iter()
-                        .map(|&s| s.into())
-                        .collect()
-                }),
+                sites: (!job.spec.sites.is_default()).then(|| job.spec.sites.as_slice().to_vec()),
                 shard_size: job.spec.shard_size as u32,
                 add_special_tokens: job.spec.add_special_tokens,
                 exclude_special_tokens: job.spec.selection.exclude_special_tokens,
@@ -629,12 +622,13 @@ impl KubeBackend {
                     Layout::ByPrompt => job.spec.selection.sample.map(|s| s.seed),
                 },
                 max_norm_multiple: job.spec.selection.max_norm_multiple,
-                layout: (!job.spec.layout.is_by_prompt()).then_some(FileLayout::Shuffled),
+                layout: (!job.spec.layout.is_by_prompt()).then_some(job.spec.layout.name()),
                 rows_per_file: match job.spec.layout {
                     Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get() as u32),
                     Layout::ByPrompt => None,
                 },
-                precision: (job.spec.precision == Precision::Bf16).then_some(EnginePrecision::Bf16),
+                precision: (job.spec.precision != Precision::default())
+                    .then_some(job.spec.precision),
             },
             ..HarvestJobSpec::new(
                 job.model.clone(),
@@ -799,9 +793,22 @@ pub fn record(job: &HarvestJob) -> JobRecord {
     let time = |t: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
         t.as_ref().map(|t| millis(t.0))
     };
-    // The operator refuses invalid options; here they read as the defaults.
+    // The operator refuses a job whose options are invalid (a HarvestJob written by hand);
+    // its record says why, beside the defaults it shows, and the error is never silent.
     let harvest = &job.spec.harvest;
-    let (selection, layout) = harvest.selection_and_layout().unwrap_or_default();
+    let options = harvest
+        .selection_and_layout()
+        .map_err(|e| e.to_string())
+        .and_then(|chosen| {
+            harvest
+                .sites()
+                .map(|sites| (chosen, sites))
+                .map_err(|e| e.to_string())
+        });
+    let ((selection, layout), sites, invalid) = match options {
+        Ok((chosen, sites)) => (chosen, sites, None),
+        Err(why) => (Default::default(), Default::default(), Some(why)),
+    };
     JobRecord {
         id: job.name_any(),
         run_id: annotation(RUN_ID),
@@ -820,7 +827,8 @@ pub fn record(job: &HarvestJob) -> JobRecord {
         result: None,
         error: (rest_status == JobStatus::Failed)
             .then(|| finished.map(|c| c.message.clone()))
-            .flatten(),
+            .flatten()
+            .or_else(|| invalid.map(|why| format!("spec.harvest cannot run: {why}"))),
         progress: status.progress.map(|p| Progress {
             phase: p
                 .phase
@@ -841,7 +849,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
                 .into_iter()
                 .map(|l| l as usize)
                 .collect(),
-            sites: harvest.sites().unwrap_or_default(),
+            sites,
             selection,
             layout,
             precision: harvest.precision(),
@@ -1027,5 +1035,24 @@ mod tests {
         );
         job.status.as_mut().unwrap().running_since = Some(started);
         assert_eq!(record(&job).status, JobStatus::Running);
+    }
+
+    #[test]
+    fn a_hand_written_job_with_invalid_options_reads_with_the_reason_not_silent_defaults() {
+        let mut job = HarvestJob::new("j", HarvestJobSpec::new("m", "s3://b/in", "s3://b/out", 10));
+        job.spec.harvest.seed = Some(7);
+        let recorded = record(&job);
+        let error = recorded.error.expect("the reason is recorded");
+        assert!(
+            error.starts_with("spec.harvest cannot run: ") && error.contains("seed"),
+            "{error}"
+        );
+        job.spec.harvest.seed = None;
+        job.spec.harvest.sites = Some(vec![harvest_core::Site::MlpOut, harvest_core::Site::MlpOut]);
+        assert!(record(&job).error.unwrap().contains("mlp_out"));
+        job.spec.harvest.sites = Some(vec![harvest_core::Site::MlpOut]);
+        let valid = record(&job);
+        assert_eq!(valid.error, None);
+        assert_eq!(valid.spec.sites.names(), ["mlp_out"]);
     }
 }
