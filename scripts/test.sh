@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model and installs the
-# test-only tools (both cached in ~/.cache/harvest), runs every test of the workspace, then
-# installs the Python client (clients/python) and runs its pytest suite against the binaries
-# cargo just built (the status page's browser test included), and closes with one line that
-# adds up both. The harvester's CPU kernel tests run once more at each other kernel level.
+# test-only tools (both cached in ~/.cache/harvest), runs every test of the workspace, runs
+# schemathesis on the OpenAPI document against the embedded server, then installs the Python
+# client (clients/python) and runs its pytest suite against the binaries cargo just built (the
+# status page's browser test included), and closes with one line that adds up the Rust and
+# Python tests. The harvester's CPU kernel tests run once more at each other kernel level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
@@ -22,6 +23,8 @@ status=0
 cargo build --workspace --bins --quiet
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
+# The OpenAPI document against the server it describes: schemathesis, every check.
+scripts/schemathesis.sh 2>&1 | tee -a "$log" || status=$?
 # The CPU kernels again at every other kernel level this CPU runs (HARVEST_CPU_LEVEL), so a
 # machine with AVX-512 tests what an AVX2 laptop or any x86-64 CPU runs: the kernel and
 # attention unit tests, and the parity and forward-pass tests. A level the CPU lacks is named

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -86,7 +86,7 @@ fn json_rejection(rejection: &JsonRejection) -> ApiError {
         (status = 400, description = "invalid_request or harvest_too_large", body = crate::error::ErrorEnvelope),
         (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
         (status = 413, description = "payload_too_large", body = crate::error::ErrorEnvelope),
-        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded or harvest_quota_exceeded", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "harvest_count_busy, harvest_concurrency_exceeded, budget_exceeded, harvest_quota_exceeded, or rate_limited (the key is over its request rate); Retry-After says when to retry", body = crate::error::ErrorEnvelope),
         (status = 507, description = "insufficient_storage (our extension): the job's files would not fit the server's disk or the account's storage budget", body = crate::error::ErrorEnvelope),
         (status = 503, description = "harvest_unavailable, with the job id", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn submit(
@@ -449,6 +449,11 @@ async fn answer(state: &AppState, job: &JobRecord, partial: bool) -> Result<JobV
     Ok(view)
 }
 
+/// The job id of the path; one that does not even decode is no job's (404, in the envelope).
+fn path_job_id(path: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    path.map(|Path(id)| id).map_err(|_| ApiError::NotFound)
+}
+
 /// Looks up the caller's own job; an unknown id and another account's job look the same.
 async fn own_job(state: &AppState, caller: &Caller, job_id: &str) -> Result<JobRecord, ApiError> {
     if !wire::is_valid_job_id(job_id) {
@@ -495,14 +500,18 @@ fn wait_seconds(query: &WaitQuery) -> Result<f64, ApiError> {
         ("wait" = Option<String>, Query, description = "Seconds to wait for the status to change, at most 60"),
         ("partial" = Option<String>, Query, description = "Our extension: true adds ready_shard_urls, the finished shards of a pending or running job")),
     responses((status = 200, description = "The job; X-Acs-Longpoll: declined when a wait was refused", body = JobView),
+        (status = 400, description = "invalid_request: a wait or partial that is not one, named", body = crate::error::ErrorEnvelope),
         (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
-        (status = 404, description = "not_found", body = crate::error::ErrorEnvelope)))]
+        (status = 404, description = "not_found", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "rate_limited: the key is over its request rate; Retry-After says when to retry", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn status(
     State(state): State<Arc<AppState>>,
     caller: Caller,
-    Path(job_id): Path<String>,
-    Query(query): Query<WaitQuery>,
+    job_id: Result<Path<String>, PathRejection>,
+    query: Result<Query<WaitQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let job_id = path_job_id(job_id)?;
+    let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let job = own_job(&state, &caller, &job_id).await?;
     let wait = wait_seconds(&query)?;
     let partial = wants_partial(&query)?;
@@ -541,7 +550,8 @@ pub(crate) async fn status(
         ("status" = Option<String>, Query, description = "Only jobs in this status: pending, running, done, failed or cancelled")),
     responses((status = 200, description = "A page of jobs, each without its result (GET the job for its links)", body = JobList),
         (status = 400, description = "invalid_request, naming the parameter", body = crate::error::ErrorEnvelope),
-        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope)))]
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "rate_limited: the key is over its request rate; Retry-After says when to retry", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn list(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -565,7 +575,8 @@ pub(crate) async fn list(
 /// against its limit (our extension).
 #[utoipa::path(get, tag = "harvest", path = "/v1/account", security(("bearer" = [])),
     responses((status = 200, description = "The account's usage", body = Usage),
-        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope)))]
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "rate_limited: the key is over its request rate; Retry-After says when to retry", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn account(
     State(state): State<Arc<AppState>>,
     caller: Caller,
@@ -577,13 +588,16 @@ pub(crate) async fn account(
 #[utoipa::path(delete, tag = "harvest", path = "/v1/harvest/{job_id}", security(("bearer" = [])),
     params(("job_id" = String, Path, description = "The job's UUID")),
     responses((status = 200, description = "The cancelled job", body = JobView),
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
         (status = 404, description = "not_found", body = crate::error::ErrorEnvelope),
-        (status = 409, description = "harvest_not_cancellable", body = crate::error::ErrorEnvelope)))]
+        (status = 409, description = "harvest_not_cancellable", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "rate_limited: the key is over its request rate; Retry-After says when to retry", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn cancel(
     State(state): State<Arc<AppState>>,
     caller: Caller,
-    Path(job_id): Path<String>,
+    job_id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<JobView>, ApiError> {
+    let job_id = path_job_id(job_id)?;
     own_job(&state, &caller, &job_id).await?;
     let job = state.backend.cancel(&job_id).await?;
     Ok(Json(view(&state, &job).await?))
@@ -591,7 +605,9 @@ pub(crate) async fn cancel(
 
 /// The models catalogue.
 #[utoipa::path(get, tag = "harvest", path = "/v1/models", security(("bearer" = [])),
-    responses((status = 200, description = "The models", body = crate::catalogue::ModelList)))]
+    responses((status = 200, description = "The models", body = crate::catalogue::ModelList),
+        (status = 401, description = "invalid_api_key", body = crate::error::ErrorEnvelope),
+        (status = 429, description = "rate_limited: the key is over its request rate; Retry-After says when to retry", body = crate::error::ErrorEnvelope)))]
 pub(crate) async fn models(
     State(state): State<Arc<AppState>>,
     _caller: Caller,
