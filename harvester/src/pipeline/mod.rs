@@ -332,7 +332,7 @@ pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<
     };
     let tokens = fresh
         .iter()
-        .map(|r| r.token_counts.iter().sum::<usize>() as u64)
+        .map(|r| r.meta.token_counts.iter().sum::<usize>() as u64)
         .sum();
     Ok(part_result(part, &shards, fresh.len(), resumed, tokens))
 }
@@ -461,7 +461,7 @@ fn close(
     let resumed_shards = records.len();
     let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
     let job = job_of(&ready, all);
-    records.extend(fresh.into_iter().map(|r| (r.shard, r)));
+    records.extend(fresh.into_iter().map(|r| (r.meta.shard, r)));
     let closing = Closing {
         job: &job,
         config: &ready.config,
@@ -844,7 +844,7 @@ fn commit(
     })?;
     let save_s = closing.timings.save_s + finish_start.elapsed().as_secs_f64();
     let shard_bytes: u64 = match &train {
-        None => records.values().map(|r| r.bytes).sum(),
+        None => records.values().map(|r| r.meta.bytes).sum(),
         Some(train) => train.files.iter().map(|f| f.bytes).sum(),
     };
     let bytes_written = shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64;
@@ -1094,7 +1094,7 @@ fn assemble_stage(
             {
                 let (bytes, mut record) = done.finish(job.fingerprint)?;
                 record.seal(&bytes);
-                record.bos_token_id = job.bos_id;
+                record.meta.bos_token_id = job.bos_id;
                 busy += start.elapsed().as_secs_f64();
                 upload
                     .blocking_send((bytes, record))
@@ -1116,16 +1116,16 @@ async fn upload_stage(
     while let Some((bytes, record)) = rx.recv().await {
         let start = Instant::now();
         store
-            .put(&shard_file_name(record.shard), Bytes::from(bytes))
+            .put(&shard_file_name(record.meta.shard), Bytes::from(bytes))
             .await?;
         store
             .put(
-                &ShardRecord::file_name(record.shard),
+                &ShardRecord::file_name(record.meta.shard),
                 Bytes::from(record.to_bytes()?),
             )
             .await?;
         busy += start.elapsed().as_secs_f64();
-        tracing::debug!(shard = record.shard, "shard stored");
+        tracing::debug!(shard = record.meta.shard, "shard stored");
         records.push(record);
     }
     Ok((records, busy))

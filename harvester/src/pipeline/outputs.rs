@@ -33,7 +33,7 @@ pub(super) fn build_outputs(
     let stats = merged_stats(job, records);
     let total_tokens: u64 = records
         .values()
-        .flat_map(|r| &r.token_counts)
+        .flat_map(|r| &r.meta.token_counts)
         .map(|&n| n as u64)
         .sum();
     let sites = &job.plan.sites;
@@ -67,7 +67,7 @@ pub(super) fn build_outputs(
         },
         truncated_prompts: records
             .values()
-            .flat_map(|r| r.truncations.clone())
+            .flat_map(|r| r.meta.truncations.clone())
             .collect(),
         projection: (job.contents == Contents::Projections).then_some(ProjectionInfo {
             n_directions: job.width,
@@ -108,14 +108,14 @@ fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Opti
     }
     let mut dropped = Dropped::default();
     for record in records.values() {
-        dropped.add(&record.dropped);
+        dropped.add(&record.meta.dropped);
     }
     Some(SelectionInfo {
         rules,
         norm_layer: rules.max_norm_multiple.map(|_| job.plan.layers.deepest()),
         kept_tokens: records
             .values()
-            .flat_map(|r| &r.kept_counts)
+            .flat_map(|r| &r.meta.kept_counts)
             .map(|&n| n as u64)
             .sum(),
         dropped,
@@ -184,23 +184,23 @@ fn site_entries(job: &Job<'_>, stats: &[RunningStats]) -> Vec<SiteInfo> {
 fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
     let selecting = !job.plan.selection.is_everything();
     let (prompts, tensors) = ShardEntry::contents_of(
-        record.first_prompt,
-        &record.token_counts,
-        selecting.then_some(record.kept_counts.as_slice()),
+        record.meta.first_prompt,
+        &record.meta.token_counts,
+        selecting.then_some(record.meta.kept_counts.as_slice()),
         job.contents,
         &job.plan.sites,
         job.layers,
         job.width,
     );
     ShardEntry {
-        file: shard_file_name(record.shard),
-        first_prompt: record.first_prompt,
-        token_counts: record.token_counts.clone(),
-        kept_counts: record.kept_counts.clone(),
+        file: shard_file_name(record.meta.shard),
+        first_prompt: record.meta.first_prompt,
+        token_counts: record.meta.token_counts.clone(),
+        kept_counts: record.meta.kept_counts.clone(),
         prompts,
         tensors,
-        bytes: record.bytes,
-        sha256: record.sha256.clone(),
+        bytes: record.meta.bytes,
+        sha256: record.meta.sha256.clone(),
     }
 }
 

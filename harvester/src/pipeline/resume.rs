@@ -66,24 +66,24 @@ pub(super) async fn resume_scan(
             tracing::warn!(record = %name, "ignoring an unreadable partial record");
             continue;
         };
-        if record.fingerprint != fingerprint {
+        if record.meta.fingerprint != fingerprint {
             return Err(Error::ForeignOutput {
                 location: store.location().to_string(),
-                found: record.fingerprint,
+                found: record.meta.fingerprint,
                 expected: fingerprint.to_owned(),
             });
         }
-        if record.shard >= n_shards || name != ShardRecord::file_name(record.shard) {
+        if record.meta.shard >= n_shards || name != ShardRecord::file_name(record.meta.shard) {
             continue;
         }
-        let Some(shard) = store.get(&shard_file_name(record.shard)).await? else {
+        let Some(shard) = store.get(&shard_file_name(record.meta.shard)).await? else {
             continue;
         };
-        if shard.len() as u64 == record.bytes && sha256_hex(&shard) == record.sha256 {
-            done.insert(record.shard, record);
+        if shard.len() as u64 == record.meta.bytes && sha256_hex(&shard) == record.meta.sha256 {
+            done.insert(record.meta.shard, record);
         } else {
             tracing::warn!(
-                shard = record.shard,
+                shard = record.meta.shard,
                 "shard does not match its record; recomputing it"
             );
         }

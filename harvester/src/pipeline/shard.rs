@@ -78,30 +78,13 @@ pub enum KeptRows<'a> {
 /// `partial/`) until the manifest is written, so a resumed run can skip the shard.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardRecord {
-    /// Shard number.
-    pub shard: usize,
-    /// Global index of its first prompt.
-    pub first_prompt: usize,
-    /// Tokens per prompt.
-    pub token_counts: Vec<usize>,
-    /// Prompts cut to the context window.
-    pub truncations: Vec<Truncation>,
-    /// Hex sha256 of the shard file.
-    pub sha256: String,
-    /// Shard file size.
-    pub bytes: u64,
+    /// What the record's header holds (its `counts` are the statistics' own, written from
+    /// `stats` when the record is serialised).
+    pub meta: RecordMeta,
     /// Per slot: each kept site's kept layers, site by site.
     pub stats: Vec<RunningStats>,
-    /// Tokens kept per prompt, when the job selects tokens (else empty).
-    pub kept_counts: Vec<usize>,
-    /// What the selection dropped.
-    pub dropped: Dropped,
     /// The shard's candidate norms, when the job filters on norms.
     pub norms: Option<NormHistogram>,
-    /// The plan that produced it.
-    pub fingerprint: String,
-    /// The tokenizer's BOS id, for readers of the shard before the manifest exists.
-    pub bos_token_id: Option<u32>,
 }
 
 impl ShardAssembly {
@@ -257,18 +240,21 @@ impl ShardAssembly {
                 reason: format!("serialising shard {}: {e}", self.shard),
             })?;
         let record = ShardRecord {
-            shard: self.shard,
-            first_prompt: self.first_prompt,
-            token_counts: self.token_counts,
-            truncations: self.truncations,
-            sha256: String::new(),
-            bytes: 0,
+            meta: RecordMeta {
+                shard: self.shard,
+                first_prompt: self.first_prompt,
+                token_counts: self.token_counts,
+                truncations: self.truncations,
+                sha256: String::new(),
+                bytes: 0,
+                counts: self.stats.iter().map(RunningStats::count).collect(),
+                fingerprint: fingerprint.to_owned(),
+                kept_counts: self.kept_counts,
+                dropped: self.dropped,
+                bos_token_id: None,
+            },
             stats: self.stats,
-            kept_counts: self.kept_counts,
-            dropped: self.dropped,
             norms: self.norms,
-            fingerprint: fingerprint.to_owned(),
-            bos_token_id: None,
         };
         Ok((bytes, record))
     }
@@ -297,8 +283,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 impl ShardRecord {
     /// Records the hash and size of the shard file.
     pub fn seal(&mut self, shard_bytes: &[u8]) {
-        self.sha256 = sha256_hex(shard_bytes);
-        self.bytes = shard_bytes.len() as u64;
+        self.meta.sha256 = sha256_hex(shard_bytes);
+        self.meta.bytes = shard_bytes.len() as u64;
     }
 
     /// The record's file name under the output prefix.
@@ -329,17 +315,8 @@ impl ShardRecord {
             .flat_map(|s| s.norm_sum().to_le_bytes())
             .collect();
         let meta = RecordMeta {
-            shard: self.shard,
-            first_prompt: self.first_prompt,
-            token_counts: self.token_counts.clone(),
-            truncations: self.truncations.clone(),
-            sha256: self.sha256.clone(),
-            bytes: self.bytes,
             counts: self.stats.iter().map(RunningStats::count).collect(),
-            fingerprint: self.fingerprint.clone(),
-            kept_counts: self.kept_counts.clone(),
-            dropped: self.dropped,
-            bos_token_id: self.bos_token_id,
+            ..self.meta.clone()
         };
         let invalid = |e: safetensors::SafeTensorError| Error::InvalidBatch {
             reason: e.to_string(),
@@ -413,20 +390,7 @@ impl ShardRecord {
                     .collect(),
             )?),
         };
-        Some(Self {
-            shard: meta.shard,
-            first_prompt: meta.first_prompt,
-            token_counts: meta.token_counts,
-            truncations: meta.truncations,
-            sha256: meta.sha256,
-            bytes: meta.bytes,
-            stats,
-            kept_counts: meta.kept_counts,
-            dropped: meta.dropped,
-            norms,
-            fingerprint: meta.fingerprint,
-            bos_token_id: meta.bos_token_id,
-        })
+        Some(Self { meta, stats, norms })
     }
 }
 
@@ -479,9 +443,9 @@ mod tests {
         assert_eq!(p4.dtype(), Dtype::BF16);
         assert_eq!(bf16s(p4.data()), [0.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0, 9.0]);
         assert_eq!(st.tensor("tokens_5").unwrap().data(), 9i32.to_le_bytes());
-        assert_eq!(record.token_counts, [2, 1]);
+        assert_eq!(record.meta.token_counts, [2, 1]);
         assert_eq!(
-            record.truncations,
+            record.meta.truncations,
             [Truncation {
                 prompt: 5,
                 original_tokens: 10,
@@ -549,7 +513,10 @@ mod tests {
         }
         let (bytes, mut record) = shard.finish("fp").unwrap();
         assert_eq!(
-            (record.kept_counts.as_slice(), record.dropped.sampled),
+            (
+                record.meta.kept_counts.as_slice(),
+                record.meta.dropped.sampled
+            ),
             (&[2][..], 1)
         );
         let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -562,7 +529,7 @@ mod tests {
         record.seal(&bytes);
         let back = ShardRecord::from_bytes(&record.to_bytes().unwrap()).unwrap();
         assert_eq!(back, record);
-        assert_eq!(back.bytes, bytes.len() as u64);
+        assert_eq!(back.meta.bytes, bytes.len() as u64);
         assert!(ShardRecord::from_bytes(b"garbage").is_none());
     }
 }

@@ -122,9 +122,9 @@ fn sort_key(record: &[u8]) -> (u64, u32, u32) {
 /// Rows a shard holds: its kept tokens, or every token without a selection.
 fn kept_rows(job: &Job<'_>, record: &ShardRecord) -> u64 {
     let counts = if job.plan.selection.is_everything() {
-        &record.token_counts
+        &record.meta.token_counts
     } else {
-        &record.kept_counts
+        &record.meta.kept_counts
     };
     counts.iter().map(|&n| n as u64).sum()
 }
@@ -156,7 +156,7 @@ fn scatter(
         record: Vec::with_capacity(RECORD_HEAD + rows.values),
     };
     for shard in records.values() {
-        let name = shard_file_name(shard.shard);
+        let name = shard_file_name(shard.meta.shard);
         let bytes = runtime
             .block_on(store.get(&name))?
             .ok_or_else(|| Error::Store {
@@ -193,7 +193,7 @@ fn scatter_shard(
 ) -> Result<()> {
     let job = rows.job;
     let corrupt = |reason: String| Error::CorruptSafetensors {
-        path: shard_file_name(shard.shard).into(),
+        path: shard_file_name(shard.meta.shard).into(),
         reason,
     };
     let file = SafeTensors::deserialize(bytes).map_err(|e| corrupt(e.to_string()))?;
@@ -203,8 +203,8 @@ fn scatter_shard(
     };
     let selecting = !job.plan.selection.is_everything();
     let row = job.width * rows.itemsize;
-    for (offset, &tokens) in shard.token_counts.iter().enumerate() {
-        let prompt = shard.first_prompt + offset;
+    for (offset, &tokens) in shard.meta.token_counts.iter().enumerate() {
+        let prompt = shard.meta.first_prompt + offset;
         let positions: Vec<u32> = if selecting {
             tensor(format!("positions_{prompt}"))?
                 .data()
