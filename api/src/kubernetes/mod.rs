@@ -793,22 +793,7 @@ pub fn record(job: &HarvestJob) -> JobRecord {
     let time = |t: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
         t.as_ref().map(|t| millis(t.0))
     };
-    // The operator refuses a job whose options are invalid (a HarvestJob written by hand);
-    // its record says why, beside the defaults it shows, and the error is never silent.
-    let harvest = &job.spec.harvest;
-    let options = harvest
-        .selection_and_layout()
-        .map_err(|e| e.to_string())
-        .and_then(|chosen| {
-            harvest
-                .sites()
-                .map(|sites| (chosen, sites))
-                .map_err(|e| e.to_string())
-        });
-    let ((selection, layout), sites, invalid) = match options {
-        Ok((chosen, sites)) => (chosen, sites, None),
-        Err(why) => (Default::default(), Default::default(), Some(why)),
-    };
+    let (spec, invalid) = recorded_spec(job);
     JobRecord {
         id: job.name_any(),
         run_id: annotation(RUN_ID),
@@ -839,29 +824,50 @@ pub fn record(job: &HarvestJob) -> JobRecord {
             prompts_total: p.prompts_total as usize,
             tokens_done: p.tokens_done,
         }),
-        spec: JobSpec {
-            layers: job
-                .spec
-                .harvest
-                .layers
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|l| l as usize)
-                .collect(),
-            sites,
-            selection,
-            layout,
-            precision: harvest.precision(),
-            shard_size: job.spec.harvest.shard_size as usize,
-            add_special_tokens: job.spec.harvest.add_special_tokens,
-            has_directions: job.spec.input.directions.is_some(),
-            lane: job_lane(job),
-            estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
-            estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
-            parallelism: job.spec.parallelism.map_or(1, |n| n as usize),
-        },
+        spec,
     }
+}
+
+/// How a HarvestJob runs, as a job record says it, and why its options cannot run when they
+/// cannot. The operator refuses such a job (a HarvestJob written by hand); its record shows the
+/// defaults beside that reason, so the error is never silent.
+fn recorded_spec(job: &HarvestJob) -> (JobSpec, Option<String>) {
+    let harvest = &job.spec.harvest;
+    let annotation = |key: &str| job.annotations().get(key).cloned().unwrap_or_default();
+    let options = harvest
+        .selection_and_layout()
+        .map_err(|e| e.to_string())
+        .and_then(|chosen| {
+            harvest
+                .sites()
+                .map(|sites| (chosen, sites))
+                .map_err(|e| e.to_string())
+        });
+    let ((selection, layout), sites, invalid) = match options {
+        Ok((chosen, sites)) => (chosen, sites, None),
+        Err(why) => (Default::default(), Default::default(), Some(why)),
+    };
+    let spec = JobSpec {
+        layers: harvest
+            .layers
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|l| l as usize)
+            .collect(),
+        sites,
+        selection,
+        layout,
+        precision: harvest.precision(),
+        shard_size: harvest.shard_size as usize,
+        add_special_tokens: harvest.add_special_tokens,
+        has_directions: job.spec.input.directions.is_some(),
+        lane: job_lane(job),
+        estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
+        estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
+        parallelism: job.spec.parallelism.map_or(1, |n| n as usize),
+    };
+    (spec, invalid)
 }
 
 /// Creates a key for `account` as a Secret holding only its hash (and the few characters
