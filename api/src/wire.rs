@@ -17,8 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 
-/// Most projection directions per job.
-pub const MAX_DIRECTIONS: usize = 64;
+pub use harvest_core::plan::MAX_DIRECTIONS;
 /// Most prompts per shard.
 pub const MAX_SHARD_SIZE: usize = 4096;
 /// Largest accepted `batch_size` hint.

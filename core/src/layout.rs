@@ -14,6 +14,16 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_ROWS_PER_FILE: usize = 65_536;
 /// Most rows per training file.
 pub const MAX_ROWS_PER_FILE: usize = 1 << 24;
+/// About the most bytes of one bucket of the shuffle's spill: what the step that writes the
+/// training files holds besides one training file.
+pub const SHUFFLE_BUCKET_BYTES: u64 = 256 << 20;
+
+/// The data bytes of a training file of `rows` rows: `slots` tensors (a site at a layer each)
+/// of `width` values of `itemsize` bytes per row, and the index, two int32 per row. Its
+/// header (a few kilobytes) aside.
+pub fn train_file_data_bytes(rows: usize, slots: usize, width: usize, itemsize: usize) -> u64 {
+    rows as u64 * (slots as u64 * width as u64 * itemsize as u64 + 8)
+}
 
 /// The layout as requests and plans name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

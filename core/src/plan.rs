@@ -21,6 +21,8 @@ pub const DEFAULT_SHARD_SIZE: usize = 32;
 pub const DEFAULT_BATCH_TOKENS: usize = 4096;
 /// Most prompts one job may hold.
 pub const MAX_PROMPTS: usize = 4096;
+/// Most projection directions one job may send.
+pub const MAX_DIRECTIONS: usize = 64;
 
 /// The arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 
 /// Most directions a job may project onto.
-pub const MAX_DIRECTIONS: usize = 64;
+pub use harvest_core::plan::MAX_DIRECTIONS;
 
 /// Unit-length directions, row-major `[count, hidden]`.
 #[derive(Debug, Clone, PartialEq)]

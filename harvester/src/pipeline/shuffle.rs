@@ -27,7 +27,7 @@ use super::store::Store;
 use crate::error::{Error, Result};
 
 /// Spill bytes per bucket the scatter aims for: what one bucket's sort holds in memory.
-pub const BUCKET_BYTES: u64 = 256 << 20;
+pub const BUCKET_BYTES: u64 = harvest_core::layout::SHUFFLE_BUCKET_BYTES;
 /// Bytes of a spill record before its values: key (u64), prompt (u32), position (u32).
 const RECORD_HEAD: usize = 16;
 

@@ -2,6 +2,9 @@
 
 use std::collections::BTreeMap;
 
+use harvest_core::ResolvedPlan;
+use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, train_file_data_bytes};
+use harvest_core::plan::MAX_DIRECTIONS;
 use harvest_crds::{HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvFromSource, EnvVar, Pod, PodSecurityContext, PodSpec,
@@ -31,7 +34,13 @@ pub fn render(
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
     let args = worker_args(job, valid, model, config, role)?;
-    let resources = resources(model, role);
+    let resources = match role {
+        Role::Finalize => finalize_resources(&valid.plan, model),
+        Role::Whole | Role::Part { .. } => resources(model),
+    };
+    // The finalize step never runs the model: it goes wherever CPU and memory are, not to the
+    // catalogue's GPU nodes (their selector, tolerations and runtime class).
+    let on_gpu_nodes = role != Role::Finalize;
     let secret = credentials.or(config.worker_env_secret.as_deref());
     let (env, env_from) = environment(job, secret, role);
     let owner = job
@@ -71,12 +80,14 @@ pub fn render(
             // The worker talks to storage only; its progress is read from its log.
             automount_service_account_token: Some(false),
             active_deadline_seconds: deadline_seconds,
-            node_selector: (!model.node_selector.is_empty()).then(|| model.node_selector.clone()),
-            tolerations: (!model.tolerations.is_empty()).then(|| model.tolerations.clone()),
+            node_selector: (on_gpu_nodes && !model.node_selector.is_empty())
+                .then(|| model.node_selector.clone()),
+            tolerations: (on_gpu_nodes && !model.tolerations.is_empty())
+                .then(|| model.tolerations.clone()),
             volumes: (!model.volumes.is_empty()).then(|| model.volumes.clone()),
             image_pull_secrets: (!model.image_pull_secrets.is_empty())
                 .then(|| model.image_pull_secrets.clone()),
-            runtime_class_name: model.runtime_class_name.clone(),
+            runtime_class_name: model.runtime_class_name.clone().filter(|_| on_gpu_nodes),
             priority_class_name: model.priority_class_name.clone(),
             security_context: Some(restricted_pod()),
             containers: vec![Container {
@@ -222,11 +233,10 @@ fn worker_args(
     Ok(args)
 }
 
-/// The catalogue's CPU and memory, with the model's GPUs requested and limited (none for the
-/// finalize step, which merges records and never runs the model).
-fn resources(model: &CatalogueEntry, role: Role) -> ResourceRequirements {
+/// The catalogue's CPU and memory, with the model's GPUs requested and limited.
+fn resources(model: &CatalogueEntry) -> ResourceRequirements {
     let mut resources = model.resources.clone();
-    if model.gpus > 0 && role != Role::Finalize {
+    if model.gpus > 0 {
         let gpus = Quantity(model.gpus.to_string());
         resources
             .limits
@@ -238,4 +248,35 @@ fn resources(model: &CatalogueEntry, role: Role) -> ResourceRequirements {
             .insert("nvidia.com/gpu".into(), gpus);
     }
     resources
+}
+
+/// Memory the finalize step takes besides what it holds for the shuffled layout: the
+/// records' exact statistics, the manifest and the process.
+pub const FINALIZE_BASE_BYTES: u64 = 1 << 30;
+
+/// The finalize step's CPU and memory, from its plan: one CPU, and as memory the base plus,
+/// for the shuffled layout, one spill bucket and one training file. No GPU, whatever the
+/// catalogue gives the model's workers.
+fn finalize_resources(plan: &ResolvedPlan, model: &CatalogueEntry) -> ResourceRequirements {
+    let (width, itemsize) = match plan.project_onto {
+        Some(_) => (MAX_DIRECTIONS, 4),
+        None => (model.hidden_size, 2),
+    };
+    let shuffle = match plan.layout {
+        Layout::ByPrompt => 0,
+        Layout::Shuffled { rows_per_file, .. } => {
+            let slots = plan.layers.len() * plan.sites.len();
+            SHUFFLE_BUCKET_BYTES
+                + train_file_data_bytes(rows_per_file.get(), slots, width, itemsize)
+        }
+    };
+    let memory = Quantity((FINALIZE_BASE_BYTES + shuffle).to_string());
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity("1".into())),
+            ("memory".to_owned(), memory.clone()),
+        ])),
+        limits: Some(BTreeMap::from([("memory".to_owned(), memory)])),
+        ..ResourceRequirements::default()
+    }
 }

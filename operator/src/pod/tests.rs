@@ -303,3 +303,60 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
     let env_from = pod.spec.unwrap().containers[0].env_from.clone().unwrap();
     assert_eq!(env_from[0].secret_ref.as_ref().unwrap().name, "acme-s3");
 }
+
+#[test]
+fn a_finalize_pod_asks_for_cpu_and_the_memory_its_plan_holds_not_the_models_gpu_nodes() {
+    let config = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, nodeSelector: {gpu: h200}, runtimeClassName: nvidia, tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}], resources: {requests: {memory: 200Gi}}}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap();
+    let entry = config.model("m").unwrap();
+    let mut job = job();
+    job.spec.harvest.layers = Some(vec![3, 7]);
+    job.spec.harvest.sites = Some(vec![
+        harvest_core::Site::MlpOut,
+        harvest_core::Site::ResidPost,
+    ]);
+    job.spec.harvest.layout = Some(harvest_core::layout::LayoutName::Shuffled);
+    job.spec.harvest.rows_per_file = Some(1000);
+    let valid = job
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let spec_of = |role: Role| {
+        let attempt = Attempt {
+            role,
+            number: 1,
+            deadline_seconds: None,
+        };
+        render(&job, &valid, entry, &config, &attempt, None)
+            .unwrap()
+            .spec
+            .unwrap()
+    };
+    let part = spec_of(Role::Part { index: 0, count: 2 });
+    assert_eq!(part.node_selector.unwrap()["gpu"], "h200");
+    assert_eq!(part.runtime_class_name.as_deref(), Some("nvidia"));
+    assert_eq!(part.tolerations.unwrap().len(), 1);
+    let part_requests = part.containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .requests
+        .unwrap();
+    assert_eq!(part_requests["nvidia.com/gpu"].0, "2");
+    assert_eq!(part_requests["memory"].0, "200Gi");
+    let finalize = spec_of(Role::Finalize);
+    assert_eq!(finalize.node_selector, None);
+    assert_eq!(finalize.tolerations, None);
+    assert_eq!(finalize.runtime_class_name, None);
+    let resources = finalize.containers[0].resources.clone().unwrap();
+    let requests = resources.requests.unwrap();
+    assert!(!requests.contains_key("nvidia.com/gpu"));
+    assert_eq!(requests["cpu"].0, "1");
+    // The base, one spill bucket, and one training file of 1,000 rows of 2 layers x 2 sites of
+    // 576 bf16 values, plus their (prompt, position) index.
+    let memory = (1u64 << 30) + (256 << 20) + 1000 * (2 * 2 * 576 * 2 + 8);
+    assert_eq!(requests["memory"].0, memory.to_string());
+    assert_eq!(resources.limits.unwrap()["memory"].0, memory.to_string());
+}
