@@ -76,7 +76,7 @@ pub async fn scan(storage: &Storage, id: &str, cache: &RecordCache) -> Result<Re
             metas.push(meta);
             continue;
         }
-        if let Some(meta) = read_header(storage, id, name).await? {
+        if let Some(meta) = read_header(storage, id, name, size).await? {
             cache.put(id, name, size, meta.clone());
             metas.push(meta);
         }
@@ -92,8 +92,9 @@ async fn read_header(
     storage: &Storage,
     id: &str,
     name: &str,
+    size: u64,
 ) -> Result<Option<RecordMeta>, String> {
-    let mut want = FIRST_READ_BYTES;
+    let mut want = FIRST_READ_BYTES.min(size);
     loop {
         let Some(head) = storage.read_output_head(id, name, want).await? else {
             return Ok(None);
@@ -101,7 +102,7 @@ async fn read_header(
         match partial::record_meta(&head) {
             Ok(meta) => return Ok(Some(meta)),
             Err(RecordHeaderError::Short { needed })
-                if (needed as u64) > want && head.len() as u64 == want =>
+                if (needed as u64) > want && (needed as u64) <= size =>
             {
                 want = needed as u64;
             }

@@ -316,8 +316,8 @@ impl Storage {
         Ok(files)
     }
 
-    /// The first `len` bytes of job `id`'s output `name` (all of it when shorter), or `None`
-    /// when it is not there.
+    /// The first `len` bytes of job `id`'s output `name` (at most its size, which the caller
+    /// has from a listing), or `None` when it is not there.
     pub async fn read_output_head(
         &self,
         id: &str,
@@ -342,12 +342,7 @@ impl Storage {
             }
             Self::S3 { store, prefix, .. } => {
                 let path = ObjectPath::from(Self::key(prefix, id, &format!("out/{name}")));
-                let size = match store.head(&path).await {
-                    Ok(meta) => meta.size,
-                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
-                    Err(e) => return Err(e.to_string()),
-                };
-                match store.get_range(&path, 0..len.min(size)).await {
+                match store.get_range(&path, 0..len).await {
                     Ok(bytes) => Ok(Some(bytes)),
                     Err(object_store::Error::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e.to_string()),

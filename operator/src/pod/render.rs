@@ -43,37 +43,8 @@ pub fn render(
     let on_gpu_nodes = role != Role::Finalize;
     let secret = credentials.or(config.worker_env_secret.as_deref());
     let (env, env_from) = environment(job, secret, role);
-    let owner = job
-        .controller_owner_ref(&())
-        .ok_or_else(|| Error::MissingUid {
-            job: job.name_any(),
-        })?;
-    let namespace = config.pod_namespace(job);
-    // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
-    // label, and the job's finalizer deletes it.
-    let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
-    let labels = labels(job, &owner.uid, attempt, role);
-    let annotations = BTreeMap::from([
-        (
-            JOB_NAMESPACE_ANNOTATION.to_owned(),
-            job.namespace().unwrap_or_default(),
-        ),
-        (JOB_NAME_ANNOTATION.to_owned(), job.name_any()),
-    ]);
     Ok(Pod {
-        metadata: ObjectMeta {
-            name: Some(role_pod_name(
-                &job.name_any(),
-                job.uid().as_deref(),
-                role,
-                attempt,
-            )),
-            namespace: Some(namespace),
-            labels: Some(labels),
-            annotations: Some(annotations),
-            owner_references: owners,
-            ..ObjectMeta::default()
-        },
+        metadata: metadata(job, config, role, attempt)?,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(config.worker_service_account.clone()),
@@ -107,6 +78,45 @@ pub fn render(
             ..PodSpec::default()
         }),
         status: None,
+    })
+}
+
+/// The Pod's name, namespace, labels and annotations, and its owner when it can have one.
+fn metadata(
+    job: &HarvestJob,
+    config: &OperatorConfig,
+    role: Role,
+    attempt: u32,
+) -> Result<ObjectMeta> {
+    let owner = job
+        .controller_owner_ref(&())
+        .ok_or_else(|| Error::MissingUid {
+            job: job.name_any(),
+        })?;
+    let namespace = config.pod_namespace(job);
+    // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
+    // label, and the job's finalizer deletes it.
+    let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
+    let labels = labels(job, &owner.uid, attempt, role);
+    let annotations = BTreeMap::from([
+        (
+            JOB_NAMESPACE_ANNOTATION.to_owned(),
+            job.namespace().unwrap_or_default(),
+        ),
+        (JOB_NAME_ANNOTATION.to_owned(), job.name_any()),
+    ]);
+    Ok(ObjectMeta {
+        name: Some(role_pod_name(
+            &job.name_any(),
+            job.uid().as_deref(),
+            role,
+            attempt,
+        )),
+        namespace: Some(namespace),
+        labels: Some(labels),
+        annotations: Some(annotations),
+        owner_references: owners,
+        ..ObjectMeta::default()
     })
 }
 
