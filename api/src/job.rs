@@ -96,3 +96,30 @@ fn is_one(n: &usize) -> bool {
 
 /// What the harvester reported for a done job (its result.json, less the links).
 pub type StoredResult = JobResult;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_with_every_option_reads_and_writes_back_byte_for_byte() {
+        let stored = include_str!("../tests/fixtures/job-spec-every-option.json").trim_end();
+        let spec: JobSpec = serde_json::from_str(stored).unwrap();
+        assert_eq!(serde_json::to_string(&spec).unwrap(), stored);
+    }
+
+    #[test]
+    fn a_row_of_the_first_release_reads_with_its_defaults() {
+        let stored = include_str!("../tests/fixtures/job-spec-first-release.json");
+        let spec: JobSpec = serde_json::from_str(stored).unwrap();
+        let written: serde_json::Value = serde_json::to_value(&spec).unwrap();
+        let mut expected: serde_json::Value = serde_json::from_str(stored).unwrap();
+        // The first release wrote no precision or estimates; a row written back names them.
+        expected["precision"] = "f32".into();
+        expected["estimated_bytes"] = 0.into();
+        expected["estimated_ms"] = serde_json::Value::Null;
+        assert_eq!(written, expected);
+        assert!(spec.selection.is_everything() && spec.layout.is_by_prompt());
+        assert_eq!(spec.parallelism, 1);
+    }
+}
