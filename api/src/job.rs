@@ -1,12 +1,10 @@
 //! A job as both backends record it: the seam type the handlers answer from, whatever holds
 //! the job (the embedded store's rows, or HarvestJobs).
 
-use harvest_core::Sites;
+use harvest_core::JobOptions;
 use harvest_core::clock::UnixMillis;
-use harvest_core::layout::Layout;
 use harvest_core::lifecycle::JobStatus;
 use harvest_core::quota::Lane;
-use harvest_core::selection::TokenSelection;
 use serde::{Deserialize, Serialize};
 
 use crate::wire::{JobResult, Progress};
@@ -14,24 +12,10 @@ use crate::wire::{JobResult, Progress};
 /// How to (re)start a job's worker; everything else lives in the job's input folder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
-    /// Kept layers.
-    pub layers: Vec<usize>,
-    /// Kept hook sites (`resid_post` alone for jobs stored before sites were).
-    #[serde(default, skip_serializing_if = "Sites::is_default")]
-    pub sites: Sites,
-    /// Which tokens are kept (every token for jobs stored before selections were).
-    #[serde(default, skip_serializing_if = "TokenSelection::is_everything")]
-    pub selection: TokenSelection,
-    /// How the files are laid out (by prompt for jobs stored before layouts were).
-    #[serde(default, skip_serializing_if = "Layout::is_by_prompt")]
-    pub layout: Layout,
-    /// The engine's arithmetic (f32 for jobs stored before it was chosen).
-    #[serde(default)]
-    pub precision: harvest_core::plan::Precision,
-    /// Prompts per shard.
-    pub shard_size: usize,
-    /// Whether special tokens are added.
-    pub add_special_tokens: bool,
+    /// What the job keeps and how it is cut (its fields at the top level of a stored row, as
+    /// rows have always had them).
+    #[serde(flatten)]
+    pub options: JobOptions,
     /// Whether `directions.npy` was sent.
     pub has_directions: bool,
     /// The model's lane.
@@ -119,7 +103,7 @@ mod tests {
         expected["estimated_bytes"] = 0.into();
         expected["estimated_ms"] = serde_json::Value::Null;
         assert_eq!(written, expected);
-        assert!(spec.selection.is_everything() && spec.layout.is_by_prompt());
+        assert!(spec.options.selection.is_everything() && spec.options.layout.is_by_prompt());
         assert_eq!(spec.parallelism, 1);
     }
 }

@@ -244,13 +244,11 @@ mod tests {
             error: None,
             progress: None,
             spec: crate::job::JobSpec {
-                layers: vec![0],
-                sites: harvest_core::Sites::default(),
-                selection: Default::default(),
-                layout: Default::default(),
-                precision: Default::default(),
-                shard_size: 1,
-                add_special_tokens: true,
+                options: harvest_core::JobOptions {
+                    layers: vec![0].into(),
+                    shard_size: std::num::NonZeroUsize::new(1).unwrap(),
+                    ..Default::default()
+                },
                 has_directions: false,
                 lane: harvest_core::quota::Lane::Small,
                 estimated_bytes: 0,

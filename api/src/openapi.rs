@@ -3,7 +3,7 @@
 //! difference.
 
 use harvest_core::Site;
-use harvest_core::layout::MAX_ROWS_PER_FILE;
+use harvest_core::options::COUNT_LIMITS;
 use harvest_core::plan::MAX_PROMPTS;
 use serde_json::{Value, json};
 use utoipa::openapi::RefOr;
@@ -16,8 +16,7 @@ use crate::error::{ErrorBody, ErrorEnvelope};
 use crate::listing::{JobList, LaneUsage, MAX_PAGE, Measure, TokenUsage, Usage};
 use crate::wire::{
     DryRun, Estimate, FileSizes, HarvestRequest, JobResult, JobView, MAX_BATCH_SIZE,
-    MAX_PARALLELISM, MAX_SHARD_SIZE, PartialInfo, Progress, ProjectOnto, ReadyShardUrl,
-    ResultTimings, ShardFiles,
+    MAX_PARALLELISM, PartialInfo, Progress, ProjectOnto, ReadyShardUrl, ResultTimings, ShardFiles,
 };
 
 struct BearerAuth;
@@ -175,16 +174,15 @@ fn property<'a>(schema: &'a mut Schema, name: &str) -> Option<&'a mut Schema> {
 fn limit_request(request: &mut Schema, sites: Vec<Value>) {
     let layouts = &["by_prompt", "shuffled"];
     let precisions = &["f32", "bf16"];
-    for (name, limit) in [
-        ("shard_size", Limit::Range(1, MAX_SHARD_SIZE as f64)),
+    let counts = COUNT_LIMITS.map(|(name, max)| (name, Limit::Range(1, max as f64)));
+    for (name, limit) in counts.into_iter().chain([
         ("batch_size", Limit::Range(1, MAX_BATCH_SIZE as f64)),
         ("parallelism", Limit::Range(1, MAX_PARALLELISM as f64)),
-        ("rows_per_file", Limit::Range(1, MAX_ROWS_PER_FILE as f64)),
         ("sample_rate", Limit::Above(0.0, Some(1.0))),
         ("max_norm_multiple", Limit::Above(1.0, None)),
         ("layout", Limit::OneOf(layouts)),
         ("precision", Limit::OneOf(precisions)),
-    ] {
+    ]) {
         if let Some(schema) = property(request, name) {
             limit.apply(schema);
         }

@@ -160,13 +160,13 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
     estimate::predict(&JobShape {
         token_counts: &counts.per_prompt,
         truncated: &counts.truncated,
-        shard_size: submission.shard_size.get(),
-        layers: submission.layers.as_slice(),
-        sites: &submission.sites,
-        layout: submission.layout,
-        precision: submission.precision,
+        shard_size: submission.options.shard_size.get(),
+        layers: submission.options.layers.as_slice(),
+        sites: &submission.options.sites,
+        layout: submission.options.layout,
+        precision: submission.options.precision,
         selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
-            rules: &submission.selection,
+            rules: &submission.options.selection,
             kept_counts,
             dropped: counts.dropped,
         }),
@@ -178,9 +178,9 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
             num_layers: model.model.shape.num_layers,
             hidden_size: model.model.shape.hidden_size,
         },
-        add_special_tokens: submission.add_special_tokens,
+        add_special_tokens: submission.options.add_special_tokens,
         bos_token_id: model.bos_token_id,
-        max_tokens: model.max_tokens,
+        max_tokens: submission.options.max_tokens(model.max_tokens),
     })
 }
 
@@ -195,8 +195,9 @@ fn dry_run_answer(
         dry_run: true,
         model: submission.model.clone(),
         n_prompts: submission.prompts.len(),
-        layers: submission.layers.as_slice().to_vec(),
+        layers: submission.options.layers.as_slice().to_vec(),
         sites: submission
+            .options
             .sites
             .names()
             .into_iter()
@@ -242,13 +243,7 @@ fn new_job(caller: &Caller, submission: &Submission, estimate: &Estimate) -> Job
         error: None,
         progress: None,
         spec: JobSpec {
-            layers: submission.layers.as_slice().to_vec(),
-            sites: submission.sites.clone(),
-            selection: submission.selection,
-            layout: submission.layout,
-            precision: submission.precision,
-            shard_size: submission.shard_size.get(),
-            add_special_tokens: submission.add_special_tokens,
+            options: submission.options.clone(),
             has_directions: submission.directions.is_some(),
             lane: submission.lane,
             estimated_bytes: estimate.bytes,
@@ -293,9 +288,9 @@ async fn count_within_timeout(
 ) -> Result<Counts, ApiError> {
     let tokenizer = Arc::clone(&model.tokenizer);
     let prompts = submission.prompts.clone();
-    let special = submission.add_special_tokens;
-    let max_tokens = model.max_tokens as u64;
-    let selection = submission.selection;
+    let special = submission.options.add_special_tokens;
+    let max_tokens = submission.options.max_tokens(model.max_tokens) as u64;
+    let selection = submission.options.selection;
     let cancelled = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&cancelled);
     let counting = tokio::task::spawn_blocking(move || {
@@ -367,9 +362,10 @@ fn summary(job: &JobRecord) -> JobView {
         model: job.model.clone(),
         n_prompts: job.n_prompts,
         reserved_tokens: job.reserved,
-        layers: job.spec.layers.clone(),
-        sites: (!job.spec.sites.is_default()).then(|| {
+        layers: job.spec.options.layers.as_slice().to_vec(),
+        sites: (!job.spec.options.sites.is_default()).then(|| {
             job.spec
+                .options
                 .sites
                 .names()
                 .into_iter()
@@ -409,7 +405,7 @@ async fn answer(state: &AppState, job: &JobRecord, partial: bool) -> Result<JobV
         state.records.forget(&job.id);
         return Ok(view);
     }
-    if job.spec.layout.name() != harvest_core::layout::LayoutName::ByPrompt {
+    if job.spec.options.layout.name() != harvest_core::layout::LayoutName::ByPrompt {
         view.ready_shard_urls = Some(Vec::new());
         view.partial = Some(PartialInfo {
             shards_total: None,
@@ -442,7 +438,7 @@ async fn answer(state: &AppState, job: &JobRecord, partial: bool) -> Result<JobV
     );
     view.urls_expire_at = Some(harvest_core::clock::UnixMillis(expires * 1000).to_iso8601());
     view.partial = Some(PartialInfo {
-        shards_total: Some(job.n_prompts.div_ceil(job.spec.shard_size.max(1))),
+        shards_total: Some(job.n_prompts.div_ceil(job.spec.options.shard_size.get())),
         bos_token_id: ready.bos_token_id,
         unavailable: None,
     });

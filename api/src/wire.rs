@@ -5,21 +5,21 @@ use std::num::NonZeroUsize;
 
 use base64::Engine;
 use harvest_core::clock::UnixMillis;
-use harvest_core::layout::{Layout, LayoutName};
+use harvest_core::layout::LayoutName;
 use harvest_core::lifecycle::JobStatus;
+use harvest_core::options::{DEFAULT_SHARD_SIZE, JobOptions, RawOptions};
 use harvest_core::plan::MAX_PROMPTS;
 use harvest_core::plan::Precision;
 use harvest_core::quota::Lane;
 use harvest_core::selection::{RawSelection, TokenSelection};
 use harvest_core::worker::RunResult;
-use harvest_core::{LayerSelection, Layers, ServedModel, Sites};
+use harvest_core::{LayerSelection, ServedModel, Sites};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 
+pub use harvest_core::options::{MAX_PROMPT_TOKENS, MAX_SHARD_SIZE};
 pub use harvest_core::plan::MAX_DIRECTIONS;
-/// Most prompts per shard.
-pub const MAX_SHARD_SIZE: usize = 4096;
 /// Largest accepted `batch_size` hint.
 pub const MAX_BATCH_SIZE: usize = 4096;
 
@@ -89,6 +89,11 @@ pub struct HarvestRequest {
     /// no job made and no quota used.
     #[serde(default)]
     pub dry_run: Option<bool>,
+    /// Our extension: cut each prompt to its first N tokens (special tokens included) before
+    /// the forward pass, 1 to 1,048,576; the manifest lists each cut prompt under
+    /// `truncated_prompts`. The model's context window cuts it in any case.
+    #[serde(default)]
+    pub max_prompt_tokens: Option<usize>,
     /// Our extension: run the job as this many harvester processes at once, each on its own
     /// share of the shards (1, the default, to 16, at most the job's shards and the model's
     /// cap); the files are byte for byte those of one process. On Kubernetes, one worker Pod
@@ -126,23 +131,11 @@ pub struct Submission {
     pub model: String,
     /// The prompts.
     pub prompts: Vec<String>,
-    /// The resolved layers, ascending.
-    pub layers: Layers,
-    /// The kept hook sites.
-    pub sites: Sites,
-    /// Which tokens are kept.
-    pub selection: TokenSelection,
-    /// How the files are laid out.
-    pub layout: Layout,
-    /// The engine's arithmetic.
-    pub precision: Precision,
-    /// Prompts per shard.
-    pub shard_size: NonZeroUsize,
-    /// Whether special tokens are added.
-    pub add_special_tokens: bool,
+    /// What the job keeps and how it is cut, layers resolved.
+    pub options: JobOptions,
     /// Directions as f32, `[n, hidden]` row-major, not yet normalised.
     pub directions: Option<(usize, Vec<f32>)>,
-    /// Each prompt's UTF-8 bytes plus one for its start token.
+    /// Each prompt's UTF-8 bytes plus one for its start token, at most `max_prompt_tokens`.
     pub reserved_tokens: u64,
     /// The model's lane.
     pub lane: Lane,
@@ -172,55 +165,59 @@ impl HarvestRequest {
             precision,
             dry_run: _,
             parallelism,
+            max_prompt_tokens,
         } = self;
         check_prompt_count(prompts.len())?;
-        let layers = model
-            .shape
-            .layers(&layers)
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
-        let sites = match sites {
-            None => Sites::default(),
-            Some(names) => Sites::parse(&names).map_err(|e| ApiError::invalid(e.to_string()))?,
-        };
-        let shard_size = bounded(
-            "shard_size",
-            shard_size.unwrap_or(harvest_core::plan::DEFAULT_SHARD_SIZE),
-            MAX_SHARD_SIZE,
-        )?;
         if let Some(batch) = batch_size {
             bounded("batch_size", batch, MAX_BATCH_SIZE)?;
         }
         let directions = project_onto
             .map(|p| p.decode(model.shape.hidden_size))
             .transpose()?;
-        let selection = RawSelection {
-            exclude_special_tokens,
-            positions,
-            sample_rate,
-            seed,
-            max_norm_multiple,
-        };
-        let (selection, layout) =
-            selection_and_layout(selection, layout.as_deref(), rows_per_file)?;
-        harvest_core::plan::check_norm_filter(&selection, &sites, directions.is_some())
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
-        let precision = precision
-            .as_deref()
-            .map_or(Ok(Precision::F32), str::parse::<Precision>)
-            .map_err(ApiError::invalid)?;
-        let reserved_tokens = prompts.iter().map(|p| p.len() as u64 + 1).sum();
-        let shards = prompts.len().div_ceil(shard_size.get());
-        let parallelism = check_parallelism(parallelism, shards, &selection)?;
+        let invalid = |e: &dyn std::fmt::Display| ApiError::invalid(e.to_string());
+        let options = RawOptions {
+            layers,
+            sites: match sites {
+                None => Sites::default(),
+                Some(names) => Sites::parse(&names).map_err(|e| invalid(&e))?,
+            },
+            selection: RawSelection {
+                exclude_special_tokens,
+                positions,
+                sample_rate,
+                seed,
+                max_norm_multiple,
+            },
+            layout: layout
+                .as_deref()
+                .map_or(Ok(LayoutName::ByPrompt), str::parse::<LayoutName>)
+                .map_err(|e| invalid(&e))?,
+            rows_per_file,
+            precision: precision
+                .as_deref()
+                .map_or(Ok(Precision::F32), str::parse::<Precision>)
+                .map_err(|e| invalid(&e))?,
+            shard_size: shard_size.unwrap_or(DEFAULT_SHARD_SIZE),
+            add_special_tokens: add_special_tokens.unwrap_or(true),
+            max_prompt_tokens,
+        }
+        .validate(directions.is_some())
+        .map_err(|e| invalid(&e))?
+        .resolve(&model.shape)
+        .map_err(|e| invalid(&e))?;
+        let per_prompt_cap = options
+            .max_prompt_tokens
+            .map_or(u64::MAX, |n| n.get() as u64);
+        let reserved_tokens = prompts
+            .iter()
+            .map(|p| (p.len() as u64 + 1).min(per_prompt_cap))
+            .sum();
+        let shards = prompts.len().div_ceil(options.shard_size.get());
+        let parallelism = check_parallelism(parallelism, shards, &options.selection)?;
         Ok(Submission {
             model: name,
             prompts,
-            layers,
-            sites,
-            selection,
-            layout,
-            precision,
-            shard_size,
-            add_special_tokens: add_special_tokens.unwrap_or(true),
+            options,
             directions,
             reserved_tokens,
             lane: model.lane,
@@ -268,22 +265,6 @@ fn check_prompt_count(count: usize) -> Result<(), ApiError> {
         });
     }
     Ok(())
-}
-
-/// The token selection and the layout, which share `seed`.
-fn selection_and_layout(
-    selection: RawSelection,
-    layout: Option<&str>,
-    rows_per_file: Option<usize>,
-) -> Result<(TokenSelection, Layout), ApiError> {
-    let layout = match layout {
-        None => LayoutName::ByPrompt,
-        Some(name) => name
-            .parse::<LayoutName>()
-            .map_err(|e| ApiError::invalid(e.to_string()))?,
-    };
-    harvest_core::plan::selection_and_layout(selection, layout, rows_per_file)
-        .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
 fn bounded(field: &str, value: usize, max: usize) -> Result<NonZeroUsize, ApiError> {
@@ -707,9 +688,9 @@ mod tests {
             "layers": [24, 8, 16]
         }))
         .unwrap();
-        assert_eq!(s.layers.as_slice(), &[8, 16, 24]);
-        assert_eq!(s.shard_size.get(), 32);
-        assert!(s.add_special_tokens);
+        assert_eq!(s.options.layers.as_slice(), &[8, 16, 24]);
+        assert_eq!(s.options.shard_size.get(), 32);
+        assert!(s.options.add_special_tokens);
         assert_eq!(s.reserved_tokens, (44 + 1) + (52 + 1));
     }
 
@@ -724,12 +705,12 @@ mod tests {
     #[test]
     fn sites_default_to_resid_post_and_an_unknown_site_is_named_with_the_choices() {
         let s = parse(serde_json::json!({"model": "m", "prompts": ["a"]})).unwrap();
-        assert!(s.sites.is_default());
+        assert!(s.options.sites.is_default());
         let s = parse(
             serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["mlp_out", "resid_pre"]}),
         )
         .unwrap();
-        assert_eq!(s.sites.names(), ["resid_pre", "mlp_out"]);
+        assert_eq!(s.options.sites.names(), ["resid_pre", "mlp_out"]);
         let err = parse(serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["attn"]}))
             .unwrap_err()
             .to_string();
@@ -745,7 +726,7 @@ mod tests {
     fn layers_accept_all_and_reject_out_of_range_by_name() {
         let s =
             parse(serde_json::json!({"model": "m", "prompts": ["a"], "layers": "all"})).unwrap();
-        assert_eq!(s.layers.len(), 30);
+        assert_eq!(s.options.layers.len(), 30);
         let err =
             parse(serde_json::json!({"model": "m", "prompts": ["a"], "layers": [30]})).unwrap_err();
         assert!(err.to_string().contains("layer 30"), "{err}");

@@ -52,9 +52,19 @@ pub enum LayerError {
 }
 
 /// A validated, ascending, duplicate-free list of block indices, all below the model's depth.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
-#[serde(transparent)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(from = "Vec<usize>")]
 pub struct Layers(Vec<usize>);
+
+/// The layers a record lists, ascending and unique, whether or not a model has them (a job
+/// row, or a `HarvestJob`'s explicit list); empty for a record that names none.
+impl From<Vec<usize>> for Layers {
+    fn from(mut list: Vec<usize>) -> Self {
+        list.sort_unstable();
+        list.dedup();
+        Self(list)
+    }
+}
 
 impl LayerSelection {
     /// Resolves the selection against a model with `num_layers` decoder blocks.

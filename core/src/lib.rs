@@ -29,6 +29,7 @@ pub mod layout;
 pub mod lifecycle;
 pub mod model;
 pub mod npy;
+pub mod options;
 pub mod partial;
 pub mod plan;
 pub mod quota;
@@ -39,6 +40,7 @@ pub mod worker;
 
 pub use layers::{LayerError, LayerSelection, Layers};
 pub use model::{ModelShape, ServedModel};
+pub use options::{JobOptions, OptionsError, RawOptions};
 pub use plan::{HarvestPlan, Location, PlanError, RawPlan, ResolvedPlan};
 pub use sites::{Site, SiteError, Sites};
 pub use stats::RunningStats;

@@ -7,61 +7,22 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::layers::{LayerError, LayerSelection, Layers};
+use crate::layers::{LayerError, LayerSelection};
+use crate::layout::LayoutName;
 /// The file name of shard `shard` (the by-prompt layout's files).
 pub use crate::layout::shard_file_name;
-use crate::layout::{Layout, LayoutError, LayoutName};
 use crate::model::ModelShape;
-use crate::selection::{RawSelection, SelectionError, TokenSelection};
-use crate::sites::{Site, Sites};
+pub use crate::options::{DEFAULT_SHARD_SIZE, Precision};
+use crate::options::{JobOptions, OptionsError, RawOptions};
+use crate::selection::RawSelection;
+use crate::sites::Sites;
 
-/// Prompts per shard unless the plan says otherwise.
-pub const DEFAULT_SHARD_SIZE: usize = 32;
 /// Tokens per forward batch unless the plan says otherwise.
 pub const DEFAULT_BATCH_TOKENS: usize = 4096;
 /// Most prompts one job may hold.
 pub const MAX_PROMPTS: usize = 4096;
 /// Most projection directions one job may send.
 pub const MAX_DIRECTIONS: usize = 64;
-
-/// The arithmetic of the forward pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum Precision {
-    /// f32 throughout (weights widened exactly from their storage): the reference.
-    #[default]
-    F32,
-    /// bf16 matrix-product inputs with f32 accumulation, activations rounded to bf16 at the
-    /// points `docs/engine.md` lists; norms, softmax, RoPE and the residual stream stay f32.
-    Bf16,
-}
-
-impl Precision {
-    /// The name flags and manifests use.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            other => Err(format!("precision {other:?} is not one of f32, bf16")),
-        }
-    }
-}
-
-fn is_f32(precision: &Precision) -> bool {
-    *precision == Precision::F32
-}
 
 /// A place that holds an object or a prefix of objects.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -102,18 +63,9 @@ pub enum PlanError {
         /// The field.
         field: &'static str,
     },
-    /// A token selection field is refused.
+    /// The job's options are refused.
     #[error(transparent)]
-    Selection(#[from] SelectionError),
-    /// The layout is refused.
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    /// The norm filter without what it measures.
-    #[error("max_norm_multiple filters on the resid_post norm, {reason}")]
-    NormFilter {
-        /// What is missing, and the fix.
-        reason: &'static str,
-    },
+    Options(#[from] OptionsError),
 }
 
 /// The plan as written, before validation. Unknown fields are an error, never ignored.
@@ -169,6 +121,13 @@ pub struct RawPlan {
     /// `f32` (the default) or `bf16`.
     #[serde(default, skip_serializing_if = "is_f32")]
     pub precision: Precision,
+    /// Cut each prompt to its first N tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_prompt_tokens: Option<usize>,
+}
+
+fn is_f32(precision: &Precision) -> bool {
+    *precision == Precision::F32
 }
 
 fn is_by_prompt(name: &LayoutName) -> bool {
@@ -194,137 +153,96 @@ pub struct HarvestPlan {
     pub model: PathBuf,
     /// Prompts file.
     pub prompts: Location,
-    /// Which block outputs to keep (resolved once the model is known).
-    pub layers: LayerSelection,
-    /// The hook sites of each kept block.
-    pub sites: Sites,
-    /// Prompts per shard.
-    pub shard_size: NonZeroUsize,
-    /// Whether the tokenizer adds its special tokens.
-    pub add_special_tokens: bool,
-    /// Projection directions file.
+    /// Optional projection directions.
     pub project_onto: Option<Location>,
-    /// Output prefix.
+    /// Output location.
     pub output: Location,
     /// Tokens per forward batch.
     pub batch_tokens: NonZeroUsize,
-    /// Which tokens are kept.
-    pub selection: TokenSelection,
-    /// How the activations are laid out in files.
-    pub layout: Layout,
-    /// The forward pass's arithmetic.
-    pub precision: Precision,
+    /// What the job keeps and how it is cut; its layers resolve once the model is known.
+    pub options: JobOptions<LayerSelection>,
 }
 
-/// A plan whose layers are resolved against its model's shape: what every stage after
-/// validation sees. It travels to a worker as [`ResolvedPlan::to_raw`], layers listed.
+/// A plan whose layers are resolved against the model: what the worker runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResolvedPlan {
     /// Checkpoint directory.
     pub model: PathBuf,
     /// Prompts file.
     pub prompts: Location,
-    /// The kept layers.
-    pub layers: Layers,
-    /// The hook sites of each kept block.
-    pub sites: Sites,
-    /// Prompts per shard.
-    pub shard_size: NonZeroUsize,
-    /// Whether the tokenizer adds its special tokens.
-    pub add_special_tokens: bool,
-    /// Projection directions file.
+    /// Optional projection directions.
     pub project_onto: Option<Location>,
-    /// Output prefix.
+    /// Output location.
     pub output: Location,
     /// Tokens per forward batch.
     pub batch_tokens: NonZeroUsize,
-    /// Which tokens are kept.
-    pub selection: TokenSelection,
-    /// How the activations are laid out in files.
-    pub layout: Layout,
-    /// The forward pass's arithmetic.
-    pub precision: Precision,
+    /// What the job keeps and how it is cut.
+    pub options: JobOptions,
 }
 
 impl HarvestPlan {
-    /// Resolves the layers against the model's shape.
+    /// Resolves the layer selection against the model.
     pub fn resolve(self, shape: &ModelShape) -> Result<ResolvedPlan, LayerError> {
         let Self {
             model,
             prompts,
-            layers,
-            sites,
-            shard_size,
-            add_special_tokens,
             project_onto,
             output,
             batch_tokens,
-            selection,
-            layout,
-            precision,
+            options,
         } = self;
         Ok(ResolvedPlan {
-            layers: shape.layers(&layers)?,
-            sites,
             model,
             prompts,
-            shard_size,
-            add_special_tokens,
             project_onto,
             output,
             batch_tokens,
-            selection,
-            layout,
-            precision,
+            options: options.resolve(shape)?,
         })
     }
 }
 
 impl ResolvedPlan {
-    /// The wire form handed to a worker (`plan.json`, `--plan-json`): the layers listed, so the
-    /// worker resolves them to exactly these.
+    /// The plan as a worker is handed it (`plan.json`, `--plan-json`), layers listed.
     pub fn to_raw(&self) -> RawPlan {
         let Self {
             model,
             prompts,
+            project_onto,
+            output,
+            batch_tokens,
+            options,
+        } = self;
+        let RawOptions {
+            layers,
+            sites,
+            selection,
+            layout,
+            rows_per_file,
+            precision,
+            shard_size,
+            add_special_tokens,
+            max_prompt_tokens,
+        } = options.to_raw();
+        RawPlan {
+            model: model.display().to_string(),
+            prompts: prompts.to_string(),
             layers,
             sites,
             shard_size,
             add_special_tokens,
-            project_onto,
-            output,
-            batch_tokens,
-            selection,
-            layout,
-            precision,
-        } = self;
-        let layout_seed = match layout {
-            Layout::ByPrompt => None,
-            Layout::Shuffled { seed, .. } => Some(*seed),
-        };
-        RawPlan {
-            model: model.display().to_string(),
-            prompts: prompts.to_string(),
-            layers: layers.to_selection(),
-            sites: sites.clone(),
-            shard_size: shard_size.get(),
-            add_special_tokens: *add_special_tokens,
             project_onto: project_onto.as_ref().map(Location::to_string),
             output: output.to_string(),
             batch_tokens: batch_tokens.get(),
-            exclude_special_tokens: selection.exclude_special_tokens,
-            positions: selection
-                .positions
-                .map(|p| vec![u64::from(p.start), u64::from(p.end)]),
-            sample_rate: selection.sample.map(|s| s.rate),
-            seed: selection.sample.map(|s| s.seed).or(layout_seed),
+            exclude_special_tokens: selection.exclude_special_tokens.unwrap_or(false),
+            positions: selection.positions,
+            sample_rate: selection.sample_rate,
+            seed: selection.seed,
             max_norm_multiple: selection.max_norm_multiple,
-            layout: layout.name(),
-            rows_per_file: match layout {
-                Layout::ByPrompt => None,
-                Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get()),
-            },
-            precision: *precision,
+            layout,
+            rows_per_file,
+            precision,
+            max_prompt_tokens,
         }
     }
 }
@@ -426,12 +344,15 @@ impl TryFrom<RawPlan> for HarvestPlan {
             layout,
             rows_per_file,
             precision,
+            max_prompt_tokens,
         } = raw;
         if model.trim().is_empty() {
             return Err(PlanError::Empty { field: "model" });
         }
-        let (selection, layout) = selection_and_layout(
-            RawSelection {
+        let options = RawOptions {
+            layers,
+            sites,
+            selection: RawSelection {
                 exclude_special_tokens: Some(exclude_special_tokens),
                 positions,
                 sample_rate,
@@ -440,67 +361,24 @@ impl TryFrom<RawPlan> for HarvestPlan {
             },
             layout,
             rows_per_file,
-        )?;
-        check_norm_filter(&selection, &sites, project_onto.is_some())?;
+            precision,
+            shard_size,
+            add_special_tokens,
+            max_prompt_tokens,
+        }
+        .validate(project_onto.is_some())?;
         Ok(Self {
             model: PathBuf::from(model),
             prompts: Location::parse(&prompts, "prompts")?,
-            layers,
-            sites,
-            shard_size: bounded("shard_size", shard_size, MAX_PROMPTS)?,
-            add_special_tokens,
             project_onto: project_onto
                 .as_deref()
                 .map(|p| Location::parse(p, "project_onto"))
                 .transpose()?,
             output: Location::parse(&output, "output")?,
             batch_tokens: bounded("batch_tokens", batch_tokens, 1 << 20)?,
-            selection,
-            layout,
-            precision,
+            options,
         })
     }
-}
-
-/// Validates the selection and the layout, which share `seed`: it seeds the sampling, the
-/// shuffle, or both, and is refused only when there is neither.
-pub fn selection_and_layout(
-    selection: RawSelection,
-    layout: LayoutName,
-    rows_per_file: Option<usize>,
-) -> Result<(TokenSelection, Layout), PlanError> {
-    let seed = selection.seed;
-    let shuffled = layout == LayoutName::Shuffled;
-    let selection = RawSelection {
-        seed: seed.filter(|_| selection.sample_rate.is_some() || !shuffled),
-        ..selection
-    }
-    .validate()?;
-    let layout = Layout::new(layout, rows_per_file, seed.unwrap_or(0))?;
-    Ok((selection, layout))
-}
-
-/// The norm filter measures the `resid_post` rows it keeps, so it needs `resid_post` among the
-/// sites and activations rather than projections.
-pub fn check_norm_filter(
-    selection: &TokenSelection,
-    sites: &Sites,
-    projecting: bool,
-) -> Result<(), PlanError> {
-    if selection.max_norm_multiple.is_none() {
-        return Ok(());
-    }
-    if !sites.contains(Site::ResidPost) {
-        return Err(PlanError::NormFilter {
-            reason: "so add resid_post to sites",
-        });
-    }
-    if projecting {
-        return Err(PlanError::NormFilter {
-            reason: "which a projection job does not keep: drop project_onto or max_norm_multiple",
-        });
-    }
-    Ok(())
 }
 
 /// How many shards `n_prompts` prompts fill.
@@ -614,10 +492,10 @@ mod tests {
                 .unwrap()
                 .try_into()
                 .unwrap();
-        assert_eq!(plan.shard_size.get(), 32);
+        assert_eq!(plan.options.shard_size.get(), 32);
         assert_eq!(plan.batch_tokens.get(), 4096);
-        assert!(plan.add_special_tokens);
-        assert_eq!(plan.layers, LayerSelection::Quartiles);
+        assert!(plan.options.add_special_tokens);
+        assert_eq!(plan.options.layers, LayerSelection::Quartiles);
         assert_eq!(
             plan.output,
             Location::S3 {
@@ -641,7 +519,7 @@ mod tests {
         .try_into()
         .unwrap();
         let resolved = plan.resolve(&shape).unwrap();
-        assert_eq!(resolved.layers.as_slice(), &[7, 15, 22]);
+        assert_eq!(resolved.options.layers.as_slice(), &[7, 15, 22]);
         let wire = serde_json::to_string(&resolved.to_raw()).unwrap();
         let again = HarvestPlan::try_from(raw(&wire).unwrap())
             .unwrap()
@@ -680,11 +558,11 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             err,
-            PlanError::OutOfRange {
+            PlanError::Options(OptionsError::OutOfRange {
                 field: "shard_size",
                 value: 0,
-                max: MAX_PROMPTS
-            }
+                max: crate::options::MAX_SHARD_SIZE
+            })
         );
     }
 

@@ -19,7 +19,10 @@ fn round_trip(text: &str) -> serde_json::Value {
 fn a_plan_with_every_option_reads_and_writes_back_byte_for_byte() {
     let stored = include_str!("fixtures/plan-every-option.json");
     let raw: RawPlan = serde_json::from_str(stored).unwrap();
-    let resolved = HarvestPlan::try_from(raw).unwrap().resolve(&SMOLLM).unwrap();
+    let resolved = HarvestPlan::try_from(raw)
+        .unwrap()
+        .resolve(&SMOLLM)
+        .unwrap();
     let written = serde_json::to_string_pretty(&resolved.to_raw()).unwrap();
     assert_eq!(written, stored.trim_end());
 }

@@ -8,6 +8,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time}
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
+use crate::options::HarvestOptions;
+
 /// Failures caused by the job itself that are retried before it is marked failed.
 pub const DEFAULT_BACKOFF_LIMIT: i32 = 3;
 
@@ -105,132 +107,6 @@ pub struct InputRef {
     /// Optional projection directions, `[n, hidden]` in `.safetensors` or `.npy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub directions: Option<String>,
-}
-
-/// Layers, sharding and tokenizer options.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[serde(rename_all = "camelCase")]
-#[x_kube(
-    validation = Rule::new("!(has(self.layers) && self.allLayers)")
-        .message("give either layers or allLayers: true, not both")
-)]
-pub struct HarvestOptions {
-    /// Block indices to keep. Omitted (and `allLayers` false): the quartiles `[n/4, n/2, 3n/4]`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 1024))]
-    pub layers: Option<Vec<u32>>,
-    /// Keep every block.
-    #[serde(default)]
-    pub all_layers: bool,
-    /// Hook sites to keep of each kept block. Omitted: `resid_post` alone.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 5))]
-    #[schemars(extend("x-kubernetes-list-type" = "set"))]
-    pub sites: Option<Vec<harvest_core::Site>>,
-    /// Prompts per shard.
-    #[serde(default = "default_shard_size")]
-    #[schemars(range(min = 1, max = 4096))]
-    pub shard_size: u32,
-    /// Whether the tokenizer adds its special tokens (BOS for Llama 3).
-    #[serde(default = "default_true")]
-    pub add_special_tokens: bool,
-    /// Drop every token the tokenizer marks special (`tokens_i` still lists them).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub exclude_special_tokens: bool,
-    /// Keep positions `[start, end)` of each prompt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 2, max = 2))]
-    pub positions: Option<Vec<u32>>,
-    /// Keep each token with this probability, in (0, 1], decided by a hash seeded with `seed`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(max = 1.0))]
-    pub sample_rate: Option<f64>,
-    /// The seed of `sampleRate`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
-    /// Drop tokens whose `resid_post` norm at the deepest kept layer exceeds this multiple of
-    /// the running median (above 1).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_norm_multiple: Option<f64>,
-    /// `by_prompt` (shards, the default) or `shuffled` (training files permuted with `seed`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layout: Option<harvest_core::layout::LayoutName>,
-    /// Rows per training file of the shuffled layout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 16_777_216))]
-    pub rows_per_file: Option<u32>,
-    /// The CPU engine's arithmetic: `f32` (the default) or `bf16`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub precision: Option<harvest_core::plan::Precision>,
-}
-
-impl HarvestOptions {
-    /// The hook sites, `resid_post` alone when omitted.
-    pub fn sites(&self) -> Result<harvest_core::Sites, harvest_core::SiteError> {
-        match &self.sites {
-            None => Ok(harvest_core::Sites::default()),
-            Some(sites) => harvest_core::Sites::new(sites),
-        }
-    }
-
-    /// The token selection and the layout, which share `seed`.
-    pub fn selection_and_layout(
-        &self,
-    ) -> Result<
-        (
-            harvest_core::selection::TokenSelection,
-            harvest_core::layout::Layout,
-        ),
-        harvest_core::PlanError,
-    > {
-        harvest_core::plan::selection_and_layout(
-            harvest_core::selection::RawSelection {
-                exclude_special_tokens: Some(self.exclude_special_tokens),
-                positions: self
-                    .positions
-                    .as_ref()
-                    .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
-                sample_rate: self.sample_rate,
-                seed: self.seed,
-                max_norm_multiple: self.max_norm_multiple,
-            },
-            self.layout.unwrap_or_default(),
-            self.rows_per_file.map(|r| r as usize),
-        )
-    }
-
-    /// The engine's arithmetic, f32 when omitted.
-    pub fn precision(&self) -> harvest_core::plan::Precision {
-        self.precision.unwrap_or_default()
-    }
-}
-
-impl Default for HarvestOptions {
-    fn default() -> Self {
-        Self {
-            layers: None,
-            all_layers: false,
-            sites: None,
-            shard_size: default_shard_size(),
-            add_special_tokens: true,
-            exclude_special_tokens: false,
-            positions: None,
-            sample_rate: None,
-            seed: None,
-            max_norm_multiple: None,
-            layout: None,
-            rows_per_file: None,
-            precision: None,
-        }
-    }
-}
-
-fn default_shard_size() -> u32 {
-    harvest_core::plan::DEFAULT_SHARD_SIZE as u32
-}
-
-fn default_true() -> bool {
-    true
 }
 
 /// What happens to a job's output files when the job is deleted.

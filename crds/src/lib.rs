@@ -20,15 +20,17 @@
 pub mod account;
 pub mod conditions;
 pub mod job;
+pub mod options;
 pub mod validate;
 
 pub use account::{
     HarvestAccount, HarvestAccountSpec, HarvestAccountStatus, HoldEntry, LaneLimits,
 };
 pub use job::{
-    HarvestJob, HarvestJobSpec, HarvestJobStatus, HarvestOptions, InputRef, JobPhase,
-    OutputRetention, PartPhase, PartStatus, Progress, ResultSummary, TokenUsage,
+    HarvestJob, HarvestJobSpec, HarvestJobStatus, InputRef, JobPhase, OutputRetention, PartPhase,
+    PartStatus, Progress, ResultSummary, TokenUsage,
 };
+pub use options::HarvestOptions;
 pub use validate::{SpecError, ValidJob};
 
 /// On a job in the API's namespace: the HarvestAccount it is charged to. Trusted only there

@@ -4,9 +4,10 @@
 use std::num::NonZeroUsize;
 use std::path::Path;
 
+use harvest_core::options::OptionsError;
 use harvest_core::plan::DEFAULT_BATCH_TOKENS;
 use harvest_core::quota::Lane;
-use harvest_core::{LayerError, LayerSelection, Location, ResolvedPlan, ServedModel};
+use harvest_core::{LayerError, Location, PlanError, ResolvedPlan, ServedModel};
 
 use crate::job::HarvestJobSpec;
 
@@ -29,7 +30,7 @@ pub enum SpecError {
     Sites(#[from] harvest_core::SiteError),
     /// A token selection field is refused.
     #[error("spec.harvest: {0}")]
-    Selection(#[from] harvest_core::PlanError),
+    Selection(#[from] PlanError),
     /// No output, and no account storage for the operator to choose one under.
     #[error(
         "spec.output is not set, and the paying account names no storage to put the output under: set spec.output, or spec.storage.prefix on the HarvestAccount"
@@ -63,6 +64,16 @@ pub enum SpecError {
         /// What was given.
         value: String,
     },
+}
+
+/// A hook site listed twice is a sites error; every other refused option is the selection's.
+impl From<OptionsError> for SpecError {
+    fn from(error: OptionsError) -> Self {
+        match error {
+            OptionsError::Sites(sites) => Self::Sites(sites),
+            other => Self::Selection(PlanError::Options(other)),
+        }
+    }
 }
 
 impl SpecError {
@@ -111,13 +122,6 @@ impl HarvestJobSpec {
             output_retention: _,
             parallelism: _,
         } = self;
-        let selection = match (&harvest.layers, harvest.all_layers) {
-            (_, true) => LayerSelection::All,
-            (Some(layers), false) => {
-                LayerSelection::Explicit(layers.iter().map(|&l| i64::from(l)).collect())
-            }
-            (None, false) => LayerSelection::Quartiles,
-        };
         let location = |field: &'static str, value: &str| {
             // A worker has no useful working directory, so local paths must be absolute.
             match Location::parse(value, field) {
@@ -129,15 +133,10 @@ impl HarvestJobSpec {
                 }),
             }
         };
-        let (tokens, layout) = harvest.selection_and_layout()?;
+        let options = harvest.to_options(input.directions.is_some())?;
         let plan = ResolvedPlan {
             model: checkpoint.to_owned(),
             prompts: location("input.prompts", &input.prompts)?,
-            layers: model.shape.layers(&selection)?,
-            sites: harvest.sites()?,
-            // The schema bounds shardSize to 1..=4096.
-            shard_size: NonZeroUsize::new(harvest.shard_size as usize).unwrap_or(NonZeroUsize::MIN),
-            add_special_tokens: harvest.add_special_tokens,
             project_onto: input
                 .directions
                 .as_deref()
@@ -145,15 +144,8 @@ impl HarvestJobSpec {
                 .transpose()?,
             output: location("output", output.as_deref().ok_or(SpecError::NoOutput)?)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
-            selection: tokens,
-            layout,
-            precision: harvest.precision(),
+            options: options.resolve(&model.shape)?,
         };
-        harvest_core::plan::check_norm_filter(
-            &plan.selection,
-            &plan.sites,
-            plan.project_onto.is_some(),
-        )?;
         Ok(ValidJob {
             plan,
             lane: model.lane,
@@ -192,7 +184,7 @@ mod tests {
     #[test]
     fn omitted_layers_become_the_quartiles_of_the_model() {
         let job = spec().validate(&smollm(), Path::new(CHECKPOINT)).unwrap();
-        assert_eq!(job.plan.layers.as_slice(), &[7, 15, 22]);
+        assert_eq!(job.plan.options.layers.as_slice(), &[7, 15, 22]);
         assert_eq!(job.plan.model, Path::new(CHECKPOINT));
         assert_eq!(job.lane, Lane::Small);
     }
@@ -234,12 +226,12 @@ mod tests {
             .validate(&smollm(), Path::new(CHECKPOINT))
             .unwrap()
             .plan;
-        assert_eq!(plan.sites.names(), ["attn_out", "resid_post"]);
+        assert_eq!(plan.options.sites.names(), ["attn_out", "resid_post"]);
         assert_eq!(
-            plan.selection.positions.map(|p| (p.start, p.end)),
+            plan.options.selection.positions.map(|p| (p.start, p.end)),
             Some((1, 64))
         );
-        assert_eq!(plan.layout.file_name(0), "train_00000.safetensors");
+        assert_eq!(plan.options.layout.file_name(0), "train_00000.safetensors");
         let raw = plan.to_raw();
         assert_eq!((raw.seed, raw.rows_per_file), (Some(9), Some(1024)));
     }

@@ -195,6 +195,10 @@ struct RunArgs {
     /// vdpbf16ps where the CPU has AVX512-BF16.
     #[arg(long, default_value = "f32")]
     precision: harvest_core::plan::Precision,
+    /// Cut each prompt to its first N tokens (special tokens included) before the forward pass;
+    /// the manifest lists each cut prompt. The model's context window cuts it in any case.
+    #[arg(long)]
+    max_prompt_tokens: Option<usize>,
     /// Scratch space for --layout shuffled (about the job's size): default .shuffle/ in a local
     /// output, the system's temp dir for s3://.
     #[arg(long)]
@@ -267,6 +271,7 @@ impl RunArgs {
             layout: self.layout,
             rows_per_file: self.rows_per_file,
             precision: self.precision,
+            max_prompt_tokens: self.max_prompt_tokens,
         }))
     }
 }

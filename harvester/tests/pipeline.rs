@@ -11,9 +11,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Reference, fixtures, smollm2_dir, worst_relative_error};
+use harvest_core::JobOptions;
 use harvest_core::format::{Contents, Manifest};
 use harvest_core::layout::{Layout, LayoutName};
-use harvest_core::selection::{RawSelection, TokenSelection};
+use harvest_core::selection::RawSelection;
 use harvest_core::{HarvestPlan, LayerSelection, Location, Sites};
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, Captured};
@@ -44,16 +45,14 @@ fn plan(prompts: &Path, out: &Path, layers: Vec<i64>, shard_size: usize) -> Harv
     HarvestPlan {
         model: smollm2_dir(),
         prompts: Location::Local(prompts.to_owned()),
-        layers: LayerSelection::Explicit(layers),
-        sites: Sites::default(),
-        shard_size: NonZeroUsize::new(shard_size).unwrap(),
-        add_special_tokens: true,
         project_onto: None,
         output: Location::Local(out.to_owned()),
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
-        selection: TokenSelection::default(),
-        layout: Layout::ByPrompt,
-        precision: Default::default(),
+        options: JobOptions {
+            layers: LayerSelection::Explicit(layers),
+            shard_size: NonZeroUsize::new(shard_size).unwrap(),
+            ..JobOptions::default()
+        },
     }
 }
 
@@ -494,7 +493,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
     pipeline::run(&full, &options()).unwrap();
     let selected_out = dir.path().join("selected");
     let mut selected = plan(&prompts_path, &selected_out, vec![2, 9], 4);
-    selected.selection = RawSelection {
+    selected.options.selection = RawSelection {
         exclude_special_tokens: Some(true),
         positions: Some(vec![0, 12]),
         sample_rate: Some(0.75),
@@ -555,7 +554,13 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
                     special.binary_search(&(ids[position] as u32)).is_err(),
                     "special id kept"
                 );
-                assert!(selected.selection.pre_norm(i, position, false).is_none());
+                assert!(
+                    selected
+                        .options
+                        .selection
+                        .pre_norm(i, position, false)
+                        .is_none()
+                );
                 for layer in 0..2 {
                     let at = |data: &[u8], tokens: usize, t: usize| {
                         data[((layer * tokens + t) * 576) * 2..][..576 * 2].to_vec()
@@ -569,7 +574,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
             }
             kept_total += positions.len() as u64;
             sampled_out += (0..ids.len().min(12))
-                .filter(|&p| selected.selection.pre_norm(i, p, false).is_some())
+                .filter(|&p| selected.options.selection.pre_norm(i, p, false).is_some())
                 .count();
         }
     }
@@ -607,12 +612,12 @@ fn a_shuffled_job_holds_every_kept_token_once_in_a_uniform_order_with_the_by_pro
     let sites = Sites::parse(&["attn_out", "resid_post"]).unwrap();
     let by_prompt_out = dir.path().join("by_prompt");
     let mut by_prompt = plan(&prompts_path, &by_prompt_out, vec![1], 64);
-    by_prompt.sites = sites.clone();
+    by_prompt.options.sites = sites.clone();
     pipeline::run(&by_prompt, &options()).unwrap();
     let shuffled_out = dir.path().join("shuffled");
     let mut shuffled = by_prompt.clone();
     shuffled.output = Location::Local(shuffled_out.clone());
-    shuffled.layout = Layout::new(LayoutName::Shuffled, Some(4096), 7).unwrap();
+    shuffled.options.layout = Layout::new(LayoutName::Shuffled, Some(4096), 7).unwrap();
     let scratch = dir.path().join("scratch");
     let spill = RunOptions {
         spill_dir: Some(scratch.clone()),
@@ -728,7 +733,7 @@ fn a_shuffled_job_holds_every_kept_token_once_in_a_uniform_order_with_the_by_pro
     check_prediction_of(
         &shuffled_out,
         &counts,
-        shuffled.layout,
+        shuffled.options.layout,
         &[1],
         &sites,
         Contents::Activations,
@@ -741,7 +746,7 @@ fn a_bf16_run_records_its_precision_and_writes_the_same_bytes_twice() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = write_prompts(dir.path(), &PROMPTS.map(str::to_owned));
     let mut plan = plan(&prompts, &dir.path().join("one"), vec![4, 20], 2);
-    plan.precision = harvest_core::plan::Precision::Bf16;
+    plan.options.precision = harvest_core::plan::Precision::Bf16;
     pipeline::run(&plan, &options()).unwrap();
     let mut again = plan.clone();
     again.output = Location::Local(dir.path().join("two"));
@@ -1001,7 +1006,7 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_projections_an
     let sited = dir.path().join("sited");
     let mut sited_plan = plan.clone();
     sited_plan.output = Location::Local(sited.clone());
-    sited_plan.sites = many.clone();
+    sited_plan.options.sites = many.clone();
     pipeline::run(&sited_plan, &options()).unwrap();
     check_prediction(&sited, &[0, 3, 17], &many, Contents::Activations, 576);
 
@@ -1012,12 +1017,12 @@ fn the_predicted_file_sizes_are_what_a_run_writes_for_activations_projections_an
     let mut plan = plan.clone();
     plan.output = Location::Local(projected.clone());
     plan.project_onto = Some(Location::Local(directions));
-    plan.sites = Sites::parse(&["resid_pre", "mlp_out"]).unwrap();
+    plan.options.sites = Sites::parse(&["resid_pre", "mlp_out"]).unwrap();
     pipeline::run(&plan, &options()).unwrap();
     check_prediction(
         &projected,
         &[0, 3, 17],
-        &plan.sites,
+        &plan.options.sites,
         Contents::Projections,
         4,
     );

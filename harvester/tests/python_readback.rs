@@ -35,16 +35,14 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
     let plan = HarvestPlan {
         model: smollm2_dir(),
         prompts: Location::Local(prompts_path.clone()),
-        layers: LayerSelection::Quartiles,
-        sites: harvest_core::Sites::default(),
-        shard_size: NonZeroUsize::new(2).unwrap(),
-        add_special_tokens: true,
         project_onto: None,
         output: Location::Local(out.clone()),
         batch_tokens: NonZeroUsize::new(4096).unwrap(),
-        selection: Default::default(),
-        layout: Default::default(),
-        precision: Default::default(),
+        options: harvest_core::JobOptions {
+            layers: LayerSelection::Quartiles,
+            shard_size: NonZeroUsize::new(2).unwrap(),
+            ..Default::default()
+        },
     };
     pipeline::run(
         &plan,

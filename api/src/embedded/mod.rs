@@ -349,16 +349,10 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
     let plan = ResolvedPlan {
         model: model.to_owned(),
         prompts: Location::Local(prompts),
-        layers: submission.layers.clone(),
-        sites: submission.sites.clone(),
-        shard_size: submission.shard_size,
-        add_special_tokens: submission.add_special_tokens,
         project_onto,
         output: Location::Local(paths.output()),
         batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
-        selection: submission.selection,
-        layout: submission.layout,
-        precision: submission.precision,
+        options: submission.options.clone(),
     };
     std::fs::write(
         input.join("plan.json"),

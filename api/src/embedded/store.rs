@@ -5,7 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use harvest_core::Sites;
 use harvest_core::clock::UnixMillis;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus, LifecycleError, Transition};
 use harvest_core::quota::{AccountLimits, Denial, Hold, Lane, Ledger};
@@ -176,13 +175,7 @@ fn job_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RawJob> {
         error: row.get(13)?,
         progress: None,
         spec: JobSpec {
-            layers: vec![],
-            sites: Sites::default(),
-            selection: Default::default(),
-            layout: Default::default(),
-            precision: Default::default(),
-            shard_size: 0,
-            add_special_tokens: true,
+            options: Default::default(),
             has_directions: false,
             lane: Lane::Small,
             estimated_bytes: 0,
@@ -757,13 +750,11 @@ mod tests {
             error: None,
             progress: None,
             spec: JobSpec {
-                layers: vec![1],
-                sites: Sites::default(),
-                selection: Default::default(),
-                layout: Default::default(),
-                precision: Default::default(),
-                shard_size: 32,
-                add_special_tokens: true,
+                options: harvest_core::JobOptions {
+                    layers: vec![1].into(),
+                    shard_size: std::num::NonZeroUsize::new(32).unwrap(),
+                    ..Default::default()
+                },
                 has_directions: false,
                 lane: Lane::Small,
                 estimated_bytes: 0,

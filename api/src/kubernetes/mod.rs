@@ -14,11 +14,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use harvest_core::clock::UnixMillis;
-use harvest_core::layout::Layout;
 use harvest_core::lifecycle::{self, JobEvent, JobStatus};
-use harvest_core::plan::Precision;
 use harvest_core::quota::{AccountLimits, Book, Lane};
 use harvest_core::worker::{RESULT_FILE, RunResult};
+use harvest_core::{JobOptions, LayerSelection, Layers};
 use harvest_crds::account::millis;
 use harvest_crds::conditions::{self, FINISHED};
 use harvest_crds::{
@@ -608,28 +607,7 @@ impl KubeBackend {
     fn resource(&self, job: &JobRecord, input: InputRef) -> HarvestJob {
         let spec = HarvestJobSpec {
             input,
-            harvest: HarvestOptions {
-                layers: Some(job.spec.layers.iter().map(|&l| l as u32).collect()),
-                all_layers: false,
-                sites: (!job.spec.sites.is_default()).then(|| job.spec.sites.as_slice().to_vec()),
-                shard_size: job.spec.shard_size as u32,
-                add_special_tokens: job.spec.add_special_tokens,
-                exclude_special_tokens: job.spec.selection.exclude_special_tokens,
-                positions: job.spec.selection.positions.map(|p| vec![p.start, p.end]),
-                sample_rate: job.spec.selection.sample.map(|s| s.rate),
-                seed: match job.spec.layout {
-                    Layout::Shuffled { seed, .. } => Some(seed),
-                    Layout::ByPrompt => job.spec.selection.sample.map(|s| s.seed),
-                },
-                max_norm_multiple: job.spec.selection.max_norm_multiple,
-                layout: (!job.spec.layout.is_by_prompt()).then_some(job.spec.layout.name()),
-                rows_per_file: match job.spec.layout {
-                    Layout::Shuffled { rows_per_file, .. } => Some(rows_per_file.get() as u32),
-                    Layout::ByPrompt => None,
-                },
-                precision: (job.spec.precision != Precision::default())
-                    .then_some(job.spec.precision),
-            },
+            harvest: HarvestOptions::from(&job.spec.options),
             ..HarvestJobSpec::new(
                 job.model.clone(),
                 String::new(),
@@ -832,36 +810,25 @@ pub fn record(job: &HarvestJob) -> JobRecord {
 /// cannot. The operator refuses such a job (a HarvestJob written by hand); its record shows the
 /// defaults beside that reason, so the error is never silent.
 fn recorded_spec(job: &HarvestJob) -> (JobSpec, Option<String>) {
-    let harvest = &job.spec.harvest;
     let annotation = |key: &str| job.annotations().get(key).cloned().unwrap_or_default();
-    let options = harvest
-        .selection_and_layout()
-        .map_err(|e| e.to_string())
-        .and_then(|chosen| {
-            harvest
-                .sites()
-                .map(|sites| (chosen, sites))
-                .map_err(|e| e.to_string())
-        });
-    let ((selection, layout), sites, invalid) = match options {
-        Ok((chosen, sites)) => (chosen, sites, None),
-        Err(why) => (Default::default(), Default::default(), Some(why)),
+    let projecting = job.spec.input.directions.is_some();
+    // The API lists the layers it resolved; a HarvestJob written by hand may name quartiles or
+    // all, which only the model's depth resolves, so its record lists none.
+    let listed = |selection: LayerSelection| match selection {
+        LayerSelection::Explicit(list) => Layers::from(
+            list.into_iter()
+                .filter_map(|l| usize::try_from(l).ok())
+                .collect::<Vec<_>>(),
+        ),
+        LayerSelection::Quartiles | LayerSelection::All => Layers::default(),
+    };
+    let (options, invalid) = match job.spec.harvest.to_options(projecting) {
+        Ok(options) => (options.map_layers(listed), None),
+        Err(why) => (JobOptions::default(), Some(why.to_string())),
     };
     let spec = JobSpec {
-        layers: harvest
-            .layers
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|l| l as usize)
-            .collect(),
-        sites,
-        selection,
-        layout,
-        precision: harvest.precision(),
-        shard_size: harvest.shard_size as usize,
-        add_special_tokens: harvest.add_special_tokens,
-        has_directions: job.spec.input.directions.is_some(),
+        options,
+        has_directions: projecting,
         lane: job_lane(job),
         estimated_bytes: annotation(ESTIMATED_BYTES).parse().unwrap_or(0),
         estimated_ms: annotation(ESTIMATED_MS).parse().ok(),
@@ -1059,6 +1026,6 @@ mod tests {
         job.spec.harvest.sites = Some(vec![harvest_core::Site::MlpOut]);
         let valid = record(&job);
         assert_eq!(valid.error, None);
-        assert_eq!(valid.spec.sites.names(), ["mlp_out"]);
+        assert_eq!(valid.spec.options.sites.names(), ["mlp_out"]);
     }
 }

@@ -45,6 +45,7 @@ pub fn plan_fingerprint(
     field(
         "layers",
         &plan
+            .options
             .layers
             .as_slice()
             .iter()
@@ -52,18 +53,24 @@ pub fn plan_fingerprint(
             .collect::<Vec<_>>(),
     );
     // Only a non-default choice is hashed, so outputs begun before sites existed still resume.
-    if !plan.sites.is_default() {
-        field("sites", plan.sites.to_string().as_bytes());
+    if !plan.options.sites.is_default() {
+        field("sites", plan.options.sites.to_string().as_bytes());
     }
-    if !plan.selection.is_everything() {
-        let rules = serde_json::to_vec(&plan.selection).unwrap_or_default();
+    if !plan.options.selection.is_everything() {
+        let rules = serde_json::to_vec(&plan.options.selection).unwrap_or_default();
         field("selection", &rules);
     }
-    if plan.precision != harvest_core::plan::Precision::F32 {
-        field("precision", plan.precision.as_str().as_bytes());
+    if plan.options.precision != harvest_core::plan::Precision::F32 {
+        field("precision", plan.options.precision.as_str().as_bytes());
     }
-    field("shard_size", &(plan.shard_size.get() as u64).to_le_bytes());
-    field("add_special_tokens", &[u8::from(plan.add_special_tokens)]);
+    field(
+        "shard_size",
+        &(plan.options.shard_size.get() as u64).to_le_bytes(),
+    );
+    field(
+        "add_special_tokens",
+        &[u8::from(plan.options.add_special_tokens)],
+    );
     field("max_tokens", &(max_tokens as u64).to_le_bytes());
     if let Some(d) = directions {
         field(

@@ -135,7 +135,7 @@ impl Job<'_> {
         resumed
             .keys()
             .filter(|s| self.shards.contains(s))
-            .map(|&s| shard_prompts(s, self.plan.shard_size, self.encoded.len()).len())
+            .map(|&s| shard_prompts(s, self.plan.options.shard_size, self.encoded.len()).len())
             .sum()
     }
 }
@@ -295,7 +295,7 @@ pub fn run(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         Prepared::Finished(result) => return Ok(result),
         Prepared::Ready(ready) => *ready,
     };
-    let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let all = 0..shard_count(ready.encoded.len(), ready.plan.options.shard_size);
     let (fresh, timings) = harvest(&ready, options, all, (&runtime, load_start))?;
     close(ready, fresh, timings, options, &runtime)
 }
@@ -308,17 +308,20 @@ pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<
     let ready = match prepared {
         Prepared::Finished(result) => {
             // n_shards counts training files in the shuffled layout; prompts make the shards.
-            let shards = part.shards(shard_count(result.n_prompts, plan.shard_size));
+            let shards = part.shards(shard_count(result.n_prompts, plan.options.shard_size));
             return Ok(part_result(part, &shards, 0, shards.len(), 0));
         }
         Prepared::Ready(ready) => *ready,
     };
-    if part.count() > 1 && ready.plan.selection.max_norm_multiple.is_some() {
+    if part.count() > 1 && ready.plan.options.selection.max_norm_multiple.is_some() {
         return Err(Error::BadParts {
             reason: "max_norm_multiple compares each token with the running median of every token before it, which one part cannot know: run the job as one part".into(),
         });
     }
-    let shards = part.shards(shard_count(ready.encoded.len(), ready.plan.shard_size));
+    let shards = part.shards(shard_count(
+        ready.encoded.len(),
+        ready.plan.options.shard_size,
+    ));
     let resumed = shards
         .clone()
         .filter(|s| ready.resumed.contains_key(s))
@@ -362,7 +365,7 @@ pub fn finalize(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         Prepared::Finished(result) => return Ok(result),
         Prepared::Ready(ready) => *ready,
     };
-    let n_shards = shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let n_shards = shard_count(ready.encoded.len(), ready.plan.options.shard_size);
     let missing: Vec<usize> = (0..n_shards)
         .filter(|s| !ready.resumed.contains_key(s))
         .collect();
@@ -397,10 +400,10 @@ fn job_of(ready: &Ready, shards: std::ops::Range<usize>) -> Job<'_> {
         contents,
         fingerprint: &ready.fingerprint,
         bos_id: ready.tokenizer.bos_id(),
-        layers: plan.layers.len(),
-        slots: plan.sites.len() * plan.layers.len(),
+        layers: plan.options.layers.len(),
+        slots: plan.options.sites.len() * plan.options.layers.len(),
         width,
-        n_shards: shard_count(ready.encoded.len(), plan.shard_size),
+        n_shards: shard_count(ready.encoded.len(), plan.options.shard_size),
         shards,
         special_ids: ready.tokenizer.special_ids(),
     }
@@ -419,7 +422,7 @@ fn harvest(
     // Progress counts this process's shards, those an earlier run finished included.
     let prompts: usize = shards
         .clone()
-        .map(|s| shard_prompts(s, ready.plan.shard_size, ready.encoded.len()).len())
+        .map(|s| shard_prompts(s, ready.plan.options.shard_size, ready.encoded.len()).len())
         .sum();
     let progress = Progress::new(options.progress, prompts);
     let engine = open_engine(
@@ -459,7 +462,7 @@ fn close(
 ) -> Result<RunResult> {
     let mut records = std::mem::take(&mut ready.resumed);
     let resumed_shards = records.len();
-    let all = 0..shard_count(ready.encoded.len(), ready.plan.shard_size);
+    let all = 0..shard_count(ready.encoded.len(), ready.plan.options.shard_size);
     let job = job_of(&ready, all);
     records.extend(fresh.into_iter().map(|r| (r.meta.shard, r)));
     let closing = Closing {
@@ -482,13 +485,11 @@ fn close(
 /// The plan as `device` runs it: the CUDA engine computes in bf16 whatever the plan asks, and
 /// the manifest and fingerprint say what ran.
 fn as_run(plan: &HarvestPlan, device: DeviceChoice) -> HarvestPlan {
-    match device {
-        DeviceChoice::Cuda(_) => HarvestPlan {
-            precision: harvest_core::plan::Precision::Bf16,
-            ..plan.clone()
-        },
-        DeviceChoice::Cpu | DeviceChoice::Auto => plan.clone(),
+    let mut plan = plan.clone();
+    if let DeviceChoice::Cuda(_) = device {
+        plan.options.precision = harvest_core::plan::Precision::Bf16;
     }
+    plan
 }
 
 /// What [`prepare`] found: an output already complete, or a job ready to run.
@@ -532,7 +533,8 @@ fn prepare(
         }
         None => None,
     };
-    let tokenizer = PromptTokenizer::from_dir(&plan.model, config.max_position_embeddings)?;
+    let max_tokens = plan.options.max_tokens(config.max_position_embeddings);
+    let tokenizer = PromptTokenizer::from_dir(&plan.model, max_tokens)?;
     let fingerprint = fingerprint::plan_fingerprint(
         &plan,
         &prompt_bytes,
@@ -546,7 +548,7 @@ fn prepare(
     let encoded: Vec<Encoded> = prompts
         .par_iter()
         .enumerate()
-        .map(|(i, text)| tokenizer.encode(i, text, plan.add_special_tokens))
+        .map(|(i, text)| tokenizer.encode(i, text, plan.options.add_special_tokens))
         .collect::<Result<_>>()?;
     drop(prompts);
     check_token_budget(&encoded, options.token_budget)?;
@@ -558,10 +560,10 @@ fn prepare(
         tracing::warn!(
             prompts = truncated,
             max_tokens = tokenizer.max_tokens(),
-            "prompts longer than the context window were truncated; the manifest lists them"
+            "prompts longer than max_tokens (the context window, or max_prompt_tokens) were cut; the manifest lists them"
         );
     }
-    let n_shards = shard_count(encoded.len(), plan.shard_size);
+    let n_shards = shard_count(encoded.len(), plan.options.shard_size);
     let resumed = runtime.block_on(resume::resume_scan(&store, &fingerprint, n_shards))?;
     if !resumed.is_empty() {
         tracing::info!(
@@ -627,7 +629,7 @@ impl Sizing {
         let captured = (batch_tokens * slots * width * 4) as u64;
         let value_bytes = if plan.project_onto.is_some() { 4 } else { 2 };
         let largest_shard = encoded
-            .chunks(plan.shard_size.get())
+            .chunks(plan.options.shard_size.get())
             .map(|shard| shard.iter().map(|e| e.ids.len()).sum::<usize>())
             .max()
             .unwrap_or(0);
@@ -650,7 +652,7 @@ fn open_backend(
     sizing: Sizing,
     progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
-    let weights = LlamaWeights::load(&plan.model, Some(plan.layers.deepest() + 1))?;
+    let weights = LlamaWeights::load(&plan.model, Some(plan.options.layers.deepest() + 1))?;
     if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
         let Sizing {
             batch_tokens,
@@ -674,9 +676,9 @@ fn open_backend(
 /// What the job keeps: activations or projections, and the backends' capture spec.
 fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> CaptureSpec {
     CaptureSpec {
-        layers: plan.layers.clone(),
-        sites: plan.sites.clone(),
-        precision: plan.precision,
+        layers: plan.options.layers.clone(),
+        sites: plan.options.sites.clone(),
+        precision: plan.options.precision,
         directions,
     }
 }
@@ -855,9 +857,9 @@ fn commit(
     })?;
     let result = RunResult {
         n_shards: train.as_ref().map_or(job.n_shards, |t| t.files.len()),
-        layout: job.plan.layout.name(),
+        layout: job.plan.options.layout.name(),
         n_prompts: manifest.n_prompts,
-        layer_indices: job.plan.layers.as_slice().to_vec(),
+        layer_indices: job.plan.options.layers.as_slice().to_vec(),
         tokens: manifest.total_tokens,
         bytes_written,
         contents: job.contents,
@@ -976,7 +978,7 @@ fn forward_stage(
     let mut batch = Batch::default();
     let mut members = Vec::new();
     for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
-        let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
+        let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
         let last = range.end - 1;
         for index in range {
             let ids = &job.encoded[index].ids;
@@ -1007,12 +1009,13 @@ fn forward_stage(
 /// The selector of a job that selects tokens: the norm filter reads `resid_post` at the deepest
 /// kept layer.
 fn selector(job: &Job<'_>) -> Option<Selector> {
-    let selection = job.plan.selection;
+    let selection = job.plan.options.selection;
     if selection.is_everything() {
         return None;
     }
     let norm_slot = job
         .plan
+        .options
         .sites
         .position(harvest_core::Site::ResidPost)
         .map(|site| site * job.layers + job.layers - 1);
@@ -1021,10 +1024,10 @@ fn selector(job: &Job<'_>) -> Option<Selector> {
 
 /// An empty assembly for shard `shard`.
 fn new_assembly(job: &Job<'_>, shard: usize, selector: Option<&Selector>) -> ShardAssembly {
-    let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
+    let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
     let shape = ShardShape {
         contents: job.contents,
-        sites: &job.plan.sites,
+        sites: &job.plan.options.sites,
         slots: job.slots,
         width: job.width,
         selecting: selector.is_some(),
@@ -1044,7 +1047,7 @@ fn assemble_stage(
     let mut current: Option<ShardAssembly> = None;
     let mut selector = selector(job);
     let mut skipped = resumed.iter().peekable();
-    let size = job.plan.shard_size;
+    let size = job.plan.options.shard_size;
     for output in rx {
         let start = Instant::now();
         let mut offset = 0;
@@ -1151,7 +1154,7 @@ fn train_files(
     runtime: &tokio::runtime::Runtime,
     spill_dir_given: Option<&Path>,
 ) -> Result<Option<shuffle::TrainFiles>> {
-    match job.plan.layout {
+    match job.plan.options.layout {
         Layout::ByPrompt => Ok(None),
         Layout::Shuffled {
             rows_per_file,
@@ -1211,16 +1214,14 @@ mod tests {
         let plan = HarvestPlan {
             model: "m".into(),
             prompts: harvest_core::Location::Local("p.jsonl".into()),
-            layers: harvest_core::LayerSelection::All,
-            sites: harvest_core::Sites::default(),
-            shard_size: NonZeroUsize::new(2).unwrap(),
-            add_special_tokens: true,
             project_onto: None,
             output: harvest_core::Location::Local("out".into()),
             batch_tokens: NonZeroUsize::new(100).unwrap(),
-            selection: Default::default(),
-            layout: Layout::ByPrompt,
-            precision: Default::default(),
+            options: harvest_core::JobOptions {
+                layers: harvest_core::LayerSelection::All,
+                shard_size: NonZeroUsize::new(2).unwrap(),
+                ..Default::default()
+            },
         };
         let shape = harvest_core::ModelShape {
             num_layers: 4,

@@ -36,7 +36,7 @@ pub(super) fn build_outputs(
         .flat_map(|r| &r.meta.token_counts)
         .map(|&n| n as u64)
         .sum();
-    let sites = &job.plan.sites;
+    let sites = &job.plan.options.sites;
     let site_entries = site_entries(job, &stats);
     let manifest = Manifest {
         format_version: format::FORMAT_VERSION,
@@ -48,18 +48,18 @@ pub(super) fn build_outputs(
             hidden_size: config.hidden_size,
         },
         tokenizer: TokenizerInfo {
-            add_special_tokens: job.plan.add_special_tokens,
+            add_special_tokens: job.plan.options.add_special_tokens,
             bos_token_id: job.bos_id,
-            bos: format::bos_treatment(job.plan.add_special_tokens, job.bos_id),
+            bos: format::bos_treatment(job.plan.options.add_special_tokens, job.bos_id),
             max_tokens,
         },
         contents: job.contents,
         dtype: job.contents.dtype().to_owned(),
-        layer_indices: job.plan.layers.as_slice().to_vec(),
+        layer_indices: job.plan.options.layers.as_slice().to_vec(),
         layer_convention: format::LAYER_CONVENTION.to_owned(),
         tensors: format::tensors_description(job.contents, sites),
         n_prompts: job.encoded.len(),
-        shard_size: job.plan.shard_size.get(),
+        shard_size: job.plan.options.shard_size.get(),
         total_tokens,
         shards: match train {
             None => records.values().map(|r| shard_entry(job, r)).collect(),
@@ -82,9 +82,9 @@ pub(super) fn build_outputs(
         stats_file: None,
         sites: site_entries,
         selection: selection_info(job, records),
-        layout: job.plan.layout.name(),
+        layout: job.plan.options.layout.name(),
         train: train.map(|t| train_info(job, t)),
-        precision: job.plan.precision,
+        precision: job.plan.options.precision,
         job_uid: None,
     };
     let stats_bytes = stats_file(&stats, sites)?;
@@ -102,7 +102,7 @@ pub(super) fn build_outputs(
 /// The manifest's selection block: the rules, the norm filter's layer, and what was kept and
 /// dropped over every shard.
 fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Option<SelectionInfo> {
-    let rules = job.plan.selection;
+    let rules = job.plan.options.selection;
     if rules.is_everything() {
         return None;
     }
@@ -112,7 +112,9 @@ fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Opti
     }
     Some(SelectionInfo {
         rules,
-        norm_layer: rules.max_norm_multiple.map(|_| job.plan.layers.deepest()),
+        norm_layer: rules
+            .max_norm_multiple
+            .map(|_| job.plan.options.layers.deepest()),
         kept_tokens: records
             .values()
             .flat_map(|r| &r.meta.kept_counts)
@@ -124,7 +126,7 @@ fn selection_info(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Opti
 
 /// The manifest's training files block.
 fn train_info(job: &Job<'_>, train: &TrainFiles) -> TrainInfo {
-    let (rows_per_file, seed) = match job.plan.layout {
+    let (rows_per_file, seed) = match job.plan.options.layout {
         Layout::Shuffled {
             rows_per_file,
             seed,
@@ -167,6 +169,7 @@ fn merged_stats(job: &Job<'_>, records: &BTreeMap<usize, ShardRecord>) -> Vec<Ru
 /// `stats[s * layers..(s + 1) * layers]`.
 fn site_entries(job: &Job<'_>, stats: &[RunningStats]) -> Vec<SiteInfo> {
     job.plan
+        .options
         .sites
         .as_slice()
         .iter()
@@ -182,13 +185,13 @@ fn site_entries(job: &Job<'_>, stats: &[RunningStats]) -> Vec<SiteInfo> {
 
 /// A shard's manifest entry, from its record.
 fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
-    let selecting = !job.plan.selection.is_everything();
+    let selecting = !job.plan.options.selection.is_everything();
     let (prompts, tensors) = ShardEntry::contents_of(
         record.meta.first_prompt,
         &record.meta.token_counts,
         selecting.then_some(record.meta.kept_counts.as_slice()),
         job.contents,
-        &job.plan.sites,
+        &job.plan.options.sites,
         job.layers,
         job.width,
     );

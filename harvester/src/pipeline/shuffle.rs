@@ -121,7 +121,7 @@ fn sort_key(record: &[u8]) -> (u64, u32, u32) {
 
 /// Rows a shard holds: its kept tokens, or every token without a selection.
 fn kept_rows(job: &Job<'_>, record: &ShardRecord) -> u64 {
-    let counts = if job.plan.selection.is_everything() {
+    let counts = if job.plan.options.selection.is_everything() {
         &record.meta.token_counts
     } else {
         &record.meta.kept_counts
@@ -201,7 +201,7 @@ fn scatter_shard(
         file.tensor(&name)
             .map_err(|e| corrupt(format!("{name}: {e}")))
     };
-    let selecting = !job.plan.selection.is_everything();
+    let selecting = !job.plan.options.selection.is_everything();
     let row = job.width * rows.itemsize;
     for (offset, &tokens) in shard.meta.token_counts.iter().enumerate() {
         let prompt = shard.meta.first_prompt + offset;
@@ -217,6 +217,7 @@ fn scatter_shard(
         let n = positions.len();
         let sites = job
             .plan
+            .options
             .sites
             .as_slice()
             .iter()
@@ -262,11 +263,13 @@ impl<'a> TrainWriter<'a> {
         let job = rows.job;
         let mut tensors: Vec<String> = job
             .plan
+            .options
             .sites
             .as_slice()
             .iter()
             .flat_map(|&site| {
                 job.plan
+                    .options
                     .layers
                     .as_slice()
                     .iter()

@@ -207,7 +207,7 @@ fn feed(
     let (mut batch, mut x) = spare.recv().map_err(|_| lost())?;
     let mut members = Vec::new();
     for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
-        let range = shard_prompts(shard, job.plan.shard_size, job.encoded.len());
+        let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
         let last = range.end - 1;
         for index in range {
             batch.push(&job.encoded[index].ids);

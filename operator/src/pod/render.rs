@@ -272,10 +272,10 @@ fn finalize_resources(plan: &ResolvedPlan, model: &CatalogueEntry) -> ResourceRe
         Some(_) => (MAX_DIRECTIONS, 4),
         None => (model.hidden_size, 2),
     };
-    let shuffle = match plan.layout {
+    let shuffle = match plan.options.layout {
         Layout::ByPrompt => 0,
         Layout::Shuffled { rows_per_file, .. } => {
-            let slots = plan.layers.len() * plan.sites.len();
+            let slots = plan.options.layers.len() * plan.options.sites.len();
             SHUFFLE_BUCKET_BYTES
                 + train_file_data_bytes(rows_per_file.get(), slots, width, itemsize)
         }
