@@ -210,6 +210,11 @@ fn a_job_sent_in_parts_runs_as_part_pods_and_a_finalize_pod_and_downloads_the_by
         let jobs: Api<HarvestJob> = Api::namespaced(cluster.client.clone(), API_NAMESPACE);
         jobs.list(&Default::default()).await.unwrap().items
     });
+    assert!(
+        jobs.iter()
+            .all(|j| j.spec.harvest.max_prompt_tokens == Some(9)),
+        "the option reaches the HarvestJob: {jobs:?}"
+    );
     let parts: Vec<_> = jobs
         .iter()
         .filter_map(|j| j.status.clone())

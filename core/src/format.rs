@@ -84,7 +84,7 @@ pub struct Manifest {
     pub total_tokens: u64,
     /// Every shard, in order.
     pub shards: Vec<ShardEntry>,
-    /// Prompts cut to the context window.
+    /// Prompts cut to `tokenizer.max_tokens`.
     pub truncated_prompts: Vec<Truncation>,
     /// Present for projections.
     pub projection: Option<ProjectionInfo>,
@@ -269,7 +269,8 @@ pub struct TokenizerInfo {
     pub bos_token_id: Option<u32>,
     /// How BOS was treated, in words.
     pub bos: String,
-    /// The context window prompts were cut to.
+    /// The most tokens of a prompt that ran: the context window, or the job's
+    /// `max_prompt_tokens` when smaller.
     pub max_tokens: usize,
 }
 

@@ -410,6 +410,36 @@ fn finalize_args(prompts: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
 }
 
 #[test]
+fn max_prompt_tokens_cuts_each_prompt_to_its_first_tokens_and_the_manifest_lists_the_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = [
+        "Hi.",
+        "A much longer prompt about the residual stream, block by block.",
+    ];
+    let prompts_path = write_prompts(dir.path(), &prompts.map(String::from));
+    let out = dir.path().join("out");
+    run_ok(&run_args_with(
+        &prompts_path,
+        &out,
+        &["--max-prompt-tokens", "5"],
+    ));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["tokenizer"]["max_tokens"], 5);
+    let cut = manifest["truncated_prompts"].as_array().unwrap();
+    assert_eq!(cut.len(), 1, "{cut:?}");
+    assert_eq!(
+        (cut[0]["prompt"].as_u64(), cut[0]["kept_tokens"].as_u64()),
+        (Some(1), Some(5))
+    );
+    assert!(cut[0]["original_tokens"].as_u64().unwrap() > 5);
+    let bytes = std::fs::read(out.join(manifest["shards"][0]["file"].as_str().unwrap())).unwrap();
+    let shard = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(shard.tensor("tokens_1").unwrap().shape(), [5]);
+    assert_eq!(shard.tensor("prompt_1").unwrap().shape()[1], 5);
+}
+
+#[test]
 fn a_killed_run_resumes_and_ends_with_files_identical_to_an_uninterrupted_run() {
     killed_and_resumed(&[]);
 }

@@ -683,7 +683,8 @@ fn downloaded(job: &Value) -> (Value, Vec<Vec<u8>>) {
 
 /// A job sent with the `parallelism` extension runs in that many workers and writes the
 /// files of one, charged the same; past the model's cap (`max_parallelism`, given as
-/// `cap`) it is refused with 400 naming the cap.
+/// `cap`) it is refused with 400 naming the cap. Both jobs cut their prompts with
+/// `max_prompt_tokens`, which reaches every worker.
 pub fn parts_flow(server: &Server, key: &str, cap: usize) {
     let prompts: Vec<String> = (0..10)
         .map(|i| {
@@ -694,7 +695,7 @@ pub fn parts_flow(server: &Server, key: &str, cap: usize) {
         })
         .collect();
     let body = |parallelism: Option<usize>| {
-        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": [3, 17], "shard_size": 2});
+        let mut body = json!({"model": "smollm2-135m", "prompts": prompts, "layers": [3, 17], "shard_size": 2, "max_prompt_tokens": 9});
         if let Some(n) = parallelism {
             body["parallelism"] = json!(n);
         }
@@ -709,7 +710,11 @@ pub fn parts_flow(server: &Server, key: &str, cap: usize) {
     let parts = done(submit_ok(server, key, body(Some(cap))));
     assert_eq!(parts["status"], "done", "{parts}");
     assert_eq!(parts["tokens"], one["tokens"]);
-    assert_eq!(downloaded(&parts), downloaded(&one));
+    let (manifest, files) = downloaded(&parts);
+    assert_eq!(manifest["tokenizer"]["max_tokens"], 9);
+    let cut = manifest["truncated_prompts"].as_array().unwrap();
+    assert!(!cut.is_empty() && cut.len() < 10, "{cut:?}");
+    assert_eq!((manifest, files), downloaded(&one));
     let (status, answer) = request(
         "POST",
         &format!("{}/v1/harvest", server.base),

@@ -160,6 +160,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         max_norm_multiple=args.max_norm_multiple,
         layout=args.layout,
         rows_per_file=args.rows_per_file,
+        max_prompt_tokens=args.max_prompt_tokens,
         shard_size=args.shard_size,
         add_special_tokens=not args.no_special_tokens,
         project_onto=directions,
@@ -320,6 +321,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--max-norm-multiple", type=float, help="drop tokens whose norm exceeds this many running medians")
     submit.add_argument("--layout", choices=["by_prompt", "shuffled"], help="shards by prompt (default) or shuffled training files")
     submit.add_argument("--rows-per-file", type=int, help="rows per training file of --layout shuffled (default 65536)")
+    submit.add_argument("--max-prompt-tokens", type=int, help="cut each prompt to its first N tokens (special tokens included)")
     submit.add_argument("--no-special-tokens", action="store_true", help="add no BOS: tokenize the text verbatim")
     submit.add_argument("--project-onto", metavar="DIRS.npy", help="project onto these directions [n, hidden]")
     submit.add_argument("--retry", action="store_true", help="retry while the lane is full or counting is busy")

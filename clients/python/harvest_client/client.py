@@ -189,7 +189,8 @@ class Client:
         ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
         (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards;
         ``precision="bf16"`` runs the CPU engine's bf16 mode; ``parallelism=N`` runs the job as
-        N harvester processes on the embedded server (the files are those of one).
+        N harvester processes on the embedded server (the files are those of one);
+        ``max_prompt_tokens=N`` cuts each prompt to its first N tokens before the forward pass.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
         checked and encoded here. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
@@ -406,6 +407,7 @@ SELECTION_FIELDS = (
     "rows_per_file",
     "precision",
     "parallelism",
+    "max_prompt_tokens",
 )
 
 

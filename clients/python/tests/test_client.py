@@ -319,6 +319,22 @@ def test_a_token_selection_is_estimated_within_one_percent_and_read_back_by_posi
         client.submit(prompts, MODEL, sample_rat=0.5)
 
 
+def test_max_prompt_tokens_cuts_each_long_prompt_and_the_manifest_lists_the_cut_ones(client, tmp_path):
+    prompts = corpus(3, words=30) + ["Hi."]
+    estimate = client.estimate(prompts, MODEL, layers=[3], max_prompt_tokens=8)
+    job = client.submit(prompts, MODEL, layers=[3], max_prompt_tokens=8).wait(progress=False)
+    job.download(tmp_path)
+    reader = job.open(tmp_path)
+    lengths = [reader.prompt(i)[0].size for i in range(len(prompts))]
+    assert lengths[:3] == [8, 8, 8] and 1 < lengths[3] < 8, lengths
+    assert sum(lengths) == estimate["tokens"] == reader.manifest["total_tokens"]
+    assert reader.manifest["tokenizer"]["max_tokens"] == 8
+    cut = reader.manifest["truncated_prompts"]
+    assert [c["prompt"] for c in cut] == [0, 1, 2] and all(c["original_tokens"] > 8 for c in cut)
+    with pytest.raises(InvalidRequest, match="max_prompt_tokens must be between 1 and 1048576, got 0"):
+        client.submit(prompts, MODEL, max_prompt_tokens=0)
+
+
 def test_a_shuffled_job_downloads_its_training_files_and_reads_every_token_once(client, tmp_path):
     prompts = corpus(8, words=12)
     estimate = client.estimate(prompts, MODEL, layers=[3], layout="shuffled", rows_per_file=40, seed=2)
