@@ -8,8 +8,11 @@
 //! JSON plan / CLI flags / CRD spec
 //!        │ parse at the edge (serde, deny_unknown_fields)
 //!        ▼
-//! RawPlan ──TryFrom──► HarvestPlan { model, prompts, layers: LayerSelection, output, … }
-//!         ──resolve(&ModelShape)──► ResolvedPlan { layers: Layers (sorted, unique, in range), … }
+//! REST body / plan.json / spec.harvest ──► RawOptions ──validate──► JobOptions<LayerSelection>
+//!         ──resolve(&ModelShape)──► JobOptions { layers: Layers (sorted, unique, in range), … }
+//!         (options: the one options type; Submission, job rows and plans each hold one)
+//! RawPlan ──TryFrom──► HarvestPlan { model, prompts, output, options: JobOptions<LayerSelection> }
+//!         ──resolve(&ModelShape)──► ResolvedPlan { …, options: JobOptions }
 //!         ──to_raw()──► RawPlan with the layers listed: what a worker is handed (model)
 //! worker protocol: RunResult, ProgressEvent, Termination, ExitStatus, prompts JSONL (worker)
 //! shard planning (plan), RunningStats (stats), Manifest schema (format), file sizes (estimate)

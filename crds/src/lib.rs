@@ -10,6 +10,7 @@
 //!        │ serde + the CRD schema's CEL rules (enforced by the apiserver)
 //!        ▼
 //! HarvestJobSpec ──validate(&ServedModel, checkpoint)──► ValidJob { plan: ResolvedPlan, lane, budget }
+//! spec.harvest (HarvestOptions) ◄──From / to_options──► core::JobOptions   (options)
 //! HarvestJobStatus ◄── conditions::set(...) ── the operator's decisions
 //! ```
 //!
