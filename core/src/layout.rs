@@ -25,6 +25,15 @@ pub fn train_file_data_bytes(rows: usize, slots: usize, width: usize, itemsize: 
     rows as u64 * (slots as u64 * width as u64 * itemsize as u64 + 8)
 }
 
+/// Bytes of a spill record before its values: key (u64), prompt (u32), position (u32).
+pub const SPILL_RECORD_HEAD: usize = 16;
+
+/// The scratch space the shuffle spills `rows` rows into: a record head and `slots` values of
+/// `width` × `itemsize` bytes per row. The spill lives until the training files are written.
+pub fn spill_bytes(rows: u64, slots: usize, width: usize, itemsize: usize) -> u64 {
+    rows * (SPILL_RECORD_HEAD as u64 + slots as u64 * width as u64 * itemsize as u64)
+}
+
 /// The layout as requests and plans name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

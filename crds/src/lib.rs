@@ -73,7 +73,8 @@ pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
 /// Gives every unsigned integer of a schema the bounds of its Rust type, where the field has
 /// none of its own: `minimum: 0`, and `maximum` u32::MAX for `uint32`, [`MAX_SAFE_INTEGER`]
 /// for `uint64`. Without them an apiserver stores 4294967296 in a u32 field, and then kube
-/// cannot decode the whole list, stalling the controller for everyone.
+/// cannot decode the whole list, stalling the controller for everyone. Its format becomes
+/// `int32` or `int64`, which Kubernetes knows (`uint32` draws a warning on every apply).
 pub fn bound_unsigned(schema: &mut JSONSchemaProps) {
     let maximum = match schema.format.as_deref() {
         Some("uint32" | "uint16" | "uint8") if schema.type_.as_deref() == Some("integer") => {
@@ -91,6 +92,14 @@ pub fn bound_unsigned(schema: &mut JSONSchemaProps) {
     if let Some(maximum) = maximum {
         schema.minimum.get_or_insert(0.0);
         schema.maximum.get_or_insert(maximum);
+        // The bounds now say what `uint32` said; the apiserver knows only int32 and int64,
+        // and warns on every apply of a format it does not know.
+        let signed = if maximum <= f64::from(u16::MAX) {
+            "int32"
+        } else {
+            "int64"
+        };
+        schema.format = Some(signed.to_owned());
     }
     for property in schema.properties.iter_mut().flat_map(|p| p.values_mut()) {
         bound_unsigned(property);
@@ -114,6 +123,8 @@ pub fn bound_unsigned(schema: &mut JSONSchemaProps) {
 
 #[cfg(test)]
 mod bounds {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     /// Every integer schema of `schema`, with its path.
@@ -136,40 +147,55 @@ mod bounds {
         }
     }
 
-    #[test]
-    fn every_unsigned_integer_of_the_crds_has_a_maximum_that_fits_its_type() {
-        let mut checked = 0;
-        for crd in all_crds() {
+    /// The integers of each CRD's schema, by path.
+    fn integers_of(crds: &[CustomResourceDefinition]) -> BTreeMap<String, JSONSchemaProps> {
+        let mut found = Vec::new();
+        for crd in crds {
             for version in &crd.spec.versions {
-                let schema = version
-                    .schema
-                    .as_ref()
-                    .unwrap()
-                    .open_api_v3_schema
-                    .as_ref()
-                    .unwrap();
-                let mut found = Vec::new();
+                let schema = version.schema.as_ref().unwrap();
+                let schema = schema.open_api_v3_schema.as_ref().unwrap();
                 integers(crd.spec.names.kind.clone(), schema, &mut found);
-                for (path, integer) in found {
-                    if integer
-                        .format
-                        .as_deref()
-                        .is_some_and(|f| f.starts_with("uint"))
-                    {
-                        let maximum = integer
-                            .maximum
-                            .unwrap_or_else(|| panic!("{path} has no maximum"));
-                        assert!(maximum <= MAX_SAFE_INTEGER as f64, "{path}: {maximum}");
-                        if integer.format.as_deref() == Some("uint32") {
-                            assert!(maximum <= f64::from(u32::MAX), "{path}: {maximum}");
-                        }
-                        assert!(integer.minimum.is_some_and(|m| m >= 0.0), "{path}");
-                        checked += 1;
-                    }
-                }
             }
         }
+        found
+            .into_iter()
+            .map(|(path, s)| (path, s.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn every_unsigned_integer_of_the_crds_has_a_maximum_that_fits_its_type() {
+        use kube::CustomResourceExt;
+        let derived = integers_of(&[HarvestAccount::crd(), HarvestJob::crd()]);
+        let shipped = integers_of(&all_crds());
+        let mut checked = 0;
+        for (path, raw) in &derived {
+            let Some(unsigned) = raw.format.as_deref().filter(|f| f.starts_with("uint")) else {
+                continue;
+            };
+            let integer = &shipped[path];
+            let maximum = integer
+                .maximum
+                .unwrap_or_else(|| panic!("{path} has no maximum"));
+            assert!(maximum <= MAX_SAFE_INTEGER as f64, "{path}: {maximum}");
+            if unsigned == "uint32" {
+                assert!(maximum <= f64::from(u32::MAX), "{path}: {maximum}");
+            }
+            assert!(integer.minimum.is_some_and(|m| m >= 0.0), "{path}");
+            checked += 1;
+        }
         assert!(checked > 20, "only {checked} unsigned integers were found");
+    }
+
+    #[test]
+    fn every_integer_format_of_the_crds_is_one_kubernetes_knows() {
+        for (path, integer) in integers_of(&all_crds()) {
+            let format = integer.format.as_deref();
+            assert!(
+                matches!(format, None | Some("int32" | "int64")),
+                "{path}: {format:?} draws a warning on apply"
+            );
+        }
     }
 
     #[test]

@@ -409,7 +409,7 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         &["configmap", "harvest-operator", "-n", "harvest-system"],
         "{.data.config\\.yaml}",
     );
-    let config = config.replacen("startTimeoutSeconds: 600", "startTimeoutSeconds: 5", 1);
+    let config = config.replacen("startTimeoutSeconds: 1200", "startTimeoutSeconds: 5", 1);
     let patch = json!({"data": {"config.yaml": config}}).to_string();
     cluster
         .kubectl(&[

@@ -128,12 +128,8 @@ async fn handle(
         return json_response(StatusCode::OK, &list);
     }
     store.count_request(method.as_str(), path);
-    if store.take_fault(method.as_str(), path) {
-        return error(&ApiError::new(
-            500,
-            "InternalError",
-            format!("injected failure of {method} {path}"),
-        ));
+    if let Some(injected) = store.take_fault(method.as_str(), path) {
+        return error(&injected);
     }
     let Some(target) = parse_path(path) else {
         return error(&ApiError::new(

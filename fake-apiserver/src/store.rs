@@ -131,12 +131,14 @@ struct Inner {
     requests: HashMap<String, u64>,
 }
 
-/// An injected failure: the next `times` requests with this method and path suffix get a 500.
+/// An injected failure: the next `times` requests with this method and path suffix get
+/// `answer` (a 500 unless chosen).
 #[derive(Debug)]
 struct Fault {
     method: String,
     path_suffix: String,
     times: u32,
+    answer: Option<ApiError>,
 }
 
 /// Who sent a request.
@@ -204,6 +206,19 @@ impl Store {
             method: method.to_owned(),
             path_suffix: path_suffix.to_owned(),
             times,
+            answer: None,
+        });
+    }
+
+    /// Makes the next `times` requests of `method` to a path ending in `path_suffix` answer
+    /// `answer` before they change anything: an admission plugin's refusal, such as
+    /// ResourceQuota's 403 `exceeded quota`.
+    pub fn refuse_next(&self, method: &str, path_suffix: &str, times: u32, answer: ApiError) {
+        self.lock().faults.push(Fault {
+            method: method.to_owned(),
+            path_suffix: path_suffix.to_owned(),
+            times,
+            answer: Some(answer),
         });
     }
 
@@ -237,20 +252,21 @@ impl Store {
             .sum()
     }
 
-    /// Whether this request is to fail (and counts it).
-    pub fn take_fault(&self, method: &str, path: &str) -> bool {
+    /// The injected answer of this request, if it is to fail (and counts it).
+    pub fn take_fault(&self, method: &str, path: &str) -> Option<ApiError> {
         let mut inner = self.lock();
-        let hit = inner
+        let fault = inner
             .faults
             .iter_mut()
-            .find(|f| f.times > 0 && f.method == method && path.ends_with(&f.path_suffix));
-        match hit {
-            Some(fault) => {
-                fault.times -= 1;
-                true
-            }
-            None => false,
-        }
+            .find(|f| f.times > 0 && f.method == method && path.ends_with(&f.path_suffix))?;
+        fault.times -= 1;
+        Some(fault.answer.clone().unwrap_or_else(|| {
+            ApiError::new(
+                500,
+                "InternalError",
+                format!("injected failure of {method} {path}"),
+            )
+        }))
     }
 
     /// A store with the `default` and `kube-system` namespaces.

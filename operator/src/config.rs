@@ -59,8 +59,8 @@ pub struct CatalogueEntry {
     /// The PriorityClass of worker Pods.
     #[serde(default)]
     pub priority_class_name: Option<String>,
-    /// How long an attempt's Pod may take to start running (scheduling, image pull) before
-    /// the job fails and frees its slot.
+    /// How long an attempt's Pod may wait for a node, and then, once scheduled, to start
+    /// running (image pull, volumes), before the job fails and frees its slot.
     #[serde(default = "default_start_timeout")]
     pub start_timeout_seconds: u64,
     /// Most workers one job of this model may be split over (`spec.parallelism`); 1 runs
@@ -80,7 +80,7 @@ pub struct CatalogueEntry {
 }
 
 fn default_start_timeout() -> u64 {
-    600
+    1200
 }
 
 fn default_max_parallelism() -> u32 {
@@ -152,7 +152,7 @@ impl CatalogueEntry {
         }
         if self.start_timeout_seconds == 0 {
             return Err(format!(
-                "model {name:?}: startTimeoutSeconds is 0: give the seconds a Pod may take to start (default 600)"
+                "model {name:?}: startTimeoutSeconds is 0: give the seconds a Pod may take to start (default 1200)"
             ));
         }
         Ok(())
@@ -288,6 +288,13 @@ pub struct OperatorConfig {
     /// Seconds the output-cleanup finalizer may try before it gives up and lets the job go.
     #[serde(default = "default_cleanup_timeout")]
     pub cleanup_timeout_seconds: u64,
+    /// Seconds between sweeps of the `workerNamespace` for workers whose job is gone.
+    #[serde(default = "default_worker_sweep")]
+    pub worker_sweep_seconds: u64,
+}
+
+fn default_worker_sweep() -> u64 {
+    30
 }
 
 fn default_service_account() -> String {
@@ -428,7 +435,7 @@ lanes: {small: 2, large: 1}
         let good = with(
             "    device: cuda\n    volumes: [{name: w, persistentVolumeClaim: {claimName: m, readOnly: true}}]\n    volumeMounts: [{name: w, mountPath: /models, readOnly: true}]\n    resources: {requests: {cpu: 500m, memory: 1.5Gi}}\n",
         );
-        assert_eq!(good.unwrap().models[0].start_timeout_seconds, 600);
+        assert_eq!(good.unwrap().models[0].start_timeout_seconds, 1200);
     }
 }
 

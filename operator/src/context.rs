@@ -291,6 +291,19 @@ impl Context {
             .insert((key, part, attempt.number), Instant::now());
     }
 
+    /// Gives back the slot [`Self::grant_pod`] took for a Pod the apiserver did not create
+    /// (a ResourceQuota refused it).
+    pub(crate) fn forget_pod(&self, job: &HarvestJob, attempt: &crate::pod::Attempt) {
+        let part = match attempt.role {
+            crate::pod::Role::Whole => None,
+            crate::pod::Role::Part { index, .. } => Some(index),
+            crate::pod::Role::Finalize => return,
+        };
+        lock(&self.pod_grants)
+            .created
+            .remove(&(key_of(job), part, attempt.number));
+    }
+
     pub(crate) fn forget_admission(&self, job: &HarvestJob) {
         self.admitting
             .lock()

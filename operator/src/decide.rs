@@ -121,6 +121,11 @@ pub const WAITING_FOR_POD_SLOT: &str = "WaitingForPodSlot";
 /// condition the shell sets, which the next decision reads as the attempt's failure.
 pub const FAILED_CREATE: &str = "FailedCreate";
 
+/// The reason of a Pod create that a ResourceQuota refused: the attempt stands, uncounted, and
+/// its Pod is created again every `admissionPollSeconds` until the quota frees. On the Running
+/// condition (a one-Pod job's or finalize Pod's) or a part's message, and on its Event.
+pub const WAITING_FOR_QUOTA: &str = "WaitingForQuota";
+
 /// Something the shell does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -278,6 +283,11 @@ impl Builder<'_> {
                 if self.pod_slot_free(policy) {
                     self.start_attempt(0);
                 }
+            }
+            None if conditions::get(&self.old.conditions, RUNNING)
+                .is_some_and(|c| c.reason == WAITING_FOR_QUOTA) =>
+            {
+                self.create_again(policy);
             }
             None => {
                 let refused = conditions::get(&self.old.conditions, RUNNING)
@@ -493,6 +503,21 @@ impl Builder<'_> {
     }
 
     /// Starts the next attempt; `counted` is 1 when the previous attempt's failure counts.
+    /// Creates the current attempt's Pod again, after a ResourceQuota refused it: nothing is
+    /// counted, and the condition stays until the Pod is seen.
+    fn create_again(&mut self, policy: &Policy) {
+        let role = match self.status.part_count() {
+            1 => Role::Whole,
+            _ => Role::Finalize,
+        };
+        self.actions.push(Action::CreatePod(Attempt {
+            role,
+            number: self.old.attempts,
+            deadline_seconds: self.deadline_left(),
+        }));
+        self.wake_within(policy.admission_poll);
+    }
+
     fn start_attempt(&mut self, counted: u32) {
         let attempt = self.old.attempts + 1;
         let role = match self.status.part_count() {

@@ -11,7 +11,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::SignedDuration;
 use kube::ResourceExt;
 
-use super::{Action, Builder, FAILED_CREATE, Outcome, Policy, WAITING_FOR_POD_SLOT};
+use super::{
+    Action, Builder, FAILED_CREATE, Outcome, Policy, WAITING_FOR_POD_SLOT, WAITING_FOR_QUOTA,
+};
 use crate::pod::{Attempt, Blame, Failure, PodState, Role, role_pod_name};
 
 /// What one part needs this reconcile.
@@ -20,6 +22,8 @@ enum Step {
     Stay,
     /// Start its next attempt.
     Start,
+    /// Create its current attempt's Pod again: a ResourceQuota refused it.
+    CreateAgain,
     /// Its last attempt failed, and it may start again after `wait`.
     Backoff { wait: SignedDuration },
     /// The job fails.
@@ -79,6 +83,17 @@ impl Builder<'_> {
                     slots -= 1;
                     self.start_part(part, count);
                 }
+                Step::CreateAgain => {
+                    self.actions.push(Action::CreatePod(Attempt {
+                        role: Role::Part {
+                            index: part.index,
+                            count,
+                        },
+                        number: part.attempts,
+                        deadline_seconds: self.deadline_left(),
+                    }));
+                    self.wake_within(policy.admission_poll);
+                }
             }
         }
         self.status.parts = parts;
@@ -106,6 +121,7 @@ impl Builder<'_> {
         let name = format!("part {}/{count}", part.index);
         match observed {
             None if part.pod.is_none() => self.retry_ready(part, policy),
+            None if part.message.starts_with(WAITING_FOR_QUOTA) => Step::CreateAgain,
             None => {
                 let refused =
                     harvest_crds::conditions::get(&self.old.conditions, RUNNING).filter(|c| {

@@ -427,6 +427,51 @@ fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_noth
 }
 
 #[test]
+fn a_pod_create_a_resource_quota_refuses_is_made_again_uncounted_until_the_quota_frees() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let status = job.status.as_mut().unwrap();
+    conditions::set(
+        &mut status.conditions,
+        ConditionUpdate {
+            type_: RUNNING,
+            status: false,
+            reason: WAITING_FOR_QUOTA,
+            message:
+                "attempt 1: waiting for quota: pods \"j-1\" is forbidden: exceeded quota: gpus"
+                    .into(),
+        },
+        Some(1),
+        &Time(at(0)),
+    );
+    // Long past any backoff and any start timeout: the attempt still waits, never fails.
+    for now in [1, 700, 5000] {
+        let again = step(&job, None, Admission::Admit, now);
+        assert_eq!(
+            again.actions,
+            [Action::CreatePod(whole(1, None))],
+            "at {now}"
+        );
+        assert_eq!((again.status.attempts, again.status.failures), (1, 0));
+        assert!(!conditions::is_true(&again.status.conditions, FINISHED));
+        assert_eq!(again.requeue_after, Some(POLICY.admission_poll));
+    }
+    let created = step(
+        &job,
+        Some(PodState::Starting {
+            waiting: None,
+            since: Some(Time(at(5001))),
+        }),
+        Admission::Admit,
+        5001,
+    );
+    let running = get(&created.status.conditions, RUNNING).unwrap();
+    assert_eq!(running.reason, "PodStarting");
+    assert!(created.actions.is_empty(), "{:?}", created.actions);
+}
+
+#[test]
 fn a_pod_the_operator_did_not_make_fails_the_job_unread_undeleted_and_uncharged() {
     let mut job = job();
     let admitted = step(&job, None, Admission::Admit, 0);
@@ -521,6 +566,24 @@ fn part_done(tokens: u64) -> Option<PodState> {
             tokens,
         }),
     })
+}
+
+#[test]
+fn a_part_whose_pod_a_resource_quota_refused_is_made_again_while_the_others_run() {
+    let mut job = job();
+    let admitted = step_parts(&job, Vec::new(), None, u32::MAX, 0);
+    apply(&mut job, &admitted);
+    let status = job.status.as_mut().unwrap();
+    status.parts[1].message =
+        format!("{WAITING_FOR_QUOTA}: part 1/3 attempt 1: waiting for quota: exceeded quota: gpus");
+    let running = Some(PodState::Running);
+    let again = step_parts(&job, vec![running.clone(), None, running], None, 0, 900);
+    assert!(part_created(&again, 1, 1), "{:?}", again.actions);
+    assert!(!part_created(&again, 0, 2) && !part_created(&again, 2, 2));
+    let part = &again.status.parts[1];
+    assert_eq!((part.attempts, part.failures), (1, 0));
+    assert!(!conditions::is_true(&again.status.conditions, FINISHED));
+    assert_eq!(again.requeue_after, Some(POLICY.admission_poll));
 }
 
 #[test]

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod pod;
 pub mod reconcile;
 pub mod slots;
+pub mod sweep;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -109,7 +110,7 @@ pub async fn run(
     let context = Arc::new(reconcile::Context {
         client: client.clone(),
         config: settings.config,
-        recorder: Recorder::new(client, reporter),
+        recorder: Recorder::new(client.clone(), reporter),
         metrics,
         jobs,
         accounts: account_controller.store(),
@@ -117,6 +118,21 @@ pub async fn run(
         pod_grants: Mutex::new(context::PodGrants::default()),
     });
     info!("controller started");
+    let sweeping = {
+        let jobs = context.jobs.clone();
+        let every = Duration::from_secs(context.config.worker_sweep_seconds);
+        let workers = context
+            .config
+            .worker_namespace
+            .as_deref()
+            .map(|namespace| Api::<Pod>::namespaced(client.clone(), namespace));
+        async move {
+            match workers {
+                Some(pods) => sweep::sweep_forever(pods, jobs, every).await,
+                None => std::future::pending().await,
+            }
+        }
+    };
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let jobs_running = controller
         .graceful_shutdown_on(shutdown.clone())
@@ -136,7 +152,11 @@ pub async fn run(
         .for_each(|_| futures::future::ready(()));
     let running = drain_within_grace(
         async {
-            futures::join!(jobs_running, accounts_running);
+            // The sweep never ends; the controllers end at shutdown, and it with them.
+            tokio::select! {
+                _ = async { futures::join!(jobs_running, accounts_running) } => {}
+                () = sweeping => {}
+            }
         },
         shutdown,
     );

@@ -19,7 +19,9 @@ use tracing::{info, instrument, warn};
 use crate::admission::Admission;
 pub use crate::context::Context;
 pub(crate) use crate::context::key_of;
-use crate::decide::{Action, Decision, FAILED_CREATE, Observed, Policy, Workers, decide};
+use crate::decide::{
+    Action, Decision, FAILED_CREATE, Observed, Policy, WAITING_FOR_QUOTA, Workers, decide,
+};
 use crate::error::{Error, Result};
 use crate::pod::{PodState, observe_for_job, render, reported_progress};
 use crate::{cleanup, ledger};
@@ -27,9 +29,9 @@ use harvest_core::worker::ProgressEvent;
 
 /// The finalizer that deletes a job's outputs when its retention is `Delete`.
 pub const CLEANUP_FINALIZER: &str = "harvest.dev/output-cleanup";
-/// The finalizer that deletes a job's worker Pod in the operator's worker namespace, which
-/// Kubernetes' garbage collector cannot tie to the job (no owner references across
-/// namespaces).
+/// The finalizer earlier releases put on a job whose worker runs in the operator's worker
+/// namespace. No longer added (the sweep deletes such workers); taken off when seen, and
+/// honoured on a job deleted while it still carries it.
 pub const WORKER_FINALIZER: &str = "harvest.dev/worker";
 /// The field manager of the operator's writes.
 const MANAGER: &str = "harvest-operator";
@@ -66,20 +68,8 @@ pub async fn reconcile(job: Arc<HarvestJob>, ctx: Arc<Context>) -> Result<Requeu
     let observed = shell.observe(&checked, waiting, now).await?;
     let decision = decide(&observed, &Policy::from(&ctx.config));
     let mut decision = decision;
-    if let Some(refusal) = shell.apply_pods(&decision, &checked).await? {
-        // The next reconcile reads this condition as the attempt's failure.
-        conditions::set(
-            &mut decision.status.conditions,
-            conditions::ConditionUpdate {
-                type_: conditions::RUNNING,
-                status: false,
-                reason: FAILED_CREATE,
-                message: refusal,
-            },
-            job.metadata.generation,
-            &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
-        );
-    }
+    let applied = shell.apply_pods(&decision, &checked).await?;
+    applied.record(&mut decision, &ctx.config, job.metadata.generation, now);
     if decision.status != old {
         if let Err(error) = shell.write_status(&decision.status).await {
             if waiting {
@@ -118,14 +108,20 @@ impl Shell<'_> {
             }
             return Ok(Some(Requeue::await_change()));
         }
-        let wanted = [
-            (job.spec.output_retention == OutputRetention::Delete).then_some(CLEANUP_FINALIZER),
-            self.elsewhere.then_some(WORKER_FINALIZER),
-        ];
-        let missing: Vec<&str> = wanted.into_iter().flatten().filter(|f| !has(f)).collect();
-        if !missing.is_empty() {
-            let mut finalizers = job.finalizers().to_vec();
-            finalizers.extend(missing.into_iter().map(str::to_owned));
+        // Only a job whose outputs go with it needs the operator at its deletion. A worker
+        // elsewhere is swept once its job is gone (`sweep`); the finalizer jobs once carried
+        // for it is taken off, so that an uninstall never waits on a stopped operator.
+        let wanted = (job.spec.output_retention == OutputRetention::Delete
+            && !has(CLEANUP_FINALIZER))
+        .then_some(CLEANUP_FINALIZER);
+        if wanted.is_some() || has(WORKER_FINALIZER) {
+            let mut finalizers: Vec<String> = job
+                .finalizers()
+                .iter()
+                .filter(|f| *f != WORKER_FINALIZER)
+                .cloned()
+                .collect();
+            finalizers.extend(wanted.map(str::to_owned));
             self.patch_job(json!({"metadata": {"finalizers": finalizers}}))
                 .await?;
             return Ok(Some(Requeue::await_change()));
@@ -288,8 +284,9 @@ impl Shell<'_> {
         &self,
         decision: &Decision,
         checked: &std::result::Result<harvest_crds::ValidJob, SpecError>,
-    ) -> Result<Option<String>> {
+    ) -> Result<Applied> {
         let ctx = self.ctx;
+        let mut applied = Applied::default();
         for action in &decision.actions {
             match action {
                 Action::DeletePod(pod_name) => delete_pod(&self.pods, pod_name).await?,
@@ -311,20 +308,34 @@ impl Shell<'_> {
                         credentials.as_deref(),
                     )?;
                     ctx.grant_pod(self.job, attempt);
-                    let (role, attempt) = (what(attempt.role), attempt.number);
+                    let (role, number) = (what(attempt.role), attempt.number);
                     match self.pods.create(&post_params(), &pod).await {
-                        Ok(_) => info!(attempt, role = role.trim(), "created the attempt's Pod"),
+                        Ok(_) => info!(
+                            attempt = number,
+                            role = role.trim(),
+                            "created the attempt's Pod"
+                        ),
                         Err(kube::Error::Api(status)) if status.code == 409 => {}
+                        Err(kube::Error::Api(status)) if exceeds_quota(&status) => {
+                            ctx.forget_pod(self.job, attempt);
+                            let message = format!(
+                                "{role}attempt {number}: waiting for quota: {}",
+                                status.message
+                            );
+                            info!(attempt = number, error = %status.message, "a ResourceQuota refused the attempt's Pod; waiting");
+                            applied.waiting_for_quota.push((attempt.role, message));
+                        }
                         Err(kube::Error::Api(status))
                             if matches!(status.code, 400 | 403 | 404 | 422) =>
                         {
                             let message = format!(
-                                "{role}attempt {attempt}: Error creating Pod: {}",
+                                "{role}attempt {number}: Error creating Pod: {}",
                                 status.message
                             );
-                            warn!(attempt, error = %status.message, "the apiserver refused the attempt's Pod");
+                            warn!(attempt = number, error = %status.message, "the apiserver refused the attempt's Pod");
                             publish(ctx, self.job, true, FAILED_CREATE, &message).await;
-                            return Ok(Some(message));
+                            applied.refused = Some(message);
+                            return Ok(applied);
                         }
                         Err(e) => return Err(e.into()),
                     }
@@ -332,7 +343,12 @@ impl Shell<'_> {
                 Action::Event { .. } | Action::DeleteJob => {}
             }
         }
-        Ok(None)
+        for (role, message) in &applied.waiting_for_quota {
+            if !already_waiting(&self.job.status_or_default(), *role) {
+                publish(ctx, self.job, true, WAITING_FOR_QUOTA, message).await;
+            }
+        }
+        Ok(applied)
     }
 
     /// Replaces the status, conditional on the resourceVersion the reconcile read.
@@ -400,6 +416,84 @@ impl Shell<'_> {
         Ok(decision
             .requeue_after
             .map_or_else(Requeue::await_change, Requeue::requeue))
+    }
+}
+
+/// What the Pod actions came to, beyond the Pods made.
+#[derive(Debug, Default)]
+struct Applied {
+    /// A create the apiserver refused for good: the attempt's failure.
+    refused: Option<String>,
+    /// Creates a ResourceQuota refused, by role: each attempt waits, uncounted.
+    waiting_for_quota: Vec<(crate::pod::Role, String)>,
+}
+
+impl Applied {
+    /// Writes what the next decision reads into the status about to be written: a refused
+    /// create as the Running condition `FailedCreate` (the attempt's failure), a create
+    /// waiting for quota as `WaitingForQuota` on the condition or on its part's message (the
+    /// attempt stands and its Pod is created again).
+    fn record(
+        &self,
+        decision: &mut Decision,
+        config: &crate::config::OperatorConfig,
+        generation: Option<i64>,
+        now: Timestamp,
+    ) {
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now);
+        let mut running = |reason: &'static str, message: &str| {
+            conditions::set(
+                &mut decision.status.conditions,
+                conditions::ConditionUpdate {
+                    type_: conditions::RUNNING,
+                    status: false,
+                    reason,
+                    message: message.to_owned(),
+                },
+                generation,
+                &now,
+            );
+        };
+        if let Some(refusal) = &self.refused {
+            running(FAILED_CREATE, refusal);
+        }
+        for (role, message) in &self.waiting_for_quota {
+            match role {
+                crate::pod::Role::Part { index, .. } => {
+                    if let Some(part) = decision.status.parts.iter_mut().find(|p| p.index == *index)
+                    {
+                        part.message = format!("{WAITING_FOR_QUOTA}: {message}");
+                    }
+                }
+                crate::pod::Role::Whole | crate::pod::Role::Finalize => {
+                    running(WAITING_FOR_QUOTA, message);
+                }
+            }
+        }
+        if !self.waiting_for_quota.is_empty() {
+            let poll = Duration::from_secs(config.admission_poll_seconds);
+            decision.requeue_after = Some(decision.requeue_after.map_or(poll, |r| r.min(poll)));
+        }
+    }
+}
+
+/// ResourceQuota's refusal: 403 `exceeded quota`. It clears when other Pods end, so the
+/// attempt waits; every other 403 (Pod Security, a LimitRange) is for good.
+fn exceeds_quota(status: &kube::core::Status) -> bool {
+    status.code == 403 && status.message.contains("exceeded quota")
+}
+
+/// Whether the job's status already says this role waits for quota (its Event was published).
+fn already_waiting(status: &harvest_crds::HarvestJobStatus, role: crate::pod::Role) -> bool {
+    match role {
+        crate::pod::Role::Part { index, .. } => status
+            .parts
+            .iter()
+            .any(|p| p.index == index && p.message.starts_with(WAITING_FOR_QUOTA)),
+        crate::pod::Role::Whole | crate::pod::Role::Finalize => {
+            conditions::get(&status.conditions, conditions::RUNNING)
+                .is_some_and(|c| c.reason == WAITING_FOR_QUOTA)
+        }
     }
 }
 
@@ -476,6 +570,20 @@ async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
 }
 
 /// Events are best effort: a failure to record one is logged, never fails the reconcile.
+/// The most bytes of an Event's note the apiserver takes (events.k8s.io/v1 validation counts
+/// bytes, not characters).
+const NOTE_LIMIT_BYTES: usize = 1024;
+
+/// `note` cut to [`NOTE_LIMIT_BYTES`] at a character boundary, so a long message in any script
+/// still makes an Event instead of a 422.
+fn event_note(note: &str) -> &str {
+    let mut end = note.len().min(NOTE_LIMIT_BYTES);
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    &note[..end]
+}
+
 async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, note: &str) {
     let event = Event {
         type_: if warning {
@@ -484,7 +592,7 @@ async fn publish(ctx: &Context, job: &HarvestJob, warning: bool, reason: &str, n
             EventType::Normal
         },
         reason: reason.to_owned(),
-        note: Some(note.chars().take(1000).collect()),
+        note: Some(event_note(note).to_owned()),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -584,4 +692,20 @@ pub fn error_policy(job: Arc<HarvestJob>, error: &Error, ctx: Arc<Context>) -> R
     }
     warn!(job = %key_of(&job), %error, "reconcile failed; retrying");
     Requeue::requeue(Duration::from_secs(5))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_note_is_cut_to_1024_bytes_at_a_character_boundary() {
+        assert_eq!(event_note("short"), "short");
+        let ascii = "x".repeat(2000);
+        assert_eq!(event_note(&ascii).len(), 1024);
+        // 600 three-byte characters are 1,800 bytes: 1,000 characters would be refused.
+        let wide = "\u{4e2d}".repeat(600);
+        let cut = event_note(&wide);
+        assert_eq!((cut.len(), cut.chars().count()), (1023, 341));
+    }
 }

@@ -389,6 +389,61 @@ async fn a_pod_the_apiserver_refuses_is_a_failed_create_event_and_ends_the_job_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_a_resource_quota_refuses_waits_uncounted_and_runs_once_the_quota_frees() {
+    let cluster = Cluster::start(1).await;
+    // ResourceQuota's admission refusal, as kube-apiserver words it.
+    let quota = harvest_fake_apiserver::store::ApiError::new(
+        403,
+        "Forbidden",
+        "pods \"quota\" is forbidden: exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1".into(),
+    );
+    cluster
+        .server
+        .store
+        .refuse_next("POST", "/namespaces/default/pods", 3, quota);
+    let prompts = cluster.prompts("quota", 2, 2);
+    cluster
+        .submit("quota", prompts, |s| s.backoff_limit = 0)
+        .await;
+    let job = cluster.finished("quota").await;
+    let status = job.status.clone().unwrap();
+    assert_eq!(finished_reason(&job), "Succeeded", "{status:?}");
+    assert_eq!(
+        cluster.server.store.faults_pending(),
+        0,
+        "every refusal was met"
+    );
+    assert_eq!(
+        (status.attempts, status.failures),
+        (1, 0),
+        "waiting for quota is neither a failure nor a new attempt"
+    );
+    let tokens = status.tokens.unwrap();
+    assert_eq!(tokens.charged, status.result.map(|r| r.tokens));
+    let events = kube::Api::<k8s_openapi::api::events::v1::Event>::namespaced(
+        cluster.client.clone(),
+        "default",
+    )
+    .list(&Default::default())
+    .await
+    .unwrap();
+    let waits: Vec<_> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("WaitingForQuota"))
+        .collect();
+    assert_eq!(waits.len(), 1, "one Event for the wait, not one per try");
+    assert!(
+        waits[0]
+            .note
+            .as_deref()
+            .is_some_and(|n| n.contains("exceeded quota: gpu-quota")),
+        "{:?}",
+        waits[0].note
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_named_past_the_label_limit_runs_under_a_hashed_label() {
     let cluster = Cluster::start(1).await;
     // 70 characters: a valid object name, too long for a label value (the apiserver refuses a

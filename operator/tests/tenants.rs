@@ -9,8 +9,8 @@ mod common;
 use common::Cluster;
 use harvest_crds::HarvestJob;
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
 use serde_json::json;
 
 fn finished(job: &HarvestJob) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
@@ -215,6 +215,16 @@ async fn with_workers_in_the_operators_namespace_a_tenant_needs_no_credentials_a
         .create(&PostParams::default(), &forged)
         .await
         .unwrap();
+    // As an earlier release left it: the operator takes the old worker finalizer off.
+    cluster
+        .jobs()
+        .patch(
+            "remote",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"finalizers": ["harvest.dev/worker"]}})),
+        )
+        .await
+        .unwrap();
     unsuspend(&cluster, "remote").await;
     let job = cluster.finished("remote").await;
     assert_eq!(finished(&job).reason, "Succeeded", "{:?}", job.status);
@@ -226,6 +236,12 @@ async fn with_workers_in_the_operators_namespace_a_tenant_needs_no_credentials_a
     let worker = workers.get(&status.pod.clone().unwrap()).await.unwrap();
     assert_eq!(worker.metadata.labels.unwrap()["harvest.dev/job-uid"], uid);
     assert!(worker.metadata.owner_references.is_none());
+    let held = cluster.jobs().get("remote").await.unwrap();
+    assert!(
+        held.finalizers().is_empty(),
+        "no finalizer waits on the operator at an uninstall: {:?}",
+        held.finalizers()
+    );
     // Deleting the job deletes its worker (no owner reference can), and leaves the tenant's
     // own Pod alone.
     cluster

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 /// Spill bytes per bucket the scatter aims for: what one bucket's sort holds in memory.
 pub const BUCKET_BYTES: u64 = harvest_core::layout::SHUFFLE_BUCKET_BYTES;
 /// Bytes of a spill record before its values: key (u64), prompt (u32), position (u32).
-const RECORD_HEAD: usize = 16;
+const RECORD_HEAD: usize = harvest_core::layout::SPILL_RECORD_HEAD;
 
 /// The training files written, in order.
 pub(super) struct TrainFiles {

@@ -146,7 +146,8 @@ pub enum PodState {
     Starting {
         /// Why it waits, if the kubelet or the scheduler says.
         waiting: Option<(String, String)>,
-        /// When the Pod was created, which starts its `startTimeoutSeconds`.
+        /// When its current wait began, which starts its `startTimeoutSeconds`: its creation
+        /// while it waits for a node, then the time it was scheduled.
         since: Option<Time>,
     },
     /// The harvester runs.

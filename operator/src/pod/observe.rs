@@ -4,6 +4,7 @@
 use harvest_core::worker::{ErrorKind, ExitStatus, ProgressEvent, RunResult, Termination};
 use harvest_crds::ResultSummary;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::{Blame, CONTAINER, Failure, JOB_UID_LABEL, PodState};
 
@@ -92,9 +93,21 @@ pub fn observe(pod: &Pod) -> PodState {
                         .map(|reason| (reason, w.message.unwrap_or_default()))
                 })
                 .or_else(|| unschedulable(&status)),
-            since: pod.metadata.creation_timestamp.clone(),
+            since: scheduled_at(&status).or_else(|| pod.metadata.creation_timestamp.clone()),
         },
     }
+}
+
+/// When the scheduler bound the Pod: the start of its second wait (the image pull, volumes),
+/// so that a GPU node's scale-up and a large image's pull each get the whole start timeout.
+fn scheduled_at(status: &k8s_openapi::api::core::v1::PodStatus) -> Option<Time> {
+    status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "True")?
+        .last_transition_time
+        .clone()
 }
 
 /// The scheduler's reason, while the Pod has no node.

@@ -3,12 +3,13 @@
 use std::collections::BTreeMap;
 
 use harvest_core::ResolvedPlan;
-use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, train_file_data_bytes};
+use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file_data_bytes};
 use harvest_core::plan::MAX_DIRECTIONS;
 use harvest_crds::{HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvFromSource, EnvVar, Pod, PodSecurityContext, PodSpec,
-    ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext,
+    Capabilities, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod, PodSecurityContext,
+    PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -33,11 +34,35 @@ pub fn render(
 ) -> Result<Pod> {
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
-    let args = worker_args(job, valid, model, config, role)?;
-    let resources = match role {
+    let mut args = worker_args(job, valid, model, config, role)?;
+    let mut resources = match role {
         Role::Finalize => finalize_resources(&valid.plan, model),
         Role::Whole | Role::Part { .. } => resources(model),
     };
+    let (mut volumes, mut volume_mounts) = (model.volumes.clone(), model.volume_mounts.clone());
+    if let Some(bytes) = scratch_bytes(valid, model, role) {
+        // The spill goes to an emptyDir of its own, asked for up front, not into the
+        // container's writable layer, where it would meet DiskPressure evictions.
+        let size = Quantity(bytes.to_string());
+        volumes.push(Volume {
+            name: SCRATCH_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(size.clone()),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        volume_mounts.push(VolumeMount {
+            name: SCRATCH_VOLUME.into(),
+            mount_path: SCRATCH_PATH.into(),
+            ..VolumeMount::default()
+        });
+        args.extend(["--spill-dir".to_owned(), SCRATCH_PATH.to_owned()]);
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert("ephemeral-storage".into(), size);
+    }
     // The finalize step never runs the model: it goes wherever CPU and memory are, not to the
     // catalogue's GPU nodes (their selector, tolerations and runtime class).
     let on_gpu_nodes = role != Role::Finalize;
@@ -55,7 +80,7 @@ pub fn render(
                 .then(|| model.node_selector.clone()),
             tolerations: (on_gpu_nodes && !model.tolerations.is_empty())
                 .then(|| model.tolerations.clone()),
-            volumes: (!model.volumes.is_empty()).then(|| model.volumes.clone()),
+            volumes: (!volumes.is_empty()).then_some(volumes),
             image_pull_secrets: (!model.image_pull_secrets.is_empty())
                 .then(|| model.image_pull_secrets.clone()),
             runtime_class_name: model.runtime_class_name.clone().filter(|_| on_gpu_nodes),
@@ -70,8 +95,7 @@ pub fn render(
                 resources: (resources != ResourceRequirements::default()).then_some(resources),
                 termination_message_path: Some(TERMINATION_LOG.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
-                volume_mounts: (!model.volume_mounts.is_empty())
-                    .then(|| model.volume_mounts.clone()),
+                volume_mounts: (!volume_mounts.is_empty()).then_some(volume_mounts),
                 security_context: Some(restricted_container()),
                 ..Container::default()
             }],
@@ -260,6 +284,34 @@ fn resources(model: &CatalogueEntry) -> ResourceRequirements {
     resources
 }
 
+/// The values of a row: the residual width in bf16, or at most [`MAX_DIRECTIONS`]
+/// projections in f32.
+fn row_values(plan: &ResolvedPlan, model: &CatalogueEntry) -> (usize, usize) {
+    match plan.project_onto {
+        Some(_) => (MAX_DIRECTIONS, 4),
+        None => (model.hidden_size, 2),
+    }
+}
+
+/// The emptyDir the shuffle spills into.
+const SCRATCH_VOLUME: &str = "harvest-scratch";
+/// Where the Pod mounts it.
+const SCRATCH_PATH: &str = "/scratch";
+
+/// The scratch space of the Pod that writes a shuffled job's training files (a one-Pod job's
+/// worker, or the finalize Pod): the spill of every token the budget allows, and one bucket
+/// more. `None` for every other Pod.
+fn scratch_bytes(valid: &ValidJob, model: &CatalogueEntry, role: Role) -> Option<u64> {
+    let plan = &valid.plan;
+    let shuffles = matches!(plan.options.layout, Layout::Shuffled { .. })
+        && matches!(role, Role::Whole | Role::Finalize);
+    shuffles.then(|| {
+        let (width, itemsize) = row_values(plan, model);
+        let slots = plan.options.layers.len() * plan.options.sites.len();
+        spill_bytes(valid.token_budget, slots, width, itemsize) + SHUFFLE_BUCKET_BYTES
+    })
+}
+
 /// Memory the finalize step takes besides what it holds for the shuffled layout: the
 /// records' exact statistics, the manifest and the process.
 pub const FINALIZE_BASE_BYTES: u64 = 1 << 30;
@@ -268,10 +320,7 @@ pub const FINALIZE_BASE_BYTES: u64 = 1 << 30;
 /// for the shuffled layout, one spill bucket and one training file. No GPU, whatever the
 /// catalogue gives the model's workers.
 fn finalize_resources(plan: &ResolvedPlan, model: &CatalogueEntry) -> ResourceRequirements {
-    let (width, itemsize) = match plan.project_onto {
-        Some(_) => (MAX_DIRECTIONS, 4),
-        None => (model.hidden_size, 2),
-    };
+    let (width, itemsize) = row_values(plan, model);
     let shuffle = match plan.options.layout {
         Layout::ByPrompt => 0,
         Layout::Shuffled { rows_per_file, .. } => {

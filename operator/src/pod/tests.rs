@@ -170,6 +170,30 @@ fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason()
 }
 
 #[test]
+fn the_start_timeout_counts_from_creation_until_scheduled_then_from_scheduling() {
+    let created = "2026-01-01T00:00:00Z";
+    let scheduled = "2026-01-01T00:14:00Z";
+    let mut unscheduled = pod_with(
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.", "lastTransitionTime": created}]}),
+    );
+    unscheduled.metadata.creation_timestamp = Some(Time(created.parse().unwrap()));
+    let since = |pod: &Pod| match observe(pod) {
+        PodState::Starting { since, .. } => since.map(|t| t.0.to_string()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(since(&unscheduled).as_deref(), Some(created));
+    // A GPU node came up after 14 minutes; the image pull starts a wait of its own.
+    let mut pulling = pod_with(
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled}],
+        "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"waiting": {"reason": "ContainerCreating"}}}]}),
+    );
+    pulling.metadata.creation_timestamp = Some(Time(created.parse().unwrap()));
+    assert_eq!(since(&pulling).as_deref(), Some(scheduled));
+}
+
+#[test]
 fn an_unscheduled_pod_waits_with_the_schedulers_reason() {
     let pending = pod_with(
         json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
@@ -359,4 +383,69 @@ fn a_finalize_pod_asks_for_cpu_and_the_memory_its_plan_holds_not_the_models_gpu_
     let memory = (1u64 << 30) + (256 << 20) + 1000 * (2 * 2 * 576 * 2 + 8);
     assert_eq!(requests["memory"].0, memory.to_string());
     assert_eq!(resources.limits.unwrap()["memory"].0, memory.to_string());
+}
+
+#[test]
+fn the_pod_that_writes_training_files_spills_into_an_empty_dir_it_asks_for_up_front() {
+    let config = config();
+    let entry = config.model("m").unwrap();
+    let mut job = job();
+    job.spec.token_budget = 10_000;
+    job.spec.harvest.layers = Some(vec![3, 7]);
+    let render_for = |job: &HarvestJob, role: Role| {
+        let valid = job
+            .spec
+            .validate(&entry.served(), std::path::Path::new(&entry.path))
+            .unwrap();
+        let attempt = Attempt {
+            role,
+            number: 1,
+            deadline_seconds: None,
+        };
+        render(job, &valid, entry, &config, &attempt, None)
+            .unwrap()
+            .spec
+            .unwrap()
+    };
+    let scratch = |spec: &k8s_openapi::api::core::v1::PodSpec| {
+        spec.volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "harvest-scratch")
+            .and_then(|v| v.empty_dir.clone()?.size_limit)
+            .map(|q| q.0)
+    };
+    let by_prompt = render_for(&job, Role::Whole);
+    assert_eq!(scratch(&by_prompt), None);
+    assert!(
+        !by_prompt.containers[0]
+            .args
+            .clone()
+            .unwrap()
+            .contains(&"--spill-dir".to_owned())
+    );
+    job.spec.harvest.layout = Some(harvest_core::layout::LayoutName::Shuffled);
+    // Every token of the budget: a 16-byte record head and 2 layers of 576 bf16 values,
+    // and one bucket more.
+    let bytes = (10_000u64 * (16 + 2 * 576 * 2) + (256 << 20)).to_string();
+    for role in [Role::Whole, Role::Finalize] {
+        let spec = render_for(&job, role);
+        assert_eq!(scratch(&spec).as_deref(), Some(bytes.as_str()), "{role:?}");
+        let container = &spec.containers[0];
+        let args = container.args.clone().unwrap();
+        let at = args.iter().position(|a| a == "--spill-dir").unwrap();
+        assert_eq!(args[at + 1], "/scratch");
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "harvest-scratch");
+        assert_eq!(mount.map(|m| m.mount_path.as_str()), Some("/scratch"));
+        let requests = container.resources.clone().unwrap().requests.unwrap();
+        assert_eq!(requests["ephemeral-storage"].0, bytes, "{role:?}");
+    }
+    assert_eq!(
+        scratch(&render_for(&job, Role::Part { index: 0, count: 2 })),
+        None
+    );
 }
