@@ -288,9 +288,17 @@ pub struct OperatorConfig {
     /// Seconds the output-cleanup finalizer may try before it gives up and lets the job go.
     #[serde(default = "default_cleanup_timeout")]
     pub cleanup_timeout_seconds: u64,
+    /// Seconds past its grace period a deleted Pod may stay Terminating before its attempt is
+    /// taken for lost and retried (its node stopped answering; no kubelet will remove it).
+    #[serde(default = "default_pod_lost_after")]
+    pub pod_lost_after_seconds: u64,
     /// Seconds between sweeps of the `workerNamespace` for workers whose job is gone.
     #[serde(default = "default_worker_sweep")]
     pub worker_sweep_seconds: u64,
+}
+
+fn default_pod_lost_after() -> u64 {
+    120
 }
 
 fn default_worker_sweep() -> u64 {

@@ -41,6 +41,9 @@ pub struct Policy {
     pub admission_poll: Duration,
     /// How often a running job's progress is read from its worker's log.
     pub progress_refresh: Duration,
+    /// How long past its grace period a Pod may stay Terminating before it is taken for lost
+    /// (its node stopped answering, so no kubelet will ever remove it).
+    pub pod_lost_after: Duration,
 }
 
 impl From<&OperatorConfig> for Policy {
@@ -51,6 +54,7 @@ impl From<&OperatorConfig> for Policy {
             max_infrastructure_retries: config.max_infrastructure_retries,
             admission_poll: Duration::from_secs(config.admission_poll_seconds),
             progress_refresh: Duration::from_secs(config.progress_refresh_seconds),
+            pod_lost_after: Duration::from_secs(config.pod_lost_after_seconds),
         }
     }
 }
@@ -332,7 +336,15 @@ impl Builder<'_> {
                 }
                 self.requeue_after = Some(policy.progress_refresh);
             }
-            Some(PodState::Terminating) => {}
+            Some(PodState::Terminating {
+                since,
+                grace_seconds,
+            }) => {
+                let pod = self.old.pod.clone().unwrap_or_default();
+                if let Some(failure) = self.stuck(&pod, since, grace_seconds, policy) {
+                    self.retry(failure, None, infra_retries, policy);
+                }
+            }
             Some(PodState::Foreign { controller }) => self.foreign(controller),
             Some(PodState::Succeeded { result, .. }) => self.finish(Outcome::Succeeded(result)),
             Some(PodState::Failed {
@@ -404,6 +416,35 @@ impl Builder<'_> {
                 format!("attempt {attempts} is starting"),
             ),
         }
+    }
+
+    /// A Pod deleted (evicted, say) that is still there [`Policy::pod_lost_after`] past its
+    /// grace period: its node stopped answering, and no kubelet will ever remove it. It is the
+    /// attempt's failure, the cluster's fault; until then the job looks again when it is due.
+    pub(super) fn stuck(
+        &mut self,
+        pod: &str,
+        since: Option<Time>,
+        grace_seconds: i64,
+        policy: &Policy,
+    ) -> Option<Failure> {
+        let since = since?;
+        let allowed = SignedDuration::from_secs(grace_seconds.max(0))
+            + SignedDuration::try_from(policy.pod_lost_after).unwrap_or_default();
+        let waited = self.observed.now.duration_since(since.0);
+        if waited < allowed {
+            let left = Duration::try_from(allowed - waited).unwrap_or(policy.pod_lost_after);
+            self.wake_within(left.max(Duration::from_secs(1)));
+            return None;
+        }
+        Some(Failure {
+            blame: Blame::Infrastructure,
+            reason: "PodLost".into(),
+            message: format!(
+                "Pod {pod} stayed Terminating {} s after it was deleted (its node stopped answering)",
+                waited.as_secs()
+            ),
+        })
     }
 
     /// The attempt's name is taken by a Pod the operator did not make for this job: the job

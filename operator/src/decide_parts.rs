@@ -160,7 +160,18 @@ impl Builder<'_> {
                 }
                 Step::Stay
             }
-            Some(PodState::Terminating) => Step::Stay,
+            Some(PodState::Terminating {
+                since,
+                grace_seconds,
+            }) => {
+                let pod = part.pod.clone().unwrap_or_default();
+                match self.stuck(&pod, since, grace_seconds, policy) {
+                    Some(failure) => {
+                        self.part_failed(part, failure, None, counted_failures, policy)
+                    }
+                    None => Step::Stay,
+                }
+            }
             Some(PodState::Foreign { controller }) => {
                 let pod = part.pod.clone().unwrap_or_default();
                 Step::Fail(super::foreign_outcome(&pod, controller))

@@ -9,6 +9,7 @@ const POLICY: Policy = Policy {
     max_infrastructure_retries: 2,
     admission_poll: Duration::from_secs(5),
     progress_refresh: Duration::from_secs(5),
+    pod_lost_after: Duration::from_secs(120),
 };
 
 /// Attempt `number` of a one-Pod job.
@@ -469,6 +470,29 @@ fn a_pod_create_a_resource_quota_refuses_is_made_again_uncounted_until_the_quota
     let running = get(&created.status.conditions, RUNNING).unwrap();
     assert_eq!(running.reason, "PodStarting");
     assert!(created.actions.is_empty(), "{:?}", created.actions);
+}
+
+#[test]
+fn a_pod_left_terminating_past_its_grace_is_lost_and_retried_uncounted() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let evicted = || {
+        Some(PodState::Terminating {
+            since: Some(Time(at(100))),
+            grace_seconds: 30,
+        })
+    };
+    let waiting = step(&job, evicted(), Admission::Admit, 200);
+    assert!(waiting.actions.is_empty(), "{:?}", waiting.actions);
+    assert_eq!(waiting.requeue_after, Some(Duration::from_secs(50)));
+    let lost = step(&job, evicted(), Admission::Admit, 250);
+    assert!(lost.actions.contains(&Action::CreatePod(whole(2, None))));
+    assert_eq!((lost.status.attempts, lost.status.failures), (2, 0));
+    assert!(lost.actions.iter().any(|a| matches!(
+        a,
+        Action::Event { reason, note, .. } if reason == "PodLost" && note.contains("stayed Terminating 150 s")
+    )));
 }
 
 #[test]

@@ -444,6 +444,51 @@ async fn a_pod_a_resource_quota_refuses_waits_uncounted_and_runs_once_the_quota_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_stuck_terminating_on_a_lost_node_is_retried_elsewhere_and_charged_once() {
+    let cluster = Cluster::start(1).await;
+    let prompts = cluster.prompts("lost", 48, 8);
+    cluster
+        .submit("lost", prompts, |s| s.backoff_limit = 0)
+        .await;
+    let pod = cluster.running_pod("lost").await;
+    // A node that stops answering: the taint manager deletes its Pods, and with no kubelet to
+    // confirm, they stay Terminating (a finalizer holds this one the same way).
+    let pods =
+        kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(cluster.client.clone(), "default");
+    let hold = serde_json::json!({"metadata": {"finalizers": ["test.harvest.dev/node-lost"]}});
+    pods.patch(&pod, &Default::default(), &kube::api::Patch::Merge(&hold))
+        .await
+        .unwrap();
+    pods.delete(&pod, &Default::default()).await.unwrap();
+    let job = cluster.finished("lost").await;
+    let status = job.status.clone().unwrap();
+    assert_eq!(finished_reason(&job), "Succeeded", "{status:?}");
+    assert_eq!(
+        (status.attempts, status.failures),
+        (2, 0),
+        "a lost node is the cluster's fault, not the job's"
+    );
+    assert_eq!(
+        status.tokens.unwrap().charged,
+        status.result.map(|r| r.tokens),
+        "charged once, for the attempt that finished"
+    );
+    let stuck = pods.get(&pod).await.unwrap();
+    assert!(
+        stuck.metadata.deletion_timestamp.is_some(),
+        "still Terminating"
+    );
+    let release = serde_json::json!({"metadata": {"finalizers": null}});
+    pods.patch(
+        &pod,
+        &Default::default(),
+        &kube::api::Patch::Merge(&release),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_named_past_the_label_limit_runs_under_a_hashed_label() {
     let cluster = Cluster::start(1).await;
     // 70 characters: a valid object name, too long for a label value (the apiserver refuses a

@@ -166,8 +166,14 @@ pub enum PodState {
         /// When.
         finished_at: Option<Time>,
     },
-    /// Being deleted.
-    Terminating,
+    /// Being deleted: since `since`, with `grace_seconds` for its containers to stop. A Pod
+    /// still there long past that is on a node that stopped answering.
+    Terminating {
+        /// Its deletion timestamp.
+        since: Option<Time>,
+        /// Its deletion grace period.
+        grace_seconds: i64,
+    },
     /// A Pod of that name exists but the operator did not create it for this job (no
     /// controller reference with the job's UID, nor, in the worker namespace, the job's UID
     /// label): nothing of it is read or deleted.

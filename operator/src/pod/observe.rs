@@ -50,8 +50,11 @@ pub fn observe_for_job(pod: &Pod, job_uid: &str, worker_namespace: bool) -> PodS
 
 /// Reads a Pod.
 pub fn observe(pod: &Pod) -> PodState {
-    if pod.metadata.deletion_timestamp.is_some() {
-        return PodState::Terminating;
+    if let Some(since) = &pod.metadata.deletion_timestamp {
+        return PodState::Terminating {
+            since: Some(since.clone()),
+            grace_seconds: pod.metadata.deletion_grace_period_seconds.unwrap_or(0),
+        };
     }
     let status = pod.status.clone().unwrap_or_default();
     let container = status

@@ -110,7 +110,7 @@ impl Cluster {
             .map(|ns| format!("workerNamespace: {ns}\n"))
             .unwrap_or_default();
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4}}\n- {{name: {CAPPED}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4, maxPods: 2}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\nworkerSweepSeconds: 1\n{workers}",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4}}\n- {{name: {CAPPED}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4, maxPods: 2}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\nworkerSweepSeconds: 1\npodLostAfterSeconds: 2\n{workers}",
             smollm2().display(),
             smollm2().display(),
             smollm2().display(),
