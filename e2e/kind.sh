@@ -35,14 +35,25 @@ apiVersion: v1
 kind: PersistentVolume
 metadata: {name: harvest-models}
 spec:
-  capacity: {storage: 2Ti}
-  accessModes: [ReadOnlyMany]
+  capacity: {storage: 20Gi}
+  accessModes: [ReadWriteOnce]
   storageClassName: ""
   claimRef: {namespace: harvest-system, name: harvest-models}
   hostPath: {path: /models}
 YAML
 
-kubectl apply -k manifests/
+# The CPU overlay, as a platform team would patch it: the local images in its one images
+# list (which retags the worker image too), and the in-cluster MinIO as its object store.
+overlay=$(mktemp -d "$PWD/e2e/.kind-overlay.XXXXXX")
+trap '[ "${KEEP:-0}" = 1 ] || kind delete cluster --name "$cluster"; rm -rf "$overlay"' EXIT
+cat > "$overlay/kustomization.yaml" <<YAML
+resources: [../../manifests/overlays/cpu]
+images:
+  - {name: ghcr.io/harvest-dev/harvest-api, newName: harvest-api, newTag: $tag}
+  - {name: ghcr.io/harvest-dev/harvest-operator, newName: harvest-operator, newTag: $tag}
+  - {name: ghcr.io/harvest-dev/harvester, newName: harvest-harvester, newTag: $tag}
+YAML
+kubectl apply -k "$overlay"
 # S3 in its own namespace (the harvest namespaces enforce the restricted Pod Security level).
 kubectl apply -f - <<YAML
 apiVersion: v1
@@ -64,21 +75,14 @@ kind: Service
 metadata: {name: minio, namespace: minio}
 spec: {selector: {app: minio}, ports: [{port: 9000}]}
 YAML
-endpoint=http://minio.minio:9000
+# The credentials (the endpoint is the overlay's harvest-s3-endpoint ConfigMap).
 kubectl -n harvest-system create secret generic harvest-s3 --dry-run=client -o yaml \
   --from-literal=AWS_ACCESS_KEY_ID=harvest --from-literal=AWS_SECRET_ACCESS_KEY=harvest-secret \
-  --from-literal=AWS_ENDPOINT_URL=$endpoint --from-literal=AWS_ALLOW_HTTP=true \
-  --from-literal=AWS_REGION=us-east-1 | kubectl apply -f -
+  | kubectl apply -f -
 kubectl -n harvest-system create secret generic harvest-s3-signing --dry-run=client -o yaml \
   --from-literal=HARVEST_S3_ACCESS_KEY_ID=harvest --from-literal=HARVEST_S3_SECRET_ACCESS_KEY=harvest-secret \
-  --from-literal=HARVEST_S3_ENDPOINT=$endpoint --from-literal=HARVEST_S3_ALLOW_HTTP=true | kubectl apply -f -
-# The local images; the test model on the CPU (kind has no GPU).
-config=$(kubectl -n harvest-system get configmap harvest-operator -o jsonpath='{.data.config\.yaml}' \
-  | sed "s|image: ghcr.io/harvest-dev/harvester:0.1.0|image: harvest-harvester:$tag|")
-kubectl -n harvest-system create configmap harvest-operator --dry-run=client -o yaml \
-  --from-literal=config.yaml="$config" | kubectl apply -f -
-kubectl -n harvest-system set image deploy/harvest-operator operator="harvest-operator:$tag"
-kubectl -n harvest-system set image deploy/harvest-api api="harvest-api:$tag"
+  | kubectl apply -f -
+kubectl -n harvest-system rollout restart deploy/harvest-operator deploy/harvest-api
 kubectl -n harvest-system rollout status deploy/harvest-operator --timeout=180s
 kubectl -n harvest-system rollout status deploy/harvest-api --timeout=180s
 kubectl -n minio wait --for=condition=Ready pod/minio --timeout=180s
@@ -94,14 +98,16 @@ for bucket in ("harvest-inputs", "harvest-outputs"):
 lines = "".join(json.dumps({"text": t}) + "\n" for t in ["The capital of France is", "2 + 2 =", "Hello"])
 s3.put_object(Bucket="harvest-inputs", Key="e2e/prompts.jsonl", Body=lines.encode())
 PY
-# The account that pays for jobs applied in harvest-system.
+# A tenant's namespace, and the account that pays for its jobs. (harvest-system is the API's
+# namespace, where a job names its account by label: a job applied there by hand has none.)
+kubectl create namespace e2e-team --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -f - <<YAML
 apiVersion: harvest.dev/v1alpha1
 kind: HarvestAccount
 metadata: {name: e2e}
-spec: {namespaces: [harvest-system], dailyTokens: 100000}
+spec: {namespaces: [e2e-team], dailyTokens: 100000}
 YAML
-kubectl -n harvest-system apply -f - <<YAML
+kubectl -n e2e-team apply -f - <<YAML
 apiVersion: harvest.dev/v1alpha1
 kind: HarvestJob
 metadata: {name: e2e}
@@ -112,10 +118,10 @@ spec:
   tokenBudget: 10000
   activeDeadlineSeconds: 900
 YAML
-kubectl -n harvest-system wait --for=condition=Finished hj/e2e --timeout=900s
-kubectl -n harvest-system get hj e2e
-test "$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.phase}')" = Succeeded
-charged="$(kubectl -n harvest-system get hj e2e -o jsonpath='{.status.tokens.charged}')"
+kubectl -n e2e-team wait --for=condition=Finished hj/e2e --timeout=900s
+kubectl -n e2e-team get hj e2e
+test "$(kubectl -n e2e-team get hj e2e -o jsonpath='{.status.phase}')" = Succeeded
+charged="$(kubectl -n e2e-team get hj e2e -o jsonpath='{.status.tokens.charged}')"
 # The account controller settles the hold just after the job finishes.
 for _ in $(seq 60); do
   [ "$(kubectl get hacct e2e -o jsonpath='{.status.tokensToday}')" = "$charged" ] && break

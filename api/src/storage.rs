@@ -38,11 +38,12 @@ pub enum StorageConfig {
         /// A key prefix for everything harvest writes (no leading or trailing slash).
         #[serde(default)]
         prefix: String,
-        /// The region.
-        #[serde(default = "default_region")]
-        region: String,
-        /// An S3-compatible endpoint (MinIO, Ceph); unset is the value of `endpoint_env`
-        /// if that is set, else AWS.
+        /// The region; unset is `AWS_REGION` from the environment (the ConfigMap the workers
+        /// also read), else us-east-1.
+        #[serde(default)]
+        region: Option<String>,
+        /// An S3-compatible endpoint (MinIO, Ceph); unset is the value of `endpoint_env`, or
+        /// of `AWS_ENDPOINT_URL` (the workers' variable), if either is set, else AWS.
         #[serde(default)]
         endpoint: Option<String>,
         /// The environment variable that may hold the endpoint, so that the one endpoint is
@@ -57,15 +58,14 @@ pub enum StorageConfig {
         #[serde(default = "default_secret_env")]
         secret_access_key_env: String,
         /// Allow `http://` endpoints (in-cluster MinIO); also allowed when the environment
-        /// variable `HARVEST_S3_ALLOW_HTTP` is `true`.
+        /// variable `HARVEST_S3_ALLOW_HTTP` (or the workers' `AWS_ALLOW_HTTP`) is `true`.
         #[serde(default)]
         allow_http: bool,
     },
 }
 
-fn default_region() -> String {
-    "us-east-1".into()
-}
+/// The region when neither the configuration nor `AWS_REGION` names one.
+const DEFAULT_REGION: &str = "us-east-1";
 fn default_endpoint_env() -> String {
     "HARVEST_S3_ENDPOINT".into()
 }
@@ -120,11 +120,20 @@ impl Storage {
                 secret_access_key_env,
                 allow_http,
             } => {
-                let endpoint = endpoint
+                // The workers' own name for it comes last: the ConfigMap an overlay sets once.
+                let endpoint = endpoint.clone().or_else(|| {
+                    [endpoint_env.as_str(), "AWS_ENDPOINT_URL"]
+                        .into_iter()
+                        .find_map(|name| env(name).filter(|v| !v.is_empty()))
+                });
+                let allow_http = *allow_http
+                    || ["HARVEST_S3_ALLOW_HTTP", "AWS_ALLOW_HTTP"]
+                        .iter()
+                        .any(|name| env(name).as_deref() == Some("true"));
+                let region = region
                     .clone()
-                    .or_else(|| env(endpoint_env).filter(|v| !v.is_empty()));
-                let allow_http =
-                    *allow_http || env("HARVEST_S3_ALLOW_HTTP").as_deref() == Some("true");
+                    .or_else(|| env("AWS_REGION").filter(|v| !v.is_empty()))
+                    .unwrap_or_else(|| DEFAULT_REGION.to_owned());
                 if url_ttl_seconds > MAX_PRESIGNED_SECONDS {
                     return Err(StartupError::config(format!(
                         "url_ttl_seconds is {url_ttl_seconds}, but S3 presigned URLs live at most {MAX_PRESIGNED_SECONDS} s (7 days): lower it"
@@ -139,7 +148,7 @@ impl Storage {
                 };
                 let mut builder = AmazonS3Builder::new()
                     .with_bucket_name(bucket)
-                    .with_region(region)
+                    .with_region(&region)
                     .with_access_key_id(key(access_key_id_env)?)
                     .with_secret_access_key(key(secret_access_key_env)?)
                     .with_allow_http(allow_http);

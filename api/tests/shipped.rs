@@ -1,5 +1,5 @@
 //! The configurations we ship, as a user starts from them: `configs/embedded.example.json` and
-//! the API ConfigMap of `manifests/api.yaml` parse, and list the seed's three models in their
+//! the API ConfigMap of `manifests/base/api.yaml` parse, and list the seed's three models in their
 //! lanes with their device counts, optional until their files are there.
 
 #![allow(clippy::unwrap_used)]
@@ -54,7 +54,7 @@ fn the_example_configuration_loads_with_smollm2_served_and_the_seed_models_liste
 
 #[test]
 fn the_kubernetes_api_configuration_lists_the_seed_models() {
-    let manifest = std::fs::read_to_string(repository().join("manifests/api.yaml")).unwrap();
+    let manifest = std::fs::read_to_string(repository().join("manifests/base/api.yaml")).unwrap();
     let (_, rest) = manifest.split_once("api.json: |\n").unwrap();
     let json: String = rest
         .lines()

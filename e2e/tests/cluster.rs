@@ -142,7 +142,7 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
 /// acme's small lane holds 2 jobs: with both taken, a cancel answered by one replica frees its
 /// slot before it answers, so the resubmit right after is admitted by whichever replica the
 /// Service picks. The API writes the job's end and settles the hold itself, with the rights
-/// `manifests/rbac.yaml` gives it.
+/// `manifests/base/rbac.yaml` gives it.
 async fn cancel_then_resubmit_on_a_full_lane(cluster: &LocalCluster, key: &str) {
     let http = reqwest::Client::new();
     let long: Vec<String> = (0..24)

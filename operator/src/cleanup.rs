@@ -70,7 +70,17 @@ pub async fn delete_outputs(output: &str, job_uid: &str, timeout: Duration) -> R
             (Arc::new(store), StorePath::default())
         }
         Location::S3 { bucket, prefix } => {
-            let store = object_store::aws::AmazonS3Builder::from_env()
+            // Like `from_env`, but an empty variable is unset, as the workers read it.
+            let mut builder = object_store::aws::AmazonS3Builder::new();
+            for (key, value) in std::env::vars() {
+                if key.starts_with("AWS_")
+                    && !value.is_empty()
+                    && let Ok(config_key) = key.to_ascii_lowercase().parse()
+                {
+                    builder = builder.with_config(config_key, value);
+                }
+            }
+            let store = builder
                 .with_bucket_name(bucket)
                 .build()
                 .map_err(|e| fail(e.to_string()))?;

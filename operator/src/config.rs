@@ -27,7 +27,8 @@ pub struct CatalogueEntry {
     pub hidden_size: usize,
     /// Its concurrency lane.
     pub lane: Lane,
-    /// The harvester image.
+    /// The harvester image; left out, the configuration's `workerImage`.
+    #[serde(default)]
     pub image: String,
     /// GPUs per Pod, requested as `nvidia.com/gpu`. 0 runs on the CPU.
     #[serde(default)]
@@ -264,12 +265,22 @@ pub struct OperatorConfig {
     /// across namespaces. Unset, each job's Pods run in the job's own namespace.
     #[serde(default)]
     pub worker_namespace: Option<String>,
+    /// The harvester image of every catalogue entry that names none. The manifests keep it
+    /// in its own ConfigMap key, which kustomize's `images:` retags, and hand it to the
+    /// operator as `HARVEST_WORKER_IMAGE`, which overrides this.
+    #[serde(default)]
+    pub worker_image: Option<String>,
     /// The service account harvester Pods run as.
     #[serde(default = "default_service_account")]
     pub worker_service_account: String,
     /// A Secret whose keys become the worker's environment (S3 credentials).
     #[serde(default)]
     pub worker_env_secret: Option<String>,
+    /// A ConfigMap whose keys also become the worker's environment: the S3 endpoint, region
+    /// and `AWS_ALLOW_HTTP`, which the API and the operator read from the same ConfigMap, so
+    /// an overlay sets them in one place. Optional: a missing ConfigMap is no error.
+    #[serde(default)]
+    pub worker_env_config_map: Option<String>,
     /// Extra arguments for the harvester (`--threads 8`, say).
     #[serde(default)]
     pub worker_extra_args: Vec<String>,
@@ -332,13 +343,14 @@ impl OperatorConfig {
             .unwrap_or_else(|| kube::ResourceExt::namespace(job).unwrap_or_default())
     }
 
-    /// Reads and checks a YAML or JSON file.
-    pub fn load(path: &Path) -> Result<Self, Error> {
+    /// Reads and checks a YAML or JSON file; `worker_image`, when given, is the image of
+    /// every catalogue entry that names none (over the file's `workerImage`).
+    pub fn load(path: &Path, worker_image: Option<String>) -> Result<Self, Error> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Config {
             path: path.display().to_string(),
             reason: source.to_string(),
         })?;
-        Self::parse(&text).map_err(|reason| Error::Config {
+        Self::parse_with(&text, worker_image).map_err(|reason| Error::Config {
             path: path.display().to_string(),
             reason,
         })
@@ -346,7 +358,25 @@ impl OperatorConfig {
 
     /// Parses and checks the configuration text (YAML is a superset of JSON).
     pub fn parse(text: &str) -> Result<Self, String> {
-        let config: Self = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        Self::parse_with(text, None)
+    }
+
+    /// [`Self::parse`], with the worker image given apart from the text.
+    pub fn parse_with(text: &str, worker_image: Option<String>) -> Result<Self, String> {
+        let mut config: Self = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        if let Some(image) = worker_image.filter(|i| !i.trim().is_empty()) {
+            config.worker_image = Some(image);
+        }
+        for model in &mut config.models {
+            if model.image.trim().is_empty() {
+                model.image = config.worker_image.clone().ok_or_else(|| {
+                    format!(
+                        "model {:?} names no image, and the configuration sets no workerImage: give it an image, or set workerImage (HARVEST_WORKER_IMAGE)",
+                        model.name
+                    )
+                })?;
+            }
+        }
         let mut names = std::collections::BTreeSet::new();
         for model in &config.models {
             if !names.insert(model.name.as_str()) {
@@ -396,6 +426,30 @@ models:
     nodeSelector: {nvidia.com/gpu.product: NVIDIA-H200}
 lanes: {small: 2, large: 1}
 "#;
+
+    #[test]
+    fn an_entry_without_an_image_takes_the_worker_image_which_the_environment_overrides() {
+        let text = EXAMPLE.replace("    image: ghcr.io/harvest/harvester:0.1.0\n", "")
+            + "workerImage: ghcr.io/harvest/harvester:0.1.0\n";
+        let from_file = OperatorConfig::parse(&text).unwrap();
+        assert_eq!(from_file.models[0].image, "ghcr.io/harvest/harvester:0.1.0");
+        let retagged = OperatorConfig::parse_with(&text, Some("registry.example.org/h:2".into()));
+        assert_eq!(
+            retagged.unwrap().models[0].image,
+            "registry.example.org/h:2"
+        );
+        let own = OperatorConfig::parse_with(EXAMPLE, Some("registry.example.org/h:2".into()));
+        assert_eq!(
+            own.unwrap().models[0].image,
+            "ghcr.io/harvest/harvester:0.1.0"
+        );
+        let none = EXAMPLE.replace("    image: ghcr.io/harvest/harvester:0.1.0\n", "");
+        let message = OperatorConfig::parse(&none).unwrap_err();
+        assert!(
+            message.contains("\"smollm2-135m\" names no image"),
+            "{message}"
+        );
+    }
 
     #[test]
     fn a_catalogue_parses_with_defaults() {
@@ -451,21 +505,28 @@ lanes: {small: 2, large: 1}
 mod shipped {
     use super::*;
 
-    /// `config.yaml` of the harvest-operator ConfigMap in `manifests/operator.yaml`.
-    fn shipped_config() -> String {
-        let manifest = include_str!("../../manifests/operator.yaml");
+    /// `config.yaml` and `workerImage` of the harvest-operator ConfigMap in
+    /// `manifests/base/operator.yaml`.
+    fn shipped_config() -> (String, String) {
+        let manifest = include_str!("../../manifests/base/operator.yaml");
         for document in serde_yaml::Deserializer::from_str(manifest) {
             let value = serde_yaml::Value::deserialize(document).unwrap();
             if value["kind"] == "ConfigMap" && value["metadata"]["name"] == "harvest-operator" {
-                return value["data"]["config.yaml"].as_str().unwrap().to_owned();
+                let key = |k: &str| value["data"][k].as_str().unwrap().to_owned();
+                return (key("config.yaml"), key("workerImage"));
             }
         }
-        panic!("manifests/operator.yaml has no harvest-operator ConfigMap");
+        panic!("manifests/base/operator.yaml has no harvest-operator ConfigMap");
     }
 
     #[test]
     fn the_shipped_catalogue_parses_and_serves_the_seeds_three_models_in_their_lanes() {
-        let config = OperatorConfig::parse(&shipped_config()).unwrap();
+        let (text, worker_image) = shipped_config();
+        let config = OperatorConfig::parse_with(&text, Some(worker_image.clone())).unwrap();
+        assert!(
+            config.models.iter().all(|m| m.image == worker_image),
+            "every shipped entry runs the one worker image, which kustomize retags"
+        );
         let entry = |name: &str| config.models.iter().find(|m| m.name == name).unwrap();
         for (name, lane, gpus, layers) in [
             ("llama-8b", Lane::Small, 1, 32),

@@ -293,30 +293,7 @@ impl Builder<'_> {
             {
                 self.create_again(policy);
             }
-            None => {
-                let refused = conditions::get(&self.old.conditions, RUNNING)
-                    .filter(|c| c.reason == FAILED_CREATE);
-                // A refused create is retried with backoff and counted, so that a
-                // missing ServiceAccount or a Pod Security refusal ends the job (and its
-                // hold) after backoffLimit.
-                let failed_at = refused.map(|c| c.last_transition_time.clone());
-                let failure = match refused {
-                    Some(condition) => Failure {
-                        blame: Blame::Job,
-                        reason: condition.reason.clone(),
-                        message: condition.message.clone(),
-                    },
-                    None => Failure {
-                        blame: Blame::Infrastructure,
-                        reason: "PodLost".into(),
-                        message: format!(
-                            "Pod {} disappeared before it finished",
-                            self.old.pod.clone().unwrap_or_default()
-                        ),
-                    },
-                };
-                self.retry(failure, failed_at, infra_retries, policy);
-            }
+            None => self.vanished(infra_retries, policy),
             Some(PodState::Starting { waiting, since }) => self.starting(waiting, since),
             Some(PodState::Running) => {
                 self.set(
@@ -381,6 +358,33 @@ impl Builder<'_> {
         if ran && self.status.running_since.is_none() {
             self.status.running_since = Some(self.now.clone());
         }
+    }
+
+    /// The attempt's Pod is gone before it finished: a create the apiserver refused (the
+    /// `FailedCreate` condition the shell set), or a Pod deleted under the job.
+    fn vanished(&mut self, infra_retries: u32, policy: &Policy) {
+        let refused =
+            conditions::get(&self.old.conditions, RUNNING).filter(|c| c.reason == FAILED_CREATE);
+        // A refused create is retried with backoff and counted, so that a
+        // missing ServiceAccount or a Pod Security refusal ends the job (and its
+        // hold) after backoffLimit.
+        let failed_at = refused.map(|c| c.last_transition_time.clone());
+        let failure = match refused {
+            Some(condition) => Failure {
+                blame: Blame::Job,
+                reason: condition.reason.clone(),
+                message: condition.message.clone(),
+            },
+            None => Failure {
+                blame: Blame::Infrastructure,
+                reason: "PodLost".into(),
+                message: format!(
+                    "Pod {} disappeared before it finished",
+                    self.old.pod.clone().unwrap_or_default()
+                ),
+            },
+        };
+        self.retry(failure, failed_at, infra_retries, policy);
     }
 
     /// A Pod not yet running: reported as it waits, and failed once it has waited out the

@@ -110,6 +110,28 @@ impl Builder<'_> {
         }
     }
 
+    /// Why part `name`'s Pod is gone before it finished: a create the apiserver refused (the
+    /// `FailedCreate` condition naming the part), or a Pod deleted under the job.
+    fn part_vanished(&self, part: &PartStatus, name: &str) -> Failure {
+        let refused = harvest_crds::conditions::get(&self.old.conditions, RUNNING)
+            .filter(|c| c.reason == FAILED_CREATE && c.message.starts_with(&format!("{name} ")));
+        match refused {
+            Some(condition) => Failure {
+                blame: Blame::Job,
+                reason: condition.reason.clone(),
+                message: condition.message.clone(),
+            },
+            None => Failure {
+                blame: Blame::Infrastructure,
+                reason: "PodLost".into(),
+                message: format!(
+                    "Pod {} disappeared before it finished",
+                    part.pod.clone().unwrap_or_default()
+                ),
+            },
+        }
+    }
+
     /// What part `part` needs, from its Pod as observed; updates its phase and counts.
     fn part_step(&mut self, part: &mut PartStatus, counted_failures: u32, policy: &Policy) -> Step {
         if part.phase == PartPhase::Succeeded {
@@ -123,25 +145,7 @@ impl Builder<'_> {
             None if part.pod.is_none() => self.retry_ready(part, policy),
             None if part.message.starts_with(WAITING_FOR_QUOTA) => Step::CreateAgain,
             None => {
-                let refused =
-                    harvest_crds::conditions::get(&self.old.conditions, RUNNING).filter(|c| {
-                        c.reason == FAILED_CREATE && c.message.starts_with(&format!("{name} "))
-                    });
-                let failure = match refused {
-                    Some(condition) => Failure {
-                        blame: Blame::Job,
-                        reason: condition.reason.clone(),
-                        message: condition.message.clone(),
-                    },
-                    None => Failure {
-                        blame: Blame::Infrastructure,
-                        reason: "PodLost".into(),
-                        message: format!(
-                            "Pod {} disappeared before it finished",
-                            part.pod.clone().unwrap_or_default()
-                        ),
-                    },
-                };
+                let failure = self.part_vanished(part, &name);
                 self.part_failed(part, failure, None, counted_failures, policy)
             }
             Some(PodState::Starting { since, waiting }) => {

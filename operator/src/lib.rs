@@ -103,14 +103,10 @@ pub async fn run(
             return Err(error);
         }
     };
-    let reporter = Reporter {
-        controller: "harvest-operator".into(),
-        instance: Some(settings.instance.clone()),
-    };
     let context = Arc::new(reconcile::Context {
         client: client.clone(),
         config: settings.config,
-        recorder: Recorder::new(client.clone(), reporter),
+        recorder: recorder(&client, &settings.instance),
         metrics,
         jobs,
         accounts: account_controller.store(),
@@ -118,21 +114,7 @@ pub async fn run(
         pod_grants: Mutex::new(context::PodGrants::default()),
     });
     info!("controller started");
-    let sweeping = {
-        let jobs = context.jobs.clone();
-        let every = Duration::from_secs(context.config.worker_sweep_seconds);
-        let workers = context
-            .config
-            .worker_namespace
-            .as_deref()
-            .map(|namespace| Api::<Pod>::namespaced(client.clone(), namespace));
-        async move {
-            match workers {
-                Some(pods) => sweep::sweep_forever(pods, jobs, every).await,
-                None => std::future::pending().await,
-            }
-        }
-    };
+    let sweeping = worker_sweep(&client, &context);
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let jobs_running = controller
         .graceful_shutdown_on(shutdown.clone())
@@ -152,12 +134,9 @@ pub async fn run(
         .for_each(|_| futures::future::ready(()));
     let running = drain_within_grace(
         async {
-            // The sweep never ends; the controllers end at shutdown, and it with them.
-            tokio::select! {
-                _ = async { futures::join!(jobs_running, accounts_running) } => {}
-                () = sweeping => {}
-            }
+            futures::join!(jobs_running, accounts_running);
         },
+        sweeping,
         shutdown,
     );
     let outcome = match leadership {
@@ -181,10 +160,38 @@ pub async fn run(
     outcome
 }
 
-/// Runs `controllers` until they have drained after `shutdown`, or for [`SHUTDOWN_GRACE`]
-/// past it, whichever comes first.
+/// Events as this replica (`instance`) of the operator publishes them.
+fn recorder(client: &Client, instance: &str) -> Recorder {
+    let reporter = Reporter {
+        controller: "harvest-operator".into(),
+        instance: Some(instance.to_owned()),
+    };
+    Recorder::new(client.clone(), reporter)
+}
+
+/// The sweep of the worker namespace for workers whose job is gone; pending forever without a
+/// worker namespace (owner references then let the garbage collector do it).
+fn worker_sweep(client: &Client, context: &reconcile::Context) -> impl Future<Output = ()> + use<> {
+    let jobs = context.jobs.clone();
+    let every = Duration::from_secs(context.config.worker_sweep_seconds);
+    let workers = context
+        .config
+        .worker_namespace
+        .as_deref()
+        .map(|namespace| Api::<Pod>::namespaced(client.clone(), namespace));
+    async move {
+        match workers {
+            Some(pods) => sweep::sweep_forever(pods, jobs, every).await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Runs `controllers` (and `background`, which never ends, beside them) until they have
+/// drained after `shutdown`, or for [`SHUTDOWN_GRACE`] past it, whichever comes first.
 async fn drain_within_grace(
     controllers: impl Future<Output = ()>,
+    background: impl Future<Output = ()>,
     shutdown: impl Future<Output = ()>,
 ) {
     let overdue = async {
@@ -193,6 +200,7 @@ async fn drain_within_grace(
     };
     tokio::select! {
         () = controllers => {}
+        () = background => {}
         () = overdue => warn!(
             grace_seconds = SHUTDOWN_GRACE.as_secs(),
             "reconciles still running past the shutdown grace; stopping without them"

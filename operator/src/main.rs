@@ -20,6 +20,10 @@ struct Cli {
     /// The namespace of the leader Lease; without it the operator runs without election.
     #[arg(long, env = "HARVEST_LEASE_NAMESPACE")]
     lease_namespace: Option<String>,
+    /// The harvester image of every catalogue entry that names none (the manifests set it from
+    /// the ConfigMap key `workerImage`, which kustomize's `images:` retags).
+    #[arg(long, env = "HARVEST_WORKER_IMAGE")]
+    worker_image: Option<String>,
     /// This replica's identity (its Pod name).
     #[arg(long, env = "POD_NAME", default_value = "harvest-operator")]
     identity: String,
@@ -35,7 +39,7 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let cli = Cli::parse();
-    let config = OperatorConfig::load(&cli.config)?;
+    let config = OperatorConfig::load(&cli.config, cli.worker_image.clone())?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;

@@ -456,7 +456,7 @@ async fn a_pod_stuck_terminating_on_a_lost_node_is_retried_elsewhere_and_charged
     let pods =
         kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(cluster.client.clone(), "default");
     let hold = serde_json::json!({"metadata": {"finalizers": ["test.harvest.dev/node-lost"]}});
-    pods.patch(&pod, &Default::default(), &kube::api::Patch::Merge(&hold))
+    pods.patch(&pod, &Default::default(), &Patch::Merge(&hold))
         .await
         .unwrap();
     pods.delete(&pod, &Default::default()).await.unwrap();
@@ -479,13 +479,9 @@ async fn a_pod_stuck_terminating_on_a_lost_node_is_retried_elsewhere_and_charged
         "still Terminating"
     );
     let release = serde_json::json!({"metadata": {"finalizers": null}});
-    pods.patch(
-        &pod,
-        &Default::default(),
-        &kube::api::Patch::Merge(&release),
-    )
-    .await
-    .unwrap();
+    pods.patch(&pod, &Default::default(), &Patch::Merge(&release))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -203,3 +203,101 @@ async fn a_job_with_a_field_past_its_schema_maximum_is_refused_with_422_naming_t
         "nothing was stored"
     );
 }
+
+/// The objects `kubectl kustomize dir` renders.
+fn kustomize(dir: &std::path::Path) -> Vec<serde_yaml::Value> {
+    let output = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .expect("kubectl is not on PATH: install it (see README, Kubernetes)");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|document| serde::Deserialize::deserialize(document).unwrap())
+        .collect()
+}
+
+fn object<'a>(objects: &'a [serde_yaml::Value], kind: &str, name: &str) -> &'a serde_yaml::Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+#[test]
+fn an_overlay_sets_the_images_the_models_storage_and_the_object_store_each_in_one_place() {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+    for overlay in ["gpu", "cpu"] {
+        // What a platform team writes: one images list, one storage class, one endpoint.
+        let dir = tempfile::tempdir().unwrap();
+        let overlay_dir = manifests
+            .join("overlays")
+            .join(overlay)
+            .canonicalize()
+            .unwrap();
+        // Kustomize takes a relative path only: up from the scratch directory to the root.
+        let depth = dir.path().canonicalize().unwrap().components().count() - 1;
+        let base = format!(
+            "{}{}",
+            "../".repeat(depth),
+            overlay_dir.strip_prefix("/").unwrap().display()
+        );
+        std::fs::write(
+            dir.path().join("kustomization.yaml"),
+            format!(
+                "resources: [{base}]\nimages:\n- {{name: ghcr.io/harvest-dev/harvest-api, newName: registry.example.org/api, newTag: '9'}}\n- {{name: ghcr.io/harvest-dev/harvest-operator, newName: registry.example.org/operator, newTag: '9'}}\n- {{name: ghcr.io/harvest-dev/harvester, newName: registry.example.org/harvester, newTag: '9'}}\npatches:\n- target: {{kind: PersistentVolumeClaim, name: harvest-models}}\n  patch: '[{{\"op\": \"add\", \"path\": \"/spec/storageClassName\", \"value\": \"team-files\"}}]'\nconfigMapGenerator:\n- {{name: harvest-s3-endpoint, namespace: harvest-system, behavior: merge, options: {{disableNameSuffixHash: true}}, literals: [AWS_ENDPOINT_URL=https://s3.example.org]}}\n"
+            ),
+        )
+        .unwrap();
+        let objects = kustomize(dir.path());
+        let rendered = serde_yaml::to_string(&objects).unwrap();
+        assert!(
+            !rendered.contains("ghcr.io/harvest-dev"),
+            "{overlay}: an image was not retagged"
+        );
+        let settings = object(&objects, "ConfigMap", "harvest-operator");
+        assert_eq!(
+            settings["data"]["workerImage"], "registry.example.org/harvester:9",
+            "{overlay}"
+        );
+        let config = harvest_operator::OperatorConfig::parse_with(
+            settings["data"]["config.yaml"].as_str().unwrap(),
+            settings["data"]["workerImage"].as_str().map(str::to_owned),
+        )
+        .unwrap();
+        assert!(
+            config
+                .models
+                .iter()
+                .all(|m| m.image == "registry.example.org/harvester:9")
+        );
+        assert_eq!(
+            config.worker_env_config_map.as_deref(),
+            Some("harvest-s3-endpoint")
+        );
+        let claim = object(&objects, "PersistentVolumeClaim", "harvest-models");
+        assert_eq!(claim["spec"]["storageClassName"], "team-files", "{overlay}");
+        let endpoint = object(&objects, "ConfigMap", "harvest-s3-endpoint");
+        assert_eq!(
+            endpoint["data"]["AWS_ENDPOINT_URL"],
+            "https://s3.example.org"
+        );
+        // The API and the operator read that one ConfigMap, as the workers do.
+        for deployment in ["harvest-api", "harvest-operator"] {
+            let container = &object(&objects, "Deployment", deployment)["spec"]["template"]["spec"]
+                ["containers"][0];
+            let sources = container["envFrom"].as_sequence().unwrap();
+            assert!(
+                sources
+                    .iter()
+                    .any(|s| s["configMapRef"]["name"] == "harvest-s3-endpoint"),
+                "{overlay}: {deployment}"
+            );
+        }
+    }
+}

@@ -9,6 +9,7 @@ out=${1:?usage: profile.sh OUT}
 here=$(cd "$(dirname "$0")" && pwd)
 harvester=$here/harvester
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
 exec > >(tee -a "$out/profile.txt") 2>&1
 export PATH=$PATH:/usr/local/cuda/bin

@@ -14,7 +14,13 @@ out=${1:?usage: run.sh OUT}
 device=${DEVICE:-cuda}
 here=$(cd "$(dirname "$0")" && pwd)
 harvester=$here/harvester
-work=${WORK:-$(mktemp -d)}
+# Scratch (the bench models, about 0.5 GB): removed at exit unless the caller gave WORK.
+if [ -n "${WORK:-}" ]; then
+  work=$WORK
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/log.txt") 2>&1
 summary=$out/summary.txt

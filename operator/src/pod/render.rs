@@ -7,9 +7,9 @@ use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file
 use harvest_core::plan::MAX_DIRECTIONS;
 use harvest_crds::{HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod, PodSecurityContext,
-    PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext, Volume,
-    VolumeMount,
+    Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod,
+    PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource,
+    SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -67,7 +67,7 @@ pub fn render(
     // catalogue's GPU nodes (their selector, tolerations and runtime class).
     let on_gpu_nodes = role != Role::Finalize;
     let secret = credentials.or(config.worker_env_secret.as_deref());
-    let (env, env_from) = environment(job, secret, role);
+    let (env, env_from) = environment(job, secret, config.worker_env_config_map.as_deref(), role);
     Ok(Pod {
         metadata: metadata(job, config, role, attempt)?,
         spec: Some(PodSpec {
@@ -169,6 +169,7 @@ fn labels(job: &HarvestJob, uid: &str, attempt: u32, role: Role) -> BTreeMap<Str
 fn environment(
     job: &HarvestJob,
     secret: Option<&str>,
+    config_map: Option<&str>,
     role: Role,
 ) -> (Vec<EnvVar>, Option<Vec<EnvFromSource>>) {
     let mut env = vec![
@@ -190,16 +191,22 @@ fn environment(
             ..EnvVar::default()
         });
     }
-    let env_from = secret.map(|name| {
-        vec![EnvFromSource {
-            secret_ref: Some(SecretEnvSource {
-                name: name.to_owned(),
-                optional: Some(false),
-            }),
-            ..EnvFromSource::default()
-        }]
+    let settings = config_map.map(|name| EnvFromSource {
+        config_map_ref: Some(ConfigMapEnvSource {
+            name: name.to_owned(),
+            optional: Some(true),
+        }),
+        ..EnvFromSource::default()
     });
-    (env, env_from)
+    let credentials = secret.map(|name| EnvFromSource {
+        secret_ref: Some(SecretEnvSource {
+            name: name.to_owned(),
+            optional: Some(false),
+        }),
+        ..EnvFromSource::default()
+    });
+    let env_from: Vec<EnvFromSource> = settings.into_iter().chain(credentials).collect();
+    (env, (!env_from.is_empty()).then_some(env_from))
 }
 
 /// The "restricted" Pod Security Standard, so that worker namespaces may enforce it.

@@ -449,3 +449,30 @@ fn the_pod_that_writes_training_files_spills_into_an_empty_dir_it_asks_for_up_fr
         None
     );
 }
+
+#[test]
+fn a_worker_reads_the_storage_settings_config_map_and_then_the_credentials_secret() {
+    let config = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1}\nlanes: {small: 1, large: 1}\nworkerEnvSecret: harvest-s3\nworkerEnvConfigMap: harvest-s3-endpoint\n",
+    )
+    .unwrap();
+    let entry = config.model("m").unwrap();
+    let job = job();
+    let valid = job
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let attempt = Attempt {
+        role: Role::Whole,
+        number: 1,
+        deadline_seconds: None,
+    };
+    let pod = render(&job, &valid, entry, &config, &attempt, None).unwrap();
+    let sources = pod.spec.unwrap().containers[0].env_from.clone().unwrap();
+    let settings = sources[0].config_map_ref.clone().unwrap();
+    assert_eq!(
+        (settings.name.as_str(), settings.optional),
+        ("harvest-s3-endpoint", Some(true))
+    );
+    assert_eq!(sources[1].secret_ref.clone().unwrap().name, "harvest-s3");
+}
