@@ -301,3 +301,51 @@ fn an_overlay_sets_the_images_the_models_storage_and_the_object_store_each_in_on
         }
     }
 }
+
+#[test]
+fn the_base_keeps_a_replica_of_each_deployment_through_a_drain_and_lets_nothing_reach_a_worker() {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+    let objects = kustomize(&manifests);
+    for deployment in ["harvest-api", "harvest-operator"] {
+        let budget = object(&objects, "PodDisruptionBudget", deployment);
+        assert_eq!(budget["spec"]["minAvailable"], 1, "{deployment}");
+        let selects = &budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"];
+        assert_eq!(selects, deployment);
+        let spec = &object(&objects, "Deployment", deployment)["spec"]["template"]["spec"];
+        let spread = &spec["topologySpreadConstraints"][0];
+        assert_eq!(
+            spread["topologyKey"], "kubernetes.io/hostname",
+            "{deployment}"
+        );
+        let requests = &spec["containers"][0]["resources"]["requests"];
+        assert!(
+            requests["cpu"].is_string() && requests["memory"].is_string(),
+            "{deployment}"
+        );
+    }
+    // The policy selects workers by the label the operator puts on every worker Pod.
+    let (key, value) = harvest_operator::pod::MANAGED_BY;
+    let workers = object(&objects, "NetworkPolicy", "harvest-workers");
+    assert_eq!(workers["spec"]["podSelector"]["matchLabels"][key], value);
+    assert_eq!(workers["spec"]["policyTypes"][0], "Ingress");
+    assert_eq!(
+        workers["spec"]["ingress"].as_sequence().map(Vec::len),
+        Some(0)
+    );
+    let settings = object(&objects, "ConfigMap", "harvest-operator");
+    let config = harvest_operator::OperatorConfig::parse_with(
+        settings["data"]["config.yaml"].as_str().unwrap(),
+        settings["data"]["workerImage"].as_str().map(str::to_owned),
+    )
+    .unwrap();
+    let priority = object(&objects, "PriorityClass", "harvest-gpu");
+    assert_eq!(priority["preemptionPolicy"], "Never");
+    for model in config.models.iter().filter(|m| m.gpus > 0) {
+        assert_eq!(
+            model.priority_class_name.as_deref(),
+            Some("harvest-gpu"),
+            "{}",
+            model.name
+        );
+    }
+}
