@@ -22,7 +22,7 @@ use std::time::Duration;
 use harvest_core::lifecycle::JobEvent;
 use harvest_crds::conditions::{self, ADMITTED, ConditionUpdate, FINISHED, RUNNING};
 use harvest_crds::{HarvestJob, HarvestJobStatus, JobPhase, Progress, SpecError, TokenUsage};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 
@@ -369,21 +369,7 @@ impl Builder<'_> {
         // missing ServiceAccount or a Pod Security refusal ends the job (and its
         // hold) after backoffLimit.
         let failed_at = refused.map(|c| c.last_transition_time.clone());
-        let failure = match refused {
-            Some(condition) => Failure {
-                blame: Blame::Job,
-                reason: condition.reason.clone(),
-                message: condition.message.clone(),
-            },
-            None => Failure {
-                blame: Blame::Infrastructure,
-                reason: "PodLost".into(),
-                message: format!(
-                    "Pod {} disappeared before it finished",
-                    self.old.pod.clone().unwrap_or_default()
-                ),
-            },
-        };
+        let failure = vanished_failure(refused, self.old.pod.as_deref());
         self.retry(failure, failed_at, infra_retries, policy);
     }
 
@@ -734,6 +720,27 @@ impl Builder<'_> {
             reason: reason.to_owned(),
             note,
         });
+    }
+}
+
+/// The failure of an attempt whose Pod is gone before it finished: the create the apiserver
+/// refused (its `FailedCreate` condition, the job's fault), or else a Pod deleted under the job
+/// (the cluster's).
+pub(super) fn vanished_failure(refused: Option<&Condition>, pod: Option<&str>) -> Failure {
+    match refused {
+        Some(condition) => Failure {
+            blame: Blame::Job,
+            reason: condition.reason.clone(),
+            message: condition.message.clone(),
+        },
+        None => Failure {
+            blame: Blame::Infrastructure,
+            reason: "PodLost".into(),
+            message: format!(
+                "Pod {} disappeared before it finished",
+                pod.unwrap_or_default()
+            ),
+        },
     }
 }
 

@@ -115,21 +115,7 @@ impl Builder<'_> {
     fn part_vanished(&self, part: &PartStatus, name: &str) -> Failure {
         let refused = harvest_crds::conditions::get(&self.old.conditions, RUNNING)
             .filter(|c| c.reason == FAILED_CREATE && c.message.starts_with(&format!("{name} ")));
-        match refused {
-            Some(condition) => Failure {
-                blame: Blame::Job,
-                reason: condition.reason.clone(),
-                message: condition.message.clone(),
-            },
-            None => Failure {
-                blame: Blame::Infrastructure,
-                reason: "PodLost".into(),
-                message: format!(
-                    "Pod {} disappeared before it finished",
-                    part.pod.clone().unwrap_or_default()
-                ),
-            },
-        }
+        super::vanished_failure(refused, part.pod.as_deref())
     }
 
     /// What part `part` needs, from its Pod as observed; updates its phase and counts.
