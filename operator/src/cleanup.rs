@@ -4,6 +4,7 @@
 //! job's UID. A tenant's `spec.output` pointing at someone else's prefix, or at a whole bucket,
 //! deletes nothing.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,8 +54,16 @@ pub fn files_to_delete(
     }
 }
 
-/// Deletes the outputs the job with UID `job_uid` wrote under `output`, within `timeout`.
-pub async fn delete_outputs(output: &str, job_uid: &str, timeout: Duration) -> Result<Cleanup> {
+/// Deletes the outputs the job with UID `job_uid` wrote under `output`, within `timeout`. On
+/// S3, `credentials` (the `AWS_*` keys of the paying account's `credentialsSecret`, empty for
+/// none) go over the operator's own environment, so the account's files are deleted with the
+/// account's key, as its workers wrote them.
+pub async fn delete_outputs(
+    output: &str,
+    job_uid: &str,
+    timeout: Duration,
+    credentials: &BTreeMap<String, String>,
+) -> Result<Cleanup> {
     let fail = |reason: String| Error::Cleanup {
         output: output.to_owned(),
         reason,
@@ -70,9 +79,10 @@ pub async fn delete_outputs(output: &str, job_uid: &str, timeout: Duration) -> R
             (Arc::new(store), StorePath::default())
         }
         Location::S3 { bucket, prefix } => {
-            // Like `from_env`, but an empty variable is unset, as the workers read it.
+            // Like `from_env`, but an empty variable is unset, as the workers read it, and the
+            // account's own keys win.
             let mut builder = object_store::aws::AmazonS3Builder::new();
-            for (key, value) in std::env::vars() {
+            for (key, value) in std::env::vars().chain(credentials.clone()) {
                 if key.starts_with("AWS_")
                     && !value.is_empty()
                     && let Ok(config_key) = key.to_ascii_lowercase().parse()

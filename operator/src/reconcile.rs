@@ -2,12 +2,13 @@
 //! queue from the cache), call [`decide`], and apply the decision. With `leader`, `cleanup`
 //! and the `metrics` endpoint, the only modules that talk to the outside.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestJob, OutputRetention, SpecError};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action as Requeue;
@@ -532,6 +533,56 @@ async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<ProgressEven
 
 /// Deletes the Pod `name` only if it is the job's own (a tenant's Pod under that name is left
 /// alone), conditional on the UID that was checked.
+/// Deletes a deleted job's worker Pods: the current attempt's and parts', and, in the
+/// operator's worker namespace, every Pod labelled with the job's UID (the failed ones too: no
+/// garbage collector will).
+async fn delete_workers(job: &HarvestJob, pods: &Api<Pod>, uid: &str) -> Result<()> {
+    let elsewhere = pods.namespace() != job.namespace().as_deref();
+    let status = job.status_or_default();
+    let mut names: Vec<String> = status.pod.iter().cloned().collect();
+    names.extend(status.parts.iter().filter_map(|p| p.pod.clone()));
+    if elsewhere && !uid.is_empty() {
+        let selector = format!("{}={uid}", crate::pod::JOB_UID_LABEL);
+        let listed = pods.list(&ListParams::default().labels(&selector)).await?;
+        names.extend(listed.items.iter().map(ResourceExt::name_any));
+    }
+    names.sort();
+    names.dedup();
+    for pod in &names {
+        delete_own_pod(pods, pod, uid, elsewhere).await?;
+    }
+    Ok(())
+}
+
+/// The storage credentials of the job's paying account: the `AWS_*` keys of its
+/// `credentialsSecret` (in the namespace its workers run in), or none when it names none, so
+/// that the operator's own environment serves.
+async fn account_credentials(ctx: &Context, job: &HarvestJob) -> Result<BTreeMap<String, String>> {
+    let Some(name) = ctx
+        .paying_account(job)
+        .and_then(|a| a.spec.storage.as_ref()?.credentials_secret.clone())
+    else {
+        return Ok(BTreeMap::new());
+    };
+    let namespace = ctx.config.pod_namespace(job);
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    let Some(secret) = secrets.get_opt(&name).await? else {
+        return Err(Error::Cleanup {
+            output: job.spec.output.clone().unwrap_or_default(),
+            reason: format!(
+                "the paying account's credentialsSecret {name:?} is not in namespace {namespace:?}: create it there"
+            ),
+        });
+    };
+    Ok(secret
+        .data
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("AWS_"))
+        .map(|(key, value)| (key, String::from_utf8_lossy(&value.0).into_owned()))
+        .collect())
+}
+
 async fn delete_own_pod(
     pods: &Api<Pod>,
     name: &str,
@@ -619,28 +670,18 @@ async fn finalize(
     let spent = Timestamp::now().duration_since(deleted_at).as_secs().max(0) as u64;
     let left = budget.saturating_sub(Duration::from_secs(spent));
     let uid = job.uid().unwrap_or_default();
-    let elsewhere = pods.namespace() != job.namespace().as_deref();
-    let status = job.status_or_default();
-    let mut names: Vec<String> = status.pod.iter().cloned().collect();
-    names.extend(status.parts.iter().filter_map(|p| p.pod.clone()));
-    if elsewhere && !uid.is_empty() {
-        // Every attempt's and part's Pod, the failed ones too: no garbage collector will.
-        let selector = format!("{}={uid}", crate::pod::JOB_UID_LABEL);
-        let listed = pods.list(&ListParams::default().labels(&selector)).await?;
-        names.extend(listed.items.iter().map(ResourceExt::name_any));
-    }
-    names.sort();
-    names.dedup();
-    for pod in &names {
-        delete_own_pod(pods, pod, &uid, elsewhere).await?;
-    }
+    delete_workers(job, pods, &uid).await?;
     // Without the cleanup finalizer (only the worker's) the outputs stay.
     let clean = job.finalizers().iter().any(|f| f == CLEANUP_FINALIZER);
     // A job that never had an output has nothing to clean.
     let output = job.spec.output.as_deref().unwrap_or_default();
     let clean = clean && !output.is_empty();
     if clean && !left.is_zero() {
-        match cleanup::delete_outputs(output, &uid, left).await {
+        let outcome = match account_credentials(ctx, job).await {
+            Ok(credentials) => cleanup::delete_outputs(output, &uid, left, &credentials).await,
+            Err(error) => Err(error),
+        };
+        match outcome {
             Ok(cleanup::Cleanup::Deleted(deleted)) => {
                 let note = format!("deleted {deleted} objects under {output}");
                 publish(ctx, job, false, "OutputsDeleted", &note).await;

@@ -319,3 +319,90 @@ async fn the_operator_puts_a_job_without_an_output_under_its_accounts_storage_an
         condition.message
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_outputs_go_with_it_is_cleaned_up_on_s3_with_its_accounts_own_key() {
+    use object_store::{ObjectStore, ObjectStoreExt};
+    // It blocks until the server answers, so not on the test's runtime.
+    let s3 = tokio::task::spawn_blocking(harvest_testkit::Seaweed::start)
+        .await
+        .unwrap();
+    let cluster = Cluster::start(2).await;
+    // The account's own key and endpoint, where its workers run (the job's namespace here).
+    // The operator's own environment has none.
+    let data = s3
+        .worker_env()
+        .into_iter()
+        .map(|(k, v)| (k, k8s_openapi::ByteString(v.into_bytes())))
+        .collect();
+    let secret = k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("acct-s3".into()),
+            ..Default::default()
+        },
+        data: Some(data),
+        ..Default::default()
+    };
+    Api::namespaced(cluster.client.clone(), "default")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let prefix = format!("s3://{}/acct", harvest_testkit::BUCKET);
+    cluster
+        .set_account(|spec| {
+            spec.storage = Some(harvest_crds::account::AccountStorage {
+                prefix: prefix.clone(),
+                credentials_secret: Some("acct-s3".into()),
+            });
+        })
+        .await;
+    let env: std::collections::HashMap<String, String> = s3.worker_env().into_iter().collect();
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_bucket_name(harvest_testkit::BUCKET)
+        .with_region("us-east-1")
+        .with_endpoint(&env["AWS_ENDPOINT_URL"])
+        .with_access_key_id(harvest_testkit::ACCESS_KEY)
+        .with_secret_access_key(harvest_testkit::SECRET_KEY)
+        .with_allow_http(true)
+        .build()
+        .unwrap();
+    let lines = std::fs::read(cluster.prompts("cleaned", 4, 2)).unwrap();
+    store
+        .put(&"acct/in/prompts.jsonl".into(), lines.into())
+        .await
+        .unwrap();
+    let job = cluster
+        .submit("cleaned", format!("{prefix}/in/prompts.jsonl"), |s| {
+            s.output = None;
+            s.output_retention = harvest_crds::OutputRetention::Delete;
+        })
+        .await;
+    let uid = job.metadata.uid.unwrap();
+    let job = cluster.finished("cleaned").await;
+    assert_eq!(finished(&job).reason, "Succeeded", "{:?}", job.status);
+    let written = object_store::path::Path::from(format!("acct/default/cleaned-{uid}"));
+    let listed = |store: &object_store::aws::AmazonS3| {
+        let prefix = written.clone();
+        let store = store.clone();
+        async move {
+            futures::TryStreamExt::try_collect::<Vec<_>>(store.list(Some(&prefix)))
+                .await
+                .unwrap()
+                .len()
+        }
+    };
+    assert!(listed(&store).await > 2, "the job wrote its files to S3");
+    cluster
+        .jobs()
+        .delete("cleaned", &DeleteParams::default())
+        .await
+        .unwrap();
+    harvest_testkit::eventually("the job gone", harvest_testkit::SETTLE_WITHIN, || async {
+        match cluster.jobs().get_opt("cleaned").await.unwrap() {
+            None => Ok(()),
+            Some(job) => Err(format!("{:?}", job.metadata.finalizers)),
+        }
+    })
+    .await;
+    assert_eq!(listed(&store).await, 0, "the outputs went with the job");
+}
