@@ -43,8 +43,22 @@ async fn rate_limited(
 }
 
 /// The API's routes, with a request id on every request, its answer and its log lines, and
-/// the per-key rate limit in front of them all.
+/// the per-key rate limit in front of them all; `/metrics` among them.
 pub fn router(state: Arc<AppState>) -> Router {
+    router_serving(state, true)
+}
+
+/// `/metrics` and `/healthz` alone: a port of their own, which only the cluster's scraper
+/// reaches (`serve --metrics-listen`).
+pub fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/metrics", get(routes::metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(state)
+}
+
+/// [`router`], with `/metrics` on it or (`metrics` false) on a port of its own.
+pub fn router_serving(state: Arc<AppState>, metrics: bool) -> Router {
     let request_id = HeaderName::from_static(REQUEST_ID_HEADER);
     let trace = TraceLayer::new_for_http().make_span_with(|request: &Request<_>| {
         let id = request
@@ -54,7 +68,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             .unwrap_or("-");
         tracing::info_span!("request", request_id = %id, method = %request.method(), path = %request.uri().path())
     });
-    Router::new()
+    let routes = Router::new()
         .route("/v1/harvest", post(routes::submit).get(routes::list))
         .route("/v1/account", get(routes::account))
         .route(
@@ -66,8 +80,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/", get(crate::page::index))
         .route("/page/{file}", get(crate::page::asset))
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(routes::ready))
-        .route("/metrics", get(routes::metrics))
+        .route("/readyz", get(routes::ready));
+    let routes = match metrics {
+        true => routes.route("/metrics", get(routes::metrics)),
+        false => routes,
+    };
+    routes
         .fallback(routes::no_route)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -25,6 +25,10 @@ enum Command {
         /// Address to listen on.
         #[arg(long, env = "HARVEST_LISTEN", default_value = "127.0.0.1:8080")]
         listen: String,
+        /// Serve /metrics on this address instead of on --listen (a port that only the
+        /// cluster's scraper reaches, not the public API's).
+        #[arg(long, env = "HARVEST_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
     },
     /// Create an API key for an account; the key is printed once and stored hashed.
     CreateKey {
@@ -74,13 +78,24 @@ async fn main() -> anyhow::Result<()> {
     let config = ServerConfig::from_file(&cli.config)
         .with_context(|| format!("reading {}", cli.config.display()))?;
     match cli.command {
-        Command::Serve { listen } => {
+        Command::Serve {
+            listen,
+            metrics_listen,
+        } => {
             let state = server::build(&config).await?;
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await
                 .with_context(|| format!("listening on {listen}"))?;
-            tracing::info!(address = %listener.local_addr()?, "serving");
-            server::serve(state, listener, stop_requested()).await?;
+            let metrics = match &metrics_listen {
+                Some(address) => Some(
+                    tokio::net::TcpListener::bind(address)
+                        .await
+                        .with_context(|| format!("listening for /metrics on {address}"))?,
+                ),
+                None => None,
+            };
+            tracing::info!(address = %listener.local_addr()?, metrics = ?metrics_listen, "serving");
+            server::serve(state, listener, metrics, stop_requested()).await?;
         }
         Command::CreateKey {
             account,

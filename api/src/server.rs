@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::app::{AppState, router};
+use crate::app::{AppState, metrics_router, router_serving};
 use crate::backend::JobBackend;
 use crate::catalogue::Catalogue;
 use crate::config::{KubernetesConfig, ServerConfig};
@@ -168,9 +168,19 @@ pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30
 pub async fn serve(
     state: Arc<AppState>,
     listener: TcpListener,
+    metrics: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
-    let app = router(Arc::clone(&state));
+    let app = router_serving(Arc::clone(&state), metrics.is_none());
+    // `/metrics` on a port of its own, when given one: it lives as long as the server.
+    let metrics = metrics.map(|listener| {
+        let router = metrics_router(Arc::clone(&state));
+        tokio::spawn(async move {
+            if let Err(error) = axum::serve(listener, router).await {
+                tracing::warn!(%error, "the metrics port stopped");
+            }
+        })
+    });
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
@@ -216,5 +226,8 @@ pub async fn serve(
         tracing::warn!("requests still open after the drain timeout; stopping anyway");
     }
     state.backend.shutdown().await;
+    if let Some(task) = metrics {
+        task.abort();
+    }
     Ok(())
 }

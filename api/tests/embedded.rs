@@ -251,6 +251,25 @@ fn a_harvester_gets_none_of_the_servers_environment_but_what_it_needs() {
     }
 }
 
+#[test]
+fn with_a_metrics_port_of_its_own_metrics_are_served_there_and_not_on_the_public_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, metrics_port) = (free_port(), free_port());
+    let metrics_address = format!("127.0.0.1:{metrics_port}");
+    let server = start_with(
+        &write_config(dir.path(), port, 1),
+        port,
+        &[("HARVEST_METRICS_LISTEN", metrics_address.as_str())],
+    );
+    let scraped = String::from_utf8(
+        reqwest::blocking_get(&format!("http://{metrics_address}/metrics")).unwrap(),
+    )
+    .unwrap();
+    assert!(scraped.contains("harvest_"), "{scraped}");
+    let (status, body) = request("GET", &format!("{}/metrics", server.base), "", None);
+    assert_eq!(status, 404, "{body}");
+}
+
 /// A value of the server's `/metrics`, if it is listed.
 fn metric(server: &Server, name: &str) -> Option<f64> {
     let text = reqwest::blocking_get(&format!("{}/metrics", server.base)).ok()?;

@@ -349,3 +349,60 @@ fn the_base_keeps_a_replica_of_each_deployment_through_a_drain_and_lets_nothing_
         );
     }
 }
+
+#[test]
+fn the_prometheus_component_scrapes_both_metrics_ports_and_the_public_service_exposes_none() {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests")
+        .canonicalize()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let up = "../".repeat(dir.path().canonicalize().unwrap().components().count() - 1);
+    let root = manifests.strip_prefix("/").unwrap().display().to_string();
+    std::fs::write(
+        dir.path().join("kustomization.yaml"),
+        format!(
+            "resources: [{up}{root}/overlays/gpu]\ncomponents: [{up}{root}/components/prometheus]\n"
+        ),
+    )
+    .unwrap();
+    let objects = kustomize(dir.path());
+    let monitor = object(&objects, "ServiceMonitor", "harvest");
+    let selector = &monitor["spec"]["selector"]["matchLabels"];
+    let scraped: Vec<&serde_yaml::Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Service")
+        .filter(|s| {
+            selector
+                .as_mapping()
+                .unwrap()
+                .iter()
+                .all(|(k, v)| &s["metadata"]["labels"][k] == v)
+        })
+        .collect();
+    let names: Vec<&str> = scraped
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    for service in scraped {
+        assert_eq!(service["spec"]["ports"][0]["name"], "metrics");
+        assert_eq!(service["spec"]["ports"][0]["port"], 9090);
+    }
+    let public = object(&objects, "Service", "harvest-api");
+    let ports = public["spec"]["ports"].as_sequence().unwrap();
+    assert!(ports.iter().all(|p| p["name"] != "metrics"), "{ports:?}");
+    let api =
+        &object(&objects, "Deployment", "harvest-api")["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = api["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--metrics-listen", "0.0.0.0:9090"]),
+        "{args:?}"
+    );
+}
