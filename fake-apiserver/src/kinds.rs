@@ -186,6 +186,9 @@ pub fn builtins() -> Vec<Kind> {
         ("configmaps", "cm"),
         ("deployments", "deploy"),
         ("customresourcedefinitions", "crd"),
+        ("poddisruptionbudgets", "pdb"),
+        ("networkpolicies", "netpol"),
+        ("priorityclasses", "pc"),
     ] {
         if let Some(kind) = kinds.iter_mut().find(|k| k.plural == plural) {
             kind.short_names.push(short.into());

@@ -75,6 +75,17 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
                 .contains("customresourcedefinition.apiextensions.k8s.io/harvestjobs.harvest.dev"),
             "{applied}"
         );
+        // The short names a platform team types, for the availability objects.
+        let budgets = kubectl(
+            &config,
+            &["-n", "harvest-system", "get", "pdb,netpol", "-o", "name"],
+            None,
+        );
+        assert!(
+            budgets.contains("poddisruptionbudget.policy/harvest-api")
+                && budgets.contains("networkpolicy.networking.k8s.io/harvest-workers"),
+            "{budgets}"
+        );
         kubectl(
             &config,
             &["apply", "--validate=false", "-f", "-"],
