@@ -4,6 +4,7 @@
 # fake-apiserver/; fake-apiserver/DIVERGENCES.md says how it differs from a real cluster).
 #
 #   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/, wait
+#   eval "$(scripts/cluster.sh up --real)"  # the same on a real control plane (see below)
 #   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
 #   scripts/cluster.sh down             # stop everything `up` started
 #
@@ -13,6 +14,14 @@
 # binaries cargo built, the storage Secrets point at the local S3 server, and a HarvestAccount
 # for the keys you create. HARVEST_CLUSTER_DIR (default ~/.cache/harvest/cluster) holds its
 # state and every Pod's log; HARVEST_BIN_DIR skips the build and takes the binaries there.
+#
+# `--real` runs the real tier: kube-apiserver, kube-controller-manager, kube-scheduler and etcd
+# built from the Kubernetes modules that e2e/controlplane/go.mod pins (scripts/controlplane.sh),
+# with RBAC, Node authorization, NodeRestriction and Pod Security admission, and the version's
+# own kubectl. A CPU node (cpu-0) and two GPU nodes (gpu-0, gpu-1, two GPUs each, tainted)
+# are harvest-node-agent processes that run their Pods as local processes; one more agent
+# forwards Service ports. The models
+# claim is bound to a hostPath PersistentVolume on the model cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
@@ -22,7 +31,9 @@ version=0.1.0
 say() { echo "cluster: $*" >&2; }
 alive() { [ -f "$dir/$1.pid" ] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-kc() { KUBECONFIG=$dir/state/kubeconfig kubectl "$@"; }
+kubectl_bin() { if [ -f "$dir/state/tier" ] && [ "$(cat "$dir/state/tier")" = real ]; then cat "$dir/state/kubectl"; else echo kubectl; fi; }
+kc() { KUBECONFIG=$dir/state/kubeconfig "$(kubectl_bin)" "$@"; }
+is_real() { [ "$(cat "$dir/state/tier" 2>/dev/null)" = real ]; }
 
 # Waits until "$@" succeeds, for at most $deadline seconds.
 wait_for() {
@@ -38,9 +49,19 @@ wait_for() {
   done
 }
 
+# The harvest-api Service's local port: the fake's load balancer status, or the file the real
+# tier's Service agent writes.
+api_port() {
+  if is_real; then
+    cat "$dir/state/agents/services/harvest-system.harvest-api.80"
+  else
+    kc -n harvest-system get service harvest-api -o jsonpath='{.status.loadBalancer.ingress[0].ports[0].port}'
+  fi
+}
+
 print_exports() {
   local port
-  port=$(kc -n harvest-system get service harvest-api -o jsonpath='{.status.loadBalancer.ingress[0].ports[0].port}')
+  port=$(api_port)
   echo "export KUBECONFIG=$dir/state/kubeconfig"
   echo "export HARVEST_API=http://127.0.0.1:$port/v1"
 }
@@ -118,6 +139,8 @@ storage_secrets() {
 }
 
 up() {
+  local tier=fake
+  [ "${1:-}" = --real ] && tier=real
   if alive cluster; then
     say "already up"
     print_exports
@@ -125,6 +148,8 @@ up() {
   fi
   mkdir -p "$dir"
   rm -rf "$dir/state"
+  mkdir -p "$dir/state"
+  echo "$tier" > "$dir/state/tier"
   local bin=${HARVEST_BIN_DIR:-}
   if [ -z "$bin" ]; then
     say "building"
@@ -137,13 +162,36 @@ up() {
   tools=$(scripts/test-tools.sh)
   say "starting the S3 server"
   start_storage "$tools/weed"
+  local images=(--image "ghcr.io/harvest-dev/harvest-api:$version=$bin/harvest-api"
+    --image "ghcr.io/harvest-dev/harvest-operator:$version=$bin/harvest-operator"
+    --image "ghcr.io/harvest-dev/harvester:$version=$bin/harvester"
+    --claim "*/harvest-models=$cache/models")
+  if [ "$tier" = real ]; then
+    start_real "$bin" "${images[@]}"
+  else
+    start_fake "$bin" "${images[@]}"
+  fi
+  say "kubectl apply -k manifests/"
+  if [ "$tier" = real ]; then
+    kc apply -k manifests/ >&2
+    bind_models_claim
+  else
+    # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
+    # apiserver validates custom resources against their schemas itself.
+    kc apply -k manifests/ --validate=false >&2
+  fi
+  storage_secrets
+  say "waiting for the Deployments"
+  kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2
+  wait_for "the harvest-api Service" 30 bash -c "$(declare -f is_real api_port kubectl_bin kc); dir=$dir; api_port | grep -q ."
+  print_exports
+}
+
+start_fake() {
+  local bin=$1
+  shift
   say "starting the cluster"
-  setsid "$bin/harvest-test-cluster" --dir "$dir/state" \
-    --image "ghcr.io/harvest-dev/harvest-api:$version=$bin/harvest-api" \
-    --image "ghcr.io/harvest-dev/harvest-operator:$version=$bin/harvest-operator" \
-    --image "ghcr.io/harvest-dev/harvester:$version=$bin/harvester" \
-    --claim "*/harvest-models=$cache/models" \
-    > "$dir/cluster.log" 2>&1 < /dev/null &
+  setsid "$bin/harvest-test-cluster" --dir "$dir/state" "$@" > "$dir/cluster.log" 2>&1 < /dev/null &
   echo $! > "$dir/cluster.pid"
   if ! wait_for "the apiserver writing its kubeconfig" 60 test -f "$dir/state/kubeconfig"; then
     alive cluster || say "harvest-test-cluster has exited"
@@ -151,15 +199,46 @@ up() {
     tail -n 40 "$dir/cluster.log" >&2 || true
     return 1
   fi
-  say "kubectl apply -k manifests/"
-  # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
-  # apiserver validates custom resources against their schemas itself.
-  kc apply -k manifests/ --validate=false >&2
-  storage_secrets
-  say "waiting for the Deployments"
-  kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2
-  wait_for "the harvest-api Service" 30 bash -c "KUBECONFIG=$dir/state/kubeconfig kubectl -n harvest-system get service harvest-api -o jsonpath='{.status.loadBalancer.ingress[0].ports[0].port}' | grep -q ."
-  print_exports
+}
+
+# The real control plane, then a node agent per node and one for Services.
+start_real() {
+  local bin=$1 cp
+  shift
+  cp=$(scripts/controlplane.sh)
+  echo "$cp/kubectl" > "$dir/state/kubectl"
+  say "starting the control plane (kube-apiserver, controller-manager, scheduler, etcd)"
+  setsid "$cp/harvest-controlplane" up --dir "$dir/state" --bin "$cp" --node cpu-0 --node gpu-0 --node gpu-1 \
+    > "$dir/cluster.log" 2>&1 < /dev/null &
+  echo $! > "$dir/cluster.pid"
+  if ! wait_for "the control plane becoming ready" 240 test -f "$dir/state/ready"; then
+    alive cluster || say "harvest-controlplane has exited"
+    tail -n 40 "$dir/cluster.log" >&2 || true
+    return 1
+  fi
+  local node gpus
+  for node in cpu-0 gpu-0 gpu-1; do
+    gpus=2
+    [ "$node" = cpu-0 ] && gpus=0
+    setsid "$bin/harvest-node-agent" --kubeconfig "$dir/state/nodes/$node.kubeconfig" --node "$node" \
+      --gpus "$gpus" --dir "$dir/state/agents/$node" "$@" > "$dir/agent-$node.log" 2>&1 < /dev/null &
+    echo $! > "$dir/agent-$node.pid"
+  done
+  setsid "$bin/harvest-node-agent" --services-kubeconfig "$dir/state/kubeconfig" \
+    --dir "$dir/state/agents" > "$dir/agent-services.log" 2>&1 < /dev/null &
+  echo $! > "$dir/agent-services.pid"
+  wait_for "the nodes becoming Ready" 60 kc wait --for=condition=Ready node/cpu-0 node/gpu-0 node/gpu-1 --timeout=5s
+}
+
+# Binds the models claim to the model cache, as a platform team's storage would.
+bind_models_claim() {
+  local class
+  class=$(kc -n harvest-system get pvc harvest-models -o jsonpath='{.spec.storageClassName}')
+  printf '%s\n' "apiVersion: v1" "kind: PersistentVolume" "metadata: {name: harvest-models-local}" \
+    "spec:" "  capacity: {storage: 2Ti}" "  accessModes: [ReadWriteMany, ReadWriteOnce, ReadOnlyMany]" \
+    "  persistentVolumeReclaimPolicy: Retain" "  storageClassName: \"$class\"" \
+    "  claimRef: {namespace: harvest-system, name: harvest-models}" \
+    "  hostPath: {path: $cache/models}" | kc apply -f - >&2
 }
 
 create_key() {
@@ -177,7 +256,7 @@ create_key() {
 
 down() {
   local what
-  for what in cluster s3; do
+  for what in agent-cpu-0 agent-gpu-0 agent-gpu-1 agent-services cluster s3; do
     if alive "$what"; then
       local pid
       pid=$(cat "$dir/$what.pid")
@@ -192,8 +271,8 @@ down() {
 }
 
 case ${1:-} in
-  up) up ;;
+  up) shift; up "$@" ;;
   create-key) shift; create_key "$@" ;;
   down) down ;;
-  *) echo "usage: scripts/cluster.sh up | create-key ACCOUNT | down" >&2; exit 2 ;;
+  *) echo "usage: scripts/cluster.sh up [--real] | create-key ACCOUNT | down" >&2; exit 2 ;;
 esac

@@ -36,6 +36,29 @@ pub struct LocalCluster {
     pub kubeconfig: PathBuf,
     /// `http://127.0.0.1:PORT/v1`, the harvest-api Service.
     pub api: String,
+    /// The kubectl that matches it: the real tier's own build, else the machine's.
+    pub kubectl: PathBuf,
+}
+
+/// Which Kubernetes a [`LocalCluster`] runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// The fake apiserver (`fake-apiserver/`): fast, with exact fault injection.
+    Fake,
+    /// kube-apiserver, controller-manager, scheduler and etcd built from the Kubernetes
+    /// modules, with node agents (`scripts/cluster.sh up --real`).
+    Real,
+}
+
+impl Tier {
+    /// `HARVEST_E2E_TIER` (`fake` or `real`), fake when unset: the tier the shared suite runs on.
+    pub fn from_env() -> Self {
+        match std::env::var("HARVEST_E2E_TIER").as_deref() {
+            Ok("real") => Self::Real,
+            Ok("fake") | Err(_) => Self::Fake,
+            Ok(other) => panic!("HARVEST_E2E_TIER={other:?}: use fake or real"),
+        }
+    }
 }
 
 fn script(dir: &Path, args: &[&str]) -> std::process::Output {
@@ -48,10 +71,19 @@ fn script(dir: &Path, args: &[&str]) -> std::process::Output {
 }
 
 impl LocalCluster {
-    /// `scripts/cluster.sh up`, its exports read back.
+    /// `scripts/cluster.sh up` on the tier `HARVEST_E2E_TIER` names, its exports read back.
     pub fn up() -> Self {
+        Self::up_on(Tier::from_env())
+    }
+
+    /// `scripts/cluster.sh up` (`--real` for the real tier), its exports read back.
+    pub fn up_on(tier: Tier) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let out = script(dir.path(), &["up"]);
+        let args: &[&str] = match tier {
+            Tier::Fake => &["up"],
+            Tier::Real => &["up", "--real"],
+        };
+        let out = script(dir.path(), args);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
             // What it started before it failed (the S3 server, the cluster) must not outlive
@@ -70,9 +102,12 @@ impl LocalCluster {
                 .unwrap_or_else(|| panic!("no export of {name} in {stdout}"))
                 .to_owned()
         };
+        let kubectl = std::fs::read_to_string(dir.path().join("state/kubectl"))
+            .map_or_else(|_| PathBuf::from("kubectl"), |p| PathBuf::from(p.trim()));
         Self {
             kubeconfig: export("KUBECONFIG").into(),
             api: export("HARVEST_API"),
+            kubectl,
             dir,
         }
     }
@@ -84,15 +119,25 @@ impl LocalCluster {
 
     /// Runs kubectl with `input` on its stdin.
     pub fn kubectl_with_input(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
-        kubectl_as(&self.kubeconfig, args, input)
+        run_kubectl(&self.kubectl, &self.kubeconfig, args, input)
+    }
+
+    /// The cluster's state directory (control plane, node agents, Pod logs).
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
     }
 }
 
-/// Runs kubectl with `kubeconfig`, `input` on its stdin: its stdout, or its stderr as the error.
-pub fn kubectl_as(kubeconfig: &Path, args: &[&str], input: Option<&str>) -> Result<String, String> {
+/// Runs `kubectl` with `kubeconfig`, `input` on its stdin: its stdout, or its stderr as the error.
+fn run_kubectl(
+    kubectl: &Path,
+    kubeconfig: &Path,
+    args: &[&str],
+    input: Option<&str>,
+) -> Result<String, String> {
     {
         use std::io::Write as _;
-        let mut child = Command::new("kubectl")
+        let mut child = Command::new(kubectl)
             .args(args)
             .env("KUBECONFIG", kubeconfig)
             .current_dir(repo())

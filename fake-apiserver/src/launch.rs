@@ -13,6 +13,62 @@ use serde_json::Value;
 use crate::admission::service_account;
 use crate::store::{ResourceKey, Store};
 
+/// Where a container's ConfigMaps, Secrets and claims are read from: the fake's store, or a
+/// snapshot a node agent fetched from a real apiserver ([`Snapshot`]).
+pub trait Objects {
+    /// The core (`/api/v1`) object `plural` `ns/name`, if it exists.
+    fn object(&self, plural: &str, ns: &str, name: &str) -> Option<Value>;
+}
+
+impl Objects for Store {
+    fn object(&self, plural: &str, ns: &str, name: &str) -> Option<Value> {
+        self.get(&ResourceKey::new("/api/v1", plural), ns, name)
+    }
+}
+
+/// Objects fetched ahead of [`resolve`], by `(plural, name)` in the Pod's namespace.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot(pub BTreeMap<(String, String), Value>);
+
+impl Objects for Snapshot {
+    fn object(&self, plural: &str, _ns: &str, name: &str) -> Option<Value> {
+        self.0.get(&(plural.to_owned(), name.to_owned())).cloned()
+    }
+}
+
+/// Every `(plural, name)` in the Pod's namespace that [`resolve`] may read.
+pub fn references(pod: &Value) -> Vec<(&'static str, String)> {
+    let container = &pod["spec"]["containers"][0];
+    let mut found = Vec::new();
+    let mut add = |plural: &'static str, name: Option<&str>| {
+        if let Some(name) = name {
+            found.push((plural, name.to_owned()));
+        }
+    };
+    for var in container["env"].as_array().into_iter().flatten() {
+        add("secrets", var["valueFrom"]["secretKeyRef"]["name"].as_str());
+        add(
+            "configmaps",
+            var["valueFrom"]["configMapKeyRef"]["name"].as_str(),
+        );
+    }
+    for from in container["envFrom"].as_array().into_iter().flatten() {
+        add("secrets", from["secretRef"]["name"].as_str());
+        add("configmaps", from["configMapRef"]["name"].as_str());
+    }
+    for volume in pod["spec"]["volumes"].as_array().into_iter().flatten() {
+        add("secrets", volume["secret"]["secretName"].as_str());
+        add("configmaps", volume["configMap"]["name"].as_str());
+        add(
+            "persistentvolumeclaims",
+            volume["persistentVolumeClaim"]["claimName"].as_str(),
+        );
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
 /// Where a Pod runs on this machine.
 #[derive(Debug, Clone)]
 pub struct PodHost<'a> {
@@ -20,13 +76,24 @@ pub struct PodHost<'a> {
     pub dir: &'a Path,
     /// Its loopback address, the Pod IP.
     pub ip: &'a str,
-    /// The apiserver's address, for `KUBERNETES_SERVICE_HOST`/`PORT` and the kubeconfig.
-    pub apiserver: std::net::SocketAddr,
+    /// How the Pod reaches the apiserver.
+    pub api: &'a ApiAccess,
     /// PersistentVolumeClaims backed by a local directory, by `namespace/name` (or `*/name`
     /// for that claim in every namespace).
     pub claims: &'a BTreeMap<String, PathBuf>,
     /// Where unlisted claims are kept.
     pub claim_root: &'a Path,
+}
+
+/// The apiserver as a Pod sees it: `KUBERNETES_SERVICE_HOST`/`PORT` and its kubeconfig.
+#[derive(Debug, Clone)]
+pub struct ApiAccess {
+    /// Its address.
+    pub addr: std::net::SocketAddr,
+    /// `http` for the fake, `https` for a real apiserver.
+    pub scheme: &'static str,
+    /// The CA certificate that signed a real apiserver's serving certificate.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// A container ready to start.
@@ -58,7 +125,7 @@ fn config_error(message: String) -> NotReady {
 
 /// The data of a ConfigMap or Secret (Secret values decoded), or why it is missing.
 fn source_data(
-    store: &Store,
+    objects: &dyn Objects,
     ns: &str,
     kind: &str,
     name: &str,
@@ -68,7 +135,7 @@ fn source_data(
     } else {
         "configmaps"
     };
-    let object = store.get(&ResourceKey::new("/api/v1", plural), ns, name)?;
+    let object = objects.object(plural, ns, name)?;
     let mut data = BTreeMap::new();
     for (k, v) in object["data"].as_object().into_iter().flatten() {
         let text = v.as_str().unwrap_or_default();
@@ -223,7 +290,7 @@ fn expand(text: &str, env: &[(String, String)]) -> String {
 }
 
 fn key_ref(
-    store: &Store,
+    objects: &dyn Objects,
     ns: &str,
     reference: &Value,
     kind: &str,
@@ -231,7 +298,7 @@ fn key_ref(
     let name = reference["name"].as_str().unwrap_or_default();
     let key = reference["key"].as_str().unwrap_or_default();
     let optional = reference["optional"].as_bool() == Some(true);
-    let Some(data) = source_data(store, ns, kind, name) else {
+    let Some(data) = source_data(objects, ns, kind, name) else {
         return if optional {
             Ok(None)
         } else {
@@ -256,7 +323,7 @@ fn key_ref(
 
 /// The container's environment as declared (`envFrom`, then `env`), in order.
 fn declared_env(
-    store: &Store,
+    objects: &dyn Objects,
     pod: &Value,
     container: &Value,
     ip: &str,
@@ -271,7 +338,7 @@ fn declared_env(
             ("configmap", &source["configMapRef"])
         };
         let name = reference["name"].as_str().unwrap_or_default();
-        match source_data(store, ns, kind, name) {
+        match source_data(objects, ns, kind, name) {
             Some(data) => env.extend(data.into_iter().map(|(k, v)| {
                 (
                     format!("{prefix}{k}"),
@@ -288,9 +355,9 @@ fn declared_env(
         let value = if let Some(value) = var["value"].as_str() {
             Some(expand(value, &env))
         } else if from["secretKeyRef"].is_object() {
-            key_ref(store, ns, &from["secretKeyRef"], "secret")?
+            key_ref(objects, ns, &from["secretKeyRef"], "secret")?
         } else if from["configMapKeyRef"].is_object() {
-            key_ref(store, ns, &from["configMapKeyRef"], "configmap")?
+            key_ref(objects, ns, &from["configMapKeyRef"], "configmap")?
         } else if let Some(path) = from["fieldRef"]["fieldPath"].as_str() {
             Some(pod_field(pod, path, ip).ok_or_else(|| {
                 config_error(format!("unsupported fieldPath {path:?} in env {name}"))
@@ -347,7 +414,7 @@ fn write_files(
 /// Each volume's local directory, by volume name (made for emptyDir, ConfigMap and Secret
 /// volumes, which are filled in [`fill_volumes`]).
 fn volume_dirs(
-    store: &Store,
+    objects: &dyn Objects,
     pod: &Value,
     host: &PodHost<'_>,
 ) -> Result<BTreeMap<String, PathBuf>, NotReady> {
@@ -356,12 +423,8 @@ fn volume_dirs(
     for volume in pod["spec"]["volumes"].as_array().into_iter().flatten() {
         let name = volume["name"].as_str().unwrap_or_default().to_owned();
         let dir = if let Some(claim) = volume["persistentVolumeClaim"]["claimName"].as_str() {
-            if store
-                .get(
-                    &ResourceKey::new("/api/v1", "persistentvolumeclaims"),
-                    ns,
-                    claim,
-                )
+            if objects
+                .object("persistentvolumeclaims", ns, claim)
                 .is_none()
             {
                 return Err(NotReady {
@@ -385,7 +448,7 @@ fn volume_dirs(
 }
 
 fn fill_volumes(
-    store: &Store,
+    objects: &dyn Objects,
     pod: &Value,
     dirs: &BTreeMap<String, PathBuf>,
     rewrites: &Rewrites,
@@ -412,7 +475,7 @@ fn fill_volumes(
             continue;
         };
         let source_name = source_name.unwrap_or_default();
-        match source_data(store, ns, kind, source_name) {
+        match source_data(objects, ns, kind, source_name) {
             Some(data) => write_files(dir, &data, source["items"].as_array(), rewrites)
                 .map_err(|e| config_error(format!("volume {name}: {e}")))?,
             None if source["optional"].as_bool() == Some(true) => {
@@ -435,13 +498,13 @@ fn fill_volumes(
 /// Resolves the Pod's first container into a local process's arguments and environment.
 /// `token` is the ServiceAccount token to put in the Pod's kubeconfig, if one is mounted.
 pub fn resolve(
-    store: &Store,
+    objects: &dyn Objects,
     pod: &Value,
     host: &PodHost<'_>,
     token: Option<&str>,
 ) -> Result<Launch, NotReady> {
     let container = &pod["spec"]["containers"][0];
-    let dirs = volume_dirs(store, pod, host)?;
+    let dirs = volume_dirs(objects, pod, host)?;
     let mut rewrites = Rewrites {
         ip: host.ip.to_owned(),
         ..Rewrites::default()
@@ -470,9 +533,9 @@ pub fn resolve(
         .unwrap_or("/dev/termination-log");
     let termination_log = host.dir.join("termination-log");
     rewrites.add(message_path, &termination_log);
-    fill_volumes(store, pod, &dirs, &rewrites)?;
+    fill_volumes(objects, pod, &dirs, &rewrites)?;
 
-    let declared = declared_env(store, pod, container, host.ip)?;
+    let declared = declared_env(objects, pod, container, host.ip)?;
     let home = host.dir.join("home");
     let made = std::fs::create_dir_all(&home);
     made.map_err(|e| config_error(format!("the Pod's home: {e}")))?;
@@ -491,19 +554,22 @@ pub fn resolve(
         ),
         (
             "KUBERNETES_SERVICE_HOST".to_owned(),
-            host.apiserver.ip().to_string(),
+            host.api.addr.ip().to_string(),
         ),
         (
             "KUBERNETES_SERVICE_PORT".to_owned(),
-            host.apiserver.port().to_string(),
+            host.api.addr.port().to_string(),
         ),
     ];
     if let Some(token) = token {
         let kubeconfig = host.dir.join("kubeconfig");
         let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+        let authority = host.api.ca_file.as_ref().map_or_else(String::new, |ca| {
+            format!("\n    certificate-authority: {}", ca.display())
+        });
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: in-cluster\n  cluster:\n    server: http://{}\ncontexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n    user: sa\n    namespace: {ns}\ncurrent-context: in-cluster\nusers:\n- name: sa\n  user:\n    token: {token}\n",
-            host.apiserver
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: in-cluster\n  cluster:\n    server: {}://{}{authority}\ncontexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n    user: sa\n    namespace: {ns}\ncurrent-context: in-cluster\nusers:\n- name: sa\n  user:\n    token: {token}\n",
+            host.api.scheme, host.api.addr
         );
         let written = std::fs::write(&kubeconfig, text);
         written.map_err(|e| config_error(format!("the Pod's kubeconfig: {e}")))?;

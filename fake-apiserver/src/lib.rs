@@ -20,6 +20,8 @@
 //! ```
 
 pub mod admission;
+pub mod agent;
+pub mod balancer;
 pub mod controllers;
 pub mod error;
 pub mod http;

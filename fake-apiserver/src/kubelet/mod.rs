@@ -14,9 +14,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::store::{ResourceKey, Store, rfc3339};
+
+/// Commands queued for one Pod task (injected failures, deletion).
+const COMMANDS: usize = 4;
 
 /// How the kubelet runs containers.
 #[derive(Debug, Clone, Default)]
@@ -43,12 +47,78 @@ pub enum Injected {
     Delete,
 }
 
+/// The cluster a kubelet serves: the fake's own store in this process, or an apiserver (a
+/// real one, or the fake) reached over HTTP by a node agent.
+#[derive(Debug, Clone)]
+pub enum Link {
+    /// The fake's store; the kubelet also schedules.
+    Store(Arc<Store>),
+    /// An apiserver whose scheduler binds Pods to this node.
+    Remote(Arc<crate::agent::Remote>),
+}
+
+/// Wakes a waiting Pod task when the cluster may have changed.
+enum Wake {
+    Store(tokio::sync::watch::Receiver<u64>),
+    /// Nothing to subscribe to: the task's own one-second tick polls.
+    Tick,
+}
+
+impl Wake {
+    async fn changed(&mut self) {
+        if let Self::Store(receiver) = self
+            && receiver.changed().await.is_ok()
+        {
+            return;
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+impl Link {
+    fn set_status(&self, ns: &str, name: &str, status: Value) {
+        match self {
+            Self::Store(store) => {
+                store.set_status(&pods(), ns, name, move |s| *s = status);
+            }
+            Self::Remote(remote) => remote.set_status(ns, name, status),
+        }
+    }
+
+    fn wake(&self) -> Wake {
+        match self {
+            Self::Store(store) => Wake::Store(store.subscribe()),
+            Self::Remote(_) => Wake::Tick,
+        }
+    }
+
+    /// The ServiceAccount token the Pod's kube-api-access volume would hold, unless it opts
+    /// out; why there is none yet as the error.
+    async fn token(&self, pod: &Value) -> Result<Option<String>, String> {
+        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+        let account = crate::admission::service_account(pod);
+        let declared = pod["spec"]["automountServiceAccountToken"].as_bool();
+        match self {
+            Self::Store(store) => declared
+                .or_else(|| {
+                    store
+                        .get(&ResourceKey::new("/api/v1", "serviceaccounts"), ns, account)
+                        .and_then(|sa| sa["automountServiceAccountToken"].as_bool())
+                })
+                .unwrap_or(true)
+                .then(|| store.issue_token(ns, account))
+                .map_or(Ok(None), |token| Ok(Some(token))),
+            Self::Remote(remote) => remote.token(pod, account, declared).await,
+        }
+    }
+}
+
 /// What every Pod's task shares.
 #[derive(Debug)]
 struct Node {
-    store: Arc<Store>,
+    link: Link,
     config: KubeletConfig,
-    apiserver: SocketAddr,
+    api: crate::launch::ApiAccess,
     /// GPUs held per node, by Pod key, while a Pod is placed and not finished.
     placed: Mutex<HashMap<String, (String, u64)>>,
     /// The second octet of this cluster's Pod addresses (127.B.C.D), so clusters on one
@@ -67,7 +137,10 @@ impl Node {
 /// The kubelet.
 #[derive(Debug)]
 pub struct Kubelet {
+    node: Arc<Node>,
     running: Mutex<HashMap<String, mpsc::Sender<Injected>>>,
+    /// Each Pod task, until it ends.
+    tasks: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
     started: Arc<Mutex<HashMap<String, u32>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -93,19 +166,12 @@ fn stamp() -> String {
 impl Kubelet {
     /// Starts watching the store for Pods; `apiserver` is where Pods reach the API.
     pub fn start(store: Arc<Store>, config: KubeletConfig, apiserver: SocketAddr) -> Arc<Self> {
-        let kubelet = Arc::new(Self {
-            running: Mutex::default(),
-            started: Arc::default(),
-            task: Mutex::default(),
-        });
-        let node = Arc::new(Node {
-            store: store.clone(),
-            config,
-            apiserver,
-            placed: Mutex::default(),
-            network: 100 + (uuid::Uuid::new_v4().as_bytes()[0] % 150),
-            next_ip: AtomicU32::new(0),
-        });
+        let api = crate::launch::ApiAccess {
+            addr: apiserver,
+            scheme: "http",
+            ca_file: None,
+        };
+        let kubelet = Self::new(Link::Store(store.clone()), config, api);
         let this = kubelet.clone();
         let task = tokio::spawn(async move {
             let mut wake = store.subscribe();
@@ -113,27 +179,7 @@ impl Kubelet {
             loop {
                 for change in store.changes_since(&pods(), last) {
                     last = change.rv;
-                    let pod = &change.object;
-                    let key = format!(
-                        "{}/{}",
-                        pod["metadata"]["namespace"].as_str().unwrap_or_default(),
-                        pod["metadata"]["name"].as_str().unwrap_or_default()
-                    );
-                    let gone = change.type_ == "DELETED"
-                        || pod["metadata"]["deletionTimestamp"].is_string();
-                    if gone {
-                        this.send(&key, Injected::Delete);
-                    } else if change.type_ == "ADDED" {
-                        let (tx, rx) = mpsc::channel(4);
-                        lock(&this.running).insert(key.clone(), tx);
-                        let task = run::PodTask {
-                            node: node.clone(),
-                            pod: pod.clone(),
-                            key,
-                            started: this.started.clone(),
-                        };
-                        tokio::spawn(task.run(rx));
-                    }
+                    this.observe(&change.type_, &change.object);
                 }
                 if wake.changed().await.is_err() {
                     return;
@@ -142,6 +188,66 @@ impl Kubelet {
         });
         *lock(&kubelet.task) = Some(task);
         kubelet
+    }
+
+    /// A kubelet whose Pods come from [`Kubelet::observe`].
+    pub fn new(link: Link, config: KubeletConfig, api: crate::launch::ApiAccess) -> Arc<Self> {
+        Arc::new(Self {
+            node: Arc::new(Node {
+                link,
+                config,
+                api,
+                placed: Mutex::default(),
+                network: 100 + (uuid::Uuid::new_v4().as_bytes()[0] % 150),
+                next_ip: AtomicU32::new(0),
+            }),
+            running: Mutex::default(),
+            tasks: Mutex::default(),
+            started: Arc::default(),
+            task: Mutex::default(),
+        })
+    }
+
+    /// Acts on a Pod as a watch reported it (`ADDED`, `MODIFIED` or `DELETED`): starts a new
+    /// one (an `ADDED` Pod always, a `MODIFIED` one if this kubelet has not seen it), and
+    /// stops a deleted one.
+    pub fn observe(&self, change: &str, pod: &Value) {
+        let key = format!(
+            "{}/{}",
+            pod["metadata"]["namespace"].as_str().unwrap_or_default(),
+            pod["metadata"]["name"].as_str().unwrap_or_default()
+        );
+        if change == "DELETED" || pod["metadata"]["deletionTimestamp"].is_string() {
+            self.send(&key, Injected::Delete);
+            lock(&self.running).remove(&key);
+            return;
+        }
+        let finished = matches!(
+            pod["status"]["phase"].as_str(),
+            Some("Succeeded" | "Failed")
+        );
+        if change != "ADDED" && (finished || lock(&self.running).contains_key(&key)) {
+            return;
+        }
+        let (tx, rx) = mpsc::channel(COMMANDS);
+        lock(&self.running).insert(key.clone(), tx);
+        let task = run::PodTask {
+            node: self.node.clone(),
+            pod: pod.clone(),
+            key: key.clone(),
+            started: self.started.clone(),
+        };
+        let mut tasks = lock(&self.tasks);
+        tasks.retain(|_, task| !task.is_finished());
+        tasks.insert(key, tokio::spawn(task.run(rx)));
+    }
+
+    /// Waits until the Pod's task has ended (at once if it has none).
+    pub async fn finished(&self, namespace: &str, pod: &str) {
+        let task = lock(&self.tasks).remove(&format!("{namespace}/{pod}"));
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 
     fn send(&self, key: &str, what: Injected) -> bool {

@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::probe::Probe;
-use super::{Injected, Node, lock, pods, schedule, stamp};
+use super::{Injected, Link, Node, Wake, lock, schedule, stamp};
 use crate::launch::{self, Launch, PodHost};
-use crate::store::ResourceKey;
+use crate::store::Store;
 
 /// How long a deleted Pod's process has between SIGTERM and SIGKILL.
 const GRACE: Duration = Duration::from_secs(5);
@@ -63,9 +63,7 @@ impl PodTask {
 
     fn set(&self, status: Value) {
         let (ns, name) = self.name();
-        self.node
-            .store
-            .set_status(&pods(), ns, name, move |s| *s = status);
+        self.node.link.set_status(ns, name, status);
     }
 
     fn container_status(&self, ready: bool, restarts: u32, state: Value, last: &Value) -> Value {
@@ -79,28 +77,29 @@ impl PodTask {
     }
 
     /// Waits for any change in the cluster, or a second; false once the Pod is deleted.
-    async fn wait(
-        &self,
-        wake: &mut watch::Receiver<u64>,
-        commands: &mut mpsc::Receiver<Injected>,
-    ) -> bool {
+    async fn wait(&self, wake: &mut Wake, commands: &mut mpsc::Receiver<Injected>) -> bool {
         tokio::select! {
-            _ = wake.changed() => true,
+            () = wake.changed() => true,
             command = commands.recv() => command.is_some_and(|c| c != Injected::Delete),
             () = tokio::time::sleep(Duration::from_secs(1)) => true,
         }
     }
 
     pub async fn run(self, mut commands: mpsc::Receiver<Injected>) {
-        if self.place(&mut commands).await {
+        let placed = match &self.node.link {
+            Link::Store(store) => self.place(store, &mut commands).await,
+            // A real scheduler bound the Pod to this node.
+            Link::Remote(_) => true,
+        };
+        if placed {
             self.configure_and_run(&mut commands).await;
         }
         lock(&self.node.placed).remove(&self.key);
     }
 
     /// Waits until the Pod fits a node and holds its GPUs there; false if it was deleted.
-    async fn place(&self, commands: &mut mpsc::Receiver<Injected>) -> bool {
-        let mut wake = self.node.store.subscribe();
+    async fn place(&self, store: &Store, commands: &mut mpsc::Receiver<Injected>) -> bool {
+        let mut wake = self.node.link.wake();
         let mut reported = String::new();
         loop {
             let placed = {
@@ -109,7 +108,7 @@ impl PodTask {
                 for (node, gpus) in placed.values() {
                     *taken.entry(node.clone()).or_insert(0) += gpus;
                 }
-                let fit = schedule::place(&self.node.store, &self.pod, &taken);
+                let fit = schedule::place(store, &self.pod, &taken);
                 if let Ok(node) = &fit {
                     let gpus = schedule::gpus_requested(&self.pod);
                     placed.insert(self.key.clone(), (node.clone(), gpus));
@@ -134,22 +133,6 @@ impl PodTask {
         }
     }
 
-    fn token(&self) -> Option<String> {
-        let (ns, _) = self.name();
-        let account = crate::admission::service_account(&self.pod);
-        let declared = self.pod["spec"]["automountServiceAccountToken"]
-            .as_bool()
-            .or_else(|| {
-                self.node
-                    .store
-                    .get(&ResourceKey::new("/api/v1", "serviceaccounts"), ns, account)
-                    .and_then(|sa| sa["automountServiceAccountToken"].as_bool())
-            });
-        declared
-            .unwrap_or(true)
-            .then(|| self.node.store.issue_token(ns, account))
-    }
-
     async fn configure_and_run(&self, commands: &mut mpsc::Receiver<Injected>) {
         let image = self.container()["image"].as_str().unwrap_or_default();
         let Some(executable) = self.node.config.images.get(image).cloned() else {
@@ -169,19 +152,49 @@ impl PodTask {
             .join("pods")
             .join(format!("{ns}_{name}"));
         let ip = self.node.pod_ip();
-        let token = self.token();
         let claim_root = self.node.config.work_dir.join("claims");
         let host = PodHost {
             dir: &dir,
             ip: &ip,
-            apiserver: self.node.apiserver,
+            api: &self.node.api,
             claims: &self.node.config.claims,
             claim_root: &claim_root,
         };
-        let mut wake = self.node.store.subscribe();
+        let mut wake = self.node.link.wake();
         let mut reported = String::new();
+        // Fetched once, when the apiserver first grants it.
+        let mut token: Option<Option<String>> = None;
         let launch = loop {
-            match launch::resolve(&self.node.store, &self.pod, &host, token.as_deref()) {
+            let token = match &token {
+                Some(token) => token.clone(),
+                None => match self.node.link.token(&self.pod).await {
+                    Ok(fetched) => {
+                        token = Some(fetched.clone());
+                        fetched
+                    }
+                    Err(message) => {
+                        if message != reported {
+                            reported.clone_from(&message);
+                            let state = json!({"waiting": {"reason": "ContainerCreating", "message": message}});
+                            self.set(json!({"phase": "Pending", "hostIP": "127.0.0.1", "podIP": ip,
+                            "conditions": conditions(true, false),
+                            "containerStatuses": [self.container_status(false, 0, state, &Value::Null)]}));
+                        }
+                        if !self.wait(&mut wake, commands).await {
+                            return;
+                        }
+                        continue;
+                    }
+                },
+            };
+            let resolved = match &self.node.link {
+                Link::Store(store) => launch::resolve(&**store, &self.pod, &host, token.as_deref()),
+                Link::Remote(remote) => {
+                    let objects = remote.snapshot(&self.pod).await;
+                    launch::resolve(&objects, &self.pod, &host, token.as_deref())
+                }
+            };
+            match resolved {
                 Ok(launch) => break launch,
                 Err(not_ready) if not_ready.message != reported => {
                     reported.clone_from(&not_ready.message);

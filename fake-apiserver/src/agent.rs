@@ -1,0 +1,451 @@
+//! The node agent: the fake's kubelet serving a node of any apiserver over HTTPS, a real
+//! kube-apiserver in the real test tier. It registers its Node (GPUs, taints, labels), renews
+//! the node's Lease and Ready condition, runs the Pods the scheduler binds to it with the fake
+//! kubelet ([`crate::kubelet`]), reports their status, and finishes their graceful deletion.
+//! With `services`, it is also the cluster's load balancer: each Service port gets a loopback
+//! listener that forwards to the ready endpoints of its EndpointSlices.
+//!
+//! It authenticates as `system:node:NAME`, so Node authorization and NodeRestriction hold it
+//! to what a real kubelet may do. Stopping it (SIGSTOP) stops its heartbeats, as a node lost
+//! from the network would, while its Pods' processes run on.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::watcher;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::kubelet::{Kubelet, KubeletConfig, Link};
+use crate::launch::{ApiAccess, Snapshot};
+
+/// How often the node renews its Lease; the node lifecycle controller marks it NotReady after
+/// its grace period without one.
+const LEASE_RENEW: Duration = Duration::from_secs(2);
+/// How long a Lease lasts without renewal (a real kubelet's default).
+const LEASE_SECONDS: i32 = 40;
+/// How often the Ready condition's heartbeat is written.
+const STATUS_HEARTBEAT: Duration = Duration::from_secs(5);
+/// How long a Pod's token lasts (a projected token's default; Pods here outlive no test).
+const TOKEN_SECONDS: i64 = 3607;
+/// The version the node reports (the control plane's release).
+const KUBELET_VERSION: &str = "v1.34.4";
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The kubeconfig could not be read or used.
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig {
+        /// Its path.
+        path: PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+    /// The apiserver refused or failed a request the agent cannot do without.
+    #[error("{what}: {source}")]
+    Api {
+        /// What the agent was doing.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// One node: who it is and what it offers.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// The Node's name (its credentials are `system:node:NAME`).
+    pub name: String,
+    /// `nvidia.com/gpu` it advertises; with any, it is labelled and tainted as a GPU node.
+    pub gpus: u64,
+    /// CPU cores it advertises.
+    pub cpus: u64,
+    /// Memory it advertises, in GiB.
+    pub memory_gib: u64,
+}
+
+/// The agent's client side of the kubelet: status writes, tokens and the objects a Pod reads.
+pub struct Remote {
+    client: kube::Client,
+    node: String,
+    /// The latest status per Pod, each written in order by its own task, so a burst of
+    /// updates costs one write and the last one always lands.
+    statuses: Mutex<HashMap<String, watch::Sender<Value>>>,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// RFC 3339 UTC, to the second, as Kubernetes writes times.
+fn now() -> String {
+    crate::store::rfc3339(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    )
+}
+
+/// The status patch for a kubelet's whole status: fields it leaves out are cleared, and the
+/// plural IP fields the apiserver validates against the singular ones are filled.
+fn status_patch(mut status: Value) -> Value {
+    for field in ["reason", "message", "startTime", "podIP", "hostIP"] {
+        if status.get(field).is_none() {
+            status[field] = Value::Null;
+        }
+    }
+    status["podIPs"] = match status["podIP"].as_str() {
+        Some(ip) => json!([{"ip": ip}]),
+        None => Value::Null,
+    };
+    status["hostIPs"] = match status["hostIP"].as_str() {
+        Some(ip) => json!([{"ip": ip}]),
+        None => Value::Null,
+    };
+    json!({ "status": status })
+}
+
+impl Remote {
+    /// Queues the Pod's whole status; the Pod's writer applies the latest.
+    pub fn set_status(&self, ns: &str, name: &str, status: Value) {
+        let key = format!("{ns}/{name}");
+        let mut statuses = lock(&self.statuses);
+        if let Some(sender) = statuses.get(&key)
+            && sender.send(status.clone()).is_ok()
+        {
+            return;
+        }
+        let (sender, mut receiver) = watch::channel(status);
+        statuses.insert(key, sender);
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            loop {
+                let status = receiver.borrow_and_update().clone();
+                let patch = status_patch(status);
+                if let Err(error) = api
+                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    tracing::warn!(pod = %name, %error, "writing the Pod's status");
+                }
+                if receiver.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    fn forget(&self, ns: &str, name: &str) {
+        lock(&self.statuses).remove(&format!("{ns}/{name}"));
+    }
+
+    /// A token for the Pod's ServiceAccount, bound to the Pod (as Node authorization
+    /// requires of a kubelet), unless the Pod or the account opts out of automounting; the
+    /// apiserver's refusal as the error (Node authorization learns of a binding a moment
+    /// after the kubelet does, so the caller retries).
+    pub async fn token(
+        &self,
+        pod: &Value,
+        account: &str,
+        declared: Option<bool>,
+    ) -> Result<Option<String>, String> {
+        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), ns);
+        let automount = match declared {
+            Some(flag) => flag,
+            None => accounts
+                .get_opt(account)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|sa| sa.automount_service_account_token)
+                .unwrap_or(true),
+        };
+        if !automount {
+            return Ok(None);
+        }
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: Vec::new(),
+                expiration_seconds: Some(TOKEN_SECONDS),
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: pod["metadata"]["name"].as_str().map(str::to_owned),
+                    uid: pod["metadata"]["uid"].as_str().map(str::to_owned),
+                }),
+            },
+            ..TokenRequest::default()
+        };
+        match accounts
+            .create_token_request(account, &PostParams::default(), &request)
+            .await
+        {
+            Ok(made) => Ok(made.status.map(|s| s.token)),
+            Err(error) => Err(format!(
+                "requesting a token for ServiceAccount {ns}/{account}: {error}"
+            )),
+        }
+    }
+
+    /// The ConfigMaps, Secrets and claims the Pod reads, as they are now; absent ones are
+    /// left out, and [`crate::launch::resolve`] reports them.
+    pub async fn snapshot(&self, pod: &Value) -> Snapshot {
+        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+        let mut objects = BTreeMap::new();
+        for (plural, name) in crate::launch::references(pod) {
+            let url = format!("/api/v1/namespaces/{ns}/{plural}/{name}");
+            let request = http::Request::get(url).body(Vec::new());
+            let Ok(request) = request else { continue };
+            if let Ok(object) = self.client.request::<Value>(request).await {
+                objects.insert((plural.to_owned(), name), object);
+            }
+        }
+        Snapshot(objects)
+    }
+}
+
+/// Reads a kubeconfig into a client.
+pub async fn client(path: &std::path::Path) -> Result<kube::Client, AgentError> {
+    let fail = |message: String| AgentError::Kubeconfig {
+        path: path.to_owned(),
+        message,
+    };
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| fail(e.to_string()))?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    kube::Client::try_from(config).map_err(|e| fail(e.to_string()))
+}
+
+fn api_error(what: impl Into<String>) -> impl FnOnce(kube::Error) -> AgentError {
+    let what = what.into();
+    move |source| AgentError::Api { what, source }
+}
+
+/// How a Pod on this node reaches the apiserver the agent's kubeconfig names.
+pub fn api_access(path: &std::path::Path) -> Result<ApiAccess, AgentError> {
+    let fail = |message: String| AgentError::Kubeconfig {
+        path: path.to_owned(),
+        message,
+    };
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| fail(e.to_string()))?;
+    let cluster = kubeconfig
+        .clusters
+        .first()
+        .and_then(|c| c.cluster.clone())
+        .ok_or_else(|| fail("names no cluster".into()))?;
+    let server = cluster.server.unwrap_or_default();
+    let (scheme, rest) = server
+        .split_once("://")
+        .ok_or_else(|| fail(format!("server {server:?} is not a URL")))?;
+    let addr = rest
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|e| fail(format!("server {server:?} is not IP:PORT: {e}")))?;
+    Ok(ApiAccess {
+        addr,
+        scheme: if scheme == "https" { "https" } else { "http" },
+        ca_file: cluster.certificate_authority.map(PathBuf::from),
+    })
+}
+
+fn node_object(spec: &NodeSpec) -> Value {
+    let mut labels = json!({"kubernetes.io/hostname": spec.name, "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64"});
+    let mut taints = json!([]);
+    if spec.gpus > 0 {
+        labels["nvidia.com/gpu.present"] = json!("true");
+        taints = json!([{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]);
+    }
+    json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": spec.name, "labels": labels},
+        "spec": {"taints": taints}})
+}
+
+fn node_status(spec: &NodeSpec) -> Value {
+    let stamp = now();
+    let resources = json!({"cpu": spec.cpus.to_string(), "memory": format!("{}Gi", spec.memory_gib),
+        "pods": "110", "ephemeral-storage": "100Gi", "nvidia.com/gpu": spec.gpus.to_string()});
+    let condition = |kind: &str, status: &str, reason: &str| {
+        json!({"type": kind, "status": status, "reason": reason, "message": reason,
+            "lastHeartbeatTime": stamp, "lastTransitionTime": stamp})
+    };
+    json!({"status": {
+        "capacity": resources, "allocatable": resources,
+        "conditions": [
+            condition("Ready", "True", "KubeletReady"),
+            condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+            condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+            condition("PIDPressure", "False", "KubeletHasSufficientPID"),
+        ],
+        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "Hostname", "address": spec.name}],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+        "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "",
+            "osImage": "harvest node agent", "containerRuntimeVersion": "process://1",
+            "kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "",
+            "operatingSystem": "linux", "architecture": "amd64"},
+    }})
+}
+
+/// Creates the Node (or takes over an existing one of that name) and writes its status.
+async fn register(client: &kube::Client, spec: &NodeSpec) -> Result<(), AgentError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let object: Node =
+        serde_json::from_value(node_object(spec)).map_err(|e| AgentError::Kubeconfig {
+            path: PathBuf::new(),
+            message: format!("building the Node: {e}"),
+        })?;
+    match nodes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(e) => return Err(api_error(format!("registering node {}", spec.name))(e)),
+    }
+    nodes
+        .patch_status(
+            &spec.name,
+            &PatchParams::default(),
+            &Patch::Merge(&node_status(spec)),
+        )
+        .await
+        .map_err(api_error(format!("writing node {}'s status", spec.name)))?;
+    Ok(())
+}
+
+/// Renews the Lease often and the Ready heartbeat now and then, for as long as it runs.
+async fn heartbeat(client: kube::Client, spec: NodeSpec) {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
+    let nodes: Api<Node> = Api::all(client);
+    let mut last_status = tokio::time::Instant::now();
+    loop {
+        let now = now();
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": spec.name, "namespace": "kube-node-lease"},
+            "spec": {"holderIdentity": spec.name, "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": now.replace('Z', ".000000Z")}});
+        let params = PatchParams::apply("harvest-node-agent").force();
+        if let Err(error) = leases
+            .patch(&spec.name, &params, &Patch::Apply(&lease))
+            .await
+        {
+            tracing::warn!(node = %spec.name, %error, "renewing the node's Lease");
+        }
+        if last_status.elapsed() >= STATUS_HEARTBEAT {
+            last_status = tokio::time::Instant::now();
+            if let Err(error) = nodes
+                .patch_status(
+                    &spec.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&node_status(&spec)),
+                )
+                .await
+            {
+                tracing::warn!(node = %spec.name, %error, "writing the node's heartbeat");
+            }
+        }
+        tokio::time::sleep(LEASE_RENEW).await;
+    }
+}
+
+/// Ends a deleted Pod's graceful deletion once its process has stopped, as a kubelet does.
+async fn finish_deletion(kubelet: Arc<Kubelet>, remote: Arc<Remote>, pod: Value) {
+    let ns = pod["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let name = pod["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    kubelet.finished(&ns, &name).await;
+    remote.forget(&ns, &name);
+    let pods: Api<Pod> = Api::namespaced(remote.client.clone(), &ns);
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        preconditions: Some(Preconditions {
+            uid: pod["metadata"]["uid"].as_str().map(str::to_owned),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match pods.delete(&name, &params).await {
+        Ok(_) | Err(kube::Error::Api(_)) => {}
+        Err(error) => tracing::warn!(pod = %name, %error, "finishing the Pod's deletion"),
+    }
+}
+
+/// Runs the node until the process ends; errors only if it cannot register.
+pub async fn run(
+    kubeconfig: &std::path::Path,
+    spec: NodeSpec,
+    kubelet: KubeletConfig,
+) -> Result<(), AgentError> {
+    let client = client(kubeconfig).await?;
+    register(&client, &spec).await?;
+    tokio::spawn(heartbeat(client.clone(), spec.clone()));
+    let remote = Arc::new(Remote {
+        client: client.clone(),
+        node: spec.name.clone(),
+        statuses: Mutex::default(),
+    });
+    let kubelet = Kubelet::new(
+        Link::Remote(remote.clone()),
+        kubelet,
+        api_access(kubeconfig)?,
+    );
+    let pods: Api<Pod> = Api::all(client);
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={}", remote.node));
+    let mut events = std::pin::pin!(watcher(pods, config));
+    let mut finishing = std::collections::HashSet::new();
+    while let Some(event) = events.next().await {
+        let (change, pod) = match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => ("MODIFIED", pod),
+            Ok(watcher::Event::Delete(pod)) => ("DELETED", pod),
+            Ok(_) => continue,
+            Err(error) => {
+                tracing::warn!(node = %spec.name, %error, "watching the node's Pods");
+                continue;
+            }
+        };
+        let Ok(pod) = serde_json::to_value(&pod) else {
+            continue;
+        };
+        kubelet.observe(change, &pod);
+        let uid = pod["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if change == "MODIFIED"
+            && pod["metadata"]["deletionTimestamp"].is_string()
+            && finishing.insert(uid)
+        {
+            tokio::spawn(finish_deletion(
+                kubelet.clone(),
+                remote.clone(),
+                pod.clone(),
+            ));
+        }
+    }
+    Ok(())
+}
