@@ -38,6 +38,8 @@ pub struct LocalCluster {
     pub api: String,
     /// The kubectl that matches it: the real tier's own build, else the machine's.
     pub kubectl: PathBuf,
+    /// Which Kubernetes it runs on.
+    pub tier: Tier,
 }
 
 /// Which Kubernetes a [`LocalCluster`] runs on.
@@ -108,6 +110,7 @@ impl LocalCluster {
             kubeconfig: export("KUBECONFIG").into(),
             api: export("HARVEST_API"),
             kubectl,
+            tier,
             dir,
         }
     }
@@ -197,25 +200,79 @@ impl LocalCluster {
         )
     }
 
-    /// The kubeconfig the stand-in kubelet gave a Pod: its ServiceAccount's token.
+    /// Where a Pod's directory and logs are: the fake's state directory, or the directory
+    /// of the node agent that runs it.
+    fn pod_root(&self, namespace: &str, pod: &str) -> PathBuf {
+        let state = self.state_dir();
+        match self.tier {
+            Tier::Fake => state,
+            Tier::Real => {
+                let node = self.field(&["pod", pod, "-n", namespace], "{.spec.nodeName}");
+                state.join("agents").join(node)
+            }
+        }
+    }
+
+    /// The kubeconfig the kubelet gave a Pod: its ServiceAccount's token.
     pub fn pod_kubeconfig(&self, namespace: &str, pod: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("state/pods")
+        self.pod_root(namespace, pod)
+            .join("pods")
             .join(format!("{namespace}_{pod}"))
             .join("kubeconfig")
     }
 
+    /// `GET path` (or, with a body, `POST`) with a Pod's ServiceAccount token: the answer's
+    /// body, or the refusal.
+    pub async fn as_pod(
+        &self,
+        namespace: &str,
+        pod: &str,
+        path: &str,
+        post: Option<&serde_json::Value>,
+    ) -> Result<String, String> {
+        let kubeconfig = self.pod_kubeconfig(namespace, pod);
+        match self.tier {
+            // The real apiserver's TLS is kubectl's to speak.
+            Tier::Real => match post {
+                None => run_kubectl(&self.kubectl, &kubeconfig, &["get", "--raw", path], None),
+                Some(body) => run_kubectl(
+                    &self.kubectl,
+                    &kubeconfig,
+                    &["create", "--raw", path, "-f", "-"],
+                    Some(&body.to_string()),
+                ),
+            },
+            // kubectl sends no token over plain HTTP, so the request is made as the Pod's
+            // kube client makes it.
+            Tier::Fake => {
+                let text = std::fs::read_to_string(kubeconfig).map_err(|e| e.to_string())?;
+                let field = |name: &str| {
+                    text.lines()
+                        .find_map(|l| l.trim().strip_prefix(name))
+                        .unwrap_or_default()
+                        .trim()
+                        .to_owned()
+                };
+                let url = format!("{}{path}", field("server:"));
+                let http = reqwest::Client::new();
+                let request = match post {
+                    None => http.get(url),
+                    Some(body) => http.post(url).json(body),
+                };
+                let answer = request.bearer_auth(field("token:")).send().await.unwrap();
+                let ok = answer.status().is_success();
+                let body = answer.text().await.unwrap();
+                if ok { Ok(body) } else { Err(body) }
+            }
+        }
+    }
+
     /// A Pod's log, from the cluster's directory.
     pub fn pod_log(&self, namespace: &str, pod: &str) -> String {
+        let root = self.pod_root(namespace, pod);
         let read = |stream: &str| {
-            std::fs::read_to_string(
-                self.dir
-                    .path()
-                    .join("state")
-                    .join(format!("{namespace}_{pod}.{stream}")),
-            )
-            .unwrap_or_default()
+            std::fs::read_to_string(root.join(format!("{namespace}_{pod}.{stream}")))
+                .unwrap_or_default()
         };
         read("stdout") + &read("stderr")
     }

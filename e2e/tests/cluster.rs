@@ -34,8 +34,7 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
         .await;
     }
     // RBAC holds the API's token to its key Secrets: the storage credentials beside them are
-    // out of its reach. (kubectl sends no token over plain HTTP, so the request is made here
-    // as the API's kube client makes it.)
+    // out of its reach.
     let api_pod = cluster.field(
         &[
             "pods",
@@ -46,36 +45,18 @@ async fn the_seed_flow_runs_through_the_api_service_of_the_manifests_as_applied(
         ],
         "{.items[0].metadata.name}",
     );
-    let kubeconfig =
-        std::fs::read_to_string(cluster.pod_kubeconfig("harvest-system", &api_pod)).unwrap();
-    let field = |name: &str| {
-        kubeconfig
-            .lines()
-            .find_map(|l| l.trim().strip_prefix(name))
-            .unwrap()
-            .trim()
-            .to_owned()
-    };
-    let (server, token) = (field("server:"), field("token:"));
-    let as_api = |path: &str| {
-        let request = reqwest::Client::new()
-            .get(format!("{server}{path}"))
-            .bearer_auth(&token);
-        async move { request.send().await.unwrap() }
-    };
-    let refused = as_api("/api/v1/namespaces/harvest-system/secrets/harvest-s3").await;
-    assert_eq!(refused.status(), 403);
-    let body = refused.text().await.unwrap();
+    let as_api = |path: &'static str| cluster.as_pod("harvest-system", &api_pod, path, None);
+    let refused = as_api("/api/v1/namespaces/harvest-system/secrets/harvest-s3")
+        .await
+        .unwrap_err();
     assert!(
-        body.contains("system:serviceaccount:harvest-system:harvest-api"),
-        "{body}"
+        refused.contains("system:serviceaccount:harvest-system:harvest-api")
+            && refused.to_lowercase().contains("forbidden"),
+        "{refused}"
     );
-    assert_eq!(
-        as_api("/api/v1/namespaces/harvest-keys/secrets")
-            .await
-            .status(),
-        200
-    );
+    as_api("/api/v1/namespaces/harvest-keys/secrets")
+        .await
+        .unwrap();
     let key = cluster.create_key("acme");
     let http = reqwest::Client::new();
     let submitted = http
@@ -333,30 +314,21 @@ async fn a_tenant_with_edit_rights_reaches_no_storage_credentials(cluster: &Loca
         .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(objects))
         .unwrap();
     let kubeconfig = cluster.pod_kubeconfig("my-team", "alice-shell");
-    let text = eventually("alice's Pod to get its token", WITHIN, || {
+    eventually("alice's Pod to get its token", WITHIN, || {
         std::fs::read_to_string(&kubeconfig).map_err(|e| e.to_string())
     })
     .await;
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(name))
-            .unwrap()
-            .trim()
-            .to_owned()
+    let as_alice = |path: &'static str, post: Option<Value>| async move {
+        cluster
+            .as_pod("my-team", "alice-shell", path, post.as_ref())
+            .await
     };
-    let (server, token) = (field("server:"), field("token:"));
-    let http = reqwest::Client::new();
-    let as_alice = |method: reqwest::Method, path: &str| {
-        http.request(method, format!("{server}{path}"))
-            .bearer_auth(&token)
-    };
-    let own: Value = as_alice(reqwest::Method::GET, "/api/v1/namespaces/my-team/secrets")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let own: Value = serde_json::from_str(
+        &as_alice("/api/v1/namespaces/my-team/secrets", None)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(
         own["items"],
         json!([]),
@@ -366,26 +338,19 @@ async fn a_tenant_with_edit_rights_reaches_no_storage_credentials(cluster: &Loca
         "/api/v1/namespaces/harvest-system/secrets/harvest-s3",
         "/api/v1/namespaces/harvest-system/pods",
     ] {
-        let status = as_alice(reqwest::Method::GET, path)
-            .send()
-            .await
-            .unwrap()
-            .status();
-        assert_eq!(status, 403, "{path}");
+        let refused = as_alice(path, None).await.unwrap_err();
+        assert!(
+            refused.to_lowercase().contains("forbidden"),
+            "{path}: {refused}"
+        );
     }
     let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "beside-the-workers"},
         "spec": {"containers": [{"name": "shell", "image": "ghcr.io/harvest-dev/harvester:0.1.0",
                  "envFrom": [{"secretRef": {"name": "harvest-s3"}}]}]}});
-    let status = as_alice(
-        reqwest::Method::POST,
-        "/api/v1/namespaces/harvest-system/pods",
-    )
-    .json(&pod)
-    .send()
-    .await
-    .unwrap()
-    .status();
-    assert_eq!(status, 403);
+    let refused = as_alice("/api/v1/namespaces/harvest-system/pods", Some(pod))
+        .await
+        .unwrap_err();
+    assert!(refused.to_lowercase().contains("forbidden"), "{refused}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
