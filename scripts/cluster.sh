@@ -18,7 +18,7 @@
 # `--real` runs the real tier: kube-apiserver, kube-controller-manager, kube-scheduler and etcd
 # built from the Kubernetes modules that e2e/controlplane/go.mod pins (scripts/controlplane.sh),
 # with RBAC, Node authorization, NodeRestriction and Pod Security admission, and the version's
-# own kubectl. A CPU node (cpu-0) and two GPU nodes (gpu-0, gpu-1, two GPUs each, tainted)
+# own kubectl. Two CPU nodes (cpu-0, cpu-1) and two GPU nodes (gpu-0, gpu-1, two GPUs each, tainted)
 # are harvest-node-agent processes that run their Pods as local processes; one more agent
 # forwards Service ports. The models
 # claim is bound to a hostPath PersistentVolume on the model cache.
@@ -207,8 +207,9 @@ start_real() {
   shift
   cp=$(scripts/controlplane.sh)
   echo "$cp/kubectl" > "$dir/state/kubectl"
+  echo "$cp" > "$dir/state/controlplane"
   say "starting the control plane (kube-apiserver, controller-manager, scheduler, etcd)"
-  setsid "$cp/harvest-controlplane" up --dir "$dir/state" --bin "$cp" --node cpu-0 --node gpu-0 --node gpu-1 \
+  setsid "$cp/harvest-controlplane" up --dir "$dir/state" --bin "$cp" --node cpu-0 --node cpu-1 --node gpu-0 --node gpu-1 \
     > "$dir/cluster.log" 2>&1 < /dev/null &
   echo $! > "$dir/cluster.pid"
   if ! wait_for "the control plane becoming ready" 240 test -f "$dir/state/ready"; then
@@ -217,9 +218,9 @@ start_real() {
     return 1
   fi
   local node gpus
-  for node in cpu-0 gpu-0 gpu-1; do
+  for node in cpu-0 cpu-1 gpu-0 gpu-1; do
     gpus=2
-    [ "$node" = cpu-0 ] && gpus=0
+    case $node in cpu-*) gpus=0 ;; esac
     setsid "$bin/harvest-node-agent" --kubeconfig "$dir/state/nodes/$node.kubeconfig" --node "$node" \
       --gpus "$gpus" --dir "$dir/state/agents/$node" "$@" > "$dir/agent-$node.log" 2>&1 < /dev/null &
     echo $! > "$dir/agent-$node.pid"
@@ -227,7 +228,7 @@ start_real() {
   setsid "$bin/harvest-node-agent" --services-kubeconfig "$dir/state/kubeconfig" \
     --dir "$dir/state/agents" > "$dir/agent-services.log" 2>&1 < /dev/null &
   echo $! > "$dir/agent-services.pid"
-  wait_for "the nodes becoming Ready" 60 kc wait --for=condition=Ready node/cpu-0 node/gpu-0 node/gpu-1 --timeout=5s
+  wait_for "the nodes becoming Ready" 60 kc wait --for=condition=Ready node/cpu-0 node/cpu-1 node/gpu-0 node/gpu-1 --timeout=5s
 }
 
 # Binds the models claim to the model cache, as a platform team's storage would.
@@ -256,11 +257,13 @@ create_key() {
 
 down() {
   local what
-  for what in agent-cpu-0 agent-gpu-0 agent-gpu-1 agent-services cluster s3; do
+  for what in agent-cpu-0 agent-cpu-1 agent-gpu-0 agent-gpu-1 agent-services cluster s3; do
     if alive "$what"; then
       local pid
       pid=$(cat "$dir/$what.pid")
       kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+      # A node a test stopped (SIGSTOP) handles its SIGTERM once continued.
+      kill -CONT -- "-$pid" 2>/dev/null || true
       local until=$((SECONDS + 20))
       while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$until" ]; do sleep 0.2; done
       kill -KILL -- "-$pid" 2>/dev/null || true

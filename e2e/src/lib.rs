@@ -40,6 +40,8 @@ pub struct LocalCluster {
     pub kubectl: PathBuf,
     /// Which Kubernetes it runs on.
     pub tier: Tier,
+    /// What `scripts/cluster.sh up` wrote to stderr (kubectl's warnings among it).
+    pub setup_log: String,
 }
 
 /// Which Kubernetes a [`LocalCluster`] runs on.
@@ -111,6 +113,7 @@ impl LocalCluster {
             api: export("HARVEST_API"),
             kubectl,
             tier,
+            setup_log: String::from_utf8_lossy(&out.stderr).into_owned(),
             dir,
         }
     }
@@ -123,6 +126,42 @@ impl LocalCluster {
     /// Runs kubectl with `input` on its stdin.
     pub fn kubectl_with_input(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
         run_kubectl(&self.kubectl, &self.kubeconfig, args, input)
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to a real-tier node: its agent and every Pod process
+    /// it runs, as a node that hangs or drops off the network (and comes back).
+    pub fn signal_node(&self, node: &str, signal: &str) {
+        let pid = std::fs::read_to_string(self.dir.path().join(format!("agent-{node}.pid")))
+            .unwrap_or_else(|e| panic!("node {node} has no agent here: {e}"));
+        let status = Command::new("kill")
+            .args([
+                format!("-{signal}"),
+                "--".into(),
+                format!("-{}", pid.trim()),
+            ])
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "kill -{signal} of node {node}'s process group"
+        );
+    }
+
+    /// Compacts the real tier's etcd to its current revision: every list or watch from an
+    /// older resourceVersion is answered 410 Gone. Returns the revision.
+    pub fn compact_etcd(&self) -> u64 {
+        let bin = std::fs::read_to_string(self.state_dir().join("controlplane")).unwrap();
+        let out = Command::new(Path::new(bin.trim()).join("harvest-controlplane"))
+            .args(["compact", "--dir"])
+            .arg(self.state_dir())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
     }
 
     /// The cluster's state directory (control plane, node agents, Pod logs).
@@ -265,6 +304,61 @@ impl LocalCluster {
                 if ok { Ok(body) } else { Err(body) }
             }
         }
+    }
+
+    /// The example's tenant namespace and its HarvestAccount. The namespace gets nothing else
+    /// from harvest: workers run in harvest-system, so no ServiceAccount, models claim or
+    /// storage Secret is needed here, and the tenant never holds the storage credentials.
+    pub fn tenant(&self, namespace: &str) {
+        // `kubectl create namespace` sends protobuf, which the stand-in does not decode.
+        let objects = format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n");
+        self.kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&objects))
+            .unwrap();
+        self.kubectl(&[
+            "apply",
+            "--validate=false",
+            "-f",
+            "manifests/examples/harvestaccount.yaml",
+        ])
+        .unwrap();
+    }
+
+    /// `count` prompts of about `words` words, where the example job reads its corpus.
+    pub async fn upload_example_prompts(&self, count: usize, words: usize) {
+        use object_store::ObjectStoreExt as _;
+        self.bucket("harvest-inputs")
+            .put(
+                &object_store::path::Path::from("probing/prompts.jsonl"),
+                prompts(count, words).into_bytes().into(),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// Edits the operator's `config.yaml` and rolls the operator out with it.
+    pub fn set_operator_config(&self, edit: impl FnOnce(String) -> String) {
+        let config = self.field(
+            &["configmap", "harvest-operator", "-n", "harvest-system"],
+            "{.data.config\\.yaml}",
+        );
+        let patch = serde_json::json!({"data": {"config.yaml": edit(config)}}).to_string();
+        let ns = ["-n", "harvest-system"];
+        let run = |args: &[&str]| self.kubectl(&[args, &ns[..]].concat()).unwrap();
+        run(&[
+            "patch",
+            "configmap",
+            "harvest-operator",
+            "--type=merge",
+            "-p",
+            &patch,
+        ]);
+        run(&["rollout", "restart", "deployment/harvest-operator"]);
+        run(&[
+            "rollout",
+            "status",
+            "deployment/harvest-operator",
+            "--timeout=240s",
+        ]);
     }
 
     /// A Pod's log, from the cluster's directory.

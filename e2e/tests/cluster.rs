@@ -4,7 +4,7 @@
 //! schema refusals.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use harvest_e2e::{LocalCluster, WITHIN, eventually, prompts, repo};
+use harvest_e2e::{LocalCluster, WITHIN, eventually, repo};
 use object_store::ObjectStoreExt;
 use object_store::path::Path as StorePath;
 use serde_json::{Value, json};
@@ -170,41 +170,11 @@ async fn cancel_then_resubmit_on_a_full_lane(cluster: &LocalCluster, key: &str) 
     }
 }
 
-/// The example's tenant namespace and its HarvestAccount. The namespace gets nothing else from
-/// harvest: workers run in harvest-system, so no ServiceAccount, models claim or storage Secret
-/// is needed here, and the tenant never holds the storage credentials.
-fn tenant(cluster: &LocalCluster, namespace: &str) {
-    // `kubectl create namespace` sends protobuf, which the stand-in does not decode.
-    let objects = format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n");
-    cluster
-        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&objects))
-        .unwrap();
-    cluster
-        .kubectl(&[
-            "apply",
-            "--validate=false",
-            "-f",
-            "manifests/examples/harvestaccount.yaml",
-        ])
-        .unwrap();
-}
-
-async fn upload_example_prompts(cluster: &LocalCluster, count: usize, words: usize) {
-    cluster
-        .bucket("harvest-inputs")
-        .put(
-            &StorePath::from("probing/prompts.jsonl"),
-            prompts(count, words).into_bytes().into(),
-        )
-        .await
-        .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_job_finishes_through_an_operator_rollout_and_is_charged_once() {
     let cluster = LocalCluster::up();
-    tenant(&cluster, "my-team");
-    upload_example_prompts(&cluster, 320, 60).await;
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(320, 60).await;
     cluster
         .kubectl(&[
             "apply",
@@ -356,8 +326,8 @@ async fn a_tenant_with_edit_rights_reaches_no_storage_credentials(cluster: &Loca
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_job() {
     let cluster = LocalCluster::up();
-    tenant(&cluster, "my-team");
-    upload_example_prompts(&cluster, 4, 8).await;
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(4, 8).await;
     // One slot, and a start timeout a test can wait out; the operator reads its catalogue at
     // start, so the change rolls it out.
     cluster
@@ -370,43 +340,9 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
             r#"{"spec":{"lanes":{"small":1}}}"#,
         ])
         .unwrap();
-    let config = cluster.field(
-        &["configmap", "harvest-operator", "-n", "harvest-system"],
-        "{.data.config\\.yaml}",
-    );
-    let config = config.replacen("startTimeoutSeconds: 1200", "startTimeoutSeconds: 5", 1);
-    let patch = json!({"data": {"config.yaml": config}}).to_string();
-    cluster
-        .kubectl(&[
-            "patch",
-            "configmap",
-            "harvest-operator",
-            "-n",
-            "harvest-system",
-            "--type=merge",
-            "-p",
-            &patch,
-        ])
-        .unwrap();
-    cluster
-        .kubectl(&[
-            "rollout",
-            "restart",
-            "deployment/harvest-operator",
-            "-n",
-            "harvest-system",
-        ])
-        .unwrap();
-    cluster
-        .kubectl(&[
-            "rollout",
-            "status",
-            "deployment/harvest-operator",
-            "-n",
-            "harvest-system",
-            "--timeout=240s",
-        ])
-        .unwrap();
+    cluster.set_operator_config(|config| {
+        config.replacen("startTimeoutSeconds: 1200", "startTimeoutSeconds: 5", 1)
+    });
     // The real tier's GPU nodes are cordoned (the fake has none).
     let gpu_nodes = cluster.field(
         &["nodes", "-l", "nvidia.com/gpu.present=true"],

@@ -1,0 +1,189 @@
+//! The real tier only (`scripts/cluster.sh up --real`): what a real control plane does that
+//! the fake apiserver does not, each shown on the shipped manifests as a platform team applies
+//! them. CRD defaults, pruning and CEL; uninstall and namespace deletion with jobs in flight;
+//! a node that stops heartbeating; a ResourceQuota that refuses a worker; a watch answered
+//! 410 Gone after an etcd compaction.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use harvest_e2e::{LocalCluster, Tier, WITHIN, eventually};
+use serde_json::Value;
+
+/// How long an uninstall or a namespace deletion may take (issue 36: within a minute).
+const DELETION: Duration = Duration::from_secs(60);
+
+fn json(cluster: &LocalCluster, args: &[&str]) -> Value {
+    let mut all = vec!["get"];
+    all.extend_from_slice(args);
+    all.extend(["-o", "json"]);
+    serde_json::from_str(&cluster.kubectl(&all).unwrap()).unwrap()
+}
+
+/// The example job, in `namespace`, with a corpus large enough to still run when a test acts.
+async fn example_job_running(cluster: &LocalCluster, namespace: &str) -> [String; 4] {
+    cluster.tenant(namespace);
+    cluster.upload_example_prompts(320, 60).await;
+    cluster
+        .kubectl(&[
+            "apply",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            namespace,
+        ])
+        .unwrap();
+    let job = [
+        "harvestjob".to_owned(),
+        "smollm2-quartiles".to_owned(),
+        "-n".to_owned(),
+        namespace.to_owned(),
+    ];
+    let args: Vec<&str> = job.iter().map(String::as_str).collect();
+    eventually("the example job running", WITHIN, || {
+        let running = cluster.field(&args, "{.status.conditions[?(@.type==\"Running\")].reason}");
+        (running == "PodRunning").then_some(()).ok_or(running)
+    })
+    .await;
+    job
+}
+
+/// Names of objects of `kind` (all namespaces) that are being deleted.
+fn terminating(cluster: &LocalCluster, kind: &str) -> Vec<String> {
+    let list = json(cluster, &[kind, "-A"]);
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["metadata"]["deletionTimestamp"].is_string())
+        .map(|o| {
+            format!(
+                "{} {}/{}",
+                kind,
+                o["metadata"]["namespace"].as_str().unwrap_or_default(),
+                o["metadata"]["name"].as_str().unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_crds_apply_without_warnings_and_their_defaults_pruning_and_cel_rules_act() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    let warnings: Vec<&str> = cluster
+        .setup_log
+        .lines()
+        .filter(|l| l.starts_with("Warning:"))
+        .collect();
+    assert!(warnings.is_empty(), "kubectl apply -k warned: {warnings:?}");
+    cluster
+        .kubectl(&["create", "namespace", "crd-check"])
+        .unwrap();
+    let job = "apiVersion: harvest.dev/v1alpha1\nkind: HarvestJob\nmetadata: {name: bare, namespace: crd-check}\nspec:\n  model: smollm2-135m\n  input: {prompts: s3://harvest-inputs/p.jsonl}\n  output: s3://harvest-outputs/bare\n  tokenBudget: 1000\n  notAField: 1\n";
+    // kubectl's default field validation is the server's, strict: the unknown field is named.
+    let refused = cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(job))
+        .unwrap_err();
+    assert!(refused.contains("notAField"), "{refused}");
+    // Told to ignore it, the apiserver prunes it; the schema's defaults fill what was omitted.
+    cluster
+        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(job))
+        .unwrap();
+    let stored = json(&cluster, &["harvestjob", "bare", "-n", "crd-check"]);
+    let spec = &stored["spec"];
+    assert!(spec.get("notAField").is_none(), "not pruned: {spec}");
+    assert_eq!(spec["backoffLimit"], 3, "{spec}");
+    assert_eq!(spec["cancel"], false, "{spec}");
+    assert_eq!(spec["harvest"]["addSpecialTokens"], true, "{spec}");
+    // CEL: a cancel cannot be taken back.
+    let patch = |cancel: bool| {
+        cluster.kubectl(&[
+            "patch",
+            "harvestjob",
+            "bare",
+            "-n",
+            "crd-check",
+            "--type=merge",
+            "-p",
+            &format!(r#"{{"spec":{{"cancel":{cancel}}}}}"#),
+        ])
+    };
+    patch(true).unwrap();
+    let refused = patch(false).unwrap_err();
+    assert!(refused.contains("cancel cannot be undone"), "{refused}");
+    // And an account's storage prefix must be a bucket URL or an absolute path.
+    let account = "apiVersion: harvest.dev/v1alpha1\nkind: HarvestAccount\nmetadata: {name: crooked}\nspec:\n  storage: {prefix: bucket/without/scheme}\n";
+    let refused = cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(account))
+        .unwrap_err();
+    assert!(
+        refused.contains("prefix must be s3://bucket/prefix or an absolute path"),
+        "{refused}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_tenant_namespace_with_a_job_in_flight_finishes_within_a_minute() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    let job = example_job_running(&cluster, "my-team").await;
+    let worker = cluster.field(&job.each_ref().map(String::as_str), "{.status.pod}");
+    assert!(!worker.is_empty());
+    let started = std::time::Instant::now();
+    cluster
+        .kubectl(&[
+            "delete",
+            "namespace",
+            "my-team",
+            &format!("--timeout={}s", DELETION.as_secs()),
+        ])
+        .unwrap();
+    assert!(
+        started.elapsed() <= DELETION,
+        "took {:?}",
+        started.elapsed()
+    );
+    // The job's worker went with it, and nothing is left being deleted.
+    eventually("the worker Pod gone", DELETION, || {
+        let pods = cluster.field(
+            &["pods", "-n", "harvest-system"],
+            "{.items[*].metadata.name}",
+        );
+        (!pods.split_whitespace().any(|p| p == worker))
+            .then_some(())
+            .ok_or(pods)
+    })
+    .await;
+    for kind in ["namespaces", "pods", "harvestjobs"] {
+        assert_eq!(terminating(&cluster, kind), Vec::<String>::new());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_delete_of_the_manifests_with_a_job_in_flight_finishes_within_a_minute() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    example_job_running(&cluster, "my-team").await;
+    let started = std::time::Instant::now();
+    cluster
+        .kubectl(&[
+            "delete",
+            "-k",
+            "manifests/",
+            &format!("--timeout={}s", DELETION.as_secs()),
+        ])
+        .unwrap();
+    assert!(
+        started.elapsed() <= DELETION,
+        "took {:?}",
+        started.elapsed()
+    );
+    // The CRDs took every HarvestJob with them, the tenant's too; nothing is left being
+    // deleted.
+    let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");
+    assert!(!crds.contains("harvest.dev"), "{crds}");
+    assert_eq!(terminating(&cluster, "namespaces"), Vec::<String>::new());
+    eventually("no harvest Pod left", DELETION, || {
+        let pods = cluster.field(&["pods", "-A"], "{.items[*].metadata.name}");
+        pods.is_empty().then_some(()).ok_or(pods)
+    })
+    .await;
+}
