@@ -187,3 +187,128 @@ async fn kubectl_delete_of_the_manifests_with_a_job_in_flight_finishes_within_a_
     })
     .await;
 }
+
+/// The job's record as it ends: Succeeded, charged exactly its tokens, and the account's lane
+/// slot and hold released with the account's book counting it once.
+async fn succeeded_and_charged_once(cluster: &LocalCluster, job: &[&str]) -> Value {
+    cluster
+        .kubectl(&[&["wait", "--for=condition=Finished", "--timeout=240s"], job].concat())
+        .unwrap();
+    let stored = json(cluster, job);
+    let status = &stored["status"];
+    assert_eq!(status["phase"], "Succeeded", "{status}");
+    let tokens = status["result"]["tokens"].as_u64().unwrap();
+    assert_eq!(status["tokens"]["charged"], tokens, "{status}");
+    eventually(
+        "the account charged once, its slot and hold released",
+        WITHIN,
+        || {
+            let account = json(cluster, &["harvestaccount", "interp-team"]);
+            let book = &account["status"];
+            let settled = book["tokensTotal"] == tokens
+                && book["active"]["small"] == 0
+                && book["holds"].as_array().is_none_or(Vec::is_empty);
+            settled.then_some(()).ok_or_else(|| book.to_string())
+        },
+    )
+    .await;
+    stored
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_stops_heartbeating_loses_its_worker_and_the_job_retries_elsewhere_charged_once()
+ {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    // A lost Pod is given up 5 s past its grace period (the default, 120 s, is for clusters).
+    cluster.set_operator_config(|config| {
+        config.replacen("apiNamespace:", "podLostAfterSeconds: 5\napiNamespace:", 1)
+    });
+    let job = example_job_running(&cluster, "my-team").await;
+    let job = job.each_ref().map(String::as_str);
+    let first = cluster.field(&job, "{.status.pod}");
+    let node = cluster.field(&["pod", &first, "-n", "harvest-system"], "{.spec.nodeName}");
+    // The node hangs: no heartbeats, and its processes (the worker's too) stop.
+    cluster.signal_node(&node, "STOP");
+    eventually("the node marked unreachable", WITHIN, || {
+        let taints = cluster.field(&["node", &node], "{.spec.taints[*].key}");
+        taints
+            .contains("node.kubernetes.io/unreachable")
+            .then_some(())
+            .ok_or(taints)
+    })
+    .await;
+    let stored = succeeded_and_charged_once(&cluster, &job).await;
+    cluster.signal_node(&node, "CONT");
+    let status = &stored["status"];
+    // The lost attempt was the cluster's fault: retried, not counted against backoffLimit.
+    assert_eq!(status["attempts"], 2, "{status}");
+    assert_eq!(status["failures"], 0, "{status}");
+    let second = status["pod"].as_str().unwrap();
+    assert_ne!(second, first);
+    let events = cluster.field(
+        &[
+            "events",
+            "-n",
+            "my-team",
+            "--field-selector",
+            "involvedObject.name=smollm2-quartiles",
+        ],
+        "{.items[*].reason}",
+    );
+    assert!(events.contains("PodLost"), "{events}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resourcequota_that_refuses_the_worker_holds_the_job_waiting_until_it_frees() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    // Room for what runs in harvest-system now, not for a worker's 2 CPUs.
+    let quota = |cpu: &str| {
+        format!(
+            "apiVersion: v1\nkind: ResourceQuota\nmetadata: {{name: workers, namespace: harvest-system}}\nspec: {{hard: {{requests.cpu: \"{cpu}\"}}}}\n"
+        )
+    };
+    cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(&quota("1")))
+        .unwrap();
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(8, 20).await;
+    cluster
+        .kubectl(&[
+            "apply",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            "my-team",
+        ])
+        .unwrap();
+    let job = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
+    let waiting = eventually("the job waiting for quota", WITHIN, || {
+        let running = json(&cluster, &job)["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Running")
+            .cloned()
+            .unwrap_or_default();
+        (running["reason"] == "WaitingForQuota")
+            .then_some(running.clone())
+            .ok_or_else(|| running.to_string())
+    })
+    .await;
+    assert!(
+        waiting["message"]
+            .as_str()
+            .unwrap()
+            .contains("exceeded quota"),
+        "{waiting}"
+    );
+    // Waiting is not failing: nothing counted against backoffLimit while the quota holds.
+    let stored = json(&cluster, &job);
+    assert_eq!(stored["status"]["phase"], "Running", "{stored}");
+    assert_eq!(stored["status"]["failures"], 0, "{stored}");
+    cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(&quota("20")))
+        .unwrap();
+    let stored = succeeded_and_charged_once(&cluster, &job).await;
+    assert_eq!(stored["status"]["failures"], 0, "{stored}");
+}
