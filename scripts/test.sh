@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The project's test command: fetches and imports the real test model and installs the
-# test-only tools (both cached in ~/.cache/harvest), runs every test of the workspace, runs
+# The project's test command: fetches and imports the real test model, installs the
+# test-only tools and builds the real tier's Kubernetes control plane from its Go modules (all
+# cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
+# on the real control plane (the first run is on the fake apiserver), runs
 # schemathesis on the OpenAPI document against the embedded server, then installs the Python
 # client (clients/python) and runs its pytest suite against the binaries cargo just built (the
 # status page's browser test included), and closes with one line that adds up the Rust and
@@ -9,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh >/dev/null
 tools=$(scripts/test-tools.sh)
+# kube-apiserver, controller-manager, scheduler, kubectl and etcd for e2e/tests/real.rs and
+# the second e2e run (cold: about four minutes on two cores; then cached).
+scripts/controlplane.sh >/dev/null
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
 # NVRTC from the wheel: the kernel test must compile every CUDA kernel, not skip.
 nvrtc_lib=$(echo "$tools"/../lib/python3*/site-packages/nvidia/cu13/lib)
@@ -23,6 +28,8 @@ status=0
 cargo build --workspace --bins --quiet
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
+# The shared e2e suite again, on the real control plane (scripts/cluster.sh up --real).
+HARVEST_E2E_TIER=real cargo test -p harvest-e2e --test cluster --no-fail-fast 2>&1 | tee -a "$log" || status=$?
 # The OpenAPI document against the server it describes: schemathesis, every check.
 scripts/schemathesis.sh 2>&1 | tee -a "$log" || status=$?
 # The CPU kernels again at every other kernel level this CPU runs (HARVEST_CPU_LEVEL), so a

@@ -10,7 +10,8 @@
 //	harvest-controlplane compact --dir DIR                          # etcd compaction, now
 //
 // `up` writes DIR/kubeconfig (cluster-admin), DIR/nodes/NAME.kubeconfig, and DIR/ready once
-// the apiserver is ready. Logs of each component are DIR/logs/*.log.
+// the apiserver is ready. Logs of each component are DIR/logs/*.log. SIGUSR1 restarts
+// kube-apiserver; DIR/apiserver.generation counts its ready starts.
 package main
 
 import (

@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -69,13 +70,21 @@ func up(ctx context.Context, s settings) error {
 
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	// SIGUSR1 restarts kube-apiserver, as an upgrade does: every watch is cut, and its
+	// fresh watch cache starts at etcd's current revision.
+	restart := make(chan os.Signal, 1)
+	signal.Notify(restart, syscall.SIGUSR1)
 	exited := make(chan error, 3)
-	apiserver, err := start(s.bin, logs, "kube-apiserver", apiserverArgs(s, pki, port, endpoint), exited)
+	apiserverArgs := apiserverArgs(s, pki, port, endpoint)
+	apiserver, err := start(s.bin, logs, "kube-apiserver", apiserverArgs, exited)
 	if err != nil {
 		return err
 	}
-	defer halt(apiserver)
+	defer func() { halt(apiserver) }()
 	if err := waitReady(ctx, pki, server, exited); err != nil {
+		return err
+	}
+	if err := writeGeneration(s.dir, 1); err != nil {
 		return err
 	}
 	manager, err := start(s.bin, logs, "kube-controller-manager", managerArgs(s, pki), exited)
@@ -92,12 +101,32 @@ func up(ctx context.Context, s settings) error {
 		return err
 	}
 	fmt.Println(server)
-	select {
-	case <-ctx.Done():
-		return nil
-	case err := <-exited:
-		return err
+	for generation := 2; ; generation++ {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-exited:
+			return err
+		case <-restart:
+			halt(apiserver)
+			apiserver, err = start(s.bin, logs, "kube-apiserver", apiserverArgs, exited)
+			if err != nil {
+				return err
+			}
+			if err := waitReady(ctx, pki, server, exited); err != nil {
+				return err
+			}
+			if err := writeGeneration(s.dir, generation); err != nil {
+				return err
+			}
+		}
 	}
+}
+
+// writeGeneration records how many times kube-apiserver has come up ready, in
+// DIR/apiserver.generation, for a test that restarts it.
+func writeGeneration(dir string, generation int) error {
+	return os.WriteFile(filepath.Join(dir, "apiserver.generation"), []byte(strconv.Itoa(generation)+"\n"), 0o644)
 }
 
 func makePKI(s settings, pki, server string) error {
@@ -240,13 +269,15 @@ func schedulerArgs(s settings) []string {
 
 // component is one running child process; done closes when it has exited.
 type component struct {
-	cmd  *exec.Cmd
-	done chan struct{}
+	cmd      *exec.Cmd
+	done     chan struct{}
+	stopping atomic.Bool
 }
 
 // start runs one component with its output in LOGS/NAME.log; its exit is sent on exited.
 func start(bin, logs, name string, args []string, exited chan<- error) (*component, error) {
-	log, err := os.Create(filepath.Join(logs, name+".log"))
+	// Appended to: a restarted component keeps its earlier log.
+	log, err := os.OpenFile(filepath.Join(logs, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
@@ -263,6 +294,9 @@ func start(bin, logs, name string, args []string, exited chan<- error) (*compone
 		err := cmd.Wait()
 		log.Close()
 		close(c.done)
+		if c.stopping.Load() {
+			return
+		}
 		select {
 		case exited <- fmt.Errorf("%s exited (%v); see %s", name, err, log.Name()):
 		default:
@@ -273,6 +307,7 @@ func start(bin, logs, name string, args []string, exited chan<- error) (*compone
 
 // halt stops a component: SIGTERM, then SIGKILL after ten seconds.
 func halt(c *component) {
+	c.stopping.Store(true)
 	_ = c.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-c.done:

@@ -42,6 +42,45 @@ pub struct LocalCluster {
     pub tier: Tier,
     /// What `scripts/cluster.sh up` wrote to stderr (kubectl's warnings among it).
     pub setup_log: String,
+    /// A real tier's place among those running at once (released after `down`).
+    _slot: Option<RealSlot>,
+}
+
+/// Real-tier clusters one test binary runs at once: each is a control plane and five node
+/// agents with their Pods, and more than two on a two-core machine starve each other's start.
+const REAL_AT_ONCE: usize = 2;
+
+static REAL_RUNNING: (std::sync::Mutex<usize>, std::sync::Condvar) =
+    (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+/// A held place among [`REAL_AT_ONCE`]; given back on drop.
+#[derive(Debug)]
+struct RealSlot;
+
+impl RealSlot {
+    fn take() -> Self {
+        let (count, freed) = &REAL_RUNNING;
+        let mut running = count
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *running >= REAL_AT_ONCE {
+            running = freed
+                .wait(running)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        *running += 1;
+        Self
+    }
+}
+
+impl Drop for RealSlot {
+    fn drop(&mut self) {
+        let (count, freed) = &REAL_RUNNING;
+        *count
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) -= 1;
+        freed.notify_one();
+    }
 }
 
 /// Which Kubernetes a [`LocalCluster`] runs on.
@@ -82,6 +121,7 @@ impl LocalCluster {
 
     /// `scripts/cluster.sh up` (`--real` for the real tier), its exports read back.
     pub fn up_on(tier: Tier) -> Self {
+        let slot = (tier == Tier::Real).then(RealSlot::take);
         let dir = tempfile::tempdir().unwrap();
         let args: &[&str] = match tier {
             Tier::Fake => &["up"],
@@ -114,6 +154,7 @@ impl LocalCluster {
             kubectl,
             tier,
             setup_log: String::from_utf8_lossy(&out.stderr).into_owned(),
+            _slot: slot,
             dir,
         }
     }
@@ -162,6 +203,27 @@ impl LocalCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+
+    /// Restarts the real tier's kube-apiserver (as an upgrade does) and waits until the new
+    /// one is ready: every watch is cut, and the new watch cache starts at etcd's revision.
+    pub async fn restart_apiserver(&self) {
+        let marker = self.state_dir().join("apiserver.generation");
+        let generation = || std::fs::read_to_string(&marker).unwrap_or_default();
+        let before: u32 = generation().trim().parse().unwrap();
+        let pid = std::fs::read_to_string(self.dir.path().join("cluster.pid")).unwrap();
+        let status = Command::new("kill")
+            .args(["-USR1", pid.trim()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        eventually("kube-apiserver ready again", WITHIN, || {
+            let now = generation();
+            (now.trim().parse::<u32>().ok() == Some(before + 1))
+                .then_some(())
+                .ok_or(now)
+        })
+        .await;
     }
 
     /// The cluster's state directory (control plane, node agents, Pod logs).

@@ -312,3 +312,97 @@ async fn a_resourcequota_that_refuses_the_worker_holds_the_job_waiting_until_it_
     let stored = succeeded_and_charged_once(&cluster, &job).await;
     assert_eq!(stored["status"]["failures"], 0, "{stored}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_operator_runs_jobs() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    // A Lease that outlasts the restart below: the leader keeps leading, and its watches
+    // (not a fresh process's) must recover.
+    let ns = ["-n", "harvest-system"];
+    let run = |args: &[&str]| cluster.kubectl(&[args, &ns[..]].concat()).unwrap();
+    run(&[
+        "set",
+        "env",
+        "deployment/harvest-operator",
+        "HARVEST_LEASE_SECONDS=120",
+    ]);
+    run(&[
+        "rollout",
+        "status",
+        "deployment/harvest-operator",
+        "--timeout=240s",
+    ]);
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(8, 20).await;
+    let list: Value = serde_json::from_str(
+        &cluster
+            .kubectl(&["get", "--raw", "/apis/harvest.dev/v1alpha1/harvestjobs"])
+            .unwrap(),
+    )
+    .unwrap();
+    let before = list["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Changes past the operator's last resourceVersion, a compaction past them all, then an
+    // apiserver restart (as an upgrade does): each watch comes back with a resourceVersion
+    // older than the new watch cache and than etcd's history.
+    for i in 0..20 {
+        let name = format!("churn-{i}");
+        cluster
+            .kubectl(&["create", "configmap", &name, "-n", "my-team"])
+            .unwrap();
+    }
+    let revision = cluster.compact_etcd();
+    assert!(revision > before.trim().parse::<u64>().unwrap());
+    cluster.restart_apiserver().await;
+    // The server's side: a watch from before is refused, 410 Gone.
+    let refused = cluster
+        .kubectl(&[
+            "get",
+            "--raw",
+            &format!(
+                "/apis/harvest.dev/v1alpha1/harvestjobs?watch=1&resourceVersion={}&timeoutSeconds=1",
+                before.trim()
+            ),
+        ])
+        .map_or_else(|e| e, |body| body);
+    assert!(
+        refused.contains("410") && refused.contains("too old resource version"),
+        "{refused}"
+    );
+    // The operator's watches, cut by the restart, were answered 410 and listed again: a job
+    // applied now runs to the end, charged once.
+    cluster
+        .kubectl(&[
+            "apply",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            "my-team",
+        ])
+        .unwrap();
+    succeeded_and_charged_once(
+        &cluster,
+        &["harvestjob", "smollm2-quartiles", "-n", "my-team"],
+    )
+    .await;
+    let operators = cluster.field(
+        &[
+            "pods",
+            "-n",
+            "harvest-system",
+            "-l",
+            "app.kubernetes.io/name=harvest-operator",
+        ],
+        "{.items[*].metadata.name}",
+    );
+    let logs: String = operators
+        .split_whitespace()
+        .map(|pod| cluster.pod_log("harvest-system", pod))
+        .collect();
+    assert!(
+        logs.contains("a watch failed") && logs.contains("too old resource version"),
+        "no operator saw the 410:\n{logs}"
+    );
+}

@@ -123,7 +123,7 @@ pub async fn run(
             reconcile::error_policy,
             Arc::clone(&context),
         )
-        .for_each(|_| futures::future::ready(()));
+        .for_each(log_watch_failure);
     let accounts_running = account_controller
         .graceful_shutdown_on(shutdown.clone())
         .run(
@@ -131,7 +131,7 @@ pub async fn run(
             ledger::account_error_policy,
             context,
         )
-        .for_each(|_| futures::future::ready(()));
+        .for_each(log_watch_failure);
     let running = drain_within_grace(
         async {
             futures::join!(jobs_running, accounts_running);
@@ -161,6 +161,20 @@ pub async fn run(
 }
 
 /// Events as this replica (`instance`) of the operator publishes them.
+/// Logs a watch's failure, once, where the controller hands it over (reconcile errors are
+/// logged by their error policies). A watch answered 410 Gone lists again on its own.
+fn log_watch_failure<K, E>(
+    result: Result<K, kube::runtime::controller::Error<E, watcher::Error>>,
+) -> futures::future::Ready<()>
+where
+    E: std::error::Error + 'static,
+{
+    if let Err(kube::runtime::controller::Error::QueueError(error)) = result {
+        warn!(%error, "a watch failed; it starts again from a fresh list");
+    }
+    futures::future::ready(())
+}
+
 fn recorder(client: &Client, instance: &str) -> Recorder {
     let reporter = Reporter {
         controller: "harvest-operator".into(),

@@ -24,6 +24,11 @@ struct Cli {
     /// the ConfigMap key `workerImage`, which kustomize's `images:` retags).
     #[arg(long, env = "HARVEST_WORKER_IMAGE")]
     worker_image: Option<String>,
+    /// How long the leader Lease lasts without renewal; the leader gives up after two thirds
+    /// of it without a successful renewal. Longer rides out a longer apiserver outage (an
+    /// upgrade); shorter hands over sooner when the leader's node is lost.
+    #[arg(long, env = "HARVEST_LEASE_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(3..=3600))]
+    lease_seconds: u64,
     /// This replica's identity (its Pod name).
     #[arg(long, env = "POD_NAME", default_value = "harvest-operator")]
     identity: String,
@@ -50,7 +55,7 @@ async fn main() -> anyhow::Result<()> {
             namespace,
             lease: "harvest-operator".into(),
             identity: cli.identity.clone(),
-            duration: Duration::from_secs(15),
+            duration: Duration::from_secs(cli.lease_seconds),
         }),
         instance: cli.identity,
     };
