@@ -332,6 +332,13 @@ async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_opera
         "deployment/harvest-operator",
         "--timeout=240s",
     ]);
+    // A replica of the new template leads (it writes its Lease's duration).
+    eventually("a 120 s Lease held", WITHIN, || {
+        let lease = &["lease", "harvest-operator", "-n", "harvest-system"];
+        let seconds = cluster.field(lease, "{.spec.leaseDurationSeconds}");
+        (seconds == "120").then_some(()).ok_or(seconds)
+    })
+    .await;
     cluster.tenant("my-team");
     cluster.upload_example_prompts(8, 20).await;
     let list: Value = serde_json::from_str(
