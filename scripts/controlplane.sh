@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../e2e/controlplane"
 cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
 export GOMODCACHE=${GOMODCACHE:-$cache/go/mod} GOCACHE=${GOCACHE:-$cache/go/build}
-export GOFLAGS=-mod=readonly CGO_ENABLED=0
+export GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
 key=$(cat go.mod go.sum ./*.go | sha256sum | cut -c1-16)
 bin=$cache/controlplane/$key
 if [ ! -x "$bin/harvest-controlplane" ]; then

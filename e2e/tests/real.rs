@@ -373,7 +373,7 @@ async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_opera
                 before.trim()
             ),
         ])
-        .map_or_else(|e| e, |body| body);
+        .unwrap_or_else(|e| e);
     assert!(
         refused.contains("410") && refused.contains("too old resource version"),
         "{refused}"

@@ -1,4 +1,5 @@
-//! The node agent: the fake's kubelet serving a node of any apiserver over HTTPS, a real
+//! The node agent: the fake's kubelet serving a node of any apiserver over HTTPS (its client
+//! side is [`crate::kubelet::remote`]), a real
 //! kube-apiserver in the real test tier. It registers its Node (GPUs, taints, labels), renews
 //! the node's Lease and Ready condition, runs the Pods the scheduler binds to it with the fake
 //! kubelet ([`crate::kubelet`]), reports their status, and finishes their graceful deletion.
@@ -9,22 +10,20 @@
 //! to what a real kubelet may do. Stopping it (SIGSTOP) stops its heartbeats, as a node lost
 //! from the network would, while its Pods' processes run on.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
-use tokio::sync::watch;
 
+use crate::kubelet::remote::Remote;
 use crate::kubelet::{Kubelet, KubeletConfig, Link};
-use crate::launch::{ApiAccess, Snapshot};
+use crate::launch::ApiAccess;
 
 /// How often the node renews its Lease; the node lifecycle controller marks it NotReady after
 /// its grace period without one.
@@ -33,8 +32,6 @@ const LEASE_RENEW: Duration = Duration::from_secs(2);
 const LEASE_SECONDS: i32 = 40;
 /// How often the Ready condition's heartbeat is written.
 const STATUS_HEARTBEAT: Duration = Duration::from_secs(5);
-/// How long a Pod's token lasts (a projected token's default; Pods here outlive no test).
-const TOKEN_SECONDS: i64 = 3607;
 /// The version the node reports (the control plane's release).
 const KUBELET_VERSION: &str = "v1.34.4";
 
@@ -73,29 +70,6 @@ pub struct NodeSpec {
     pub memory_gib: u64,
 }
 
-/// The agent's client side of the kubelet: status writes, tokens and the objects a Pod reads.
-pub struct Remote {
-    client: kube::Client,
-    node: String,
-    /// The latest status per Pod, each written in order by its own task, so a burst of
-    /// updates costs one write and the last one always lands.
-    statuses: Mutex<HashMap<String, watch::Sender<Value>>>,
-}
-
-impl std::fmt::Debug for Remote {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Remote")
-            .field("node", &self.node)
-            .finish_non_exhaustive()
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// RFC 3339 UTC, to the second, as Kubernetes writes times.
 fn now() -> String {
     crate::store::rfc3339(
@@ -103,126 +77,6 @@ fn now() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     )
-}
-
-/// The status patch for a kubelet's whole status: fields it leaves out are cleared, and the
-/// plural IP fields the apiserver validates against the singular ones are filled.
-fn status_patch(mut status: Value) -> Value {
-    for field in ["reason", "message", "startTime", "podIP", "hostIP"] {
-        if status.get(field).is_none() {
-            status[field] = Value::Null;
-        }
-    }
-    status["podIPs"] = match status["podIP"].as_str() {
-        Some(ip) => json!([{"ip": ip}]),
-        None => Value::Null,
-    };
-    status["hostIPs"] = match status["hostIP"].as_str() {
-        Some(ip) => json!([{"ip": ip}]),
-        None => Value::Null,
-    };
-    json!({ "status": status })
-}
-
-impl Remote {
-    /// Queues the Pod's whole status; the Pod's writer applies the latest.
-    pub fn set_status(&self, ns: &str, name: &str, status: Value) {
-        let key = format!("{ns}/{name}");
-        let mut statuses = lock(&self.statuses);
-        if let Some(sender) = statuses.get(&key)
-            && sender.send(status.clone()).is_ok()
-        {
-            return;
-        }
-        let (sender, mut receiver) = watch::channel(status);
-        statuses.insert(key, sender);
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-        let name = name.to_owned();
-        tokio::spawn(async move {
-            loop {
-                let status = receiver.borrow_and_update().clone();
-                let patch = status_patch(status);
-                if let Err(error) = api
-                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    tracing::warn!(pod = %name, %error, "writing the Pod's status");
-                }
-                if receiver.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
-    }
-
-    fn forget(&self, ns: &str, name: &str) {
-        lock(&self.statuses).remove(&format!("{ns}/{name}"));
-    }
-
-    /// A token for the Pod's ServiceAccount, bound to the Pod (as Node authorization
-    /// requires of a kubelet), unless the Pod or the account opts out of automounting; the
-    /// apiserver's refusal as the error (Node authorization learns of a binding a moment
-    /// after the kubelet does, so the caller retries).
-    pub async fn token(
-        &self,
-        pod: &Value,
-        account: &str,
-        declared: Option<bool>,
-    ) -> Result<Option<String>, String> {
-        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
-        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), ns);
-        let automount = match declared {
-            Some(flag) => flag,
-            None => accounts
-                .get_opt(account)
-                .await
-                .ok()
-                .flatten()
-                .and_then(|sa| sa.automount_service_account_token)
-                .unwrap_or(true),
-        };
-        if !automount {
-            return Ok(None);
-        }
-        let request = TokenRequest {
-            spec: TokenRequestSpec {
-                audiences: Vec::new(),
-                expiration_seconds: Some(TOKEN_SECONDS),
-                bound_object_ref: Some(BoundObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("Pod".into()),
-                    name: pod["metadata"]["name"].as_str().map(str::to_owned),
-                    uid: pod["metadata"]["uid"].as_str().map(str::to_owned),
-                }),
-            },
-            ..TokenRequest::default()
-        };
-        match accounts
-            .create_token_request(account, &PostParams::default(), &request)
-            .await
-        {
-            Ok(made) => Ok(made.status.map(|s| s.token)),
-            Err(error) => Err(format!(
-                "requesting a token for ServiceAccount {ns}/{account}: {error}"
-            )),
-        }
-    }
-
-    /// The ConfigMaps, Secrets and claims the Pod reads, as they are now; absent ones are
-    /// left out, and [`crate::launch::resolve`] reports them.
-    pub async fn snapshot(&self, pod: &Value) -> Snapshot {
-        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
-        let mut objects = BTreeMap::new();
-        for (plural, name) in crate::launch::references(pod) {
-            let url = format!("/api/v1/namespaces/{ns}/{plural}/{name}");
-            let request = http::Request::get(url).body(Vec::new());
-            let Ok(request) = request else { continue };
-            if let Ok(object) = self.client.request::<Value>(request).await {
-                objects.insert((plural.to_owned(), name), object);
-            }
-        }
-        Snapshot(objects)
-    }
 }
 
 /// Reads a kubeconfig into a client.
@@ -380,7 +234,7 @@ async fn finish_deletion(kubelet: Arc<Kubelet>, remote: Arc<Remote>, pod: Value)
         .to_owned();
     kubelet.finished(&ns, &name).await;
     remote.forget(&ns, &name);
-    let pods: Api<Pod> = Api::namespaced(remote.client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(remote.client().clone(), &ns);
     let params = DeleteParams {
         grace_period_seconds: Some(0),
         preconditions: Some(Preconditions {
@@ -404,18 +258,14 @@ pub async fn run(
     let client = client(kubeconfig).await?;
     register(&client, &spec).await?;
     tokio::spawn(heartbeat(client.clone(), spec.clone()));
-    let remote = Arc::new(Remote {
-        client: client.clone(),
-        node: spec.name.clone(),
-        statuses: Mutex::default(),
-    });
+    let remote = Arc::new(Remote::new(client.clone(), spec.name.clone()));
     let kubelet = Kubelet::new(
         Link::Remote(remote.clone()),
         kubelet,
         api_access(kubeconfig)?,
     );
     let pods: Api<Pod> = Api::all(client);
-    let config = watcher::Config::default().fields(&format!("spec.nodeName={}", remote.node));
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={}", remote.node()));
     let mut events = std::pin::pin!(watcher(pods, config));
     let mut finishing = std::collections::HashSet::new();
     while let Some(event) = events.next().await {

@@ -5,6 +5,7 @@
 //! Tests can inject an OOM kill or an eviction.
 
 mod probe;
+pub mod remote;
 mod run;
 pub mod schedule;
 
@@ -54,7 +55,7 @@ pub enum Link {
     /// The fake's store; the kubelet also schedules.
     Store(Arc<Store>),
     /// An apiserver whose scheduler binds Pods to this node.
-    Remote(Arc<crate::agent::Remote>),
+    Remote(Arc<remote::Remote>),
 }
 
 /// Wakes a waiting Pod task when the cluster may have changed.
@@ -179,7 +180,7 @@ impl Kubelet {
             loop {
                 for change in store.changes_since(&pods(), last) {
                     last = change.rv;
-                    this.observe(&change.type_, &change.object);
+                    this.observe(change.type_, &change.object);
                 }
                 if wake.changed().await.is_err() {
                     return;
