@@ -48,6 +48,20 @@ async fn example_job_running(cluster: &LocalCluster, namespace: &str) -> [String
     job
 }
 
+/// `kubectl delete WHAT`, which waits until it is gone: within [`DELETION`].
+fn delete_within_a_minute(cluster: &LocalCluster, what: &[&str]) {
+    let started = std::time::Instant::now();
+    let timeout = format!("--timeout={}s", DELETION.as_secs());
+    cluster
+        .kubectl(&[&["delete"], what, &[timeout.as_str()]].concat())
+        .unwrap();
+    assert!(
+        started.elapsed() <= DELETION,
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
 /// Names of objects of `kind` (all namespaces) that are being deleted.
 fn terminating(cluster: &LocalCluster, kind: &str) -> Vec<String> {
     let list = json(cluster, &[kind, "-A"]);
@@ -128,20 +142,7 @@ async fn deleting_a_tenant_namespace_with_a_job_in_flight_finishes_within_a_minu
     let job = example_job_running(&cluster, "my-team").await;
     let worker = cluster.field(&job.each_ref().map(String::as_str), "{.status.pod}");
     assert!(!worker.is_empty());
-    let started = std::time::Instant::now();
-    cluster
-        .kubectl(&[
-            "delete",
-            "namespace",
-            "my-team",
-            &format!("--timeout={}s", DELETION.as_secs()),
-        ])
-        .unwrap();
-    assert!(
-        started.elapsed() <= DELETION,
-        "took {:?}",
-        started.elapsed()
-    );
+    delete_within_a_minute(&cluster, &["namespace", "my-team"]);
     // The job's worker went with it, and nothing is left being deleted.
     eventually("the worker Pod gone", DELETION, || {
         let pods = cluster.field(
@@ -162,20 +163,7 @@ async fn deleting_a_tenant_namespace_with_a_job_in_flight_finishes_within_a_minu
 async fn kubectl_delete_of_the_manifests_with_a_job_in_flight_finishes_within_a_minute() {
     let cluster = LocalCluster::up_on(Tier::Real);
     example_job_running(&cluster, "my-team").await;
-    let started = std::time::Instant::now();
-    cluster
-        .kubectl(&[
-            "delete",
-            "-k",
-            "manifests/",
-            &format!("--timeout={}s", DELETION.as_secs()),
-        ])
-        .unwrap();
-    assert!(
-        started.elapsed() <= DELETION,
-        "took {:?}",
-        started.elapsed()
-    );
+    delete_within_a_minute(&cluster, &["-k", "manifests/"]);
     // The CRDs took every HarvestJob with them, the tenant's too; nothing is left being
     // deleted.
     let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");

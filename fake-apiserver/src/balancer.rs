@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
@@ -79,18 +79,9 @@ async fn listen(
     std::fs::write(&file, format!("{local}\n")).ok()?;
     let turn = Arc::new(AtomicUsize::new(0));
     Some(tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = listener.accept().await {
+        while let Ok((inbound, _)) = listener.accept().await {
             let endpoints = ready_endpoints(&client, &key.0, &selector, &port).await;
-            if endpoints.is_empty() {
-                continue;
-            }
-            let endpoint =
-                endpoints[turn.fetch_add(1, Ordering::Relaxed) % endpoints.len()].clone();
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(endpoint).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
+            crate::controllers::forward(inbound, &endpoints, &turn);
         }
     }))
 }

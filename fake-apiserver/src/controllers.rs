@@ -246,7 +246,7 @@ impl Proxies {
         let store = store.clone();
         let turn = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
                 let (_, pods) = store.list_at(&key("pods"), Some(&ns));
                 let endpoints: Vec<(String, u16)> = pods
                     .iter()
@@ -258,18 +258,26 @@ impl Proxies {
                         ))
                     })
                     .collect();
-                if endpoints.is_empty() {
-                    continue;
-                }
-                let endpoint =
-                    endpoints[turn.fetch_add(1, Ordering::Relaxed) % endpoints.len()].clone();
-                tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(endpoint).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
+                forward(inbound, &endpoints, &turn);
             }
         });
         Some((local, task))
     }
+}
+
+/// Forwards one accepted connection to the next of `endpoints` in turn; with none, the
+/// connection is dropped (refused, as a Service without ready endpoints).
+pub(crate) fn forward<A>(mut inbound: tokio::net::TcpStream, endpoints: &[A], turn: &AtomicUsize)
+where
+    A: tokio::net::ToSocketAddrs + Clone + Send + 'static,
+{
+    if endpoints.is_empty() {
+        return;
+    }
+    let endpoint = endpoints[turn.fetch_add(1, Ordering::Relaxed) % endpoints.len()].clone();
+    tokio::spawn(async move {
+        if let Ok(mut outbound) = tokio::net::TcpStream::connect(endpoint).await {
+            let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+        }
+    });
 }

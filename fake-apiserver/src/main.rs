@@ -2,11 +2,11 @@
 //! loopback, for `scripts/cluster.sh`. It writes `DIR/kubeconfig` once it serves, and runs
 //! until SIGTERM or SIGINT.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Parser;
+use harvest_fake_apiserver::kubelet::key_value;
 use harvest_fake_apiserver::{FakeApiServer, KubeletConfig};
 
 /// A Kubernetes stand-in on this machine: Pods run as local processes.
@@ -19,41 +19,22 @@ struct Cli {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: std::net::SocketAddr,
     /// `IMAGE=EXECUTABLE`: what the kubelet runs for an image (repeatable).
-    #[arg(long = "image", value_parser = pair)]
+    #[arg(long = "image", value_parser = key_value)]
     images: Vec<(String, String)>,
     /// `NAMESPACE/CLAIM=DIRECTORY`: a PersistentVolumeClaim's backing directory; `*` for every
     /// namespace (repeatable).
-    #[arg(long = "claim", value_parser = pair)]
+    #[arg(long = "claim", value_parser = key_value)]
     claims: Vec<(String, String)>,
     /// `NAME=VALUE` added to every container's environment (repeatable).
-    #[arg(long = "env", value_parser = pair)]
+    #[arg(long = "env", value_parser = key_value)]
     env: Vec<(String, String)>,
-}
-
-fn pair(text: &str) -> Result<(String, String), String> {
-    text.split_once('=')
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("creating {}", cli.dir.display()))?;
-    let config = KubeletConfig {
-        images: cli
-            .images
-            .into_iter()
-            .map(|(k, v)| (k, PathBuf::from(v)))
-            .collect::<HashMap<_, _>>(),
-        env: cli.env,
-        work_dir: cli.dir.clone(),
-        claims: cli
-            .claims
-            .into_iter()
-            .map(|(k, v)| (k, PathBuf::from(v)))
-            .collect::<BTreeMap<_, _>>(),
-    };
+    let config = KubeletConfig::from_flags(cli.images, cli.env, cli.claims, cli.dir.clone());
     let server = FakeApiServer::start_on(config, cli.listen)
         .await
         .with_context(|| format!("listening on {}", cli.listen))?;

@@ -163,6 +163,15 @@ pub enum Error {
         /// The store's error.
         reason: String,
     },
+    /// An input the plan names (the prompts, the directions) is not in the store: the job's
+    /// mistake, which no retry mends.
+    #[error("{what} {location} does not exist: upload it there, or name where it is")]
+    MissingInput {
+        /// What the input is.
+        what: &'static str,
+        /// Where the plan says it is.
+        location: String,
+    },
     /// The output location holds files of a different harvest.
     #[error(
         "output {location} holds files of a different harvest (plan {found}, this plan is {expected}): use a new output location, or empty this one"
@@ -291,7 +300,8 @@ impl Error {
             | Self::ForeignOutput { .. }
             | Self::BadStages { .. }
             | Self::TokenBudget { .. }
-            | Self::BadParts { .. } => ErrorKind::BadInput,
+            | Self::BadParts { .. }
+            | Self::MissingInput { .. } => ErrorKind::BadInput,
             Self::Io { .. }
             | Self::Store { .. }
             | Self::Json { .. }

