@@ -222,7 +222,9 @@ start_real() {
     gpus=2
     case $node in cpu-*) gpus=0 ;; esac
     setsid "$bin/harvest-node-agent" --kubeconfig "$dir/state/nodes/$node.kubeconfig" --node "$node" \
-      --gpus "$gpus" --dir "$dir/state/agents/$node" "$@" > "$dir/agent-$node.log" 2>&1 < /dev/null &
+      --gpus "$gpus" --dir "$dir/state/agents/$node" "$@" \
+      --serving-cert "$dir/state/pki/node-$node-serving.crt" --serving-key "$dir/state/pki/node-$node-serving.key" \
+      > "$dir/agent-$node.log" 2>&1 < /dev/null &
     echo $! > "$dir/agent-$node.pid"
   done
   setsid "$bin/harvest-node-agent" --services-kubeconfig "$dir/state/kubeconfig" \

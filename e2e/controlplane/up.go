@@ -167,6 +167,11 @@ func makePKI(s settings, pki, server string) error {
 			return err
 		}
 		kubeconfigs[filepath.Join(s.dir, "nodes", node+".kubeconfig")] = name
+		// The node agent's kubelet API (pods/log), reached at the node's InternalIP.
+		if err := ca.issue(pki, name+"-serving", "system:node:"+node, []string{"system:nodes"},
+			[]string{"127.0.0.1", node}); err != nil {
+			return err
+		}
 	}
 	for path, name := range kubeconfigs {
 		if err := writeKubeconfig(path, pki, server, name); err != nil {
@@ -221,6 +226,8 @@ func apiserverArgs(s settings, pki string, port int, etcd string) []string {
 		"--client-ca-file=" + p("ca.crt"),
 		"--kubelet-client-certificate=" + p("apiserver-kubelet-client.crt"),
 		"--kubelet-client-key=" + p("apiserver-kubelet-client.key"),
+		// Node agents listen on loopback; their names resolve nowhere.
+		"--kubelet-preferred-address-types=InternalIP",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + p("sa.pub"),
 		"--service-account-signing-key-file=" + p("sa.key"),

@@ -137,14 +137,34 @@ async fn the_crds_apply_without_warnings_and_their_defaults_pruning_and_cel_rule
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deleting_a_tenant_namespace_with_a_job_in_flight_finishes_within_a_minute() {
+async fn deleting_a_tenant_namespace_with_a_job_in_flight_while_the_operator_is_down_finishes_within_a_minute()
+ {
     let cluster = LocalCluster::up_on(Tier::Real);
     let job = example_job_running(&cluster, "my-team").await;
     let worker = cluster.field(&job.each_ref().map(String::as_str), "{.status.pod}");
     assert!(!worker.is_empty());
+    // The operator is down (an upgrade, a bad rollout): nothing of the tenant's may wait on it.
+    let ns = ["-n", "harvest-system"];
+    let run = |args: &[&str]| cluster.kubectl(&[args, &ns[..]].concat()).unwrap();
+    run(&["scale", "deployment/harvest-operator", "--replicas=0"]);
+    eventually("no operator Pod left", WITHIN, || {
+        let pods = cluster.field(
+            &[
+                "pods",
+                "-n",
+                "harvest-system",
+                "-l",
+                "app.kubernetes.io/name=harvest-operator",
+            ],
+            "{.items[*].metadata.name}",
+        );
+        pods.is_empty().then_some(()).ok_or(pods)
+    })
+    .await;
     delete_within_a_minute(&cluster, &["namespace", "my-team"]);
-    // The job's worker went with it, and nothing is left being deleted.
-    eventually("the worker Pod gone", DELETION, || {
+    // Back up, the operator sweeps the orphaned worker; nothing is left being deleted.
+    run(&["scale", "deployment/harvest-operator", "--replicas=2"]);
+    eventually("the worker Pod gone", WITHIN, || {
         let pods = cluster.field(
             &["pods", "-n", "harvest-system"],
             "{.items[*].metadata.name}",
@@ -299,6 +319,12 @@ async fn a_resourcequota_that_refuses_the_worker_holds_the_job_waiting_until_it_
         .unwrap();
     let stored = succeeded_and_charged_once(&cluster, &job).await;
     assert_eq!(stored["status"]["failures"], 0, "{stored}");
+    // The worker's log, through the apiserver from its node's kubelet API: its result.
+    let pod = stored["status"]["pod"].as_str().unwrap();
+    let log = cluster
+        .kubectl(&["logs", "-n", "harvest-system", pod])
+        .unwrap();
+    assert!(log.contains("layer_indices"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

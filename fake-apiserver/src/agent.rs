@@ -46,6 +46,9 @@ pub enum AgentError {
         /// What was wrong.
         message: String,
     },
+    /// The kubelet API could not be served.
+    #[error(transparent)]
+    Serve(#[from] crate::node_api::ServeError),
     /// The apiserver refused or failed a request the agent cannot do without.
     #[error("{what}: {source}")]
     Api {
@@ -68,6 +71,9 @@ pub struct NodeSpec {
     pub cpus: u64,
     /// Memory it advertises, in GiB.
     pub memory_gib: u64,
+    /// The serving certificate and key of its kubelet API ([`crate::node_api`]); without
+    /// them `pods/log` of its Pods cannot be served.
+    pub serving: Option<(PathBuf, PathBuf)>,
 }
 
 /// RFC 3339 UTC, to the second, as Kubernetes writes times.
@@ -137,7 +143,10 @@ fn node_object(spec: &NodeSpec) -> Value {
         "spec": {"taints": taints}})
 }
 
-fn node_status(spec: &NodeSpec) -> Value {
+/// The port the kubelet API listens on where it serves none (the kubelet's default).
+const KUBELET_PORT: u16 = 10250;
+
+fn node_status(spec: &NodeSpec, kubelet_port: u16) -> Value {
     let stamp = now();
     let resources = json!({"cpu": spec.cpus.to_string(), "memory": format!("{}Gi", spec.memory_gib),
         "pods": "110", "ephemeral-storage": "100Gi", "nvidia.com/gpu": spec.gpus.to_string()});
@@ -155,7 +164,7 @@ fn node_status(spec: &NodeSpec) -> Value {
         ],
         "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
             {"type": "Hostname", "address": spec.name}],
-        "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "",
             "osImage": "harvest node agent", "containerRuntimeVersion": "process://1",
             "kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "",
@@ -164,7 +173,11 @@ fn node_status(spec: &NodeSpec) -> Value {
 }
 
 /// Creates the Node (or takes over an existing one of that name) and writes its status.
-async fn register(client: &kube::Client, spec: &NodeSpec) -> Result<(), AgentError> {
+async fn register(
+    client: &kube::Client,
+    spec: &NodeSpec,
+    kubelet_port: u16,
+) -> Result<(), AgentError> {
     let nodes: Api<Node> = Api::all(client.clone());
     let object: Node =
         serde_json::from_value(node_object(spec)).map_err(|e| AgentError::Kubeconfig {
@@ -180,7 +193,7 @@ async fn register(client: &kube::Client, spec: &NodeSpec) -> Result<(), AgentErr
         .patch_status(
             &spec.name,
             &PatchParams::default(),
-            &Patch::Merge(&node_status(spec)),
+            &Patch::Merge(&node_status(spec, kubelet_port)),
         )
         .await
         .map_err(api_error(format!("writing node {}'s status", spec.name)))?;
@@ -188,7 +201,7 @@ async fn register(client: &kube::Client, spec: &NodeSpec) -> Result<(), AgentErr
 }
 
 /// Renews the Lease often and the Ready heartbeat now and then, for as long as it runs.
-async fn heartbeat(client: kube::Client, spec: NodeSpec) {
+async fn heartbeat(client: kube::Client, spec: NodeSpec, kubelet_port: u16) {
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
     let nodes: Api<Node> = Api::all(client);
     let mut last_status = tokio::time::Instant::now();
@@ -211,7 +224,7 @@ async fn heartbeat(client: kube::Client, spec: NodeSpec) {
                 .patch_status(
                     &spec.name,
                     &PatchParams::default(),
-                    &Patch::Merge(&node_status(&spec)),
+                    &Patch::Merge(&node_status(&spec, kubelet_port)),
                 )
                 .await
             {
@@ -256,8 +269,12 @@ pub async fn run(
     kubelet: KubeletConfig,
 ) -> Result<(), AgentError> {
     let client = client(kubeconfig).await?;
-    register(&client, &spec).await?;
-    tokio::spawn(heartbeat(client.clone(), spec.clone()));
+    let kubelet_port = match &spec.serving {
+        Some((cert, key)) => crate::node_api::serve(cert, key, kubelet.work_dir.clone()).await?,
+        None => KUBELET_PORT,
+    };
+    register(&client, &spec, kubelet_port).await?;
+    tokio::spawn(heartbeat(client.clone(), spec.clone(), kubelet_port));
     let remote = Arc::new(Remote::new(client.clone(), spec.name.clone()));
     let kubelet = Kubelet::new(
         Link::Remote(remote.clone()),

@@ -25,7 +25,7 @@ pub fn router(store: Arc<Store>, logs: std::path::PathBuf) -> Router {
 }
 
 /// `GET pods/NAME/log`: the container's stdout then stderr, or their last `tailLines` lines.
-fn pod_log(
+pub(crate) fn pod_log(
     logs: &std::path::Path,
     ns: &str,
     name: &str,

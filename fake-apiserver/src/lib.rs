@@ -28,6 +28,7 @@ pub mod http;
 pub mod kinds;
 pub mod kubelet;
 pub mod launch;
+pub mod node_api;
 pub mod rbac;
 pub mod schema;
 pub mod store;

@@ -38,6 +38,8 @@ pub const WORKER_FINALIZER: &str = "harvest.dev/worker";
 const MANAGER: &str = "harvest-operator";
 /// Log lines read for the newest progress report (the worker writes one per batch).
 const PROGRESS_LOG_LINES: i64 = 20;
+/// How long a reconcile waits for a worker's log tail before it goes on without it.
+const PROGRESS_READ_WITHIN: Duration = Duration::from_secs(3);
 
 /// One reconcile of one job: observe, decide (pure, in `decide`), then apply.
 #[instrument(skip_all, fields(job = %key_of(&job)))]
@@ -515,17 +517,24 @@ fn post_params() -> PostParams {
     }
 }
 
-/// The running worker's last progress report, from the tail of its log. Best effort: a log
-/// that cannot be read leaves the progress as it was.
+/// The running worker's last progress report, from the tail of its log. Best effort, and
+/// bounded by [`PROGRESS_READ_WITHIN`]: the apiserver proxies the read to the Pod's kubelet,
+/// and a hung node's kubelet never answers (found on the real tier: each reconcile of a job
+/// on a lost node then waited minutes, and the Pod was never given up). A log that cannot be
+/// read in time leaves the progress as it was.
 async fn worker_progress(pods: &Api<Pod>, pod_name: &str) -> Option<ProgressEvent> {
     let params = LogParams {
         tail_lines: Some(PROGRESS_LOG_LINES),
         ..LogParams::default()
     };
-    match pods.logs(pod_name, &params).await {
-        Ok(log) => reported_progress(&log),
-        Err(error) => {
+    match tokio::time::timeout(PROGRESS_READ_WITHIN, pods.logs(pod_name, &params)).await {
+        Ok(Ok(log)) => reported_progress(&log),
+        Ok(Err(error)) => {
             tracing::debug!(%error, pod = pod_name, "could not read the worker's log");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(pod = pod_name, "the worker's log did not come in time");
             None
         }
     }

@@ -40,6 +40,13 @@ struct Cli {
     /// `NAME=VALUE` added to every container's environment (repeatable).
     #[arg(long = "env", value_parser = key_value)]
     env: Vec<(String, String)>,
+    /// The node's kubelet API serving certificate (PEM), so the apiserver can proxy
+    /// `pods/log` to it.
+    #[arg(long, requires = "serving_key")]
+    serving_cert: Option<PathBuf>,
+    /// Its key (PEM).
+    #[arg(long, requires = "serving_cert")]
+    serving_key: Option<PathBuf>,
     /// Serve Services too, with these (admin) credentials; ports are written under --dir/services.
     #[arg(long)]
     services_kubeconfig: Option<PathBuf>,
@@ -75,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
                     gpus: cli.gpus,
                     cpus: cli.cpus,
                     memory_gib: cli.memory_gib,
+                    serving: cli.serving_cert.clone().zip(cli.serving_key.clone()),
                 };
                 agent::run(kubeconfig, spec, kubelet).await?;
                 Ok(())
