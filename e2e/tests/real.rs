@@ -20,10 +20,8 @@ fn json(cluster: &LocalCluster, args: &[&str]) -> Value {
     serde_json::from_str(&cluster.kubectl(&all).unwrap()).unwrap()
 }
 
-/// The example job, in `namespace`, with a corpus large enough to still run when a test acts.
-async fn example_job_running(cluster: &LocalCluster, namespace: &str) -> [String; 4] {
-    cluster.tenant(namespace);
-    cluster.upload_example_prompts(320, 60).await;
+/// `kubectl apply` of the example job in `namespace`.
+fn apply_example_job(cluster: &LocalCluster, namespace: &str) {
     cluster
         .kubectl(&[
             "apply",
@@ -33,6 +31,13 @@ async fn example_job_running(cluster: &LocalCluster, namespace: &str) -> [String
             namespace,
         ])
         .unwrap();
+}
+
+/// The example job, in `namespace`, with a corpus large enough to still run when a test acts.
+async fn example_job_running(cluster: &LocalCluster, namespace: &str) -> [String; 4] {
+    cluster.tenant(namespace);
+    cluster.upload_example_prompts(320, 60).await;
+    apply_example_job(cluster, namespace);
     let job = [
         "harvestjob".to_owned(),
         "smollm2-quartiles".to_owned(),
@@ -280,15 +285,7 @@ async fn a_resourcequota_that_refuses_the_worker_holds_the_job_waiting_until_it_
         .unwrap();
     cluster.tenant("my-team");
     cluster.upload_example_prompts(8, 20).await;
-    cluster
-        .kubectl(&[
-            "apply",
-            "-f",
-            "manifests/examples/harvestjob.yaml",
-            "-n",
-            "my-team",
-        ])
-        .unwrap();
+    apply_example_job(&cluster, "my-team");
     let job = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
     let waiting = eventually("the job waiting for quota", WITHIN, || {
         let running = json(&cluster, &job)["status"]["conditions"]
@@ -394,15 +391,7 @@ async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_opera
     );
     // The operator's watches, cut by the restart, were answered 410 and listed again: a job
     // applied now runs to the end, charged once.
-    cluster
-        .kubectl(&[
-            "apply",
-            "-f",
-            "manifests/examples/harvestjob.yaml",
-            "-n",
-            "my-team",
-        ])
-        .unwrap();
+    apply_example_job(&cluster, "my-team");
     succeeded_and_charged_once(
         &cluster,
         &["harvestjob", "smollm2-quartiles", "-n", "my-team"],
