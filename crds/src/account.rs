@@ -61,6 +61,14 @@ pub struct HarvestAccountSpec {
     /// under its prefix, and reads inputs only from there (or the `storagePrefixes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<AccountStorage>,
+    /// The Kueue LocalQueue (in the namespace the workers run in) that admits this account's
+    /// worker Pods, over the catalogue entry's `localQueue`. Unset: the entry's, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub local_queue: Option<String>,
 }
 
 /// An account's storage.
@@ -128,6 +136,7 @@ impl HarvestAccountSpec {
             monthly_jobs_per_key: default_monthly_jobs(),
             storage_prefixes: Vec::new(),
             storage: None,
+            local_queue: None,
         }
     }
 }

@@ -78,6 +78,11 @@ pub struct CatalogueEntry {
     /// take no GPU, are not counted.
     #[serde(default)]
     pub max_pods: Option<u32>,
+    /// The Kueue LocalQueue (in the namespace the workers run in) that admits this model's
+    /// worker Pods, on clusters where Kueue owns the GPUs; an account's `localQueue` is taken
+    /// over it. Unset: the Pods go straight to the scheduler. See `docs/operator.md`.
+    #[serde(default)]
+    pub local_queue: Option<String>,
 }
 
 fn default_start_timeout() -> u64 {
@@ -93,6 +98,25 @@ fn default_max_parallelism() -> u32 {
 pub const PARALLELISM_LIMIT: u32 = 256;
 
 const DEVICES: [&str; 3] = ["auto", "cpu", "cuda"];
+
+/// Whether `queue` can name a Kueue LocalQueue: it becomes the value of the Pods'
+/// `kueue.x-k8s.io/queue-name` label, so it must be a DNS-1123 label.
+pub fn check_local_queue(queue: &str) -> Result<(), String> {
+    let label = !queue.is_empty()
+        && queue.len() <= 63
+        && queue
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !queue.starts_with('-')
+        && !queue.ends_with('-');
+    if label {
+        Ok(())
+    } else {
+        Err(format!(
+            "localQueue {queue:?} is not a LocalQueue name: use at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit"
+        ))
+    }
+}
 
 impl CatalogueEntry {
     /// Whether this entry makes a Pod a real apiserver accepts; the error names the field.
@@ -130,6 +154,9 @@ impl CatalogueEntry {
                     mount.name
                 ));
             }
+        }
+        if let Some(queue) = &self.local_queue {
+            check_local_queue(queue).map_err(|why| format!("model {name:?}: {why}"))?;
         }
         let quantities = [&self.resources.requests, &self.resources.limits];
         for (resource, quantity) in quantities.into_iter().flatten().flatten() {

@@ -377,6 +377,37 @@ fn a_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothin
 }
 
 #[test]
+fn a_pod_queued_in_kueue_past_the_start_timeout_keeps_waiting_and_says_so() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let observed = Observed {
+        job: &job,
+        spec: Ok(job.spec.token_budget),
+        pod: Some(PodState::Starting {
+            waiting: Some((
+                "WaitingForQueue".into(),
+                "Kueue's LocalQueue \"gpu\" has not admitted it yet".into(),
+            )),
+            since: None,
+        }),
+        reported: None,
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(6 * 3600),
+        start_timeout: Some(Duration::from_secs(600)),
+        workers: Workers::default(),
+    };
+    let queued = decide(&observed, &POLICY);
+    assert!(!conditions::is_true(&queued.status.conditions, FINISHED));
+    assert!(queued.actions.is_empty(), "{:?}", queued.actions);
+    let running = get(&queued.status.conditions, RUNNING).unwrap();
+    assert_eq!(running.reason, "WaitingForQueue");
+    assert!(running.message.contains("\"gpu\""), "{}", running.message);
+}
+
+#[test]
 fn a_refused_pod_create_is_retried_with_backoff_then_fails_the_job_charging_nothing() {
     let mut job = job();
     let first = step(&job, None, Admission::Admit, 0);

@@ -299,16 +299,14 @@ impl Shell<'_> {
                     else {
                         continue;
                     };
-                    let credentials = ctx
-                        .paying_account(self.job)
-                        .and_then(|a| a.spec.storage.as_ref()?.credentials_secret.clone());
+                    let account = ctx.paying_account(self.job);
                     let pod = render(
                         self.job,
                         valid,
                         entry,
                         &ctx.config,
                         attempt,
-                        credentials.as_deref(),
+                        account.as_ref().map(|a| &a.spec),
                     )?;
                     ctx.grant_pod(self.job, attempt);
                     let (role, number) = (what(attempt.role), attempt.number);

@@ -51,6 +51,14 @@ pub enum Role {
     Finalize,
 }
 
+/// Kueue's label naming the LocalQueue that admits a Pod: Kueue's webhook then holds the Pod
+/// behind its scheduling gate, and its controller lifts the gate once the ClusterQueue has
+/// room (Kueue's plain-Pod integration, one Workload per Pod).
+pub const KUEUE_QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+/// The label Kueue's webhook puts on each Pod it took in: from then on Kueue, not the start
+/// timeout, decides how long the Pod waits for a node.
+pub const KUEUE_MANAGED_LABEL: &str = "kueue.x-k8s.io/managed";
+
 /// Label with a part's index, on the Pods of a job run in parts.
 pub const PART_LABEL: &str = "harvest.dev/part";
 /// The environment variable a part's worker reads its `INDEX/COUNT` from, as an Indexed Job's

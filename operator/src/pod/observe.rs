@@ -6,7 +6,9 @@ use harvest_crds::ResultSummary;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::{Blame, CONTAINER, Failure, JOB_UID_LABEL, PodState};
+use super::{
+    Blame, CONTAINER, Failure, JOB_UID_LABEL, KUEUE_MANAGED_LABEL, KUEUE_QUEUE_LABEL, PodState,
+};
 
 /// Pod reasons that mean the node or the scheduler took the Pod away.
 const INFRASTRUCTURE_REASONS: [&str; 6] = [
@@ -88,17 +90,52 @@ pub fn observe(pod: &Pod) -> PodState {
             finished_at: terminated.as_ref().and_then(|t| t.finished_at.clone()),
             failure: failure(&status, terminated),
         },
-        _ => PodState::Starting {
-            waiting: container
-                .and_then(|s| s.waiting)
-                .and_then(|w| {
-                    w.reason
-                        .map(|reason| (reason, w.message.unwrap_or_default()))
-                })
-                .or_else(|| unschedulable(&status)),
-            since: scheduled_at(&status).or_else(|| pod.metadata.creation_timestamp.clone()),
+        _ => match kueue_queue(pod) {
+            // Held by Kueue's gate: queued, not starting; only the job's deadline bounds it.
+            Some(queue) if gated(pod) => PodState::Starting {
+                waiting: Some((
+                    "WaitingForQueue".into(),
+                    format!(
+                        "Kueue's LocalQueue {queue:?} has not admitted it yet (its ClusterQueue has no room)"
+                    ),
+                )),
+                since: None,
+            },
+            // Admitted: Kueue reserved the quota and owns the wait for a node (its
+            // waitForPodsReady); the start timeout counts from scheduling only.
+            queued => PodState::Starting {
+                waiting: container
+                    .and_then(|s| s.waiting)
+                    .and_then(|w| {
+                        w.reason
+                            .map(|reason| (reason, w.message.unwrap_or_default()))
+                    })
+                    .or_else(|| unschedulable(&status)),
+                since: scheduled_at(&status).or_else(|| {
+                    queued
+                        .is_none()
+                        .then(|| pod.metadata.creation_timestamp.clone())
+                        .flatten()
+                }),
+            },
         },
     }
+}
+
+/// The Kueue LocalQueue of a Pod that Kueue's webhook took in (a Pod with the queue label
+/// that Kueue does not manage, where its webhook does not reach, is an ordinary Pod).
+fn kueue_queue(pod: &Pod) -> Option<&str> {
+    let labels = pod.metadata.labels.as_ref()?;
+    labels.get(KUEUE_MANAGED_LABEL).filter(|v| *v == "true")?;
+    labels.get(KUEUE_QUEUE_LABEL).map(String::as_str)
+}
+
+/// Whether a scheduling gate still holds the Pod back from the scheduler.
+fn gated(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.scheduling_gates.as_ref())
+        .is_some_and(|gates| !gates.is_empty())
 }
 
 /// When the scheduler bound the Pod: the start of its second wait (the image pull, volumes),

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use harvest_core::ResolvedPlan;
 use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file_data_bytes};
 use harvest_core::plan::MAX_DIRECTIONS;
-use harvest_crds::{HarvestJob, ValidJob};
+use harvest_crds::{HarvestAccountSpec, HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod,
     PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource,
@@ -17,21 +17,30 @@ use kube::{Resource, ResourceExt};
 
 use super::{
     Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL,
-    MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, job_label, role_pod_name,
+    KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, job_label,
+    role_pod_name,
 };
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
-/// Builds `attempt`'s Pod. `credentials` names the paying account's own Secret, if it has one
-/// (else the catalogue's `workerEnvSecret` is used).
+/// Builds `attempt`'s Pod. `account` is the paying account's spec, when it has one: its own
+/// storage Secret is used over the catalogue's `workerEnvSecret`, and its `localQueue` over
+/// the entry's.
 pub fn render(
     job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
     attempt: &Attempt,
-    credentials: Option<&str>,
+    account: Option<&HarvestAccountSpec>,
 ) -> Result<Pod> {
+    let credentials = account.and_then(|a| a.storage.as_ref()?.credentials_secret.as_deref());
+    // Only the Pods that run the model take GPUs, so only they queue; the finalize step goes
+    // straight to the scheduler.
+    let queue = account
+        .and_then(|a| a.local_queue.as_deref())
+        .or(model.local_queue.as_deref())
+        .filter(|_| attempt.role != Role::Finalize);
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
     let mut args = worker_args(job, valid, model, config, role)?;
@@ -69,7 +78,7 @@ pub fn render(
     let secret = credentials.or(config.worker_env_secret.as_deref());
     let (env, env_from) = environment(job, secret, config.worker_env_config_map.as_deref(), role);
     Ok(Pod {
-        metadata: metadata(job, config, role, attempt)?,
+        metadata: metadata(job, config, role, attempt, queue)?,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(config.worker_service_account.clone()),
@@ -111,6 +120,7 @@ fn metadata(
     config: &OperatorConfig,
     role: Role,
     attempt: u32,
+    queue: Option<&str>,
 ) -> Result<ObjectMeta> {
     let owner = job
         .controller_owner_ref(&())
@@ -121,7 +131,10 @@ fn metadata(
     // Owner references cannot cross namespaces: a worker elsewhere is the job's by its UID
     // label, and the job's finalizer deletes it.
     let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
-    let labels = labels(job, &owner.uid, attempt, role);
+    let mut labels = labels(job, &owner.uid, attempt, role);
+    if let Some(queue) = queue {
+        labels.insert(KUEUE_QUEUE_LABEL.to_owned(), queue.to_owned());
+    }
     let annotations = BTreeMap::from([
         (
             JOB_NAMESPACE_ANNOTATION.to_owned(),

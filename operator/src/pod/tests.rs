@@ -303,6 +303,10 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
+    let account: harvest_crds::HarvestAccountSpec = serde_json::from_value(
+        json!({"storage": {"prefix": "s3://acme/", "credentialsSecret": "acme-s3"}}),
+    )
+    .unwrap();
     let pod = render(
         &job,
         &valid,
@@ -313,7 +317,7 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
             number: 1,
             deadline_seconds: None,
         },
-        Some("acme-s3"),
+        Some(&account),
     )
     .unwrap();
     assert_eq!(pod.metadata.namespace.as_deref(), Some("harvest-system"));
@@ -475,4 +479,142 @@ fn a_worker_reads_the_storage_settings_config_map_and_then_the_credentials_secre
         ("harvest-s3-endpoint", Some(true))
     );
     assert_eq!(sources[1].secret_ref.clone().unwrap().name, "harvest-s3");
+}
+
+/// The `kueue.x-k8s.io/queue-name` label of `role`'s Pod, under `account`.
+fn queue_of(
+    config: &OperatorConfig,
+    role: Role,
+    account: Option<&harvest_crds::HarvestAccountSpec>,
+) -> Option<String> {
+    let entry = config.model("m").unwrap();
+    let valid = job()
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let attempt = Attempt {
+        role,
+        number: 1,
+        deadline_seconds: None,
+    };
+    let pod = render(&job(), &valid, entry, config, &attempt, account).unwrap();
+    pod.metadata.labels.unwrap().get(KUEUE_QUEUE_LABEL).cloned()
+}
+
+#[test]
+fn the_pods_that_run_the_model_name_the_entrys_local_queue_and_an_accounts_queue_wins() {
+    let config = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, localQueue: gpu-queue}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap();
+    let part = Role::Part { index: 1, count: 3 };
+    assert_eq!(
+        queue_of(&config, Role::Whole, None).as_deref(),
+        Some("gpu-queue")
+    );
+    assert_eq!(queue_of(&config, part, None).as_deref(), Some("gpu-queue"));
+    // The finalize step takes no GPU: it does not queue.
+    assert_eq!(queue_of(&config, Role::Finalize, None), None);
+    let account: harvest_crds::HarvestAccountSpec =
+        serde_json::from_value(json!({"localQueue": "team-a"})).unwrap();
+    assert_eq!(
+        queue_of(&config, part, Some(&account)).as_deref(),
+        Some("team-a")
+    );
+    // Neither names one: an ordinary Pod.
+    assert_eq!(
+        queue_of(&self::config(), Role::Whole, Some(&account)).as_deref(),
+        Some("team-a")
+    );
+    assert_eq!(queue_of(&self::config(), Role::Whole, None), None);
+}
+
+#[test]
+fn a_local_queue_that_cannot_be_a_label_value_is_refused_by_name() {
+    let error = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, localQueue: GPU_Queue}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap_err();
+    assert!(error.contains("\"GPU_Queue\""), "{error}");
+    assert!(error.contains("lowercase"), "{error}");
+}
+
+/// A Pod Kueue's webhook took in for LocalQueue `q`, created at `created`.
+fn kueue_pod(gated: bool, status: serde_json::Value, created: &str) -> Pod {
+    let mut pod = pod_with(status);
+    pod.metadata.labels = Some(
+        [
+            (KUEUE_QUEUE_LABEL.to_owned(), "q".to_owned()),
+            (KUEUE_MANAGED_LABEL.to_owned(), "true".to_owned()),
+        ]
+        .into(),
+    );
+    pod.metadata.creation_timestamp = Some(Time(created.parse().unwrap()));
+    let spec = pod.spec.get_or_insert_with(Default::default);
+    if gated {
+        spec.scheduling_gates = Some(vec![k8s_openapi::api::core::v1::PodSchedulingGate {
+            name: "kueue.x-k8s.io/admission".into(),
+        }]);
+    }
+    pod
+}
+
+#[test]
+fn a_pod_kueue_holds_is_waiting_for_its_queue_with_no_start_timeout_running() {
+    let created = "2026-01-01T00:00:00Z";
+    let gated = kueue_pod(
+        true,
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "SchedulingGated", "message": "Scheduling is blocked due to non-empty scheduling gates", "lastTransitionTime": created}]}),
+        created,
+    );
+    let PodState::Starting { waiting, since } = observe(&gated) else {
+        panic!("not starting")
+    };
+    let (reason, message) = waiting.unwrap();
+    assert_eq!(reason, "WaitingForQueue");
+    assert!(message.contains("\"q\""), "{message}");
+    assert_eq!(since, None);
+    // Admitted (the gate lifted) but no node yet: Kueue's own wait, still no start timeout.
+    let admitted = kueue_pod(
+        false,
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/3 nodes are available", "lastTransitionTime": created}]}),
+        created,
+    );
+    assert!(matches!(
+        observe(&admitted),
+        PodState::Starting { since: None, waiting: Some((reason, _)) } if reason == "Unschedulable"
+    ));
+    // Scheduled: the image pull's wait is the start timeout's again.
+    let scheduled = "2026-01-01T02:00:00Z";
+    let pulling = kueue_pod(
+        false,
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled}]}),
+        created,
+    );
+    let PodState::Starting { since, .. } = observe(&pulling) else {
+        panic!("not starting")
+    };
+    assert_eq!(since.map(|t| t.0.to_string()).as_deref(), Some(scheduled));
+}
+
+#[test]
+fn a_pod_with_a_queue_label_that_kueue_did_not_take_in_is_an_ordinary_pod() {
+    let created = "2026-01-01T00:00:00Z";
+    let mut pod = kueue_pod(
+        false,
+        json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/3 nodes are available", "lastTransitionTime": created}]}),
+        created,
+    );
+    pod.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .remove(KUEUE_MANAGED_LABEL);
+    let PodState::Starting { since, .. } = observe(&pod) else {
+        panic!("not starting")
+    };
+    assert_eq!(since.map(|t| t.0.to_string()).as_deref(), Some(created));
 }
