@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model, installs the
-# test-only tools and builds the real tier's Kubernetes control plane from its Go modules (all
-# cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
+# test-only tools and builds the real tier's Kubernetes control plane and Kueue from their Go
+# modules (all cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
 # on the real control plane (the first run is on the fake apiserver), runs
 # schemathesis on the OpenAPI document against the embedded server, then installs the Python
 # client (clients/python) and runs its pytest suite against the binaries cargo just built (the
@@ -14,6 +14,8 @@ tools=$(scripts/test-tools.sh)
 # kube-apiserver, controller-manager, scheduler, kubectl and etcd for e2e/tests/real.rs and
 # the second e2e run (cold: about four minutes on two cores; then cached).
 scripts/controlplane.sh >/dev/null
+# Kueue's controller and install, for the real tier's Kueue test (cold: a few minutes).
+scripts/kueue.sh >/dev/null
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
 # NVRTC from the wheel: the kernel test must compile every CUDA kernel, not skip.
 nvrtc_lib=$(echo "$tools"/../lib/python3*/site-packages/nvidia/cu13/lib)

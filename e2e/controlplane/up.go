@@ -236,6 +236,9 @@ func apiserverArgs(s settings, pki string, port int, etcd string) []string {
 		// On by default besides these: ServiceAccount, PodSecurity, LimitRanger,
 		// ResourceQuota, DefaultTolerationSeconds, Priority, and the webhooks.
 		"--enable-admission-plugins=NodeRestriction",
+		// Webhooks (Kueue's, on the Kueue test) are reached at their Service's endpoints:
+		// there is no kube-proxy to route a ClusterIP.
+		"--enable-aggregator-routing=true",
 		"--default-not-ready-toleration-seconds=" + toleration,
 		"--default-unreachable-toleration-seconds=" + toleration,
 		"--allow-privileged=false",

@@ -10,6 +10,9 @@ use std::time::Duration;
 
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 
+mod kueue;
+pub use kueue::Kueue;
+
 /// How long a test waits for a condition the cluster reaches on its own (generous: the CI
 /// machine has two cores and runs these tests side by side).
 pub const WITHIN: Duration = Duration::from_secs(240);

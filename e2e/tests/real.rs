@@ -2,7 +2,7 @@
 //! the fake apiserver does not, each shown on the shipped manifests as a platform team applies
 //! them. CRD defaults, pruning and CEL; uninstall and namespace deletion with jobs in flight;
 //! a node that stops heartbeating; a ResourceQuota that refuses a worker; a watch answered
-//! 410 Gone after an etcd compaction.
+//! 410 Gone after an etcd compaction; a job queued in a full Kueue ClusterQueue.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -414,5 +414,150 @@ async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_opera
     assert!(
         logs.contains("a watch failed") && logs.contains("too old resource version"),
         "no operator saw the 410:\n{logs}"
+    );
+}
+
+/// Kueue's queues for the workers: a ClusterQueue with room for one worker (2 CPUs) and its
+/// LocalQueue `harvest` in the workers' namespace.
+const QUEUES: &str = "apiVersion: kueue.x-k8s.io/v1beta2
+kind: ResourceFlavor
+metadata: {name: default}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ClusterQueue
+metadata: {name: workers}
+spec:
+  namespaceSelector: {}
+  resourceGroups:
+  - coveredResources: [cpu, memory]
+    flavors:
+    - name: default
+      resources:
+      - {name: cpu, nominalQuota: \"2\"}
+      - {name: memory, nominalQuota: 16Gi}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: LocalQueue
+metadata: {name: harvest, namespace: harvest-system}
+spec: {clusterQueue: workers}
+";
+
+/// Another team's workload that fills the ClusterQueue: admitted, then left waiting for a
+/// node that never comes, so it holds the quota until it is deleted.
+const BLOCKER: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: other-team-training
+  namespace: harvest-system
+  labels: {kueue.x-k8s.io/queue-name: harvest}
+spec:
+  nodeSelector: {harvest.dev/no-such-node: \"true\"}
+  securityContext: {runAsNonRoot: true, runAsUser: 1000, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: train
+    image: registry.example/train:1
+    resources: {requests: {cpu: \"2\", memory: 1Gi}}
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+";
+
+/// The scheduling gates on a Pod, space-separated ("" when none or when it is gone).
+fn gates(cluster: &LocalCluster, pod: &str) -> String {
+    cluster.field(
+        &["pod", pod, "-n", "harvest-system"],
+        "{.spec.schedulingGates[*].name}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_queued_in_a_full_kueue_cluster_queue_waits_past_its_start_timeout_then_runs_charged_once()
+ {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    let _kueue = cluster.start_kueue().await;
+    cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(QUEUES))
+        .unwrap();
+    cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(BLOCKER))
+        .unwrap();
+    eventually("the other team's workload admitted", WITHIN, || {
+        let gates = gates(&cluster, "other-team-training");
+        gates.is_empty().then_some(()).ok_or(gates)
+    })
+    .await;
+    // The test model's workers queue in `harvest`, and a worker that waits for a node fails
+    // its job after 5 s: a queued worker must not.
+    const START_TIMEOUT: u64 = 5;
+    cluster.set_operator_config(|config| {
+        let line = config
+            .lines()
+            .find(|l| l.trim() == "path: /models/smollm2-135m")
+            .unwrap()
+            .to_owned();
+        let indent = &line[..line.len() - line.trim_start().len()];
+        config.replacen(
+            &line,
+            &format!("{line}\n{indent}localQueue: harvest\n{indent}startTimeoutSeconds: {START_TIMEOUT}"),
+            1,
+        )
+    });
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(8, 20).await;
+    apply_example_job(&cluster, "my-team");
+    let job = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
+    let running = || {
+        json(&cluster, &job)["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Running")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let waiting = eventually("the job waiting for its queue", WITHIN, || {
+        let running = running();
+        (running["reason"] == "WaitingForQueue")
+            .then_some(running.clone())
+            .ok_or_else(|| running.to_string())
+    })
+    .await;
+    assert!(
+        waiting["message"].as_str().unwrap().contains("\"harvest\""),
+        "{waiting}"
+    );
+    let worker = cluster.field(&job, "{.status.pod}");
+    let held = gates(&cluster, &worker);
+    assert!(held.contains("kueue.x-k8s.io/admission"), "{held}");
+    // Held well past its start timeout: the job keeps waiting all along, nothing failed.
+    let queued_since = std::time::Instant::now();
+    while queued_since.elapsed() < Duration::from_secs(3 * START_TIMEOUT) {
+        let phase = cluster.field(&job, "{.status.phase}");
+        assert_eq!(phase, "Running", "{}", json(&cluster, &job));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let stored = json(&cluster, &job);
+    assert_eq!(stored["status"]["phase"], "Running", "{stored}");
+    assert_eq!(stored["status"]["failures"], 0, "{stored}");
+    assert_eq!(running()["reason"], "WaitingForQueue");
+    // The other team's workload ends; the queue frees and admits the worker.
+    cluster
+        .kubectl(&["delete", "pod", "other-team-training", "-n", "harvest-system"])
+        .unwrap();
+    let stored = succeeded_and_charged_once(&cluster, &job).await;
+    let status = &stored["status"];
+    assert_eq!((status["attempts"].clone(), status["failures"].clone()), (1.into(), 0.into()), "{status}");
+    assert_eq!(status["pod"], worker.as_str());
+    // Kueue saw one workload for the worker, and admitted it once.
+    let workloads = json(&cluster, &["workloads", "-n", "harvest-system"]);
+    let ours: Vec<&Value> = workloads["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["metadata"]["ownerReferences"][0]["name"] == worker.as_str())
+        .collect();
+    assert_eq!(ours.len(), 1, "{workloads}");
+    assert!(
+        ours[0]["status"]["admission"]["clusterQueue"] == "workers",
+        "{}",
+        ours[0]
     );
 }
