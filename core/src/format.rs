@@ -139,6 +139,41 @@ impl Manifest {
     }
 }
 
+/// The files to delete under `output` given its manifest (`None` when there is none), for
+/// the job with UID `job_uid` (a HarvestJob's cleanup, `outputRetention: Delete`): the
+/// manifest's own list, manifest last, or why none. A listed name that would climb out of
+/// `output` (`..`, an absolute path) is left out.
+pub fn files_to_delete(
+    output: &str,
+    manifest: Option<&[u8]>,
+    job_uid: &str,
+) -> Result<Vec<String>, String> {
+    let Some(bytes) = manifest else {
+        return Err(format!(
+            "{output} holds no manifest, so no finished harvest of this job; nothing is deleted"
+        ));
+    };
+    let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| {
+        format!("the manifest under {output} cannot be read ({e}); nothing is deleted")
+    })?;
+    match manifest.job_uid.as_deref() {
+        Some(uid) if uid == job_uid && !job_uid.is_empty() => Ok(manifest
+            .listed_files()
+            .into_iter()
+            .filter(|file| {
+                file.split('/')
+                    .all(|segment| !matches!(segment, "" | "." | ".."))
+            })
+            .collect()),
+        Some(other) => Err(format!(
+            "the manifest under {output} was written for another job (UID {other}, this job is {job_uid}); nothing is deleted"
+        )),
+        None => Err(format!(
+            "the manifest under {output} was not written by a HarvestJob (it names no job UID); nothing is deleted"
+        )),
+    }
+}
+
 /// The manifest's file name, at the top of a harvest's output.
 pub const MANIFEST_FILE: &str = "manifest.json";
 

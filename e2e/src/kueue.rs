@@ -94,13 +94,8 @@ impl LocalCluster {
     pub async fn start_kueue(&self) -> Kueue {
         let kueue = built();
         let install = kueue.join("install");
-        self.kubectl(&[
-            "apply",
-            "--server-side",
-            "-k",
-            install.to_str().unwrap(),
-        ])
-        .unwrap_or_else(|e| panic!("kubectl apply -k {}: {e}", install.display()));
+        self.kubectl(&["apply", "--server-side", "-k", install.to_str().unwrap()])
+            .unwrap_or_else(|e| panic!("kubectl apply -k {}: {e}", install.display()));
         let (webhook_port, health_port) = (free_port(), free_port());
         self.kubectl_with_input(
             &["apply", "-f", "-"],
@@ -148,24 +143,28 @@ impl LocalCluster {
         }
         // The apiserver reaches the webhook once the rotator's CA is in its configuration:
         // a server-side dry run of a queued Pod is mutated (gated) when it is.
-        eventually("Kueue's Pod webhook answering the apiserver", WITHIN, || {
-            self.mount_secret(&certs)?;
-            let gated = self.kubectl_with_input(
-                &[
-                    "create",
-                    "--dry-run=server",
-                    "-o",
-                    "jsonpath={.spec.schedulingGates[*].name}",
-                    "-f",
-                    "-",
-                ],
-                Some(PROBE_POD),
-            )?;
-            gated
-                .contains("kueue.x-k8s.io/admission")
-                .then_some(())
-                .ok_or(gated)
-        })
+        eventually(
+            "Kueue's Pod webhook answering the apiserver",
+            WITHIN,
+            || {
+                self.mount_secret(&certs)?;
+                let gated = self.kubectl_with_input(
+                    &[
+                        "create",
+                        "--dry-run=server",
+                        "-o",
+                        "jsonpath={.spec.schedulingGates[*].name}",
+                        "-f",
+                        "-",
+                    ],
+                    Some(PROBE_POD),
+                )?;
+                gated
+                    .contains("kueue.x-k8s.io/admission")
+                    .then_some(())
+                    .ok_or(gated)
+            },
+        )
         .await;
         running
     }

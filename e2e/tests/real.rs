@@ -496,7 +496,9 @@ async fn a_job_queued_in_a_full_kueue_cluster_queue_waits_past_its_start_timeout
         let indent = &line[..line.len() - line.trim_start().len()];
         config.replacen(
             &line,
-            &format!("{line}\n{indent}localQueue: harvest\n{indent}startTimeoutSeconds: {START_TIMEOUT}"),
+            &format!(
+                "{line}\n{indent}localQueue: harvest\n{indent}startTimeoutSeconds: {START_TIMEOUT}"
+            ),
             1,
         )
     });
@@ -540,11 +542,21 @@ async fn a_job_queued_in_a_full_kueue_cluster_queue_waits_past_its_start_timeout
     assert_eq!(running()["reason"], "WaitingForQueue");
     // The other team's workload ends; the queue frees and admits the worker.
     cluster
-        .kubectl(&["delete", "pod", "other-team-training", "-n", "harvest-system"])
+        .kubectl(&[
+            "delete",
+            "pod",
+            "other-team-training",
+            "-n",
+            "harvest-system",
+        ])
         .unwrap();
     let stored = succeeded_and_charged_once(&cluster, &job).await;
     let status = &stored["status"];
-    assert_eq!((status["attempts"].clone(), status["failures"].clone()), (1.into(), 0.into()), "{status}");
+    assert_eq!(
+        (status["attempts"].clone(), status["failures"].clone()),
+        (1.into(), 0.into()),
+        "{status}"
+    );
     assert_eq!(status["pod"], worker.as_str());
     // Kueue saw one workload for the worker, and admitted it once.
     let workloads = json(&cluster, &["workloads", "-n", "harvest-system"]);

@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod cleanup;
 pub mod compare;
 pub mod dtype;
 pub mod error;

@@ -1,6 +1,6 @@
 //! The `harvester` binary: argument parsing and logging set-up; the work is in the library.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -36,6 +36,22 @@ enum Command {
     /// part's records, exactly as one run writes them. Give it the job's plan and the parts'
     /// --device. Idempotent; refuses while shards are missing (exit 3).
     Finalize(Box<RunArgs>),
+    /// Delete what one HarvestJob wrote under its output (the operator's cleanup Pod, for
+    /// `outputRetention: Delete`): the files its manifest lists and its partial/ records, only
+    /// when that manifest names the job's UID. Prints {"deleted":N} or {"kept":"why"}.
+    ///
+    /// Exit status: 0 (deleted or kept), 2 bad input, 3 the store failed (retry).
+    Cleanup {
+        /// The job's output: a directory or s3://bucket/prefix.
+        #[arg(long)]
+        output: String,
+        /// The HarvestJob's UID, which its manifest must name.
+        #[arg(long)]
+        job_uid: String,
+        /// Write the answer here too (a Kubernetes termination message).
+        #[arg(long)]
+        termination_log: Option<PathBuf>,
+    },
     /// Convert a llama-architecture GGUF into a Hugging Face checkpoint directory.
     ImportGguf {
         /// The .gguf file.
@@ -404,6 +420,11 @@ fn main() -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Run(args) => return Ok(run_job(&args, Job::Run)),
         Command::Finalize(args) => return Ok(run_job(&args, Job::Finalize)),
+        Command::Cleanup {
+            output,
+            job_uid,
+            termination_log,
+        } => return cleanup(&output, &job_uid, termination_log.as_deref()),
         other => tool(other)?,
     }
     Ok(ExitCode::SUCCESS)
@@ -412,7 +433,9 @@ fn main() -> anyhow::Result<ExitCode> {
 /// The subcommands other than `run`: each calls one library function and prints its answer.
 fn tool(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Run(_) | Command::Finalize(_) => anyhow::bail!("run is handled by run_job"),
+        Command::Run(_) | Command::Finalize(_) | Command::Cleanup { .. } => {
+            anyhow::bail!("run, finalize and cleanup are handled in main")
+        }
         Command::ImportGguf { file, out, dtype } => {
             let summary = harvester::gguf::import_gguf(&file, &out, dtype)
                 .with_context(|| format!("importing {}", file.display()))?;
@@ -479,6 +502,37 @@ fn tool(command: Command) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `harvester cleanup`: the answer on stdout and in the termination log; the exit status
+/// tells bad input (2) from a store that failed (3), as a run's does.
+fn cleanup(
+    output: &str,
+    job_uid: &str,
+    termination_log: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    let s3 = S3Config::from_vars(|name| std::env::var(name).ok());
+    let answer = harvest_core::Location::parse(output, "output")
+        .map_err(harvester::Error::from)
+        .and_then(|location| harvester::cleanup::delete_job_outputs(&location, &s3, job_uid));
+    let (message, code) = match answer {
+        Ok(done) => (serde_json::to_string(&done)?, 0),
+        Err(error) => {
+            tracing::error!(%error, "cleanup failed");
+            let code = harvest_core::worker::ExitStatus::Failed(error.kind()).code();
+            (
+                serde_json::json!({ "failed": error.to_string() }).to_string(),
+                code,
+            )
+        }
+    };
+    if let Some(path) = termination_log
+        && let Err(e) = std::fs::write(path, &message)
+    {
+        tracing::warn!(path = %path.display(), error = %e, "could not write the termination log");
+    }
+    print_out(&format!("{message}\n"));
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {

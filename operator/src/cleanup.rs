@@ -10,48 +10,21 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use harvest_core::Location;
-use harvest_core::format::{MANIFEST_FILE, Manifest};
+use harvest_core::format::{MANIFEST_FILE, files_to_delete};
+use harvest_core::partial::PARTIAL_DIR;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::error::{Error, Result};
 
-/// The records a run keeps until its manifest is written.
-const PARTIAL_DIR: &str = "partial";
-
-/// What a cleanup did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a cleanup did; as JSON, what `harvester cleanup` answers in its termination message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Cleanup {
     /// The job's files were deleted: this many.
     Deleted(usize),
     /// Nothing was deleted, for this reason.
     Kept(String),
-}
-
-/// The files to delete under `output` given its manifest (`None` when there is none), for
-/// the job with UID `job_uid`: the manifest's own list, manifest last, or why none.
-pub fn files_to_delete(
-    output: &str,
-    manifest: Option<&[u8]>,
-    job_uid: &str,
-) -> std::result::Result<Vec<String>, String> {
-    let Some(bytes) = manifest else {
-        return Err(format!(
-            "{output} holds no manifest, so no finished harvest of this job; nothing is deleted"
-        ));
-    };
-    let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| {
-        format!("the manifest under {output} cannot be read ({e}); nothing is deleted")
-    })?;
-    match manifest.job_uid.as_deref() {
-        Some(uid) if uid == job_uid && !job_uid.is_empty() => Ok(manifest.listed_files()),
-        Some(other) => Err(format!(
-            "the manifest under {output} was written for another job (UID {other}, this job is {job_uid}); nothing is deleted"
-        )),
-        None => Err(format!(
-            "the manifest under {output} was not written by a HarvestJob (it names no job UID); nothing is deleted"
-        )),
-    }
 }
 
 /// Deletes the outputs the job with UID `job_uid` wrote under `output`, within `timeout`. On

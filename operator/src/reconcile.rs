@@ -553,6 +553,9 @@ async fn delete_workers(job: &HarvestJob, pods: &Api<Pod>, uid: &str) -> Result<
         let listed = pods.list(&ListParams::default().labels(&selector)).await?;
         names.extend(listed.items.iter().map(ResourceExt::name_any));
     }
+    // The cleanup Pod is the finalizer's own, deleted once it has answered.
+    let cleanup = crate::pod::cleanup_pod_name(&job.name_any(), Some(uid));
+    names.retain(|name| *name != cleanup);
     names.sort();
     names.dedup();
     for pod in &names {
@@ -683,10 +686,22 @@ async fn finalize(
     // A job that never had an output has nothing to clean.
     let output = job.spec.output.as_deref().unwrap_or_default();
     let clean = clean && !output.is_empty();
+    let local = output.starts_with('/');
+    let cleanup_pod = crate::pod::cleanup_pod_name(&job.name_any(), Some(&uid));
     if clean && !left.is_zero() {
-        let outcome = match account_credentials(ctx, job).await {
-            Ok(credentials) => cleanup::delete_outputs(output, &uid, left, &credentials).await,
-            Err(error) => Err(error),
+        let outcome = if local {
+            // The outputs are on the workers' volumes, which the operator does not mount: a
+            // Pod with them does the deleting.
+            match cleanup_by_pod(job, pods, ctx, output, &cleanup_pod).await {
+                Ok(None) => return Ok(Requeue::requeue(CLEANUP_POLL)),
+                Ok(Some(done)) => Ok(done),
+                Err(error) => Err(error),
+            }
+        } else {
+            match account_credentials(ctx, job).await {
+                Ok(credentials) => cleanup::delete_outputs(output, &uid, left, &credentials).await,
+                Err(error) => Err(error),
+            }
         };
         match outcome {
             Ok(cleanup::Cleanup::Deleted(deleted)) => {
@@ -715,6 +730,9 @@ async fn finalize(
         );
         publish(ctx, job, true, "CleanupAbandoned", &note).await;
     }
+    if clean && local {
+        delete_pod(pods, &cleanup_pod).await?;
+    }
     let finalizers: Vec<_> = job
         .finalizers()
         .iter()
@@ -730,6 +748,49 @@ async fn finalize(
     )
     .await?;
     Ok(Requeue::await_change())
+}
+
+/// How often a deleted job looks at its cleanup Pod (its Pod's changes wake it sooner).
+const CLEANUP_POLL: Duration = Duration::from_secs(2);
+
+/// The deleted job's local outputs, deleted by its cleanup Pod (`harvester cleanup`, with the
+/// model's volumes): the answer once it has one, `None` while it runs. A failed Pod is deleted
+/// and its failure returned, so that the next try (within the cleanup timeout) starts afresh.
+async fn cleanup_by_pod(
+    job: &HarvestJob,
+    pods: &Api<Pod>,
+    ctx: &Context,
+    output: &str,
+    name: &str,
+) -> Result<Option<cleanup::Cleanup>> {
+    let fail = |reason: String| Error::Cleanup {
+        output: output.to_owned(),
+        reason,
+    };
+    let Some(pod) = pods.get_opt(name).await? else {
+        let Some(model) = ctx.config.model(&job.spec.model) else {
+            return Ok(Some(cleanup::Cleanup::Kept(format!(
+                "model {:?} is no longer in the catalogue, so no Pod can mount {output}",
+                job.spec.model
+            ))));
+        };
+        let pod = crate::pod::render_cleanup(job, output, model, &ctx.config)?;
+        match pods.create(&post_params(), &pod).await {
+            Ok(_) => info!(pod = name, "created the cleanup Pod"),
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(kube::Error::Api(status)) => return Err(fail(status.message)),
+            Err(error) => return Err(error.into()),
+        }
+        return Ok(None);
+    };
+    match crate::pod::observe_cleanup(&pod) {
+        crate::pod::PodCleanup::Pending => Ok(None),
+        crate::pod::PodCleanup::Done(done) => Ok(Some(done)),
+        crate::pod::PodCleanup::Failed(why) => {
+            delete_pod(pods, name).await?;
+            Err(fail(why))
+        }
+    }
 }
 
 /// Transient errors are retried: a lost race at once, anything else after a pause.

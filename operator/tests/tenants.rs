@@ -406,3 +406,80 @@ async fn a_job_whose_outputs_go_with_it_is_cleaned_up_on_s3_with_its_accounts_ow
     .await;
     assert_eq!(listed(&store).await, 0, "the outputs went with the job");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_jobs_outputs_on_the_workers_volume_are_deleted_by_a_pod_that_mounts_it() {
+    let cluster = Cluster::start(2).await;
+    let claim: k8s_openapi::api::core::v1::PersistentVolumeClaim = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": common::OUTPUTS_CLAIM}, "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}),
+    )
+    .unwrap();
+    Api::namespaced(cluster.client.clone(), "default")
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+    let prompts = cluster.prompts("on-volume", 4, 2);
+    let output = format!("{}/on-volume", common::OUTPUTS_MOUNT);
+    cluster
+        .submit("on-volume", prompts, |s| {
+            s.model = common::ON_VOLUME.into();
+            s.output = Some(output.clone());
+            s.output_retention = harvest_crds::OutputRetention::Delete;
+        })
+        .await;
+    let job = cluster.finished("on-volume").await;
+    assert_eq!(finished(&job).reason, "Succeeded", "{:?}", job.status);
+    // The volume, as the test kubelet keeps it: the operator's own file system has no
+    // /harvest-outputs at all.
+    let root = cluster
+        .output("x")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
+    let written = root
+        .join("claims/default")
+        .join(common::OUTPUTS_CLAIM)
+        .join("on-volume");
+    assert!(
+        written.join("manifest.json").exists(),
+        "the job wrote to the volume"
+    );
+    assert!(!std::path::Path::new(&output).exists());
+    cluster
+        .jobs()
+        .delete("on-volume", &DeleteParams::default())
+        .await
+        .unwrap();
+    harvest_testkit::eventually("the job gone", harvest_testkit::SETTLE_WITHIN, || async {
+        match cluster.jobs().get_opt("on-volume").await.unwrap() {
+            None => Ok(()),
+            Some(job) => Err(format!("{:?}", job.metadata.finalizers)),
+        }
+    })
+    .await;
+    assert!(!written.exists(), "the outputs went with the job");
+    // The cleanup Pod is gone too.
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "default");
+    let left = pods.list(&Default::default()).await.unwrap();
+    let cleanup: Vec<_> = left
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .filter(|n| n.ends_with("-cleanup"))
+        .collect();
+    assert!(cleanup.is_empty(), "{cleanup:?}");
+    let events =
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(cluster.client.clone(), "default")
+            .list(&Default::default())
+            .await
+            .unwrap();
+    let deleted = events
+        .items
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("OutputsDeleted"))
+        .and_then(|e| e.note.clone())
+        .unwrap_or_default();
+    assert!(deleted.contains(&output), "{deleted}");
+}

@@ -6,8 +6,8 @@ mod render;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-pub use self::observe::{observe, observe_for_job, reported_progress};
-pub use self::render::render;
+pub use self::observe::{PodCleanup, observe, observe_cleanup, observe_for_job, reported_progress};
+pub use self::render::{render, render_cleanup};
 use harvest_crds::ResultSummary;
 
 /// Label on every Pod the operator creates (the controller watches only these).
@@ -85,6 +85,11 @@ pub fn role_pod_name(job: &str, uid: Option<&str>, role: Role, attempt: u32) -> 
         Role::Part { index, .. } => format!("p{index}-"),
         Role::Finalize => "finalize-".to_owned(),
     };
+    job_pod_name(job, uid, &format!("{role}{attempt}"))
+}
+
+/// `<job>-<uid>-<tail>`: the job's name (shortened if need be) and the end of its UID.
+fn job_pod_name(job: &str, uid: Option<&str>, tail: &str) -> String {
     let alphanumeric: Vec<char> = uid
         .unwrap_or_default()
         .chars()
@@ -95,10 +100,16 @@ pub fn role_pod_name(job: &str, uid: Option<&str>, role: Role, attempt: u32) -> 
         .iter()
         .collect();
     let suffix = match uid.is_empty() {
-        true => format!("-{role}{attempt}"),
-        false => format!("-{uid}-{role}{attempt}"),
+        true => format!("-{tail}"),
+        false => format!("-{uid}-{tail}"),
     };
     format!("{}{suffix}", shortened(job, 253 - suffix.len()))
+}
+
+/// The name of the Pod that deletes the local outputs of the deleted job `job` with UID `uid`
+/// (`harvester cleanup`): one per job, so a repeated create finds it.
+pub fn cleanup_pod_name(job: &str, uid: Option<&str>) -> String {
+    job_pod_name(job, uid, "cleanup")
 }
 
 /// Characters of the job's UID in its Pods' names: its last ones, random in an apiserver's

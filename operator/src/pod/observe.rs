@@ -122,6 +122,46 @@ pub fn observe(pod: &Pod) -> PodState {
     }
 }
 
+/// A cleanup Pod (`harvester cleanup`), as the deleted job's finalizer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodCleanup {
+    /// Not finished yet.
+    Pending,
+    /// It answered.
+    Done(crate::cleanup::Cleanup),
+    /// It failed: why.
+    Failed(String),
+}
+
+/// Reads a cleanup Pod: its answer from the termination message once it has ended.
+pub fn observe_cleanup(pod: &Pod) -> PodCleanup {
+    let status = pod.status.clone().unwrap_or_default();
+    let terminated = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == CONTAINER)
+        .and_then(|c| c.state.as_ref()?.terminated.clone());
+    let message = terminated
+        .as_ref()
+        .and_then(|t| t.message.clone())
+        .unwrap_or_default();
+    match status.phase.as_deref() {
+        Some("Succeeded") => serde_json::from_str(message.trim()).map_or_else(
+            |_| PodCleanup::Failed(format!("the cleanup Pod answered {message:?}")),
+            PodCleanup::Done,
+        ),
+        Some("Failed") => {
+            let why = serde_json::from_str::<serde_json::Value>(message.trim())
+                .ok()
+                .and_then(|v| v["failed"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| failure(&status, terminated).message);
+            PodCleanup::Failed(format!("the cleanup Pod failed: {why}"))
+        }
+        _ => PodCleanup::Pending,
+    }
+}
+
 /// The Kueue LocalQueue of a Pod that Kueue's webhook took in (a Pod with the queue label
 /// that Kueue does not manage, where its webhook does not reach, is an ordinary Pod).
 fn kueue_queue(pod: &Pod) -> Option<&str> {

@@ -17,8 +17,8 @@ use kube::{Resource, ResourceExt};
 
 use super::{
     Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL,
-    KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, job_label,
-    role_pod_name,
+    KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, cleanup_pod_name,
+    job_label, role_pod_name,
 };
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
@@ -154,6 +154,80 @@ fn metadata(
         annotations: Some(annotations),
         owner_references: owners,
         ..ObjectMeta::default()
+    })
+}
+
+/// The Pod that deletes the local outputs of the deleted job `job` under `output`
+/// (`harvester cleanup`): the model's image and volumes, where its workers wrote them, and
+/// nothing of its GPU placement. The operator reads its answer from the termination message.
+pub fn render_cleanup(
+    job: &HarvestJob,
+    output: &str,
+    model: &CatalogueEntry,
+    config: &OperatorConfig,
+) -> Result<Pod> {
+    let uid = job.uid().ok_or_else(|| Error::MissingUid {
+        job: job.name_any(),
+    })?;
+    let mut labels = labels(job, &uid, 1, Role::Finalize);
+    labels.insert(PART_LABEL.to_owned(), "cleanup".to_owned());
+    let annotations = BTreeMap::from([
+        (
+            JOB_NAMESPACE_ANNOTATION.to_owned(),
+            job.namespace().unwrap_or_default(),
+        ),
+        (JOB_NAME_ANNOTATION.to_owned(), job.name_any()),
+    ]);
+    let memory = Quantity("256Mi".into());
+    let resources = ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity("100m".into())),
+            ("memory".to_owned(), memory.clone()),
+        ])),
+        limits: Some(BTreeMap::from([("memory".to_owned(), memory)])),
+        ..ResourceRequirements::default()
+    };
+    let args = [
+        "cleanup",
+        "--output",
+        output,
+        "--job-uid",
+        &uid,
+        "--termination-log",
+        TERMINATION_LOG,
+    ];
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(cleanup_pod_name(&job.name_any(), Some(&uid))),
+            namespace: Some(config.pod_namespace(job)),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            service_account_name: Some(config.worker_service_account.clone()),
+            automount_service_account_token: Some(false),
+            volumes: (!model.volumes.is_empty()).then(|| model.volumes.clone()),
+            image_pull_secrets: (!model.image_pull_secrets.is_empty())
+                .then(|| model.image_pull_secrets.clone()),
+            priority_class_name: model.priority_class_name.clone(),
+            security_context: Some(restricted_pod()),
+            containers: vec![Container {
+                name: CONTAINER.into(),
+                image: Some(model.image.clone()),
+                args: Some(args.map(str::to_owned).to_vec()),
+                resources: Some(resources),
+                termination_message_path: Some(TERMINATION_LOG.into()),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                volume_mounts: (!model.volume_mounts.is_empty())
+                    .then(|| model.volume_mounts.clone()),
+                security_context: Some(restricted_container()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        status: None,
     })
 }
 

@@ -618,3 +618,74 @@ fn a_pod_with_a_queue_label_that_kueue_did_not_take_in_is_an_ordinary_pod() {
     };
     assert_eq!(since.map(|t| t.0.to_string()).as_deref(), Some(created));
 }
+
+#[test]
+fn the_cleanup_pod_mounts_the_models_volumes_takes_no_gpu_and_names_the_job() {
+    let mut config = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, nodeSelector: {gpu: h200}, localQueue: gpu, volumes: [{name: out, persistentVolumeClaim: {claimName: outputs}}], volumeMounts: [{name: out, mountPath: /out}]}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap();
+    config.worker_namespace = Some("harvest-system".into());
+    let pod = render_cleanup(&job(), "/out/j", config.model("m").unwrap(), &config).unwrap();
+    assert_eq!(pod.metadata.name.as_deref(), Some("j-uid1-cleanup"));
+    assert_eq!(pod.metadata.namespace.as_deref(), Some("harvest-system"));
+    let labels = pod.metadata.labels.unwrap();
+    assert_eq!(labels[JOB_UID_LABEL], "uid-1");
+    assert!(!labels.contains_key(KUEUE_QUEUE_LABEL), "{labels:?}");
+    let spec = pod.spec.unwrap();
+    assert_eq!(spec.node_selector, None);
+    assert_eq!(spec.volumes.unwrap()[0].name, "out");
+    let container = &spec.containers[0];
+    assert_eq!(
+        container.args.as_deref().unwrap()[..5],
+        ["cleanup", "--output", "/out/j", "--job-uid", "uid-1"]
+    );
+    assert_eq!(
+        container.volume_mounts.as_ref().unwrap()[0].mount_path,
+        "/out"
+    );
+    let resources = container.resources.as_ref().unwrap();
+    assert!(
+        !resources
+            .limits
+            .as_ref()
+            .unwrap()
+            .contains_key("nvidia.com/gpu")
+    );
+}
+
+#[test]
+fn a_cleanup_pods_answer_is_read_from_its_termination_message() {
+    let ended = |phase: &str, code: i32, message: &str| {
+        pod_with(
+            json!({"phase": phase, "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": code, "message": message}}}]}),
+        )
+    };
+    assert_eq!(
+        observe_cleanup(&ended("Succeeded", 0, "{\"deleted\":5}\n")),
+        PodCleanup::Done(crate::cleanup::Cleanup::Deleted(5))
+    );
+    assert_eq!(
+        observe_cleanup(&ended(
+            "Succeeded",
+            0,
+            "{\"kept\":\"/out/j does not exist\"}"
+        )),
+        PodCleanup::Done(crate::cleanup::Cleanup::Kept(
+            "/out/j does not exist".into()
+        ))
+    );
+    let PodCleanup::Failed(why) = observe_cleanup(&ended(
+        "Failed",
+        3,
+        "{\"failed\":\"store /out/j: disk gone\"}",
+    )) else {
+        panic!("not failed")
+    };
+    assert!(why.contains("disk gone"), "{why}");
+    assert_eq!(
+        observe_cleanup(&pod_with(json!({"phase": "Running"}))),
+        PodCleanup::Pending
+    );
+}

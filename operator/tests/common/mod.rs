@@ -25,6 +25,13 @@ pub const ACCOUNT: &str = "default-acct";
 pub const UNPULLABLE: &str = "unpullable";
 /// SmolLM2 again, with at most 2 worker Pods at once over every job (`maxPods`).
 pub const CAPPED: &str = "smollm2-capped";
+/// SmolLM2 again, its workers mounting the PersistentVolumeClaim [`OUTPUTS_CLAIM`] at
+/// [`OUTPUTS_MOUNT`]: outputs there are on a volume the operator does not mount.
+pub const ON_VOLUME: &str = "smollm2-on-volume";
+/// See [`ON_VOLUME`].
+pub const OUTPUTS_CLAIM: &str = "harvest-outputs";
+/// See [`ON_VOLUME`]: a path that exists only inside the workers.
+pub const OUTPUTS_MOUNT: &str = "/harvest-outputs";
 /// Where the REST API creates its jobs.
 pub const API_NAMESPACE: &str = "harvest-api";
 
@@ -110,7 +117,8 @@ impl Cluster {
             .map(|ns| format!("workerNamespace: {ns}\n"))
             .unwrap_or_default();
         OperatorConfig::parse(&format!(
-            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4}}\n- {{name: {CAPPED}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4, maxPods: 2}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\nworkerSweepSeconds: 1\npodLostAfterSeconds: 2\n{workers}",
+            "models:\n- {{name: smollm2-135m, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4}}\n- {{name: {CAPPED}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, maxParallelism: 4, maxPods: 2}}\n- {{name: {UNPULLABLE}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: harvest/harvester:absent}}\n- {{name: {ON_VOLUME}, path: {}, numLayers: 30, hiddenSize: 576, lane: small, image: {IMAGE}, volumes: [{{name: outputs, persistentVolumeClaim: {{claimName: {OUTPUTS_CLAIM}}}}}], volumeMounts: [{{name: outputs, mountPath: {OUTPUTS_MOUNT}}}]}}\nlanes: {{small: {}, large: 1}}\napiNamespace: {API_NAMESPACE}\nretryBaseSeconds: 1\nadmissionPollSeconds: 1\nprogressRefreshSeconds: 1\ncleanupTimeoutSeconds: 10\nworkerSweepSeconds: 1\npodLostAfterSeconds: 2\n{workers}",
+            smollm2().display(),
             smollm2().display(),
             smollm2().display(),
             smollm2().display(),
