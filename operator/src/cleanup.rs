@@ -1,8 +1,10 @@
-//! Deleting a job's outputs (for `outputRetention: Delete`), on S3 (credentials from the
-//! environment) or a local directory. Only what the job itself wrote goes: the files its
+//! Deleting a job's outputs on S3 (for `outputRetention: Delete`; credentials from the
+//! environment or the paying account). Only what the job itself wrote goes: the files its
 //! manifest lists, and its `partial/` records, and only when that manifest was written for the
-//! job's UID. A tenant's `spec.output` pointing at someone else's prefix, or at a whole bucket,
-//! deletes nothing.
+//! job's UID (`harvest_core::format::files_to_delete`). A tenant's `spec.output` pointing at
+//! someone else's prefix, or at a whole bucket, deletes nothing. A local directory is on the
+//! workers' volumes, which the operator does not mount: the job's cleanup Pod (`harvester
+//! cleanup`, see `reconcile`) deletes it with the same rules.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -43,13 +45,10 @@ pub async fn delete_outputs(
     };
     let location = Location::parse(output, "output").map_err(|e| fail(e.to_string()))?;
     let (store, prefix): (Arc<dyn ObjectStore>, StorePath) = match &location {
-        Location::Local(path) => {
-            if !path.exists() {
-                return Ok(Cleanup::Kept(format!("{output} does not exist")));
-            }
-            let store = object_store::local::LocalFileSystem::new_with_prefix(path)
-                .map_err(|e| fail(e.to_string()))?;
-            (Arc::new(store), StorePath::default())
+        Location::Local(_) => {
+            return Err(fail(
+                "a local directory is deleted by the job's cleanup Pod, not the operator".into(),
+            ));
         }
         Location::S3 { bucket, prefix } => {
             // Like `from_env`, but an empty variable is unset, as the workers read it, and the
@@ -99,11 +98,6 @@ pub async fn delete_outputs(
                 Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(fail(e.to_string())),
             }
-        }
-        if let Location::Local(path) = &location {
-            // Only directories the deletions emptied; anything else stays.
-            let _ = std::fs::remove_dir(path.join(PARTIAL_DIR));
-            let _ = std::fs::remove_dir(path);
         }
         Ok(Cleanup::Deleted(deleted))
     };

@@ -262,32 +262,66 @@ async fn an_unknown_model_writes_a_failed_status_and_a_warning_and_creates_nothi
     );
 }
 
-/// An output directory holding a finished harvest written for `uid`, its leftover record,
-/// and a file no harvest wrote.
-fn output_of(dir: &std::path::Path, uid: &str) -> std::path::PathBuf {
-    let output = dir.join("out");
-    std::fs::create_dir_all(output.join("partial")).unwrap();
-    for file in [
-        "shard_00000.safetensors",
-        "stats.safetensors",
-        "result.json",
-    ] {
-        std::fs::write(output.join(file), b"x").unwrap();
-    }
-    std::fs::write(output.join("partial/shard_00001.record.safetensors"), b"x").unwrap();
-    std::fs::write(output.join("notes.txt"), b"not the harvest's").unwrap();
-    let manifest = crate::cleanup::tests::manifest_json(Some(uid));
-    std::fs::write(output.join("manifest.json"), manifest).unwrap();
-    output
+fn deleted_job(output: &std::path::Path) -> HarvestJob {
+    let mut job = job("m", &output.display().to_string());
+    job.spec.output_retention = OutputRetention::Delete;
+    job.metadata.finalizers = Some(vec![CLEANUP_FINALIZER.into(), "other/keep".into()]);
+    job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    job
 }
 
-/// The finalizer's reconcile of deleted `job`: one event with `reason`, then the patch that
-/// drops the finalizer and keeps the other one.
-async fn finalized(job: HarvestJob, reason: &'static str) {
-    let reply = serde_json::to_value(&job).unwrap();
+const CLEANUP_POD: &str = "/api/v1/namespaces/team/pods/j-uid1-cleanup";
+
+#[tokio::test]
+async fn a_deleted_job_gives_its_local_outputs_to_a_cleanup_pod_and_looks_again_soon() {
+    let job = deleted_job(std::path::Path::new("/outputs/j"));
+    let action = scenario(job, |mut api| async move {
+        let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404});
+        api.expect(Method::GET, CLEANUP_POD, StatusCode::NOT_FOUND, gone)
+            .await;
+        let pod = api
+            .expect(
+                Method::POST,
+                "/api/v1/namespaces/team/pods",
+                StatusCode::CREATED,
+                json!({}),
+            )
+            .await;
+        assert_eq!(pod["metadata"]["name"], "j-uid1-cleanup");
+        assert_eq!(
+            pod["spec"]["containers"][0]["args"],
+            json!(["cleanup", "--output", "/outputs/j", "--job-uid", "uid-1", "--termination-log", "/dev/termination-log"])
+        );
+        api.expect_nothing_more().await;
+    })
+    .await;
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(Duration::from_secs(2))
+    );
+}
+
+/// A cleanup Pod that ended answering `message`.
+fn cleanup_pod(message: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j-uid1-cleanup", "namespace": "team"},
+        "status": {"phase": "Succeeded", "containerStatuses": [{"name": "harvester", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0, "message": message}}}]}})
+}
+
+/// The finalizer's reconcile of deleted `job` once its cleanup Pod answered `answer`: one
+/// event with `reason` naming `says`, the Pod deleted, then the patch that drops the finalizer
+/// and keeps the other one.
+async fn cleaned_by_pod(answer: &str, reason: &'static str, says: &'static str) {
+    let job = deleted_job(std::path::Path::new("/outputs/j"));
+    let (reply, pod) = (serde_json::to_value(&job).unwrap(), cleanup_pod(answer));
     scenario(job, move |mut api| async move {
+        api.expect(Method::GET, CLEANUP_POD, StatusCode::OK, pod.clone())
+            .await;
         let event = api.expect_event().await;
         assert_eq!(event["reason"], reason, "{event}");
+        assert!(event["note"].as_str().unwrap().contains(says), "{event}");
+        api.expect(Method::DELETE, CLEANUP_POD, StatusCode::OK, pod)
+            .await;
         let patch = api
             .expect(Method::PATCH, &format!("{JOBS}/j"), StatusCode::OK, reply)
             .await;
@@ -298,45 +332,18 @@ async fn finalized(job: HarvestJob, reason: &'static str) {
     .await;
 }
 
-fn deleted_job(output: &std::path::Path) -> HarvestJob {
-    let mut job = job("m", &output.display().to_string());
-    job.spec.output_retention = OutputRetention::Delete;
-    job.metadata.finalizers = Some(vec![CLEANUP_FINALIZER.into(), "other/keep".into()]);
-    job.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
-    job
-}
-
 #[tokio::test]
-async fn a_deleted_job_with_retention_delete_loses_the_files_its_manifest_lists_then_its_finalizer()
-{
-    let dir = tempfile::tempdir().unwrap();
-    let output = output_of(dir.path(), "uid-1");
-    finalized(deleted_job(&output), "OutputsDeleted").await;
-    let mut left: Vec<_> = std::fs::read_dir(&output)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    left.sort();
-    assert_eq!(
-        left,
-        ["notes.txt"],
-        "the harvest's files and records go before the finalizer; nothing else does"
-    );
-}
-
-#[tokio::test]
-async fn a_deleted_job_pointed_at_another_jobs_output_deletes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = output_of(dir.path(), "uid-of-another-job");
-    finalized(deleted_job(&output), "OutputsKept").await;
-    assert!(output.join("manifest.json").exists());
-    assert!(output.join("shard_00000.safetensors").exists());
-    assert!(
-        output
-            .join("partial/shard_00001.record.safetensors")
-            .exists()
-    );
-    // The whole store, which holds no manifest at its top: nothing either.
-    finalized(deleted_job(dir.path()), "OutputsKept").await;
-    assert!(output.join("shard_00000.safetensors").exists());
+async fn a_cleanup_pods_answer_becomes_the_jobs_event_then_the_pod_and_the_finalizer_go() {
+    cleaned_by_pod(
+        "{\"deleted\":5}",
+        "OutputsDeleted",
+        "deleted 5 objects under /outputs/j",
+    )
+    .await;
+    cleaned_by_pod(
+        "{\"kept\":\"the manifest under /outputs/j was written for another job\"}",
+        "OutputsKept",
+        "another job",
+    )
+    .await;
 }
