@@ -2,7 +2,8 @@
 //! the fake apiserver does not, each shown on the shipped manifests as a platform team applies
 //! them. CRD defaults, pruning and CEL; uninstall and namespace deletion with jobs in flight;
 //! a node that stops heartbeating; a ResourceQuota that refuses a worker; a watch answered
-//! 410 Gone after an etcd compaction; a job queued in a full Kueue ClusterQueue.
+//! 410 Gone after an etcd compaction; Kueue (a job queued in a full ClusterQueue, a worker
+//! it evicts).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -460,6 +461,36 @@ spec:
     securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
 ";
 
+/// The test model's workers queue in Kueue's LocalQueue `harvest`; `more` is one more line of
+/// its catalogue entry.
+fn queue_the_test_model(cluster: &LocalCluster, more: &str) {
+    cluster.set_operator_config(|config| {
+        let line = config
+            .lines()
+            .find(|l| l.trim() == "path: /models/smollm2-135m")
+            .unwrap()
+            .to_owned();
+        let indent = &line[..line.len() - line.trim_start().len()];
+        config.replacen(
+            &line,
+            &format!("{line}\n{indent}localQueue: harvest\n{indent}{more}"),
+            1,
+        )
+    });
+}
+
+/// The Kueue Workloads of a worker Pod.
+fn workloads_of(cluster: &LocalCluster, pod: &str) -> Vec<Value> {
+    let workloads = json(cluster, &["workloads", "-n", "harvest-system"]);
+    workloads["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["metadata"]["ownerReferences"][0]["name"] == pod)
+        .cloned()
+        .collect()
+}
+
 /// The scheduling gates on a Pod, space-separated ("" when none or when it is gone).
 fn gates(cluster: &LocalCluster, pod: &str) -> String {
     cluster.field(
@@ -484,24 +515,9 @@ async fn a_job_queued_in_a_full_kueue_cluster_queue_waits_past_its_start_timeout
         gates.is_empty().then_some(()).ok_or(gates)
     })
     .await;
-    // The test model's workers queue in `harvest`, and a worker that waits for a node fails
-    // its job after 5 s: a queued worker must not.
+    // A worker that waits for a node fails its job after 5 s: a queued worker must not.
     const START_TIMEOUT: u64 = 5;
-    cluster.set_operator_config(|config| {
-        let line = config
-            .lines()
-            .find(|l| l.trim() == "path: /models/smollm2-135m")
-            .unwrap()
-            .to_owned();
-        let indent = &line[..line.len() - line.trim_start().len()];
-        config.replacen(
-            &line,
-            &format!(
-                "{line}\n{indent}localQueue: harvest\n{indent}startTimeoutSeconds: {START_TIMEOUT}"
-            ),
-            1,
-        )
-    });
+    queue_the_test_model(&cluster, &format!("startTimeoutSeconds: {START_TIMEOUT}"));
     cluster.tenant("my-team");
     cluster.upload_example_prompts(8, 20).await;
     apply_example_job(&cluster, "my-team");
@@ -559,17 +575,51 @@ async fn a_job_queued_in_a_full_kueue_cluster_queue_waits_past_its_start_timeout
     );
     assert_eq!(status["pod"], worker.as_str());
     // Kueue saw one workload for the worker, and admitted it once.
-    let workloads = json(&cluster, &["workloads", "-n", "harvest-system"]);
-    let ours: Vec<&Value> = workloads["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|w| w["metadata"]["ownerReferences"][0]["name"] == worker.as_str())
-        .collect();
-    assert_eq!(ours.len(), 1, "{workloads}");
+    let ours = workloads_of(&cluster, &worker);
+    assert_eq!(ours.len(), 1, "{ours:?}");
     assert!(
         ours[0]["status"]["admission"]["clusterQueue"] == "workers",
         "{}",
         ours[0]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_kueue_evicts_is_retried_uncounted_and_the_job_is_charged_once() {
+    let cluster = LocalCluster::up_on(Tier::Real);
+    let _kueue = cluster.start_kueue().await;
+    cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(QUEUES))
+        .unwrap();
+    queue_the_test_model(&cluster, "startTimeoutSeconds: 600");
+    let job = example_job_running(&cluster, "my-team").await;
+    let job = job.each_ref().map(String::as_str);
+    let first = cluster.field(&job, "{.status.pod}");
+    let workload = workloads_of(&cluster, &first)
+        .first()
+        .map(|w| w["metadata"]["name"].as_str().unwrap().to_owned())
+        .expect("Kueue made a Workload of the running worker");
+    // The cluster's administrator deactivates it (as a preemption would evict it): Kueue
+    // stops the worker mid-run.
+    cluster
+        .kubectl(&[
+            "patch",
+            "workload",
+            &workload,
+            "-n",
+            "harvest-system",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"active":false}}"#,
+        ])
+        .unwrap();
+    let stored = succeeded_and_charged_once(&cluster, &job).await;
+    let status = &stored["status"];
+    // The eviction was the cluster's doing: a second attempt, queued and admitted anew, and
+    // nothing counted against backoffLimit.
+    assert_eq!(status["attempts"], 2, "{status}");
+    assert_eq!(status["failures"], 0, "{status}");
+    let second = status["pod"].as_str().unwrap();
+    assert_ne!(second, first);
+    assert_eq!(workloads_of(&cluster, second).len(), 1);
 }
