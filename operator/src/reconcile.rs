@@ -686,22 +686,12 @@ async fn finalize(
     // A job that never had an output has nothing to clean.
     let output = job.spec.output.as_deref().unwrap_or_default();
     let clean = clean && !output.is_empty();
-    let local = output.starts_with('/');
     let cleanup_pod = crate::pod::cleanup_pod_name(&job.name_any(), Some(&uid));
     if clean && !left.is_zero() {
-        let outcome = if local {
-            // The outputs are on the workers' volumes, which the operator does not mount: a
-            // Pod with them does the deleting.
-            match cleanup_by_pod(job, pods, ctx, output, &cleanup_pod).await {
-                Ok(None) => return Ok(Requeue::requeue(CLEANUP_POLL)),
-                Ok(Some(done)) => Ok(done),
-                Err(error) => Err(error),
-            }
-        } else {
-            match account_credentials(ctx, job).await {
-                Ok(credentials) => cleanup::delete_outputs(output, &uid, left, &credentials).await,
-                Err(error) => Err(error),
-            }
+        let outcome = match delete_outputs(job, pods, ctx, &cleanup_pod, left).await {
+            Ok(None) => return Ok(Requeue::requeue(CLEANUP_POLL)),
+            Ok(Some(done)) => Ok(done),
+            Err(error) => Err(error),
         };
         match outcome {
             Ok(cleanup::Cleanup::Deleted(deleted)) => {
@@ -730,7 +720,7 @@ async fn finalize(
         );
         publish(ctx, job, true, "CleanupAbandoned", &note).await;
     }
-    if clean && local {
+    if clean && output.starts_with('/') {
         delete_pod(pods, &cleanup_pod).await?;
     }
     let finalizers: Vec<_> = job
@@ -748,6 +738,27 @@ async fn finalize(
     )
     .await?;
     Ok(Requeue::await_change())
+}
+
+/// Deletes the deleted job's outputs within `left`: on S3 from here; a local directory, on
+/// the workers' volumes, which the operator does not mount, through the cleanup Pod named
+/// `cleanup_pod` (`None` while it runs).
+async fn delete_outputs(
+    job: &HarvestJob,
+    pods: &Api<Pod>,
+    ctx: &Context,
+    cleanup_pod: &str,
+    left: Duration,
+) -> Result<Option<cleanup::Cleanup>> {
+    let output = job.spec.output.as_deref().unwrap_or_default();
+    if output.starts_with('/') {
+        return cleanup_by_pod(job, pods, ctx, output, cleanup_pod).await;
+    }
+    let credentials = account_credentials(ctx, job).await?;
+    let uid = job.uid().unwrap_or_default();
+    cleanup::delete_outputs(output, &uid, left, &credentials)
+        .await
+        .map(Some)
 }
 
 /// How often a deleted job looks at its cleanup Pod (its Pod's changes wake it sooner).

@@ -50,17 +50,8 @@ pub fn render(
     };
     let (mut volumes, mut volume_mounts) = (model.volumes.clone(), model.volume_mounts.clone());
     if let Some(bytes) = scratch_bytes(valid, model, role) {
-        // The spill goes to an emptyDir of its own, asked for up front, not into the
-        // container's writable layer, where it would meet DiskPressure evictions.
         let size = Quantity(bytes.to_string());
-        volumes.push(Volume {
-            name: SCRATCH_VOLUME.into(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                size_limit: Some(size.clone()),
-                ..EmptyDirVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
+        volumes.push(scratch_volume(&size));
         volume_mounts.push(VolumeMount {
             name: SCRATCH_VOLUME.into(),
             mount_path: SCRATCH_PATH.into(),
@@ -384,6 +375,19 @@ fn row_values(plan: &ResolvedPlan, model: &CatalogueEntry) -> (usize, usize) {
     match plan.project_onto {
         Some(_) => (MAX_DIRECTIONS, 4),
         None => (model.hidden_size, 2),
+    }
+}
+
+/// The spill's emptyDir of `size`, asked for up front: not the container's writable layer,
+/// where it would meet DiskPressure evictions.
+fn scratch_volume(size: &Quantity) -> Volume {
+    Volume {
+        name: SCRATCH_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            size_limit: Some(size.clone()),
+            ..EmptyDirVolumeSource::default()
+        }),
+        ..Volume::default()
     }
 }
 

@@ -304,7 +304,7 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
     let account: harvest_crds::HarvestAccountSpec = serde_json::from_value(
-        json!({"storage": {"prefix": "s3://acme/", "credentialsSecret": "acme-s3"}}),
+        json!({"storage": {"prefix": "/acme", "credentialsSecret": "acme-s3"}}),
     )
     .unwrap();
     let pod = render(
