@@ -55,7 +55,9 @@ pub struct HarvestAccountSpec {
     /// paths. A job whose `input` or `output` lies outside all of them is refused at
     /// admission. Empty, jobs may name any location the workers' credentials reach.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16))]
+    #[schemars(length(max = 16), inner(length(min = 2, max = 1024)))]
+    #[x_kube(validation = Rule::new("self.all(p, p.startsWith('s3://') || p.startsWith('/'))")
+        .message("each storagePrefixes item must be s3://bucket/prefix or an absolute path"))]
     pub storage_prefixes: Vec<String>,
     /// The account's own storage: the operator puts the output of each job that names none
     /// under its prefix, and reads inputs only from there (or the `storagePrefixes`).

@@ -86,3 +86,21 @@ fn suspend_deadline_and_ttl_may_change_and_cancel_may_only_be_set() {
     let uncancel = old.clone();
     assert!(messages(validate_cel_update(&uncancel, &new)).contains("cancel cannot be undone"));
 }
+
+#[test]
+fn each_storage_prefix_of_an_account_must_be_a_bucket_url_or_an_absolute_path() {
+    use harvest_crds::{HarvestAccount, HarvestAccountSpec};
+    let account = |prefixes: &[&str]| {
+        let mut spec = HarvestAccountSpec::for_namespaces(&["team"]);
+        spec.storage_prefixes = prefixes.iter().map(|p| (*p).to_owned()).collect();
+        HarvestAccount::new("acct", spec)
+    };
+    assert_eq!(
+        messages(validate_cel(&account(&["s3://in/team", "/data/team"]))),
+        ""
+    );
+    assert!(
+        messages(validate_cel(&account(&["s3://in/team", "relative/dir"])))
+            .contains("each storagePrefixes item must be s3://bucket/prefix or an absolute path")
+    );
+}

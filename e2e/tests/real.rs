@@ -140,6 +140,17 @@ async fn the_crds_apply_without_warnings_and_their_defaults_pruning_and_cel_rule
         refused.contains("prefix must be s3://bucket/prefix or an absolute path"),
         "{refused}"
     );
+    // So must each of the prefixes its jobs may name, and its LocalQueue must be a name.
+    let account = "apiVersion: harvest.dev/v1alpha1\nkind: HarvestAccount\nmetadata: {name: crooked}\nspec:\n  storagePrefixes: [s3://fine/team, relative/dir]\n  localQueue: GPU_Queue\n";
+    let refused = cluster
+        .kubectl_with_input(&["apply", "-f", "-"], Some(account))
+        .unwrap_err();
+    assert!(
+        refused
+            .contains("each storagePrefixes item must be s3://bucket/prefix or an absolute path"),
+        "{refused}"
+    );
+    assert!(refused.contains("spec.localQueue"), "{refused}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
