@@ -1,0 +1,157 @@
+//! Closing a job: training files for the shuffled layout, statistics, the manifest (the commit
+//! point), `result.json`, and the partial records removed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use bytes::Bytes;
+use harvest_core::format::Manifest;
+use harvest_core::layout::Layout;
+use harvest_core::plan::shard_file_name;
+
+use super::result::{RESULT_FILE, RunResult, Timings};
+use super::shard::ShardRecord;
+use super::store::Store;
+use super::{Job, MANIFEST_FILE, STATS_FILE, outputs, shuffle};
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+
+/// What the closing files are made of.
+pub(super) struct Closing<'a> {
+    pub(super) job: &'a Job<'a>,
+    pub(super) config: &'a ModelConfig,
+    pub(super) records: &'a BTreeMap<usize, ShardRecord>,
+    pub(super) model_name: String,
+    pub(super) max_tokens: usize,
+    pub(super) timings: Timings,
+    pub(super) resumed_shards: usize,
+    pub(super) spill_dir: Option<std::path::PathBuf>,
+    pub(super) job_uid: Option<String>,
+}
+
+/// Writes the statistics, then the manifest (the commit point), then `result.json`, and
+/// removes the partial records.
+pub(super) fn commit(
+    closing: &Closing<'_>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<RunResult> {
+    let Closing { job, records, .. } = closing;
+    let finish_start = Instant::now();
+    let train = train_files(job, records, store, runtime, closing.spill_dir.as_deref())?;
+    let (manifest, stats_bytes) = outputs::build_outputs(
+        job,
+        closing.config,
+        records,
+        &closing.model_name,
+        closing.max_tokens,
+        train.as_ref(),
+    )?;
+    let manifest = Manifest {
+        job_uid: closing.job_uid.clone(),
+        ..manifest
+    };
+    let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
+        path: MANIFEST_FILE.into(),
+        source,
+    })?;
+    let save_s = closing.timings.save_s + finish_start.elapsed().as_secs_f64();
+    let shard_bytes: u64 = match &train {
+        None => records.values().map(|r| r.meta.bytes).sum(),
+        Some(train) => train.files.iter().map(|f| f.bytes).sum(),
+    };
+    let bytes_written = shard_bytes + (stats_bytes.len() + manifest_bytes.len()) as u64;
+    let upload_start = Instant::now();
+    runtime.block_on(async {
+        store.put(STATS_FILE, Bytes::from(stats_bytes)).await?;
+        store.put(MANIFEST_FILE, Bytes::from(manifest_bytes)).await
+    })?;
+    let result = RunResult {
+        n_shards: train.as_ref().map_or(job.n_shards, |t| t.files.len()),
+        layout: job.plan.options.layout.name(),
+        n_prompts: manifest.n_prompts,
+        layer_indices: job.plan.options.layers.as_slice().to_vec(),
+        tokens: manifest.total_tokens,
+        bytes_written,
+        contents: job.contents,
+        timings: Timings {
+            save_s,
+            upload_s: closing.timings.upload_s + upload_start.elapsed().as_secs_f64(),
+            ..closing.timings.clone()
+        },
+        output: job.plan.output.to_string(),
+        resumed_shards: closing.resumed_shards,
+    };
+    let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
+        path: RESULT_FILE.into(),
+        source,
+    })?;
+    runtime.block_on(async {
+        store.put(RESULT_FILE, Bytes::from(result_bytes)).await?;
+        for shard in 0..job.n_shards {
+            if let Err(e) = store.delete(&ShardRecord::file_name(shard)).await {
+                tracing::warn!(error = %e, shard, "could not remove a partial record");
+            }
+            // The shuffled layout's shards were only the first phase.
+            if train.is_some()
+                && let Err(e) = store.delete(&shard_file_name(shard)).await
+            {
+                tracing::warn!(error = %e, shard, "could not remove a staged shard");
+            }
+        }
+        Ok::<_, Error>(())
+    })?;
+    Ok(result)
+}
+
+/// The shuffled layout's training files, made from the shards; none for the by-prompt layout.
+fn train_files(
+    job: &Job<'_>,
+    records: &BTreeMap<usize, ShardRecord>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+    spill_dir_given: Option<&Path>,
+) -> Result<Option<shuffle::TrainFiles>> {
+    match job.plan.options.layout {
+        Layout::ByPrompt => Ok(None),
+        Layout::Shuffled {
+            rows_per_file,
+            seed,
+        } => {
+            let spill = match spill_dir_given {
+                // A directory the operator named may be shared: only our own subdirectory goes.
+                Some(dir) => shuffle::SpillDir {
+                    path: dir.to_owned(),
+                    owned: false,
+                },
+                None => spill_dir(&job.plan.output),
+            };
+            let files = shuffle::write_train_files(
+                job,
+                records,
+                store,
+                runtime,
+                rows_per_file,
+                seed,
+                &spill,
+            )?;
+            Ok(Some(files))
+        }
+    }
+}
+
+/// Where the shuffle spills its buckets: `.shuffle/` in a local output (the job's own, so what a
+/// killed run left there is cleared first), else the system's temp dir.
+pub(super) fn spill_dir(output: &harvest_core::Location) -> shuffle::SpillDir {
+    match output {
+        harvest_core::Location::Local(dir) => shuffle::SpillDir {
+            path: dir.join(".shuffle"),
+            owned: true,
+        },
+        harvest_core::Location::S3 { .. } => shuffle::SpillDir {
+            path: std::env::temp_dir(),
+            owned: false,
+        },
+    }
+}

@@ -1,0 +1,283 @@
+//! What runs the forward pass: one backend or a chain of pipeline stages, sized and loaded
+//! (memory checked first), with the weights read in as loading progress.
+
+use std::time::Instant;
+
+use harvest_core::ResolvedPlan;
+
+use super::progress::Progress;
+use super::{CAPTURE_POOL, RunOptions, UPLOAD_QUEUE, staged};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::DeviceChoice;
+use crate::backend::cuda::forward::CudaBackend;
+use crate::backend::{Backend, CaptureSpec};
+use crate::error::{Error, Result};
+use crate::model::{LlamaWeights, ModelConfig};
+use crate::projection::Directions;
+use crate::tokenizer::Encoded;
+
+/// What runs the forward pass: one backend, or a chain of pipeline stages.
+pub(super) enum Engine {
+    Single(Box<dyn Backend>),
+    Staged(staged::Staged),
+}
+
+impl Engine {
+    /// Capture buffers to keep in circulation.
+    pub(super) fn capture_pool(&self) -> usize {
+        match self {
+            Self::Single(_) => CAPTURE_POOL,
+            Self::Staged(s) => staged::capture_pool(s.stages.len()),
+        }
+    }
+}
+
+/// The most tokens one batch of this job can hold: the batch budget, or one prompt longer than
+/// it, and never more than the whole job.
+fn largest_batch(plan: &ResolvedPlan, encoded: &[Encoded]) -> usize {
+    let total: usize = encoded.iter().map(|e| e.ids.len()).sum();
+    let longest = encoded.iter().map(|e| e.ids.len()).max().unwrap_or(0);
+    total.min(plan.batch_tokens.get().max(longest))
+}
+
+/// Shards' worth of bytes the pipeline can hold at once: one being assembled, the upload queue,
+/// and one being uploaded.
+const SHARDS_HELD: usize = UPLOAD_QUEUE + 2;
+
+/// What a batch needs besides the backend: how many tokens the largest one has, and the bytes
+/// the pipeline itself holds then (its capture buffers of that size, and its shards).
+#[derive(Debug, Clone, Copy)]
+struct Sizing {
+    batch_tokens: usize,
+    pipeline_bytes: u64,
+}
+
+impl Sizing {
+    /// The sizing of `plan` over `encoded`, capturing `slots` rows of `width` values a token,
+    /// with `capture_buffers` capture buffers in circulation.
+    pub(super) fn of(
+        plan: &ResolvedPlan,
+        encoded: &[Encoded],
+        (slots, width): (usize, usize),
+        capture_buffers: usize,
+    ) -> Self {
+        let batch_tokens = largest_batch(plan, encoded);
+        let captured = (batch_tokens * slots * width * 4) as u64;
+        let value_bytes = if plan.project_onto.is_some() { 4 } else { 2 };
+        let largest_shard = encoded
+            .chunks(plan.options.shard_size.get())
+            .map(|shard| shard.iter().map(|e| e.ids.len()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let shard = (largest_shard * slots * width * value_bytes) as u64;
+        Self {
+            batch_tokens,
+            pipeline_bytes: captured * capture_buffers.saturating_sub(1) as u64
+                + shard * SHARDS_HELD as u64,
+        }
+    }
+}
+
+/// Loads the blocks up to the deepest kept layer onto the chosen device; on the CPU, first
+/// checks that they and batches of `batch_tokens` fit the memory; on a GPU, allocates a batch
+/// of `batch_tokens` against the device's free memory.
+fn open_backend(
+    plan: &ResolvedPlan,
+    spec: CaptureSpec,
+    device: DeviceChoice,
+    sizing: Sizing,
+    progress: &Progress,
+) -> Result<Box<dyn Backend>> {
+    let weights = LlamaWeights::load(&plan.model, Some(plan.options.layers.deepest() + 1))?;
+    if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
+        let Sizing {
+            batch_tokens,
+            pipeline_bytes,
+        } = sizing;
+        CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
+    }
+    read_weights(&[&weights], progress);
+    Ok(match device {
+        DeviceChoice::Cuda(ordinal) => {
+            let mut backend = CudaBackend::new(weights, spec, ordinal)?;
+            // The job's largest batch is allocated now, so one that does not fit the GPU is
+            // refused before any prompt runs, naming the bytes.
+            backend.reserve(sizing.batch_tokens)?;
+            Box::new(backend)
+        }
+        DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
+    })
+}
+
+/// What the job keeps: activations or projections, and the backends' capture spec.
+pub(super) fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> CaptureSpec {
+    CaptureSpec {
+        layers: plan.options.layers.clone(),
+        sites: plan.options.sites.clone(),
+        precision: plan.options.precision,
+        directions,
+    }
+}
+
+/// One backend, or the pipeline stages `options` asks for, loaded for batches of up to
+/// `largest` tokens.
+pub(super) fn open_engine(
+    (plan, encoded): (&ResolvedPlan, &[Encoded]),
+    spec: CaptureSpec,
+    options: &RunOptions,
+    width: usize,
+    progress: &Progress,
+) -> Result<Engine> {
+    let dims = (spec.slots(), width);
+    Ok(match options.pipeline_stages {
+        None => {
+            let sizing = Sizing::of(plan, encoded, dims, CAPTURE_POOL);
+            Engine::Single(open_backend(plan, spec, options.device, sizing, progress)?)
+        }
+        Some(stages) => {
+            // Each stage's working set counts one capture buffer of its own.
+            let buffers = staged::capture_pool(stages).saturating_sub(stages.saturating_sub(1));
+            let sizing = Sizing::of(plan, encoded, dims, buffers);
+            let device = (options.device, stages);
+            Engine::Staged(open_stages(plan, spec, device, sizing, progress)?)
+        }
+    })
+}
+
+/// Seconds between two loading progress lines.
+const LOADING_REPORT_S: f64 = 1.0;
+
+/// Reads the mapped weights in (every stage's at once), reporting the bytes as loading progress
+/// at most every [`LOADING_REPORT_S`], and once at the end.
+fn read_weights(weights: &[&LlamaWeights], progress: &Progress) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let total: u64 = weights.iter().map(|w| w.mapped_block_bytes()).sum();
+    if total == 0 {
+        progress.running();
+        return;
+    }
+    let start = Instant::now();
+    let last_report = std::sync::Mutex::new(0.0f64);
+    let done = AtomicU64::new(0);
+    let read = |bytes: u64| {
+        let so_far = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        let now = start.elapsed().as_secs_f64();
+        // A report another thread is writing covers this one.
+        if let Ok(mut last) = last_report.try_lock()
+            && now - *last >= LOADING_REPORT_S
+        {
+            *last = now;
+            progress.loading(so_far.min(total), total);
+        }
+    };
+    progress.loading(0, total);
+    std::thread::scope(|scope| {
+        for w in weights {
+            let read = &read;
+            scope.spawn(move || w.prefault(read));
+        }
+    });
+    progress.loading(total, total);
+    progress.running();
+    let seconds = start.elapsed().as_secs_f64();
+    tracing::info!(bytes = total, seconds, "weights read");
+}
+
+/// The pipeline stages of a `--pipeline-stages` run: the model's blocks split by bytes, the
+/// plan of each running stage logged, its memory checked, then each stage's blocks loaded. CPU
+/// stages only, until a CUDA stage has been checked on a GPU.
+fn open_stages(
+    plan: &ResolvedPlan,
+    spec: CaptureSpec,
+    (device, stages): (DeviceChoice, usize),
+    sizing: Sizing,
+    progress: &Progress,
+) -> Result<staged::Staged> {
+    use crate::backend::stages::{Capacity, check_stage_memory, plan_stages};
+    if let DeviceChoice::Cuda(_) = device {
+        return Err(Error::BadStages {
+            reason: "--pipeline-stages runs CPU stages only until its CUDA stages are checked on a GPU: use --device cpu".into(),
+        });
+    }
+    let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
+    let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
+    let block_bytes: Vec<u64> = (0..config.num_layers)
+        .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))
+        .collect();
+    let embed = checkpoint.stored_bytes("model.embed_tokens.");
+    let mut stage_plan = plan_stages(&block_bytes, embed, spec.layers.deepest(), stages)?;
+    let mut weights = Vec::with_capacity(stage_plan.running.len());
+    for share in &mut stage_plan.running {
+        let w =
+            LlamaWeights::range_from_checkpoint(config.clone(), &checkpoint, share.blocks.clone())?;
+        share.working_bytes = CpuBackend::working_bytes(&w, &spec, sizing.batch_tokens);
+        tracing::info!(
+            stage = weights.len() + 1,
+            of = stage_plan.stages,
+            first_block = share.blocks.start,
+            last_block = share.blocks.end - 1,
+            weight_bytes = share.weight_bytes,
+            working_bytes = share.working_bytes,
+            "pipeline stage"
+        );
+        weights.push(w);
+    }
+    if let Some(available) = crate::memory::available_bytes() {
+        // The pipeline's own buffers come out of the same memory first.
+        let left = available.saturating_sub(sizing.pipeline_bytes);
+        check_stage_memory(&stage_plan, &Capacity::Shared(left))?;
+    }
+    read_weights(&weights.iter().collect::<Vec<_>>(), progress);
+    let stages = weights
+        .into_iter()
+        .map(
+            |w| Ok(Box::new(CpuBackend::stage(w, spec.clone())?) as Box<dyn crate::backend::Stage>),
+        )
+        .collect::<Result<Vec<_>>>()?;
+    let width = spec.width(config.hidden_size);
+    Ok(staged::Staged {
+        stages,
+        capture: (spec.sites.len(), spec.layers.len(), width),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_check_counts_the_pipelines_capture_buffers_and_the_shards_it_holds() {
+        use std::num::NonZeroUsize;
+        let plan = harvest_core::HarvestPlan {
+            model: "m".into(),
+            prompts: harvest_core::Location::Local("p.jsonl".into()),
+            project_onto: None,
+            output: harvest_core::Location::Local("out".into()),
+            batch_tokens: NonZeroUsize::new(100).unwrap(),
+            options: harvest_core::JobOptions {
+                layers: harvest_core::LayerSelection::All,
+                shard_size: NonZeroUsize::new(2).unwrap(),
+                ..Default::default()
+            },
+        };
+        let shape = harvest_core::ModelShape {
+            num_layers: 4,
+            hidden_size: 8,
+        };
+        let plan = plan.resolve(&shape).unwrap();
+        let encoded: Vec<Encoded> = [30, 50, 70, 10]
+            .iter()
+            .map(|&n| Encoded {
+                ids: vec![1; n],
+                truncated_from: None,
+            })
+            .collect();
+        let sizing = Sizing::of(&plan, &encoded, (4, 8), CAPTURE_POOL);
+        // Batches of 100 tokens (the longest prompt is shorter); shards of 80 tokens at most.
+        assert_eq!(sizing.batch_tokens, 100);
+        let captured = 100 * 4 * 8 * 4;
+        let shard = 80 * 4 * 8 * 2;
+        let expected = captured * (CAPTURE_POOL - 1) + shard * SHARDS_HELD;
+        assert_eq!(sizing.pipeline_bytes, expected as u64);
+    }
+}

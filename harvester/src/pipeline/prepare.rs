@@ -1,0 +1,138 @@
+//! Everything before the weights load: inputs read, the plan resolved against the model, the
+//! corpus tokenized and checked against the budget, and what an earlier run left found.
+
+use std::collections::BTreeMap;
+
+use harvest_core::plan::shard_count;
+use harvest_core::{HarvestPlan, ResolvedPlan};
+use rayon::prelude::*;
+
+use super::result::RunResult;
+use super::shard::ShardRecord;
+use super::store::{S3Config, Store};
+use super::{RunOptions, directions, fingerprint, prompts, resume};
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::projection::Directions;
+use crate::tokenizer::{Encoded, PromptTokenizer};
+
+/// What [`prepare`] found: an output already complete, or a job ready to run.
+pub(super) enum Prepared {
+    Finished(RunResult),
+    Ready(Box<Ready>),
+}
+
+/// Everything a run needs before the model's weights load.
+pub(super) struct Ready {
+    pub(super) plan: ResolvedPlan,
+    pub(super) config: ModelConfig,
+    pub(super) store: Store,
+    pub(super) encoded: Vec<Encoded>,
+    pub(super) directions: Option<Directions>,
+    pub(super) tokenizer: PromptTokenizer,
+    pub(super) fingerprint: String,
+    pub(super) resumed: BTreeMap<usize, ShardRecord>,
+}
+
+/// Reads the inputs, resolves the plan against the model, tokenizes the corpus and finds what
+/// an earlier run of the same plan left. Bad input fails here, before any output is written.
+pub(super) fn prepare(
+    plan: &HarvestPlan,
+    options: &RunOptions,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Prepared> {
+    let store = Store::open(&plan.output, &options.s3)?;
+    let (prompt_name, prompt_bytes) =
+        runtime.block_on(read_object(&plan.prompts, "prompts", &options.s3))?;
+    let prompts = prompts::parse_prompts(&prompt_name, &prompt_bytes)?;
+    let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
+    let plan = plan.clone().resolve(&config.shape())?;
+    let directions = match &plan.project_onto {
+        Some(location) => {
+            let (name, bytes) =
+                runtime.block_on(read_object(location, "directions", &options.s3))?;
+            Some(directions::load_directions(
+                &name,
+                &bytes,
+                config.hidden_size,
+            )?)
+        }
+        None => None,
+    };
+    let max_tokens = plan.options.max_tokens(config.max_position_embeddings);
+    let tokenizer = PromptTokenizer::from_dir(&plan.model, max_tokens)?;
+    let fingerprint = fingerprint::plan_fingerprint(
+        &plan,
+        &prompt_bytes,
+        directions.as_ref(),
+        tokenizer.max_tokens(),
+    )?;
+    if let Some(result) = runtime.block_on(resume::finished_result(&store, &fingerprint))? {
+        tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
+        return Ok(Prepared::Finished(result));
+    }
+    let encoded: Vec<Encoded> = prompts
+        .par_iter()
+        .enumerate()
+        .map(|(i, text)| tokenizer.encode(i, text, plan.options.add_special_tokens))
+        .collect::<Result<_>>()?;
+    drop(prompts);
+    check_token_budget(&encoded, options.token_budget)?;
+    let truncated = encoded
+        .iter()
+        .filter(|e| e.truncated_from.is_some())
+        .count();
+    if truncated > 0 {
+        tracing::warn!(
+            prompts = truncated,
+            max_tokens = tokenizer.max_tokens(),
+            "prompts longer than max_tokens (the context window, or max_prompt_tokens) were cut; the manifest lists them"
+        );
+    }
+    let n_shards = shard_count(encoded.len(), plan.options.shard_size);
+    let resumed = runtime.block_on(resume::resume_scan(&store, &fingerprint, n_shards))?;
+    if !resumed.is_empty() {
+        tracing::info!(
+            shards = resumed.len(),
+            of = n_shards,
+            "resuming: skipping verified shards"
+        );
+    }
+    Ok(Prepared::Ready(Box::new(Ready {
+        plan,
+        config,
+        store,
+        encoded,
+        directions,
+        tokenizer,
+        fingerprint,
+        resumed,
+    })))
+}
+
+/// Refuses a corpus with more tokens than `budget`.
+fn check_token_budget(encoded: &[Encoded], budget: Option<u64>) -> Result<()> {
+    let Some(budget) = budget else {
+        return Ok(());
+    };
+    let needed: u64 = encoded.iter().map(|e| e.ids.len() as u64).sum();
+    if needed > budget {
+        return Err(Error::TokenBudget { needed, budget });
+    }
+    Ok(())
+}
+
+/// Reads an input object; one that is absent is the job's mistake ([`Error::MissingInput`]),
+/// a store that fails is not.
+async fn read_object(
+    location: &harvest_core::Location,
+    what: &'static str,
+    s3: &S3Config,
+) -> Result<(String, Vec<u8>)> {
+    let (store, name) = Store::open_object(location, s3)?;
+    let bytes = store.get(&name).await?.ok_or_else(|| Error::MissingInput {
+        what,
+        location: location.to_string(),
+    })?;
+    Ok((name, bytes.to_vec()))
+}

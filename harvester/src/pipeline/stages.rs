@@ -1,0 +1,286 @@
+//! The three concurrent stages of a run: forward (batches by token budget), assembly (shards
+//! in prompt order, token selection) and upload, joined by bounded queues.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::time::Instant;
+
+use bytes::Bytes;
+use harvest_core::plan::{shard_file_name, shard_prompts};
+
+use super::engine::Engine;
+use super::progress::Progress;
+use super::select::Selector;
+use super::shard::{KeptRows, ShardAssembly, ShardRecord, ShardShape};
+use super::store::Store;
+use super::{FORWARD_QUEUE, Job, UPLOAD_QUEUE, staged};
+use crate::backend::{Backend, Batch, Captured};
+use crate::error::{Error, Result};
+
+pub(super) struct ForwardOutput {
+    pub(super) prompts: Vec<usize>,
+    pub(super) captured: Captured,
+}
+
+/// What the concurrent stages produced.
+pub(super) struct StageOutcome {
+    pub(super) records: Vec<ShardRecord>,
+    pub(super) forward_s: f64,
+    pub(super) save_s: f64,
+    pub(super) upload_s: f64,
+}
+
+/// Runs forward, assembly and upload concurrently; the first real error wins.
+pub(super) fn run_stages(
+    job: &Job<'_>,
+    engine: Engine,
+    resumed: &BTreeMap<usize, ShardRecord>,
+    store: &Store,
+    runtime: &tokio::runtime::Runtime,
+    progress: &Progress,
+) -> Result<StageOutcome> {
+    let pool = engine.capture_pool();
+    let (forward_tx, forward_rx) = sync_channel::<ForwardOutput>(FORWARD_QUEUE);
+    let (free_tx, free_rx) = sync_channel::<Captured>(pool);
+    let (upload_tx, upload_rx) = tokio::sync::mpsc::channel::<(Vec<u8>, ShardRecord)>(UPLOAD_QUEUE);
+    for _ in 0..pool {
+        let _ = free_tx.try_send(Captured::default());
+    }
+    std::thread::scope(|scope| {
+        let forward = scope.spawn(move || match engine {
+            Engine::Single(backend) => {
+                forward_stage(job, backend, resumed, forward_tx, free_rx, progress)
+            }
+            Engine::Staged(staged) => {
+                staged::forward(job, staged, resumed, forward_tx, free_rx, progress)
+            }
+        });
+        let assemble =
+            scope.spawn(move || assemble_stage(job, resumed, forward_rx, free_tx, upload_tx));
+        let upload = runtime.block_on(upload_stage(store, upload_rx));
+        let forward = forward
+            .join()
+            .unwrap_or(Err(Error::StageLost { stage: "forward" }));
+        let assemble = assemble
+            .join()
+            .unwrap_or(Err(Error::StageLost { stage: "assemble" }));
+        match (forward, assemble, upload) {
+            (Ok((forward_s, _tokens)), Ok(save_s), Ok((records, upload_s))) => Ok(StageOutcome {
+                records,
+                forward_s,
+                save_s,
+                upload_s,
+            }),
+            (forward, assemble, upload) => {
+                Err(root_cause([forward.err(), assemble.err(), upload.err()]))
+            }
+        }
+    })
+}
+
+/// The error to report when stages fail: one that failed on its own, not one that only saw its
+/// neighbour's channel close.
+pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
+    let mut lost = None;
+    for error in errors.into_iter().flatten() {
+        match error {
+            Error::StageLost { .. } => lost = lost.or(Some(error)),
+            real => return real,
+        }
+    }
+    lost.unwrap_or(Error::StageLost { stage: "pipeline" })
+}
+
+fn forward_stage(
+    job: &Job<'_>,
+    mut backend: Box<dyn Backend>,
+    resumed: &BTreeMap<usize, ShardRecord>,
+    tx: SyncSender<ForwardOutput>,
+    free: Receiver<Captured>,
+    progress: &Progress,
+) -> Result<(f64, u64)> {
+    let lost = || Error::StageLost { stage: "assemble" };
+    let budget = job.plan.batch_tokens.get();
+    let mut forward_s = 0.0;
+    let mut tokens_done = 0u64;
+    let mut prompts_done = job.prompts_resumed(resumed);
+    let mut batch = Batch::default();
+    let mut members = Vec::new();
+    for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
+        let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
+        let last = range.end - 1;
+        for index in range {
+            let ids = &job.encoded[index].ids;
+            batch.push(ids);
+            members.push(index);
+            let next_len = job.encoded.get(index + 1).map_or(0, |e| e.ids.len());
+            // Batches never span shards, so a shard's batches are the same in every run.
+            if index == last || batch.num_tokens() + next_len > budget {
+                let mut captured = free.recv().map_err(|_| lost())?;
+                let start = Instant::now();
+                backend.capture(&batch, &mut captured)?;
+                forward_s += start.elapsed().as_secs_f64();
+                tokens_done += batch.num_tokens() as u64;
+                prompts_done += members.len();
+                tx.send(ForwardOutput {
+                    prompts: std::mem::take(&mut members),
+                    captured,
+                })
+                .map_err(|_| lost())?;
+                batch.clear();
+                progress.update(prompts_done, tokens_done);
+            }
+        }
+    }
+    Ok((forward_s, tokens_done))
+}
+
+/// The selector of a job that selects tokens: the norm filter reads `resid_post` at the deepest
+/// kept layer.
+pub(super) fn selector(job: &Job<'_>) -> Option<Selector> {
+    let selection = job.plan.options.selection;
+    if selection.is_everything() {
+        return None;
+    }
+    let norm_slot = job
+        .plan
+        .options
+        .sites
+        .position(harvest_core::Site::ResidPost)
+        .map(|site| site * job.layers + job.layers - 1);
+    Some(Selector::new(selection, job.special_ids.clone(), norm_slot))
+}
+
+/// An empty assembly for shard `shard`.
+fn new_assembly(job: &Job<'_>, shard: usize, selector: Option<&Selector>) -> ShardAssembly {
+    let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
+    let shape = ShardShape {
+        contents: job.contents,
+        sites: &job.plan.options.sites,
+        slots: job.slots,
+        width: job.width,
+        selecting: selector.is_some(),
+        norms: selector.is_some_and(Selector::filters_norms),
+    };
+    ShardAssembly::new(shard, range.start, range.len(), &shape)
+}
+
+fn assemble_stage(
+    job: &Job<'_>,
+    resumed: &BTreeMap<usize, ShardRecord>,
+    rx: Receiver<ForwardOutput>,
+    free: SyncSender<Captured>,
+    upload: tokio::sync::mpsc::Sender<(Vec<u8>, ShardRecord)>,
+) -> Result<f64> {
+    let mut busy = 0.0;
+    let mut current: Option<ShardAssembly> = None;
+    let mut selector = selector(job);
+    let mut skipped = resumed.iter().peekable();
+    let size = job.plan.options.shard_size;
+    for output in rx {
+        let start = Instant::now();
+        let mut offset = 0;
+        for &index in &output.prompts {
+            let encoded = &job.encoded[index];
+            let shard = index / size.get();
+            let assembly = current.get_or_insert_with(|| {
+                // The running median covers every earlier shard, made now or before.
+                while let Some((_, record)) = skipped.next_if(|&(&s, _)| s < shard) {
+                    if let (Some(selector), Some(norms)) = (selector.as_mut(), &record.norms) {
+                        selector.skip_shard(norms);
+                    }
+                }
+                new_assembly(job, shard, selector.as_ref())
+            });
+            let rows = offset..offset + encoded.ids.len();
+            offset = rows.end;
+            let skip_bos = job.bos_id.is_some() && encoded.ids.first() == job.bos_id.as_ref();
+            let mut norms = assembly.norms.take().unwrap_or_default();
+            let selected = selector.as_mut().map(|selector| {
+                selector.select(
+                    index,
+                    &encoded.ids,
+                    &output.captured,
+                    rows.clone(),
+                    &mut norms,
+                )
+            });
+            let kept = match &selected {
+                None => KeptRows::All,
+                Some(selected) => KeptRows::Positions(selected.kept, selected.dropped),
+            };
+            assembly.push(
+                index,
+                &encoded.ids,
+                encoded.truncated_from,
+                &output.captured,
+                rows,
+                skip_bos,
+                kept,
+            );
+            if selector.as_ref().is_some_and(Selector::filters_norms) {
+                assembly.norms = Some(norms);
+            }
+            if assembly.is_complete()
+                && let Some(done) = current.take()
+            {
+                let (bytes, mut record) = done.finish(job.fingerprint)?;
+                record.seal(&bytes);
+                record.meta.bos_token_id = job.bos_id;
+                busy += start.elapsed().as_secs_f64();
+                upload
+                    .blocking_send((bytes, record))
+                    .map_err(|_| Error::StageLost { stage: "upload" })?;
+            }
+        }
+        let _ = free.try_send(output.captured);
+        busy += start.elapsed().as_secs_f64();
+    }
+    Ok(busy)
+}
+
+async fn upload_stage(
+    store: &Store,
+    mut rx: tokio::sync::mpsc::Receiver<(Vec<u8>, ShardRecord)>,
+) -> Result<(Vec<ShardRecord>, f64)> {
+    let mut records = Vec::new();
+    let mut busy = 0.0;
+    while let Some((bytes, record)) = rx.recv().await {
+        let start = Instant::now();
+        store
+            .put(&shard_file_name(record.meta.shard), Bytes::from(bytes))
+            .await?;
+        store
+            .put(
+                &ShardRecord::file_name(record.meta.shard),
+                Bytes::from(record.to_bytes()?),
+            )
+            .await?;
+        busy += start.elapsed().as_secs_f64();
+        tracing::debug!(shard = record.meta.shard, "shard stored");
+        records.push(record);
+    }
+    Ok((records, busy))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_cause_is_the_stage_that_failed_on_its_own() {
+        let store = Error::Store {
+            location: "s3://b/p".into(),
+            reason: "403".into(),
+        };
+        let lost = Error::StageLost { stage: "assemble" };
+        let cause = root_cause([Some(lost), Some(store), None]);
+        assert!(matches!(cause, Error::Store { .. }), "{cause}");
+        assert_eq!(
+            cause.kind(),
+            harvest_core::worker::ErrorKind::Infrastructure
+        );
+        let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
+        assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
+    }
+}
