@@ -72,20 +72,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
         std::fs::create_dir_all(out.join(PARTIAL_DIR)).unwrap();
-        let manifest = serde_json::json!({
-            "format_version": 1, "plan_fingerprint": "f",
-            "model": {"name": "m", "architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 4},
-            "tokenizer": {"add_special_tokens": true, "bos_token_id": 1, "bos": "kept", "max_tokens": 8},
-            "contents": "activations", "dtype": "bfloat16", "layer_indices": [1],
-            "layer_convention": "c", "tensors": "t", "n_prompts": 1, "shard_size": 1,
-            "total_tokens": 3,
-            "shards": [{"file": "shard_00000.safetensors", "first_prompt": 0, "token_counts": [3], "bytes": 1, "sha256": "s"},
-                       {"file": "../escape.safetensors", "first_prompt": 1, "token_counts": [3], "bytes": 1, "sha256": "s"}],
-            "truncated_prompts": [], "projection": null, "statistics": "s", "stats_tokens": 2,
-            "mean_token_norm": [1.0],
-            "stats_file": {"file": "stats.safetensors", "bytes": 1, "sha256": "s"},
-            "job_uid": "uid-1"
-        });
+        // A finished harvest's manifest for UID uid-1 (core's fixture), listing one name more
+        // that would leave the output.
+        let mut manifest: serde_json::Value = serde_json::from_str(include_str!(
+            "../../core/tests/fixtures/manifest-of-a-job.json"
+        ))
+        .unwrap();
+        let mut escape = manifest["shards"][0].clone();
+        escape["file"] = "../escape.safetensors".into();
+        manifest["shards"].as_array_mut().unwrap().push(escape);
         std::fs::write(out.join("manifest.json"), manifest.to_string()).unwrap();
         for name in [
             "shard_00000.safetensors",

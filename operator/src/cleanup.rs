@@ -119,54 +119,8 @@ fn object_path(prefix: &StorePath, file: &str) -> Option<StorePath> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// A valid manifest listing one shard and the statistics, written for `uid`.
-    pub(crate) fn manifest_json(uid: Option<&str>) -> Vec<u8> {
-        let mut manifest = serde_json::json!({
-            "format_version": 1, "plan_fingerprint": "f",
-            "model": {"name": "m", "architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 4},
-            "tokenizer": {"add_special_tokens": true, "bos_token_id": 1, "bos": "kept", "max_tokens": 8},
-            "contents": "activations", "dtype": "bfloat16", "layer_indices": [1],
-            "layer_convention": "c", "tensors": "t", "n_prompts": 1, "shard_size": 1,
-            "total_tokens": 3,
-            "shards": [{"file": "shard_00000.safetensors", "first_prompt": 0, "token_counts": [3], "bytes": 1, "sha256": "s"}],
-            "truncated_prompts": [], "projection": null, "statistics": "s", "stats_tokens": 2,
-            "mean_token_norm": [1.0],
-            "stats_file": {"file": "stats.safetensors", "bytes": 1, "sha256": "s"}
-        });
-        if let Some(uid) = uid {
-            manifest["job_uid"] = uid.into();
-        }
-        serde_json::to_vec(&manifest).unwrap()
-    }
-
-    #[test]
-    fn only_a_manifest_written_for_this_jobs_uid_lets_its_files_be_deleted() {
-        let mine = manifest_json(Some("uid-1"));
-        let files = files_to_delete("s3://b/p", Some(&mine), "uid-1").unwrap();
-        assert_eq!(files.last().map(String::as_str), Some(MANIFEST_FILE));
-        assert_eq!(
-            files,
-            [
-                "shard_00000.safetensors",
-                "stats.safetensors",
-                "result.json",
-                MANIFEST_FILE
-            ]
-        );
-
-        let theirs = files_to_delete("s3://b/p", Some(&mine), "uid-2").unwrap_err();
-        assert!(theirs.contains("another job (UID uid-1"), "{theirs}");
-        let embedded = files_to_delete("s3://b", Some(&manifest_json(None)), "uid-1").unwrap_err();
-        assert!(embedded.contains("names no job UID"), "{embedded}");
-        let none = files_to_delete("s3://b", None, "uid-1").unwrap_err();
-        assert!(none.contains("no manifest"), "{none}");
-        let junk = files_to_delete("s3://b", Some(b"{"), "uid-1").unwrap_err();
-        assert!(junk.contains("cannot be read"), "{junk}");
-        assert!(files_to_delete("s3://b/p", Some(&manifest_json(Some(""))), "").is_err());
-    }
 
     #[test]
     fn a_listed_name_that_climbs_out_of_the_output_names_no_object() {
