@@ -61,6 +61,12 @@ done <<<"$levels"
   --force-reinstall ./clients/python >&2
 PATH=$tools:$PATH HARVEST_BIN_DIR=${CARGO_TARGET_DIR:-$PWD/target}/debug \
   "$tools/python" -m pytest -q -p no:cacheprovider clients/python/tests 2>&1 | tee -a "$log" || status=$?
+# Each failing Rust test's captured output again, at the end where a short tail of this output
+# still shows it: its first lines, up to the backtrace.
+if [ "$status" != 0 ]; then
+  awk '/^---- .* stdout ----$/ { n = 14 } /^stack backtrace:/ { n = 0 } n > 0 { print; n-- }' "$log" \
+    | head -n 240
+fi
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      /^[0-9]+ (passed|failed)|^=+ .*(passed|failed)/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "harvest: %d passed, %d failed\n", p, f }' "$log"

@@ -373,7 +373,7 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
     use std::io::{Read, Write};
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let _server = start(&write_config(dir.path(), port, 1), port);
+    let mut server = start(&write_config(dir.path(), port, 1), port);
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -388,7 +388,9 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
     let waited = asked.elapsed();
     assert!(
         waited >= Duration::from_secs(5) && waited < Duration::from_secs(45),
-        "closed after {waited:?}"
+        "closed after {waited:?}, answered {:?}; the server: {:?}",
+        String::from_utf8_lossy(&answer),
+        server.child.try_wait()
     );
     assert!(
         !String::from_utf8_lossy(&answer).contains("200 OK"),

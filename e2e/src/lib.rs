@@ -435,6 +435,33 @@ impl LocalCluster {
         };
         read("stdout") + &read("stderr")
     }
+
+    /// The logs of every Pod in `namespace` whose name starts with `prefix` that ran on this
+    /// cluster, deleted ones included (a Deployment's Pods replaced meanwhile, say).
+    pub fn pod_logs_ever(&self, namespace: &str, prefix: &str) -> String {
+        let state = self.state_dir();
+        let roots: Vec<PathBuf> = match self.tier {
+            Tier::Fake => vec![state],
+            Tier::Real => std::fs::read_dir(state.join("agents"))
+                .map(|nodes| nodes.flatten().map(|node| node.path()).collect())
+                .unwrap_or_default(),
+        };
+        let mut files: Vec<PathBuf> = roots
+            .iter()
+            .filter_map(|root| std::fs::read_dir(root).ok())
+            .flat_map(|entries| entries.flatten().map(|entry| entry.path()))
+            .filter(|path| {
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                name.starts_with(&format!("{namespace}_{prefix}"))
+                    && (name.ends_with(".stdout") || name.ends_with(".stderr"))
+            })
+            .collect();
+        files.sort();
+        files
+            .iter()
+            .map(|file| std::fs::read_to_string(file).unwrap_or_default())
+            .collect()
+    }
 }
 
 impl Drop for LocalCluster {

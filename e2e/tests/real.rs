@@ -216,9 +216,17 @@ async fn kubectl_delete_of_the_manifests_with_a_job_in_flight_finishes_within_a_
 /// The job's record as it ends: Succeeded, charged exactly its tokens, and the account's lane
 /// slot and hold released with the account's book counting it once.
 async fn succeeded_and_charged_once(cluster: &LocalCluster, job: &[&str]) -> Value {
-    cluster
-        .kubectl(&[&["wait", "--for=condition=Finished", "--timeout=240s"], job].concat())
-        .unwrap();
+    if let Err(error) =
+        cluster.kubectl(&[&["wait", "--for=condition=Finished", "--timeout=240s"], job].concat())
+    {
+        let pods = cluster
+            .kubectl(&["get", "pods", "-A", "-o", "wide"])
+            .unwrap_or_else(|e| e);
+        panic!(
+            "{error}\nthe job: {}\nthe Pods:\n{pods}",
+            json(cluster, job)["status"]
+        );
+    }
     let stored = json(cluster, job);
     let status = &stored["status"];
     assert_eq!(status["phase"], "Succeeded", "{status}");
@@ -409,20 +417,9 @@ async fn a_watch_answered_410_after_an_etcd_compaction_lists_again_and_the_opera
         &["harvestjob", "smollm2-quartiles", "-n", "my-team"],
     )
     .await;
-    let operators = cluster.field(
-        &[
-            "pods",
-            "-n",
-            "harvest-system",
-            "-l",
-            "app.kubernetes.io/name=harvest-operator",
-        ],
-        "{.items[*].metadata.name}",
-    );
-    let logs: String = operators
-        .split_whitespace()
-        .map(|pod| cluster.pod_log("harvest-system", pod))
-        .collect();
+    // Every operator Pod's log, replaced ones included: the one that saw the 410 may have
+    // been rescheduled since.
+    let logs = cluster.pod_logs_ever("harvest-system", "harvest-operator-");
     assert!(
         logs.contains("a watch failed") && logs.contains("too old resource version"),
         "no operator saw the 410:\n{logs}"

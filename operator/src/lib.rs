@@ -160,7 +160,6 @@ pub async fn run(
     outcome
 }
 
-/// Events as this replica (`instance`) of the operator publishes them.
 /// Logs a watch's failure, once, where the controller hands it over (reconcile errors are
 /// logged by their error policies). A watch answered 410 Gone lists again on its own.
 fn log_watch_failure<K, E>(
@@ -175,6 +174,7 @@ where
     futures::future::ready(())
 }
 
+/// Events as this replica (`instance`) of the operator publishes them.
 fn recorder(client: &Client, instance: &str) -> Recorder {
     let reporter = Reporter {
         controller: "harvest-operator".into(),

@@ -71,10 +71,18 @@ impl Drop for Seaweed {
 
 /// A free loopback port below the kernel's ephemeral range. Anything bound to port 0 meanwhile
 /// (fake apiservers, clients, other tests) gets an ephemeral port, so it cannot take this one
-/// between the pick and the server's own bind.
+/// between the pick and the server's own bind. A process never hands out the same port twice:
+/// tests running at once would otherwise race for one port when their picks coincide (a
+/// coarse clock seeds them alike), and the loser's health check reaches the winner's server.
 pub fn free_port() -> u16 {
     free_ports(1)[0]
 }
+
+/// Ports this process has handed out; none is handed out again.
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+/// Calls so far, mixed into each pick's seed so that calls at the same instant differ.
+static PICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// `n` distinct ports as [`free_port`] picks them.
 fn free_ports(n: usize) -> Vec<u16> {
@@ -83,27 +91,32 @@ fn free_ports(n: usize) -> Vec<u16> {
         .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32_768);
     let (low, high) = (10_000u32, ephemeral_start.max(10_001));
+    let call = PICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut state = u64::from(std::process::id())
         ^ u64::from(
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .subsec_nanos(),
-        );
-    // Held until all are picked, so the same port is not picked twice.
-    let mut held = Vec::with_capacity(n);
-    while held.len() < n {
+        )
+        ^ call.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    assert!(
+        handed_out.len() + n < (high - low) as usize,
+        "every port from {low} to {high} was handed out"
+    );
+    let mut picked = Vec::with_capacity(n);
+    while picked.len() < n {
         state = state
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
         let port = (low + ((state >> 33) as u32) % (high - low)) as u16;
-        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
-            held.push(listener);
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            picked.push(port);
         }
     }
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    picked
 }
 
 impl Seaweed {
