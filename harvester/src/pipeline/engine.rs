@@ -96,6 +96,10 @@ fn open_backend(
         } = sizing;
         CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
     }
+    if let DeviceChoice::Cuda(_) = device {
+        // A model the GPU cannot run is refused before gigabytes are read for nothing.
+        crate::backend::cuda::forward::check_model(&weights.config, &weights)?;
+    }
     read_weights(&[&weights], progress);
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => {
@@ -279,5 +283,42 @@ mod tests {
         let shard = 80 * 4 * 8 * 2;
         let expected = captured * (CAPTURE_POOL - 1) + shard * SHARDS_HELD;
         assert_eq!(sizing.pipeline_bytes, expected as u64);
+    }
+
+    #[test]
+    fn a_model_the_gpu_cannot_run_is_refused_by_feature_before_its_weights_are_read() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tiny-qwen2-f32");
+        let plan = harvest_core::HarvestPlan {
+            model,
+            prompts: harvest_core::Location::Local("p.jsonl".into()),
+            project_onto: None,
+            output: harvest_core::Location::Local("out".into()),
+            batch_tokens: std::num::NonZeroUsize::new(64).unwrap(),
+            options: harvest_core::JobOptions::default(),
+        };
+        let plan = plan
+            .resolve(&harvest_core::ModelShape {
+                num_layers: 3,
+                hidden_size: 64,
+            })
+            .unwrap();
+        let sizing = Sizing {
+            batch_tokens: 64,
+            pipeline_bytes: 0,
+        };
+        let progress = Progress::new(super::super::progress::ProgressMode::Off, 1);
+        let spec = capture_spec(&plan, None);
+        let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress)
+        else {
+            panic!("a model with 16-wide heads opened on the CUDA backend");
+        };
+        let error = error.to_string();
+        // Its 16-wide heads are the first thing the CUDA attention kernel lacks.
+        assert!(
+            error.contains("head_dim 16") && error.contains("--device cpu"),
+            "{error}"
+        );
+        assert!(!progress.is_running(), "its weights were read first");
     }
 }

@@ -109,6 +109,11 @@ impl Progress {
         let _ = self.running_since.set(Instant::now());
     }
 
+    /// Whether the weights are in and the forward pass has begun.
+    pub fn is_running(&self) -> bool {
+        self.running_since.get().is_some()
+    }
+
     /// Reports `loaded` of `total` weight bytes read, before the first batch.
     pub fn loading(&self, loaded: u64, total: u64) {
         const GB: f64 = 1e9;

@@ -311,8 +311,9 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Why a model cannot run on this backend yet (biases, sliding windows, wide heads).
-fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
+/// Why a model cannot run on this backend yet (biases, sliding windows, wide heads): read off
+/// its configuration and tensor names, so a model is refused before its weights are read.
+pub fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
     let unsupported = |reason: &str| {
         Err(CudaError::Unsupported {
             reason: reason.to_owned(),
