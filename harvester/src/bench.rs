@@ -192,6 +192,9 @@ fn open(
             let phases = backend.load_phases();
             (Box::new(backend), Some(phases))
         }
+        DeviceChoice::CudaReplay => {
+            return Err(Error::ReplayNotMeasured { command: "bench" });
+        }
         DeviceChoice::Cpu | DeviceChoice::Auto => (Box::new(CpuBackend::new(weights, spec)?), None),
     })
 }
@@ -298,7 +301,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     let mut out = Captured::default();
     backend.capture(&batches[0], &mut out)?;
     let peaks_before = match config.device {
-        DeviceChoice::Cuda(_) => (None, None),
+        DeviceChoice::Cuda(_) | DeviceChoice::CudaReplay => (None, None),
         DeviceChoice::Cpu | DeviceChoice::Auto => cpu_peaks(),
     };
     let lengths: Vec<usize> = config.prompts.iter().map(Vec::len).collect();
@@ -322,22 +325,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let (gemm_gflops, cpu_rates, peaks) = match config.device {
-        DeviceChoice::Cuda(ordinal) => (
-            crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?,
-            None,
-            (None, None),
-        ),
-        DeviceChoice::Cpu | DeviceChoice::Auto => {
-            let [ours, crate_peer, ours_bf16] = gemm_rates(gemm_shape, 6);
-            let (f32_after, bf16_after) = cpu_peaks();
-            let peaks = (
-                higher(peaks_before.0, f32_after),
-                higher(peaks_before.1, bf16_after),
-            );
-            (ours, Some((crate_peer, ours_bf16)), peaks)
-        }
-    };
+    let (gemm_gflops, cpu_rates, peaks) = device_rates(config.device, gemm_shape, peaks_before)?;
     let (gemm_crate_gflops, gemm_bf16_gflops) = cpu_rates.unzip();
     let gemm_kernel = gemm_crate_gflops.map(|_| sgemm::Kernel::detect().name());
     let (f32_fma_peak, bf16_dot_peak) = peaks;
@@ -448,6 +436,33 @@ pub fn pack(prompts: &[Vec<u32>], budget: usize) -> Vec<Batch> {
         batches.push(current);
     }
     batches
+}
+
+/// The device's GEMM rate for `gemm_shape` (the CPU's also with the crate peer's and its bf16
+/// kernel's) and the CPU's compute peaks, the higher of `peaks_before` and now.
+#[allow(clippy::type_complexity)]
+fn device_rates(
+    device: DeviceChoice,
+    gemm_shape: [usize; 3],
+    peaks_before: (Option<Peak>, Option<Peak>),
+) -> Result<(f64, Option<(f64, f64)>, (Option<Peak>, Option<Peak>))> {
+    Ok(match device {
+        DeviceChoice::Cuda(ordinal) => (
+            crate::backend::cuda::forward::gemm_rate(ordinal, gemm_shape)?,
+            None,
+            (None, None),
+        ),
+        DeviceChoice::CudaReplay => return Err(Error::ReplayNotMeasured { command: "bench" }),
+        DeviceChoice::Cpu | DeviceChoice::Auto => {
+            let [ours, crate_peer, ours_bf16] = gemm_rates(gemm_shape, 6);
+            let (f32_after, bf16_after) = cpu_peaks();
+            let peaks = (
+                higher(peaks_before.0, f32_after),
+                higher(peaks_before.1, bf16_after),
+            );
+            (ours, Some((crate_peer, ours_bf16)), peaks)
+        }
+    })
 }
 
 /// The CPU's f32 FMA and bf16 dot ceilings.

@@ -238,6 +238,14 @@ pub enum Error {
         /// What is wrong, naming the value and its bounds.
         reason: String,
     },
+    /// A command that measures speed was given the replay device.
+    #[error(
+        "{command} measures a real device, and --device cuda-replay replays the GPU's arithmetic slowly on the CPU for tests: use --device cpu or cuda"
+    )]
+    ReplayNotMeasured {
+        /// The command.
+        command: &'static str,
+    },
     /// A pipeline stage would not fit its device's memory.
     #[error(
         "pipeline stage {stage} of {stages} (blocks {first}-{last}) needs about {needed} bytes ({weights} for its weights, the rest for one batch), but {available} bytes are available to it: use more stages, devices with more memory, a smaller batch_tokens, or keep shallower layers"
@@ -299,6 +307,7 @@ impl Error {
             | Self::Plan(_)
             | Self::ForeignOutput { .. }
             | Self::BadStages { .. }
+            | Self::ReplayNotMeasured { .. }
             | Self::TokenBudget { .. }
             | Self::BadParts { .. }
             | Self::MissingInput { .. } => ErrorKind::BadInput,

@@ -238,7 +238,8 @@ struct RunArgs {
     #[arg(long)]
     termination_log: Option<PathBuf>,
     /// Where the forward pass runs: auto, cpu, cuda or cuda:N. `auto` runs on the CPU until the
-    /// CUDA backend has passed its GPU check; `cuda` runs it.
+    /// CUDA backend has passed its GPU check; `cuda` runs it. `cuda-replay` runs the CUDA
+    /// backend's forward pass on the CPU, its kernels' arithmetic replayed: slow, for tests.
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
     /// Run only part INDEX/COUNT of the job's shards (INDEX from 0), for several workers on one

@@ -11,6 +11,7 @@ use common::{Reference, capture_in, fixtures, smollm2_dir, worst_relative_error}
 use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Site, Sites};
 use harvester::backend::cpu::CpuBackend;
+use harvester::backend::cuda::replay::ReplayBackend;
 use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
 use harvester::dtype::round_bf16;
 use harvester::model::{LlamaWeights, Matrix};
@@ -318,5 +319,93 @@ fn the_afmoe_fixture_fails_without_the_expert_bias_the_gate_or_with_rope_misplac
         ("RoPE in every block", rope_everywhere),
     ] {
         assert!(error > BF16_TOLERANCE, "{what} still matches: {error:.3e}");
+    }
+}
+
+/// Every site of `sequences` packed in one batch, through the CUDA replay.
+fn capture_replayed(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> Captured {
+    let config = harvester::model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let layers = layers.resolve(config.num_layers).unwrap();
+    let weights = LlamaWeights::load(dir, Some(layers.deepest() + 1)).unwrap();
+    let spec = CaptureSpec {
+        layers,
+        sites: Sites::new(&Site::ALL).unwrap(),
+        precision: Precision::Bf16,
+        directions: None,
+    };
+    let mut backend = ReplayBackend::new(weights, spec).unwrap();
+    let mut out = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(sequences), &mut out)
+        .unwrap();
+    out
+}
+
+#[test]
+fn the_cuda_replay_of_smollm2_meets_the_bf16_modes_bounds_at_every_site() {
+    let dir = smollm2_dir();
+    let reference = Reference::open(&fixtures().join("smollm2_reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let layers = LayerSelection::Explicit(reference.layers.iter().map(|&l| l as i64).collect());
+    let every = Sites::new(&Site::ALL).unwrap();
+    let replayed = capture_replayed(&dir, &layers, &sequences);
+    let (_, _, per_site) = site_errors(
+        &replayed,
+        &every,
+        &reference,
+        &sequences,
+        "smollm2 cuda-replay",
+    );
+    for (site, error) in per_site {
+        let (_, bound) = SMOLLM2_BF16_MODE.iter().find(|(s, _)| *s == site).unwrap();
+        assert!(
+            error <= *bound,
+            "cuda-replay error at {site} {error:.3e} > {bound}"
+        );
+    }
+    // Beside the CPU's bf16 mode, printed, not judged: the two round at different points (the
+    // CUDA pass rounds QKV after its GEMM and again after RoPE, P before P·V, ...), so on
+    // SmolLM2's outlier tokens they part by as much as each is from transformers (docs/gpu.md
+    // measured the GPU the same way). They meet once the CPU runs the same model file.
+    let cpu = capture_in(&dir, &layers, every.clone(), Precision::Bf16, &sequences);
+    for (position, site) in every.as_slice().iter().enumerate() {
+        let worst = (0..reference.layers.len())
+            .map(|layer| {
+                let (slot, rows) = (cpu.slot(position, layer), 0..cpu.tokens);
+                worst_relative_error(
+                    replayed.rows(slot, rows.clone()),
+                    cpu.rows(slot, rows),
+                    cpu.width,
+                )
+            })
+            .fold(0.0, f64::max);
+        println!("smollm2 cuda-replay against the CPU bf16 mode {site:<10}: {worst:.2e}");
+    }
+}
+
+#[test]
+fn the_cuda_replay_refuses_what_the_cuda_backend_refuses_naming_it() {
+    for name in [
+        "tiny-llama3-f16-sharded",
+        "tiny-qwen2-f32",
+        "tiny-mistral-window-bf16",
+        "tiny-afmoe-bf16",
+    ] {
+        let weights = LlamaWeights::load(&fixtures().join(name), None).unwrap();
+        let spec = CaptureSpec {
+            layers: LayerSelection::All
+                .resolve(weights.config.num_layers)
+                .unwrap(),
+            sites: Sites::default(),
+            precision: Precision::Bf16,
+            directions: None,
+        };
+        let error = ReplayBackend::new(weights, spec).unwrap_err().to_string();
+        // Their 16-wide heads, or AFMoE, come first.
+        assert!(
+            (error.contains("head_dim 16") || error.contains("AFMoE"))
+                && error.contains("--device cpu"),
+            "{name}: {error}"
+        );
     }
 }

@@ -1351,6 +1351,34 @@ fn a_killed_part_reruns_from_its_records_and_the_job_finalizes_to_the_same_bytes
 }
 
 #[test]
+fn a_run_on_the_cuda_replay_writes_what_a_gpu_run_would_and_says_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
+    let (replayed, cpu) = (dir.path().join("replayed"), dir.path().join("cpu"));
+    run_ok(&run_args_with(
+        &prompts,
+        &replayed,
+        &["--device", "cuda-replay"],
+    ));
+    run_ok(&run_args_with(
+        &prompts,
+        &cpu,
+        &["--device", "cpu", "--precision", "bf16"],
+    ));
+    let (ours, theirs) = (manifest(&replayed), manifest(&cpu));
+    // The plan asked for f32; the CUDA pass computes in bf16 and the manifest says what ran.
+    assert_eq!(ours.precision, harvest_core::plan::Precision::Bf16);
+    assert_eq!(ours.n_prompts, theirs.n_prompts);
+    let bytes = |m: &Manifest| m.shards.iter().map(|s| s.bytes).collect::<Vec<_>>();
+    assert_eq!(bytes(&ours), bytes(&theirs), "shards of the same shapes");
+    assert_ne!(
+        output_files(&replayed),
+        output_files(&cpu),
+        "a different engine"
+    );
+}
+
+#[test]
 fn parts_refuse_the_norm_filter_whose_median_spans_the_whole_corpus() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = parts_prompts(dir.path());

@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod dense;
 pub mod matrix;
 
 use std::path::Path;

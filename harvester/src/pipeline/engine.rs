@@ -10,6 +10,7 @@ use super::{CAPTURE_POOL, RunOptions, UPLOAD_QUEUE, staged};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
+use crate::backend::cuda::replay::ReplayBackend;
 use crate::backend::{Backend, CaptureSpec};
 use crate::error::{Error, Result};
 use crate::model::{LlamaWeights, ModelConfig};
@@ -96,7 +97,7 @@ fn open_backend(
         } = sizing;
         CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
     }
-    if let DeviceChoice::Cuda(_) = device {
+    if device.is_cuda_arithmetic() {
         // A model the GPU cannot run is refused before gigabytes are read for nothing.
         crate::backend::cuda::forward::check_model(&weights.config, &weights)?;
     }
@@ -109,6 +110,7 @@ fn open_backend(
             backend.reserve(sizing.batch_tokens)?;
             Box::new(backend)
         }
+        DeviceChoice::CudaReplay => Box::new(ReplayBackend::new(weights, spec)?),
         DeviceChoice::Cpu | DeviceChoice::Auto => Box::new(CpuBackend::new(weights, spec)?),
     })
 }
@@ -198,7 +200,7 @@ fn open_stages(
     progress: &Progress,
 ) -> Result<staged::Staged> {
     use crate::backend::stages::{Capacity, check_stage_memory, plan_stages};
-    if let DeviceChoice::Cuda(_) = device {
+    if device.is_cuda_arithmetic() {
         return Err(Error::BadStages {
             reason: "--pipeline-stages runs CPU stages only until its CUDA stages are checked on a GPU: use --device cpu".into(),
         });
@@ -287,8 +289,8 @@ mod tests {
 
     #[test]
     fn a_model_the_gpu_cannot_run_is_refused_by_feature_before_its_weights_are_read() {
-        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/tiny-qwen2-f32");
+        let model =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen2-f32");
         let plan = harvest_core::HarvestPlan {
             model,
             prompts: harvest_core::Location::Local("p.jsonl".into()),
@@ -309,8 +311,7 @@ mod tests {
         };
         let progress = Progress::new(super::super::progress::ProgressMode::Off, 1);
         let spec = capture_spec(&plan, None);
-        let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress)
-        else {
+        let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress) else {
             panic!("a model with 16-wide heads opened on the CUDA backend");
         };
         let error = error.to_string();

@@ -331,7 +331,7 @@ fn close(
 /// the manifest and fingerprint say what ran.
 fn as_run(plan: &HarvestPlan, device: DeviceChoice) -> HarvestPlan {
     let mut plan = plan.clone();
-    if let DeviceChoice::Cuda(_) = device {
+    if device.is_cuda_arithmetic() {
         plan.options.precision = harvest_core::plan::Precision::Bf16;
     }
     plan

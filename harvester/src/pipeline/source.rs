@@ -53,6 +53,7 @@ pub fn finalize_source(source: &PlanSource, options: &RunOptions) -> Termination
     let options = RunOptions {
         device: match options.device {
             DeviceChoice::Cuda(device) => DeviceChoice::Cuda(device),
+            DeviceChoice::CudaReplay => DeviceChoice::CudaReplay,
             DeviceChoice::Auto | DeviceChoice::Cpu => DeviceChoice::Cpu,
         },
         ..options.clone()

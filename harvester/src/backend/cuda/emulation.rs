@@ -13,13 +13,51 @@ const KEYS: usize = 32;
 const MMA_QUERIES: usize = 64;
 const MMA_KEYS: usize = 64;
 
-/// SHA-256 of the kernel functions this file replays, whitespace-collapsed: a change to the
+#[cfg(test)]
+/// SHA-256 of the kernel functions this file and `replay` replay, whitespace-collapsed: a change to the
 /// CUDA C fails [`the_replayed_kernels_are_the_ones_in_kernels_cu`] until the replay here is
 /// brought in line and these are updated.
-const MIRRORED: [(&str, &str); 3] = [
+const MIRRORED: [(&str, &str); 12] = [
     (
         "f32_to_bf16",
         "cf110c3fbd9029c7be42bc38fca22b370bedf7bb64baffeae0ad9c9177c3e0cd",
+    ),
+    // Replayed by `replay` (`--device cuda-replay`).
+    (
+        "embed_gather",
+        "ab3b418b7d93448a0ccfcaefcdb421823db8e64478787549325c8aa380875e28",
+    ),
+    (
+        "warp_sum",
+        "b7e86d48686efa9435a884df1cfaa9d007142df27c270775ec23df8344ab3f40",
+    ),
+    (
+        "rms_norm",
+        "fa335a6e0715f27c30d32d2f2c50883d9233bbb2268ba56d3b5c3aba8551c986",
+    ),
+    (
+        "rope",
+        "642b6464f0108703083cad84e62845786b5d1c0c44394216e89efd52ca3b44f4",
+    ),
+    (
+        "silu_times",
+        "687c00613c4279bd331d16725076fa046fb7ebd4c6d2e69b12779d7a9479e543",
+    ),
+    (
+        "swiglu",
+        "e0910800fd13705af88fedbf0de05b11ac19dc7b56eeb856409b248d28ab11b4",
+    ),
+    (
+        "add_rows",
+        "a93641e68a6a5905f2490ed36f69c18a5795b951d4dd408ba90fc6f83defd71d",
+    ),
+    (
+        "round_bf16",
+        "ac5bf07099ed96361c187d97008b29862b883c60d5dfdccda605ae4b4c695839",
+    ),
+    (
+        "project",
+        "0d496b80888824f113c3fdf323687a6a154fe66a5d4eabde34207a4320c86edb",
     ),
     (
         "attention_varlen",
@@ -33,6 +71,7 @@ const MIRRORED: [(&str, &str); 3] = [
 
 /// The text of function `name` in `kernels.cu`, from the start of its signature's line to its
 /// closing brace.
+#[cfg(test)]
 fn kernel_function(name: &str) -> &'static str {
     let source = super::kernels::SOURCE;
     let at = source
@@ -52,6 +91,7 @@ fn kernel_function(name: &str) -> &'static str {
 }
 
 /// The value of `#define name N` in `kernels.cu`.
+#[cfg(test)]
 fn kernel_define(name: &str) -> usize {
     super::kernels::SOURCE
         .lines()
@@ -62,7 +102,7 @@ fn kernel_define(name: &str) -> usize {
 
 /// The attention heads: query heads, key/value heads, head width.
 #[derive(Clone, Copy)]
-struct Heads(usize, usize, usize);
+pub(super) struct Heads(pub(super) usize, pub(super) usize, pub(super) usize);
 
 impl Heads {
     /// Values per token of the fused QKV buffer.
@@ -78,7 +118,7 @@ impl Heads {
 
 /// `attention_varlen` as the kernel computes it: one (tile, head) block at a time, one "warp"
 /// per query, keys in chunks of `KEYS`, running max and sum.
-fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+pub(super) fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
     let mut out = heads.output(cu, f32::NAN);
@@ -140,7 +180,7 @@ fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
 /// folded into the running max, P rounded to bf16 for the P·V product and summed as rounded,
 /// the output divided by the sum at the end. The products' summation order is the tensor
 /// cores' own, so a replay agrees with the kernel to rounding, not to the bit.
-fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
     let round = |v: f32| f32::from_bits(u32::from(kernel_bf16(v)) << 16);
@@ -216,6 +256,7 @@ fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
 }
 
 /// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past.
+#[cfg(test)]
 fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
@@ -254,7 +295,7 @@ fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
 }
 
 /// `f32_to_bf16` of `kernels.cu`, bit for bit.
-fn kernel_bf16(value: f32) -> u16 {
+pub(super) fn kernel_bf16(value: f32) -> u16 {
     let mut u = value.to_bits();
     if (u & 0x7fff_ffff) > 0x7f80_0000 {
         return 0x7fc0;
@@ -291,7 +332,7 @@ fn the_replayed_kernels_are_the_ones_in_kernels_cu() {
             .collect();
         assert_eq!(
             digest, pinned,
-            "{name} in kernels.cu changed: bring its replay in emulation.rs in line, then pin the new digest"
+            "{name} in kernels.cu changed: bring its replay (emulation.rs, replay.rs) in line, then pin the new digest"
         );
     }
 }

@@ -23,6 +23,7 @@ use harvest_core::{Site, Sites};
 
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
+use crate::model::dense::{self, BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
 
 /// GEMM outputs that feed the next kernel are bf16.
@@ -558,7 +559,13 @@ impl Backend for CudaBackend {
                 directions: self.directions.as_ref(),
                 copies: &self.copies,
             });
-            pass.block(block, s, keeping.as_ref())?;
+            let slot = |site| keeping.as_ref().and_then(|k| k.slot(site));
+            let mut ops = DeviceOps {
+                pass: &pass,
+                s: &mut *s,
+                keeping: keeping.as_ref(),
+            };
+            dense::block(&mut ops, block, slot)?;
         }
         // Each kept slot is widened as its copy lands, while the blocks after it run.
         for slot in 0..self.spec.slots() {
@@ -641,90 +648,78 @@ fn keeps_branches(sites: &Sites) -> bool {
     sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
 }
 
-impl Pass<'_> {
-    /// One decoder block, as the CPU reference runs it: the residual stream `x` gains the
-    /// attention output, then the MLP output. `keeping` says which sites of this block are
-    /// kept, if it is a kept layer. A branch output is added by its GEMM's `beta = 1`, or, when
-    /// it is kept, written apart and added by `add_rows`: one f32 addition either way.
-    fn block(
-        &self,
-        block: &DeviceBlock,
-        s: &mut Scratch,
-        keeping: Option<&Keeping<'_>>,
-    ) -> Result<()> {
-        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
-        let attn_width = self.config.num_heads * self.config.head_dim;
-        let slot = |site| keeping.and_then(|k| Some((k, k.slot(site)?)));
-        if let Some((keeping, slot)) = slot(Site::ResidPre) {
-            self.keep(&s.x, &mut s.kept, keeping, slot)?;
-        }
-        self.attention(block, s)?;
-        let into = Branch {
-            x: &mut s.x,
-            branch: &mut s.branch,
-            kept: &mut s.kept,
+/// The dense block's ops on the device: one pass's launches over its scratch buffers.
+struct DeviceOps<'p, 's> {
+    pass: &'p Pass<'p>,
+    s: &'s mut Scratch,
+    /// Where this block's kept sites go, if it is a kept layer.
+    keeping: Option<&'p Keeping<'p>>,
+}
+
+/// The input and weight of `sublayer`'s output projection (`attn` and O, or `act` and down),
+/// and its `(n, k)`.
+fn output_of<'a>(
+    c: &ModelConfig,
+    block: &'a DeviceBlock,
+    (attn, act): (&'a CudaSlice<u16>, &'a CudaSlice<u16>),
+    sublayer: Sublayer,
+) -> (&'a CudaSlice<u16>, &'a CudaSlice<u16>, (usize, usize)) {
+    match sublayer {
+        Sublayer::Attention => (attn, &block.o, (c.hidden_size, c.num_heads * c.head_dim)),
+        Sublayer::Mlp => (act, &block.down, (c.hidden_size, c.intermediate_size)),
+    }
+}
+
+impl BlockOps for DeviceOps<'_, '_> {
+    type Block = DeviceBlock;
+
+    fn norm(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+        let weight = match sublayer {
+            Sublayer::Attention => &block.attn_norm,
+            Sublayer::Mlp => &block.mlp_norm,
         };
-        self.branch(
-            &s.attn,
-            &block.o,
-            into,
-            (hidden, attn_width),
-            slot(Site::AttnOut),
-        )?;
-        if let Some((keeping, slot)) = slot(Site::ResidMid) {
-            self.keep(&s.x, &mut s.kept, keeping, slot)?;
-        }
-        self.mlp(block, s)?;
-        let into = Branch {
-            x: &mut s.x,
-            branch: &mut s.branch,
-            kept: &mut s.kept,
-        };
-        self.branch(
-            &s.act,
-            &block.down,
-            into,
-            (hidden, inter),
-            slot(Site::MlpOut),
-        )?;
-        if let Some((keeping, slot)) = slot(Site::ResidPost) {
-            self.keep(&s.x, &mut s.kept, keeping, slot)?;
-        }
-        Ok(())
+        self.pass.norm(weight, &self.s.x, &mut self.s.normed)
     }
 
-    /// `attn = attention(rope(qkv(rms_norm(x))))`, the input of the O projection.
-    fn attention(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
-        let (c, k) = (self.config, self.kernels);
-        self.norm(&block.attn_norm, &s.x, &mut s.normed)?;
-        self.gemm(
-            &s.normed,
-            &block.qkv,
-            &mut s.qkv,
-            BF16,
-            (c.qkv_width(), c.hidden_size),
-            0.0,
-        )?;
-        let rotated = c.num_heads + c.num_kv_heads;
+    fn qkv(&mut self, block: &DeviceBlock) -> Result<()> {
+        let c = self.pass.config;
+        let shape = (c.qkv_width(), c.hidden_size);
+        let s = &mut *self.s;
+        self.pass
+            .gemm(&s.normed, &block.qkv, &mut s.qkv, BF16, shape, 0.0)
+    }
+
+    fn rope(&mut self) -> Result<()> {
+        let (c, p) = (self.pass.config, self.pass);
         launch::rope(
-            self.stream,
-            &k.rope,
-            &mut s.qkv,
-            &s.positions,
-            self.inv_freq,
-            (self.tokens, rotated, c.qkv_width(), c.head_dim),
-        )?;
+            p.stream,
+            &p.kernels.rope,
+            &mut self.s.qkv,
+            &self.s.positions,
+            p.inv_freq,
+            (
+                p.tokens,
+                c.num_heads + c.num_kv_heads,
+                c.qkv_width(),
+                c.head_dim,
+            ),
+        )
+    }
+
+    fn attention(&mut self) -> Result<()> {
+        let (c, p) = (self.pass.config, self.pass);
         let shape = AttentionShape {
-            tokens: self.tokens,
-            tiles: self.tiles,
+            tokens: p.tokens,
+            tiles: p.tiles,
             heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
+        let s = &mut *self.s;
         launch::attention(
-            self.stream,
-            &k.attention,
+            p.stream,
+            &p.kernels.attention,
             &s.qkv,
             &mut s.attn,
             &s.cu_seq_lengths,
@@ -733,51 +728,62 @@ impl Pass<'_> {
         )
     }
 
-    /// `act = swiglu(gate_up(rms_norm(x)))`, the input of the down projection.
-    fn mlp(&self, block: &DeviceBlock, s: &mut Scratch) -> Result<()> {
-        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
-        self.norm(&block.mlp_norm, &s.x, &mut s.normed)?;
-        self.gemm(
-            &s.normed,
-            &block.gate_up,
-            &mut s.gate_up,
-            BF16,
-            (2 * inter, hidden),
-            0.0,
-        )?;
+    fn gate_up(&mut self, block: &DeviceBlock) -> Result<()> {
+        let c = self.pass.config;
+        let shape = (2 * c.intermediate_size, c.hidden_size);
+        let s = &mut *self.s;
+        self.pass
+            .gemm(&s.normed, &block.gate_up, &mut s.gate_up, BF16, shape, 0.0)
+    }
+
+    fn swiglu(&mut self) -> Result<()> {
+        let p = self.pass;
         launch::swiglu(
-            self.stream,
-            &self.kernels.swiglu,
-            &s.gate_up,
-            &mut s.act,
-            (self.tokens, inter),
+            p.stream,
+            &p.kernels.swiglu,
+            &self.s.gate_up,
+            &mut self.s.act,
+            (p.tokens, p.config.intermediate_size),
         )
     }
 
-    /// `x += input · wᵀ`: straight into `x` (`beta = 1`), or, when the branch output is kept
-    /// (`kept` names where), into its own buffer first, kept, then added.
-    fn branch(
-        &self,
-        input: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
-        into: Branch<'_>,
-        shape: (usize, usize),
-        kept: Option<(&Keeping<'_>, usize)>,
-    ) -> Result<()> {
-        let Some((keeping, slot)) = kept else {
-            return self.gemm(input, w, into.x, F32, shape, 1.0);
-        };
-        self.gemm(input, w, into.branch, F32, shape, 0.0)?;
-        self.keep(into.branch, into.kept, keeping, slot)?;
+    fn output_into_residual(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+        let s = &mut *self.s;
+        let (input, w, shape) = output_of(self.pass.config, block, (&s.attn, &s.act), sublayer);
+        self.pass.gemm(input, w, &mut s.x, F32, shape, 1.0)
+    }
+
+    fn output_apart(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+        let s = &mut *self.s;
+        let (input, w, shape) = output_of(self.pass.config, block, (&s.attn, &s.act), sublayer);
+        self.pass.gemm(input, w, &mut s.branch, F32, shape, 0.0)
+    }
+
+    fn add_branch(&mut self) -> Result<()> {
+        let p = self.pass;
         launch::add_rows(
-            self.stream,
-            &self.kernels.add_rows,
-            into.x,
-            into.branch,
-            self.tokens * self.config.hidden_size,
+            p.stream,
+            &p.kernels.add_rows,
+            &mut self.s.x,
+            &self.s.branch,
+            p.tokens * p.config.hidden_size,
         )
     }
 
+    fn keep(&mut self, source: Source, slot: usize) -> Result<()> {
+        let Some(keeping) = self.keeping else {
+            return Ok(());
+        };
+        let s = &mut *self.s;
+        let source = match source {
+            Source::Residual => &s.x,
+            Source::Branch => &s.branch,
+        };
+        self.pass.keep(source, &mut s.kept, keeping, slot)
+    }
+}
+
+impl Pass<'_> {
     /// `out = rms_norm(x) · weight` over the batch.
     fn norm(
         &self,
@@ -861,13 +867,6 @@ impl Pass<'_> {
             .into()),
         }
     }
-}
-
-/// Where a branch output goes: the residual stream, its own buffer, the capture slots.
-struct Branch<'a> {
-    x: &'a mut CudaSlice<f32>,
-    branch: &'a mut CudaSlice<f32>,
-    kept: &'a mut Kept,
 }
 
 /// bf16 GEMM GFLOP/s of cuBLAS on GPU `ordinal` for `out[m, n] = a[m, k] · b[n, k]ᵀ` (f32

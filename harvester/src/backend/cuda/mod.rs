@@ -15,7 +15,6 @@
 //! ```
 
 mod download;
-#[cfg(test)]
 mod emulation;
 pub(crate) mod error;
 pub mod forward;
@@ -23,6 +22,7 @@ pub mod info;
 pub mod kernels;
 mod launch;
 pub mod plan;
+pub mod replay;
 
 pub use self::error::CudaError;
 use crate::error::Result;
@@ -37,6 +37,16 @@ pub enum DeviceChoice {
     Cpu,
     /// GPU `N` (`cuda` is `cuda:0`).
     Cuda(usize),
+    /// The CUDA backend's forward pass replayed on the CPU ([`replay`]): slow, for tests.
+    CudaReplay,
+}
+
+impl DeviceChoice {
+    /// Whether the forward pass is the CUDA backend's, on a GPU or replayed: it computes in
+    /// bf16 whatever the plan asks.
+    pub fn is_cuda_arithmetic(self) -> bool {
+        matches!(self, Self::Cuda(_) | Self::CudaReplay)
+    }
 }
 
 impl std::str::FromStr for DeviceChoice {
@@ -47,13 +57,14 @@ impl std::str::FromStr for DeviceChoice {
             "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda(0)),
+            "cuda-replay" => Ok(Self::CudaReplay),
             other => other
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Self::Cuda)
                 .ok_or_else(|| {
                     format!(
-                        "device {other:?} is not one of auto, cpu, cuda, cuda:N (N a GPU index)"
+                        "device {other:?} is not one of auto, cpu, cuda, cuda:N (N a GPU index), cuda-replay"
                     )
                 }),
         }
@@ -207,6 +218,7 @@ pub fn driver_version() -> Option<String> {
 pub fn resolve(choice: DeviceChoice) -> Result<DeviceChoice> {
     match choice {
         DeviceChoice::Cpu => Ok(DeviceChoice::Cpu),
+        DeviceChoice::CudaReplay => Ok(DeviceChoice::CudaReplay),
         DeviceChoice::Auto => Ok(if probe(0).is_ok() {
             DeviceChoice::Cuda(0)
         } else {
@@ -225,6 +237,7 @@ pub fn resolve(choice: DeviceChoice) -> Result<DeviceChoice> {
 pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
     match (choice, resolve(choice)?) {
         (DeviceChoice::Cuda(device), _) => Ok(DeviceChoice::Cuda(device)),
+        (DeviceChoice::CudaReplay, _) => Ok(DeviceChoice::CudaReplay),
         (_, DeviceChoice::Cuda(_)) => {
             tracing::warn!(
                 "a GPU is present, but auto runs on the CPU while the CUDA backend lacks attention biases, sliding windows and AFMoE: pass --device cuda to use it"
@@ -272,6 +285,7 @@ mod tests {
         assert_eq!("cpu".parse(), Ok(DeviceChoice::Cpu));
         assert_eq!("cuda".parse(), Ok(DeviceChoice::Cuda(0)));
         assert_eq!("cuda:3".parse(), Ok(DeviceChoice::Cuda(3)));
+        assert_eq!("cuda-replay".parse(), Ok(DeviceChoice::CudaReplay));
         let error = "gpu".parse::<DeviceChoice>().unwrap_err();
         assert!(
             error.contains("\"gpu\"") && error.contains("cuda:N"),
