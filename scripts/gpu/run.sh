@@ -6,7 +6,8 @@
 # into OUT (at most 8 files: log.txt, env.txt, cuda-info.json, parity.jsonl, sanitizer.txt,
 # bench.jsonl, peer.jsonl, summary.txt), with one summary line per figure at the end.
 # After parity, every hook site of three layers is compared with the CPU bf16 mode (run on the
-# GPU machine's own CPU), and resid_post alone with resid_post beside every other site.
+# GPU machine's own CPU), and resid_post alone with resid_post beside every other site; then
+# the GPU's parity run with the CUDA replay of it on the GPU machine's CPU.
 # DEVICE=cpu runs the same steps on the CPU with a SmolLM2-shaped bench model (how CI checks
 # this script); the transformers peer is skipped where torch is missing, and says so.
 set -uo pipefail
@@ -200,6 +201,53 @@ else
   note "sites: a run FAILED"
   failures=$((failures + 1))
 fi
+
+# ---------------------------------------------------------------------------------------------
+step "the CUDA replay (--device cuda-replay, on this machine's CPU) against the $device parity run"
+# The replay runs the same dense block over the kernels' arithmetic replayed on the CPU; it can
+# differ from the GPU only by cuBLAS's summation order, the GPU's approximate exp, sincos and
+# rsqrt, and fused products. The guard (PARITY_REPLAY) was set before any GPU run compared
+# them: the first window's figure decides whether the replay stands in for the GPU in CI. On
+# DEVICE=cpu the comparison is with the CPU bf16 mode, which rounds elsewhere: information only.
+vs_replay=${PARITY_REPLAY:-5e-3}
+[ "$device" = cpu ] && vs_replay=1
+if [ -f "$candidate/manifest.json" ] && limited 300 "$harvester" run --device cuda-replay \
+    --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+    --progress off --out "$work/replay" >/dev/null; then
+  if replay=$("$harvester" compare "$candidate" "$work/replay" --max-relative-error "$vs_replay" 2>&1); then
+    note "replay vs $device (guard $vs_replay): passed: $(echo "$replay" | head -1)"
+  else
+    note "replay vs $device (guard $vs_replay): FAILED: $(echo "$replay" | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+  echo "$replay" | head -1 | sed 's/^{/{"against":"cuda-replay",/' >>"$out/parity.jsonl"
+else
+  note "replay: the $device parity run or the replay run FAILED"
+  failures=$((failures + 1))
+fi
+
+step "16-wide heads and a QKV bias (the Llama 3 and Qwen2 test fixtures): $device against the replay"
+# Neither has run on a GPU before: the replay, tied to the kernels, is their check until here.
+fixtures=$here/../harvester/tests/fixtures
+for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32; do
+  runs=ok
+  for engine in "$device" cuda-replay; do
+    CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" --precision bf16 \
+      --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
+      --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
+      --out "$work/$fixture-$engine" >/dev/null || runs="the $engine run FAILED"
+  done
+  if [ "$runs" != ok ]; then
+    note "$fixture: $runs"
+    failures=$((failures + 1))
+  elif fixture_vs=$("$harvester" compare "$work/$fixture-cuda-replay" "$work/$fixture-$device" \
+      --max-relative-error "$vs_replay" 2>&1); then
+    note "$fixture $device vs replay (guard $vs_replay): passed: $(echo "$fixture_vs" | head -1)"
+  else
+    note "$fixture $device vs replay (guard $vs_replay): FAILED: $(echo "$fixture_vs" | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+done
 
 # ---------------------------------------------------------------------------------------------
 if [ "$device" = cpu ]; then

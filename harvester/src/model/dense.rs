@@ -9,8 +9,10 @@
 //! x ─► [resid_pre] ─► norm ─► QKV ─► rope ─► attention ─► O ──(+)─► [resid_mid]
 //!   ─► norm ─► gate|up ─► SwiGLU ─► down ──(+)─► [resid_post]
 //! ```
-//! A branch (O, down) adds into `x` in its GEMM when its output is not kept; when it is
-//! (`attn_out`, `mlp_out`), it is written apart, kept, then added: one f32 addition either way.
+//! A branch (O, down) adds into `x` in its GEMM when its output is not kept and has no bias;
+//! when it is kept (`attn_out`, `mlp_out`) or has a bias, it is written apart (bias added),
+//! kept, then added: one f32 addition to `x` either way, so a site kept or not leaves the
+//! stream's bits as they were.
 
 use harvest_core::Site;
 
@@ -42,7 +44,7 @@ pub trait BlockOps {
 
     /// `normed = rms_norm(x) · weight` of `sublayer`'s norm, rounded to bf16.
     fn norm(&mut self, block: &Self::Block, sublayer: Sublayer) -> Result<()>;
-    /// `qkv = normed · Wqkvᵀ`, bf16.
+    /// `qkv = normed · Wqkvᵀ (+ bias)`, summed in f32 and rounded once to bf16.
     fn qkv(&mut self, block: &Self::Block) -> Result<()>;
     /// Rotates the query and key heads of `qkv` in place, bf16.
     fn rope(&mut self) -> Result<()>;
@@ -54,8 +56,10 @@ pub trait BlockOps {
     fn swiglu(&mut self) -> Result<()>;
     /// `x += input · Wᵀ` for `sublayer`'s output projection, summed in f32.
     fn output_into_residual(&mut self, block: &Self::Block, sublayer: Sublayer) -> Result<()>;
-    /// `branch = input · Wᵀ` for `sublayer`'s output projection, f32.
+    /// `branch = input · Wᵀ (+ bias)` for `sublayer`'s output projection, f32.
     fn output_apart(&mut self, block: &Self::Block, sublayer: Sublayer) -> Result<()>;
+    /// Whether `sublayer`'s output projection has a bias (Llama's `attention_bias`).
+    fn output_bias(&self, block: &Self::Block, sublayer: Sublayer) -> bool;
     /// `x += branch`.
     fn add_branch(&mut self) -> Result<()>;
     /// Writes `source` into capture slot `slot`: rounded to bf16, or its projections when the
@@ -98,11 +102,13 @@ fn join<O: BlockOps>(
     sublayer: Sublayer,
     kept: Option<usize>,
 ) -> Result<()> {
-    let Some(slot) = kept else {
+    if kept.is_none() && !ops.output_bias(block, sublayer) {
         return ops.output_into_residual(block, sublayer);
-    };
+    }
     ops.output_apart(block, sublayer)?;
-    ops.keep(Source::Branch, slot)?;
+    if let Some(slot) = kept {
+        ops.keep(Source::Branch, slot)?;
+    }
     ops.add_branch()
 }
 
@@ -110,17 +116,17 @@ fn join<O: BlockOps>(
 mod tests {
     use super::*;
 
-    /// Records the ops it is asked to run.
+    /// Records the ops it is asked to run; a block says whether its O projection has a bias.
     #[derive(Default)]
     struct Log(Vec<String>);
 
     impl BlockOps for Log {
-        type Block = ();
-        fn norm(&mut self, (): &(), sublayer: Sublayer) -> Result<()> {
+        type Block = bool;
+        fn norm(&mut self, _: &bool, sublayer: Sublayer) -> Result<()> {
             self.0.push(format!("norm {sublayer:?}"));
             Ok(())
         }
-        fn qkv(&mut self, (): &()) -> Result<()> {
+        fn qkv(&mut self, _: &bool) -> Result<()> {
             self.0.push("qkv".into());
             Ok(())
         }
@@ -132,7 +138,7 @@ mod tests {
             self.0.push("attention".into());
             Ok(())
         }
-        fn gate_up(&mut self, (): &()) -> Result<()> {
+        fn gate_up(&mut self, _: &bool) -> Result<()> {
             self.0.push("gate_up".into());
             Ok(())
         }
@@ -140,11 +146,11 @@ mod tests {
             self.0.push("swiglu".into());
             Ok(())
         }
-        fn output_into_residual(&mut self, (): &(), sublayer: Sublayer) -> Result<()> {
+        fn output_into_residual(&mut self, _: &bool, sublayer: Sublayer) -> Result<()> {
             self.0.push(format!("x += {sublayer:?}"));
             Ok(())
         }
-        fn output_apart(&mut self, (): &(), sublayer: Sublayer) -> Result<()> {
+        fn output_apart(&mut self, _: &bool, sublayer: Sublayer) -> Result<()> {
             self.0.push(format!("branch = {sublayer:?}"));
             Ok(())
         }
@@ -156,12 +162,15 @@ mod tests {
             self.0.push(format!("keep {source:?} in {slot}"));
             Ok(())
         }
+        fn output_bias(&self, o_bias: &bool, sublayer: Sublayer) -> bool {
+            *o_bias && sublayer == Sublayer::Attention
+        }
     }
 
     #[test]
     fn a_block_keeping_no_site_adds_each_branch_in_its_projection() {
         let mut log = Log::default();
-        block(&mut log, &(), |_| None).unwrap();
+        block(&mut log, &false, |_| None).unwrap();
         assert_eq!(
             log.0,
             [
@@ -182,7 +191,7 @@ mod tests {
     fn every_site_is_kept_where_the_block_computes_it_and_branches_are_kept_before_they_join() {
         let mut log = Log::default();
         let slot = |site: Site| Site::ALL.iter().position(|&s| s == site);
-        block(&mut log, &(), slot).unwrap();
+        block(&mut log, &false, slot).unwrap();
         assert_eq!(
             log.0,
             [
@@ -204,5 +213,18 @@ mod tests {
                 "keep Residual in 4"
             ]
         );
+    }
+
+    #[test]
+    fn an_output_projection_with_a_bias_joins_the_stream_through_the_branch_kept_or_not() {
+        let mut log = Log::default();
+        block(&mut log, &true, |_| None).unwrap();
+        assert_eq!(
+            log.0[4..7],
+            ["branch = Attention", "x += branch", "norm Mlp"],
+            "{:?}",
+            log.0
+        );
+        assert_eq!(log.0.last().map(String::as_str), Some("x += Mlp"));
     }
 }

@@ -99,7 +99,7 @@ fn open_backend(
     }
     if device.is_cuda_arithmetic() {
         // A model the GPU cannot run is refused before gigabytes are read for nothing.
-        crate::backend::cuda::forward::check_model(&weights.config, &weights)?;
+        crate::backend::cuda::forward::check_model(&weights.config)?;
     }
     read_weights(&[&weights], progress);
     Ok(match device {
@@ -289,8 +289,8 @@ mod tests {
 
     #[test]
     fn a_model_the_gpu_cannot_run_is_refused_by_feature_before_its_weights_are_read() {
-        let model =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen2-f32");
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tiny-mistral-window-bf16");
         let plan = harvest_core::HarvestPlan {
             model,
             prompts: harvest_core::Location::Local("p.jsonl".into()),
@@ -312,12 +312,11 @@ mod tests {
         let progress = Progress::new(super::super::progress::ProgressMode::Off, 1);
         let spec = capture_spec(&plan, None);
         let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress) else {
-            panic!("a model with 16-wide heads opened on the CUDA backend");
+            panic!("a model with sliding windows opened on the CUDA backend");
         };
         let error = error.to_string();
-        // Its 16-wide heads are the first thing the CUDA attention kernel lacks.
         assert!(
-            error.contains("head_dim 16") && error.contains("--device cpu"),
+            error.contains("sliding-window attention") && error.contains("--device cpu"),
             "{error}"
         );
         assert!(!progress.is_running(), "its weights were read first");

@@ -61,7 +61,7 @@ const MIRRORED: [(&str, &str); 12] = [
     ),
     (
         "attention_varlen",
-        "5fd89e746fff9d4e47b9c5a0cbef5a920c76ec7915fc86742b49925dda9148ba",
+        "e4bcb281b8b7210dfa69e06a5a8cc40374416ef453ce1fad66584caebb6eafe5",
     ),
     (
         "attention_mma",

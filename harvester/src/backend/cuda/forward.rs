@@ -103,12 +103,29 @@ impl Uploader<'_> {
         Ok(device)
     }
 
+    /// f32 values (biases) as they are.
+    fn f32s(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
+        let start = Instant::now();
+        let device = self
+            .stream
+            .clone_htod(values)
+            .map_err(|e| memory_error("uploading the weights")(e))?;
+        self.phases.upload_seconds += start.elapsed().as_secs_f64();
+        Ok(device)
+    }
+
     /// One decoder block's weights.
     fn block(&mut self, block: &crate::model::BlockWeights) -> Result<DeviceBlock> {
         Ok(DeviceBlock {
             attn_norm: self.values(&block.attn_norm)?,
             qkv: self.matrix(&block.qkv)?,
+            qkv_bias: block
+                .qkv_bias
+                .as_deref()
+                .map(|b| self.f32s(b))
+                .transpose()?,
             o: self.matrix(&block.o)?,
+            o_bias: block.o_bias.as_deref().map(|b| self.f32s(b)).transpose()?,
             mlp_norm: self.values(&block.mlp_norm)?,
             gate_up: self.matrix(&block.gate_up)?,
             down: self.matrix(&block.down)?,
@@ -222,6 +239,8 @@ struct Kernels {
     swiglu: CudaFunction,
     round_bf16: CudaFunction,
     add_rows: CudaFunction,
+    add_bias_bf16: CudaFunction,
+    add_bias: CudaFunction,
     attention: AttentionKernel,
     project: CudaFunction,
 }
@@ -245,6 +264,8 @@ impl Kernels {
             swiglu: function("swiglu")?,
             round_bf16: function("round_bf16")?,
             add_rows: function("add_rows")?,
+            add_bias_bf16: function("add_bias_bf16")?,
+            add_bias: function("add_bias")?,
             attention: attention_kernel(&function, head_dim)?,
             project: function("project")?,
         };
@@ -255,7 +276,11 @@ impl Kernels {
 struct DeviceBlock {
     attn_norm: CudaSlice<u16>,
     qkv: CudaSlice<u16>,
+    /// Qwen2's (or Llama's `attention_bias`) QKV bias, f32.
+    qkv_bias: Option<CudaSlice<f32>>,
     o: CudaSlice<u16>,
+    /// Llama's `attention_bias` O bias, f32.
+    o_bias: Option<CudaSlice<f32>>,
     mlp_norm: CudaSlice<u16>,
     gate_up: CudaSlice<u16>,
     down: CudaSlice<u16>,
@@ -271,11 +296,13 @@ struct Scratch {
     x: CudaSlice<f32>,
     normed: CudaSlice<u16>,
     qkv: CudaSlice<u16>,
+    /// The QKV product in f32 before its bias joins it; one value when the model has none.
+    qkv_wide: CudaSlice<f32>,
     attn: CudaSlice<u16>,
     gate_up: CudaSlice<u16>,
     act: CudaSlice<u16>,
-    /// A branch output kept as a hook site (`attn_out`, `mlp_out`) before it joins `x`; one
-    /// value when the job keeps neither.
+    /// A branch output kept as a hook site (`attn_out`, `mlp_out`), or given its bias, before
+    /// it joins `x`; one value when the job keeps neither and the model has no output bias.
     branch: CudaSlice<f32>,
     kept: Kept,
 }
@@ -302,6 +329,9 @@ pub struct CudaBackend {
     scratch: Option<Scratch>,
     host_tiles: Vec<u32>,
     phases: LoadPhases,
+    /// Whether some block has a QKV bias, and an O bias: they need buffers of their own.
+    qkv_bias: bool,
+    o_bias: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -312,9 +342,9 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Why a model cannot run on this backend yet (biases, sliding windows, wide heads): read off
-/// its configuration and tensor names, so a model is refused before its weights are read.
-pub fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
+/// Why a model cannot run on this backend yet (AFMoE, sliding windows, head shapes): read off
+/// its configuration, so a model is refused before its weights are read.
+pub fn check_model(config: &ModelConfig) -> Result<()> {
     let unsupported = |reason: &str| {
         Err(CudaError::Unsupported {
             reason: reason.to_owned(),
@@ -326,13 +356,6 @@ pub fn check_model(config: &ModelConfig, weights: &LlamaWeights) -> Result<()> {
         return unsupported("AFMoE (AfmoeForCausalLM)");
     }
     check_heads(config.num_heads, config.num_kv_heads, config.head_dim)?;
-    if weights
-        .blocks
-        .iter()
-        .any(|b| b.qkv_bias.is_some() || b.o_bias.is_some())
-    {
-        return unsupported("attention biases");
-    }
     if config.attention_windows.iter().any(Option::is_some) {
         return unsupported("sliding-window attention");
     }
@@ -344,7 +367,7 @@ impl CudaBackend {
     /// compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         let config = weights.config.clone();
-        check_model(&config, &weights)?;
+        check_model(&config)?;
         super::probe(ordinal)?;
         spec.check(&weights)?;
         let deepest = spec.layers.deepest();
@@ -406,7 +429,14 @@ impl CudaBackend {
             scratch: None,
             host_tiles: Vec::new(),
             phases,
+            qkv_bias: weights.blocks.iter().any(|b| b.qkv_bias.is_some()),
+            o_bias: weights.blocks.iter().any(|b| b.o_bias.is_some()),
         })
+    }
+
+    /// Whether a batch needs the branch buffer: a kept branch output, or an O bias.
+    fn needs_branch(&self) -> bool {
+        keeps_branches(&self.spec.sites) || self.o_bias
     }
 
     /// Allocates the buffers of a batch of `tokens` now, refusing one that does not fit the
@@ -432,12 +462,17 @@ impl CudaBackend {
         };
         let value_bytes = if self.spec.directions.is_some() { 4 } else { 2 };
         let capture = (value_bytes * self.spec.slots() * self.capture_width()) as u64;
-        let branch = if keeps_branches(&self.spec.sites) {
+        let branch = if self.needs_branch() {
             4 * c.hidden_size as u64
         } else {
             0
         };
-        shape.activation_bytes(tokens) + (capture + branch + 16) * tokens as u64
+        let qkv_wide = if self.qkv_bias {
+            4 * c.qkv_width() as u64
+        } else {
+            0
+        };
+        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
@@ -456,8 +491,13 @@ impl CudaBackend {
         let c = &self.config;
         let width = self.capture_width();
         let kept = self.spec.slots();
-        let branch = if keeps_branches(&self.spec.sites) {
+        let branch = if self.needs_branch() {
             tokens * c.hidden_size
+        } else {
+            1
+        };
+        let qkv_wide = if self.qkv_bias {
+            tokens * c.qkv_width()
         } else {
             1
         };
@@ -475,6 +515,7 @@ impl CudaBackend {
             x: f32s(tokens * c.hidden_size)?,
             normed: u16s(tokens * c.hidden_size)?,
             qkv: u16s(tokens * c.qkv_width())?,
+            qkv_wide: f32s(qkv_wide)?,
             attn: u16s(tokens * c.num_heads * c.head_dim)?,
             gate_up: u16s(tokens * 2 * c.intermediate_size)?,
             act: u16s(tokens * c.intermediate_size)?,
@@ -682,11 +723,23 @@ impl BlockOps for DeviceOps<'_, '_> {
     }
 
     fn qkv(&mut self, block: &DeviceBlock) -> Result<()> {
-        let c = self.pass.config;
+        let (c, p) = (self.pass.config, self.pass);
         let shape = (c.qkv_width(), c.hidden_size);
         let s = &mut *self.s;
-        self.pass
-            .gemm(&s.normed, &block.qkv, &mut s.qkv, BF16, shape, 0.0)
+        let Some(bias) = &block.qkv_bias else {
+            return p.gemm(&s.normed, &block.qkv, &mut s.qkv, BF16, shape, 0.0);
+        };
+        p.gemm(&s.normed, &block.qkv, &mut s.qkv_wide, F32, shape, 0.0)?;
+        let n = p.tokens * c.qkv_width();
+        let k = &p.kernels.add_bias_bf16;
+        launch::add_bias_bf16(
+            p.stream,
+            k,
+            &s.qkv_wide,
+            bias,
+            &mut s.qkv,
+            (n, c.qkv_width()),
+        )
     }
 
     fn rope(&mut self) -> Result<()> {
@@ -754,9 +807,21 @@ impl BlockOps for DeviceOps<'_, '_> {
     }
 
     fn output_apart(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+        let (c, p) = (self.pass.config, self.pass);
         let s = &mut *self.s;
-        let (input, w, shape) = output_of(self.pass.config, block, (&s.attn, &s.act), sublayer);
-        self.pass.gemm(input, w, &mut s.branch, F32, shape, 0.0)
+        let (input, w, shape) = output_of(c, block, (&s.attn, &s.act), sublayer);
+        p.gemm(input, w, &mut s.branch, F32, shape, 0.0)?;
+        match (&block.o_bias, sublayer) {
+            (Some(bias), Sublayer::Attention) => {
+                let n = (p.tokens * c.hidden_size, c.hidden_size);
+                launch::add_bias(p.stream, &p.kernels.add_bias, &mut s.branch, bias, n)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn output_bias(&self, block: &DeviceBlock, sublayer: Sublayer) -> bool {
+        sublayer == Sublayer::Attention && block.o_bias.is_some()
     }
 
     fn add_branch(&mut self) -> Result<()> {

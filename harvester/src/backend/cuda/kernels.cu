@@ -144,12 +144,33 @@ extern "C" __global__ void round_bf16(const float* x, bf16* out, long long n) {
     }
 }
 
+// out[i] = bf16(in[i] + bias[i % width]) over n values: a projection with a bias (Qwen2's QKV),
+// its product summed in f32 by the GEMM, gains the f32 bias and is rounded once. Grid-strided;
+// any grid.
+extern "C" __global__ void add_bias_bf16(const float* in, const float* bias, bf16* out,
+                                         int width, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(in[i] + bias[i % width]);
+    }
+}
+
+// x[i] += bias[i % width] over n values: an output projection's bias (Llama's attention_bias)
+// joins its product before the product joins the residual stream. Grid-strided; any grid.
+extern "C" __global__ void add_bias(float* x, const float* bias, int width, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] += bias[i % width];
+    }
+}
+
 // Causal grouped-query attention over packed variable-length sequences, with an online softmax
 // and no [n, n] buffer. One block handles `QUERIES` consecutive queries of one sequence for one
 // query head; each warp owns one query and each lane `head_dim / 32` of its dimensions. Keys and
 // values stream through shared memory `KEYS` at a time, shared by the block's warps.
 // `tiles` holds (sequence, first query) pairs made on the host. Grid: (tiles, q_heads);
-// block: 32 * QUERIES. head_dim must be a multiple of 32 and at most MAX_HEAD_DIM.
+// block: 32 * QUERIES. head_dim is even and at most MAX_HEAD_DIM; lane `l` owns dimensions
+// l, l + 32, ... below it, so with heads narrower than a multiple of 32 some lanes hold none.
 #define QUERIES 8
 #define KEYS 32
 #define MAX_HEAD_DIM 128
@@ -166,16 +187,17 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     const int start = cu_seq_lengths[seq], length = cu_seq_lengths[seq + 1] - start;
     const int query = first + warp;  // position within the sequence
     const int row_width = (q_heads + 2 * kv_heads) * head_dim;
-    const int per_lane = head_dim >> 5;
+    const int per_lane = (head_dim + 31) >> 5;
     const int k_offset = q_heads * head_dim + kv_head * head_dim;
     const int v_offset = (q_heads + kv_heads) * head_dim + kv_head * head_dim;
     const bool active = query < length;
 
     float q[MAX_PER_LANE], acc[MAX_PER_LANE];
     for (int d = 0; d < per_lane; ++d) {
-        q[d] = active ? bf16_to_f32(qkv[(long long)(start + query) * row_width + head * head_dim
-                                        + lane + 32 * d]) * scale
-                      : 0.0f;
+        const bool owned = active && lane + 32 * d < head_dim;
+        q[d] = owned ? bf16_to_f32(qkv[(long long)(start + query) * row_width + head * head_dim
+                                       + lane + 32 * d]) * scale
+                     : 0.0f;
         acc[d] = 0.0f;
     }
     float running_max = -3.0e38f, running_sum = 0.0f;
@@ -194,7 +216,7 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
         for (int j = 0; j < keys && key0 + j <= query; ++j) {
             float dot = 0.0f;
             for (int d = 0; d < per_lane; ++d) {
-                dot += q[d] * k_tile[j * head_dim + lane + 32 * d];
+                if (lane + 32 * d < head_dim) dot += q[d] * k_tile[j * head_dim + lane + 32 * d];
             }
             const float score = warp_sum(dot);
             const float new_max = fmaxf(running_max, score);
@@ -202,7 +224,9 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
             const float weight = __expf(score - new_max);
             running_sum = running_sum * correction + weight;
             for (int d = 0; d < per_lane; ++d) {
-                acc[d] = acc[d] * correction + weight * v_tile[j * head_dim + lane + 32 * d];
+                if (lane + 32 * d < head_dim) {
+                    acc[d] = acc[d] * correction + weight * v_tile[j * head_dim + lane + 32 * d];
+                }
             }
             running_max = new_max;
         }
@@ -211,7 +235,7 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     const float inv = 1.0f / running_sum;
     bf16* dst = out + (long long)(start + query) * (q_heads * head_dim) + head * head_dim;
     for (int d = 0; d < per_lane; ++d) {
-        dst[lane + 32 * d] = f32_to_bf16(acc[d] * inv);
+        if (lane + 32 * d < head_dim) dst[lane + 32 * d] = f32_to_bf16(acc[d] * inv);
     }
 }
 

@@ -11,13 +11,15 @@ use crate::error::{CudaError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 12] = [
     "embed_gather",
     "rms_norm",
     "rope",
     "swiglu",
     "round_bf16",
     "add_rows",
+    "add_bias_bf16",
+    "add_bias",
     "attention_varlen",
     "attention_mma_64",
     "attention_mma_128",

@@ -320,6 +320,72 @@ pub(super) fn add_rows(
         .map_err(|e| CudaError::fault(NAME)(e).into())
 }
 
+/// `out = bf16(x + bias)` over `n` values, `bias` repeating every `width` of them: a projection's
+/// f32 product gains its bias and is rounded once.
+pub(super) fn add_bias_bf16(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    bias: &CudaSlice<f32>,
+    out: &mut CudaSlice<u16>,
+    (n, width): (usize, usize),
+) -> Result<()> {
+    const NAME: &str = "add_bias_bf16";
+    fits(NAME, "x", x.len(), n)?;
+    fits(NAME, "out", out.len(), n)?;
+    fits(NAME, "bias", bias.len(), width.max(1))?;
+    let (config, elements) = grid_strided(NAME, n)?;
+    let width = int(NAME, width)?;
+    // SAFETY: the arguments match `add_bias_bf16(const float*, const float*, bf16*, int, long
+    // long)` in order and type; the kernel strides over `n` values, all inside `x` and `out`,
+    // and reads `bias` below `width`, which it holds (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(bias)
+            .arg(out)
+            .arg(&width)
+            .arg(&elements)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `x += bias` over `n` values, `bias` repeating every `width` of them.
+pub(super) fn add_bias(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &mut CudaSlice<f32>,
+    bias: &CudaSlice<f32>,
+    (n, width): (usize, usize),
+) -> Result<()> {
+    const NAME: &str = "add_bias";
+    fits(NAME, "x", x.len(), n)?;
+    fits(NAME, "bias", bias.len(), width.max(1))?;
+    let (config, elements) = grid_strided(NAME, n)?;
+    let width = int(NAME, width)?;
+    // SAFETY: the arguments match `add_bias(float*, const float*, int, long long)` in order and
+    // type; the kernel strides over `n` values, all inside `x`, and reads `bias` below
+    // `width`, which it holds (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(x)
+            .arg(bias)
+            .arg(&width)
+            .arg(&elements)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
 /// `out = bf16(x)` over `n` values: a kept layer's residual stream in the shards' dtype.
 pub(super) fn round_bf16(
     stream: &CudaStream,

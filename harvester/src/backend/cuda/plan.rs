@@ -32,9 +32,12 @@ pub fn uses_tensor_cores(head_dim: usize, forced: Option<&str>) -> bool {
 
 /// Checks the head shape the attention kernel supports.
 pub fn check_heads(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
-    let reason = if !head_dim.is_multiple_of(32) || head_dim > ATTENTION_MAX_HEAD_DIM {
+    let reason = if head_dim == 0
+        || !head_dim.is_multiple_of(2)
+        || head_dim > ATTENTION_MAX_HEAD_DIM
+    {
         format!(
-            "head_dim {head_dim} (its attention kernel takes multiples of 32 up to {ATTENTION_MAX_HEAD_DIM})"
+            "head_dim {head_dim} (its attention kernel takes even widths up to {ATTENTION_MAX_HEAD_DIM})"
         )
     } else if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
         format!("{q_heads} query heads over {kv_heads} key/value heads (they must group evenly)")
@@ -137,6 +140,11 @@ mod tests {
     fn head_shapes_outside_the_kernel_are_refused_by_value() {
         check_heads(32, 8, 128).unwrap();
         check_heads(9, 3, 64).unwrap();
+        // Narrower than a warp, or not a multiple of 32: some lanes own no dimension.
+        check_heads(4, 2, 16).unwrap();
+        check_heads(4, 2, 80).unwrap();
+        let odd = check_heads(4, 2, 15).unwrap_err().to_string();
+        assert!(odd.contains("head_dim 15") && odd.contains("even"), "{odd}");
         let wide = check_heads(32, 8, 256).unwrap_err().to_string();
         assert!(wide.contains("head_dim 256"), "{wide}");
         assert!(check_heads(10, 4, 64).is_err());

@@ -25,7 +25,9 @@ const WARP: usize = 32;
 struct HostBlock {
     attn_norm: Vec<u16>,
     qkv: Vec<u16>,
+    qkv_bias: Option<Vec<f32>>,
     o: Vec<u16>,
+    o_bias: Option<Vec<f32>>,
     mlp_norm: Vec<u16>,
     gate_up: Vec<u16>,
     down: Vec<u16>,
@@ -83,7 +85,7 @@ impl ReplayBackend {
     /// Takes `weights` (the blocks up to the deepest kept one) in bf16, refusing what the CUDA
     /// backend refuses.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
-        super::forward::check_model(&weights.config, &weights)?;
+        super::forward::check_model(&weights.config)?;
         spec.check(&weights)?;
         let deepest = spec.layers.deepest();
         let config = weights.config.clone();
@@ -92,7 +94,9 @@ impl ReplayBackend {
             .map(|b| HostBlock {
                 attn_norm: bf16_values(&b.attn_norm),
                 qkv: bf16_matrix(&b.qkv),
+                qkv_bias: b.qkv_bias.clone(),
                 o: bf16_matrix(&b.o),
+                o_bias: b.o_bias.clone(),
                 mlp_norm: bf16_values(&b.mlp_norm),
                 gate_up: bf16_matrix(&b.gate_up),
                 down: bf16_matrix(&b.down),
@@ -215,7 +219,10 @@ impl BlockOps for HostOps<'_> {
 
     fn qkv(&mut self, block: &HostBlock) -> Result<()> {
         let c = self.config;
-        let product = gemm(&self.normed, &block.qkv, c.qkv_width(), c.hidden_size);
+        let mut product = gemm(&self.normed, &block.qkv, c.qkv_width(), c.hidden_size);
+        if let Some(bias) = &block.qkv_bias {
+            add_bias(&mut product, bias);
+        }
         self.qkv = product.iter().map(|&v| kernel_bf16(v)).collect();
         Ok(())
     }
@@ -286,7 +293,14 @@ impl BlockOps for HostOps<'_> {
         let hidden = self.config.hidden_size;
         let (input, w) = self.output(block, sublayer);
         self.branch = gemm(input, w, hidden, input.len() / self.tokens());
+        if let (Some(bias), Sublayer::Attention) = (&block.o_bias, sublayer) {
+            add_bias(&mut self.branch, bias);
+        }
         Ok(())
+    }
+
+    fn output_bias(&self, block: &HostBlock, sublayer: Sublayer) -> bool {
+        sublayer == Sublayer::Attention && block.o_bias.is_some()
     }
 
     fn add_branch(&mut self) -> Result<()> {
@@ -319,6 +333,15 @@ impl BlockOps for HostOps<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// `add_bias` (and `add_bias_bf16` before its rounding): `bias` added to each row of `values`.
+fn add_bias(values: &mut [f32], bias: &[f32]) {
+    for row in values.chunks_exact_mut(bias.len()) {
+        for (value, b) in row.iter_mut().zip(bias) {
+            *value += b;
+        }
     }
 }
 
