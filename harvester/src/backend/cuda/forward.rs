@@ -1,4 +1,5 @@
-//! The CUDA forward pass: the CPU reference's block, in the same order, on one GPU. The
+//! The CUDA forward pass: the dense model's block (`crate::model::dense`) on one GPU, each of
+//! its ops a kernel launch or a cuBLAS GEMM over the batch's buffers (`DeviceOps`). The
 //! residual stream stays f32; GEMM inputs are bf16 with f32 accumulation (cuBLAS `gemm_ex`),
 //! QKV and gate/up each one fused GEMM, and the attention output and down projections add
 //! straight into the residual (`beta = 1`). Kernels come from `kernels.cu`, compiled once.

@@ -4,12 +4,15 @@
 //! device into a clear error instead of cudarc's panic. The forward pass (`forward`: bf16
 //! weights, cuBLAS GEMMs, the kernels, each launched through its own checked wrapper in
 //! `launch`) has run on an H200 in the GPU window (`scripts/gpu-window.sh`, `docs/gpu.md`),
-//! for dense Llama models, at every hook site. Errors are a typed [`CudaError`], classed by
-//! who can fix them (its module says how).
+//! for dense Llama models, at every hook site. Each block is the dense model's
+//! (`crate::model::dense`), run through the device's ops; `replay` runs the same block over the
+//! kernels' arithmetic replayed on the CPU (`--device cuda-replay`), which is how CI checks
+//! what has not yet run on a GPU (QKV biases, heads narrower than 32). Errors are a typed
+//! [`CudaError`], classed by who can fix them (its module says how).
 //!
 //! ```text
 //! probe (libcuda? device N?) ─► kernels::compile (NVRTC, once) ─► forward: upload bf16 weights,
-//!   per batch: embed → [rms_norm → QKV GEMM → rope → attention → O GEMM (+= x)
+//!   per batch: embed → [rms_norm → QKV GEMM (+ bias) → rope → attention → O GEMM (+= x)
 //!                       → rms_norm → gate/up GEMM → swiglu → down GEMM (+= x)], each kept site
 //!   rounded to bf16 (or projected) into its slot and copied back on a second stream (`download`)
 //! ```
