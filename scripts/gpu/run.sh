@@ -226,10 +226,10 @@ else
   failures=$((failures + 1))
 fi
 
-step "16-wide heads and a QKV bias (the Llama 3 and Qwen2 test fixtures): $device against the replay"
-# Neither has run on a GPU before: the replay, tied to the kernels, is their check until here.
+step "16-wide heads, a QKV bias and a sliding window (the Llama 3, Qwen2 and Mistral test fixtures): $device against the replay"
+# None has run on a GPU before: the replay, tied to the kernels, is their check until here.
 fixtures=$here/../harvester/tests/fixtures
-for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32; do
+for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16; do
   runs=ok
   for engine in "$device" cuda-replay; do
     CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" --precision bf16 \

@@ -610,6 +610,12 @@ fn attention_windows(
     let Some(window) = window else {
         return Ok(vec![None; num_layers]);
     };
+    if window == 0 {
+        return Err(
+            "sliding_window is 0, which lets a token see no key: give the window's width, or null for full attention"
+                .into(),
+        );
+    }
     if let Some(types) = layer_types {
         if types.len() != num_layers {
             return Err(format!(
@@ -787,6 +793,12 @@ mod tests {
                 .unwrap()
                 .attention_windows,
             [None, None]
+        );
+        let empty = text.replace(r#""sliding_window": 8"#, r#""sliding_window": 0"#);
+        let error = parse(&empty).unwrap_err().to_string();
+        assert!(
+            error.contains("sliding_window is 0") && error.contains("null"),
+            "{error}"
         );
     }
 

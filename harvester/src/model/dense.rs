@@ -48,8 +48,9 @@ pub trait BlockOps {
     fn qkv(&mut self, block: &Self::Block) -> Result<()>;
     /// Rotates the query and key heads of `qkv` in place, bf16.
     fn rope(&mut self) -> Result<()>;
-    /// `attn = attention(qkv)`, causal grouped-query attention over each sequence, bf16.
-    fn attention(&mut self) -> Result<()>;
+    /// `attn = attention(qkv)`, causal grouped-query attention over each sequence, bf16; with a
+    /// `window`, each query sees only the `window` keys up to and including itself.
+    fn attention(&mut self, window: Option<usize>) -> Result<()>;
     /// `gate_up = normed · Wgate|upᵀ`, bf16.
     fn gate_up(&mut self, block: &Self::Block) -> Result<()>;
     /// `act = silu(gate) · up`, bf16.
@@ -68,10 +69,12 @@ pub trait BlockOps {
 }
 
 /// Runs one dense block on the batch: `x` gains the attention output, then the MLP output.
+/// `window` is the block's sliding attention window (`ModelConfig::attention_windows`), and
 /// `slot` gives the capture slot of each site this block keeps.
 pub fn block<O: BlockOps>(
     ops: &mut O,
     block: &O::Block,
+    window: Option<usize>,
     slot: impl Fn(Site) -> Option<usize>,
 ) -> Result<()> {
     if let Some(slot) = slot(Site::ResidPre) {
@@ -80,7 +83,7 @@ pub fn block<O: BlockOps>(
     ops.norm(block, Sublayer::Attention)?;
     ops.qkv(block)?;
     ops.rope()?;
-    ops.attention()?;
+    ops.attention(window)?;
     join(ops, block, Sublayer::Attention, slot(Site::AttnOut))?;
     if let Some(slot) = slot(Site::ResidMid) {
         ops.keep(Source::Residual, slot)?;
@@ -134,8 +137,9 @@ mod tests {
             self.0.push("rope".into());
             Ok(())
         }
-        fn attention(&mut self) -> Result<()> {
-            self.0.push("attention".into());
+        fn attention(&mut self, window: Option<usize>) -> Result<()> {
+            self.0
+                .push(window.map_or("attention".into(), |w| format!("attention, window {w}")));
             Ok(())
         }
         fn gate_up(&mut self, _: &bool) -> Result<()> {
@@ -170,7 +174,7 @@ mod tests {
     #[test]
     fn a_block_keeping_no_site_adds_each_branch_in_its_projection() {
         let mut log = Log::default();
-        block(&mut log, &false, |_| None).unwrap();
+        block(&mut log, &false, None, |_| None).unwrap();
         assert_eq!(
             log.0,
             [
@@ -191,7 +195,7 @@ mod tests {
     fn every_site_is_kept_where_the_block_computes_it_and_branches_are_kept_before_they_join() {
         let mut log = Log::default();
         let slot = |site: Site| Site::ALL.iter().position(|&s| s == site);
-        block(&mut log, &false, slot).unwrap();
+        block(&mut log, &false, Some(8), slot).unwrap();
         assert_eq!(
             log.0,
             [
@@ -199,7 +203,7 @@ mod tests {
                 "norm Attention",
                 "qkv",
                 "rope",
-                "attention",
+                "attention, window 8",
                 "branch = Attention",
                 "keep Branch in 1",
                 "x += branch",
@@ -218,7 +222,7 @@ mod tests {
     #[test]
     fn an_output_projection_with_a_bias_joins_the_stream_through_the_branch_kept_or_not() {
         let mut log = Log::default();
-        block(&mut log, &true, |_| None).unwrap();
+        block(&mut log, &true, None, |_| None).unwrap();
         assert_eq!(
             log.0[4..7],
             ["branch = Attention", "x += branch", "norm Mlp"],

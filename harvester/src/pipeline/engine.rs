@@ -289,8 +289,8 @@ mod tests {
 
     #[test]
     fn a_model_the_gpu_cannot_run_is_refused_by_feature_before_its_weights_are_read() {
-        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/tiny-mistral-window-bf16");
+        let model =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-afmoe-bf16");
         let plan = harvest_core::HarvestPlan {
             model,
             prompts: harvest_core::Location::Local("p.jsonl".into()),
@@ -301,7 +301,7 @@ mod tests {
         };
         let plan = plan
             .resolve(&harvest_core::ModelShape {
-                num_layers: 3,
+                num_layers: 5,
                 hidden_size: 64,
             })
             .unwrap();
@@ -312,11 +312,11 @@ mod tests {
         let progress = Progress::new(super::super::progress::ProgressMode::Off, 1);
         let spec = capture_spec(&plan, None);
         let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress) else {
-            panic!("a model with sliding windows opened on the CUDA backend");
+            panic!("an AFMoE model opened on the CUDA backend");
         };
         let error = error.to_string();
         assert!(
-            error.contains("sliding-window attention") && error.contains("--device cpu"),
+            error.contains("AFMoE") && error.contains("--device cpu"),
             "{error}"
         );
         assert!(!progress.is_running(), "its weights were read first");

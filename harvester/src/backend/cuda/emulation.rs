@@ -61,11 +61,11 @@ const MIRRORED: [(&str, &str); 12] = [
     ),
     (
         "attention_varlen",
-        "e4bcb281b8b7210dfa69e06a5a8cc40374416ef453ce1fad66584caebb6eafe5",
+        "d7c078422862f520954a8364bd447e5e50a94134f640cf08e8cd21cb43715b36",
     ),
     (
         "attention_mma",
-        "46f9976cc6984f74d4276c7cc656384e270b45efe9b82bcfe1f0f6150b84fe25",
+        "363a1feb6b3c9e2f69811b33215f238b983aa59113f8b8e3dcb062ecde58720e",
     ),
 ];
 
@@ -100,6 +100,23 @@ fn kernel_define(name: &str) -> usize {
         .unwrap_or_else(|| panic!("no numeric #define {name} in kernels.cu"))
 }
 
+/// A warp's lanes.
+pub(super) const WARP: usize = 32;
+
+/// `warp_sum`: each lane adds the lane `offset` away, for offsets 16, 8, 4, 2, 1; every lane
+/// ends with the same total (lane 0's is returned).
+pub(super) fn warp_sum(mut lanes: [f32; WARP]) -> f32 {
+    let mut offset = WARP / 2;
+    while offset > 0 {
+        let before = lanes;
+        for (lane, value) in lanes.iter_mut().enumerate() {
+            *value = before[lane] + before[lane ^ offset];
+        }
+        offset /= 2;
+    }
+    lanes[0]
+}
+
 /// The attention heads: query heads, key/value heads, head width.
 #[derive(Clone, Copy)]
 pub(super) struct Heads(pub(super) usize, pub(super) usize, pub(super) usize);
@@ -117,8 +134,14 @@ impl Heads {
 }
 
 /// `attention_varlen` as the kernel computes it: one (tile, head) block at a time, one "warp"
-/// per query, keys in chunks of `KEYS`, running max and sum.
-pub(super) fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+/// per query, each score summed as its lanes sum it, keys in chunks of `KEYS` from the block's
+/// oldest visible key, running max and sum; a key a query's `window` leaves out is skipped.
+pub(super) fn kernel_attention(
+    qkv: &[f32],
+    cu: &[u32],
+    heads: Heads,
+    window: Option<usize>,
+) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
     let mut out = heads.output(cu, f32::NAN);
@@ -144,14 +167,24 @@ pub(super) fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32
                     .collect();
                 let mut acc = vec![0.0f32; head_dim];
                 let (mut running_max, mut running_sum) = (-3.0e38f32, 0.0f32);
-                let mut key0 = 0;
+                let mut key0 = window.map_or(0, |w| (first + 1).saturating_sub(w));
                 while key0 <= last_query {
                     let keys = KEYS.min(last_query + 1 - key0);
                     let mut j = 0;
                     while j < keys && key0 + j <= query {
+                        if window.is_some_and(|w| key0 + j + w <= query) {
+                            j += 1;
+                            continue;
+                        }
                         let row = (start + key0 + j) * row_width;
-                        let score: f32 =
-                            (0..head_dim).map(|d| q[d] * qkv[row + k_offset + d]).sum();
+                        // Lane `l` sums dimensions l, l + 32, ... (fused), then the butterfly.
+                        let mut lanes = [0.0f32; WARP];
+                        for (lane, sum) in lanes.iter_mut().enumerate() {
+                            for d in (lane..head_dim).step_by(WARP) {
+                                *sum = q[d].mul_add(qkv[row + k_offset + d], *sum);
+                            }
+                        }
+                        let score = warp_sum(lanes);
                         let new_max = running_max.max(score);
                         let correction = (running_max - new_max).exp();
                         let weight = (score - new_max).exp();
@@ -165,8 +198,9 @@ pub(super) fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32
                     key0 += KEYS;
                 }
                 let dst = (start + query) * q_heads * head_dim + head * head_dim;
+                let inv = 1.0 / running_sum;
                 for d in 0..head_dim {
-                    out[dst + d] = acc[d] / running_sum;
+                    out[dst + d] = acc[d] * inv;
                 }
             }
         }
@@ -176,11 +210,17 @@ pub(super) fn kernel_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32
 
 /// `attention_mma<D>` as the kernel computes it on bf16 inputs: blocks of `MMA_QUERIES`
 /// queries in warps of 16, keys in shared tiles of `MMA_KEYS` up to the block's last query,
-/// scores scaled into base 2 and masked (causal, and past the sequence), each tile's row max
+/// scores scaled into base 2 and masked (causal, the window, and past the sequence), tiles
+/// wholly below a warp's window skipped, each tile's row max
 /// folded into the running max, P rounded to bf16 for the P·V product and summed as rounded,
 /// the output divided by the sum at the end. The products' summation order is the tensor
 /// cores' own, so a replay agrees with the kernel to rounding, not to the bit.
-pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+pub(super) fn kernel_attention_mma(
+    qkv: &[f32],
+    cu: &[u32],
+    heads: Heads,
+    window: Option<usize>,
+) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
     let round = |v: f32| f32::from_bits(u32::from(kernel_bf16(v)) << 16);
@@ -193,6 +233,7 @@ pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec
         let start = cu[seq] as usize;
         let length = cu[seq + 1] as usize - start;
         let kv_end = (first + MMA_QUERIES).min(length);
+        let kv_start = window.map_or(0, |w| (first + 1).saturating_sub(w)) / MMA_KEYS * MMA_KEYS;
         for head in 0..q_heads {
             let kv_head = head / (q_heads / kv_heads);
             let k_offset = q_heads * head_dim + kv_head * head_dim;
@@ -206,15 +247,15 @@ pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec
                     let q = &qkv[(start + query) * row_width + head * head_dim..][..head_dim];
                     let mut o = vec![0.0f32; head_dim];
                     let (mut running_max, mut running_sum) = (f32::NEG_INFINITY, 0.0f32);
-                    for kb in (0..kv_end).step_by(MMA_KEYS) {
-                        if kb > q0 + 15 {
+                    for kb in (kv_start..kv_end).step_by(MMA_KEYS) {
+                        if kb > q0 + 15 || window.is_some_and(|w| kb + MMA_KEYS + w <= q0 + 1) {
                             continue;
                         }
                         let keys = kb..(kb + MMA_KEYS).min(kv_end);
                         let scores: Vec<f32> = keys
                             .clone()
                             .map(|key| {
-                                if key > query {
+                                if key > query || window.is_some_and(|w| key + w <= query) {
                                     return f32::NEG_INFINITY;
                                 }
                                 let k = &qkv[(start + key) * row_width + k_offset..][..head_dim];
@@ -245,8 +286,9 @@ pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec
                         }
                     }
                     let dst = (start + query) * q_heads * head_dim + head * head_dim;
+                    let inv = 1.0 / running_sum;
                     for d in 0..head_dim {
-                        out[dst + d] = round(o[d] / running_sum);
+                        out[dst + d] = round(o[d] * inv);
                     }
                 }
             }
@@ -255,19 +297,21 @@ pub(super) fn kernel_attention_mma(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec
     out
 }
 
-/// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past.
+/// Causal GQA attention the plain way: softmax(q·kᵀ / √d) · v over each sequence's past, or
+/// its last `window` positions.
 #[cfg(test)]
-fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
+fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads, window: Option<usize>) -> Vec<f32> {
     let Heads(q_heads, kv_heads, head_dim) = heads;
     let row_width = heads.row_width();
     let mut out = heads.output(cu, 0.0);
     for bounds in cu.windows(2) {
         let (start, end) = (bounds[0] as usize, bounds[1] as usize);
         for t in start..end {
+            let oldest = window.map_or(start, |w| (t + 1).saturating_sub(w).max(start));
             for head in 0..q_heads {
                 let kv = head / (q_heads / kv_heads);
                 let q = &qkv[t * row_width + head * head_dim..][..head_dim];
-                let scores: Vec<f64> = (start..=t)
+                let scores: Vec<f64> = (oldest..=t)
                     .map(|s| {
                         let k = &qkv[s * row_width + (q_heads + kv) * head_dim..][..head_dim];
                         let dot: f64 = q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
@@ -278,7 +322,7 @@ fn reference_attention(qkv: &[f32], cu: &[u32], heads: Heads) -> Vec<f32> {
                 let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for d in 0..head_dim {
-                    let value: f64 = (start..=t)
+                    let value: f64 = (oldest..=t)
                         .zip(&weights)
                         .map(|(s, w)| {
                             w * f64::from(
@@ -338,40 +382,62 @@ fn the_replayed_kernels_are_the_ones_in_kernels_cu() {
 }
 
 #[test]
-fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa() {
-    // Sequences shorter than a tile, spanning several tiles and several key chunks.
+fn the_attention_kernels_tiles_and_online_softmax_equal_plain_causal_gqa_with_or_without_a_window()
+{
+    // Sequences shorter than a tile, spanning several tiles and several key chunks; heads
+    // narrower than a warp, odd multiples of it and the widest; windows of one key, of less
+    // than a key chunk and of more than one.
     let cu = [0u32, 5, 22, 23, 63, 133];
-    let heads = Heads(4, 2, 64);
-    let row_width = heads.row_width();
-    let mut state = 11u64;
-    let qkv: Vec<f32> = (0..133 * row_width)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    let kernel = kernel_attention(&qkv, &cu, heads);
-    let reference = reference_attention(&qkv, &cu, heads);
-    let worst = kernel
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(worst < 1e-5, "worst difference {worst}");
-    assert!(
-        kernel.iter().all(|v| v.is_finite()),
-        "every query was written"
-    );
+    for heads in [
+        Heads(4, 2, 64),
+        Heads(2, 2, 16),
+        Heads(2, 1, 96),
+        Heads(2, 1, 256),
+    ] {
+        let row_width = heads.row_width();
+        let mut state = 11u64;
+        let qkv: Vec<f32> = (0..133 * row_width)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect();
+        for window in [None, Some(1), Some(21), Some(45)] {
+            let kernel = kernel_attention(&qkv, &cu, heads, window);
+            let reference = reference_attention(&qkv, &cu, heads, window);
+            let worst = kernel
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-5,
+                "head width {}, window {window:?}: worst difference {worst}",
+                heads.2
+            );
+            assert!(
+                kernel.iter().all(|v| v.is_finite()),
+                "every query was written"
+            );
+        }
+    }
 }
 
 #[test]
 fn the_tensor_core_attention_replay_equals_plain_causal_gqa_to_bf16_rounding() {
     // Sequences shorter than a warp's 16 queries, spanning several blocks of 64 and several
     // key tiles, and one of a single token; inputs in bf16, as the kernel reads them.
+    // Windows of one key, and of less and more than a key tile (so whole tiles are skipped).
     let cu = [0u32, 5, 75, 76, 216];
-    for heads in [Heads(4, 2, 64), Heads(2, 1, 128)] {
+    for (heads, window) in [
+        (Heads(4, 2, 64), None),
+        (Heads(2, 1, 128), None),
+        (Heads(4, 2, 64), Some(1)),
+        (Heads(4, 2, 64), Some(40)),
+        (Heads(2, 1, 128), Some(70)),
+    ] {
         let row_width = heads.row_width();
         let mut state = 17u64;
         let qkv: Vec<f32> = (0..216 * row_width)
@@ -383,8 +449,8 @@ fn the_tensor_core_attention_replay_equals_plain_causal_gqa_to_bf16_rounding() {
                 f32::from_bits(u32::from(kernel_bf16(value)) << 16)
             })
             .collect();
-        let kernel = kernel_attention_mma(&qkv, &cu, heads);
-        let reference = reference_attention(&qkv, &cu, heads);
+        let kernel = kernel_attention_mma(&qkv, &cu, heads, window);
+        let reference = reference_attention(&qkv, &cu, heads, window);
         assert!(
             kernel.iter().all(|v| v.is_finite()),
             "every query was written"
@@ -400,7 +466,11 @@ fn the_tensor_core_attention_replay_equals_plain_causal_gqa_to_bf16_rounding() {
                 (diff / norm.max(1e-30)).sqrt()
             })
             .fold(0.0f32, f32::max);
-        assert!(worst < 1e-2, "worst relative row error {worst}");
+        assert!(
+            worst < 1e-2,
+            "head width {}, window {window:?}: worst relative row error {worst}",
+            heads.2
+        );
     }
 }
 

@@ -343,24 +343,17 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Why a model cannot run on this backend yet (AFMoE, sliding windows, head shapes): read off
-/// its configuration, so a model is refused before its weights are read.
+/// Why a model cannot run on this backend yet (AFMoE, head shapes): read off its
+/// configuration, so a model is refused before its weights are read.
 pub fn check_model(config: &ModelConfig) -> Result<()> {
-    let unsupported = |reason: &str| {
-        Err(CudaError::Unsupported {
-            reason: reason.to_owned(),
-        }
-        .into())
-    };
     if config.architecture == crate::model::Architecture::Afmoe {
         // Until its kernels have run on a GPU beside the CPU reference, none ship.
-        return unsupported("AFMoE (AfmoeForCausalLM)");
+        return Err(CudaError::Unsupported {
+            reason: "AFMoE (AfmoeForCausalLM)".into(),
+        }
+        .into());
     }
-    check_heads(config.num_heads, config.num_kv_heads, config.head_dim)?;
-    if config.attention_windows.iter().any(Option::is_some) {
-        return unsupported("sliding-window attention");
-    }
-    Ok(())
+    check_heads(config.num_heads, config.num_kv_heads, config.head_dim)
 }
 
 impl CudaBackend {
@@ -607,7 +600,7 @@ impl Backend for CudaBackend {
                 s: &mut *s,
                 keeping: keeping.as_ref(),
             };
-            dense::block(&mut ops, block, slot)?;
+            dense::block(&mut ops, block, c.attention_windows[index], slot)?;
         }
         // Each kept slot is widened as its copy lands, while the blocks after it run.
         for slot in 0..self.spec.slots() {
@@ -760,7 +753,7 @@ impl BlockOps for DeviceOps<'_, '_> {
         )
     }
 
-    fn attention(&mut self) -> Result<()> {
+    fn attention(&mut self, window: Option<usize>) -> Result<()> {
         let (c, p) = (self.pass.config, self.pass);
         let shape = AttentionShape {
             tokens: p.tokens,
@@ -768,6 +761,7 @@ impl BlockOps for DeviceOps<'_, '_> {
             heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
+            window,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
         let s = &mut *self.s;

@@ -167,20 +167,23 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int width, long
 // Causal grouped-query attention over packed variable-length sequences, with an online softmax
 // and no [n, n] buffer. One block handles `QUERIES` consecutive queries of one sequence for one
 // query head; each warp owns one query and each lane `head_dim / 32` of its dimensions. Keys and
-// values stream through shared memory `KEYS` at a time, shared by the block's warps.
+// values stream through shared memory `KEYS` at a time, shared by the block's warps, kept in
+// bf16 as read (64 KiB of f32 tiles at the widest head would not fit a block's static shared
+// memory). A query sees the `window` keys up to itself (Mistral's sliding window; the host
+// passes INT_MAX for none), and a block starts at its first query's oldest visible key.
 // `tiles` holds (sequence, first query) pairs made on the host. Grid: (tiles, q_heads);
 // block: 32 * QUERIES. head_dim is even and at most MAX_HEAD_DIM; lane `l` owns dimensions
 // l, l + 32, ... below it, so with heads narrower than a multiple of 32 some lanes hold none.
 #define QUERIES 8
 #define KEYS 32
-#define MAX_HEAD_DIM 128
+#define MAX_HEAD_DIM 256
 #define MAX_PER_LANE (MAX_HEAD_DIM / 32)
 extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
                                             const unsigned int* cu_seq_lengths,
                                             const unsigned int* tiles, int q_heads, int kv_heads,
-                                            int head_dim, float scale) {
-    __shared__ float k_tile[KEYS * MAX_HEAD_DIM];
-    __shared__ float v_tile[KEYS * MAX_HEAD_DIM];
+                                            int head_dim, int window, float scale) {
+    __shared__ bf16 k_tile[KEYS * MAX_HEAD_DIM];
+    __shared__ bf16 v_tile[KEYS * MAX_HEAD_DIM];
     const int seq = tiles[2 * blockIdx.x], first = tiles[2 * blockIdx.x + 1];
     const int head = blockIdx.y, kv_head = head / (q_heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -202,21 +205,24 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     }
     float running_max = -3.0e38f, running_sum = 0.0f;
     const int last_query = min(first + QUERIES, length) - 1;
-    for (int key0 = 0; key0 <= last_query; key0 += KEYS) {
+    for (int key0 = max(0, first + 1 - window); key0 <= last_query; key0 += KEYS) {
         const int keys = min(KEYS, last_query + 1 - key0);
         __syncthreads();
         for (int k = threadIdx.x; k < keys * head_dim; k += blockDim.x) {
             const int j = k / head_dim, d = k % head_dim;
             const long long row = (long long)(start + key0 + j) * row_width;
-            k_tile[j * head_dim + d] = bf16_to_f32(qkv[row + k_offset + d]);
-            v_tile[j * head_dim + d] = bf16_to_f32(qkv[row + v_offset + d]);
+            k_tile[j * head_dim + d] = qkv[row + k_offset + d];
+            v_tile[j * head_dim + d] = qkv[row + v_offset + d];
         }
         __syncthreads();
         if (!active) continue;
         for (int j = 0; j < keys && key0 + j <= query; ++j) {
+            if (key0 + j <= query - window) continue;
             float dot = 0.0f;
             for (int d = 0; d < per_lane; ++d) {
-                if (lane + 32 * d < head_dim) dot += q[d] * k_tile[j * head_dim + lane + 32 * d];
+                if (lane + 32 * d < head_dim) {
+                    dot += q[d] * bf16_to_f32(k_tile[j * head_dim + lane + 32 * d]);
+                }
             }
             const float score = warp_sum(dot);
             const float new_max = fmaxf(running_max, score);
@@ -225,7 +231,8 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
             running_sum = running_sum * correction + weight;
             for (int d = 0; d < per_lane; ++d) {
                 if (lane + 32 * d < head_dim) {
-                    acc[d] = acc[d] * correction + weight * v_tile[j * head_dim + lane + 32 * d];
+                    acc[d] = acc[d] * correction
+                             + weight * bf16_to_f32(v_tile[j * head_dim + lane + 32 * d]);
                 }
             }
             running_max = new_max;
@@ -262,8 +269,10 @@ extern "C" __global__ void project(const float* x, const float* directions, floa
 // one query head, each of its 4 warps 16 of them; keys and values stream through shared memory
 // `MMA_KEYS` at a time (rows padded by 8 so ldmatrix's 8 rows fall in distinct banks). Scores
 // stay in registers; the online softmax runs in base 2 on the scaled scores; P is rounded to
-// bf16 for the P·V product, as flash attention does. `tiles` holds (sequence, first query)
-// pairs of `MMA_QUERIES` queries. Grid: (tiles, q_heads); block: 128. head_dim is D (64 or 128).
+// bf16 for the P·V product, as flash attention does. A query sees the `window` keys up to
+// itself (INT_MAX for none); key tiles wholly below a warp's window are skipped, which changes
+// no bit, as a wholly masked tile adds nothing. `tiles` holds (sequence, first query) pairs of
+// `MMA_QUERIES` queries. Grid: (tiles, q_heads); block: 128. head_dim is D (64 or 128).
 #define MMA_QUERIES 64
 #define MMA_KEYS 64
 #define NEG_INF __int_as_float(0xff800000u)
@@ -310,7 +319,7 @@ template <int D>
 __device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
                                               const unsigned int* cu_seq_lengths,
                                               const unsigned int* tiles, int q_heads,
-                                              int kv_heads, float scale) {
+                                              int kv_heads, int window, float scale) {
     constexpr int STRIDE = D + 8;
     constexpr int CHUNKS = D / 8;  // 16-byte pieces of a row
     __shared__ __align__(16) bf16 k_tile[MMA_KEYS * STRIDE];
@@ -350,7 +359,8 @@ __device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
     float running_max[2] = {NEG_INF, NEG_INF}, running_sum[2] = {0.0f, 0.0f};
 
     const int kv_end = min(first + MMA_QUERIES, length);
-    for (int kb = 0; kb < kv_end; kb += MMA_KEYS) {
+    const int kv_start = max(0, first + 1 - window) / MMA_KEYS * MMA_KEYS;
+    for (int kb = kv_start; kb < kv_end; kb += MMA_KEYS) {
         __syncthreads();
         for (int i = threadIdx.x; i < MMA_KEYS * CHUNKS; i += blockDim.x) {
             const int j = i / CHUNKS, c = i % CHUNKS;
@@ -364,7 +374,7 @@ __device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
             *(uint4*)(v_tile + j * STRIDE + 8 * c) = v;
         }
         __syncthreads();
-        if (!busy || kb > q0 + 15) continue;
+        if (!busy || kb > q0 + 15 || kb + MMA_KEYS <= q0 + 1 - window) continue;
 
         // S = Q Kᵀ for 64 keys: 8 tiles of 8 keys.
         float s[MMA_KEYS / 8][4];
@@ -380,14 +390,15 @@ __device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
                 mma_bf16(s[nt], qa[kc + 1], b[2], b[3]);
             }
         }
-        // Mask (causal and past the sequence's end), scale, and the online softmax.
+        // Mask (causal, the window, and past the sequence's end), scale, and the online softmax.
         float tile_max[2] = {NEG_INF, NEG_INF};
         #pragma unroll
         for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = kb + nt * 8 + 2 * t + (e & 1), r = e >> 1;
-                const float v = (key <= rows[r] && key < kv_end) ? s[nt][e] * scale_log2 : NEG_INF;
+                const bool seen = key <= rows[r] && key > rows[r] - window && key < kv_end;
+                const float v = seen ? s[nt][e] * scale_log2 : NEG_INF;
                 s[nt][e] = v;
                 tile_max[r] = fmaxf(tile_max[r], v);
             }
@@ -459,12 +470,14 @@ __device__ __forceinline__ void attention_mma(const bf16* qkv, bf16* out,
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_mma_64(const bf16* qkv, bf16* out, const unsigned int* cu_seq_lengths,
-                     const unsigned int* tiles, int q_heads, int kv_heads, float scale) {
-    attention_mma<64>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, scale);
+                     const unsigned int* tiles, int q_heads, int kv_heads, int window,
+                     float scale) {
+    attention_mma<64>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, window, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_mma_128(const bf16* qkv, bf16* out, const unsigned int* cu_seq_lengths,
-                      const unsigned int* tiles, int q_heads, int kv_heads, float scale) {
-    attention_mma<128>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, scale);
+                      const unsigned int* tiles, int q_heads, int kv_heads, int window,
+                      float scale) {
+    attention_mma<128>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, window, scale);
 }

@@ -29,7 +29,7 @@ pub const NAMES: [&str; 12] = [
 /// Queries per attention block (`QUERIES` in the source).
 pub const ATTENTION_QUERIES_PER_BLOCK: u32 = 8;
 /// The widest head the attention kernel takes (`MAX_HEAD_DIM`).
-pub const ATTENTION_MAX_HEAD_DIM: usize = 128;
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Queries per block of the tensor-core attention kernels (`MMA_QUERIES`): 16 per warp.
 pub const ATTENTION_MMA_QUERIES_PER_BLOCK: u32 = 64;
 /// Threads per block of the tensor-core attention kernels: four warps.

@@ -170,6 +170,8 @@ pub(super) struct AttentionShape {
     pub kv_heads: usize,
     /// Width of one head.
     pub head_dim: usize,
+    /// Keys a query sees, itself included (a sliding window); `None` for all before it.
+    pub window: Option<usize>,
     /// `1 / sqrt(head_dim)`.
     pub scale: f32,
 }
@@ -203,6 +205,7 @@ pub(super) fn attention(
         heads,
         kv_heads,
         head_dim,
+        window,
         scale,
     } = shape;
     fits(
@@ -220,6 +223,8 @@ pub(super) fn attention(
         int(name, kv_heads)?,
         int(name, head_dim)?,
     );
+    // A window as wide as an i32 sees every key of any batch a GPU holds.
+    let window = window.map_or(i32::MAX, |w| i32::try_from(w).unwrap_or(i32::MAX));
     let mut builder = stream.launch_builder(&kernel.function);
     builder
         .arg(qkv)
@@ -232,9 +237,9 @@ pub(super) fn attention(
     if kernel.name == "attention_varlen" {
         builder.arg(&head_dim);
     }
-    builder.arg(&scale);
+    builder.arg(&window).arg(&scale);
     // SAFETY: the arguments match `attention_varlen(const bf16*, bf16*, const unsigned*,
-    // const unsigned*, int, int, int, float)`, or `attention_mma_<D>` (the same less head_dim,
+    // const unsigned*, int, int, int, int, float)`, or `attention_mma_<D>` (the same less head_dim,
     // D being this head width: `uses_tensor_cores`), in order and type; the tiles come from the
     // host plan over this batch's `cu_seq_lengths` cut to this kernel's queries per block, so
     // every query and key row they name lies in `qkv`, and `attn` holds every query head's

@@ -243,7 +243,7 @@ pub fn select(choice: DeviceChoice) -> Result<DeviceChoice> {
         (DeviceChoice::CudaReplay, _) => Ok(DeviceChoice::CudaReplay),
         (_, DeviceChoice::Cuda(_)) => {
             tracing::warn!(
-                "a GPU is present, but auto runs on the CPU while the CUDA backend lacks sliding windows and AFMoE: pass --device cuda to use it"
+                "a GPU is present, but auto runs on the CPU while the CUDA backend lacks AFMoE and the f32 mode: pass --device cuda to use it"
             );
             Ok(DeviceChoice::Cpu)
         }

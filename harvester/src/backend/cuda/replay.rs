@@ -10,16 +10,15 @@
 
 use rayon::prelude::*;
 
-use super::emulation::{Heads, kernel_attention, kernel_attention_mma, kernel_bf16};
+use super::emulation::{
+    Heads, WARP, kernel_attention, kernel_attention_mma, kernel_bf16, warp_sum,
+};
 use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::Result;
 use crate::model::dense::{self, BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
-
-/// A warp's lanes.
-const WARP: usize = 32;
 
 /// One block's weights in bf16, as the CUDA backend uploads them.
 struct HostBlock {
@@ -167,7 +166,7 @@ impl Backend for ReplayBackend {
                 let position = self.spec.sites.position(site)?;
                 Some(position * self.spec.layers.len() + layer)
             };
-            dense::block(&mut ops, block, slot)?;
+            dense::block(&mut ops, block, self.config.attention_windows[index], slot)?;
         }
         Ok(())
     }
@@ -239,15 +238,15 @@ impl BlockOps for HostOps<'_> {
         Ok(())
     }
 
-    fn attention(&mut self) -> Result<()> {
+    fn attention(&mut self, window: Option<usize>) -> Result<()> {
         let c = self.config;
         let qkv: Vec<f32> = self.qkv.iter().map(|&b| widen(b)).collect();
         let heads = Heads(c.num_heads, c.num_kv_heads, c.head_dim);
         let cu = &self.batch.cu_seq_lengths;
         let out = if self.tensor_cores {
-            kernel_attention_mma(&qkv, cu, heads)
+            kernel_attention_mma(&qkv, cu, heads, window)
         } else {
-            kernel_attention(&qkv, cu, heads)
+            kernel_attention(&qkv, cu, heads, window)
         };
         self.attn = out.iter().map(|&v| kernel_bf16(v)).collect();
         Ok(())
@@ -343,20 +342,6 @@ fn add_bias(values: &mut [f32], bias: &[f32]) {
             *value += b;
         }
     }
-}
-
-/// `warp_sum`: each lane adds the lane `offset` away, for offsets 16, 8, 4, 2, 1; every lane
-/// ends with the same total (lane 0's is returned).
-fn warp_sum(mut lanes: [f32; WARP]) -> f32 {
-    let mut offset = WARP / 2;
-    while offset > 0 {
-        let before = lanes;
-        for (lane, value) in lanes.iter_mut().enumerate() {
-            *value = before[lane] + before[lane ^ offset];
-        }
-        offset /= 2;
-    }
-    lanes[0]
 }
 
 /// `rms_norm` over each row of `x`: a block of `ROW_THREADS` threads, each summing the squares
