@@ -248,10 +248,15 @@ struct RunArgs {
     #[arg(long, env = "HARVEST_PART")]
     part: Option<harvest_core::plan::Part>,
     /// Split the model's blocks into N contiguous pipeline stages, balanced by bytes, each
-    /// owned by its own thread, with batches flowing between them (CPU stages for now). Stages
-    /// past the deepest kept layer are never loaded.
+    /// owned by its own thread, with batches flowing between them: on the CPU, or with
+    /// `--device cuda:N` one GPU a stage (cuda:N, cuda:N+1, ...). Stages past the deepest kept
+    /// layer are never loaded.
     #[arg(long)]
     pipeline_stages: Option<usize>,
+    /// The GPU of each pipeline stage, comma-separated (e.g. 0,0 runs two stages on cuda:0);
+    /// with --device cuda and --pipeline-stages.
+    #[arg(long, value_delimiter = ',')]
+    stage_devices: Option<Vec<usize>>,
     /// Refuse, before the model loads, a corpus that tokenizes to more than this many tokens
     /// (the operator passes the job's tokenBudget).
     #[arg(long)]
@@ -326,6 +331,7 @@ fn run_job(args: &RunArgs, job: Job) -> ExitCode {
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
         spill_dir: args.spill_dir.clone(),
         pipeline_stages: args.pipeline_stages,
+        stage_devices: args.stage_devices.clone(),
         part: args.part,
         token_budget: args.token_budget,
         job_uid: args.job_uid.clone(),

@@ -64,6 +64,7 @@ fn options() -> RunOptions {
         s3: Default::default(),
         spill_dir: None,
         pipeline_stages: None,
+        stage_devices: None,
         part: None,
         token_budget: None,
         job_uid: None,
@@ -1083,6 +1084,47 @@ fn one_two_and_three_cpu_pipeline_stages_write_the_bytes_one_backend_writes() {
         let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
         assert_eq!(staged, single, "{stages} stages");
     }
+}
+
+#[test]
+fn two_and_three_cuda_replay_stages_write_the_bytes_one_replay_writes() {
+    // What a CUDA stage does on its GPU, replayed: only the first embeds, each takes the
+    // residual stream the one before hands on and keeps the sites of its own blocks.
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = run_args_with(&prompts, &out, &["--device", "cuda-replay"]);
+        args.extend(extra.iter().map(|&a| a.to_owned()));
+        args.extend(["--sites".into(), "resid_pre,mlp_out,resid_post".into()]);
+        run_ok(&args);
+        output_files(&out)
+    };
+    let single = run("single", &[]);
+    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
+    for stages in ["2", "3"] {
+        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
+        assert_eq!(staged, single, "{stages} stages");
+    }
+}
+
+#[test]
+fn stage_devices_without_cuda_stages_exit_2_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &["hello".to_owned()]);
+    let out = dir.path().join("out");
+    let (code, stderr) = run_exit(
+        smollm2_dir().to_str().unwrap(),
+        &prompts,
+        out.to_str().unwrap(),
+        &["--pipeline-stages", "2", "--stage-devices", "0,0"],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--stage-devices") && stderr.contains("--device cuda"),
+        "{stderr}"
+    );
+    assert!(!out.join("manifest.json").exists());
 }
 
 #[test]

@@ -53,6 +53,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             s3: Default::default(),
             spill_dir: None,
             pipeline_stages: None,
+            stage_devices: None,
             part: None,
             token_budget: None,
             job_uid: None,

@@ -249,6 +249,24 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16; 
   fi
 done
 
+step "2 pipeline stages on one $device against 1: the same bytes"
+# Each stage on the same GPU (--stage-devices 0,0) runs the blocks the single run runs, the
+# residual stream handed on through host memory: every file but result.json must be equal.
+stage_flags=(--pipeline-stages 2); [ "$device" = cpu ] || stage_flags+=(--stage-devices 0,0)
+if [ -f "$candidate/manifest.json" ] && CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run \
+    --device "$device" --precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl" \
+    --layers all --shard-size 4 --progress off "${stage_flags[@]}" --out "$work/staged" >/dev/null; then
+  if staged=$(diff -rq --exclude=result.json "$candidate" "$work/staged" 2>&1); then
+    note "2 stages on one $device vs 1: the same bytes"
+  else
+    note "2 stages on one $device vs 1: FAILED: $(echo "$staged" | head -3 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+else
+  note "2 stages: the parity run or the staged run FAILED"
+  failures=$((failures + 1))
+fi
+
 # ---------------------------------------------------------------------------------------------
 if [ "$device" = cpu ]; then
   shape=${BENCH_SHAPE:-smollm2-135m}; short=(4 64); long=(2 256); batch_tokens=256

@@ -147,6 +147,19 @@ impl CaptureSpec {
         self.sites.len() * self.layers.len()
     }
 
+    /// How many of the `blocks` loaded from the model's block `first_block` on a pass runs:
+    /// those up to the deepest kept one.
+    pub fn blocks_to_run(&self, first_block: usize, blocks: usize) -> usize {
+        blocks.min((self.layers.deepest() + 1).saturating_sub(first_block))
+    }
+
+    /// The kept layers (positions in `layers`) among the model's blocks `blocks`: what a
+    /// pipeline stage holding those blocks captures.
+    pub fn kept_in(&self, blocks: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let kept = self.layers.as_slice();
+        kept.partition_point(|&b| b < blocks.start)..kept.partition_point(|&b| b < blocks.end)
+    }
+
     /// Values per captured token for a model of width `hidden`: `hidden`, or the number of
     /// directions for projections.
     pub fn width(&self, hidden: usize) -> usize {
@@ -246,6 +259,24 @@ mod tests {
         assert_eq!(batch.max_length, 3);
         assert_eq!(batch.sequence(2), 4..6);
         batch.validate(11).unwrap();
+    }
+
+    #[test]
+    fn a_stage_keeps_the_kept_layers_of_its_own_blocks_and_runs_up_to_the_deepest() {
+        let spec = CaptureSpec {
+            layers: Layers::from(vec![1, 4, 5, 9]),
+            sites: Sites::default(),
+            precision: harvest_core::plan::Precision::Bf16,
+            directions: None,
+        };
+        assert_eq!(spec.kept_in(0..4), 0..1);
+        assert_eq!(spec.kept_in(4..9), 1..3);
+        assert_eq!(spec.kept_in(9..12), 3..4);
+        assert_eq!(spec.kept_in(6..9), 3..3, "a stage may keep nothing");
+        assert_eq!(spec.blocks_to_run(0, 4), 4);
+        assert_eq!(spec.blocks_to_run(0, 30), 10);
+        assert_eq!(spec.blocks_to_run(8, 4), 2, "blocks 8 and 9");
+        assert_eq!(spec.blocks_to_run(10, 2), 0);
     }
 
     #[test]

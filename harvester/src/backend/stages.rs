@@ -154,6 +154,47 @@ pub fn check_stage_memory(plan: &StagePlan, capacity: &Capacity) -> Result<()> {
     Ok(())
 }
 
+/// The GPU of each of `stages` stages: `listed` (`--stage-devices`, one per stage, a GPU
+/// named more than once holding several), or `first`, `first + 1`, ... (the GPUs a job's Pod
+/// or the embedded server gives it, from the one `--device cuda:N` names).
+pub fn stage_devices(first: usize, stages: usize, listed: Option<&[usize]>) -> Result<Vec<usize>> {
+    match listed {
+        None => Ok((first..first + stages).collect()),
+        Some(list) if list.len() == stages => Ok(list.to_vec()),
+        Some(list) => Err(Error::BadStages {
+            reason: format!(
+                "--stage-devices lists {} GPUs for {stages} stages: give one per stage, e.g. {}",
+                list.len(),
+                (0..stages)
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }),
+    }
+}
+
+/// What each running stage may use on its GPU (`devices[i]` for stage `i`): the device's free
+/// bytes (`free(device)`, read once per device) less what the stages before it on the same
+/// device take.
+pub fn device_capacity(
+    plan: &StagePlan,
+    devices: &[usize],
+    mut free: impl FnMut(usize) -> Result<u64>,
+) -> Result<Capacity> {
+    let mut left = std::collections::BTreeMap::new();
+    let mut each = Vec::with_capacity(plan.running.len());
+    for (stage, &device) in plan.running.iter().zip(devices) {
+        let bytes = match left.get(&device) {
+            Some(&bytes) => bytes,
+            None => free(device)?,
+        };
+        each.push(bytes);
+        left.insert(device, bytes.saturating_sub(stage.total()));
+    }
+    Ok(Capacity::PerDevice(each))
+}
+
 /// The memory stages draw on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Capacity {
@@ -166,6 +207,43 @@ pub enum Capacity {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stages_run_on_consecutive_gpus_or_the_listed_ones_and_a_wrong_count_is_named() {
+        assert_eq!(stage_devices(0, 3, None).unwrap(), [0, 1, 2]);
+        assert_eq!(stage_devices(2, 2, None).unwrap(), [2, 3]);
+        assert_eq!(stage_devices(0, 2, Some(&[0, 0])).unwrap(), [0, 0]);
+        let error = stage_devices(0, 3, Some(&[0, 1])).unwrap_err().to_string();
+        assert!(
+            error.contains("lists 2 GPUs for 3 stages") && error.contains("0,1,2"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn stages_sharing_a_gpu_share_its_free_memory_and_each_gpu_is_asked_once() {
+        let share = |blocks: Range<usize>, bytes| StageShare {
+            blocks,
+            weight_bytes: bytes,
+            working_bytes: 10,
+        };
+        let plan = StagePlan {
+            running: vec![share(0..2, 100), share(2..4, 200), share(4..6, 300)],
+            stages: 3,
+        };
+        let mut asked = Vec::new();
+        let capacity = device_capacity(&plan, &[0, 0, 1], |device| {
+            asked.push(device);
+            Ok(1000 + device as u64)
+        })
+        .unwrap();
+        assert_eq!(capacity, Capacity::PerDevice(vec![1000, 890, 1001]));
+        assert_eq!(asked, [0, 1]);
+        // The second stage on GPU 0 is the one refused, by name.
+        let full = device_capacity(&plan, &[0, 0, 1], |_| Ok(300)).unwrap();
+        let error = check_stage_memory(&plan, &full).unwrap_err().to_string();
+        assert!(error.contains("stage 2"), "{error}");
+    }
 
     #[test]
     fn stages_are_contiguous_cover_the_blocks_up_to_the_deepest_and_balance_bytes() {

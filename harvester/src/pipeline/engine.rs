@@ -144,7 +144,11 @@ pub(super) fn open_engine(
             // Each stage's working set counts one capture buffer of its own.
             let buffers = staged::capture_pool(stages).saturating_sub(stages.saturating_sub(1));
             let sizing = Sizing::of(plan, encoded, dims, buffers);
-            let device = (options.device, stages);
+            let device = StageDevices {
+                device: options.device,
+                stages,
+                listed: options.stage_devices.as_deref(),
+            };
             Engine::Staged(open_stages(plan, spec, device, sizing, progress)?)
         }
     })
@@ -189,23 +193,48 @@ fn read_weights(weights: &[&LlamaWeights], progress: &Progress) {
     tracing::info!(bytes = total, seconds, "weights read");
 }
 
-/// The pipeline stages of a `--pipeline-stages` run: the model's blocks split by bytes, the
-/// plan of each running stage logged, its memory checked, then each stage's blocks loaded. CPU
-/// stages only, until a CUDA stage has been checked on a GPU.
+/// Where a job's pipeline stages run.
+struct StageDevices<'a> {
+    /// The device the job asked for (`cuda:N`: stage `i` on GPU `N + i` unless `listed`).
+    device: DeviceChoice,
+    /// Stages to split the model into.
+    stages: usize,
+    /// `--stage-devices`: each stage's GPU.
+    listed: Option<&'a [usize]>,
+}
+
+/// Splits the model into stages, checks each running stage's memory against its device (the
+/// machine's memory, shared, for CPU stages; each GPU's free memory for CUDA stages), then
+/// loads them.
 fn open_stages(
     plan: &ResolvedPlan,
     spec: CaptureSpec,
-    (device, stages): (DeviceChoice, usize),
+    devices: StageDevices<'_>,
     sizing: Sizing,
     progress: &Progress,
 ) -> Result<staged::Staged> {
-    use crate::backend::stages::{Capacity, check_stage_memory, plan_stages};
-    if device.is_cuda_arithmetic() {
-        return Err(Error::BadStages {
-            reason: "--pipeline-stages runs CPU stages only until its CUDA stages are checked on a GPU: use --device cpu".into(),
-        });
-    }
+    use crate::backend::stages::{
+        Capacity, check_stage_memory, device_capacity, plan_stages, stage_devices,
+    };
+    let StageDevices {
+        device,
+        stages,
+        listed,
+    } = devices;
+    let gpus = match (device, listed) {
+        (DeviceChoice::Cuda(first), listed) => stage_devices(first, stages, listed)?,
+        (_, None) => Vec::new(),
+        (_, Some(_)) => {
+            return Err(Error::BadStages {
+                reason: "--stage-devices names the GPUs of CUDA stages: use it with --device cuda"
+                    .into(),
+            });
+        }
+    };
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
+    if device.is_cuda_arithmetic() {
+        crate::backend::cuda::forward::check_model(&config)?;
+    }
     let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
     let block_bytes: Vec<u64> = (0..config.num_layers)
         .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))
@@ -216,19 +245,26 @@ fn open_stages(
     for share in &mut stage_plan.running {
         let w =
             LlamaWeights::range_from_checkpoint(config.clone(), &checkpoint, share.blocks.clone())?;
-        share.working_bytes = CpuBackend::working_bytes(&w, &spec, sizing.batch_tokens);
+        share.working_bytes = match device {
+            DeviceChoice::Cuda(_) => CudaBackend::stage_batch_bytes(&w, &spec, sizing.batch_tokens),
+            _ => CpuBackend::working_bytes(&w, &spec, sizing.batch_tokens),
+        };
         tracing::info!(
             stage = weights.len() + 1,
             of = stage_plan.stages,
             first_block = share.blocks.start,
             last_block = share.blocks.end - 1,
+            device = gpus.get(weights.len()).map(|gpu| format!("cuda:{gpu}")),
             weight_bytes = share.weight_bytes,
             working_bytes = share.working_bytes,
             "pipeline stage"
         );
         weights.push(w);
     }
-    if let Some(available) = crate::memory::available_bytes() {
+    if let DeviceChoice::Cuda(_) = device {
+        let capacity = device_capacity(&stage_plan, &gpus, crate::backend::cuda::free_memory)?;
+        check_stage_memory(&stage_plan, &capacity)?;
+    } else if let Some(available) = crate::memory::available_bytes() {
         // The pipeline's own buffers come out of the same memory first.
         let left = available.saturating_sub(sizing.pipeline_bytes);
         check_stage_memory(&stage_plan, &Capacity::Shared(left))?;
@@ -236,14 +272,32 @@ fn open_stages(
     read_weights(&weights.iter().collect::<Vec<_>>(), progress);
     let stages = weights
         .into_iter()
-        .map(
-            |w| Ok(Box::new(CpuBackend::stage(w, spec.clone())?) as Box<dyn crate::backend::Stage>),
-        )
+        .enumerate()
+        .map(|(i, w)| open_stage(w, spec.clone(), (device, gpus.get(i).copied()), &sizing))
         .collect::<Result<Vec<_>>>()?;
     let width = spec.width(config.hidden_size);
     Ok(staged::Staged {
         stages,
         capture: (spec.sites.len(), spec.layers.len(), width),
+    })
+}
+
+/// One stage's backend over `weights`: on `gpu` for CUDA stages (its largest batch allocated
+/// now, against that GPU), replayed, or on the CPU.
+fn open_stage(
+    weights: LlamaWeights,
+    spec: CaptureSpec,
+    (device, gpu): (DeviceChoice, Option<usize>),
+    sizing: &Sizing,
+) -> Result<Box<dyn crate::backend::Stage>> {
+    Ok(match (device, gpu) {
+        (DeviceChoice::Cuda(_), Some(gpu)) => {
+            let mut stage = CudaBackend::stage(weights, spec, gpu)?;
+            stage.reserve(sizing.batch_tokens)?;
+            Box::new(stage)
+        }
+        (DeviceChoice::CudaReplay, _) => Box::new(ReplayBackend::stage(weights, spec)?),
+        _ => Box::new(CpuBackend::stage(weights, spec)?),
     })
 }
 

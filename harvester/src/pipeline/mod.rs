@@ -96,6 +96,9 @@ pub struct RunOptions {
     /// Split the model's blocks into this many pipeline stages, each on its own thread and
     /// device (`pipeline/staged.rs`); `None` runs one backend.
     pub pipeline_stages: Option<usize>,
+    /// Each CUDA stage's GPU (`--stage-devices`); `None` puts stage `i` on GPU `N + i` for
+    /// `--device cuda:N`.
+    pub stage_devices: Option<Vec<usize>>,
     /// Run only this part of the job's shards ([`run_part`]); `None` runs them all.
     pub part: Option<Part>,
     /// The most tokens the whole corpus may have (the operator's `tokenBudget`, what the job's

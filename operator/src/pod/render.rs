@@ -348,6 +348,10 @@ fn worker_args(
     if let Some(device) = &model.device {
         args.extend(["--device".to_owned(), device.clone()]);
     }
+    if model.gpus > 1 && !matches!(role, Role::Finalize) {
+        // One pipeline stage a GPU: the Pod's GPUs are its cuda:0 to cuda:N-1.
+        args.extend(["--pipeline-stages".to_owned(), model.gpus.to_string()]);
+    }
     args.extend(config.worker_extra_args.iter().cloned());
     Ok(args)
 }

@@ -77,6 +77,7 @@ fn the_pod_carries_the_plan_the_gpus_the_owner_and_the_catalogue_placement() {
     let after = |flag: &str| &args[args.iter().position(|a| a == flag).unwrap() + 1];
     assert_eq!(after("--token-budget"), "5");
     assert_eq!(after("--job-uid"), "uid-1");
+    assert_eq!(after("--pipeline-stages"), "2", "one stage a GPU");
     assert_eq!(plan.output, "s3://out/j");
     assert_eq!(
         container.env_from.as_ref().unwrap()[0]

@@ -8,6 +8,7 @@
 //! as close to transformers float32 as the CPU bf16 mode. Attention runs on tensor cores
 //! (`attention_mma_<D>`) for head widths 64 and 128, else on the CUDA-core kernel.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,7 +23,7 @@ use super::launch::{self, AttentionKernel, AttentionShape, gemm};
 use super::plan::{ATTENTION_VARIABLE, attention_tiles, check_heads, uses_tensor_cores};
 use harvest_core::{Site, Sites};
 
-use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
 use crate::model::dense::{self, BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
@@ -323,8 +324,14 @@ pub struct CudaBackend {
     copies: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
-    embed: CudaSlice<u16>,
+    /// The embedding, on the first stage only.
+    embed: Option<CudaSlice<u16>>,
+    /// The model's block the first of `blocks` is (0 unless this is a later pipeline stage).
+    first_block: usize,
+    /// The blocks this backend runs, up to the deepest kept one.
     blocks: Vec<DeviceBlock>,
+    /// The kept layers (positions among the job's) that `blocks` hold: this backend's slots.
+    kept: Range<usize>,
     inv_freq: CudaSlice<f32>,
     directions: Option<CudaSlice<f32>>,
     scratch: Option<Scratch>,
@@ -360,11 +367,25 @@ impl CudaBackend {
     /// Uploads `weights` (the blocks up to the deepest kept one) in bf16 to GPU `ordinal` and
     /// compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
+        spec.check(&weights)?;
+        Self::load(weights, spec, ordinal)
+    }
+
+    /// A pipeline stage on GPU `ordinal`: `weights` holds a range of the model's blocks (and
+    /// the embedding when it starts at block 0); the residual stream arrives from the stage
+    /// before through host memory and leaves the same way.
+    pub fn stage(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
+        spec.check_directions(&weights)?;
+        Self::load(weights, spec, ordinal)
+    }
+
+    fn load(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         let config = weights.config.clone();
         check_model(&config)?;
         super::probe(ordinal)?;
-        spec.check(&weights)?;
-        let deepest = spec.layers.deepest();
+        let first_block = weights.first_block;
+        let run = spec.blocks_to_run(first_block, weights.blocks.len());
+        let kept = spec.kept_in(first_block..first_block + run);
         let context = CudaContext::new(ordinal).map_err(driver)?;
         // SAFETY: called before any buffer or second stream exists. Every launch, GEMM and
         // upload runs on `stream`, in order; the one other stream, `copies`, only reads kept
@@ -390,8 +411,12 @@ impl CudaBackend {
                 ..LoadPhases::default()
             },
         };
-        let embed = up.matrix(&weights.embed)?;
-        let blocks = weights.blocks[..=deepest]
+        let embed = if first_block == 0 {
+            Some(up.matrix(&weights.embed)?)
+        } else {
+            None
+        };
+        let blocks = weights.blocks[..run]
             .iter()
             .map(|b| up.block(b))
             .collect::<Result<Vec<_>>>()?;
@@ -417,7 +442,9 @@ impl CudaBackend {
             blas,
             kernels,
             embed,
+            first_block,
             blocks,
+            kept,
             inv_freq,
             directions,
             scratch: None,
@@ -426,6 +453,11 @@ impl CudaBackend {
             qkv_bias: weights.blocks.iter().any(|b| b.qkv_bias.is_some()),
             o_bias: weights.blocks.iter().any(|b| b.o_bias.is_some()),
         })
+    }
+
+    /// Capture slots on this device: each kept site of the kept layers its blocks hold.
+    fn slots(&self) -> usize {
+        self.spec.sites.len() * self.kept.len()
     }
 
     /// Whether a batch needs the branch buffer: a kept branch output, or an O bias.
@@ -446,27 +478,26 @@ impl CudaBackend {
 
     /// Device bytes a batch of `tokens` needs for its activations and captured rows.
     fn batch_bytes(&self, tokens: usize) -> u64 {
-        let c = &self.config;
-        let shape = super::plan::Shape {
-            hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
-            q_heads: c.num_heads,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
+        let buffers = BatchBuffers {
+            kept_layers: self.kept.len(),
+            branch: self.needs_branch(),
+            qkv_wide: self.qkv_bias,
         };
-        let value_bytes = if self.spec.directions.is_some() { 4 } else { 2 };
-        let capture = (value_bytes * self.spec.slots() * self.capture_width()) as u64;
-        let branch = if self.needs_branch() {
-            4 * c.hidden_size as u64
-        } else {
-            0
+        buffers.bytes(&self.config, &self.spec, tokens)
+    }
+
+    /// Device bytes a batch of `tokens` needs on a stage holding `weights` (its blocks up to
+    /// the deepest kept one): what the stage plan checks against a GPU before loading.
+    pub fn stage_batch_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
+        let first = weights.first_block;
+        let run = spec.blocks_to_run(first, weights.blocks.len());
+        let blocks = &weights.blocks[..run];
+        let buffers = BatchBuffers {
+            kept_layers: spec.kept_in(first..first + run).len(),
+            branch: keeps_branches(&spec.sites) || blocks.iter().any(|b| b.o_bias.is_some()),
+            qkv_wide: blocks.iter().any(|b| b.qkv_bias.is_some()),
         };
-        let qkv_wide = if self.qkv_bias {
-            4 * c.qkv_width() as u64
-        } else {
-            0
-        };
-        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64
+        buffers.bytes(&weights.config, spec, tokens)
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
@@ -484,7 +515,7 @@ impl CudaBackend {
         super::plan::check_fits(tokens, needed, free as u64, total as u64)?;
         let c = &self.config;
         let width = self.capture_width();
-        let kept = self.spec.slots();
+        let kept = self.slots();
         let branch = if self.needs_branch() {
             tokens * c.hidden_size
         } else {
@@ -557,6 +588,27 @@ impl Backend for CudaBackend {
         if tokens == 0 {
             return Ok(());
         }
+        self.run(batch, None, out)
+    }
+}
+
+impl Stage for CudaBackend {
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        batch.validate(self.config.vocab_size)?;
+        if batch.num_tokens() == 0 {
+            return Ok(());
+        }
+        self.run(batch, Some(x), out)
+    }
+}
+
+impl CudaBackend {
+    /// Runs the blocks on a batch of at least one token: from the embedding on the first
+    /// stage, else from `x`, the residual stream the stage before handed on, which gets this
+    /// stage's output back. Kept sites land in their slots of `out` (the whole batch's).
+    fn run(&mut self, batch: &Batch, x: Option<&mut Vec<f32>>, out: &mut Captured) -> Result<()> {
+        let tokens = batch.num_tokens();
+        let width = self.capture_width();
         self.ensure_scratch(tokens)?;
         attention_tiles(
             &batch.cu_seq_lengths,
@@ -568,14 +620,23 @@ impl Backend for CudaBackend {
         };
         upload_batch(&self.stream, batch, &self.host_tiles, s)?;
         let c = &self.config;
-        launch::embed_gather(
-            &self.stream,
-            &self.kernels.embed_gather,
-            &self.embed,
-            &s.ids,
-            &mut s.x,
-            (tokens, c.hidden_size),
-        )?;
+        let stream_values = tokens * c.hidden_size;
+        let handed_on = CudaError::fault("handing the residual stream between stages");
+        match (&self.embed, &x) {
+            (Some(embed), _) => launch::embed_gather(
+                &self.stream,
+                &self.kernels.embed_gather,
+                embed,
+                &s.ids,
+                &mut s.x,
+                (tokens, c.hidden_size),
+            )?,
+            (None, Some(x)) if x.len() >= stream_values => self
+                .stream
+                .memcpy_htod(&x[..stream_values], &mut s.x.slice_mut(..stream_values))
+                .map_err(&handed_on)?,
+            (None, _) => return Err(no_stream(self.first_block, stream_values)),
+        }
         let pass = Pass {
             config: c,
             stream: &self.stream,
@@ -585,10 +646,11 @@ impl Backend for CudaBackend {
             tokens,
             tiles: self.host_tiles.len() / 2,
         };
-        for (index, block) in self.blocks.iter().enumerate() {
+        for (local, block) in self.blocks.iter().enumerate() {
+            let index = self.first_block + local;
             let keeping = self.spec.layers.position(index).map(|layer| Keeping {
-                layer,
-                layers: self.spec.layers.len(),
+                layer: layer - self.kept.start,
+                layers: self.kept.len(),
                 sites: &self.spec.sites,
                 width,
                 directions: self.directions.as_ref(),
@@ -602,16 +664,37 @@ impl Backend for CudaBackend {
             };
             dense::block(&mut ops, block, c.attention_windows[index], slot)?;
         }
-        // Each kept slot is widened as its copy lands, while the blocks after it run.
-        for slot in 0..self.spec.slots() {
-            let rows = out.layer_mut(slot);
+        // Each kept slot is widened as its copy lands, while the blocks after it run. This
+        // device's slot `site * kept + layer` is the batch's `site * layers + first + layer`.
+        let kept = self.kept.len();
+        for slot in 0..self.spec.sites.len() * kept {
+            let (site, layer) = (slot / kept, slot % kept);
+            let rows = out.layer_mut(site * self.spec.layers.len() + self.kept.start + layer);
             match &s.kept {
                 Kept::Rows(slots) => slots.receive(slot, rows)?,
                 Kept::Projections(slots) => slots.receive(slot, rows)?,
             }
         }
+        if let Some(x) = x {
+            x.resize(stream_values, 0.0);
+            self.stream
+                .memcpy_dtoh(&s.x.slice(..stream_values), &mut x[..])
+                .map_err(&handed_on)?;
+            self.stream.synchronize().map_err(&handed_on)?;
+        }
         Ok(())
     }
+}
+
+/// A later stage ran without the residual stream of the one before: a bug in the caller.
+fn no_stream(first_block: usize, values: usize) -> crate::Error {
+    CudaError::Fault {
+        action: "running a pipeline stage",
+        reason: format!(
+            "the stage from block {first_block} needs the {values} residual values of the stage before"
+        ),
+    }
+    .into()
 }
 
 /// Copies a batch's ids, positions, sequence bounds and attention tiles to the device.
@@ -654,9 +737,9 @@ struct Pass<'a> {
 
 /// Where one kept block's hook sites go.
 struct Keeping<'a> {
-    /// The block's place among the kept layers.
+    /// The block's place among the kept layers this device holds.
     layer: usize,
-    /// Kept layers.
+    /// Kept layers this device holds.
     layers: usize,
     /// Kept sites.
     sites: &'a Sites,
@@ -674,6 +757,42 @@ impl Keeping<'_> {
         self.sites
             .position(site)
             .map(|position| position * self.layers + self.layer)
+    }
+}
+
+/// What sizes a batch's buffers on one device besides the model's shape.
+struct BatchBuffers {
+    /// Kept layers the device holds.
+    kept_layers: usize,
+    /// Whether a branch output is written apart (kept, or given an O bias).
+    branch: bool,
+    /// Whether the QKV product is written in f32 for its bias.
+    qkv_wide: bool,
+}
+
+impl BatchBuffers {
+    fn bytes(&self, c: &ModelConfig, spec: &CaptureSpec, tokens: usize) -> u64 {
+        let shape = super::plan::Shape {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            q_heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let value_bytes = if spec.directions.is_some() { 4 } else { 2 };
+        let slots = spec.sites.len() * self.kept_layers;
+        let capture = (value_bytes * slots * spec.width(c.hidden_size)) as u64;
+        let branch = if self.branch {
+            4 * c.hidden_size as u64
+        } else {
+            0
+        };
+        let qkv_wide = if self.qkv_wide {
+            4 * c.qkv_width() as u64
+        } else {
+            0
+        };
+        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64
     }
 }
 

@@ -180,6 +180,15 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo> {
     Ok(GpuInfo { devices })
 }
 
+/// The free bytes of GPU `ordinal`, after its probe passes: what a pipeline stage planned for
+/// it may use.
+pub fn free_memory(ordinal: usize) -> Result<u64> {
+    probe(ordinal)?;
+    let context = cudarc::driver::CudaContext::new(ordinal).map_err(CudaError::unavailable)?;
+    let (free, _total) = context.mem_get_info().map_err(CudaError::unavailable)?;
+    Ok(free as u64)
+}
+
 /// Device `ordinal`'s compute capability (major, minor).
 fn compute_capability(
     ordinal: usize,

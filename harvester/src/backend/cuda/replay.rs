@@ -15,7 +15,7 @@ use super::emulation::{
 };
 use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
-use crate::backend::{Backend, Batch, CaptureSpec, Captured};
+use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
 use crate::model::dense::{self, BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
@@ -36,7 +36,11 @@ struct HostBlock {
 pub struct ReplayBackend {
     spec: CaptureSpec,
     config: ModelConfig,
+    /// The embedding, on the first stage only (empty on the others).
     embed: Vec<u16>,
+    /// The model's block the first of `blocks` is.
+    first_block: usize,
+    /// The blocks this backend runs, up to the deepest kept one.
     blocks: Vec<HostBlock>,
     inv_freq: Vec<f32>,
     tensor_cores: bool,
@@ -84,11 +88,22 @@ impl ReplayBackend {
     /// Takes `weights` (the blocks up to the deepest kept one) in bf16, refusing what the CUDA
     /// backend refuses.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
-        super::forward::check_model(&weights.config)?;
         spec.check(&weights)?;
-        let deepest = spec.layers.deepest();
+        Self::load(weights, spec)
+    }
+
+    /// A pipeline stage: `weights` holds a range of the model's blocks (the embedding too when
+    /// it starts at block 0), run on the residual stream the stage before hands on.
+    pub fn stage(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
+        spec.check_directions(&weights)?;
+        Self::load(weights, spec)
+    }
+
+    fn load(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
+        super::forward::check_model(&weights.config)?;
+        let run = spec.blocks_to_run(weights.first_block, weights.blocks.len());
         let config = weights.config.clone();
-        let blocks = weights.blocks[..=deepest]
+        let blocks = weights.blocks[..run]
             .iter()
             .map(|b| HostBlock {
                 attn_norm: bf16_values(&b.attn_norm),
@@ -110,6 +125,7 @@ impl ReplayBackend {
                 .map(|&f| f as f32)
                 .collect(),
             embed: bf16_matrix(&weights.embed),
+            first_block: weights.first_block,
             blocks,
             config,
             spec,
@@ -132,17 +148,36 @@ impl Backend for ReplayBackend {
 
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
         batch.validate(self.config.vocab_size)?;
-        let (tokens, hidden) = (batch.num_tokens(), self.config.hidden_size);
+        let tokens = batch.num_tokens();
         let width = self.capture_width();
         out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
         if tokens == 0 {
             return Ok(());
         }
-        // embed_gather
-        let mut x = Vec::with_capacity(tokens * hidden);
-        for &id in &batch.input_ids {
-            let row = &self.embed[id as usize * hidden..][..hidden];
-            x.extend(row.iter().map(|&b| widen(b)));
+        let mut x = Vec::new();
+        self.run_blocks(batch, &mut x, out)
+    }
+}
+
+impl Stage for ReplayBackend {
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        batch.validate(self.config.vocab_size)?;
+        self.run_blocks(batch, x, out)
+    }
+}
+
+impl ReplayBackend {
+    /// Runs the blocks on `x`, embedding `batch` into it first on the first stage; kept sites
+    /// go to their slots in `out`, which holds the whole batch.
+    fn run_blocks(&self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        let hidden = self.config.hidden_size;
+        if self.first_block == 0 {
+            // embed_gather
+            x.clear();
+            for &id in &batch.input_ids {
+                let row = &self.embed[id as usize * hidden..][..hidden];
+                x.extend(row.iter().map(|&b| widen(b)));
+            }
         }
         let mut ops = HostOps {
             config: &self.config,
@@ -150,7 +185,7 @@ impl Backend for ReplayBackend {
             inv_freq: &self.inv_freq,
             tensor_cores: self.tensor_cores,
             directions: self.spec.directions.as_ref().map(|d| d.unit_vectors()),
-            x,
+            x: std::mem::take(x),
             normed: Vec::new(),
             qkv: Vec::new(),
             attn: Vec::new(),
@@ -159,16 +194,23 @@ impl Backend for ReplayBackend {
             branch: Vec::new(),
             out,
         };
-        for (index, block) in self.blocks.iter().enumerate() {
+        let mut result = Ok(());
+        for (local, block) in self.blocks.iter().enumerate() {
+            let index = self.first_block + local;
             let layer = self.spec.layers.position(index);
             let slot = |site| {
                 let layer = layer?;
                 let position = self.spec.sites.position(site)?;
                 Some(position * self.spec.layers.len() + layer)
             };
-            dense::block(&mut ops, block, self.config.attention_windows[index], slot)?;
+            result = dense::block(&mut ops, block, self.config.attention_windows[index], slot);
+            if result.is_err() {
+                break;
+            }
         }
-        Ok(())
+        // The residual stream goes on to the next stage.
+        *x = ops.x;
+        result
     }
 }
 
