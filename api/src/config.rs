@@ -116,8 +116,9 @@ pub struct ModelConfig {
     /// Its concurrency lane.
     #[serde(default = "small")]
     pub lane: Lane,
-    /// Devices one job of it occupies (informational: `GET /v1/models` shows it; 1 for a
-    /// single-GPU model, 8 for a whole 8-GPU machine).
+    /// Devices one job of it occupies (`GET /v1/models` shows it; 1 for a single-GPU model, 8
+    /// for a whole 8-GPU machine). With `worker_gpus`, each harvester of its jobs takes this
+    /// many and runs one pipeline stage on each.
     #[serde(default = "one_device")]
     pub devices: u32,
     /// When its files are missing: if true, it is listed as unavailable and a submit is

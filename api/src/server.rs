@@ -80,6 +80,12 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
             .map(std::time::Duration::from_secs),
         attempts: config.worker_attempts,
         gpus: config.worker_gpus.clone(),
+        stages: config
+            .models
+            .iter()
+            .filter(|model| model.devices > 1)
+            .map(|model| (model.name.clone(), model.devices as usize))
+            .collect(),
     };
     remove_orphan_files(&store, &config.data_dir)?;
     let pool = Workers::new(Arc::clone(&store), worker_config, config.max_workers);

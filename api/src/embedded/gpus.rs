@@ -62,9 +62,12 @@ impl GpuPool {
 }
 
 impl GpuLease {
-    /// The `--device` of the run's harvester `slot` (from 0).
-    pub fn device_for(&self, slot: usize) -> String {
-        format!("cuda:{}", self.gpus[slot % self.gpus.len()])
+    /// The GPUs of the run's harvester `slot` (from 0) when each spans `stages` of them: the
+    /// next ones of the lease, in turn (shared when the lease holds fewer).
+    pub fn devices_for(&self, slot: usize, stages: usize) -> Vec<u32> {
+        (0..stages)
+            .map(|stage| self.gpus[(slot * stages + stage) % self.gpus.len()])
+            .collect()
     }
 }
 
@@ -79,6 +82,13 @@ impl Drop for GpuLease {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl GpuLease {
+        /// The `--device` of harvester `slot` when each takes one GPU.
+        fn device_for(&self, slot: usize) -> String {
+            format!("cuda:{}", self.devices_for(slot, 1)[0])
+        }
+    }
 
     #[tokio::test]
     async fn each_harvester_of_a_run_gets_its_own_gpu_and_parts_past_the_pool_share_them() {
@@ -110,6 +120,19 @@ mod tests {
         assert!(!waiting.is_finished(), "both GPUs are taken");
         drop(first);
         assert_eq!(waiting.await.unwrap(), "cuda:4");
+    }
+
+    #[tokio::test]
+    async fn a_harvester_spanning_gpus_gets_consecutive_ones_and_shares_a_short_pool() {
+        let pool = GpuPool::new(&[0, 1, 2, 3]);
+        let both = pool.lease(2 * 2).await.unwrap();
+        assert_eq!(
+            (both.devices_for(0, 2), both.devices_for(1, 2)),
+            (vec![0, 1], vec![2, 3])
+        );
+        drop(both);
+        let short = pool.lease(8).await.unwrap();
+        assert_eq!(short.devices_for(0, 8), [0, 1, 2, 3, 0, 1, 2, 3]);
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@
 //!   left running without a worker.
 //! - Children get a clean environment: only [`PASSED_ENV`] of the server's.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -76,6 +76,9 @@ pub struct WorkerConfig {
     pub attempts: u32,
     /// The GPUs (CUDA ordinals) harvesters run on, one each while they run (none: the CPU).
     pub gpus: Vec<u32>,
+    /// GPUs one harvester of a model spans, by model name (its `devices` above 1): it runs
+    /// as that many pipeline stages, one a GPU. Models not named take one.
+    pub stages: BTreeMap<String, usize>,
 }
 
 /// Why a harvester is stopped from outside.
@@ -380,17 +383,18 @@ impl Workers {
         deadline: Option<tokio::time::Instant>,
     ) -> Result<Ended, WorkerError> {
         // Finalize only merges records: it takes no GPU.
+        let stages = self.config.stages.get(model).copied().unwrap_or(1).max(1);
         let lease = match roles {
             [Role::Finalize] => None,
             _ => tokio::select! {
-                lease = self.gpus.lease(roles.len()) => lease,
+                lease = self.gpus.lease(roles.len() * stages) => lease,
                 why = &mut *stop_rx => return Ok(Ended::Stopped(why.unwrap_or(Stop::Shutdown))),
             },
         };
         let tally = Arc::new(Tally::new(roles.len()));
         let (mut children, mut readers) = (Vec::new(), Vec::new());
         for (slot, role) in roles.iter().enumerate() {
-            let device = lease.as_ref().map(|l| l.device_for(slot));
+            let device = lease.as_ref().map(|l| l.devices_for(slot, stages));
             let mut child = self
                 .command(model, paths, *role, (roles.len(), device))
                 .spawn()?;
@@ -462,13 +466,14 @@ impl Workers {
     }
 
     /// The harvester of one role of a job, its progress on stderr as JSON lines; `of` is how
-    /// many run at once, which share the threads, and `device` its GPU (none: the default).
+    /// many run at once, which share the threads, and `devices` its GPUs (none: the default;
+    /// several: one pipeline stage each).
     fn command(
         &self,
         model: &str,
         paths: &JobPaths,
         role: Role,
-        (of, device): (usize, Option<String>),
+        (of, devices): (usize, Option<Vec<u32>>),
     ) -> Command {
         let mut command = Command::new(&self.config.harvester);
         command.arg(match role {
@@ -478,8 +483,13 @@ impl Workers {
         if let Role::Part(index, count) = role {
             command.args(["--part", &format!("{index}/{count}")]);
         }
-        if let Some(device) = device {
-            command.args(["--device", &device]);
+        if let Some(&[first, ..]) = devices.as_deref() {
+            command.args(["--device", &format!("cuda:{first}")]);
+        }
+        if let Some(gpus) = devices.filter(|gpus| gpus.len() > 1) {
+            let listed: Vec<String> = gpus.iter().map(u32::to_string).collect();
+            command.args(["--pipeline-stages", &gpus.len().to_string()]);
+            command.args(["--stage-devices", &listed.join(",")]);
         }
         command
             .arg("--plan")
@@ -789,6 +799,7 @@ mod tests {
             deadline: None,
             attempts: 1,
             gpus: vec![3],
+            stages: BTreeMap::new(),
         };
         let workers = Workers::new(store, config, 1);
         let paths = JobPaths::new(dir.path(), "job");
@@ -806,9 +817,16 @@ mod tests {
             args.extend(env);
             args
         };
-        let part = args(workers.command("m", &paths, Role::Part(1, 2), (2, Some("cuda:3".into()))));
+        let part = args(workers.command("m", &paths, Role::Part(1, 2), (2, Some(vec![3]))));
         let at = part.iter().position(|a| a == "--device").unwrap();
         assert_eq!(part[at + 1], "cuda:3");
+        assert!(!part.iter().any(|a| a == "--pipeline-stages"), "{part:?}");
+        // A model spanning GPUs runs as one stage a GPU, on the GPUs it was given.
+        let staged = args(workers.command("m", &paths, Role::Whole, (1, Some(vec![4, 5, 6]))));
+        let after = |flag: &str| &staged[staged.iter().position(|a| a == flag).unwrap() + 1];
+        assert_eq!(after("--device"), "cuda:4");
+        assert_eq!(after("--pipeline-stages"), "3");
+        assert_eq!(after("--stage-devices"), "4,5,6");
         assert!(part.windows(2).any(|w| w == ["--part", "1/2"]), "{part:?}");
         assert_eq!(
             part.last().map(String::as_str),

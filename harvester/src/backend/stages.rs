@@ -174,6 +174,30 @@ pub fn stage_devices(first: usize, stages: usize, listed: Option<&[usize]>) -> R
     }
 }
 
+/// Refuses stages placed on GPUs this machine lacks (it has `available`), naming the stage
+/// count, the first missing GPU and the GPUs there are.
+pub fn check_stage_devices(devices: &[usize], available: usize) -> Result<()> {
+    let Some((stage, gpu)) = devices
+        .iter()
+        .enumerate()
+        .find(|&(_, &gpu)| gpu >= available)
+    else {
+        return Ok(());
+    };
+    let gpus = match available {
+        0 => "no GPU".to_owned(),
+        1 => "1 GPU (cuda:0)".to_owned(),
+        n => format!("{n} GPUs (cuda:0 to cuda:{})", n - 1),
+    };
+    Err(Error::BadStages {
+        reason: format!(
+            "--pipeline-stages {} puts stage {} on cuda:{gpu}, but this machine has {gpus}: use fewer stages, or name each stage's GPU with --stage-devices",
+            devices.len(),
+            stage + 1
+        ),
+    })
+}
+
 /// What each running stage may use on its GPU (`devices[i]` for stage `i`): the device's free
 /// bytes (`free(device)`, read once per device) less what the stages before it on the same
 /// device take.
@@ -217,6 +241,26 @@ mod tests {
         assert!(
             error.contains("lists 2 GPUs for 3 stages") && error.contains("0,1,2"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn more_stages_than_the_gpus_given_are_refused_naming_both_numbers() {
+        check_stage_devices(&[0, 1, 2, 3], 4).unwrap();
+        check_stage_devices(&[0, 0], 1).unwrap();
+        let error = check_stage_devices(&[0, 1, 2, 3, 4, 5, 6, 7], 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--pipeline-stages 8 puts stage 5 on cuda:4")
+                && error.contains("4 GPUs (cuda:0 to cuda:3)")
+                && error.contains("--stage-devices"),
+            "{error}"
+        );
+        let one = check_stage_devices(&[1, 2], 2).unwrap_err().to_string();
+        assert!(
+            one.contains("stage 2 on cuda:2") && one.contains("2 GPUs"),
+            "{one}"
         );
     }
 

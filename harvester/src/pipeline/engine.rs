@@ -203,6 +203,25 @@ struct StageDevices<'a> {
     listed: Option<&'a [usize]>,
 }
 
+impl StageDevices<'_> {
+    /// Each stage's GPU, for CUDA stages (none for the others), each one checked to exist.
+    fn gpus(&self) -> Result<Vec<usize>> {
+        use crate::backend::stages::{check_stage_devices, stage_devices};
+        match (self.device, self.listed) {
+            (DeviceChoice::Cuda(first), listed) => {
+                let gpus = stage_devices(first, self.stages, listed)?;
+                check_stage_devices(&gpus, crate::backend::cuda::probe(first)?.devices)?;
+                Ok(gpus)
+            }
+            (_, None) => Ok(Vec::new()),
+            (_, Some(_)) => Err(Error::BadStages {
+                reason: "--stage-devices names the GPUs of CUDA stages: use it with --device cuda"
+                    .into(),
+            }),
+        }
+    }
+}
+
 /// Splits the model into stages, checks each running stage's memory against its device (the
 /// machine's memory, shared, for CPU stages; each GPU's free memory for CUDA stages), then
 /// loads them.
@@ -213,24 +232,9 @@ fn open_stages(
     sizing: Sizing,
     progress: &Progress,
 ) -> Result<staged::Staged> {
-    use crate::backend::stages::{
-        Capacity, check_stage_memory, device_capacity, plan_stages, stage_devices,
-    };
-    let StageDevices {
-        device,
-        stages,
-        listed,
-    } = devices;
-    let gpus = match (device, listed) {
-        (DeviceChoice::Cuda(first), listed) => stage_devices(first, stages, listed)?,
-        (_, None) => Vec::new(),
-        (_, Some(_)) => {
-            return Err(Error::BadStages {
-                reason: "--stage-devices names the GPUs of CUDA stages: use it with --device cuda"
-                    .into(),
-            });
-        }
-    };
+    use crate::backend::stages::{Capacity, check_stage_memory, device_capacity, plan_stages};
+    let (device, stages) = (devices.device, devices.stages);
+    let gpus = devices.gpus()?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
     if device.is_cuda_arithmetic() {
         crate::backend::cuda::forward::check_model(&config)?;

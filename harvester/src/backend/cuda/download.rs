@@ -81,8 +81,10 @@ impl<T: Element> Slots<T> {
     pub fn new(stream: &Arc<CudaStream>, kept: usize, capacity: usize) -> Result<Self> {
         let action = "allocating the captured rows";
         let context = stream.context();
+        // One value at least: a pipeline stage may keep no layer, and the driver refuses an
+        // allocation of zero bytes.
         let device = stream
-            .alloc_zeros::<T>(kept * capacity)
+            .alloc_zeros::<T>((kept * capacity).max(1))
             .map_err(|e| CudaError::from_driver(action, e))?;
         let mut host = Vec::with_capacity(kept);
         for _ in 0..kept {
