@@ -252,8 +252,9 @@ done
 step "2 pipeline stages on one $device against 1: the same bytes"
 # Each stage on the same GPU (--stage-devices 0,0) runs the blocks the single run runs, the
 # residual stream handed on through host memory: every file but result.json must be equal.
+# CUDA stages run only when asked for until this step has passed on a GPU (HARVEST_CUDA_STAGES).
 stage_flags=(--pipeline-stages 2); [ "$device" = cpu ] || stage_flags+=(--stage-devices 0,0)
-if [ -f "$candidate/manifest.json" ] && CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run \
+if [ -f "$candidate/manifest.json" ] && HARVEST_CUDA_STAGES=try CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run \
     --device "$device" --precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl" \
     --layers all --shard-size 4 --progress off "${stage_flags[@]}" --out "$work/staged" >/dev/null; then
   if staged=$(diff -rq --exclude=result.json "$candidate" "$work/staged" 2>&1); then

@@ -174,6 +174,24 @@ pub fn stage_devices(first: usize, stages: usize, listed: Option<&[usize]>) -> R
     }
 }
 
+/// The environment variable that lets CUDA stages run before a GPU has checked them.
+pub const CUDA_STAGES_VARIABLE: &str = "HARVEST_CUDA_STAGES";
+
+/// CUDA stages have run only replayed on the CPU, so they run only when asked for by
+/// [`CUDA_STAGES_VARIABLE`]` = try` (its value here), as the GPU window does to check them.
+pub fn check_cuda_stages_allowed(value: Option<&str>) -> Result<()> {
+    let reason = match value.map(str::trim) {
+        Some("try") => return Ok(()),
+        None => format!(
+            "CUDA pipeline stages have run only replayed on the CPU (--device cuda-replay), not yet on a GPU: set {CUDA_STAGES_VARIABLE}=try to run them anyway, or run CPU stages with --device cpu"
+        ),
+        Some(other) => {
+            format!("{CUDA_STAGES_VARIABLE} is {other:?}: the one value it takes is \"try\"")
+        }
+    };
+    Err(Error::BadStages { reason })
+}
+
 /// Refuses stages placed on GPUs this machine lacks (it has `available`), naming the stage
 /// count, the first missing GPU and the GPUs there are.
 pub fn check_stage_devices(devices: &[usize], available: usize) -> Result<()> {
@@ -242,6 +260,20 @@ mod tests {
             error.contains("lists 2 GPUs for 3 stages") && error.contains("0,1,2"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn cuda_stages_run_only_when_asked_for_until_a_gpu_has_checked_them() {
+        check_cuda_stages_allowed(Some("try")).unwrap();
+        let refused = check_cuda_stages_allowed(None).unwrap_err().to_string();
+        assert!(
+            refused.contains("HARVEST_CUDA_STAGES=try") && refused.contains("--device cpu"),
+            "{refused}"
+        );
+        let odd = check_cuda_stages_allowed(Some("yes"))
+            .unwrap_err()
+            .to_string();
+        assert!(odd.contains("\"yes\"") && odd.contains("\"try\""), "{odd}");
     }
 
     #[test]

@@ -206,9 +206,12 @@ struct StageDevices<'a> {
 impl StageDevices<'_> {
     /// Each stage's GPU, for CUDA stages (none for the others), each one checked to exist.
     fn gpus(&self) -> Result<Vec<usize>> {
-        use crate::backend::stages::{check_stage_devices, stage_devices};
+        use crate::backend::stages::{
+            CUDA_STAGES_VARIABLE, check_cuda_stages_allowed, check_stage_devices, stage_devices,
+        };
         match (self.device, self.listed) {
             (DeviceChoice::Cuda(first), listed) => {
+                check_cuda_stages_allowed(std::env::var(CUDA_STAGES_VARIABLE).ok().as_deref())?;
                 let gpus = stage_devices(first, self.stages, listed)?;
                 check_stage_devices(&gpus, crate::backend::cuda::probe(first)?.devices)?;
                 Ok(gpus)
