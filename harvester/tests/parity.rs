@@ -24,6 +24,13 @@ const BF16_TOLERANCE: f64 = 1e-2;
 /// The bf16 compute mode on the tiny fixtures, every site, after output rounding (an emulation of
 /// the CUDA backend's rounding gave about 1.3e-2 at worst).
 const BF16_MODE_TOLERANCE: f64 = 2e-2;
+/// The CUDA replay of the AFMoE fixture against the CPU's f32 mode where no token is rerouted,
+/// the worst token: its width of 64 leaves each sum few terms to average bf16 rounding over,
+/// and the sparse blocks' sums of three MLPs, normed after, lose more (measured 5.2e-2 at
+/// worst, at a sparse mlp_out). The worst token barely moves when the routed experts' weights
+/// are 5% off (5.6e-2); how many tokens pass 2e-2 does (44 of 303 become 236), so the tests
+/// judge both.
+const AFMOE_REPLAY_TOLERANCE: f64 = 6e-2;
 /// The bf16 compute mode on SmolLM2, whose outlier tokens no bf16 pipeline follows to 2e-2:
 /// transformers itself in bf16, on the same prompts and layers, is off at worst by 5.6e-2
 /// (resid_pre), 6.2e-2 (attn_out), 5.7e-2 (resid_mid), 1.28e-1 (mlp_out) and 6.9e-2
@@ -427,20 +434,149 @@ fn the_cuda_replay_of_mistrals_sliding_window_meets_the_bf16_modes_bound() {
     check_replayed(&dir, &reference, &[]);
 }
 
-#[test]
-fn the_cuda_replay_refuses_what_the_cuda_backend_refuses_naming_it() {
-    let weights = LlamaWeights::load(&fixtures().join("tiny-afmoe-bf16"), None).unwrap();
-    let spec = CaptureSpec {
-        layers: LayerSelection::All
-            .resolve(weights.config.num_layers)
-            .unwrap(),
-        sites: Sites::default(),
-        precision: Precision::Bf16,
-        directions: None,
+/// The AFMoE fixture's weights, changed by `change`, run with every site of its reference
+/// layers through the CUDA replay and through the CPU's f32 mode.
+fn afmoe_replayed_and_cpu(
+    change: impl Fn(&mut LlamaWeights),
+    sequences: &[Vec<u32>],
+    layers: &[usize],
+) -> (Captured, Captured) {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let run = |replay: bool| {
+        let mut weights = LlamaWeights::load(&dir, None).unwrap();
+        change(&mut weights);
+        let layers = LayerSelection::Explicit(layers.iter().map(|&l| l as i64).collect());
+        let spec = CaptureSpec {
+            layers: layers.resolve(weights.config.num_layers).unwrap(),
+            sites: Sites::new(&Site::ALL).unwrap(),
+            precision: if replay {
+                Precision::Bf16
+            } else {
+                Precision::F32
+            },
+            directions: None,
+        };
+        let mut backend: Box<dyn Backend> = if replay {
+            Box::new(ReplayBackend::new(weights, spec).unwrap())
+        } else {
+            Box::new(CpuBackend::new(weights, spec).unwrap())
+        };
+        let mut out = Captured::default();
+        backend
+            .capture(&Batch::from_sequences(sequences), &mut out)
+            .unwrap();
+        out
     };
-    let error = ReplayBackend::new(weights, spec).unwrap_err().to_string();
+    (run(true), run(false))
+}
+
+/// Per site and kept layer, the worst token's error of `ours` against `theirs` and how many
+/// tokens are over `bound`.
+fn errors_by_layer(
+    ours: &Captured,
+    theirs: &Captured,
+    bound: f64,
+) -> Vec<(Site, usize, f64, usize)> {
+    let width = theirs.width;
+    let mut rows = Vec::new();
+    for (position, &site) in Site::ALL.iter().enumerate() {
+        for layer in 0..theirs.layers {
+            let slot = theirs.slot(position, layer);
+            let (a, b) = (
+                ours.rows(slot, 0..theirs.tokens),
+                theirs.rows(slot, 0..theirs.tokens),
+            );
+            let per_token: Vec<f64> = a
+                .chunks_exact(width)
+                .zip(b.chunks_exact(width))
+                .map(|(x, y)| worst_relative_error(x, y, width))
+                .collect();
+            let worst = per_token.iter().copied().fold(0.0, f64::max);
+            let over = per_token.iter().filter(|&&e| e > bound).count();
+            rows.push((site, layer, worst, over));
+        }
+    }
+    rows
+}
+
+/// Where no token is rerouted: the worst token within [`AFMOE_REPLAY_TOLERANCE`], and under a
+/// third of the tokens over [`BF16_MODE_TOLERANCE`].
+fn assert_within_bf16_rounding(
+    (block, site): (usize, Site),
+    worst: f64,
+    (over, tokens): (usize, usize),
+) {
     assert!(
-        error.contains("AFMoE") && error.contains("--device cpu"),
-        "{error}"
+        worst <= AFMOE_REPLAY_TOLERANCE,
+        "layer {block} {site}: {worst:.3e}"
     );
+    assert!(
+        3 * over < tokens,
+        "layer {block} {site}: {over} of {tokens} tokens over"
+    );
+}
+
+#[test]
+fn the_cuda_replay_of_afmoe_meets_the_bf16_bound_before_routing_and_reroutes_few_tokens_after() {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let (replayed, cpu) = afmoe_replayed_and_cpu(|_| {}, &sequences, &reference.layers);
+    let dense = LlamaWeights::load(&dir, Some(1))
+        .unwrap()
+        .config
+        .afmoe
+        .unwrap()
+        .num_dense_layers;
+    let tokens = cpu.tokens;
+    for (site, layer, worst, over) in errors_by_layer(&replayed, &cpu, BF16_MODE_TOLERANCE) {
+        let block = reference.layers[layer];
+        println!(
+            "tiny-afmoe-bf16 cuda-replay against the CPU f32 mode, layer {block} {site:<10}: worst {worst:.2e}, {over} of {tokens} tokens over {BF16_MODE_TOLERANCE}"
+        );
+        // Up to the first sparse block's MLP nothing is routed: bf16 rounding alone.
+        if block < dense
+            || (block == dense && matches!(site, Site::ResidPre | Site::AttnOut | Site::ResidMid))
+        {
+            assert_within_bf16_rounding((block, site), worst, (over, tokens));
+        } else {
+            // The residual stream's bf16 rounding moves some tokens across a routing choice
+            // whose margin is smaller than it (the fixture's smallest is 1.4e-4), and attention
+            // spreads what they get to later tokens: measured 3 of 303 tokens after the first
+            // sparse block, up to 95 at the last mlp_out. This only catches a sparse path that
+            // is far off; the settled-routing test below judges its arithmetic.
+            assert!(
+                2 * over < tokens,
+                "layer {block} {site}: {over} of {tokens} tokens over"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_cuda_replay_of_afmoe_with_routing_settled_by_the_bias_meets_the_cpu_f32_mode() {
+    // An expert bias far above every score difference sends every token to the same two
+    // experts, whatever the rounding, and they still weigh by their scores: the routed path's
+    // arithmetic (f32 router, gather, grouped GEMMs, weighted scatter), free of rerouting.
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let settle = |w: &mut LlamaWeights| {
+        for block in &mut w.blocks {
+            if let Some(moe) = block.afmoe.as_mut().and_then(|a| a.moe.as_mut()) {
+                moe.expert_bias.fill(0.0);
+                moe.expert_bias[1] = 10.0;
+                moe.expert_bias[6] = 20.0;
+            }
+        }
+    };
+    let (replayed, cpu) = afmoe_replayed_and_cpu(settle, &sequences, &reference.layers);
+    let tokens = cpu.tokens;
+    for (site, layer, worst, over) in errors_by_layer(&replayed, &cpu, BF16_MODE_TOLERANCE) {
+        let block = reference.layers[layer];
+        println!(
+            "settled routing, layer {block} {site:<10}: worst {worst:.2e}, {over} of {tokens} tokens over {BF16_MODE_TOLERANCE}"
+        );
+        assert_within_bf16_rounding((block, site), worst, (over, tokens));
+    }
 }

@@ -50,14 +50,16 @@ pub enum WorkerError {
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// The server's environment variables a harvester child gets; nothing else (no credentials,
 /// no configuration of the server's own) reaches it.
-pub const PASSED_ENV: [&str; 6] = [
+pub const PASSED_ENV: [&str; 7] = [
     "PATH",
     "LD_LIBRARY_PATH",
     "TMPDIR",
     "CUDA_VISIBLE_DEVICES",
     "LANG",
-    // Lets a model of several devices run its CUDA stages before a GPU window checks them.
+    // Let a model of several devices run its CUDA stages, and AFMoE run on a GPU, before a
+    // GPU window checks them.
     "HARVEST_CUDA_STAGES",
+    "HARVEST_CUDA_AFMOE",
 ];
 /// Tries of the final store write before the job is queued again.
 const FINAL_WRITE_TRIES: u32 = 5;

@@ -8,10 +8,12 @@
 //! model.safetensors[.index.json] ──mmap──► Checkpoint ──► LlamaWeights { embed, blocks }
 //! ```
 
+pub mod afmoe;
 pub mod checkpoint;
 pub mod config;
 pub mod dense;
 pub mod matrix;
+pub mod routing;
 
 use std::path::Path;
 
@@ -234,6 +236,21 @@ impl LlamaWeights {
                     vectors as u64 + b.matrices().iter().map(|m| m.resident_bytes()).sum::<u64>()
                 })
                 .sum::<u64>()
+    }
+}
+
+/// Runs block `index` of `config` on the batch as its family writes it ([`dense::block`] or
+/// [`afmoe::block`]); `slot` gives the capture slot of each site the block keeps.
+pub fn forward_block<O: afmoe::AfmoeOps>(
+    ops: &mut O,
+    block: &O::Block,
+    config: &ModelConfig,
+    index: usize,
+    slot: impl Fn(harvest_core::Site) -> Option<usize>,
+) -> Result<()> {
+    match config.architecture {
+        Architecture::Afmoe => afmoe::block(ops, block, afmoe::AfmoeLayer::of(config, index), slot),
+        _ => dense::block(ops, block, config.attention_windows[index], slot),
     }
 }
 

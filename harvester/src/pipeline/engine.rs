@@ -79,6 +79,19 @@ impl Sizing {
     }
 }
 
+/// Refuses a model the CUDA backend cannot run (its heads), or must not yet on a GPU (AFMoE,
+/// unless [`crate::backend::cuda::forward::CUDA_AFMOE_VARIABLE`] says try); nothing for the CPU.
+fn check_cuda_model(config: &ModelConfig, device: DeviceChoice) -> Result<()> {
+    use crate::backend::cuda::forward::{CUDA_AFMOE_VARIABLE, check_afmoe_allowed, check_model};
+    if device.is_cuda_arithmetic() {
+        check_model(config)?;
+    }
+    if let DeviceChoice::Cuda(_) = device {
+        check_afmoe_allowed(config, std::env::var(CUDA_AFMOE_VARIABLE).ok().as_deref())?;
+    }
+    Ok(())
+}
+
 /// Loads the blocks up to the deepest kept layer onto the chosen device; on the CPU, first
 /// checks that they and batches of `batch_tokens` fit the memory; on a GPU, allocates a batch
 /// of `batch_tokens` against the device's free memory.
@@ -97,10 +110,8 @@ fn open_backend(
         } = sizing;
         CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
     }
-    if device.is_cuda_arithmetic() {
-        // A model the GPU cannot run is refused before gigabytes are read for nothing.
-        crate::backend::cuda::forward::check_model(&weights.config)?;
-    }
+    // A model the GPU cannot run is refused before gigabytes are read for nothing.
+    check_cuda_model(&weights.config, device)?;
     read_weights(&[&weights], progress);
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => {
@@ -239,9 +250,7 @@ fn open_stages(
     let (device, stages) = (devices.device, devices.stages);
     let gpus = devices.gpus()?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
-    if device.is_cuda_arithmetic() {
-        crate::backend::cuda::forward::check_model(&config)?;
-    }
+    check_cuda_model(&config, device)?;
     let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
     let block_bytes: Vec<u64> = (0..config.num_layers)
         .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))

@@ -17,7 +17,7 @@ const MMA_KEYS: usize = 64;
 /// SHA-256 of the kernel functions this file and `replay` replay, whitespace-collapsed: a change to the
 /// CUDA C fails [`the_replayed_kernels_are_the_ones_in_kernels_cu`] until the replay here is
 /// brought in line and these are updated.
-const MIRRORED: [(&str, &str); 12] = [
+const MIRRORED: [(&str, &str); 19] = [
     (
         "f32_to_bf16",
         "cf110c3fbd9029c7be42bc38fca22b370bedf7bb64baffeae0ad9c9177c3e0cd",
@@ -25,7 +25,7 @@ const MIRRORED: [(&str, &str); 12] = [
     // Replayed by `replay` (`--device cuda-replay`).
     (
         "embed_gather",
-        "ab3b418b7d93448a0ccfcaefcdb421823db8e64478787549325c8aa380875e28",
+        "50fadf3deb2164fba2f15a7eb0fb132b4f889148ca9d7a0e832b52258124dfc2",
     ),
     (
         "warp_sum",
@@ -33,7 +33,7 @@ const MIRRORED: [(&str, &str); 12] = [
     ),
     (
         "rms_norm",
-        "fa335a6e0715f27c30d32d2f2c50883d9233bbb2268ba56d3b5c3aba8551c986",
+        "87bb8dce707f7e54fab6a31ce0a5be9b1451617b08ce6ee109484ad5d998e67f",
     ),
     (
         "rope",
@@ -58,6 +58,35 @@ const MIRRORED: [(&str, &str); 12] = [
     (
         "project",
         "0d496b80888824f113c3fdf323687a6a154fe66a5d4eabde34207a4320c86edb",
+    ),
+    // AFMoE (replay/afmoe.rs), and the norm they share with `rms_norm`.
+    (
+        "block_sum",
+        "e6ad61c91e0e0eb81e8fcf563229ad9cac975bc49f71df796be4fac8a082102d",
+    ),
+    (
+        "rms_scale",
+        "d59bb788869bfba9cbc67d8a3211d3ff1bcaac37227a192a0ed20641f277c425",
+    ),
+    (
+        "rms_norm_wide",
+        "120d553e23972ff3f419f10c82ebc5bf6fefc598f47c19c7ba511e32ab5acc49",
+    ),
+    (
+        "head_norm",
+        "046982fea44eb0b12d3166a0bd2750246a27bea0ebe0e840595a8b109dad1580",
+    ),
+    (
+        "sigmoid_gate",
+        "2729b3cc41417ddda79a57a5241b7b8b28f1bb652c64a4653acdb3ca84ffb9c5",
+    ),
+    (
+        "moe_gather",
+        "b8925cac03f66e493c56fcaf43c97ac715cad8990c679d997ff51f2bd5d2d72a",
+    ),
+    (
+        "moe_scatter",
+        "5a1615e987389dd9050382ada842f444c952e17e79cec271962d691351984ee7",
     ),
     (
         "attention_varlen",

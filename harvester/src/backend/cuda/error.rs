@@ -21,6 +21,16 @@ pub enum CudaError {
         /// What it uses.
         reason: String,
     },
+    /// A feature that has run only on the replay, refused on a GPU until a GPU window checks it.
+    #[error(
+        "{feature} has run on the CUDA backend only replayed on the CPU (--device cuda-replay), not yet on a GPU: set {variable}=try to run it anyway, or use --device cpu"
+    )]
+    Unchecked {
+        /// The feature.
+        feature: &'static str,
+        /// The environment variable that lets it run.
+        variable: &'static str,
+    },
     /// A kernel did not compile. This is a bug in the kernel source.
     #[error("compiling the CUDA kernels with NVRTC: {log}")]
     Compile {
@@ -82,7 +92,9 @@ impl CudaError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Unavailable { .. } | Self::OutOfMemory { .. } => ErrorKind::Infrastructure,
-            Self::Unsupported { .. } | Self::DoesNotFit { .. } => ErrorKind::BadInput,
+            Self::Unsupported { .. } | Self::Unchecked { .. } | Self::DoesNotFit { .. } => {
+                ErrorKind::BadInput
+            }
             Self::Compile { .. } | Self::ModuleLoad { .. } | Self::Fault { .. } => {
                 ErrorKind::Internal
             }

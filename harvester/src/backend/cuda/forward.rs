@@ -1,5 +1,6 @@
-//! The CUDA forward pass: the dense model's block (`crate::model::dense`) on one GPU, each of
-//! its ops a kernel launch or a cuBLAS GEMM over the batch's buffers (`DeviceOps`). The
+//! The CUDA forward pass: the model's blocks as `crate::model` writes them (dense, and AFMoE in
+//! `afmoe`) on one GPU, each op a kernel launch or a cuBLAS GEMM over the batch's buffers
+//! (`DeviceOps`). The
 //! residual stream stays f32; GEMM inputs are bf16 with f32 accumulation (cuBLAS `gemm_ex`),
 //! QKV and gate/up each one fused GEMM, and the attention output and down projections add
 //! straight into the residual (`beta = 1`). Kernels come from `kernels.cu`, compiled once.
@@ -7,6 +8,8 @@
 //! Checked on an H200 by the GPU window (`scripts/gpu-window.sh`, figures in `docs/gpu.md`):
 //! as close to transformers float32 as the CPU bf16 mode. Attention runs on tensor cores
 //! (`attention_mma_<D>`) for head widths 64 and 128, else on the CUDA-core kernel.
+
+mod afmoe;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -25,7 +28,7 @@ use harvest_core::{Site, Sites};
 
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
-use crate::model::dense::{self, BlockOps, Source, Sublayer};
+use crate::model::dense::{BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
 
 /// GEMM outputs that feed the next kernel are bf16.
@@ -91,7 +94,9 @@ impl Uploader<'_> {
         // SAFETY: every element is written by `copy` before any kernel reads it (the callers
         // cover `0..len` with their parts).
         #[allow(unsafe_code)]
-        let slice = unsafe { self.stream.alloc::<u16>(len) };
+        // One value at least: the driver refuses empty allocations (a sparse block without
+        // shared experts has no MLP of its own).
+        let slice = unsafe { self.stream.alloc::<u16>(len.max(1)) };
         slice.map_err(|e| memory_error("allocating the weights")(e))
     }
 
@@ -131,6 +136,8 @@ impl Uploader<'_> {
             mlp_norm: self.values(&block.mlp_norm)?,
             gate_up: self.matrix(&block.gate_up)?,
             down: self.matrix(&block.down)?,
+            inter: block.down.cols(),
+            afmoe: block.afmoe.as_ref().map(|a| self.afmoe(a)).transpose()?,
         })
     }
 
@@ -237,6 +244,11 @@ fn load_kernels(
 struct Kernels {
     embed_gather: CudaFunction,
     rms_norm: CudaFunction,
+    rms_norm_wide: CudaFunction,
+    head_norm: CudaFunction,
+    sigmoid_gate: CudaFunction,
+    moe_gather: CudaFunction,
+    moe_scatter: CudaFunction,
     rope: CudaFunction,
     swiglu: CudaFunction,
     round_bf16: CudaFunction,
@@ -262,6 +274,11 @@ impl Kernels {
         let kernels = Self {
             embed_gather: function("embed_gather")?,
             rms_norm: function("rms_norm")?,
+            rms_norm_wide: function("rms_norm_wide")?,
+            head_norm: function("head_norm")?,
+            sigmoid_gate: function("sigmoid_gate")?,
+            moe_gather: function("moe_gather")?,
+            moe_scatter: function("moe_scatter")?,
             rope: function("rope")?,
             swiglu: function("swiglu")?,
             round_bf16: function("round_bf16")?,
@@ -286,6 +303,9 @@ struct DeviceBlock {
     mlp_norm: CudaSlice<u16>,
     gate_up: CudaSlice<u16>,
     down: CudaSlice<u16>,
+    /// The MLP's inner width: the dense MLP's, or a sparse block's shared experts' (0 for none).
+    inter: usize,
+    afmoe: Option<afmoe::DeviceAfmoe>,
 }
 
 /// Activation buffers for up to `tokens` tokens; they only grow.
@@ -307,6 +327,8 @@ struct Scratch {
     /// it joins `x`; one value when the job keeps neither and the model has no output bias.
     branch: CudaSlice<f32>,
     kept: Kept,
+    /// AFMoE's own buffers, for an AFMoE model.
+    afmoe: Option<afmoe::AfmoeScratch>,
 }
 
 /// The kept layers' slots: residual rows in bf16, or projections in f32.
@@ -340,6 +362,8 @@ pub struct CudaBackend {
     /// Whether some block has a QKV bias, and an O bias: they need buffers of their own.
     qkv_bias: bool,
     o_bias: bool,
+    /// The widest MLP among the blocks.
+    mlp_width: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -350,17 +374,26 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Why a model cannot run on this backend yet (AFMoE, head shapes): read off its
-/// configuration, so a model is refused before its weights are read.
+/// Why a model cannot run on this backend (its head shapes): read off its configuration, so
+/// a model is refused before its weights are read.
 pub fn check_model(config: &ModelConfig) -> Result<()> {
-    if config.architecture == crate::model::Architecture::Afmoe {
-        // Until its kernels have run on a GPU beside the CPU reference, none ship.
-        return Err(CudaError::Unsupported {
-            reason: "AFMoE (AfmoeForCausalLM)".into(),
-        }
-        .into());
-    }
     check_heads(config.num_heads, config.num_kv_heads, config.head_dim)
+}
+
+/// The environment variable that lets AFMoE run on a GPU before a GPU window has checked it.
+pub const CUDA_AFMOE_VARIABLE: &str = "HARVEST_CUDA_AFMOE";
+
+/// AFMoE has run only on the replay, so on a GPU it runs only when [`CUDA_AFMOE_VARIABLE`] is
+/// `try` (`value`), as the GPU window sets it.
+pub fn check_afmoe_allowed(config: &ModelConfig, value: Option<&str>) -> Result<()> {
+    if config.afmoe.is_none() || value.map(str::trim) == Some("try") {
+        return Ok(());
+    }
+    Err(CudaError::Unchecked {
+        feature: "AFMoE (AfmoeForCausalLM)",
+        variable: CUDA_AFMOE_VARIABLE,
+    }
+    .into())
 }
 
 impl CudaBackend {
@@ -382,6 +415,7 @@ impl CudaBackend {
     fn load(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         let config = weights.config.clone();
         check_model(&config)?;
+        check_afmoe_allowed(&config, std::env::var(CUDA_AFMOE_VARIABLE).ok().as_deref())?;
         super::probe(ordinal)?;
         let first_block = weights.first_block;
         let run = spec.blocks_to_run(first_block, weights.blocks.len());
@@ -452,6 +486,7 @@ impl CudaBackend {
             phases,
             qkv_bias: weights.blocks.iter().any(|b| b.qkv_bias.is_some()),
             o_bias: weights.blocks.iter().any(|b| b.o_bias.is_some()),
+            mlp_width: mlp_width(&weights.blocks[..run]),
         })
     }
 
@@ -460,9 +495,10 @@ impl CudaBackend {
         self.spec.sites.len() * self.kept.len()
     }
 
-    /// Whether a batch needs the branch buffer: a kept branch output, or an O bias.
+    /// Whether a batch needs the branch buffer: a kept branch output, an O bias, or AFMoE's
+    /// branch norms.
     fn needs_branch(&self) -> bool {
-        keeps_branches(&self.spec.sites) || self.o_bias
+        keeps_branches(&self.spec.sites) || self.o_bias || self.config.afmoe.is_some()
     }
 
     /// Allocates the buffers of a batch of `tokens` now, refusing one that does not fit the
@@ -482,6 +518,7 @@ impl CudaBackend {
             kept_layers: self.kept.len(),
             branch: self.needs_branch(),
             qkv_wide: self.qkv_bias,
+            mlp_width: self.mlp_width,
         };
         buffers.bytes(&self.config, &self.spec, tokens)
     }
@@ -494,8 +531,11 @@ impl CudaBackend {
         let blocks = &weights.blocks[..run];
         let buffers = BatchBuffers {
             kept_layers: spec.kept_in(first..first + run).len(),
-            branch: keeps_branches(&spec.sites) || blocks.iter().any(|b| b.o_bias.is_some()),
+            branch: keeps_branches(&spec.sites)
+                || blocks.iter().any(|b| b.o_bias.is_some())
+                || weights.config.afmoe.is_some(),
             qkv_wide: blocks.iter().any(|b| b.qkv_bias.is_some()),
+            mlp_width: mlp_width(blocks),
         };
         buffers.bytes(&weights.config, spec, tokens)
     }
@@ -542,13 +582,17 @@ impl CudaBackend {
             qkv: u16s(tokens * c.qkv_width())?,
             qkv_wide: f32s(qkv_wide)?,
             attn: u16s(tokens * c.num_heads * c.head_dim)?,
-            gate_up: u16s(tokens * 2 * c.intermediate_size)?,
-            act: u16s(tokens * c.intermediate_size)?,
+            gate_up: u16s(tokens * 2 * self.mlp_width.max(1))?,
+            act: u16s(tokens * self.mlp_width.max(1))?,
             branch: f32s(branch)?,
             kept: if self.spec.directions.is_some() {
                 Kept::Projections(Slots::new(s, kept, tokens * width)?)
             } else {
                 Kept::Rows(Slots::new(s, kept, tokens * width)?)
+            },
+            afmoe: match c.afmoe {
+                Some(_) => Some(afmoe::AfmoeScratch::new(s, c, tokens)?),
+                None => None,
             },
         });
         if let Some(scratch) = &self.scratch {
@@ -629,7 +673,7 @@ impl CudaBackend {
                 embed,
                 &s.ids,
                 &mut s.x,
-                (tokens, c.hidden_size),
+                (tokens, c.hidden_size, embedding_scale(c)),
             )?,
             (None, Some(x)) if x.len() >= stream_values => self
                 .stream
@@ -660,9 +704,10 @@ impl CudaBackend {
             let mut ops = DeviceOps {
                 pass: &pass,
                 s: &mut *s,
+                inter: block.inter,
                 keeping: keeping.as_ref(),
             };
-            dense::block(&mut ops, block, c.attention_windows[index], slot)?;
+            crate::model::forward_block(&mut ops, block, c, index, slot)?;
         }
         // Each kept slot is widened as its copy lands, while the blocks after it run. This
         // device's slot `site * kept + layer` is the batch's `site * layers + first + layer`.
@@ -684,6 +729,11 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// AFMoE's muP scale of the embedding (1 for the others).
+pub(super) fn embedding_scale(c: &ModelConfig) -> f32 {
+    c.afmoe.as_ref().map_or(1.0, |a| a.embedding_scale as f32)
 }
 
 /// A later stage ran without the residual stream of the one before: a bug in the caller.
@@ -768,13 +818,20 @@ struct BatchBuffers {
     branch: bool,
     /// Whether the QKV product is written in f32 for its bias.
     qkv_wide: bool,
+    /// The widest MLP among the blocks ([`mlp_width`]).
+    mlp_width: usize,
+}
+
+/// The widest MLP (dense, or a sparse block's shared experts) among `blocks`.
+fn mlp_width(blocks: &[crate::model::BlockWeights]) -> usize {
+    blocks.iter().map(|b| b.down.cols()).max().unwrap_or(0)
 }
 
 impl BatchBuffers {
     fn bytes(&self, c: &ModelConfig, spec: &CaptureSpec, tokens: usize) -> u64 {
         let shape = super::plan::Shape {
             hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
+            intermediate: self.mlp_width,
             q_heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -792,7 +849,11 @@ impl BatchBuffers {
         } else {
             0
         };
-        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64
+        let afmoe = match c.afmoe {
+            Some(_) => afmoe::AfmoeScratch::bytes(c, tokens),
+            None => 0,
+        };
+        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64 + afmoe
     }
 }
 
@@ -802,10 +863,12 @@ fn keeps_branches(sites: &Sites) -> bool {
     sites.contains(Site::AttnOut) || sites.contains(Site::MlpOut)
 }
 
-/// The dense block's ops on the device: one pass's launches over its scratch buffers.
+/// The block ops on the device: one pass's launches over its scratch buffers.
 struct DeviceOps<'p, 's> {
     pass: &'p Pass<'p>,
     s: &'s mut Scratch,
+    /// The block's MLP width (`DeviceBlock::inter`), for SwiGLU.
+    inter: usize,
     /// Where this block's kept sites go, if it is a kept layer.
     keeping: Option<&'p Keeping<'p>>,
 }
@@ -820,7 +883,7 @@ fn output_of<'a>(
 ) -> (&'a CudaSlice<u16>, &'a CudaSlice<u16>, (usize, usize)) {
     match sublayer {
         Sublayer::Attention => (attn, &block.o, (c.hidden_size, c.num_heads * c.head_dim)),
-        Sublayer::Mlp => (act, &block.down, (c.hidden_size, c.intermediate_size)),
+        Sublayer::Mlp => (act, &block.down, (c.hidden_size, block.inter)),
     }
 }
 
@@ -897,7 +960,7 @@ impl BlockOps for DeviceOps<'_, '_> {
 
     fn gate_up(&mut self, block: &DeviceBlock) -> Result<()> {
         let c = self.pass.config;
-        let shape = (2 * c.intermediate_size, c.hidden_size);
+        let shape = (2 * block.inter, c.hidden_size);
         let s = &mut *self.s;
         self.pass
             .gemm(&s.normed, &block.gate_up, &mut s.gate_up, BF16, shape, 0.0)
@@ -910,7 +973,7 @@ impl BlockOps for DeviceOps<'_, '_> {
             &p.kernels.swiglu,
             &self.s.gate_up,
             &mut self.s.act,
-            (p.tokens, p.config.intermediate_size),
+            (p.tokens, self.inter),
         )
     }
 

@@ -132,7 +132,7 @@ fn smoke(
     let mut x = stream
         .alloc_zeros::<f32>(2 * hidden)
         .map_err(fault("allocating"))?;
-    launch::embed_gather(&stream, &kernel, &table, &ids, &mut x, (2, hidden))?;
+    launch::embed_gather(&stream, &kernel, &table, &ids, &mut x, (2, hidden, 1.0))?;
     let x = stream
         .clone_dtoh(&x)
         .map_err(fault("running embed_gather"))?;

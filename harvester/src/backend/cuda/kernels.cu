@@ -3,9 +3,11 @@
 //
 // Layouts (row-major): the residual stream `x` is f32 [tokens, hidden]; GEMM inputs and
 // outputs are bf16 [tokens, width]; the fused QKV buffer is bf16 [tokens, (q + 2 kv) * head_dim]
-// with the query heads first, then the key heads, then the value heads. There is no residual-add
-// or row-gather kernel: the O and down GEMMs add into `x` (beta = 1), and a kept layer is
-// rounded whole to bf16 (`round_bf16`) or projected (`project`) into its capture slot.
+// with the query heads first, then the key heads, then the value heads. The O and down GEMMs
+// add into `x` (beta = 1) unless the branch is written apart (kept, biased or normed) and added
+// by `add_rows`; a kept layer is rounded whole to bf16 (`round_bf16`) or projected (`project`)
+// into its capture slot. AFMoE's routed experts are grouped by expert (`moe_gather`), run as
+// one GEMM pair per expert, and weighed back into their tokens (`moe_scatter`).
 
 typedef unsigned short bf16;
 
@@ -30,28 +32,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// x[t, :] = table[ids[t], :]. Grid: tokens; block: any.
+// x[t, :] = table[ids[t], :] * scale (AFMoE's muP scale; 1 for the others, exact). Grid:
+// tokens; block: any.
 extern "C" __global__ void embed_gather(const bf16* table, const unsigned int* ids, float* x,
-                                        int hidden) {
+                                        int hidden, float scale) {
     const int t = blockIdx.x;
     const bf16* row = table + (long long)ids[t] * hidden;
     float* out = x + (long long)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        out[i] = bf16_to_f32(row[i]);
+        out[i] = bf16_to_f32(row[i]) * scale;
     }
 }
 
-// out[t, :] = x[t, :] / rms(x[t, :]) * weight, in bf16 for the next GEMM. Grid: tokens;
-// block: a multiple of 32 up to 1024.
-extern "C" __global__ void rms_norm(const float* x, const bf16* weight, bf16* out, int hidden,
-                                    float eps) {
+// The sum of every thread's `sum` over the block: each warp's butterfly, then one over the
+// warps' partial sums; every thread gets it. Block: a multiple of 32 up to 1024.
+__device__ __forceinline__ float block_sum(float sum) {
     __shared__ float partial[32];
-    const int t = blockIdx.x;
-    const float* row = x + (long long)t * hidden;
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        sum += row[i] * row[i];
-    }
     sum = warp_sum(sum);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = sum;
@@ -62,10 +58,99 @@ extern "C" __global__ void rms_norm(const float* x, const bf16* weight, bf16* ou
         if (lane == 0) partial[0] = sum;
     }
     __syncthreads();
-    const float scale = rsqrtf(partial[0] / (float)hidden + eps);
+    return partial[0];
+}
+
+// 1 / rms(row) over `hidden` values, from the whole block (see block_sum).
+__device__ __forceinline__ float rms_scale(const float* row, int hidden, float eps) {
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        sum += row[i] * row[i];
+    }
+    return rsqrtf(block_sum(sum) / (float)hidden + eps);
+}
+
+// out[t, :] = x[t, :] / rms(x[t, :]) * weight, in bf16 for the next GEMM. Grid: tokens;
+// block: a multiple of 32 up to 1024.
+extern "C" __global__ void rms_norm(const float* x, const bf16* weight, bf16* out, int hidden,
+                                    float eps) {
+    const int t = blockIdx.x;
+    const float* row = x + (long long)t * hidden;
+    const float scale = rms_scale(row, hidden, eps);
     bf16* dst = out + (long long)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         dst[i] = f32_to_bf16(row[i] * scale * bf16_to_f32(weight[i]));
+    }
+}
+
+// The same norm kept in f32: AFMoE's branch norms and its router's input. Grid: tokens; block:
+// as rms_norm.
+extern "C" __global__ void rms_norm_wide(const float* x, const bf16* weight, float* out,
+                                         int hidden, float eps) {
+    const int t = blockIdx.x;
+    const float* row = x + (long long)t * hidden;
+    const float scale = rms_scale(row, hidden, eps);
+    float* dst = out + (long long)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        dst[i] = row[i] * scale * bf16_to_f32(weight[i]);
+    }
+}
+
+// AFMoE's RMSNorm of each query head (q_norm) and key head (k_norm) of the fused QKV rows, in
+// place, bf16. One warp per head: lane l sums the squares of dimensions l, l + 32, ...
+// Grid: (tokens, q_heads + kv_heads); block: 32.
+extern "C" __global__ void head_norm(bf16* qkv, const bf16* q_norm, const bf16* k_norm,
+                                     int row_width, int q_heads, int head_dim, float eps) {
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    bf16* h = qkv + (long long)t * row_width + (long long)head * head_dim;
+    const bf16* weight = head < q_heads ? q_norm : k_norm;
+    float sum = 0.0f;
+    for (int i = lane; i < head_dim; i += 32) {
+        const float v = bf16_to_f32(h[i]);
+        sum += v * v;
+    }
+    const float scale = rsqrtf(warp_sum(sum) / (float)head_dim + eps);
+    for (int i = lane; i < head_dim; i += 32) {
+        h[i] = f32_to_bf16(bf16_to_f32(h[i]) * scale * bf16_to_f32(weight[i]));
+    }
+}
+
+// attn[i] = attn[i] * sigmoid(gate[i]) over n values, as attn / (1 + exp(-gate)): AFMoE's
+// attention output gate. Grid-strided; any grid.
+extern "C" __global__ void sigmoid_gate(bf16* attn, const bf16* gate, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = bf16_to_f32(gate[i]);
+        attn[i] = f32_to_bf16(bf16_to_f32(attn[i]) / (1.0f + __expf(-g)));
+    }
+}
+
+// rows[r, :] = normed[tokens[r], :]: each routed expert's input rows, grouped by expert.
+// Grid: grouped rows; block: any.
+extern "C" __global__ void moe_gather(const bf16* normed, const unsigned int* tokens, bf16* rows,
+                                      int hidden) {
+    const int r = blockIdx.x;
+    const bf16* src = normed + (long long)tokens[r] * hidden;
+    bf16* dst = rows + (long long)r * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+
+// branch[t, :] += sum over t's k choices, in expert order, of weights[t, j] * out[slots[t, j], :]
+// (one fused multiply-add each): the routed experts' outputs weighed back into their tokens.
+// Grid: tokens; block: any.
+extern "C" __global__ void moe_scatter(const float* out, const unsigned int* slots,
+                                       const float* weights, float* branch, int hidden, int k) {
+    const int t = blockIdx.x;
+    float* dst = branch + (long long)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float acc = dst[i];
+        for (int j = 0; j < k; ++j) {
+            const long long slot = slots[(long long)t * k + j];
+            acc = __fmaf_rn(weights[(long long)t * k + j], out[slot * hidden + i], acc);
+        }
+        dst[i] = acc;
     }
 }
 

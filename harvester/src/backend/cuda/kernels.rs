@@ -11,9 +11,14 @@ use crate::error::{CudaError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points the forward pass launches.
-pub const NAMES: [&str; 12] = [
+pub const NAMES: [&str; 17] = [
     "embed_gather",
     "rms_norm",
+    "rms_norm_wide",
+    "head_norm",
+    "sigmoid_gate",
+    "moe_gather",
+    "moe_scatter",
     "rope",
     "swiglu",
     "round_bf16",

@@ -5,8 +5,8 @@
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 
 use super::error::CudaError;
@@ -55,14 +55,14 @@ fn grid(kernel: &'static str, x: usize, y: usize, threads: u32) -> Result<Launch
     })
 }
 
-/// `x[t] = table[ids[t]]` (bf16 rows to f32) for `tokens` tokens of width `hidden`.
+/// `x[t] = table[ids[t]] · scale` (bf16 rows to f32) for `tokens` tokens of width `hidden`.
 pub(super) fn embed_gather(
     stream: &CudaStream,
     kernel: &CudaFunction,
     table: &CudaSlice<u16>,
     ids: &CudaSlice<u32>,
     x: &mut CudaSlice<f32>,
-    (tokens, hidden): (usize, usize),
+    (tokens, hidden, scale): (usize, usize, f32),
 ) -> Result<()> {
     const NAME: &str = "embed_gather";
     fits(NAME, "ids", ids.len(), tokens)?;
@@ -70,8 +70,8 @@ pub(super) fn embed_gather(
     fits(NAME, "the embedding table", table.len(), hidden)?;
     let hidden = int(NAME, hidden)?;
     let config = grid(NAME, tokens, 1, ROW_THREADS)?;
-    // SAFETY: the arguments match `embed_gather(const bf16*, const unsigned*, float*, int)` in
-    // order and type; `ids` and `x` hold `tokens` entries and rows (checked above), and the
+    // SAFETY: the arguments match `embed_gather(const bf16*, const unsigned*, float*, int,
+    // float)` in order and type; `ids` and `x` hold `tokens` entries and rows (checked above), and the
     // ids were checked against the vocabulary by `Batch::validate`, so every row read exists.
     #[allow(unsafe_code)]
     let launched = unsafe {
@@ -81,6 +81,7 @@ pub(super) fn embed_gather(
             .arg(ids)
             .arg(x)
             .arg(&hidden)
+            .arg(&scale)
             .launch(config)
     };
     launched
@@ -88,24 +89,48 @@ pub(super) fn embed_gather(
         .map_err(|e| CudaError::fault(NAME)(e).into())
 }
 
-/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`.
+/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`, rounded to bf16.
 pub(super) fn rms_norm(
     stream: &CudaStream,
     kernel: &CudaFunction,
     x: &CudaSlice<f32>,
     weight: &CudaSlice<u16>,
     out: &mut CudaSlice<u16>,
+    shape: (usize, usize, f32),
+) -> Result<()> {
+    row_norm("rms_norm", stream, kernel, (x, weight), out, shape)
+}
+
+/// `out = rms_norm(x) · weight` in f32 (`rms_norm_wide`), for `tokens` rows of width `hidden`.
+pub(super) fn rms_norm_wide(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    x: &CudaSlice<f32>,
+    weight: &CudaSlice<u16>,
+    out: &mut CudaSlice<f32>,
+    shape: (usize, usize, f32),
+) -> Result<()> {
+    row_norm("rms_norm_wide", stream, kernel, (x, weight), out, shape)
+}
+
+/// `rms_norm` or `rms_norm_wide`, whose signatures differ only in `out`'s type `T`.
+fn row_norm<T: DeviceRepr>(
+    name: &'static str,
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    (x, weight): (&CudaSlice<f32>, &CudaSlice<u16>),
+    out: &mut CudaSlice<T>,
     (tokens, hidden, eps): (usize, usize, f32),
 ) -> Result<()> {
-    const NAME: &str = "rms_norm";
-    fits(NAME, "x", x.len(), tokens * hidden)?;
-    fits(NAME, "out", out.len(), tokens * hidden)?;
-    fits(NAME, "weight", weight.len(), hidden)?;
-    let hidden = int(NAME, hidden)?;
-    let config = grid(NAME, tokens, 1, ROW_THREADS)?;
-    // SAFETY: the arguments match `rms_norm(const float*, const bf16*, bf16*, int, float)` in
-    // order and type; `x` and `out` hold `tokens` rows of `hidden` and `weight` holds `hidden`
-    // (checked above).
+    fits(name, "x", x.len(), tokens * hidden)?;
+    fits(name, "out", out.len(), tokens * hidden)?;
+    fits(name, "weight", weight.len(), hidden)?;
+    let hidden = int(name, hidden)?;
+    let config = grid(name, tokens, 1, ROW_THREADS)?;
+    // SAFETY: the arguments match `rms_norm(const float*, const bf16*, bf16*, int, float)` and
+    // `rms_norm_wide(const float*, const bf16*, float*, int, float)` in order and type (the
+    // callers pair each kernel with its `T`); `x` and `out` hold `tokens` rows of `hidden` and
+    // `weight` holds `hidden` (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
         stream
@@ -119,7 +144,7 @@ pub(super) fn rms_norm(
     };
     launched
         .map(|_| ())
-        .map_err(|e| CudaError::fault(NAME)(e).into())
+        .map_err(|e| CudaError::fault(name)(e).into())
 }
 
 /// Rotates the query and key heads of `qkv` in place (HF pairs `i`, `i + head_dim/2`).
@@ -305,24 +330,50 @@ pub(super) fn add_rows(
     branch: &CudaSlice<f32>,
     n: usize,
 ) -> Result<()> {
-    const NAME: &str = "add_rows";
-    fits(NAME, "x", x.len(), n)?;
-    fits(NAME, "branch", branch.len(), n)?;
-    let (config, elements) = grid_strided(NAME, n)?;
-    // SAFETY: the arguments match `add_rows(float*, const float*, long long)` in order and
-    // type; the kernel strides over `n` values, all inside `x` and `branch` (checked above).
+    in_place("add_rows", stream, kernel, x, branch, n)
+}
+
+/// `attn *= sigmoid(gate)` over `n` values.
+pub(super) fn sigmoid_gate(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    attn: &mut CudaSlice<u16>,
+    gate: &CudaSlice<u16>,
+    n: usize,
+) -> Result<()> {
+    in_place("sigmoid_gate", stream, kernel, attn, gate, n)
+}
+
+/// A grid-strided kernel `name(T* target, const S* source, long long n)` that changes `n`
+/// values of `target` by the matching ones of `source`: `add_rows` (f32) or `sigmoid_gate`
+/// (bf16).
+fn in_place<T: DeviceRepr, S: DeviceRepr>(
+    name: &'static str,
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    target: &mut CudaSlice<T>,
+    source: &CudaSlice<S>,
+    n: usize,
+) -> Result<()> {
+    fits(name, "the target", target.len(), n)?;
+    fits(name, "the source", source.len(), n)?;
+    let (config, elements) = grid_strided(name, n)?;
+    // SAFETY: the arguments match `add_rows(float*, const float*, long long)` and
+    // `sigmoid_gate(bf16*, const bf16*, long long)` in order and type (the callers pair each
+    // kernel with its types); the kernel strides over `n` values, all inside both buffers
+    // (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
         stream
             .launch_builder(kernel)
-            .arg(x)
-            .arg(branch)
+            .arg(target)
+            .arg(source)
             .arg(&elements)
             .launch(config)
     };
     launched
         .map(|_| ())
-        .map_err(|e| CudaError::fault(NAME)(e).into())
+        .map_err(|e| CudaError::fault(name)(e).into())
 }
 
 /// `out = bf16(x + bias)` over `n` values, `bias` repeating every `width` of them: a projection's
@@ -460,10 +511,57 @@ pub(super) fn project(
 pub(super) fn gemm<C>(
     blas: &CudaBlas,
     stream: &CudaStream,
-    a: &CudaSlice<u16>,
-    w: &CudaSlice<u16>,
-    c: &mut CudaSlice<C>,
+    a: &impl DevicePtr<u16>,
+    w: &impl DevicePtr<u16>,
+    c: &mut impl DevicePtrMut<C>,
     c_type: cudaDataType,
+    shape: (usize, usize, usize),
+    beta: f32,
+) -> Result<()> {
+    let types = GemmTypes {
+        inputs: cudaDataType::CUDA_R_16BF,
+        output: c_type,
+        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    gemm_typed(blas, stream, (a, w, c), types, shape, beta)
+}
+
+/// `c[rows, n] = a[rows, k] · w[n, k]ᵀ` all in f32, summed in f32 without TF32 (the pedantic
+/// compute type): AFMoE's router, whose logits choose experts.
+pub(super) fn gemm_f32(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    a: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    c: &mut CudaSlice<f32>,
+    shape: (usize, usize, usize),
+) -> Result<()> {
+    let types = GemmTypes {
+        inputs: cudaDataType::CUDA_R_32F,
+        output: cudaDataType::CUDA_R_32F,
+        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+    };
+    gemm_typed(blas, stream, (a, w, c), types, shape, 0.0)
+}
+
+/// The element types of a GEMM's buffers and its compute type.
+struct GemmTypes {
+    inputs: cudaDataType,
+    output: cudaDataType,
+    compute: cublasComputeType_t,
+}
+
+/// `c = a · wᵀ + beta · c` through `cublasGemmEx`, the buffers of element types `I` and `C`
+/// that `types` names.
+fn gemm_typed<I, C>(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    (a, w, c): (
+        &impl DevicePtr<I>,
+        &impl DevicePtr<I>,
+        &mut impl DevicePtrMut<C>,
+    ),
+    types: GemmTypes,
     (rows, n, k): (usize, usize, usize),
     beta: f32,
 ) -> Result<()> {
@@ -477,8 +575,8 @@ pub(super) fn gemm<C>(
     let (w_ptr, _w_sync) = w.device_ptr(stream);
     let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
     // SAFETY: the three buffers live on `stream`'s device and hold at least rows·k, n·k and
-    // rows·n elements (checked above) of the types named; alpha and beta outlive the call,
-    // which only enqueues.
+    // rows·n elements (checked above) of the types `types` names (the two callers pair them);
+    // alpha and beta outlive the call, which only enqueues.
     #[allow(unsafe_code)]
     let done = unsafe {
         cudarc::cublas::result::gemm_ex(
@@ -490,18 +588,128 @@ pub(super) fn gemm<C>(
             k_dim,
             (&raw const alpha).cast(),
             w_ptr as *const _,
-            cudaDataType::CUDA_R_16BF,
+            types.inputs,
             k_dim,
             a_ptr as *const _,
-            cudaDataType::CUDA_R_16BF,
+            types.inputs,
             k_dim,
             (&raw const beta).cast(),
             c_ptr as *mut _,
-            c_type,
+            types.output,
             m,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            types.compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     };
     done.map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// RMSNorm of each query head with `q_norm` and each key head with `k_norm`, in place on
+/// `tokens` fused QKV rows of `row_width`.
+pub(super) fn head_norm(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    qkv: &mut CudaSlice<u16>,
+    (q_norm, k_norm): (&CudaSlice<u16>, &CudaSlice<u16>),
+    (tokens, q_heads, kv_heads, head_dim, eps): (usize, usize, usize, usize, f32),
+) -> Result<()> {
+    const NAME: &str = "head_norm";
+    let row_width = (q_heads + 2 * kv_heads) * head_dim;
+    fits(NAME, "qkv", qkv.len(), tokens * row_width)?;
+    fits(NAME, "q_norm", q_norm.len(), head_dim)?;
+    fits(NAME, "k_norm", k_norm.len(), head_dim)?;
+    let config = grid(NAME, tokens, q_heads + kv_heads, 32)?;
+    let (row_width, q_heads) = (int(NAME, row_width)?, int(NAME, q_heads)?);
+    let head_dim = int(NAME, head_dim)?;
+    // SAFETY: the arguments match `head_norm(bf16*, const bf16*, const bf16*, int, int, int,
+    // float)` in order and type; the grid covers `tokens` rows of the query and key heads, all
+    // inside `qkv`, and each norm holds `head_dim` weights (checked above).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(qkv)
+            .arg(q_norm)
+            .arg(k_norm)
+            .arg(&row_width)
+            .arg(&q_heads)
+            .arg(&head_dim)
+            .arg(&eps)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `rows[r] = normed[tokens[r]]` for `rows` grouped rows of width `hidden`; every entry of
+/// `tokens` is below `normed`'s row count (the routing's grouping makes them so).
+pub(super) fn moe_gather(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    normed: &CudaSlice<u16>,
+    tokens: &CudaSlice<u32>,
+    rows: &mut CudaSlice<u16>,
+    (count, batch_tokens, hidden): (usize, usize, usize),
+) -> Result<()> {
+    const NAME: &str = "moe_gather";
+    fits(NAME, "normed", normed.len(), batch_tokens * hidden)?;
+    fits(NAME, "tokens", tokens.len(), count)?;
+    fits(NAME, "rows", rows.len(), count * hidden)?;
+    let config = grid(NAME, count, 1, ROW_THREADS)?;
+    let hidden = int(NAME, hidden)?;
+    // SAFETY: the arguments match `moe_gather(const bf16*, const unsigned*, bf16*, int)` in
+    // order and type; `rows` holds `count` rows and `tokens` `count` entries (checked above),
+    // each a token of the batch (`Grouping::group` writes only those), so every row read is in
+    // `normed`.
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(normed)
+            .arg(tokens)
+            .arg(rows)
+            .arg(&hidden)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
+}
+
+/// `branch[t] += Σ_j weights[t, j] · out[slots[t, j]]` for `tokens` tokens of `k` choices;
+/// every slot is below `tokens · k` (the grouping's rows).
+pub(super) fn moe_scatter(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    (out, slots, weights): (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<f32>),
+    branch: &mut CudaSlice<f32>,
+    (tokens, k, hidden): (usize, usize, usize),
+) -> Result<()> {
+    const NAME: &str = "moe_scatter";
+    fits(NAME, "out", out.len(), tokens * k * hidden)?;
+    fits(NAME, "slots", slots.len(), tokens * k)?;
+    fits(NAME, "weights", weights.len(), tokens * k)?;
+    fits(NAME, "branch", branch.len(), tokens * hidden)?;
+    let config = grid(NAME, tokens, 1, ROW_THREADS)?;
+    let (hidden, k) = (int(NAME, hidden)?, int(NAME, k)?);
+    // SAFETY: the arguments match `moe_scatter(const float*, const unsigned*, const float*,
+    // float*, int, int)` in order and type; `branch` holds `tokens` rows, `slots` and `weights`
+    // `tokens · k` entries, and `out` `tokens · k` rows (checked above), and every slot is a
+    // grouped row below `tokens · k` (`Grouping::group`).
+    #[allow(unsafe_code)]
+    let launched = unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(out)
+            .arg(slots)
+            .arg(weights)
+            .arg(branch)
+            .arg(&hidden)
+            .arg(&k)
+            .launch(config)
+    };
+    launched
+        .map(|_| ())
+        .map_err(|e| CudaError::fault(NAME)(e).into())
 }

@@ -1,5 +1,5 @@
 //! `--device cuda-replay`: the CUDA backend's forward pass run on the CPU, for tests. The same
-//! dense block ([`crate::model::dense`]) runs over host buffers, each op replaying its kernel
+//! blocks ([`crate::model::forward_block`]: dense, and AFMoE in `afmoe`) run over host buffers, each op replaying its kernel
 //! in `kernels.cu` loop for loop: the same bf16 weights and rounding points, the same
 //! block-wide sums in the same order (a 256-thread block's strided partial sums, then the warp
 //! butterflies), and the attention kernel's tiles and online softmax. What cannot be replayed
@@ -7,6 +7,8 @@
 //! running sums), the GPU's `sincosf`, `__expf` and `rsqrtf` (here the CPU's `sin_cos`, `exp`
 //! and `1/sqrt`, within a few ulps of them), and whether the compiler fuses RoPE's products. The replay refuses what the CUDA backend
 //! refuses. It is slow: a GEMM is a plain loop.
+
+mod afmoe;
 
 use rayon::prelude::*;
 
@@ -17,7 +19,7 @@ use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
-use crate::model::dense::{self, BlockOps, Source, Sublayer};
+use crate::model::dense::{BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
 
 /// One block's weights in bf16, as the CUDA backend uploads them.
@@ -30,6 +32,9 @@ struct HostBlock {
     mlp_norm: Vec<u16>,
     gate_up: Vec<u16>,
     down: Vec<u16>,
+    /// The MLP's inner width (0 for a sparse block without shared experts).
+    inter: usize,
+    afmoe: Option<afmoe::HostAfmoe>,
 }
 
 /// The CUDA backend's forward pass replayed on the CPU.
@@ -114,6 +119,8 @@ impl ReplayBackend {
                 mlp_norm: bf16_values(&b.mlp_norm),
                 gate_up: bf16_matrix(&b.gate_up),
                 down: bf16_matrix(&b.down),
+                inter: b.down.cols(),
+                afmoe: b.afmoe.as_ref().map(afmoe::HostAfmoe::of),
             })
             .collect();
         let forced = std::env::var(ATTENTION_VARIABLE).ok();
@@ -173,10 +180,11 @@ impl ReplayBackend {
         let hidden = self.config.hidden_size;
         if self.first_block == 0 {
             // embed_gather
+            let scale = super::forward::embedding_scale(&self.config);
             x.clear();
             for &id in &batch.input_ids {
                 let row = &self.embed[id as usize * hidden..][..hidden];
-                x.extend(row.iter().map(|&b| widen(b)));
+                x.extend(row.iter().map(|&b| widen(b) * scale));
             }
         }
         let mut ops = HostOps {
@@ -192,6 +200,7 @@ impl ReplayBackend {
             gate_up: Vec::new(),
             act: Vec::new(),
             branch: Vec::new(),
+            inter: 0,
             out,
         };
         let mut result = Ok(());
@@ -203,7 +212,8 @@ impl ReplayBackend {
                 let position = self.spec.sites.position(site)?;
                 Some(position * self.spec.layers.len() + layer)
             };
-            result = dense::block(&mut ops, block, self.config.attention_windows[index], slot);
+            ops.inter = block.inter;
+            result = crate::model::forward_block(&mut ops, block, &self.config, index, slot);
             if result.is_err() {
                 break;
             }
@@ -228,6 +238,8 @@ struct HostOps<'a> {
     gate_up: Vec<u16>,
     act: Vec<u16>,
     branch: Vec<f32>,
+    /// The block's MLP width (`HostBlock::inter`), for SwiGLU.
+    inter: usize,
     out: &'a mut Captured,
 }
 
@@ -296,26 +308,13 @@ impl BlockOps for HostOps<'_> {
 
     fn gate_up(&mut self, block: &HostBlock) -> Result<()> {
         let c = self.config;
-        let product = gemm(
-            &self.normed,
-            &block.gate_up,
-            2 * c.intermediate_size,
-            c.hidden_size,
-        );
+        let product = gemm(&self.normed, &block.gate_up, 2 * self.inter, c.hidden_size);
         self.gate_up = product.iter().map(|&v| kernel_bf16(v)).collect();
         Ok(())
     }
 
     fn swiglu(&mut self) -> Result<()> {
-        let inter = self.config.intermediate_size;
-        self.act = self
-            .gate_up
-            .chunks_exact(2 * inter)
-            .flat_map(|row| {
-                let (gate, up) = row.split_at(inter);
-                gate.iter().zip(up).map(|(&g, &u)| silu_times(g, u))
-            })
-            .collect();
+        self.act = swiglu(&self.gate_up, self.inter);
         Ok(())
     }
 
@@ -386,26 +385,12 @@ fn add_bias(values: &mut [f32], bias: &[f32]) {
     }
 }
 
-/// `rms_norm` over each row of `x`: a block of `ROW_THREADS` threads, each summing the squares
-/// of every `ROW_THREADS`-th value (fused multiply-adds, as the compiler contracts them), a
-/// butterfly within each warp, then one over the warps' partial sums; the scale times each
-/// value times its bf16 weight, rounded to bf16.
+/// `rms_norm` over each row of `x`: the scale of [`rms_scale`] times each value times its
+/// bf16 weight, rounded to bf16.
 fn rms_norm(x: &[f32], weight: &[u16], hidden: usize, eps: f32) -> Vec<u16> {
-    let threads = ROW_THREADS as usize;
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(hidden) {
-        let mut partial = [0.0f32; WARP];
-        for (warp, total) in partial.iter_mut().enumerate().take(threads / WARP) {
-            let mut lanes = [0.0f32; WARP];
-            for (lane, sum) in lanes.iter_mut().enumerate() {
-                let thread = warp * WARP + lane;
-                for value in row.iter().skip(thread).step_by(threads) {
-                    *sum = value.mul_add(*value, *sum);
-                }
-            }
-            *total = warp_sum(lanes);
-        }
-        let scale = 1.0 / (warp_sum(partial) / hidden as f32 + eps).sqrt();
+        let scale = rms_scale(row, eps);
         out.extend(
             row.iter()
                 .zip(weight)
@@ -413,6 +398,46 @@ fn rms_norm(x: &[f32], weight: &[u16], hidden: usize, eps: f32) -> Vec<u16> {
         );
     }
     out
+}
+
+/// `rms_norm_wide`: [`rms_norm`] left in f32.
+fn rms_norm_wide(x: &[f32], weight: &[u16], hidden: usize, eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(hidden) {
+        let scale = rms_scale(row, eps);
+        out.extend(row.iter().zip(weight).map(|(&v, &w)| v * scale * widen(w)));
+    }
+    out
+}
+
+/// `rms_scale` (with `block_sum`): a block of `ROW_THREADS` threads, each summing the squares
+/// of every `ROW_THREADS`-th value (fused multiply-adds, as the compiler contracts them), a
+/// butterfly within each warp, then one over the warps' partial sums; `1 / sqrt(mean + eps)`.
+fn rms_scale(row: &[f32], eps: f32) -> f32 {
+    let threads = ROW_THREADS as usize;
+    let mut partial = [0.0f32; WARP];
+    for (warp, total) in partial.iter_mut().enumerate().take(threads / WARP) {
+        let mut lanes = [0.0f32; WARP];
+        for (lane, sum) in lanes.iter_mut().enumerate() {
+            let thread = warp * WARP + lane;
+            for value in row.iter().skip(thread).step_by(threads) {
+                *sum = value.mul_add(*value, *sum);
+            }
+        }
+        *total = warp_sum(lanes);
+    }
+    1.0 / (warp_sum(partial) / row.len() as f32 + eps).sqrt()
+}
+
+/// `swiglu` over rows of `gate_up` (`[rows, 2 inter]`, gate first), bf16.
+fn swiglu(gate_up: &[u16], inter: usize) -> Vec<u16> {
+    gate_up
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(inter);
+            gate.iter().zip(up).map(|(&g, &u)| silu_times(g, u))
+        })
+        .collect()
 }
 
 /// `rope` on one head: dimension `i` pairs with `i + head_dim / 2`, the angle in f32.

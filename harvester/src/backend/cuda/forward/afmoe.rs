@@ -1,0 +1,401 @@
+//! AFMoE's ops on the device ([`AfmoeOps`] for [`DeviceOps`]): the per-head norms, the
+//! attention gate and the branch norms are kernels; the routed experts are the f32 router's
+//! GEMM, the routing on the host ([`crate::model::routing`], so it is the CPU's rule to the
+//! bit, from the device's logits), then one cuBLAS GEMM pair per expert over its grouped rows.
+//! The host routing waits for the logits once per sparse block.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::{BF16, DeviceBlock, DeviceOps, F32, Uploader, memory_error};
+use crate::backend::cuda::error::CudaError;
+use crate::backend::cuda::launch::{self, gemm, gemm_f32};
+use crate::error::Result;
+use crate::model::afmoe::AfmoeOps;
+use crate::model::dense::Sublayer;
+use crate::model::routing::{Choice, Grouping, choose};
+use crate::model::{AfmoeBlock, AfmoeConfig, ModelConfig};
+
+/// What an AFMoE block adds to the dense block's weights, on the device.
+pub(super) struct DeviceAfmoe {
+    q_norm: CudaSlice<u16>,
+    k_norm: CudaSlice<u16>,
+    attn_gate: CudaSlice<u16>,
+    attn_out_norm: CudaSlice<u16>,
+    mlp_out_norm: CudaSlice<u16>,
+    moe: Option<DeviceMoe>,
+}
+
+/// A sparse block's routed experts.
+struct DeviceMoe {
+    /// `[experts, hidden]`, f32: the logits choose experts, so they are not rounded.
+    router: CudaSlice<f32>,
+    /// Read by the host's routing.
+    expert_bias: Vec<f32>,
+    /// Each expert's gate|up and down, bf16.
+    experts: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
+}
+
+impl Uploader<'_> {
+    /// An AFMoE block's own weights.
+    pub(super) fn afmoe(&mut self, a: &AfmoeBlock) -> Result<DeviceAfmoe> {
+        let moe = match &a.moe {
+            Some(m) => Some(DeviceMoe {
+                router: self.f32s(&m.router.to_f32_vec())?,
+                expert_bias: m.expert_bias.clone(),
+                experts: m
+                    .experts
+                    .iter()
+                    .map(|e| Ok((self.matrix(&e.gate_up)?, self.matrix(&e.down)?)))
+                    .collect::<Result<_>>()?,
+            }),
+            None => None,
+        };
+        Ok(DeviceAfmoe {
+            q_norm: self.values(&a.q_norm)?,
+            k_norm: self.values(&a.k_norm)?,
+            attn_gate: self.matrix(&a.attn_gate)?,
+            attn_out_norm: self.values(&a.attn_out_norm)?,
+            mlp_out_norm: self.values(&a.mlp_out_norm)?,
+            moe,
+        })
+    }
+}
+
+/// The batch buffers AFMoE adds, for up to `tokens` tokens.
+pub(super) struct AfmoeScratch {
+    /// The attention gate's product, `[tokens, heads head_dim]`.
+    gate: CudaSlice<u16>,
+    /// An f32 norm: the router's input, then a branch norm's output (swapped with the branch).
+    wide: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// The grouped expert inputs, `[tokens k, hidden]`.
+    rows: CudaSlice<u16>,
+    /// One expert's gate|up and activation, for up to `tokens` rows.
+    expert_gate_up: CudaSlice<u16>,
+    expert_act: CudaSlice<u16>,
+    /// The grouped expert outputs, `[tokens k, hidden]`.
+    expert_out: CudaSlice<f32>,
+    /// The token of each grouped row, each choice's row and its weight.
+    row_tokens: CudaSlice<u32>,
+    slots: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    host: HostRouting,
+}
+
+/// The routing's host buffers; they only grow.
+#[derive(Default)]
+struct HostRouting {
+    logits: Vec<f32>,
+    choices: Vec<Choice>,
+    grouping: Grouping,
+    weights: Vec<f32>,
+}
+
+/// The routed experts' sizes: (experts, k, one expert's width), or zeros for a dense model.
+fn routed(config: &ModelConfig) -> (usize, usize, usize) {
+    config.afmoe.as_ref().map_or((0, 0, 0), |a: &AfmoeConfig| {
+        (
+            a.num_experts,
+            a.experts_per_token,
+            a.expert_intermediate_size,
+        )
+    })
+}
+
+impl AfmoeScratch {
+    /// Device bytes of the buffers for `tokens` tokens of an AFMoE `config`.
+    pub(super) fn bytes(config: &ModelConfig, tokens: usize) -> u64 {
+        let (experts, k, inter) = routed(config);
+        let (hidden, attn) = (config.hidden_size, config.num_heads * config.head_dim);
+        let per_token = 2 * attn
+            + 4 * hidden
+            + 4 * experts
+            + 2 * k * hidden
+            + 2 * 3 * inter
+            + 4 * k * hidden
+            + 12 * k;
+        (per_token * tokens) as u64
+    }
+
+    pub(super) fn new(
+        stream: &Arc<CudaStream>,
+        config: &ModelConfig,
+        tokens: usize,
+    ) -> Result<Self> {
+        let (experts, k, inter) = routed(config);
+        let hidden = config.hidden_size;
+        let action = "allocating a batch's activations";
+        // Zero-length buffers (a model without routed experts) take one value: the driver
+        // refuses empty allocations.
+        let f32s = |n: usize| {
+            stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(memory_error(action))
+        };
+        let u16s = |n: usize| {
+            stream
+                .alloc_zeros::<u16>(n.max(1))
+                .map_err(memory_error(action))
+        };
+        let u32s = |n: usize| {
+            stream
+                .alloc_zeros::<u32>(n.max(1))
+                .map_err(memory_error(action))
+        };
+        Ok(Self {
+            gate: u16s(tokens * config.num_heads * config.head_dim)?,
+            wide: f32s(tokens * hidden)?,
+            logits: f32s(tokens * experts)?,
+            rows: u16s(tokens * k * hidden)?,
+            expert_gate_up: u16s(tokens * 2 * inter)?,
+            expert_act: u16s(tokens * inter)?,
+            expert_out: f32s(tokens * k * hidden)?,
+            row_tokens: u32s(tokens * k)?,
+            slots: u32s(tokens * k)?,
+            weights: f32s(tokens * k)?,
+            host: HostRouting::default(),
+        })
+    }
+}
+
+/// A fault: a block without its AFMoE weights or buffers reached an AFMoE op.
+fn not_afmoe(op: &'static str) -> crate::Error {
+    CudaError::Fault {
+        action: op,
+        reason: "the block or the batch has no AFMoE weights or buffers".into(),
+    }
+    .into()
+}
+
+impl DeviceOps<'_, '_> {
+    fn afmoe_parts<'b>(
+        &'b mut self,
+        block: &'b DeviceBlock,
+        op: &'static str,
+    ) -> Result<(&'b DeviceAfmoe, &'b mut super::Scratch)> {
+        match (&block.afmoe, self.s.afmoe.is_some()) {
+            (Some(a), true) => Ok((a, &mut *self.s)),
+            _ => Err(not_afmoe(op)),
+        }
+    }
+}
+
+impl AfmoeOps for DeviceOps<'_, '_> {
+    fn head_norms(&mut self, block: &DeviceBlock) -> Result<()> {
+        let p = self.pass;
+        let c = p.config;
+        let (a, s) = self.afmoe_parts(block, "head_norm")?;
+        launch::head_norm(
+            p.stream,
+            &p.kernels.head_norm,
+            &mut s.qkv,
+            (&a.q_norm, &a.k_norm),
+            (
+                p.tokens,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.rms_norm_eps as f32,
+            ),
+        )
+    }
+
+    fn attention_gate(&mut self, block: &DeviceBlock) -> Result<()> {
+        let p = self.pass;
+        let c = p.config;
+        let attn_width = c.num_heads * c.head_dim;
+        let (a, s) = self.afmoe_parts(block, "sigmoid_gate")?;
+        let Some(scratch) = s.afmoe.as_mut() else {
+            return Err(not_afmoe("sigmoid_gate"));
+        };
+        let shape = (attn_width, c.hidden_size);
+        p.gemm(&s.normed, &a.attn_gate, &mut scratch.gate, BF16, shape, 0.0)?;
+        let n = p.tokens * attn_width;
+        launch::sigmoid_gate(
+            p.stream,
+            &p.kernels.sigmoid_gate,
+            &mut s.attn,
+            &scratch.gate,
+            n,
+        )
+    }
+
+    fn branch_norm(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+        let p = self.pass;
+        let c = p.config;
+        let (a, s) = self.afmoe_parts(block, "rms_norm_wide")?;
+        let Some(scratch) = s.afmoe.as_mut() else {
+            return Err(not_afmoe("rms_norm_wide"));
+        };
+        let weight = match sublayer {
+            Sublayer::Attention => &a.attn_out_norm,
+            Sublayer::Mlp => &a.mlp_out_norm,
+        };
+        let shape = (p.tokens, c.hidden_size, c.rms_norm_eps as f32);
+        let kernel = &p.kernels.rms_norm_wide;
+        launch::rms_norm_wide(
+            p.stream,
+            kernel,
+            &s.branch,
+            weight,
+            &mut scratch.wide,
+            shape,
+        )?;
+        std::mem::swap(&mut s.branch, &mut scratch.wide);
+        Ok(())
+    }
+
+    fn clear_branch(&mut self) -> Result<()> {
+        let n = self.pass.tokens * self.pass.config.hidden_size;
+        self.pass
+            .stream
+            .memset_zeros(&mut self.s.branch.slice_mut(..n))
+            .map_err(|e| CudaError::fault("clearing the branch")(e).into())
+    }
+
+    fn routed_experts(&mut self, block: &DeviceBlock) -> Result<()> {
+        let p = self.pass;
+        let (c, tokens) = (p.config, p.tokens);
+        let hidden = c.hidden_size;
+        let (experts, k, _) = routed(c);
+        let (a, s) = self.afmoe_parts(block, "routing")?;
+        let (Some(moe), Some(scratch)) = (&a.moe, s.afmoe.as_mut()) else {
+            return Err(not_afmoe("routing"));
+        };
+        // The router reads the MLP's norm in f32.
+        let eps = c.rms_norm_eps as f32;
+        let norm = (tokens, hidden, eps);
+        let kernel = &p.kernels.rms_norm_wide;
+        launch::rms_norm_wide(
+            p.stream,
+            kernel,
+            &s.x,
+            &block.mlp_norm,
+            &mut scratch.wide,
+            norm,
+        )?;
+        let logits = (tokens, experts, hidden);
+        gemm_f32(
+            p.blas,
+            p.stream,
+            &scratch.wide,
+            &moe.router,
+            &mut scratch.logits,
+            logits,
+        )?;
+        route(p.stream, scratch, moe, c, tokens)?;
+        launch::moe_gather(
+            p.stream,
+            &p.kernels.moe_gather,
+            &s.normed,
+            &scratch.row_tokens,
+            &mut scratch.rows,
+            (tokens * k, tokens, hidden),
+        )?;
+        run_experts(p, moe, scratch)?;
+        launch::moe_scatter(
+            p.stream,
+            &p.kernels.moe_scatter,
+            (&scratch.expert_out, &scratch.slots, &scratch.weights),
+            &mut s.branch,
+            (tokens, k, hidden),
+        )
+    }
+}
+
+/// Each expert's SwiGLU over its block of grouped rows, one GEMM pair per expert, into
+/// `expert_out`.
+fn run_experts(p: &super::Pass<'_>, moe: &DeviceMoe, scratch: &mut AfmoeScratch) -> Result<()> {
+    let hidden = p.config.hidden_size;
+    let (_, _, inter) = routed(p.config);
+    for (e, (gate_up, down)) in moe.experts.iter().enumerate() {
+        let rows = scratch.host.grouping.rows(e);
+        let n = rows.len();
+        if n == 0 {
+            continue;
+        }
+        let input = scratch.rows.slice(rows.start * hidden..rows.end * hidden);
+        let product = (n, 2 * inter, hidden);
+        gemm(
+            p.blas,
+            p.stream,
+            &input,
+            gate_up,
+            &mut scratch.expert_gate_up,
+            BF16,
+            product,
+            0.0,
+        )?;
+        let swiglu = &p.kernels.swiglu;
+        launch::swiglu(
+            p.stream,
+            swiglu,
+            &scratch.expert_gate_up,
+            &mut scratch.expert_act,
+            (n, inter),
+        )?;
+        let mut out = scratch
+            .expert_out
+            .slice_mut(rows.start * hidden..rows.end * hidden);
+        gemm(
+            p.blas,
+            p.stream,
+            &scratch.expert_act,
+            down,
+            &mut out,
+            F32,
+            (n, hidden, inter),
+            0.0,
+        )?;
+    }
+    Ok(())
+}
+
+/// Downloads the logits, routes each token on the host and uploads the grouping.
+fn route(
+    stream: &Arc<CudaStream>,
+    scratch: &mut AfmoeScratch,
+    moe: &DeviceMoe,
+    c: &ModelConfig,
+    tokens: usize,
+) -> Result<()> {
+    let (experts, k, _) = routed(c);
+    let scale = c.afmoe.as_ref().map_or(1.0, |a| a.route_scale as f32);
+    let copy = CudaError::fault("routing the batch's tokens");
+    let host = &mut scratch.host;
+    host.logits.resize(tokens * experts, 0.0);
+    stream
+        .memcpy_dtoh(
+            &scratch.logits.slice(..tokens * experts),
+            &mut host.logits[..],
+        )
+        .map_err(&copy)?;
+    stream.synchronize().map_err(&copy)?;
+    host.choices.resize(tokens * k, Choice::default());
+    for (chosen, logits) in host
+        .choices
+        .chunks_exact_mut(k)
+        .zip(host.logits.chunks_exact(experts))
+    {
+        choose(logits, &moe.expert_bias, scale, chosen);
+    }
+    host.grouping.group(&host.choices, experts, k);
+    host.weights.clear();
+    host.weights.extend(host.choices.iter().map(|c| c.weight));
+    let n = tokens * k;
+    stream
+        .memcpy_htod(
+            &host.grouping.tokens[..n],
+            &mut scratch.row_tokens.slice_mut(..n),
+        )
+        .map_err(&copy)?;
+    stream
+        .memcpy_htod(&host.grouping.slots[..n], &mut scratch.slots.slice_mut(..n))
+        .map_err(&copy)?;
+    stream
+        .memcpy_htod(&host.weights[..n], &mut scratch.weights.slice_mut(..n))
+        .map_err(&copy)?;
+    Ok(())
+}

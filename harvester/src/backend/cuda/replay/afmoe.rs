@@ -1,0 +1,252 @@
+//! AFMoE's ops replayed on the host ([`AfmoeOps`] for [`HostOps`]), kernel for kernel as
+//! `forward/afmoe.rs` launches them: `head_norm`, `sigmoid_gate`, `rms_norm_wide`, the f32
+//! router (cuBLAS's order is its own: here eight running sums), the routing rule itself
+//! ([`crate::model::routing`], the code the CUDA backend runs on its downloaded logits), the
+//! grouped expert GEMMs, and `moe_scatter`'s fused multiply-adds in expert order.
+
+use super::{HostBlock, HostOps, bf16_matrix, bf16_values, gemm, rms_norm_wide, swiglu, widen};
+use crate::backend::cuda::emulation::{WARP, kernel_bf16, warp_sum};
+use crate::error::Result;
+use crate::model::AfmoeBlock;
+use crate::model::afmoe::AfmoeOps;
+use crate::model::dense::Sublayer;
+use crate::model::routing::{Choice, Grouping, choose};
+
+/// What an AFMoE block adds, as the CUDA backend uploads it.
+pub(super) struct HostAfmoe {
+    q_norm: Vec<u16>,
+    k_norm: Vec<u16>,
+    attn_gate: Vec<u16>,
+    attn_out_norm: Vec<u16>,
+    mlp_out_norm: Vec<u16>,
+    moe: Option<HostMoe>,
+}
+
+/// A sparse block's routed experts: the router in f32, each expert's gate|up and down in bf16.
+struct HostMoe {
+    router: Vec<f32>,
+    expert_bias: Vec<f32>,
+    experts: Vec<(Vec<u16>, Vec<u16>)>,
+}
+
+impl HostAfmoe {
+    pub(super) fn of(a: &AfmoeBlock) -> Self {
+        Self {
+            q_norm: bf16_values(&a.q_norm),
+            k_norm: bf16_values(&a.k_norm),
+            attn_gate: bf16_matrix(&a.attn_gate),
+            attn_out_norm: bf16_values(&a.attn_out_norm),
+            mlp_out_norm: bf16_values(&a.mlp_out_norm),
+            moe: a.moe.as_ref().map(|m| HostMoe {
+                router: m.router.to_f32_vec(),
+                expert_bias: m.expert_bias.clone(),
+                experts: m
+                    .experts
+                    .iter()
+                    .map(|e| (bf16_matrix(&e.gate_up), bf16_matrix(&e.down)))
+                    .collect(),
+            }),
+        }
+    }
+}
+
+/// A block without AFMoE weights reached an AFMoE op: a bug in the caller.
+fn not_afmoe(op: &'static str) -> crate::Error {
+    crate::error::CudaError::Fault {
+        action: op,
+        reason: "the block has no AFMoE weights".into(),
+    }
+    .into()
+}
+
+impl AfmoeOps for HostOps<'_> {
+    fn head_norms(&mut self, block: &HostBlock) -> Result<()> {
+        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("head_norm"))?;
+        let c = self.config;
+        let eps = c.rms_norm_eps as f32;
+        for row in self.qkv.chunks_exact_mut(c.qkv_width()) {
+            let heads = row
+                .chunks_exact_mut(c.head_dim)
+                .take(c.num_heads + c.num_kv_heads);
+            for (head, h) in heads.enumerate() {
+                let weight = if head < c.num_heads {
+                    &a.q_norm
+                } else {
+                    &a.k_norm
+                };
+                head_norm(h, weight, eps);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention_gate(&mut self, block: &HostBlock) -> Result<()> {
+        let a = block
+            .afmoe
+            .as_ref()
+            .ok_or_else(|| not_afmoe("sigmoid_gate"))?;
+        let c = self.config;
+        let gate = gemm(
+            &self.normed,
+            &a.attn_gate,
+            c.num_heads * c.head_dim,
+            c.hidden_size,
+        );
+        for (attn, g) in self.attn.iter_mut().zip(gate) {
+            let g = widen(kernel_bf16(g));
+            *attn = kernel_bf16(widen(*attn) / (1.0 + (-g).exp()));
+        }
+        Ok(())
+    }
+
+    fn branch_norm(&mut self, block: &HostBlock, sublayer: Sublayer) -> Result<()> {
+        let a = block
+            .afmoe
+            .as_ref()
+            .ok_or_else(|| not_afmoe("rms_norm_wide"))?;
+        let weight = match sublayer {
+            Sublayer::Attention => &a.attn_out_norm,
+            Sublayer::Mlp => &a.mlp_out_norm,
+        };
+        let c = self.config;
+        self.branch = rms_norm_wide(&self.branch, weight, c.hidden_size, c.rms_norm_eps as f32);
+        Ok(())
+    }
+
+    fn clear_branch(&mut self) -> Result<()> {
+        self.branch = vec![0.0; self.tokens() * self.config.hidden_size];
+        Ok(())
+    }
+
+    fn routed_experts(&mut self, block: &HostBlock) -> Result<()> {
+        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
+        let (Some(moe), Some(config)) = (&a.moe, &self.config.afmoe) else {
+            return Err(not_afmoe("routing"));
+        };
+        let (c, tokens) = (self.config, self.tokens());
+        let hidden = c.hidden_size;
+        let (experts, k) = (config.num_experts, config.experts_per_token);
+        let inter = config.expert_intermediate_size;
+        let wide = rms_norm_wide(&self.x, &block.mlp_norm, hidden, c.rms_norm_eps as f32);
+        let logits = gemm_f32(&wide, &moe.router, experts, hidden);
+        let mut choices = vec![Choice::default(); tokens * k];
+        for (chosen, logits) in choices
+            .chunks_exact_mut(k)
+            .zip(logits.chunks_exact(experts))
+        {
+            choose(logits, &moe.expert_bias, config.route_scale as f32, chosen);
+        }
+        let mut grouping = Grouping::default();
+        grouping.group(&choices, experts, k);
+        // moe_gather
+        let rows: Vec<u16> = grouping
+            .tokens
+            .iter()
+            .flat_map(|&t| self.normed[t as usize * hidden..][..hidden].iter().copied())
+            .collect();
+        let mut out = vec![0.0f32; tokens * k * hidden];
+        for (e, (gate_up, down)) in moe.experts.iter().enumerate() {
+            let span = grouping.rows(e);
+            if span.is_empty() {
+                continue;
+            }
+            let input = &rows[span.start * hidden..span.end * hidden];
+            let product = gemm(input, gate_up, 2 * inter, hidden);
+            let gate_up: Vec<u16> = product.iter().map(|&v| kernel_bf16(v)).collect();
+            let act = swiglu(&gate_up, inter);
+            let expert_out = gemm(&act, down, hidden, inter);
+            out[span.start * hidden..span.end * hidden].copy_from_slice(&expert_out);
+        }
+        moe_scatter(
+            &out,
+            (&grouping.slots, &choices),
+            &mut self.branch,
+            (hidden, k),
+        );
+        Ok(())
+    }
+}
+
+/// `head_norm` on one head: lane `l` sums the squares of dimensions `l, l + 32, ...` (fused),
+/// the warp butterfly, then each value times the scale times its bf16 weight, rounded.
+fn head_norm(head: &mut [u16], weight: &[u16], eps: f32) {
+    let mut lanes = [0.0f32; WARP];
+    for (lane, sum) in lanes.iter_mut().enumerate() {
+        for &v in head.iter().skip(lane).step_by(WARP) {
+            let v = widen(v);
+            *sum = v.mul_add(v, *sum);
+        }
+    }
+    let scale = 1.0 / (warp_sum(lanes) / head.len() as f32 + eps).sqrt();
+    for (h, &w) in head.iter_mut().zip(weight) {
+        *h = kernel_bf16(widen(*h) * scale * widen(w));
+    }
+}
+
+/// `moe_scatter`: each token's branch row gains `weight · out[slot]` per choice, in expert
+/// order, one fused multiply-add each.
+fn moe_scatter(
+    out: &[f32],
+    (slots, choices): (&[u32], &[Choice]),
+    branch: &mut [f32],
+    (hidden, k): (usize, usize),
+) {
+    for ((row, slots), choices) in branch
+        .chunks_exact_mut(hidden)
+        .zip(slots.chunks_exact(k))
+        .zip(choices.chunks_exact(k))
+    {
+        for (&slot, choice) in slots.iter().zip(choices) {
+            let expert_row = &out[slot as usize * hidden..][..hidden];
+            for (b, &v) in row.iter_mut().zip(expert_row) {
+                *b = choice.weight.mul_add(v, *b);
+            }
+        }
+    }
+}
+
+/// `c[t, n] = a[t, :] · w[n, :]` all in f32, as [`gemm`] sums (eight running sums; cuBLAS's
+/// order is its own).
+fn gemm_f32(a: &[f32], w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut c = Vec::with_capacity(a.len() / k * n);
+    for a_row in a.chunks_exact(k) {
+        for w_row in w.chunks_exact(k) {
+            let mut sums = [0.0f32; 8];
+            for (i, (&x, &y)) in a_row.iter().zip(w_row).enumerate() {
+                sums[i % 8] += x * y;
+            }
+            c.push(sums.iter().sum());
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(values: &[f32]) -> Vec<u16> {
+        values.iter().map(|&v| kernel_bf16(v)).collect()
+    }
+
+    #[test]
+    fn a_head_norm_gives_each_head_unit_rms_times_its_weight() {
+        let mut head = bits(&[3.0, -1.0, 2.0, 0.5, 1.5, -2.5, 0.25, 4.0]);
+        let weight = bits(&[1.0; 8]);
+        head_norm(&mut head, &weight, 1e-6);
+        let mean_square: f32 = head.iter().map(|&v| widen(v) * widen(v)).sum::<f32>() / 8.0;
+        assert!((mean_square - 1.0).abs() < 1e-2, "{mean_square}");
+    }
+
+    #[test]
+    fn the_scatter_adds_each_choice_weighed_to_its_token_in_expert_order() {
+        // Two tokens of width 2, one choice each plus a second for token 0.
+        let out = [1.0, 2.0, 10.0, 20.0, 100.0, 200.0, 0.0, 0.0];
+        let pick = |expert, weight| Choice { expert, weight };
+        let choices = [pick(0, 0.5), pick(1, 2.0), pick(1, 1.0), pick(1, 0.0)];
+        let slots = [0, 1, 2, 3];
+        let mut branch = [1.0, 1.0, 0.0, 0.0];
+        moe_scatter(&out, (&slots, &choices), &mut branch, (2, 2));
+        assert_eq!(branch, [1.0 + 0.5 + 20.0, 1.0 + 1.0 + 40.0, 100.0, 200.0]);
+    }
+}
