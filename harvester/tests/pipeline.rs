@@ -1109,6 +1109,47 @@ fn two_and_three_cuda_replay_stages_write_the_bytes_one_replay_writes() {
 }
 
 #[test]
+fn afmoe_in_two_and_three_cuda_replay_stages_writes_the_bytes_one_replay_writes() {
+    // Each stage routes its own sparse blocks' tokens; the embedding's muP scale is the first
+    // stage's alone.
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
+    let model = fixtures().join("tiny-afmoe-bf16");
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let args: Vec<String> = [
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--layers",
+            "all",
+            "--sites",
+            "attn_out,mlp_out,resid_post",
+            "--device",
+            "cuda-replay",
+            "--progress",
+            "off",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| (*s).to_owned())
+        .collect();
+        run_ok(&args);
+        output_files(&out)
+    };
+    let single = run("single", &[]);
+    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
+    for stages in ["2", "3"] {
+        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
+        assert_eq!(staged, single, "{stages} stages");
+    }
+}
+
+#[test]
 fn stage_devices_without_cuda_stages_exit_2_naming_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = write_prompts(dir.path(), &["hello".to_owned()]);

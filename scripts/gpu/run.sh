@@ -231,12 +231,14 @@ step "16-wide heads, a QKV bias, a sliding window and AFMoE (the Llama 3, Qwen2,
 # AFMoE runs on a GPU only when asked for until this step has passed (HARVEST_CUDA_AFMOE); its
 # routing can differ from the replay's where a token's margin is below the two's rounding
 # differences, which this step would show as a few tokens over the guard. The CPU runs AFMoE in
-# f32 only.
+# f32 only, against which the bf16 replay reroutes a few tokens by design (docs/engine.md), so
+# on DEVICE=cpu that fixture's figure is printed, not judged.
 fixtures=$here/../harvester/tests/fixtures
 for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 tiny-afmoe-bf16; do
   runs=ok
   precision=bf16
-  [ "$device" = cpu ] && [ "$fixture" = tiny-afmoe-bf16 ] && precision=f32
+  judged=yes
+  [ "$device" = cpu ] && [ "$fixture" = tiny-afmoe-bf16 ] && precision=f32 && judged=no
   for engine in "$device" cuda-replay; do
     HARVEST_CUDA_AFMOE=try CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" --precision "$precision" \
       --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
@@ -246,6 +248,9 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
   if [ "$runs" != ok ]; then
     note "$fixture: $runs"
     failures=$((failures + 1))
+  elif [ "$judged" = no ]; then
+    fixture_vs=$("$harvester" compare "$work/$fixture-cuda-replay" "$work/$fixture-$device" 2>&1 || true)
+    note "$fixture $device (f32) vs replay (bf16), information only: $(echo "$fixture_vs" | head -1)"
   elif fixture_vs=$("$harvester" compare "$work/$fixture-cuda-replay" "$work/$fixture-$device" \
       --max-relative-error "$vs_replay" 2>&1); then
     note "$fixture $device vs replay (guard $vs_replay): passed: $(echo "$fixture_vs" | head -1)"

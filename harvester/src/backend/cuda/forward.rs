@@ -18,6 +18,7 @@ use std::time::Instant;
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use rayon::prelude::*;
 
 use super::download::Slots;
 use super::error::CudaError;
@@ -41,11 +42,35 @@ fn driver(error: impl std::fmt::Display) -> crate::Error {
     CudaError::unavailable(error).into()
 }
 
-fn bf16(values: &[f32]) -> Vec<u16> {
+/// Rows one conversion task rounds.
+const CONVERT_ROWS: usize = 64;
+
+/// f32 values (norm weights) rounded to bf16 bits (`half`'s rounding, to nearest even).
+pub(super) fn bf16_values(values: &[f32]) -> Vec<u16> {
     values
-        .iter()
+        .par_iter()
         .map(|&v| half::bf16::from_f32(v).to_bits())
         .collect()
+}
+
+/// A matrix rounded to bf16 bits, its rows decoded and rounded in parallel tasks of
+/// [`CONVERT_ROWS`] (the load's conversion phase: a bf16 checkpoint's mapped bytes skip it).
+pub(super) fn rounded_bf16(matrix: &Matrix) -> Vec<u16> {
+    let cols = matrix.cols();
+    let mut bits = vec![0u16; matrix.len()];
+    if cols == 0 {
+        return bits;
+    }
+    bits.par_chunks_mut(cols * CONVERT_ROWS)
+        .enumerate()
+        .for_each(|(task, out)| {
+            let mut values = vec![0.0f32; out.len()];
+            matrix.decode_rows(task * CONVERT_ROWS, &mut values);
+            for (b, &v) in out.iter_mut().zip(&values) {
+                *b = half::bf16::from_f32(v).to_bits();
+            }
+        });
+    bits
 }
 
 /// Seconds each phase of putting the weights on the device took.
@@ -103,7 +128,7 @@ impl Uploader<'_> {
     /// f32 values (norm weights) rounded to bf16.
     fn values(&mut self, values: &[f32]) -> Result<CudaSlice<u16>> {
         let start = Instant::now();
-        let bits = bf16(values);
+        let bits = bf16_values(values);
         self.phases.convert_seconds += start.elapsed().as_secs_f64();
         let mut device = self.alloc(bits.len())?;
         self.copy(&bits, &mut device, 0)?;
@@ -165,10 +190,7 @@ impl Uploader<'_> {
             return Ok(device);
         }
         let start = Instant::now();
-        let bits = match matrix.as_f32() {
-            Some(values) => bf16(values),
-            None => bf16(&matrix.to_f32_vec()),
-        };
+        let bits = rounded_bf16(matrix);
         self.phases.convert_seconds += start.elapsed().as_secs_f64();
         self.copy(&bits, &mut device, 0)?;
         Ok(device)
@@ -1120,14 +1142,14 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     let stream = context.default_stream();
     let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
     let a = stream
-        .clone_htod(&bf16(
+        .clone_htod(&bf16_values(
             &(0..m * k)
                 .map(|i| (i % 17) as f32 * 0.01)
                 .collect::<Vec<_>>(),
         ))
         .map_err(driver)?;
     let b = stream
-        .clone_htod(&bf16(
+        .clone_htod(&bf16_values(
             &(0..n * k)
                 .map(|i| (i % 13) as f32 * 0.01)
                 .collect::<Vec<_>>(),

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use super::emulation::{
     Heads, WARP, kernel_attention, kernel_attention_mma, kernel_bf16, warp_sum,
 };
+use super::forward::{bf16_values, rounded_bf16};
 use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
@@ -74,19 +75,7 @@ fn bf16_matrix(matrix: &Matrix) -> Vec<u16> {
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
             .collect();
     }
-    let values = match matrix.as_f32() {
-        Some(values) => values.to_vec(),
-        None => matrix.to_f32_vec(),
-    };
-    bf16_values(&values)
-}
-
-/// f32 values rounded to bf16 on the host, as the upload does (`half`'s rounding).
-fn bf16_values(values: &[f32]) -> Vec<u16> {
-    values
-        .iter()
-        .map(|&v| half::bf16::from_f32(v).to_bits())
-        .collect()
+    rounded_bf16(matrix)
 }
 
 impl ReplayBackend {
@@ -528,6 +517,22 @@ mod tests {
                 assert!(error <= exact.abs() / 128.0 + 1e-6, "{got} vs {exact}");
             }
         }
+    }
+
+    #[test]
+    fn the_parallel_rounding_to_bf16_equals_rounding_value_by_value() {
+        // More rows than one conversion task, and a last task that is not full.
+        let (rows, cols) = (150, 7);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| (i as f32 * 0.37).sin() * 1e3 + 1.0 / (1.0 + i as f32))
+            .collect();
+        let one_by_one: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let matrix = Matrix::from_f32(rows, cols, values.clone());
+        assert_eq!(rounded_bf16(&matrix), one_by_one);
+        assert_eq!(bf16_values(&values), one_by_one);
     }
 
     #[test]
