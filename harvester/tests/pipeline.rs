@@ -1086,6 +1086,19 @@ fn one_two_and_three_cpu_pipeline_stages_write_the_bytes_one_backend_writes() {
     }
 }
 
+/// Runs `run` (a name for its output, extra arguments) without stages, then with 2 and 3, and
+/// checks each staged run wrote the files of the one without.
+fn two_and_three_stages_write_the_files_of_one(
+    run: impl Fn(&str, &[&str]) -> Vec<(String, String)>,
+) {
+    let single = run("single", &[]);
+    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
+    for stages in ["2", "3"] {
+        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
+        assert_eq!(staged, single, "{stages} stages");
+    }
+}
+
 #[test]
 fn two_and_three_cuda_replay_stages_write_the_bytes_one_replay_writes() {
     // What a CUDA stage does on its GPU, replayed: only the first embeds, each takes the
@@ -1100,12 +1113,7 @@ fn two_and_three_cuda_replay_stages_write_the_bytes_one_replay_writes() {
         run_ok(&args);
         output_files(&out)
     };
-    let single = run("single", &[]);
-    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
-    for stages in ["2", "3"] {
-        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
-        assert_eq!(staged, single, "{stages} stages");
-    }
+    two_and_three_stages_write_the_files_of_one(run);
 }
 
 #[test]
@@ -1141,12 +1149,7 @@ fn afmoe_in_two_and_three_cuda_replay_stages_writes_the_bytes_one_replay_writes(
         run_ok(&args);
         output_files(&out)
     };
-    let single = run("single", &[]);
-    assert!(single.iter().any(|(name, _)| name == "manifest.json"));
-    for stages in ["2", "3"] {
-        let staged = run(&format!("stages-{stages}"), &["--pipeline-stages", stages]);
-        assert_eq!(staged, single, "{stages} stages");
-    }
+    two_and_three_stages_write_the_files_of_one(run);
 }
 
 #[test]

@@ -8,22 +8,12 @@
 //! norms and SwiGLU write bf16 bits, the MLP's norm adds the attention branch as it goes, and
 //! the gate|up product stores its sums as bits where they are whole in registers.
 //!
-//! One block, on packed rows `x: [tokens, hidden]`:
-//! ```text
-//!                                                                   ← resid_pre
-//! normed = rms_norm(x)                  qkv = normed · Wqkvᵀ (+ bias), RoPE on Q and K
-//! attn   = causal GQA attention(qkv)    x  += attn · Woᵀ (+ bias)    ← attn_out, resid_mid
-//! normed = rms_norm(x)                  gate_up = normed · W(gate|up)ᵀ
-//! act    = silu(gate) ⊙ up              x  += act · Wdownᵀ          ← mlp_out, resid_post
-//! ```
+//! The blocks are the model's, written once in `crate::model` (`dense.rs`, `afmoe.rs`) as a
+//! sequence of block ops, and run here by `ops::CpuOps`, as the CUDA backend runs them on a GPU.
 //! Each branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added, kept
 //! or not: `x + Σ` rounds once more than a product chained on from `x` would, and doing it the
-//! one way everywhere means keeping a site never changes the stream's bits.
-//!
-//! An AFMoE block (`model::AfmoeBlock`) adds to this: RMSNorm on each Q and K head before RoPE,
-//! RoPE only in its sliding-window blocks, the attention output times `sigmoid(normed · Wgateᵀ)`,
-//! an RMSNorm on each branch output before it is added (so `attn_out` and `mlp_out` are what the
-//! residual stream receives), and in sparse blocks shared experts plus routed experts (`moe.rs`).
+//! one way everywhere means keeping a site never changes the stream's bits. AFMoE's routed
+//! experts run grouped by expert (`moe.rs`).
 //! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
 mod attention;
@@ -33,16 +23,16 @@ pub mod kernels;
 pub mod level;
 pub mod matmul;
 mod moe;
+mod ops;
 pub mod peak;
 pub mod sgemm;
 
 use std::path::Path;
 
 use harvest_core::plan::Precision;
-use harvest_core::{LayerSelection, Site, Sites};
+use harvest_core::{LayerSelection, Sites};
 use rayon::prelude::*;
 
-use self::attention::AttentionShape;
 use self::matmul::{MatRef, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
@@ -474,19 +464,18 @@ impl CpuBackend {
         };
         let first = self.weights.first_block;
         let deepest = self.spec.layers.deepest();
+        let (sites, layers) = (&self.spec.sites, &self.spec.layers);
         for (local, block) in self.weights.blocks.iter().enumerate() {
             let index = first + local;
             if index > deepest {
                 break;
             }
-            let mut keep = self.spec.layers.position(index).map(|layer| Keep {
-                sites: &self.spec.sites,
-                directions: self.spec.directions.as_ref(),
-                layer,
-                out: &mut *out,
-            });
+            let layer = layers.position(index);
+            let slot = |site| Some(sites.position(site)? * layers.len() + layer?);
             let w16 = self.bf16.as_ref().map(|blocks| &blocks[local]);
-            pass.block((block, w16), index, s, keep.as_mut());
+            let directions = self.spec.directions.as_ref();
+            let mut ops = ops::CpuOps::new(&pass, &mut *s, (block, w16), (&mut *out, directions));
+            crate::model::forward_block(&mut ops, block, config, index, slot)?;
         }
         Ok(())
     }
@@ -520,15 +509,6 @@ fn max_mlp_width(weights: &LlamaWeights) -> usize {
         .unwrap_or(0)
 }
 
-/// Where a kept block's sites go.
-struct Keep<'a> {
-    sites: &'a Sites,
-    directions: Option<&'a Directions>,
-    /// The block's place among the kept layers.
-    layer: usize,
-    out: &'a mut Captured,
-}
-
 impl Scratch {
     /// Sizes every buffer for `tokens` rows and MLPs up to `inter` wide (they only grow in
     /// capacity).
@@ -555,341 +535,6 @@ struct Pass<'a> {
     batch: &'a Batch,
     rope: &'a RopeTable,
     tokens: usize,
-}
-
-impl Pass<'_> {
-    /// One decoder block on the residual stream `s.x`: the attention output is added, then
-    /// the MLP output. A kept block copies each kept site into `keep` as the pass reaches it.
-    fn block(
-        &self,
-        (block, w16): (&BlockWeights, Option<&Bf16Block>),
-        index: usize,
-        s: &mut Scratch,
-        mut keep: Option<&mut Keep<'_>>,
-    ) {
-        let afmoe = block.afmoe.as_ref();
-        let hidden = self.config.hidden_size;
-        self.keep(keep.as_deref_mut(), Site::ResidPre, &s.x);
-        self.attention((block, w16), index, s);
-        if let Some(a) = afmoe {
-            self.norm_branch(s, &a.attn_out_norm);
-        }
-        self.keep(keep.as_deref_mut(), Site::AttnOut, &s.branch);
-        // Where the MLP's norm writes bits, it adds the branch itself, row by row in cache;
-        // the MLP leaves `s.x` alone after that, so it is still `resid_mid` when kept below.
-        let add_in_norm = afmoe.is_none() && rounds_ahead(w16);
-        if !add_in_norm {
-            add_rows(&mut s.x, &s.branch, hidden);
-        }
-        self.mlp((block, w16), s, add_in_norm);
-        self.keep(keep.as_deref_mut(), Site::ResidMid, &s.x);
-        if let Some(a) = afmoe {
-            self.norm_branch(s, &a.mlp_out_norm);
-        }
-        self.keep(keep.as_deref_mut(), Site::MlpOut, &s.branch);
-        add_rows(&mut s.x, &s.branch, hidden);
-        self.keep(keep, Site::ResidPost, &s.x);
-    }
-
-    /// RMSNorm of the branch output, left in `s.branch` (`s.normed` is free by then).
-    fn norm_branch(&self, s: &mut Scratch, weight: &[f32]) {
-        let hidden = self.config.hidden_size;
-        let eps = self.config.rms_norm_eps as f32;
-        rows_pass(&s.branch, hidden, &mut s.normed, hidden, |x, y| {
-            kernels::rms_norm_rows(x, weight, eps, y);
-        });
-        std::mem::swap(&mut s.branch, &mut s.normed);
-    }
-
-    /// `o(attention(rope(qkv(rms_norm(x)))))` into `s.branch`, for the caller to keep and add.
-    /// AFMoE norms Q and K per head, rotates only in
-    /// its sliding blocks, and gates the attention output.
-    fn attention(
-        &self,
-        (block, w16): (&BlockWeights, Option<&Bf16Block>),
-        index: usize,
-        s: &mut Scratch,
-    ) {
-        let (c, tokens) = (self.config, self.tokens);
-        let hidden = c.hidden_size;
-        let (qkv_width, attn_width) = (c.qkv_width(), c.num_heads * c.head_dim);
-        let eps = c.rms_norm_eps as f32;
-        let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.attn_norm, eps, y);
-        if let (true, Some(w16)) = (rounds_ahead(w16), w16) {
-            let bits = &mut s.gemm.input_bf16;
-            rows_pass_bits(&s.x, hidden, bits, hidden, |x, b| {
-                kernels::rms_norm_bits_rows(x, &block.attn_norm, eps, b);
-            });
-            let qkv = &mut s.qkv;
-            let weight = (&block.qkv, &w16.qkv);
-            project_rounded(hidden, weight, qkv, qkv_width, false, &mut s.gemm);
-        } else {
-            rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
-            let normed = MatRef::dense(&s.normed, tokens, hidden);
-            let qkv16 = w16.map(|w| &w.qkv);
-            project(
-                normed,
-                &block.qkv,
-                qkv16,
-                &mut s.qkv,
-                qkv_width,
-                false,
-                &mut s.gemm,
-            );
-        }
-        let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let rounding = w16.is_some();
-        if let Some(a) = &block.afmoe {
-            // AFMoE runs in f32 only (see `CpuBackend::new`).
-            let gate = &mut s.gate[..tokens * attn_width];
-            project(
-                normed,
-                &a.attn_gate,
-                None,
-                gate,
-                attn_width,
-                false,
-                &mut s.gemm,
-            );
-        }
-        let shape = AttentionShape {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            window: c.attention_windows[index],
-        };
-        let qk_bits = (rounds_ahead(w16) && attention::scores_from_bits(shape)).then(|| {
-            s.qkv_bf16.resize(tokens * qkv_width, 0);
-            &mut s.qkv_bf16[..]
-        });
-        let qk_bits = self.finish_qkv(block, index, &mut s.qkv, rounding, qk_bits);
-        let ahead = rounds_ahead(w16);
-        let out_bits = ahead.then(|| {
-            s.gemm.input_bf16.resize(tokens * attn_width, 0);
-            &mut s.gemm.input_bf16[..]
-        });
-        let (keys, out) = (&mut s.keys, &mut s.attn[..]);
-        attention::attention(&s.qkv, qk_bits, self.batch, shape, keys, (out, out_bits));
-        if block.afmoe.is_some() {
-            let gate = &s.gate[..tokens * attn_width];
-            rows_pass(
-                gate,
-                attn_width,
-                &mut s.attn[..tokens * attn_width],
-                attn_width,
-                |g, a| {
-                    kernels::sigmoid_gate_rows(a, g);
-                },
-            );
-        }
-        let dst = &mut s.branch;
-        match w16.filter(|_| ahead) {
-            // Attention rounded its output into `s.gemm.input_bf16`.
-            Some(w16) => {
-                let weight = (&block.o, &w16.o);
-                project_rounded(attn_width, weight, dst, hidden, false, &mut s.gemm);
-            }
-            None => {
-                let attn = MatRef::dense(&s.attn, tokens, attn_width);
-                let o16 = w16.map(|w| &w.o);
-                project(attn, &block.o, o16, dst, hidden, false, &mut s.gemm);
-            }
-        }
-        if let Some(bias) = &block.o_bias {
-            dst.par_chunks_mut(hidden * ROWS_PER_TASK)
-                .for_each(|rows| kernels::add_bias_rows(rows, bias));
-        }
-    }
-
-    /// Readies the QKV product's rows for attention, in parallel chunks: the bias, AFMoE's
-    /// per-head norms and RoPE (where block `index` rotates), rounding to bf16 after each step
-    /// in bf16 mode. Given `bits`, also writes the finished rows there as bf16 bits, and
-    /// returns them; attention then reads Q and K from the bits alone, so the last step that
-    /// changes only Q and K leaves its rounding to the bits.
-    fn finish_qkv<'b>(
-        &self,
-        block: &BlockWeights,
-        index: usize,
-        qkv: &mut [f32],
-        rounding: bool,
-        bits: Option<&'b mut [u16]>,
-    ) -> Option<&'b [u16]> {
-        let c = self.config;
-        let (qkv_width, eps) = (c.qkv_width(), c.rms_norm_eps as f32);
-        let heads = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let qk_norm = block.afmoe.as_ref().map(|a| (&a.q_norm[..], &a.k_norm[..]));
-        let rotary = c.rotary[index];
-        let (cos, sin) = (&self.rope.cos, &self.rope.sin);
-        let bits_round_qk = bits.is_some();
-        let finish = |rows: &mut [f32], positions: &[u32]| {
-            if let Some(bias) = &block.qkv_bias {
-                kernels::add_bias_rows(rows, bias);
-            }
-            // V's only rounding, and Q's and K's until a later step changes them.
-            if rounding {
-                bf16::round_rows(rows);
-            }
-            if let Some(norms) = qk_norm {
-                head_norms(rows, heads, norms, eps);
-                if rounding && (rotary || !bits_round_qk) {
-                    bf16::round_rows(rows);
-                }
-            }
-            if rotary {
-                let rotated = heads.0 + heads.1;
-                kernels::rope_rows(rows, qkv_width, rotated, heads.2, positions, cos, sin);
-                if rounding && !bits_round_qk {
-                    bf16::round_rows(rows);
-                }
-            }
-        };
-        let chunk = qkv_width * ROWS_PER_TASK;
-        let qkv = &mut qkv[..self.tokens * qkv_width];
-        let positions = self.batch.positions.par_chunks(ROWS_PER_TASK);
-        let Some(bits) = bits else {
-            qkv.par_chunks_mut(chunk)
-                .zip(positions)
-                .for_each(|(rows, positions)| finish(rows, positions));
-            return None;
-        };
-        let bits = &mut bits[..qkv.len()];
-        qkv.par_chunks_mut(chunk)
-            .zip(bits.par_chunks_mut(chunk))
-            .zip(positions)
-            .for_each(|((rows, bits), positions)| {
-                finish(rows, positions);
-                // Rounds Q and K after their last step, as `finish` would have; exact for V.
-                kernels::bf16_bits_rows(rows, bits);
-            });
-        Some(bits)
-    }
-
-    /// `down(silu(gate) ⊙ up)` of `rms_norm(x)` into `s.branch`, for the caller to keep and add.
-    /// In an AFMoE sparse block that MLP is the shared experts, and the routed
-    /// experts' output is added to it. With `add_branch` (only where the norm writes bits),
-    /// the norm's pass first adds `s.branch` to `s.x`.
-    fn mlp(
-        &self,
-        (block, w16): (&BlockWeights, Option<&Bf16Block>),
-        s: &mut Scratch,
-        add_branch: bool,
-    ) {
-        let (c, tokens) = (self.config, self.tokens);
-        let (hidden, inter) = (c.hidden_size, block.down.cols());
-        let eps = c.rms_norm_eps as f32;
-        let norm = |x: &[f32], y: &mut [f32]| kernels::rms_norm_rows(x, &block.mlp_norm, eps, y);
-        let ahead = rounds_ahead(w16).then_some(w16).flatten();
-        assert!(
-            !add_branch || ahead.is_some(),
-            "the branch is added in the norm's bits pass only. This is a bug."
-        );
-        if add_branch {
-            let bits = &mut s.gemm.input_bf16;
-            bits.resize(tokens * hidden, 0);
-            let chunk = hidden * ROWS_PER_TASK;
-            let x = &mut s.x[..tokens * hidden];
-            x.par_chunks_mut(chunk)
-                .zip(s.branch.par_chunks(chunk))
-                .zip(bits.par_chunks_mut(chunk))
-                .for_each(|((x, branch), b)| {
-                    kernels::add_rms_norm_bits_rows(x, branch, &block.mlp_norm, eps, b);
-                });
-        } else if ahead.is_some() {
-            let bits = &mut s.gemm.input_bf16;
-            rows_pass_bits(&s.x, hidden, bits, hidden, |x, b| {
-                kernels::rms_norm_bits_rows(x, &block.mlp_norm, eps, b);
-            });
-        } else {
-            rows_pass(&s.x, hidden, &mut s.normed, hidden, norm);
-        }
-        let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let dst = &mut s.branch;
-        if inter > 0 {
-            let gate_up = &mut s.gate_up[..tokens * 2 * inter];
-            // bf16 mode rounds the gate|up output before SwiGLU: where the product's sums are
-            // whole in registers, it stores them rounded, and they never exist in f32 (half
-            // the bytes written, and read back).
-            let mut gate_up_bits = None;
-            match ahead {
-                Some(w16) if bf16::rounds_output(hidden) => {
-                    let bits = &mut s.gate_up_bits;
-                    bits.resize(tokens * 2 * inter, 0);
-                    let weight = (&block.gate_up, &w16.gate_up);
-                    project_to_bits(hidden, weight, (bits, 2 * inter), &mut s.gemm);
-                    gate_up_bits = Some(&s.gate_up_bits[..]);
-                }
-                Some(w16) => {
-                    let weight = (&block.gate_up, &w16.gate_up);
-                    project_rounded(hidden, weight, gate_up, 2 * inter, false, &mut s.gemm);
-                }
-                None => {
-                    let gate_up16 = w16.map(|w| &w.gate_up);
-                    let (w, gemm) = (&block.gate_up, &mut s.gemm);
-                    project(normed, w, gate_up16, gate_up, 2 * inter, false, gemm);
-                }
-            }
-            let act = &mut s.act[..tokens * inter];
-            // bf16 mode rounds the gate|up output: as SwiGLU reads it.
-            let swiglu = |gu: &[f32], act: &mut [f32]| match w16 {
-                Some(_) => kernels::silu_mul_bf16_inputs_rows(gu, inter, act),
-                None => kernels::silu_mul_rows(gu, inter, act),
-            };
-            match ahead {
-                Some(w16) => {
-                    let bits = &mut s.gemm.input_bf16;
-                    match gate_up_bits {
-                        Some(gu_bits) => {
-                            bits.resize(tokens * inter, 0);
-                            bits.par_chunks_mut(inter * ROWS_PER_TASK)
-                                .zip(gu_bits.par_chunks(2 * inter * ROWS_PER_TASK))
-                                .for_each(|(b, gu)| kernels::silu_mul_bits_rows(gu, inter, b));
-                        }
-                        None => rows_pass_bits(gate_up, 2 * inter, bits, inter, |gu, b| {
-                            kernels::silu_mul_bf16_bits_rows(gu, inter, b);
-                        }),
-                    }
-                    let weight = (&block.down, &w16.down);
-                    project_rounded(inter, weight, dst, hidden, false, &mut s.gemm);
-                }
-                None => {
-                    rows_pass(gate_up, 2 * inter, act, inter, swiglu);
-                    let act = MatRef::dense(act, tokens, inter);
-                    let down16 = w16.map(|w| &w.down);
-                    project(act, &block.down, down16, dst, hidden, false, &mut s.gemm);
-                }
-            }
-        } else {
-            // A sparse block without shared experts: the routed experts alone.
-            dst[..tokens * hidden].fill(0.0);
-        }
-        let moe = block.afmoe.as_ref().and_then(|a| a.moe.as_ref());
-        if let (Some(weights), Some(config)) = (moe, &c.afmoe) {
-            let routed = moe::Routed { weights, config };
-            routed.add_to(&s.normed, (tokens, hidden), dst, &mut s.moe, &mut s.gemm);
-        }
-    }
-
-    /// Copies `x` into `site`'s slot of a kept block, or its projections onto the directions;
-    /// nothing when the block or the site is not kept.
-    fn keep(&self, keep: Option<&mut Keep<'_>>, site: Site, x: &[f32]) {
-        let Some(keep) = keep else { return };
-        let Some(position) = keep.sites.position(site) else {
-            return;
-        };
-        let slot = keep.out.slot(position, keep.layer);
-        let dst = keep.out.layer_mut(slot);
-        let hidden = self.config.hidden_size;
-        let x = &x[..self.tokens * hidden];
-        let directions = keep.directions;
-        match directions {
-            None => dst.copy_from_slice(x),
-            Some(directions) => {
-                let x = MatRef::dense(x, self.tokens, hidden);
-                let units = MatRef::dense(directions.unit_vectors(), directions.count(), hidden);
-                sgemm::product(x, &units, dst, directions.count(), false);
-            }
-        }
-    }
 }
 
 /// RMSNorm of every query head with `q_norm` and every key head with `k_norm`, in place, on
