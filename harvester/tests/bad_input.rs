@@ -304,7 +304,9 @@ fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
         .unwrap_err()
         .to_string();
     assert!(
-        error.contains("AFMoE") && error.contains("--device cpu"),
+        error.contains("AFMoE")
+            && error.contains("--device cpu")
+            && error.contains("HARVEST_CUDA_AFMOE=try"),
         "{error}"
     );
 }

@@ -1181,3 +1181,29 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     }
     Ok(2.0 * (m * n * k) as f64 / best / 1e9)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_config(name: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        ModelConfig::from_file(&dir.join(name).join("config.json")).unwrap()
+    }
+
+    #[test]
+    fn afmoe_runs_on_a_gpu_only_when_asked_for_and_a_dense_model_always() {
+        let afmoe = fixture_config("tiny-afmoe-bf16");
+        assert!(check_afmoe_allowed(&afmoe, Some("try")).is_ok());
+        assert!(check_afmoe_allowed(&afmoe, Some(" try ")).is_ok());
+        for value in [None, Some("yes"), Some("")] {
+            let error = check_afmoe_allowed(&afmoe, value).unwrap_err().to_string();
+            assert!(
+                error.contains("AFMoE") && error.contains("HARVEST_CUDA_AFMOE=try"),
+                "{value:?}: {error}"
+            );
+        }
+        let dense = fixture_config("tiny-mistral-window-bf16");
+        assert!(check_afmoe_allowed(&dense, None).is_ok());
+    }
+}
