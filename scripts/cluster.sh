@@ -71,8 +71,8 @@ start_storage() {
   # Ports are picked free and then bound by SeaweedFS, so a cluster starting beside another
   # can lose one to it; a server that exits is started again on fresh ports.
   for attempt in 1 2 3; do
-    if launch_storage "$weed"; then
-      create_buckets
+    # The filer can answer after the S3 gateway: its buckets are made once it does.
+    if launch_storage "$weed" && wait_for "the filer's buckets" 60 create_buckets; then
       return 0
     fi
     say "the S3 server did not come up (attempt $attempt): $(tail -n 3 "$dir/s3.log" 2>/dev/null | tr '\n' ' ')"
@@ -115,12 +115,17 @@ except urllib.error.HTTPError: pass" "$(cat "$dir/s3.endpoint")/harvest" >/dev/n
 }
 
 # The buckets manifests/examples/harvestjob.yaml names, as directories under the filer's
-# /buckets (how SeaweedFS keeps buckets).
+# /buckets (how SeaweedFS keeps buckets). Idempotent, so a retry after one bucket is made
+# succeeds: a refused POST passes when the directory is there.
 create_buckets() {
   python3 -c "
-import sys, urllib.request
+import sys, urllib.request, urllib.error
 for bucket in ('harvest-inputs', 'harvest-outputs'):
-    urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/buckets/' + bucket + '/', method='POST'), timeout=10)
+    url = sys.argv[1] + '/buckets/' + bucket + '/'
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method='POST'), timeout=10)
+    except urllib.error.HTTPError:
+        urllib.request.urlopen(url, timeout=10)
 " "$(cat "$dir/filer.endpoint")"
 }
 
