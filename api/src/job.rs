@@ -98,12 +98,13 @@ mod tests {
         let spec: JobSpec = serde_json::from_str(stored).unwrap();
         let written: serde_json::Value = serde_json::to_value(&spec).unwrap();
         let mut expected: serde_json::Value = serde_json::from_str(stored).unwrap();
-        // The first release wrote no precision or estimates; a row written back names them.
-        expected["precision"] = "f32".into();
+        // The first release wrote no precision or estimates; a row written back names the
+        // estimates, and still no precision (the device's own).
         expected["estimated_bytes"] = 0.into();
         expected["estimated_ms"] = serde_json::Value::Null;
         assert_eq!(written, expected);
         assert!(spec.options.selection.is_everything() && spec.options.layout.is_by_prompt());
         assert_eq!(spec.parallelism, 1);
+        assert_eq!(spec.options.precision, None);
     }
 }

@@ -164,7 +164,9 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         layers: submission.options.layers.as_slice(),
         sites: &submission.options.sites,
         layout: submission.options.layout,
-        precision: submission.options.precision,
+        // A job that names none runs in its device's own; f32's name sizes the manifest, a
+        // byte off bf16's.
+        precision: submission.options.precision.unwrap_or_default(),
         selection: counts.kept.as_deref().map(|kept_counts| KeptTokens {
             rules: &submission.options.selection,
             kept_counts,

@@ -81,8 +81,9 @@ pub struct HarvestRequest {
     /// 2^24).
     #[serde(default)]
     pub rows_per_file: Option<usize>,
-    /// Our extension: the CPU engine's arithmetic, `f32` (the default) or `bf16` (bf16
-    /// product inputs, f32 accumulation; about twice as fast on CPUs with AVX512-BF16).
+    /// Our extension: the engine's arithmetic, `f32` or `bf16` (bf16 product inputs, f32
+    /// accumulation; about twice as fast on CPUs with AVX512-BF16). Omitted: the device's own,
+    /// f32 on a CPU and bf16 on a GPU; the manifest records what ran.
     #[serde(default)]
     pub precision: Option<String>,
     /// Our extension: validate and count, then answer what the job would be (`DryRun`), with
@@ -195,7 +196,8 @@ impl HarvestRequest {
             rows_per_file,
             precision: precision
                 .as_deref()
-                .map_or(Ok(Precision::F32), str::parse::<Precision>)
+                .map(str::parse::<Precision>)
+                .transpose()
                 .map_err(|e| invalid(&e))?,
             shard_size: shard_size.unwrap_or(DEFAULT_SHARD_SIZE),
             add_special_tokens: add_special_tokens.unwrap_or(true),

@@ -52,6 +52,12 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// What runs when a job names no precision: the device's own arithmetic, f32 on a CPU (the
+    /// reference) and bf16 on a GPU (the checkpoints' dtype, at the tensor cores' rate).
+    pub fn or_device(asked: Option<Self>, gpu: bool) -> Self {
+        asked.unwrap_or(if gpu { Self::Bf16 } else { Self::F32 })
+    }
+
     /// The name flags and manifests use.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -122,8 +128,8 @@ pub struct RawOptions {
     pub layout: LayoutName,
     /// Rows per training file (shuffled layout only).
     pub rows_per_file: Option<usize>,
-    /// The engine's arithmetic.
-    pub precision: Precision,
+    /// The engine's arithmetic; none for the device's own ([`Precision::or_device`]).
+    pub precision: Option<Precision>,
     /// Prompts per shard.
     pub shard_size: usize,
     /// Whether the tokenizer adds its special tokens.
@@ -140,7 +146,7 @@ impl Default for RawOptions {
             selection: RawSelection::default(),
             layout: LayoutName::default(),
             rows_per_file: None,
-            precision: Precision::default(),
+            precision: None,
             shard_size: DEFAULT_SHARD_SIZE,
             add_special_tokens: true,
             max_prompt_tokens: None,
@@ -164,9 +170,10 @@ pub struct JobOptions<L = Layers> {
     /// How the files are laid out (by prompt unless chosen).
     #[serde(default, skip_serializing_if = "Layout::is_by_prompt")]
     pub layout: Layout,
-    /// The engine's arithmetic (f32 unless chosen).
-    #[serde(default)]
-    pub precision: Precision,
+    /// The engine's arithmetic; none for the device's own ([`Precision::or_device`]). Rows
+    /// written before it could be omitted name `f32`, which they then ran in on a CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
     /// Prompts per shard.
     pub shard_size: NonZeroUsize,
     /// Whether the tokenizer adds its special tokens (BOS for Llama 3).
@@ -185,7 +192,7 @@ impl<L: Default> Default for JobOptions<L> {
             sites: Sites::default(),
             selection: TokenSelection::default(),
             layout: Layout::default(),
-            precision: Precision::default(),
+            precision: None,
             shard_size: DEFAULT_SHARD,
             add_special_tokens: true,
             max_prompt_tokens: None,
@@ -389,7 +396,7 @@ mod tests {
             },
             layout: LayoutName::Shuffled,
             rows_per_file: Some(1000),
-            precision: Precision::Bf16,
+            precision: Some(Precision::Bf16),
             shard_size: 8,
             add_special_tokens: false,
             max_prompt_tokens: Some(128),
@@ -426,7 +433,7 @@ mod tests {
         assert_eq!(options.shard_size.get(), DEFAULT_SHARD_SIZE);
         assert_eq!(
             (options.precision, options.max_prompt_tokens),
-            (Precision::F32, None)
+            (None, None)
         );
     }
 

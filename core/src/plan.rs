@@ -118,16 +118,12 @@ pub struct RawPlan {
     /// Rows per training file of the shuffled layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows_per_file: Option<usize>,
-    /// `f32` (the default) or `bf16`.
-    #[serde(default, skip_serializing_if = "is_f32")]
-    pub precision: Precision,
+    /// `f32` or `bf16`; none for the device's own ([`Precision::or_device`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
     /// Cut each prompt to its first N tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_prompt_tokens: Option<usize>,
-}
-
-fn is_f32(precision: &Precision) -> bool {
-    *precision == Precision::F32
 }
 
 fn is_by_prompt(name: &LayoutName) -> bool {

@@ -62,7 +62,8 @@ pub struct HarvestOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 16_777_216))]
     pub rows_per_file: Option<u32>,
-    /// The CPU engine's arithmetic: `f32` (the default) or `bf16`.
+    /// The engine's arithmetic, `f32` or `bf16`; omitted, the device's own (f32 on a CPU,
+    /// bf16 on a GPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
     /// Cut each prompt to its first N tokens (special tokens included) before the forward
@@ -103,7 +104,7 @@ impl HarvestOptions {
             },
             layout: self.layout.unwrap_or_default(),
             rows_per_file: self.rows_per_file.map(|r| r as usize),
-            precision: self.precision.unwrap_or_default(),
+            precision: self.precision,
             shard_size: self.shard_size as usize,
             add_special_tokens: self.add_special_tokens,
             max_prompt_tokens: self.max_prompt_tokens.map(|n| n as usize),
@@ -151,7 +152,7 @@ impl From<&JobOptions> for HarvestOptions {
             max_norm_multiple: selection.max_norm_multiple,
             layout: (layout != LayoutName::ByPrompt).then_some(layout),
             rows_per_file: rows_per_file.map(to_u32),
-            precision: (precision != Precision::default()).then_some(precision),
+            precision,
             max_prompt_tokens: max_prompt_tokens.map(to_u32),
         }
     }

@@ -143,9 +143,9 @@ struct BenchArgs {
     /// times resid_post alone on the same corpus, in alternating rounds (`baseline`).
     #[arg(long, default_value = "resid_post")]
     sites: harvest_core::Sites,
-    /// f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    precision: harvest_core::plan::Precision,
+    /// f32 or bf16 (default: the device's own, f32 on the CPU and bf16 on a GPU).
+    #[arg(long)]
+    precision: Option<harvest_core::plan::Precision>,
     /// Tokens per forward batch.
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
@@ -207,10 +207,11 @@ struct RunArgs {
     /// Rows per training file of --layout shuffled (default 65536).
     #[arg(long)]
     rows_per_file: Option<usize>,
-    /// f32 (the default) or bf16: bf16 matrix-product inputs with f32 accumulation, on
-    /// vdpbf16ps where the CPU has AVX512-BF16.
-    #[arg(long, default_value = "f32")]
-    precision: harvest_core::plan::Precision,
+    /// f32 or bf16: bf16 matrix-product inputs with f32 accumulation, on vdpbf16ps where the
+    /// CPU has AVX512-BF16. Default: the device's own, f32 on the CPU and bf16 for the CUDA
+    /// backend (cuda, cuda-replay).
+    #[arg(long)]
+    precision: Option<harvest_core::plan::Precision>,
     /// Cut each prompt to its first N tokens (special tokens included) before the forward pass;
     /// the manifest lists each cut prompt. The model's context window cuts it in any case.
     #[arg(long)]
@@ -551,7 +552,10 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         prompts,
         layers: args.layers,
         sites: args.sites,
-        precision: args.precision,
+        precision: harvest_core::plan::Precision::or_device(
+            args.precision,
+            device.is_cuda_arithmetic(),
+        ),
         batch_tokens: args.batch_tokens,
         device,
         directions: args.directions,

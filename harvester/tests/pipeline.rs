@@ -777,7 +777,7 @@ fn a_bf16_run_records_its_precision_and_writes_the_same_bytes_twice() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = write_prompts(dir.path(), &PROMPTS.map(str::to_owned));
     let mut plan = plan(&prompts, &dir.path().join("one"), vec![4, 20], 2);
-    plan.options.precision = harvest_core::plan::Precision::Bf16;
+    plan.options.precision = Some(harvest_core::plan::Precision::Bf16);
     pipeline::run(&plan, &options()).unwrap();
     let mut again = plan.clone();
     again.output = Location::Local(dir.path().join("two"));

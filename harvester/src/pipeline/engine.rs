@@ -131,7 +131,7 @@ pub(super) fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) 
     CaptureSpec {
         layers: plan.options.layers.clone(),
         sites: plan.options.sites.clone(),
-        precision: plan.options.precision,
+        precision: plan.options.precision.unwrap_or_default(),
         directions,
     }
 }

@@ -60,8 +60,10 @@ pub fn plan_fingerprint(
         let rules = serde_json::to_vec(&plan.options.selection).unwrap_or_default();
         field("selection", &rules);
     }
-    if plan.options.precision != harvest_core::plan::Precision::F32 {
-        field("precision", plan.options.precision.as_str().as_bytes());
+    // f32 is left out, as it was before a job could name a precision.
+    let precision = plan.options.precision.unwrap_or_default();
+    if precision != harvest_core::plan::Precision::F32 {
+        field("precision", precision.as_str().as_bytes());
     }
     field(
         "shard_size",

@@ -51,7 +51,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use harvest_core::format::Contents;
-use harvest_core::plan::{Part, shard_count, shard_prompts};
+use harvest_core::plan::{Part, Precision, shard_count, shard_prompts};
 use harvest_core::worker::PartResult;
 use harvest_core::{HarvestPlan, ResolvedPlan};
 
@@ -330,13 +330,15 @@ fn close(
     commit(&closing, &ready.store, runtime)
 }
 
-/// The plan as `device` runs it: the CUDA engine computes in bf16 whatever the plan asks, and
-/// the manifest and fingerprint say what ran.
+/// The plan as `device` runs it: a job that names no precision runs in the device's own
+/// ([`Precision::or_device`]: bf16 for the CUDA backend, f32 on the CPU), and the manifest and
+/// fingerprint say what ran. Past here the plan always names one.
 fn as_run(plan: &HarvestPlan, device: DeviceChoice) -> HarvestPlan {
     let mut plan = plan.clone();
-    if device.is_cuda_arithmetic() {
-        plan.options.precision = harvest_core::plan::Precision::Bf16;
-    }
+    plan.options.precision = Some(Precision::or_device(
+        plan.options.precision,
+        device.is_cuda_arithmetic(),
+    ));
     plan
 }
 

@@ -84,7 +84,7 @@ pub(super) fn build_outputs(
         selection: selection_info(job, records),
         layout: job.plan.options.layout.name(),
         train: train.map(|t| train_info(job, t)),
-        precision: job.plan.options.precision,
+        precision: job.plan.options.precision.unwrap_or_default(),
         job_uid: None,
     };
     let stats_bytes = stats_file(&stats, sites)?;
