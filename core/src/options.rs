@@ -431,10 +431,7 @@ mod tests {
         assert!(options.sites.is_default() && options.selection.is_everything());
         assert!(options.layout.is_by_prompt() && options.add_special_tokens);
         assert_eq!(options.shard_size.get(), DEFAULT_SHARD_SIZE);
-        assert_eq!(
-            (options.precision, options.max_prompt_tokens),
-            (None, None)
-        );
+        assert_eq!((options.precision, options.max_prompt_tokens), (None, None));
     }
 
     #[test]

@@ -329,15 +329,25 @@ fn the_afmoe_fixture_fails_without_the_expert_bias_the_gate_or_with_rope_misplac
     }
 }
 
-/// Every site of `sequences` packed in one batch, through the CUDA replay.
+/// Every site of `sequences` packed in one batch, through the CUDA replay in bf16.
 fn capture_replayed(dir: &Path, layers: &LayerSelection, sequences: &[Vec<u32>]) -> Captured {
+    capture_replayed_in(dir, layers, sequences, Precision::Bf16)
+}
+
+/// Every site of `sequences` packed in one batch, through the CUDA replay in `precision`.
+fn capture_replayed_in(
+    dir: &Path,
+    layers: &LayerSelection,
+    sequences: &[Vec<u32>],
+    precision: Precision,
+) -> Captured {
     let config = harvester::model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let layers = layers.resolve(config.num_layers).unwrap();
     let weights = LlamaWeights::load(dir, Some(layers.deepest() + 1)).unwrap();
     let spec = CaptureSpec {
         layers,
         sites: Sites::new(&Site::ALL).unwrap(),
-        precision: Precision::Bf16,
+        precision,
         directions: None,
     };
     let mut backend = ReplayBackend::new(weights, spec).unwrap();
@@ -434,6 +444,85 @@ fn the_cuda_replay_of_mistrals_sliding_window_meets_the_bf16_modes_bound() {
         "window {window}, longest prompt {longest}"
     );
     check_replayed(&dir, &reference, &[]);
+}
+
+/// How far apart two runs of the f32 mode may be, in units of the shards' last bit: each value
+/// within one bf16 step of the other's (`|a - b| <= |b| / 128`), or within 1e-5 of its row's
+/// norm where a sum cancels. The CUDA replay's f32 mode and the CPU's keep f32 throughout and
+/// differ only in summation orders and `exp`, a few f32 ulps, which the shards' bf16 rounding
+/// shows as an occasional flipped last bit; the bf16 modes are far outside it (the test checks
+/// that the bound tells the two apart).
+fn steps_apart(ours: &[f32], theirs: &[f32], width: usize) -> f64 {
+    let mut worst = 0.0f64;
+    for (a, b) in ours.chunks_exact(width).zip(theirs.chunks_exact(width)) {
+        let norm = b.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        for (&x, &y) in a.iter().zip(b) {
+            let allowed = (f64::from(y).abs() / 128.0).max(1e-5 * norm);
+            worst = worst.max((f64::from(x) - f64::from(y)).abs() / allowed.max(f64::MIN_POSITIVE));
+        }
+    }
+    worst
+}
+
+/// The site of `ours` furthest from `theirs` over every kept layer, in [`steps_apart`]'s units.
+fn worst_site(ours: &Captured, theirs: &Captured) -> (Site, f64) {
+    let mut worst = (Site::ResidPost, 0.0);
+    for (position, &site) in Site::ALL.iter().enumerate() {
+        for layer in 0..theirs.layers {
+            let (slot, rows) = (theirs.slot(position, layer), 0..theirs.tokens);
+            let apart = steps_apart(
+                ours.rows(slot, rows.clone()),
+                theirs.rows(slot, rows),
+                theirs.width,
+            );
+            if apart > worst.1 {
+                worst = (site, apart);
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn the_cuda_replays_f32_mode_meets_the_cpus_f32_mode_on_every_fixture_where_bf16_does_not() {
+    for (name, reference) in [
+        ("tiny-llama3-f16-sharded", "reference.safetensors"),
+        ("tiny-qwen2-f32", "reference.safetensors"),
+        ("tiny-mistral-window-bf16", "reference.safetensors"),
+        ("tiny-afmoe-bf16", "reference.safetensors"),
+        ("smollm2", ""),
+    ] {
+        let (dir, reference) = if name == "smollm2" {
+            let reference = fixtures().join("smollm2_reference.safetensors");
+            (smollm2_dir(), Reference::open(&reference))
+        } else {
+            let dir = fixtures().join(name);
+            let reference = Reference::open(&dir.join(reference));
+            (dir, reference)
+        };
+        let sequences = checked_sequences(&dir, &reference);
+        let layers = LayerSelection::Explicit(reference.layers.iter().map(|&l| l as i64).collect());
+        let every = Sites::new(&Site::ALL).unwrap();
+        let cpu = capture_in(&dir, &layers, every, Precision::F32, &sequences);
+        let replayed = capture_replayed_in(&dir, &layers, &sequences, Precision::F32);
+        let (site, f32_apart) = worst_site(&replayed, &cpu);
+        println!(
+            "{name} cuda-replay f32 against the CPU f32 mode: {f32_apart:.2} of the bound ({site})"
+        );
+        assert!(f32_apart <= 1.0, "{name}: {f32_apart:.3} at {site}");
+        if name == "smollm2" {
+            continue; // its bf16 replay has its own test; it takes a minute
+        }
+        let bf16 = capture_replayed_in(&dir, &layers, &sequences, Precision::Bf16);
+        let (site, bf16_apart) = worst_site(&bf16, &cpu);
+        println!(
+            "{name} cuda-replay bf16 against the CPU f32 mode: {bf16_apart:.2} of the bound ({site})"
+        );
+        assert!(
+            bf16_apart > 1.0,
+            "{name}: the bf16 replay is within the f32 bound ({bf16_apart:.3})"
+        );
+    }
 }
 
 /// The AFMoE fixture's weights, changed by `change`, run with every site of its reference

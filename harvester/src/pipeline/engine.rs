@@ -79,15 +79,16 @@ impl Sizing {
     }
 }
 
-/// Refuses a model the CUDA backend cannot run (its heads), or must not yet on a GPU (AFMoE,
-/// unless [`crate::backend::cuda::forward::CUDA_AFMOE_VARIABLE`] says try); nothing for the CPU.
-fn check_cuda_model(config: &ModelConfig, device: DeviceChoice) -> Result<()> {
-    use crate::backend::cuda::forward::{CUDA_AFMOE_VARIABLE, check_afmoe_allowed, check_model};
+/// Refuses a model the CUDA backend cannot run (its heads), or what must not run yet on a GPU
+/// (AFMoE and the f32 mode, unless their variables say try:
+/// [`crate::backend::cuda::forward::check_unchecked`]); nothing for the CPU.
+fn check_cuda_model(config: &ModelConfig, spec: &CaptureSpec, device: DeviceChoice) -> Result<()> {
+    use crate::backend::cuda::forward::{check_model, check_unchecked};
     if device.is_cuda_arithmetic() {
         check_model(config)?;
     }
     if let DeviceChoice::Cuda(_) = device {
-        check_afmoe_allowed(config, std::env::var(CUDA_AFMOE_VARIABLE).ok().as_deref())?;
+        check_unchecked(config, spec.precision, &|name| std::env::var(name).ok())?;
     }
     Ok(())
 }
@@ -111,7 +112,7 @@ fn open_backend(
         CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
     }
     // A model the GPU cannot run is refused before gigabytes are read for nothing.
-    check_cuda_model(&weights.config, device)?;
+    check_cuda_model(&weights.config, &spec, device)?;
     read_weights(&[&weights], progress);
     Ok(match device {
         DeviceChoice::Cuda(ordinal) => {
@@ -250,7 +251,7 @@ fn open_stages(
     let (device, stages) = (devices.device, devices.stages);
     let gpus = devices.gpus()?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
-    check_cuda_model(&config, device)?;
+    check_cuda_model(&config, &spec, device)?;
     let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
     let block_bytes: Vec<u64> = (0..config.num_layers)
         .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))

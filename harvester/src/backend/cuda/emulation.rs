@@ -17,35 +17,52 @@ const MMA_KEYS: usize = 64;
 /// SHA-256 of the kernel functions this file and `replay` replay, whitespace-collapsed: a change to the
 /// CUDA C fails [`the_replayed_kernels_are_the_ones_in_kernels_cu`] until the replay here is
 /// brought in line and these are updated.
-const MIRRORED: [(&str, &str); 19] = [
+const MIRRORED: [(&str, &str); 22] = [
     (
         "f32_to_bf16",
         "cf110c3fbd9029c7be42bc38fca22b370bedf7bb64baffeae0ad9c9177c3e0cd",
     ),
-    // Replayed by `replay` (`--device cuda-replay`).
+    // The two modes' reads and writes of an activation (the f32 mode's are exact).
     (
-        "embed_gather",
-        "50fadf3deb2164fba2f15a7eb0fb132b4f889148ca9d7a0e832b52258124dfc2",
+        "widened",
+        "2174d3d61b7874c80ef00be5f29bf026d885e3f453094ca69bf8de156da19153",
+    ),
+    (
+        "stored<bf16>",
+        "7546edeaaeb4fbea2911f42b0e3ae37015d75033df1c5eefcc45da47f6e14cc5",
+    ),
+    (
+        "stored<float>",
+        "b507e01c6a5668bdc512af903a98f9b1182383eee2ec382a43906755db384350",
+    ),
+    // Replayed by `replay` (`--device cuda-replay`), in either mode.
+    (
+        "gather_rows",
+        "8b7e0d19855e6ca2cf12b20ccfb31fe5dd1de637f55b0c1a48055016cc4858be",
     ),
     (
         "warp_sum",
         "b7e86d48686efa9435a884df1cfaa9d007142df27c270775ec23df8344ab3f40",
     ),
     (
-        "rms_norm",
-        "87bb8dce707f7e54fab6a31ce0a5be9b1451617b08ce6ee109484ad5d998e67f",
+        "norm_rows",
+        "70f4fb134e0f470afe944d878f1a35338a5076bb23aaa5debdf3d43caa9488c1",
     ),
     (
-        "rope",
-        "642b6464f0108703083cad84e62845786b5d1c0c44394216e89efd52ca3b44f4",
+        "rotate_heads",
+        "f5e34d8835d9a891cdc834a834fc5007cb9894210f06f550508952d03c48fc49",
     ),
     (
         "silu_times",
-        "687c00613c4279bd331d16725076fa046fb7ebd4c6d2e69b12779d7a9479e543",
+        "c2ba4458f4afd24f881b7ebed214bbd329181f63351eae053f38507a3e8e61ed",
     ),
     (
         "swiglu",
         "e0910800fd13705af88fedbf0de05b11ac19dc7b56eeb856409b248d28ab11b4",
+    ),
+    (
+        "swiglu_f32",
+        "f47ce3c0c73fc9e8678715930c2641a29df6c6a07c4b43a6071ba05ad4174ae4",
     ),
     (
         "add_rows",
@@ -69,28 +86,24 @@ const MIRRORED: [(&str, &str); 19] = [
         "d59bb788869bfba9cbc67d8a3211d3ff1bcaac37227a192a0ed20641f277c425",
     ),
     (
-        "rms_norm_wide",
-        "120d553e23972ff3f419f10c82ebc5bf6fefc598f47c19c7ba511e32ab5acc49",
+        "norm_heads",
+        "1c4193462a80f0ef950c194b7f42a4ba5f152722a53f2190b721b987727dcb88",
     ),
     (
-        "head_norm",
-        "046982fea44eb0b12d3166a0bd2750246a27bea0ebe0e840595a8b109dad1580",
+        "gate_values",
+        "6c30b42391aeeb604a579ffce6f9405340280ab0b3acaf743eef3ce6a308de69",
     ),
     (
-        "sigmoid_gate",
-        "2729b3cc41417ddda79a57a5241b7b8b28f1bb652c64a4653acdb3ca84ffb9c5",
-    ),
-    (
-        "moe_gather",
-        "b8925cac03f66e493c56fcaf43c97ac715cad8990c679d997ff51f2bd5d2d72a",
+        "group_rows",
+        "306b163ad9ee05ee64259ccf437ca6088854f0dc1b6da6047d610079473e7123",
     ),
     (
         "moe_scatter",
         "5a1615e987389dd9050382ada842f444c952e17e79cec271962d691351984ee7",
     ),
     (
-        "attention_varlen",
-        "d7c078422862f520954a8364bd447e5e50a94134f640cf08e8cd21cb43715b36",
+        "attend_varlen",
+        "40d951b9f2c68542393435d9f08453993657f26a6dc2874c8d5c885b57ad73fc",
     ),
     (
         "attention_mma",

@@ -23,13 +23,15 @@ pub enum CudaError {
     },
     /// A feature that has run only on the replay, refused on a GPU until a GPU window checks it.
     #[error(
-        "{feature} has run on the CUDA backend only replayed on the CPU (--device cuda-replay), not yet on a GPU: set {variable}=try to run it anyway, or use --device cpu"
+        "{feature} has run on the CUDA backend only replayed on the CPU (--device cuda-replay), not yet on a GPU: set {variable}=try to run it anyway, or {instead}"
     )]
     Unchecked {
         /// The feature.
         feature: &'static str,
         /// The environment variable that lets it run.
         variable: &'static str,
+        /// What to do instead.
+        instead: &'static str,
     },
     /// A kernel did not compile. This is a bug in the kernel source.
     #[error("compiling the CUDA kernels with NVRTC: {log}")]

@@ -10,6 +10,7 @@
 //! (`attention_mma_<D>`) for head widths 64 and 128, else on the CUDA-core kernel.
 
 mod afmoe;
+mod element;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::time::Instant;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use rayon::prelude::*;
 
 use super::download::Slots;
@@ -30,10 +31,11 @@ use harvest_core::{Site, Sites};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
 use crate::model::dense::{BlockOps, Source, Sublayer};
-use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
+use crate::model::{LlamaWeights, Matrix, ModelConfig};
+use harvest_core::plan::Precision;
 
-/// GEMM outputs that feed the next kernel are bf16.
-const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
+pub(super) use self::element::{Activation, decoded_f32};
+
 /// GEMM outputs added into the f32 residual stream.
 const F32: cudaDataType = cudaDataType::CUDA_R_32F;
 
@@ -99,40 +101,35 @@ fn bf16_bits(part: &[u8]) -> Option<&[u16]> {
 }
 
 /// Puts weights on the device, timing conversion and upload apart.
-struct Uploader<'a> {
+pub(super) struct Uploader<'a> {
     stream: &'a Arc<CudaStream>,
     phases: LoadPhases,
 }
 
 impl Uploader<'_> {
-    /// Copies `bits` into `device` starting at element `offset`.
-    fn copy(&mut self, bits: &[u16], device: &mut CudaSlice<u16>, offset: usize) -> Result<()> {
+    /// Copies `values` into `device` starting at element `offset`.
+    fn copy<T: DeviceRepr>(
+        &mut self,
+        values: &[T],
+        device: &mut CudaSlice<T>,
+        offset: usize,
+    ) -> Result<()> {
         let start = Instant::now();
         self.stream
-            .memcpy_htod(bits, &mut device.slice_mut(offset..offset + bits.len()))
+            .memcpy_htod(values, &mut device.slice_mut(offset..offset + values.len()))
             .map_err(|e| memory_error("uploading the weights")(e))?;
         self.phases.upload_seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 
-    fn alloc(&mut self, len: usize) -> Result<CudaSlice<u16>> {
+    fn alloc<T: DeviceRepr>(&mut self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every element is written by `copy` before any kernel reads it (the callers
         // cover `0..len` with their parts).
         #[allow(unsafe_code)]
         // One value at least: the driver refuses empty allocations (a sparse block without
         // shared experts has no MLP of its own).
-        let slice = unsafe { self.stream.alloc::<u16>(len.max(1)) };
+        let slice = unsafe { self.stream.alloc::<T>(len.max(1)) };
         slice.map_err(|e| memory_error("allocating the weights")(e))
-    }
-
-    /// f32 values (norm weights) rounded to bf16.
-    fn values(&mut self, values: &[f32]) -> Result<CudaSlice<u16>> {
-        let start = Instant::now();
-        let bits = bf16_values(values);
-        self.phases.convert_seconds += start.elapsed().as_secs_f64();
-        let mut device = self.alloc(bits.len())?;
-        self.copy(&bits, &mut device, 0)?;
-        Ok(device)
     }
 
     /// f32 values (biases) as they are.
@@ -146,54 +143,27 @@ impl Uploader<'_> {
         Ok(device)
     }
 
-    /// One decoder block's weights.
-    fn block(&mut self, block: &crate::model::BlockWeights) -> Result<DeviceBlock> {
+    /// One decoder block's weights, in `E`.
+    fn block<E: Activation>(
+        &mut self,
+        block: &crate::model::BlockWeights,
+    ) -> Result<DeviceBlock<E>> {
         Ok(DeviceBlock {
-            attn_norm: self.values(&block.attn_norm)?,
-            qkv: self.matrix(&block.qkv)?,
+            attn_norm: E::upload_values(self, &block.attn_norm)?,
+            qkv: E::upload_matrix(self, &block.qkv)?,
             qkv_bias: block
                 .qkv_bias
                 .as_deref()
                 .map(|b| self.f32s(b))
                 .transpose()?,
-            o: self.matrix(&block.o)?,
+            o: E::upload_matrix(self, &block.o)?,
             o_bias: block.o_bias.as_deref().map(|b| self.f32s(b)).transpose()?,
-            mlp_norm: self.values(&block.mlp_norm)?,
-            gate_up: self.matrix(&block.gate_up)?,
-            down: self.matrix(&block.down)?,
+            mlp_norm: E::upload_values(self, &block.mlp_norm)?,
+            gate_up: E::upload_matrix(self, &block.gate_up)?,
+            down: E::upload_matrix(self, &block.down)?,
             inter: block.down.cols(),
             afmoe: block.afmoe.as_ref().map(|a| self.afmoe(a)).transpose()?,
         })
-    }
-
-    /// A weight matrix in bf16: a bf16 checkpoint's mapped bytes go straight to the device;
-    /// f32 or f16 weights are rounded to bf16 once on the host.
-    fn matrix(&mut self, matrix: &Matrix) -> Result<CudaSlice<u16>> {
-        let mut device = self.alloc(matrix.len())?;
-        if matrix.half() == Some(Half::Bf16) {
-            let mut offset = 0;
-            for part in matrix.half_bytes() {
-                match bf16_bits(part) {
-                    Some(bits) => self.copy(bits, &mut device, offset)?,
-                    None => {
-                        let start = Instant::now();
-                        let bits: Vec<u16> = part
-                            .chunks_exact(2)
-                            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                            .collect();
-                        self.phases.convert_seconds += start.elapsed().as_secs_f64();
-                        self.copy(&bits, &mut device, offset)?;
-                    }
-                }
-                offset += part.len() / 2;
-            }
-            return Ok(device);
-        }
-        let start = Instant::now();
-        let bits = rounded_bf16(matrix);
-        self.phases.convert_seconds += start.elapsed().as_secs_f64();
-        self.copy(&bits, &mut device, 0)?;
-        Ok(device)
     }
 }
 
@@ -202,14 +172,16 @@ fn memory_error(action: &'static str) -> impl Fn(cudarc::driver::DriverError) ->
     move |error| CudaError::from_driver(action, error).into()
 }
 
-/// The attention kernel for heads of `head_dim`: on tensor cores where one is built for that
-/// width (unless `HARVEST_CUDA_ATTENTION=simple`), else the CUDA-core kernel.
-fn attention_kernel(
+/// The attention kernel for heads of `head_dim` in `E`: on tensor cores where one is built for
+/// that width and the mode is bf16 (unless `HARVEST_CUDA_ATTENTION=simple`), else the CUDA-core
+/// kernel of the mode.
+fn attention_kernel<E: Activation>(
     function: &dyn Fn(&str) -> Result<CudaFunction>,
     head_dim: usize,
 ) -> Result<AttentionKernel> {
     let forced = std::env::var(ATTENTION_VARIABLE).ok();
-    Ok(if uses_tensor_cores(head_dim, forced.as_deref()) {
+    let bf16 = E::PRECISION == Precision::Bf16;
+    Ok(if bf16 && uses_tensor_cores(head_dim, forced.as_deref()) {
         let name = if head_dim == 64 {
             "attention_mma_64"
         } else {
@@ -220,13 +192,20 @@ fn attention_kernel(
             name,
             queries_per_block: kernels::ATTENTION_MMA_QUERIES_PER_BLOCK,
             threads: kernels::ATTENTION_MMA_THREADS,
+            takes_head_dim: false,
         }
     } else {
+        let name = if bf16 {
+            "attention_varlen"
+        } else {
+            "attention_varlen_f32"
+        };
         AttentionKernel {
-            function: function("attention_varlen")?,
-            name: "attention_varlen",
+            function: function(name)?,
+            name,
             queries_per_block: kernels::ATTENTION_QUERIES_PER_BLOCK,
             threads: 32 * kernels::ATTENTION_QUERIES_PER_BLOCK,
+            takes_head_dim: true,
         }
     })
 }
@@ -283,9 +262,12 @@ struct Kernels {
 
 impl Kernels {
     /// Compiles the kernels, loads them on `context` in the first form that loads
-    /// ([`kernels::CODE_VARIABLE`] may force one) and finds each entry point; the attention
-    /// kernel is the one for heads of `head_dim`.
-    fn load(context: &Arc<CudaContext>, head_dim: usize) -> Result<(Self, KernelCode)> {
+    /// ([`kernels::CODE_VARIABLE`] may force one) and finds each entry point, the typed ones
+    /// for activations of `E`; the attention kernel is the one for heads of `head_dim`.
+    fn load<E: Activation>(
+        context: &Arc<CudaContext>,
+        head_dim: usize,
+    ) -> Result<(Self, KernelCode)> {
         let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
         let (module, code) = load_kernels(context, &order)?;
         let function = |name: &str| {
@@ -293,64 +275,67 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| CudaError::from_driver("finding a kernel in its module", e).into())
         };
+        let typed = |name: &str| function(&format!("{name}{}", E::KERNEL_SUFFIX));
         let kernels = Self {
-            embed_gather: function("embed_gather")?,
-            rms_norm: function("rms_norm")?,
-            rms_norm_wide: function("rms_norm_wide")?,
-            head_norm: function("head_norm")?,
-            sigmoid_gate: function("sigmoid_gate")?,
-            moe_gather: function("moe_gather")?,
+            embed_gather: typed("embed_gather")?,
+            rms_norm: typed("rms_norm")?,
+            rms_norm_wide: function(E::WIDE_NORM)?,
+            head_norm: typed("head_norm")?,
+            sigmoid_gate: typed("sigmoid_gate")?,
+            moe_gather: typed("moe_gather")?,
             moe_scatter: function("moe_scatter")?,
-            rope: function("rope")?,
-            swiglu: function("swiglu")?,
+            rope: typed("rope")?,
+            swiglu: typed("swiglu")?,
             round_bf16: function("round_bf16")?,
             add_rows: function("add_rows")?,
             add_bias_bf16: function("add_bias_bf16")?,
             add_bias: function("add_bias")?,
-            attention: attention_kernel(&function, head_dim)?,
+            attention: attention_kernel::<E>(&function, head_dim)?,
             project: function("project")?,
         };
         Ok((kernels, code))
     }
 }
 
-struct DeviceBlock {
-    attn_norm: CudaSlice<u16>,
-    qkv: CudaSlice<u16>,
+/// One block's weights on the device, in the mode's type `E`.
+struct DeviceBlock<E> {
+    attn_norm: CudaSlice<E>,
+    qkv: CudaSlice<E>,
     /// Qwen2's (or Llama's `attention_bias`) QKV bias, f32.
     qkv_bias: Option<CudaSlice<f32>>,
-    o: CudaSlice<u16>,
+    o: CudaSlice<E>,
     /// Llama's `attention_bias` O bias, f32.
     o_bias: Option<CudaSlice<f32>>,
-    mlp_norm: CudaSlice<u16>,
-    gate_up: CudaSlice<u16>,
-    down: CudaSlice<u16>,
+    mlp_norm: CudaSlice<E>,
+    gate_up: CudaSlice<E>,
+    down: CudaSlice<E>,
     /// The MLP's inner width: the dense MLP's, or a sparse block's shared experts' (0 for none).
     inter: usize,
-    afmoe: Option<afmoe::DeviceAfmoe>,
+    afmoe: Option<afmoe::DeviceAfmoe<E>>,
 }
 
-/// Activation buffers for up to `tokens` tokens; they only grow.
-struct Scratch {
+/// Activation buffers for up to `tokens` tokens, those between kernels in `E`; they only grow.
+struct Scratch<E> {
     tokens: usize,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
     cu_seq_lengths: CudaSlice<u32>,
     tiles: CudaSlice<u32>,
     x: CudaSlice<f32>,
-    normed: CudaSlice<u16>,
-    qkv: CudaSlice<u16>,
-    /// The QKV product in f32 before its bias joins it; one value when the model has none.
+    normed: CudaSlice<E>,
+    qkv: CudaSlice<E>,
+    /// The QKV product in f32 before its bias joins it and it is rounded; one value when the
+    /// model has none or the mode is f32 (the product gains its bias in place).
     qkv_wide: CudaSlice<f32>,
-    attn: CudaSlice<u16>,
-    gate_up: CudaSlice<u16>,
-    act: CudaSlice<u16>,
+    attn: CudaSlice<E>,
+    gate_up: CudaSlice<E>,
+    act: CudaSlice<E>,
     /// A branch output kept as a hook site (`attn_out`, `mlp_out`), or given its bias, before
     /// it joins `x`; one value when the job keeps neither and the model has no output bias.
     branch: CudaSlice<f32>,
     kept: Kept,
     /// AFMoE's own buffers, for an AFMoE model.
-    afmoe: Option<afmoe::AfmoeScratch>,
+    afmoe: Option<afmoe::AfmoeScratch<E>>,
 }
 
 /// The kept layers' slots: residual rows in bf16, or projections in f32.
@@ -359,8 +344,30 @@ enum Kept {
     Projections(Slots<f32>),
 }
 
-/// The CUDA backend on one device.
+/// The CUDA backend on one device, computing in the job's precision: a [`Device`] of bf16 or
+/// of f32 activations.
 pub struct CudaBackend {
+    device: Box<dyn DevicePass>,
+}
+
+/// What [`CudaBackend`] asks of the pass in either precision.
+trait DevicePass: Backend + Stage {
+    fn reserve(&mut self, tokens: usize) -> Result<()>;
+    fn load_phases(&self) -> LoadPhases;
+}
+
+impl<E: Activation> DevicePass for Device<E> {
+    fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.ensure_scratch(tokens)
+    }
+
+    fn load_phases(&self) -> LoadPhases {
+        self.phases
+    }
+}
+
+/// The pass on one device, its activations between kernels in `E`.
+struct Device<E> {
     spec: CaptureSpec,
     config: ModelConfig,
     stream: Arc<CudaStream>,
@@ -369,16 +376,16 @@ pub struct CudaBackend {
     blas: CudaBlas,
     kernels: Kernels,
     /// The embedding, on the first stage only.
-    embed: Option<CudaSlice<u16>>,
+    embed: Option<CudaSlice<E>>,
     /// The model's block the first of `blocks` is (0 unless this is a later pipeline stage).
     first_block: usize,
     /// The blocks this backend runs, up to the deepest kept one.
-    blocks: Vec<DeviceBlock>,
+    blocks: Vec<DeviceBlock<E>>,
     /// The kept layers (positions among the job's) that `blocks` hold: this backend's slots.
     kept: Range<usize>,
     inv_freq: CudaSlice<f32>,
     directions: Option<CudaSlice<f32>>,
-    scratch: Option<Scratch>,
+    scratch: Option<Scratch<E>>,
     host_tiles: Vec<u32>,
     phases: LoadPhases,
     /// Whether some block has a QKV bias, and an O bias: they need buffers of their own.
@@ -391,7 +398,7 @@ pub struct CudaBackend {
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
-            .field("blocks", &self.blocks.len())
+            .field("precision", &self.device.spec().precision)
             .finish_non_exhaustive()
     }
 }
@@ -404,23 +411,48 @@ pub fn check_model(config: &ModelConfig) -> Result<()> {
 
 /// The environment variable that lets AFMoE run on a GPU before a GPU window has checked it.
 pub const CUDA_AFMOE_VARIABLE: &str = "HARVEST_CUDA_AFMOE";
+/// The environment variable that lets the f32 mode run on a GPU before a GPU window has
+/// checked it.
+pub const CUDA_F32_VARIABLE: &str = "HARVEST_CUDA_F32";
 
-/// AFMoE has run only on the replay, so on a GPU it runs only when [`CUDA_AFMOE_VARIABLE`] is
-/// `try` (`value`), as the GPU window sets it.
-pub fn check_afmoe_allowed(config: &ModelConfig, value: Option<&str>) -> Result<()> {
-    if config.afmoe.is_none() || value.map(str::trim) == Some("try") {
-        return Ok(());
+/// Refuses what has run only on the replay, on a GPU, unless its variable (read by `env`) is
+/// `try`, as the GPU window sets them: AFMoE ([`CUDA_AFMOE_VARIABLE`]) and the f32 mode
+/// ([`CUDA_F32_VARIABLE`]).
+pub fn check_unchecked(
+    config: &ModelConfig,
+    precision: Precision,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<()> {
+    let tried = |variable: &str| env(variable).as_deref().map(str::trim) == Some("try");
+    let unchecked = if config.afmoe.is_some() && !tried(CUDA_AFMOE_VARIABLE) {
+        Some((
+            "AFMoE (AfmoeForCausalLM)",
+            CUDA_AFMOE_VARIABLE,
+            "use --device cpu",
+        ))
+    } else if precision == Precision::F32 && !tried(CUDA_F32_VARIABLE) {
+        Some((
+            "The f32 mode",
+            CUDA_F32_VARIABLE,
+            "ask for bf16 (--precision bf16, or no precision: a GPU's own), or use --device cpu",
+        ))
+    } else {
+        None
+    };
+    match unchecked {
+        None => Ok(()),
+        Some((feature, variable, instead)) => Err(CudaError::Unchecked {
+            feature,
+            variable,
+            instead,
+        }
+        .into()),
     }
-    Err(CudaError::Unchecked {
-        feature: "AFMoE (AfmoeForCausalLM)",
-        variable: CUDA_AFMOE_VARIABLE,
-    }
-    .into())
 }
 
 impl CudaBackend {
-    /// Uploads `weights` (the blocks up to the deepest kept one) in bf16 to GPU `ordinal` and
-    /// compiles the kernels.
+    /// Uploads `weights` (the blocks up to the deepest kept one) to GPU `ordinal` in the
+    /// spec's precision and compiles the kernels.
     pub fn new(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         spec.check(&weights)?;
         Self::load(weights, spec, ordinal)
@@ -435,9 +467,82 @@ impl CudaBackend {
     }
 
     fn load(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
+        check_model(&weights.config)?;
+        check_unchecked(&weights.config, spec.precision, &|name| {
+            std::env::var(name).ok()
+        })?;
+        let device: Box<dyn DevicePass> = match spec.precision {
+            Precision::Bf16 => Box::new(Device::<u16>::load(weights, spec, ordinal)?),
+            Precision::F32 => Box::new(Device::<f32>::load(weights, spec, ordinal)?),
+        };
+        Ok(Self { device })
+    }
+
+    /// Allocates the buffers of a batch of `tokens` now, refusing one that does not fit the
+    /// device's free memory ([`CudaError::DoesNotFit`], naming the bytes).
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.device.reserve(tokens)
+    }
+
+    /// How long each phase of the load took.
+    pub fn load_phases(&self) -> LoadPhases {
+        self.device.load_phases()
+    }
+
+    /// Device bytes a batch of `tokens` needs on a stage holding `weights` (its blocks up to
+    /// the deepest kept one): what the stage plan checks against a GPU before loading.
+    pub fn stage_batch_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
+        let first = weights.first_block;
+        let run = spec.blocks_to_run(first, weights.blocks.len());
+        let blocks = &weights.blocks[..run];
+        let buffers = BatchBuffers {
+            kept_layers: spec.kept_in(first..first + run).len(),
+            branch: keeps_branches(&spec.sites)
+                || blocks.iter().any(|b| b.o_bias.is_some())
+                || weights.config.afmoe.is_some(),
+            qkv_wide: blocks.iter().any(|b| b.qkv_bias.is_some()),
+            mlp_width: mlp_width(blocks),
+            value_bytes: value_bytes(spec.precision),
+        };
+        buffers.bytes(&weights.config, spec, tokens)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn capture_width(&self) -> usize {
+        self.device.capture_width()
+    }
+
+    fn spec(&self) -> &CaptureSpec {
+        self.device.spec()
+    }
+
+    fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
+        self.device.capture(batch, out)
+    }
+}
+
+impl Stage for CudaBackend {
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        self.device.forward(batch, x, out)
+    }
+}
+
+/// Bytes of one activation between kernels in `precision`.
+fn value_bytes(precision: Precision) -> usize {
+    match precision {
+        Precision::Bf16 => 2,
+        Precision::F32 => 4,
+    }
+}
+
+impl<E: Activation> Device<E> {
+    fn load(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         let config = weights.config.clone();
-        check_model(&config)?;
-        check_afmoe_allowed(&config, std::env::var(CUDA_AFMOE_VARIABLE).ok().as_deref())?;
         super::probe(ordinal)?;
         let first_block = weights.first_block;
         let run = spec.blocks_to_run(first_block, weights.blocks.len());
@@ -456,7 +561,7 @@ impl CudaBackend {
         let stream = context.default_stream();
         let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
-        let (kernels, code) = Kernels::load(&context, config.head_dim)?;
+        let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
         let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
         let mut up = Uploader {
             stream: &stream,
@@ -468,7 +573,7 @@ impl CudaBackend {
             },
         };
         let embed = if first_block == 0 {
-            Some(up.matrix(&weights.embed)?)
+            Some(E::upload_matrix(&mut up, &weights.embed)?)
         } else {
             None
         };
@@ -523,17 +628,6 @@ impl CudaBackend {
         keeps_branches(&self.spec.sites) || self.o_bias || self.config.afmoe.is_some()
     }
 
-    /// Allocates the buffers of a batch of `tokens` now, refusing one that does not fit the
-    /// device's free memory ([`CudaError::DoesNotFit`], naming the bytes).
-    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
-        self.ensure_scratch(tokens)
-    }
-
-    /// How long each phase of the load took.
-    pub fn load_phases(&self) -> LoadPhases {
-        self.phases
-    }
-
     /// Device bytes a batch of `tokens` needs for its activations and captured rows.
     fn batch_bytes(&self, tokens: usize) -> u64 {
         let buffers = BatchBuffers {
@@ -541,25 +635,9 @@ impl CudaBackend {
             branch: self.needs_branch(),
             qkv_wide: self.qkv_bias,
             mlp_width: self.mlp_width,
+            value_bytes: size_of::<E>(),
         };
         buffers.bytes(&self.config, &self.spec, tokens)
-    }
-
-    /// Device bytes a batch of `tokens` needs on a stage holding `weights` (its blocks up to
-    /// the deepest kept one): what the stage plan checks against a GPU before loading.
-    pub fn stage_batch_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
-        let first = weights.first_block;
-        let run = spec.blocks_to_run(first, weights.blocks.len());
-        let blocks = &weights.blocks[..run];
-        let buffers = BatchBuffers {
-            kept_layers: spec.kept_in(first..first + run).len(),
-            branch: keeps_branches(&spec.sites)
-                || blocks.iter().any(|b| b.o_bias.is_some())
-                || weights.config.afmoe.is_some(),
-            qkv_wide: blocks.iter().any(|b| b.qkv_bias.is_some()),
-            mlp_width: mlp_width(blocks),
-        };
-        buffers.bytes(&weights.config, spec, tokens)
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
@@ -583,7 +661,8 @@ impl CudaBackend {
         } else {
             1
         };
-        let qkv_wide = if self.qkv_bias {
+        // The f32 mode adds the bias to its f32 product in place.
+        let qkv_wide = if self.qkv_bias && E::PRECISION == Precision::Bf16 {
             tokens * c.qkv_width()
         } else {
             1
@@ -591,7 +670,7 @@ impl CudaBackend {
         let s = &self.stream;
         let action = "allocating a batch's activations";
         let f32s = |n: usize| s.alloc_zeros::<f32>(n).map_err(memory_error(action));
-        let u16s = |n: usize| s.alloc_zeros::<u16>(n).map_err(memory_error(action));
+        let values = |n: usize| s.alloc_zeros::<E>(n).map_err(memory_error(action));
         let u32s = |n: usize| s.alloc_zeros::<u32>(n).map_err(memory_error(action));
         self.scratch = Some(Scratch {
             tokens,
@@ -600,12 +679,12 @@ impl CudaBackend {
             cu_seq_lengths: u32s(tokens + 1)?,
             tiles: u32s(2 * tokens)?,
             x: f32s(tokens * c.hidden_size)?,
-            normed: u16s(tokens * c.hidden_size)?,
-            qkv: u16s(tokens * c.qkv_width())?,
+            normed: values(tokens * c.hidden_size)?,
+            qkv: values(tokens * c.qkv_width())?,
             qkv_wide: f32s(qkv_wide)?,
-            attn: u16s(tokens * c.num_heads * c.head_dim)?,
-            gate_up: u16s(tokens * 2 * self.mlp_width.max(1))?,
-            act: u16s(tokens * self.mlp_width.max(1))?,
+            attn: values(tokens * c.num_heads * c.head_dim)?,
+            gate_up: values(tokens * 2 * self.mlp_width.max(1))?,
+            act: values(tokens * self.mlp_width.max(1))?,
             branch: f32s(branch)?,
             kept: if self.spec.directions.is_some() {
                 Kept::Projections(Slots::new(s, kept, tokens * width)?)
@@ -633,7 +712,7 @@ impl CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+impl<E: Activation> Backend for Device<E> {
     fn name(&self) -> &'static str {
         "cuda"
     }
@@ -658,7 +737,7 @@ impl Backend for CudaBackend {
     }
 }
 
-impl Stage for CudaBackend {
+impl<E: Activation> Stage for Device<E> {
     fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
         batch.validate(self.config.vocab_size)?;
         if batch.num_tokens() == 0 {
@@ -668,7 +747,7 @@ impl Stage for CudaBackend {
     }
 }
 
-impl CudaBackend {
+impl<E: Activation> Device<E> {
     /// Runs the blocks on a batch of at least one token: from the embedding on the first
     /// stage, else from `x`, the residual stream the stage before handed on, which gets this
     /// stage's output back. Kept sites land in their slots of `out` (the whole batch's).
@@ -770,11 +849,11 @@ fn no_stream(first_block: usize, values: usize) -> crate::Error {
 }
 
 /// Copies a batch's ids, positions, sequence bounds and attention tiles to the device.
-fn upload_batch(
+fn upload_batch<E>(
     stream: &Arc<CudaStream>,
     batch: &Batch,
     host_tiles: &[u32],
-    s: &mut Scratch,
+    s: &mut Scratch<E>,
 ) -> Result<()> {
     let tokens = batch.num_tokens();
     let copy = CudaError::fault("copying the batch to the device");
@@ -797,7 +876,7 @@ fn upload_batch(
 }
 
 /// One forward pass over a batch: what every block's launches share.
-struct Pass<'a> {
+pub(super) struct Pass<'a> {
     config: &'a ModelConfig,
     stream: &'a Arc<CudaStream>,
     blas: &'a CudaBlas,
@@ -842,6 +921,8 @@ struct BatchBuffers {
     qkv_wide: bool,
     /// The widest MLP among the blocks ([`mlp_width`]).
     mlp_width: usize,
+    /// Bytes of one activation between kernels: 2 in the bf16 mode, 4 in the f32 mode.
+    value_bytes: usize,
 }
 
 /// The widest MLP (dense, or a sparse block's shared experts) among `blocks`.
@@ -858,24 +939,26 @@ impl BatchBuffers {
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         };
-        let value_bytes = if spec.directions.is_some() { 4 } else { 2 };
+        let kept_bytes = if spec.directions.is_some() { 4 } else { 2 };
         let slots = spec.sites.len() * self.kept_layers;
-        let capture = (value_bytes * slots * spec.width(c.hidden_size)) as u64;
+        let capture = (kept_bytes * slots * spec.width(c.hidden_size)) as u64;
         let branch = if self.branch {
             4 * c.hidden_size as u64
         } else {
             0
         };
-        let qkv_wide = if self.qkv_wide {
+        let qkv_wide = if self.qkv_wide && self.value_bytes == 2 {
             4 * c.qkv_width() as u64
         } else {
             0
         };
         let afmoe = match c.afmoe {
-            Some(_) => afmoe::AfmoeScratch::bytes(c, tokens),
+            Some(_) => afmoe::scratch_bytes(c, tokens, self.value_bytes),
             None => 0,
         };
-        shape.activation_bytes(tokens) + (capture + branch + qkv_wide + 16) * tokens as u64 + afmoe
+        shape.activation_bytes(tokens, self.value_bytes)
+            + (capture + branch + qkv_wide + 16) * tokens as u64
+            + afmoe
     }
 }
 
@@ -886,9 +969,9 @@ fn keeps_branches(sites: &Sites) -> bool {
 }
 
 /// The block ops on the device: one pass's launches over its scratch buffers.
-struct DeviceOps<'p, 's> {
+struct DeviceOps<'p, 's, E> {
     pass: &'p Pass<'p>,
-    s: &'s mut Scratch,
+    s: &'s mut Scratch<E>,
     /// The block's MLP width (`DeviceBlock::inter`), for SwiGLU.
     inter: usize,
     /// Where this block's kept sites go, if it is a kept layer.
@@ -897,22 +980,22 @@ struct DeviceOps<'p, 's> {
 
 /// The input and weight of `sublayer`'s output projection (`attn` and O, or `act` and down),
 /// and its `(n, k)`.
-fn output_of<'a>(
+fn output_of<'a, E>(
     c: &ModelConfig,
-    block: &'a DeviceBlock,
-    (attn, act): (&'a CudaSlice<u16>, &'a CudaSlice<u16>),
+    block: &'a DeviceBlock<E>,
+    (attn, act): (&'a CudaSlice<E>, &'a CudaSlice<E>),
     sublayer: Sublayer,
-) -> (&'a CudaSlice<u16>, &'a CudaSlice<u16>, (usize, usize)) {
+) -> (&'a CudaSlice<E>, &'a CudaSlice<E>, (usize, usize)) {
     match sublayer {
         Sublayer::Attention => (attn, &block.o, (c.hidden_size, c.num_heads * c.head_dim)),
         Sublayer::Mlp => (act, &block.down, (c.hidden_size, block.inter)),
     }
 }
 
-impl BlockOps for DeviceOps<'_, '_> {
-    type Block = DeviceBlock;
+impl<E: Activation> BlockOps for DeviceOps<'_, '_, E> {
+    type Block = DeviceBlock<E>;
 
-    fn norm(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+    fn norm(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
         let weight = match sublayer {
             Sublayer::Attention => &block.attn_norm,
             Sublayer::Mlp => &block.mlp_norm,
@@ -920,24 +1003,17 @@ impl BlockOps for DeviceOps<'_, '_> {
         self.pass.norm(weight, &self.s.x, &mut self.s.normed)
     }
 
-    fn qkv(&mut self, block: &DeviceBlock) -> Result<()> {
+    fn qkv(&mut self, block: &DeviceBlock<E>) -> Result<()> {
         let (c, p) = (self.pass.config, self.pass);
         let shape = (c.qkv_width(), c.hidden_size);
         let s = &mut *self.s;
-        let Some(bias) = &block.qkv_bias else {
-            return p.gemm(&s.normed, &block.qkv, &mut s.qkv, BF16, shape, 0.0);
-        };
-        p.gemm(&s.normed, &block.qkv, &mut s.qkv_wide, F32, shape, 0.0)?;
-        let n = p.tokens * c.qkv_width();
-        let k = &p.kernels.add_bias_bf16;
-        launch::add_bias_bf16(
-            p.stream,
-            k,
-            &s.qkv_wide,
-            bias,
-            &mut s.qkv,
-            (n, c.qkv_width()),
-        )
+        match &block.qkv_bias {
+            None => p.gemm(&s.normed, &block.qkv, &mut s.qkv, E::DATA_TYPE, shape, 0.0),
+            Some(bias) => {
+                let buffers = (&mut s.qkv, &mut s.qkv_wide);
+                E::biased_product(p, (&s.normed, &block.qkv, bias), buffers, shape)
+            }
+        }
     }
 
     fn rope(&mut self) -> Result<()> {
@@ -980,12 +1056,19 @@ impl BlockOps for DeviceOps<'_, '_> {
         )
     }
 
-    fn gate_up(&mut self, block: &DeviceBlock) -> Result<()> {
+    fn gate_up(&mut self, block: &DeviceBlock<E>) -> Result<()> {
         let c = self.pass.config;
         let shape = (2 * block.inter, c.hidden_size);
         let s = &mut *self.s;
-        self.pass
-            .gemm(&s.normed, &block.gate_up, &mut s.gate_up, BF16, shape, 0.0)
+        let c_type = E::DATA_TYPE;
+        self.pass.gemm(
+            &s.normed,
+            &block.gate_up,
+            &mut s.gate_up,
+            c_type,
+            shape,
+            0.0,
+        )
     }
 
     fn swiglu(&mut self) -> Result<()> {
@@ -999,13 +1082,13 @@ impl BlockOps for DeviceOps<'_, '_> {
         )
     }
 
-    fn output_into_residual(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+    fn output_into_residual(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
         let s = &mut *self.s;
         let (input, w, shape) = output_of(self.pass.config, block, (&s.attn, &s.act), sublayer);
         self.pass.gemm(input, w, &mut s.x, F32, shape, 1.0)
     }
 
-    fn output_apart(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+    fn output_apart(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
         let (c, p) = (self.pass.config, self.pass);
         let s = &mut *self.s;
         let (input, w, shape) = output_of(c, block, (&s.attn, &s.act), sublayer);
@@ -1019,7 +1102,7 @@ impl BlockOps for DeviceOps<'_, '_> {
         }
     }
 
-    fn output_bias(&self, block: &DeviceBlock, sublayer: Sublayer) -> bool {
+    fn output_bias(&self, block: &DeviceBlock<E>, sublayer: Sublayer) -> bool {
         sublayer == Sublayer::Attention && block.o_bias.is_some()
     }
 
@@ -1048,12 +1131,12 @@ impl BlockOps for DeviceOps<'_, '_> {
 }
 
 impl Pass<'_> {
-    /// `out = rms_norm(x) · weight` over the batch.
-    fn norm(
+    /// `out = rms_norm(x) · weight` over the batch, in the mode's type `E`.
+    fn norm<E: DeviceRepr>(
         &self,
-        weight: &CudaSlice<u16>,
+        weight: &CudaSlice<E>,
         x: &CudaSlice<f32>,
-        out: &mut CudaSlice<u16>,
+        out: &mut CudaSlice<E>,
     ) -> Result<()> {
         let c = self.config;
         launch::rms_norm(
@@ -1066,23 +1149,22 @@ impl Pass<'_> {
         )
     }
 
-    /// `c[tokens, n] = a · w[n, k]ᵀ + beta · c` over the batch.
-    fn gemm<C>(
+    /// `c[tokens, n] = a · w[n, k]ᵀ + beta · c` over the batch, `a` and `w` in the mode's type.
+    fn gemm<E: Activation, C>(
         &self,
-        a: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
+        a: &CudaSlice<E>,
+        w: &CudaSlice<E>,
         c: &mut CudaSlice<C>,
         c_type: cudaDataType,
         (n, k): (usize, usize),
         beta: f32,
     ) -> Result<()> {
+        let types = (E::DATA_TYPE, c_type, E::COMPUTE);
         gemm(
             self.blas,
             self.stream,
-            a,
-            w,
-            c,
-            c_type,
+            (a, w, c),
+            types,
             (self.tokens, n, k),
             beta,
         )
@@ -1166,10 +1248,8 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
             gemm(
                 &blas,
                 &stream,
-                &a,
-                &b,
-                &mut c,
-                cudaDataType::CUDA_R_32F,
+                (&a, &b, &mut c),
+                (u16::DATA_TYPE, F32, u16::COMPUTE),
                 (m, n, k),
                 0.0,
             )?;
@@ -1192,18 +1272,39 @@ mod tests {
     }
 
     #[test]
-    fn afmoe_runs_on_a_gpu_only_when_asked_for_and_a_dense_model_always() {
+    fn afmoe_and_the_f32_mode_run_on_a_gpu_only_when_asked_for_and_the_rest_always() {
         let afmoe = fixture_config("tiny-afmoe-bf16");
-        assert!(check_afmoe_allowed(&afmoe, Some("try")).is_ok());
-        assert!(check_afmoe_allowed(&afmoe, Some(" try ")).is_ok());
+        let dense = fixture_config("tiny-mistral-window-bf16");
+        let env = |afmoe: Option<&'static str>, f32: Option<&'static str>| {
+            move |name: &str| match name {
+                CUDA_AFMOE_VARIABLE => afmoe.map(String::from),
+                CUDA_F32_VARIABLE => f32.map(String::from),
+                _ => None,
+            }
+        };
+        let check = |config, precision, env: &dyn Fn(&str) -> Option<String>| {
+            check_unchecked(config, precision, env).map_err(|e| e.to_string())
+        };
+        assert!(check(&afmoe, Precision::Bf16, &env(Some("try"), None)).is_ok());
+        assert!(check(&afmoe, Precision::Bf16, &env(Some(" try "), None)).is_ok());
         for value in [None, Some("yes"), Some("")] {
-            let error = check_afmoe_allowed(&afmoe, value).unwrap_err().to_string();
+            let error = check(&afmoe, Precision::Bf16, &env(value, None)).unwrap_err();
             assert!(
                 error.contains("AFMoE") && error.contains("HARVEST_CUDA_AFMOE=try"),
                 "{value:?}: {error}"
             );
+            let error = check(&dense, Precision::F32, &env(None, value)).unwrap_err();
+            assert!(
+                error.contains("f32 mode")
+                    && error.contains("HARVEST_CUDA_F32=try")
+                    && error.contains("--precision bf16"),
+                "{value:?}: {error}"
+            );
         }
-        let dense = fixture_config("tiny-mistral-window-bf16");
-        assert!(check_afmoe_allowed(&dense, None).is_ok());
+        assert!(check(&dense, Precision::Bf16, &env(None, None)).is_ok());
+        assert!(check(&dense, Precision::F32, &env(None, Some("try"))).is_ok());
+        // AFMoE in f32 needs both.
+        assert!(check(&afmoe, Precision::F32, &env(Some("try"), None)).is_err());
+        assert!(check(&afmoe, Precision::F32, &env(Some("try"), Some("try"))).is_ok());
     }
 }

@@ -25,6 +25,17 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+// The activations between kernels are bf16 in the bf16 mode and f32 in the f32 mode, so the
+// kernels that read or write them are templates over that type T, with one entry point a mode
+// (`name` for bf16, `name_f32`). `widened` reads a T as f32; `stored<T>` writes an f32 as a T,
+// rounded to bf16 or as it is: the f32 mode's kernels do the bf16 mode's arithmetic less its
+// rounding.
+__device__ __forceinline__ float widened(bf16 v) { return bf16_to_f32(v); }
+__device__ __forceinline__ float widened(float v) { return v; }
+template <typename T> __device__ __forceinline__ T stored(float v);
+template <> __device__ __forceinline__ bf16 stored<bf16>(float v) { return f32_to_bf16(v); }
+template <> __device__ __forceinline__ float stored<float>(float v) { return v; }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -34,14 +45,23 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // x[t, :] = table[ids[t], :] * scale (AFMoE's muP scale; 1 for the others, exact). Grid:
 // tokens; block: any.
-extern "C" __global__ void embed_gather(const bf16* table, const unsigned int* ids, float* x,
-                                        int hidden, float scale) {
+template <typename T>
+__device__ __forceinline__ void gather_rows(const T* table, const unsigned int* ids, float* x,
+                                           int hidden, float scale) {
     const int t = blockIdx.x;
-    const bf16* row = table + (long long)ids[t] * hidden;
+    const T* row = table + (long long)ids[t] * hidden;
     float* out = x + (long long)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        out[i] = bf16_to_f32(row[i]) * scale;
+        out[i] = widened(row[i]) * scale;
     }
+}
+extern "C" __global__ void embed_gather(const bf16* table, const unsigned int* ids, float* x,
+                                        int hidden, float scale) {
+    gather_rows(table, ids, x, hidden, scale);
+}
+extern "C" __global__ void embed_gather_f32(const float* table, const unsigned int* ids,
+                                            float* x, int hidden, float scale) {
+    gather_rows(table, ids, x, hidden, scale);
 }
 
 // The sum of every thread's `sum` over the block: each warp's butterfly, then one over the
@@ -70,71 +90,98 @@ __device__ __forceinline__ float rms_scale(const float* row, int hidden, float e
     return rsqrtf(block_sum(sum) / (float)hidden + eps);
 }
 
-// out[t, :] = x[t, :] / rms(x[t, :]) * weight, in bf16 for the next GEMM. Grid: tokens;
-// block: a multiple of 32 up to 1024.
-extern "C" __global__ void rms_norm(const float* x, const bf16* weight, bf16* out, int hidden,
-                                    float eps) {
+// out[t, :] = x[t, :] / rms(x[t, :]) * weight, stored as O: `rms_norm` rounds to bf16 for the
+// next GEMM; `rms_norm_wide` keeps f32 (AFMoE's branch norms and its router's input);
+// `rms_norm_f32` is the f32 mode's, its weights f32. Grid: tokens; block: a multiple of 32 up
+// to 1024.
+template <typename W, typename O>
+__device__ __forceinline__ void norm_rows(const float* x, const W* weight, O* out, int hidden,
+                                          float eps) {
     const int t = blockIdx.x;
     const float* row = x + (long long)t * hidden;
     const float scale = rms_scale(row, hidden, eps);
-    bf16* dst = out + (long long)t * hidden;
+    O* dst = out + (long long)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        dst[i] = f32_to_bf16(row[i] * scale * bf16_to_f32(weight[i]));
+        dst[i] = stored<O>(row[i] * scale * widened(weight[i]));
     }
 }
-
-// The same norm kept in f32: AFMoE's branch norms and its router's input. Grid: tokens; block:
-// as rms_norm.
+extern "C" __global__ void rms_norm(const float* x, const bf16* weight, bf16* out, int hidden,
+                                    float eps) {
+    norm_rows(x, weight, out, hidden, eps);
+}
 extern "C" __global__ void rms_norm_wide(const float* x, const bf16* weight, float* out,
                                          int hidden, float eps) {
-    const int t = blockIdx.x;
-    const float* row = x + (long long)t * hidden;
-    const float scale = rms_scale(row, hidden, eps);
-    float* dst = out + (long long)t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        dst[i] = row[i] * scale * bf16_to_f32(weight[i]);
-    }
+    norm_rows(x, weight, out, hidden, eps);
+}
+extern "C" __global__ void rms_norm_f32(const float* x, const float* weight, float* out,
+                                        int hidden, float eps) {
+    norm_rows(x, weight, out, hidden, eps);
 }
 
 // AFMoE's RMSNorm of each query head (q_norm) and key head (k_norm) of the fused QKV rows, in
 // place, bf16. One warp per head: lane l sums the squares of dimensions l, l + 32, ...
 // Grid: (tokens, q_heads + kv_heads); block: 32.
-extern "C" __global__ void head_norm(bf16* qkv, const bf16* q_norm, const bf16* k_norm,
-                                     int row_width, int q_heads, int head_dim, float eps) {
+template <typename T>
+__device__ __forceinline__ void norm_heads(T* qkv, const T* q_norm, const T* k_norm,
+                                           int row_width, int q_heads, int head_dim, float eps) {
     const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
-    bf16* h = qkv + (long long)t * row_width + (long long)head * head_dim;
-    const bf16* weight = head < q_heads ? q_norm : k_norm;
+    T* h = qkv + (long long)t * row_width + (long long)head * head_dim;
+    const T* weight = head < q_heads ? q_norm : k_norm;
     float sum = 0.0f;
     for (int i = lane; i < head_dim; i += 32) {
-        const float v = bf16_to_f32(h[i]);
+        const float v = widened(h[i]);
         sum += v * v;
     }
     const float scale = rsqrtf(warp_sum(sum) / (float)head_dim + eps);
     for (int i = lane; i < head_dim; i += 32) {
-        h[i] = f32_to_bf16(bf16_to_f32(h[i]) * scale * bf16_to_f32(weight[i]));
+        h[i] = stored<T>(widened(h[i]) * scale * widened(weight[i]));
     }
+}
+extern "C" __global__ void head_norm(bf16* qkv, const bf16* q_norm, const bf16* k_norm,
+                                     int row_width, int q_heads, int head_dim, float eps) {
+    norm_heads(qkv, q_norm, k_norm, row_width, q_heads, head_dim, eps);
+}
+extern "C" __global__ void head_norm_f32(float* qkv, const float* q_norm, const float* k_norm,
+                                         int row_width, int q_heads, int head_dim, float eps) {
+    norm_heads(qkv, q_norm, k_norm, row_width, q_heads, head_dim, eps);
 }
 
 // attn[i] = attn[i] * sigmoid(gate[i]) over n values, as attn / (1 + exp(-gate)): AFMoE's
 // attention output gate. Grid-strided; any grid.
-extern "C" __global__ void sigmoid_gate(bf16* attn, const bf16* gate, long long n) {
+template <typename T>
+__device__ __forceinline__ void gate_values(T* attn, const T* gate, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = bf16_to_f32(gate[i]);
-        attn[i] = f32_to_bf16(bf16_to_f32(attn[i]) / (1.0f + __expf(-g)));
+        const float g = widened(gate[i]);
+        attn[i] = stored<T>(widened(attn[i]) / (1.0f + __expf(-g)));
     }
+}
+extern "C" __global__ void sigmoid_gate(bf16* attn, const bf16* gate, long long n) {
+    gate_values(attn, gate, n);
+}
+extern "C" __global__ void sigmoid_gate_f32(float* attn, const float* gate, long long n) {
+    gate_values(attn, gate, n);
 }
 
 // rows[r, :] = normed[tokens[r], :]: each routed expert's input rows, grouped by expert.
 // Grid: grouped rows; block: any.
-extern "C" __global__ void moe_gather(const bf16* normed, const unsigned int* tokens, bf16* rows,
-                                      int hidden) {
+template <typename T>
+__device__ __forceinline__ void group_rows(const T* normed, const unsigned int* tokens, T* rows,
+                                           int hidden) {
     const int r = blockIdx.x;
-    const bf16* src = normed + (long long)tokens[r] * hidden;
-    bf16* dst = rows + (long long)r * hidden;
+    const T* src = normed + (long long)tokens[r] * hidden;
+    T* dst = rows + (long long)r * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         dst[i] = src[i];
     }
+}
+extern "C" __global__ void moe_gather(const bf16* normed, const unsigned int* tokens, bf16* rows,
+                                      int hidden) {
+    group_rows(normed, tokens, rows, hidden);
+}
+extern "C" __global__ void moe_gather_f32(const float* normed, const unsigned int* tokens,
+                                          float* rows, int hidden) {
+    group_rows(normed, tokens, rows, hidden);
 }
 
 // branch[t, :] += sum over t's k choices, in expert order, of weights[t, j] * out[slots[t, j], :]
@@ -157,22 +204,32 @@ extern "C" __global__ void moe_scatter(const float* out, const unsigned int* slo
 // Rotates the query and key heads of the fused QKV buffer in place, Hugging Face style
 // (dimension i pairs with i + head_dim / 2). `inv_freq` has head_dim / 2 entries, Llama 3
 // scaling already applied on the host. Grid: (tokens, q_heads + kv_heads); block: head_dim / 2.
-extern "C" __global__ void rope(bf16* qkv, const unsigned int* positions, const float* inv_freq,
-                                int row_width, int head_dim) {
+template <typename T>
+__device__ __forceinline__ void rotate_heads(T* qkv, const unsigned int* positions,
+                                             const float* inv_freq, int row_width, int head_dim) {
     const int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
     const int half = head_dim >> 1;
     if (i >= half) return;
-    bf16* h = qkv + (long long)t * row_width + (long long)head * head_dim;
+    T* h = qkv + (long long)t * row_width + (long long)head * head_dim;
     float s, c;
     sincosf((float)positions[t] * inv_freq[i], &s, &c);
-    const float a = bf16_to_f32(h[i]), b = bf16_to_f32(h[i + half]);
-    h[i] = f32_to_bf16(a * c - b * s);
-    h[i + half] = f32_to_bf16(b * c + a * s);
+    const float a = widened(h[i]), b = widened(h[i + half]);
+    h[i] = stored<T>(a * c - b * s);
+    h[i + half] = stored<T>(b * c + a * s);
+}
+extern "C" __global__ void rope(bf16* qkv, const unsigned int* positions, const float* inv_freq,
+                                int row_width, int head_dim) {
+    rotate_heads(qkv, positions, inv_freq, row_width, head_dim);
+}
+extern "C" __global__ void rope_f32(float* qkv, const unsigned int* positions,
+                                    const float* inv_freq, int row_width, int head_dim) {
+    rotate_heads(qkv, positions, inv_freq, row_width, head_dim);
 }
 
-__device__ __forceinline__ bf16 silu_times(bf16 gate, bf16 up) {
-    const float g = bf16_to_f32(gate);
-    return f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(up));
+template <typename T>
+__device__ __forceinline__ T silu_times(T gate, T up) {
+    const float g = widened(gate);
+    return stored<T>(g / (1.0f + __expf(-g)) * widened(up));
 }
 
 // Two bf16 pairs packed in 32 bits: silu(gate) * up for each half.
@@ -207,6 +264,20 @@ extern "C" __global__ void swiglu(const bf16* gate_up, bf16* out, int inter, int
             } else {
                 row[j] = silu_times(gate[j], up[j]);
             }
+        }
+    }
+}
+
+// The f32 mode's SwiGLU: swiglu's arithmetic a value a thread, unrounded. Grid and block: as
+// swiglu.
+extern "C" __global__ void swiglu_f32(const float* gate_up, float* out, int inter, int tokens) {
+    const int stride = gridDim.x * blockDim.x;
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const float* gate = gate_up + (long long)t * 2 * inter;
+        const float* up = gate + inter;
+        float* row = out + (long long)t * inter;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inter; j += stride) {
+            row[j] = silu_times(gate[j], up[j]);
         }
     }
 }
@@ -252,8 +323,8 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int width, long
 // Causal grouped-query attention over packed variable-length sequences, with an online softmax
 // and no [n, n] buffer. One block handles `QUERIES` consecutive queries of one sequence for one
 // query head; each warp owns one query and each lane `head_dim / 32` of its dimensions. Keys and
-// values stream through shared memory `KEYS` at a time, shared by the block's warps, kept in
-// bf16 as read (64 KiB of f32 tiles at the widest head would not fit a block's static shared
+// values stream through shared memory `KEYS` at a time (`KEYS_F32` in the f32 mode), shared by
+// the block's warps, kept in the activations' type as read (64 KiB of f32 tiles at the widest head would not fit a block's static shared
 // memory). A query sees the `window` keys up to itself (Mistral's sliding window; the host
 // passes INT_MAX for none), and a block starts at its first query's oldest visible key.
 // `tiles` holds (sequence, first query) pairs made on the host. Grid: (tiles, q_heads);
@@ -261,14 +332,19 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int width, long
 // l, l + 32, ... below it, so with heads narrower than a multiple of 32 some lanes hold none.
 #define QUERIES 8
 #define KEYS 32
+// The f32 mode's tiles hold half the keys, so two f32 tiles of the widest head still fit a
+// block's 48 KiB of static shared memory.
+#define KEYS_F32 16
 #define MAX_HEAD_DIM 256
 #define MAX_PER_LANE (MAX_HEAD_DIM / 32)
-extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
-                                            const unsigned int* cu_seq_lengths,
-                                            const unsigned int* tiles, int q_heads, int kv_heads,
-                                            int head_dim, int window, float scale) {
-    __shared__ bf16 k_tile[KEYS * MAX_HEAD_DIM];
-    __shared__ bf16 v_tile[KEYS * MAX_HEAD_DIM];
+template <typename T, int TILE_KEYS>
+__device__ __forceinline__ void attend_varlen(const T* qkv, T* out,
+                                              const unsigned int* cu_seq_lengths,
+                                              const unsigned int* tiles, int q_heads,
+                                              int kv_heads, int head_dim, int window,
+                                              float scale) {
+    __shared__ T k_tile[TILE_KEYS * MAX_HEAD_DIM];
+    __shared__ T v_tile[TILE_KEYS * MAX_HEAD_DIM];
     const int seq = tiles[2 * blockIdx.x], first = tiles[2 * blockIdx.x + 1];
     const int head = blockIdx.y, kv_head = head / (q_heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -283,15 +359,15 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     float q[MAX_PER_LANE], acc[MAX_PER_LANE];
     for (int d = 0; d < per_lane; ++d) {
         const bool owned = active && lane + 32 * d < head_dim;
-        q[d] = owned ? bf16_to_f32(qkv[(long long)(start + query) * row_width + head * head_dim
+        q[d] = owned ? widened(qkv[(long long)(start + query) * row_width + head * head_dim
                                        + lane + 32 * d]) * scale
                      : 0.0f;
         acc[d] = 0.0f;
     }
     float running_max = -3.0e38f, running_sum = 0.0f;
     const int last_query = min(first + QUERIES, length) - 1;
-    for (int key0 = max(0, first + 1 - window); key0 <= last_query; key0 += KEYS) {
-        const int keys = min(KEYS, last_query + 1 - key0);
+    for (int key0 = max(0, first + 1 - window); key0 <= last_query; key0 += TILE_KEYS) {
+        const int keys = min(TILE_KEYS, last_query + 1 - key0);
         __syncthreads();
         for (int k = threadIdx.x; k < keys * head_dim; k += blockDim.x) {
             const int j = k / head_dim, d = k % head_dim;
@@ -306,7 +382,7 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
             float dot = 0.0f;
             for (int d = 0; d < per_lane; ++d) {
                 if (lane + 32 * d < head_dim) {
-                    dot += q[d] * bf16_to_f32(k_tile[j * head_dim + lane + 32 * d]);
+                    dot += q[d] * widened(k_tile[j * head_dim + lane + 32 * d]);
                 }
             }
             const float score = warp_sum(dot);
@@ -317,7 +393,7 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
             for (int d = 0; d < per_lane; ++d) {
                 if (lane + 32 * d < head_dim) {
                     acc[d] = acc[d] * correction
-                             + weight * bf16_to_f32(v_tile[j * head_dim + lane + 32 * d]);
+                             + weight * widened(v_tile[j * head_dim + lane + 32 * d]);
                 }
             }
             running_max = new_max;
@@ -325,10 +401,25 @@ extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
     }
     if (!active) return;
     const float inv = 1.0f / running_sum;
-    bf16* dst = out + (long long)(start + query) * (q_heads * head_dim) + head * head_dim;
+    T* dst = out + (long long)(start + query) * (q_heads * head_dim) + head * head_dim;
     for (int d = 0; d < per_lane; ++d) {
-        if (lane + 32 * d < head_dim) dst[lane + 32 * d] = f32_to_bf16(acc[d] * inv);
+        if (lane + 32 * d < head_dim) dst[lane + 32 * d] = stored<T>(acc[d] * inv);
     }
+}
+extern "C" __global__ void attention_varlen(const bf16* qkv, bf16* out,
+                                            const unsigned int* cu_seq_lengths,
+                                            const unsigned int* tiles, int q_heads, int kv_heads,
+                                            int head_dim, int window, float scale) {
+    attend_varlen<bf16, KEYS>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads, head_dim,
+                              window, scale);
+}
+extern "C" __global__ void attention_varlen_f32(const float* qkv, float* out,
+                                                const unsigned int* cu_seq_lengths,
+                                                const unsigned int* tiles, int q_heads,
+                                                int kv_heads, int head_dim, int window,
+                                                float scale) {
+    attend_varlen<float, KEYS_F32>(qkv, out, cu_seq_lengths, tiles, q_heads, kv_heads,
+                                   head_dim, window, scale);
 }
 
 // out[t, n] = x[t, :] . directions[n, :], f32. One block per token, one warp per direction at

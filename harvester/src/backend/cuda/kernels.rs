@@ -10,22 +10,31 @@ use crate::error::{CudaError, Result};
 /// The source of every kernel (`kernels.cu`).
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// The entry points the forward pass launches.
-pub const NAMES: [&str; 17] = [
+/// The entry points the forward pass launches (the typed ones in both modes: `name` for bf16,
+/// `name_f32`).
+pub const NAMES: [&str; 25] = [
     "embed_gather",
+    "embed_gather_f32",
     "rms_norm",
     "rms_norm_wide",
+    "rms_norm_f32",
     "head_norm",
+    "head_norm_f32",
     "sigmoid_gate",
+    "sigmoid_gate_f32",
     "moe_gather",
+    "moe_gather_f32",
     "moe_scatter",
     "rope",
+    "rope_f32",
     "swiglu",
+    "swiglu_f32",
     "round_bf16",
     "add_rows",
     "add_bias_bf16",
     "add_bias",
     "attention_varlen",
+    "attention_varlen_f32",
     "attention_mma_64",
     "attention_mma_128",
     "project",

@@ -55,11 +55,12 @@ fn grid(kernel: &'static str, x: usize, y: usize, threads: u32) -> Result<Launch
     })
 }
 
-/// `x[t] = table[ids[t]] · scale` (bf16 rows to f32) for `tokens` tokens of width `hidden`.
-pub(super) fn embed_gather(
+/// `x[t] = table[ids[t]] · scale` (rows of the mode's type to f32) for `tokens` tokens of
+/// width `hidden`.
+pub(super) fn embed_gather<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    table: &CudaSlice<u16>,
+    table: &CudaSlice<T>,
     ids: &CudaSlice<u32>,
     x: &mut CudaSlice<f32>,
     (tokens, hidden, scale): (usize, usize, f32),
@@ -71,7 +72,8 @@ pub(super) fn embed_gather(
     let hidden = int(NAME, hidden)?;
     let config = grid(NAME, tokens, 1, ROW_THREADS)?;
     // SAFETY: the arguments match `embed_gather(const bf16*, const unsigned*, float*, int,
-    // float)` in order and type; `ids` and `x` hold `tokens` entries and rows (checked above), and the
+    // float)`, or `embed_gather_f32` (a `const float*` table), in order and type, the caller
+    // pairing the kernel with `T`; `ids` and `x` hold `tokens` entries and rows (checked above), and the
     // ids were checked against the vocabulary by `Batch::validate`, so every row read exists.
     #[allow(unsafe_code)]
     let launched = unsafe {
@@ -89,36 +91,39 @@ pub(super) fn embed_gather(
         .map_err(|e| CudaError::fault(NAME)(e).into())
 }
 
-/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`, rounded to bf16.
-pub(super) fn rms_norm(
+/// `out = rms_norm(x) · weight` for `tokens` rows of width `hidden`, in the mode's type `T`
+/// (`rms_norm`, rounded to bf16, or `rms_norm_f32`).
+pub(super) fn rms_norm<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
     x: &CudaSlice<f32>,
-    weight: &CudaSlice<u16>,
-    out: &mut CudaSlice<u16>,
+    weight: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
     shape: (usize, usize, f32),
 ) -> Result<()> {
     row_norm("rms_norm", stream, kernel, (x, weight), out, shape)
 }
 
-/// `out = rms_norm(x) · weight` in f32 (`rms_norm_wide`), for `tokens` rows of width `hidden`.
-pub(super) fn rms_norm_wide(
+/// `out = rms_norm(x) · weight` in f32 (`rms_norm_wide`, or `rms_norm_f32` for f32 weights),
+/// for `tokens` rows of width `hidden`.
+pub(super) fn rms_norm_wide<W: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
     x: &CudaSlice<f32>,
-    weight: &CudaSlice<u16>,
+    weight: &CudaSlice<W>,
     out: &mut CudaSlice<f32>,
     shape: (usize, usize, f32),
 ) -> Result<()> {
     row_norm("rms_norm_wide", stream, kernel, (x, weight), out, shape)
 }
 
-/// `rms_norm` or `rms_norm_wide`, whose signatures differ only in `out`'s type `T`.
-fn row_norm<T: DeviceRepr>(
+/// `rms_norm`, `rms_norm_wide` or `rms_norm_f32`, whose signatures differ only in the types
+/// `W` of `weight` and `T` of `out`.
+fn row_norm<W: DeviceRepr, T: DeviceRepr>(
     name: &'static str,
     stream: &CudaStream,
     kernel: &CudaFunction,
-    (x, weight): (&CudaSlice<f32>, &CudaSlice<u16>),
+    (x, weight): (&CudaSlice<f32>, &CudaSlice<W>),
     out: &mut CudaSlice<T>,
     (tokens, hidden, eps): (usize, usize, f32),
 ) -> Result<()> {
@@ -127,9 +132,10 @@ fn row_norm<T: DeviceRepr>(
     fits(name, "weight", weight.len(), hidden)?;
     let hidden = int(name, hidden)?;
     let config = grid(name, tokens, 1, ROW_THREADS)?;
-    // SAFETY: the arguments match `rms_norm(const float*, const bf16*, bf16*, int, float)` and
-    // `rms_norm_wide(const float*, const bf16*, float*, int, float)` in order and type (the
-    // callers pair each kernel with its `T`); `x` and `out` hold `tokens` rows of `hidden` and
+    // SAFETY: the arguments match `rms_norm(const float*, const bf16*, bf16*, int, float)`,
+    // `rms_norm_wide(const float*, const bf16*, float*, int, float)` and `rms_norm_f32` (float
+    // weights and output) in order and type (the callers pair each kernel with its `W` and
+    // `T`); `x` and `out` hold `tokens` rows of `hidden` and
     // `weight` holds `hidden` (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
@@ -148,10 +154,10 @@ fn row_norm<T: DeviceRepr>(
 }
 
 /// Rotates the query and key heads of `qkv` in place (HF pairs `i`, `i + head_dim/2`).
-pub(super) fn rope(
+pub(super) fn rope<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    qkv: &mut CudaSlice<u16>,
+    qkv: &mut CudaSlice<T>,
     positions: &CudaSlice<u32>,
     inv_freq: &CudaSlice<f32>,
     (tokens, rotated_heads, row_width, head_dim): (usize, usize, usize, usize),
@@ -163,8 +169,8 @@ pub(super) fn rope(
     fits(NAME, "a qkv row", row_width, rotated_heads * head_dim)?;
     let config = grid(NAME, tokens, rotated_heads, (head_dim / 2) as u32)?;
     let (row_width, head_dim) = (int(NAME, row_width)?, int(NAME, head_dim)?);
-    // SAFETY: the arguments match `rope(bf16*, const unsigned*, const float*, int, int)` in
-    // order and type; the grid covers `tokens` rows of `rotated_heads` heads, all inside `qkv`'s
+    // SAFETY: the arguments match `rope(bf16*, const unsigned*, const float*, int, int)`, or
+    // `rope_f32` (a `float*` qkv), in order and type, the caller pairing the kernel with `T`; the grid covers `tokens` rows of `rotated_heads` heads, all inside `qkv`'s
     // rows, and reads `head_dim / 2` frequencies (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
@@ -211,14 +217,17 @@ pub(super) struct AttentionKernel {
     pub queries_per_block: u32,
     /// Threads per block.
     pub threads: u32,
+    /// Whether it takes the head width as an argument (the CUDA-core kernels; the tensor-core
+    /// ones are built for one width).
+    pub takes_head_dim: bool,
 }
 
 /// Causal GQA attention over the packed batch: `attn[t, head] = softmax(q·kᵀ)·v`.
-pub(super) fn attention(
+pub(super) fn attention<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &AttentionKernel,
-    qkv: &CudaSlice<u16>,
-    attn: &mut CudaSlice<u16>,
+    qkv: &CudaSlice<T>,
+    attn: &mut CudaSlice<T>,
     cu_seq_lengths: &CudaSlice<u32>,
     tiles: &CudaSlice<u32>,
     shape: AttentionShape,
@@ -259,13 +268,14 @@ pub(super) fn attention(
         .arg(&heads)
         .arg(&kv_heads);
     // The tensor-core kernels take their head width as a template parameter, not an argument.
-    if kernel.name == "attention_varlen" {
+    if kernel.takes_head_dim {
         builder.arg(&head_dim);
     }
     builder.arg(&window).arg(&scale);
     // SAFETY: the arguments match `attention_varlen(const bf16*, bf16*, const unsigned*,
-    // const unsigned*, int, int, int, int, float)`, or `attention_mma_<D>` (the same less head_dim,
-    // D being this head width: `uses_tensor_cores`), in order and type; the tiles come from the
+    // const unsigned*, int, int, int, int, float)`, `attention_varlen_f32` (float qkv and out:
+    // the f32 mode's `T`), or `attention_mma_<D>` (the same less head_dim, D being this head
+    // width: `uses_tensor_cores`, bf16 only), in order and type; the tiles come from the
     // host plan over this batch's `cu_seq_lengths` cut to this kernel's queries per block, so
     // every query and key row they name lies in `qkv`, and `attn` holds every query head's
     // output (checked above); `check_heads` bounds head_dim to the kernel's shared tile.
@@ -277,22 +287,29 @@ pub(super) fn attention(
 }
 
 /// `act = silu(gate) · up` over `tokens` rows of the fused gate|up output.
-pub(super) fn swiglu(
+pub(super) fn swiglu<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    gate_up: &CudaSlice<u16>,
-    act: &mut CudaSlice<u16>,
+    gate_up: &CudaSlice<T>,
+    act: &mut CudaSlice<T>,
     (tokens, inter): (usize, usize),
 ) -> Result<()> {
     const NAME: &str = "swiglu";
     fits(NAME, "gate_up", gate_up.len(), tokens * 2 * inter)?;
     fits(NAME, "act", act.len(), tokens * inter)?;
-    // Eight values a thread when rows allow 16-byte access (the kernel's own test).
-    let per_thread = if inter.is_multiple_of(8) { 8 } else { 1 };
+    // bf16 rows move eight values a thread when they allow 16-byte access (the kernel's own
+    // test); `swiglu_f32` moves one.
+    let bf16 = size_of::<T>() == 2;
+    let per_thread = if bf16 && inter.is_multiple_of(8) {
+        8
+    } else {
+        1
+    };
     let column_blocks = inter.div_ceil(per_thread * ROW_THREADS as usize);
     let config = grid(NAME, column_blocks, tokens.min(GRID_Y_MAX), ROW_THREADS)?;
     let (inter, tokens) = (int(NAME, inter)?, int(NAME, tokens)?);
-    // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, int)` in order and type;
+    // SAFETY: the arguments match `swiglu(const bf16*, bf16*, int, int)`, or `swiglu_f32`
+    // (float rows), in order and type, the caller pairing the kernel with `T`;
     // the kernel strides over `tokens` rows of `inter` outputs, all inside `act`, reading rows
     // of `2 · inter` inside `gate_up` (checked above).
     #[allow(unsafe_code)]
@@ -333,12 +350,12 @@ pub(super) fn add_rows(
     in_place("add_rows", stream, kernel, x, branch, n)
 }
 
-/// `attn *= sigmoid(gate)` over `n` values.
-pub(super) fn sigmoid_gate(
+/// `attn *= sigmoid(gate)` over `n` values, in the mode's type `T`.
+pub(super) fn sigmoid_gate<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    attn: &mut CudaSlice<u16>,
-    gate: &CudaSlice<u16>,
+    attn: &mut CudaSlice<T>,
+    gate: &CudaSlice<T>,
     n: usize,
 ) -> Result<()> {
     in_place("sigmoid_gate", stream, kernel, attn, gate, n)
@@ -358,8 +375,9 @@ fn in_place<T: DeviceRepr, S: DeviceRepr>(
     fits(name, "the target", target.len(), n)?;
     fits(name, "the source", source.len(), n)?;
     let (config, elements) = grid_strided(name, n)?;
-    // SAFETY: the arguments match `add_rows(float*, const float*, long long)` and
-    // `sigmoid_gate(bf16*, const bf16*, long long)` in order and type (the callers pair each
+    // SAFETY: the arguments match `add_rows(float*, const float*, long long)`,
+    // `sigmoid_gate(bf16*, const bf16*, long long)` and `sigmoid_gate_f32` (float) in order and
+    // type (the callers pair each
     // kernel with its types); the kernel strides over `n` values, all inside both buffers
     // (checked above).
     #[allow(unsafe_code)]
@@ -504,26 +522,28 @@ pub(super) fn project(
         .map_err(|e| CudaError::fault(NAME)(e).into())
 }
 
-/// `c[rows, n] = a[rows, k] · w[n, k]ᵀ + beta · c`, row-major, bf16 inputs, f32 accumulation;
-/// `c_type` says whether `c` is bf16 or f32. cuBLAS is column-major, so this computes
+/// `c[rows, n] = a[rows, k] · w[n, k]ᵀ + beta · c`, row-major, with f32 accumulation; `inputs`
+/// names the element type `I` of `a` and `w` (bf16, or f32 in the f32 mode), `c_type` that of
+/// `c`, and `compute` cuBLAS's compute type. cuBLAS is column-major, so this computes
 /// `cᵀ = w · aᵀ`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gemm<C>(
+pub(super) fn gemm<I, C>(
     blas: &CudaBlas,
     stream: &CudaStream,
-    a: &impl DevicePtr<u16>,
-    w: &impl DevicePtr<u16>,
-    c: &mut impl DevicePtrMut<C>,
-    c_type: cudaDataType,
+    buffers: (
+        &impl DevicePtr<I>,
+        &impl DevicePtr<I>,
+        &mut impl DevicePtrMut<C>,
+    ),
+    (inputs, c_type, compute): (cudaDataType, cudaDataType, cublasComputeType_t),
     shape: (usize, usize, usize),
     beta: f32,
 ) -> Result<()> {
     let types = GemmTypes {
-        inputs: cudaDataType::CUDA_R_16BF,
+        inputs,
         output: c_type,
-        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        compute,
     };
-    gemm_typed(blas, stream, (a, w, c), types, shape, beta)
+    gemm_typed(blas, stream, buffers, types, shape, beta)
 }
 
 /// `c[rows, n] = a[rows, k] · w[n, k]ᵀ` all in f32, summed in f32 without TF32 (the pedantic
@@ -545,7 +565,7 @@ pub(super) fn gemm_f32(
 }
 
 /// The element types of a GEMM's buffers and its compute type.
-struct GemmTypes {
+pub(super) struct GemmTypes {
     inputs: cudaDataType,
     output: cudaDataType,
     compute: cublasComputeType_t,
@@ -606,11 +626,11 @@ fn gemm_typed<I, C>(
 
 /// RMSNorm of each query head with `q_norm` and each key head with `k_norm`, in place on
 /// `tokens` fused QKV rows of `row_width`.
-pub(super) fn head_norm(
+pub(super) fn head_norm<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    qkv: &mut CudaSlice<u16>,
-    (q_norm, k_norm): (&CudaSlice<u16>, &CudaSlice<u16>),
+    qkv: &mut CudaSlice<T>,
+    (q_norm, k_norm): (&CudaSlice<T>, &CudaSlice<T>),
     (tokens, q_heads, kv_heads, head_dim, eps): (usize, usize, usize, usize, f32),
 ) -> Result<()> {
     const NAME: &str = "head_norm";
@@ -622,7 +642,8 @@ pub(super) fn head_norm(
     let (row_width, q_heads) = (int(NAME, row_width)?, int(NAME, q_heads)?);
     let head_dim = int(NAME, head_dim)?;
     // SAFETY: the arguments match `head_norm(bf16*, const bf16*, const bf16*, int, int, int,
-    // float)` in order and type; the grid covers `tokens` rows of the query and key heads, all
+    // float)`, or `head_norm_f32` (float qkv and norms), in order and type, the caller pairing
+    // the kernel with `T`; the grid covers `tokens` rows of the query and key heads, all
     // inside `qkv`, and each norm holds `head_dim` weights (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
@@ -644,12 +665,12 @@ pub(super) fn head_norm(
 
 /// `rows[r] = normed[tokens[r]]` for `rows` grouped rows of width `hidden`; every entry of
 /// `tokens` is below `normed`'s row count (the routing's grouping makes them so).
-pub(super) fn moe_gather(
+pub(super) fn moe_gather<T: DeviceRepr>(
     stream: &CudaStream,
     kernel: &CudaFunction,
-    normed: &CudaSlice<u16>,
+    normed: &CudaSlice<T>,
     tokens: &CudaSlice<u32>,
-    rows: &mut CudaSlice<u16>,
+    rows: &mut CudaSlice<T>,
     (count, batch_tokens, hidden): (usize, usize, usize),
 ) -> Result<()> {
     const NAME: &str = "moe_gather";
@@ -658,8 +679,8 @@ pub(super) fn moe_gather(
     fits(NAME, "rows", rows.len(), count * hidden)?;
     let config = grid(NAME, count, 1, ROW_THREADS)?;
     let hidden = int(NAME, hidden)?;
-    // SAFETY: the arguments match `moe_gather(const bf16*, const unsigned*, bf16*, int)` in
-    // order and type; `rows` holds `count` rows and `tokens` `count` entries (checked above),
+    // SAFETY: the arguments match `moe_gather(const bf16*, const unsigned*, bf16*, int)`, or
+    // `moe_gather_f32` (float rows), in order and type, the caller pairing the kernel with `T`; `rows` holds `count` rows and `tokens` `count` entries (checked above),
     // each a token of the batch (`Grouping::group` writes only those), so every row read is in
     // `normed`.
     #[allow(unsafe_code)]

@@ -79,19 +79,21 @@ pub struct Shape {
 
 impl Shape {
     /// Device bytes of the activations of a batch of `tokens`, reused by every block: the f32
-    /// residual and the f32 GEMM output added to it, the bf16 normed input, fused QKV,
-    /// attention output, fused gate/up and SwiGLU output.
-    pub fn activation_bytes(&self, tokens: usize) -> u64 {
+    /// residual and the f32 GEMM output added to it, and the normed input, fused QKV, attention
+    /// output, fused gate/up and SwiGLU output in the mode's `value_bytes` (2 for bf16, 4 for
+    /// f32).
+    pub fn activation_bytes(&self, tokens: usize, value_bytes: usize) -> u64 {
         let qkv = (self.q_heads + 2 * self.kv_heads) * self.head_dim;
         let per_token = 4 * self.hidden * 2
-            + 2 * (self.hidden + qkv + self.q_heads * self.head_dim + 3 * self.intermediate);
+            + value_bytes
+                * (self.hidden + qkv + self.q_heads * self.head_dim + 3 * self.intermediate);
         (per_token * tokens) as u64
     }
 
-    /// The most tokens a batch may hold within `free_bytes` after the captured rows
+    /// The most bf16-mode tokens a batch may hold within `free_bytes` after the captured rows
     /// (`capture_bytes_per_token`, f32, all kept layers) are set aside.
     pub fn max_tokens(&self, free_bytes: u64, capture_bytes_per_token: u64) -> usize {
-        let per_token = self.activation_bytes(1) + capture_bytes_per_token;
+        let per_token = self.activation_bytes(1, 2) + capture_bytes_per_token;
         usize::try_from(free_bytes / per_token.max(1)).unwrap_or(usize::MAX)
     }
 }
@@ -189,13 +191,18 @@ mod tests {
         // Per token: 2 f32 hidden rows (32 KiB), bf16 normed 8 KiB, QKV 12 KiB, attention out
         // 8 KiB, gate/up and SwiGLU 84 KiB.
         assert_eq!(
-            llama_8b.activation_bytes(1),
+            llama_8b.activation_bytes(1, 2),
             32_768 + 8_192 + 12_288 + 8_192 + 86_016
+        );
+        // The f32 mode doubles all but the two f32 rows.
+        assert_eq!(
+            llama_8b.activation_bytes(1, 4),
+            32_768 + 2 * (8_192 + 12_288 + 8_192 + 86_016)
         );
         let capture = 3 * 4096 * 4;
         let tokens = llama_8b.max_tokens(8 << 30, capture as u64);
         assert!(
-            llama_8b.activation_bytes(tokens) + (capture * tokens) as u64 <= 8 << 30,
+            llama_8b.activation_bytes(tokens, 2) + (capture * tokens) as u64 <= 8 << 30,
             "{tokens}"
         );
         assert!(

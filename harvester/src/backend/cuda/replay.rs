@@ -1,6 +1,8 @@
 //! `--device cuda-replay`: the CUDA backend's forward pass run on the CPU, for tests. The same
-//! blocks ([`crate::model::forward_block`]: dense, and AFMoE in `afmoe`) run over host buffers, each op replaying its kernel
-//! in `kernels.cu` loop for loop: the same bf16 weights and rounding points, the same
+//! blocks ([`crate::model::forward_block`]: dense, and AFMoE in `afmoe`) run over host buffers,
+//! in either mode's type ([`HostValue`]: bf16 bits, or f32 with every rounding left out, as
+//! the kernels' `_f32` entry points leave it), each op replaying its kernel
+//! in `kernels.cu` loop for loop: the same weights and rounding points, the same
 //! block-wide sums in the same order (a 256-thread block's strided partial sums, then the warp
 //! butterflies), and the attention kernel's tiles and online softmax. What cannot be replayed
 //! to the bit is named where it happens: cuBLAS's summation order (not fixed: here eight
@@ -15,39 +17,105 @@ use rayon::prelude::*;
 use super::emulation::{
     Heads, WARP, kernel_attention, kernel_attention_mma, kernel_bf16, warp_sum,
 };
-use super::forward::{bf16_values, rounded_bf16};
+use super::forward::{bf16_values, decoded_f32, rounded_bf16};
 use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
 use crate::model::dense::{BlockOps, Source, Sublayer};
 use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
+use harvest_core::plan::Precision;
 
-/// One block's weights in bf16, as the CUDA backend uploads them.
-struct HostBlock {
-    attn_norm: Vec<u16>,
-    qkv: Vec<u16>,
-    qkv_bias: Option<Vec<f32>>,
-    o: Vec<u16>,
-    o_bias: Option<Vec<f32>>,
-    mlp_norm: Vec<u16>,
-    gate_up: Vec<u16>,
-    down: Vec<u16>,
-    /// The MLP's inner width (0 for a sparse block without shared experts).
-    inter: usize,
-    afmoe: Option<afmoe::HostAfmoe>,
+/// An activation between kernels, or a weight, as the replay holds it in one mode: bf16 bits
+/// (`u16`) or `f32`, as the CUDA backend's `Activation`.
+pub(super) trait HostValue: Copy + Default + Send + Sync + 'static {
+    /// The mode.
+    const PRECISION: Precision;
+    /// The kernels' `widened`.
+    fn widen(self) -> f32;
+    /// The kernels' `stored<T>`: rounded to bf16, or as it is.
+    fn stored(value: f32) -> Self;
+    /// A matrix as the CUDA backend uploads it in this mode.
+    fn matrix(matrix: &Matrix) -> Vec<Self>;
+    /// f32 values (norm weights) as the CUDA backend uploads them in this mode.
+    fn values(values: &[f32]) -> Vec<Self>;
 }
 
-/// The CUDA backend's forward pass replayed on the CPU.
+impl HostValue for u16 {
+    const PRECISION: Precision = Precision::Bf16;
+
+    fn widen(self) -> f32 {
+        widen(self)
+    }
+
+    fn stored(value: f32) -> Self {
+        kernel_bf16(value)
+    }
+
+    fn matrix(matrix: &Matrix) -> Vec<Self> {
+        bf16_matrix(matrix)
+    }
+
+    fn values(values: &[f32]) -> Vec<Self> {
+        bf16_values(values)
+    }
+}
+
+impl HostValue for f32 {
+    const PRECISION: Precision = Precision::F32;
+
+    fn widen(self) -> f32 {
+        self
+    }
+
+    fn stored(value: f32) -> Self {
+        value
+    }
+
+    fn matrix(matrix: &Matrix) -> Vec<Self> {
+        decoded_f32(matrix)
+    }
+
+    fn values(values: &[f32]) -> Vec<Self> {
+        values.to_vec()
+    }
+}
+
+/// One block's weights, as the CUDA backend uploads them in the mode of `T`.
+struct HostBlock<T> {
+    attn_norm: Vec<T>,
+    qkv: Vec<T>,
+    qkv_bias: Option<Vec<f32>>,
+    o: Vec<T>,
+    o_bias: Option<Vec<f32>>,
+    mlp_norm: Vec<T>,
+    gate_up: Vec<T>,
+    down: Vec<T>,
+    /// The MLP's inner width (0 for a sparse block without shared experts).
+    inter: usize,
+    afmoe: Option<afmoe::HostAfmoe<T>>,
+}
+
+/// The CUDA backend's forward pass replayed on the CPU, in the spec's precision.
 pub struct ReplayBackend {
+    replay: Box<dyn ReplayPass>,
+}
+
+/// What [`ReplayBackend`] asks of the replay in either mode.
+trait ReplayPass: Backend + Stage {}
+
+impl<T: HostValue> ReplayPass for Replay<T> {}
+
+/// The replay in the mode of `T`.
+struct Replay<T> {
     spec: CaptureSpec,
     config: ModelConfig,
     /// The embedding, on the first stage only (empty on the others).
-    embed: Vec<u16>,
+    embed: Vec<T>,
     /// The model's block the first of `blocks` is.
     first_block: usize,
     /// The blocks this backend runs, up to the deepest kept one.
-    blocks: Vec<HostBlock>,
+    blocks: Vec<HostBlock<T>>,
     inv_freq: Vec<f32>,
     tensor_cores: bool,
 }
@@ -55,7 +123,7 @@ pub struct ReplayBackend {
 impl std::fmt::Debug for ReplayBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReplayBackend")
-            .field("blocks", &self.blocks.len())
+            .field("precision", &self.replay.spec().precision)
             .finish_non_exhaustive()
     }
 }
@@ -95,41 +163,77 @@ impl ReplayBackend {
 
     fn load(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         super::forward::check_model(&weights.config)?;
+        let replay: Box<dyn ReplayPass> = match spec.precision {
+            Precision::Bf16 => Box::new(Replay::<u16>::load(weights, spec)),
+            Precision::F32 => Box::new(Replay::<f32>::load(weights, spec)),
+        };
+        Ok(Self { replay })
+    }
+}
+
+impl Backend for ReplayBackend {
+    fn name(&self) -> &'static str {
+        "cuda-replay"
+    }
+
+    fn capture_width(&self) -> usize {
+        self.replay.capture_width()
+    }
+
+    fn spec(&self) -> &CaptureSpec {
+        self.replay.spec()
+    }
+
+    fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
+        self.replay.capture(batch, out)
+    }
+}
+
+impl Stage for ReplayBackend {
+    fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
+        self.replay.forward(batch, x, out)
+    }
+}
+
+impl<T: HostValue> Replay<T> {
+    fn load(weights: LlamaWeights, spec: CaptureSpec) -> Self {
         let run = spec.blocks_to_run(weights.first_block, weights.blocks.len());
         let config = weights.config.clone();
         let blocks = weights.blocks[..run]
             .iter()
             .map(|b| HostBlock {
-                attn_norm: bf16_values(&b.attn_norm),
-                qkv: bf16_matrix(&b.qkv),
+                attn_norm: T::values(&b.attn_norm),
+                qkv: T::matrix(&b.qkv),
                 qkv_bias: b.qkv_bias.clone(),
-                o: bf16_matrix(&b.o),
+                o: T::matrix(&b.o),
                 o_bias: b.o_bias.clone(),
-                mlp_norm: bf16_values(&b.mlp_norm),
-                gate_up: bf16_matrix(&b.gate_up),
-                down: bf16_matrix(&b.down),
+                mlp_norm: T::values(&b.mlp_norm),
+                gate_up: T::matrix(&b.gate_up),
+                down: T::matrix(&b.down),
                 inter: b.down.cols(),
                 afmoe: b.afmoe.as_ref().map(afmoe::HostAfmoe::of),
             })
             .collect();
         let forced = std::env::var(ATTENTION_VARIABLE).ok();
-        Ok(Self {
-            tensor_cores: uses_tensor_cores(config.head_dim, forced.as_deref()),
+        // The tensor-core kernels are bf16's alone.
+        let bf16 = T::PRECISION == Precision::Bf16;
+        Self {
+            tensor_cores: bf16 && uses_tensor_cores(config.head_dim, forced.as_deref()),
             inv_freq: config
                 .inverse_frequencies()
                 .iter()
                 .map(|&f| f as f32)
                 .collect(),
-            embed: bf16_matrix(&weights.embed),
+            embed: T::matrix(&weights.embed),
             first_block: weights.first_block,
             blocks,
             config,
             spec,
-        })
+        }
     }
 }
 
-impl Backend for ReplayBackend {
+impl<T: HostValue> Backend for Replay<T> {
     fn name(&self) -> &'static str {
         "cuda-replay"
     }
@@ -155,14 +259,14 @@ impl Backend for ReplayBackend {
     }
 }
 
-impl Stage for ReplayBackend {
+impl<T: HostValue> Stage for Replay<T> {
     fn forward(&mut self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
         batch.validate(self.config.vocab_size)?;
         self.run_blocks(batch, x, out)
     }
 }
 
-impl ReplayBackend {
+impl<T: HostValue> Replay<T> {
     /// Runs the blocks on `x`, embedding `batch` into it first on the first stage; kept sites
     /// go to their slots in `out`, which holds the whole batch.
     fn run_blocks(&self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
@@ -173,7 +277,7 @@ impl ReplayBackend {
             x.clear();
             for &id in &batch.input_ids {
                 let row = &self.embed[id as usize * hidden..][..hidden];
-                x.extend(row.iter().map(|&b| widen(b) * scale));
+                x.extend(row.iter().map(|&b| b.widen() * scale));
             }
         }
         let mut ops = HostOps {
@@ -213,32 +317,32 @@ impl ReplayBackend {
     }
 }
 
-/// One batch's buffers on the host, in the CUDA backend's dtypes.
-struct HostOps<'a> {
+/// One batch's buffers on the host, in the CUDA backend's dtypes for the mode of `T`.
+struct HostOps<'a, T> {
     config: &'a ModelConfig,
     batch: &'a Batch,
     inv_freq: &'a [f32],
     tensor_cores: bool,
     directions: Option<&'a [f32]>,
     x: Vec<f32>,
-    normed: Vec<u16>,
-    qkv: Vec<u16>,
-    attn: Vec<u16>,
-    gate_up: Vec<u16>,
-    act: Vec<u16>,
+    normed: Vec<T>,
+    qkv: Vec<T>,
+    attn: Vec<T>,
+    gate_up: Vec<T>,
+    act: Vec<T>,
     branch: Vec<f32>,
     /// The block's MLP width (`HostBlock::inter`), for SwiGLU.
     inter: usize,
     out: &'a mut Captured,
 }
 
-impl HostOps<'_> {
+impl<T: HostValue> HostOps<'_, T> {
     fn tokens(&self) -> usize {
         self.batch.num_tokens()
     }
 
     /// The input and weight of `sublayer`'s output projection.
-    fn output<'b>(&'b self, block: &'b HostBlock, sublayer: Sublayer) -> (&'b [u16], &'b [u16]) {
+    fn output<'b>(&'b self, block: &'b HostBlock<T>, sublayer: Sublayer) -> (&'b [T], &'b [T]) {
         match sublayer {
             Sublayer::Attention => (&self.attn, &block.o),
             Sublayer::Mlp => (&self.act, &block.down),
@@ -246,10 +350,10 @@ impl HostOps<'_> {
     }
 }
 
-impl BlockOps for HostOps<'_> {
-    type Block = HostBlock;
+impl<T: HostValue> BlockOps for HostOps<'_, T> {
+    type Block = HostBlock<T>;
 
-    fn norm(&mut self, block: &HostBlock, sublayer: Sublayer) -> Result<()> {
+    fn norm(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
         let weight = match sublayer {
             Sublayer::Attention => &block.attn_norm,
             Sublayer::Mlp => &block.mlp_norm,
@@ -259,13 +363,13 @@ impl BlockOps for HostOps<'_> {
         Ok(())
     }
 
-    fn qkv(&mut self, block: &HostBlock) -> Result<()> {
+    fn qkv(&mut self, block: &HostBlock<T>) -> Result<()> {
         let c = self.config;
         let mut product = gemm(&self.normed, &block.qkv, c.qkv_width(), c.hidden_size);
         if let Some(bias) = &block.qkv_bias {
             add_bias(&mut product, bias);
         }
-        self.qkv = product.iter().map(|&v| kernel_bf16(v)).collect();
+        self.qkv = product.iter().map(|&v| T::stored(v)).collect();
         Ok(())
     }
 
@@ -283,22 +387,23 @@ impl BlockOps for HostOps<'_> {
 
     fn attention(&mut self, window: Option<usize>) -> Result<()> {
         let c = self.config;
-        let qkv: Vec<f32> = self.qkv.iter().map(|&b| widen(b)).collect();
+        let qkv: Vec<f32> = self.qkv.iter().map(|&v| v.widen()).collect();
         let heads = Heads(c.num_heads, c.num_kv_heads, c.head_dim);
         let cu = &self.batch.cu_seq_lengths;
+        // attention_varlen_f32's smaller key tiles change no order: keys run one by one.
         let out = if self.tensor_cores {
             kernel_attention_mma(&qkv, cu, heads, window)
         } else {
             kernel_attention(&qkv, cu, heads, window)
         };
-        self.attn = out.iter().map(|&v| kernel_bf16(v)).collect();
+        self.attn = out.iter().map(|&v| T::stored(v)).collect();
         Ok(())
     }
 
-    fn gate_up(&mut self, block: &HostBlock) -> Result<()> {
+    fn gate_up(&mut self, block: &HostBlock<T>) -> Result<()> {
         let c = self.config;
         let product = gemm(&self.normed, &block.gate_up, 2 * self.inter, c.hidden_size);
-        self.gate_up = product.iter().map(|&v| kernel_bf16(v)).collect();
+        self.gate_up = product.iter().map(|&v| T::stored(v)).collect();
         Ok(())
     }
 
@@ -307,7 +412,7 @@ impl BlockOps for HostOps<'_> {
         Ok(())
     }
 
-    fn output_into_residual(&mut self, block: &HostBlock, sublayer: Sublayer) -> Result<()> {
+    fn output_into_residual(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
         let hidden = self.config.hidden_size;
         let (input, w) = self.output(block, sublayer);
         let product = gemm(input, w, hidden, input.len() / self.tokens());
@@ -318,7 +423,7 @@ impl BlockOps for HostOps<'_> {
         Ok(())
     }
 
-    fn output_apart(&mut self, block: &HostBlock, sublayer: Sublayer) -> Result<()> {
+    fn output_apart(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
         let hidden = self.config.hidden_size;
         let (input, w) = self.output(block, sublayer);
         self.branch = gemm(input, w, hidden, input.len() / self.tokens());
@@ -328,7 +433,7 @@ impl BlockOps for HostOps<'_> {
         Ok(())
     }
 
-    fn output_bias(&self, block: &HostBlock, sublayer: Sublayer) -> bool {
+    fn output_bias(&self, block: &HostBlock<T>, sublayer: Sublayer) -> bool {
         sublayer == Sublayer::Attention && block.o_bias.is_some()
     }
 
@@ -374,29 +479,29 @@ fn add_bias(values: &mut [f32], bias: &[f32]) {
     }
 }
 
-/// `rms_norm` over each row of `x`: the scale of [`rms_scale`] times each value times its
-/// bf16 weight, rounded to bf16.
-fn rms_norm(x: &[f32], weight: &[u16], hidden: usize, eps: f32) -> Vec<u16> {
+/// `norm_rows` over each row of `x`: the scale of [`rms_scale`] times each value times its
+/// weight, stored in the mode's type (`rms_norm`, `rms_norm_f32`).
+fn rms_norm<T: HostValue>(x: &[f32], weight: &[T], hidden: usize, eps: f32) -> Vec<T> {
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(hidden) {
         let scale = rms_scale(row, eps);
         out.extend(
             row.iter()
                 .zip(weight)
-                .map(|(&v, &w)| kernel_bf16(v * scale * widen(w))),
+                .map(|(&v, &w)| T::stored(v * scale * w.widen())),
         );
     }
     out
 }
 
-/// `rms_norm_wide`: [`rms_norm`] left in f32.
-fn rms_norm_wide(x: &[f32], weight: &[u16], hidden: usize, eps: f32) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(hidden) {
-        let scale = rms_scale(row, eps);
-        out.extend(row.iter().zip(weight).map(|(&v, &w)| v * scale * widen(w)));
-    }
-    out
+/// `rms_norm_wide` (`rms_norm_f32` for f32 weights): [`rms_norm`] left in f32.
+fn rms_norm_wide<T: HostValue>(x: &[f32], weight: &[T], hidden: usize, eps: f32) -> Vec<f32> {
+    rms_norm::<f32>(
+        x,
+        &weight.iter().map(|w| w.widen()).collect::<Vec<_>>(),
+        hidden,
+        eps,
+    )
 }
 
 /// `rms_scale` (with `block_sum`): a block of `ROW_THREADS` threads, each summing the squares
@@ -418,8 +523,8 @@ fn rms_scale(row: &[f32], eps: f32) -> f32 {
     1.0 / (warp_sum(partial) / row.len() as f32 + eps).sqrt()
 }
 
-/// `swiglu` over rows of `gate_up` (`[rows, 2 inter]`, gate first), bf16.
-fn swiglu(gate_up: &[u16], inter: usize) -> Vec<u16> {
+/// `swiglu` (or `swiglu_f32`) over rows of `gate_up` (`[rows, 2 inter]`, gate first).
+fn swiglu<T: HostValue>(gate_up: &[T], inter: usize) -> Vec<T> {
     gate_up
         .chunks_exact(2 * inter)
         .flat_map(|row| {
@@ -429,21 +534,21 @@ fn swiglu(gate_up: &[u16], inter: usize) -> Vec<u16> {
         .collect()
 }
 
-/// `rope` on one head: dimension `i` pairs with `i + head_dim / 2`, the angle in f32.
-fn rope_head(head: &mut [u16], position: u32, inv_freq: &[f32]) {
+/// `rotate_heads` on one head: dimension `i` pairs with `i + head_dim / 2`, the angle in f32.
+fn rope_head<T: HostValue>(head: &mut [T], position: u32, inv_freq: &[f32]) {
     let half = head.len() / 2;
     for (i, &frequency) in inv_freq.iter().enumerate().take(half) {
         let (s, c) = (position as f32 * frequency).sin_cos();
-        let (a, b) = (widen(head[i]), widen(head[i + half]));
-        head[i] = kernel_bf16(a * c - b * s);
-        head[i + half] = kernel_bf16(b * c + a * s);
+        let (a, b) = (head[i].widen(), head[i + half].widen());
+        head[i] = T::stored(a * c - b * s);
+        head[i + half] = T::stored(b * c + a * s);
     }
 }
 
-/// `silu_times`: `silu(gate) · up` in f32 from bf16, rounded to bf16.
-fn silu_times(gate: u16, up: u16) -> u16 {
-    let g = widen(gate);
-    kernel_bf16(g / (1.0 + (-g).exp()) * widen(up))
+/// `silu_times`: `silu(gate) · up` in f32, stored in the mode's type.
+fn silu_times<T: HostValue>(gate: T, up: T) -> T {
+    let g = gate.widen();
+    T::stored(g / (1.0 + (-g).exp()) * up.widen())
 }
 
 /// `project`'s dot product: lane `l` sums every 32nd product from `l` (fused), then the warp
@@ -458,25 +563,26 @@ fn warp_dot(row: &[f32], direction: &[f32]) -> f32 {
     warp_sum(lanes)
 }
 
-/// `c[t, n] = a[t, :] · w[n, :]` over bf16 inputs, in f32: cuBLAS's order is its own, so this
-/// one keeps eight running sums (products of two bf16 values are exact in f32, fused or not).
-fn gemm(a: &[u16], w: &[u16], n: usize, k: usize) -> Vec<f32> {
+/// `c[t, n] = a[t, :] · w[n, :]` over inputs of the mode's type, in f32: cuBLAS's order is its
+/// own, so this one keeps eight running sums (products of two bf16 values are exact in f32,
+/// fused or not; f32 products are rounded here, and may be fused there).
+fn gemm<T: HostValue>(a: &[T], w: &[T], n: usize, k: usize) -> Vec<f32> {
     let mut c = vec![0.0f32; a.len() / k * n];
     c.par_chunks_mut(n)
         .zip(a.par_chunks(k))
         .for_each(|(c_row, a_row)| {
-            let a_row: Vec<f32> = a_row.iter().map(|&b| widen(b)).collect();
+            let a_row: Vec<f32> = a_row.iter().map(|&v| v.widen()).collect();
             for (value, w_row) in c_row.iter_mut().zip(w.chunks_exact(k)) {
                 let mut sums = [0.0f32; 8];
                 let (a_chunks, w_chunks) = (a_row.chunks_exact(8), w_row.chunks_exact(8));
                 let (a_tail, w_tail) = (a_chunks.remainder(), w_chunks.remainder());
                 for (a8, w8) in a_chunks.zip(w_chunks) {
                     for lane in 0..8 {
-                        sums[lane] += a8[lane] * widen(w8[lane]);
+                        sums[lane] += a8[lane] * w8[lane].widen();
                     }
                 }
                 for (lane, (&a, &w)) in a_tail.iter().zip(w_tail).enumerate() {
-                    sums[lane] += a * widen(w);
+                    sums[lane] += a * w.widen();
                 }
                 *value = sums.iter().sum();
             }

@@ -8,38 +8,38 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::{BF16, DeviceBlock, DeviceOps, F32, Uploader, memory_error};
+use super::{Activation, DeviceBlock, DeviceOps, F32, Uploader, memory_error};
 use crate::backend::cuda::error::CudaError;
-use crate::backend::cuda::launch::{self, gemm, gemm_f32};
+use crate::backend::cuda::launch::{self, gemm_f32};
 use crate::error::Result;
 use crate::model::afmoe::AfmoeOps;
 use crate::model::dense::Sublayer;
 use crate::model::routing::{Choice, Grouping, choose};
 use crate::model::{AfmoeBlock, AfmoeConfig, ModelConfig};
 
-/// What an AFMoE block adds to the dense block's weights, on the device.
-pub(super) struct DeviceAfmoe {
-    q_norm: CudaSlice<u16>,
-    k_norm: CudaSlice<u16>,
-    attn_gate: CudaSlice<u16>,
-    attn_out_norm: CudaSlice<u16>,
-    mlp_out_norm: CudaSlice<u16>,
-    moe: Option<DeviceMoe>,
+/// What an AFMoE block adds to the dense block's weights, on the device, in the mode's `E`.
+pub(super) struct DeviceAfmoe<E> {
+    q_norm: CudaSlice<E>,
+    k_norm: CudaSlice<E>,
+    attn_gate: CudaSlice<E>,
+    attn_out_norm: CudaSlice<E>,
+    mlp_out_norm: CudaSlice<E>,
+    moe: Option<DeviceMoe<E>>,
 }
 
 /// A sparse block's routed experts.
-struct DeviceMoe {
+struct DeviceMoe<E> {
     /// `[experts, hidden]`, f32: the logits choose experts, so they are not rounded.
     router: CudaSlice<f32>,
     /// Read by the host's routing.
     expert_bias: Vec<f32>,
-    /// Each expert's gate|up and down, bf16.
-    experts: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// Each expert's gate|up and down.
+    experts: Vec<(CudaSlice<E>, CudaSlice<E>)>,
 }
 
 impl Uploader<'_> {
     /// An AFMoE block's own weights.
-    pub(super) fn afmoe(&mut self, a: &AfmoeBlock) -> Result<DeviceAfmoe> {
+    pub(super) fn afmoe<E: Activation>(&mut self, a: &AfmoeBlock) -> Result<DeviceAfmoe<E>> {
         let moe = match &a.moe {
             Some(m) => Some(DeviceMoe {
                 router: self.f32s(&m.router.to_f32_vec())?,
@@ -47,34 +47,37 @@ impl Uploader<'_> {
                 experts: m
                     .experts
                     .iter()
-                    .map(|e| Ok((self.matrix(&e.gate_up)?, self.matrix(&e.down)?)))
+                    .map(|e| {
+                        let gate_up = E::upload_matrix(self, &e.gate_up)?;
+                        Ok((gate_up, E::upload_matrix(self, &e.down)?))
+                    })
                     .collect::<Result<_>>()?,
             }),
             None => None,
         };
         Ok(DeviceAfmoe {
-            q_norm: self.values(&a.q_norm)?,
-            k_norm: self.values(&a.k_norm)?,
-            attn_gate: self.matrix(&a.attn_gate)?,
-            attn_out_norm: self.values(&a.attn_out_norm)?,
-            mlp_out_norm: self.values(&a.mlp_out_norm)?,
+            q_norm: E::upload_values(self, &a.q_norm)?,
+            k_norm: E::upload_values(self, &a.k_norm)?,
+            attn_gate: E::upload_matrix(self, &a.attn_gate)?,
+            attn_out_norm: E::upload_values(self, &a.attn_out_norm)?,
+            mlp_out_norm: E::upload_values(self, &a.mlp_out_norm)?,
             moe,
         })
     }
 }
 
-/// The batch buffers AFMoE adds, for up to `tokens` tokens.
-pub(super) struct AfmoeScratch {
+/// The batch buffers AFMoE adds, for up to `tokens` tokens, those between kernels in `E`.
+pub(super) struct AfmoeScratch<E> {
     /// The attention gate's product, `[tokens, heads head_dim]`.
-    gate: CudaSlice<u16>,
+    gate: CudaSlice<E>,
     /// An f32 norm: the router's input, then a branch norm's output (swapped with the branch).
     wide: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     /// The grouped expert inputs, `[tokens k, hidden]`.
-    rows: CudaSlice<u16>,
+    rows: CudaSlice<E>,
     /// One expert's gate|up and activation, for up to `tokens` rows.
-    expert_gate_up: CudaSlice<u16>,
-    expert_act: CudaSlice<u16>,
+    expert_gate_up: CudaSlice<E>,
+    expert_act: CudaSlice<E>,
     /// The grouped expert outputs, `[tokens k, hidden]`.
     expert_out: CudaSlice<f32>,
     /// The token of each grouped row, each choice's row and its weight.
@@ -104,21 +107,20 @@ fn routed(config: &ModelConfig) -> (usize, usize, usize) {
     })
 }
 
-impl AfmoeScratch {
-    /// Device bytes of the buffers for `tokens` tokens of an AFMoE `config`.
-    pub(super) fn bytes(config: &ModelConfig, tokens: usize) -> u64 {
-        let (experts, k, inter) = routed(config);
-        let (hidden, attn) = (config.hidden_size, config.num_heads * config.head_dim);
-        let per_token = 2 * attn
-            + 4 * hidden
-            + 4 * experts
-            + 2 * k * hidden
-            + 2 * 3 * inter
-            + 4 * k * hidden
-            + 12 * k;
-        (per_token * tokens) as u64
-    }
+/// Device bytes of AFMoE's buffers for `tokens` tokens of an AFMoE `config`, its activations
+/// `value_bytes` each (2 in the bf16 mode, 4 in the f32 mode).
+pub(super) fn scratch_bytes(config: &ModelConfig, tokens: usize, value_bytes: usize) -> u64 {
+    let (experts, k, inter) = routed(config);
+    let (hidden, attn) = (config.hidden_size, config.num_heads * config.head_dim);
+    let per_token = value_bytes * (attn + k * hidden + 3 * inter)
+        + 4 * hidden
+        + 4 * experts
+        + 4 * k * hidden
+        + 12 * k;
+    (per_token * tokens) as u64
+}
 
+impl<E: Activation> AfmoeScratch<E> {
     pub(super) fn new(
         stream: &Arc<CudaStream>,
         config: &ModelConfig,
@@ -134,9 +136,9 @@ impl AfmoeScratch {
                 .alloc_zeros::<f32>(n.max(1))
                 .map_err(memory_error(action))
         };
-        let u16s = |n: usize| {
+        let values = |n: usize| {
             stream
-                .alloc_zeros::<u16>(n.max(1))
+                .alloc_zeros::<E>(n.max(1))
                 .map_err(memory_error(action))
         };
         let u32s = |n: usize| {
@@ -145,12 +147,12 @@ impl AfmoeScratch {
                 .map_err(memory_error(action))
         };
         Ok(Self {
-            gate: u16s(tokens * config.num_heads * config.head_dim)?,
+            gate: values(tokens * config.num_heads * config.head_dim)?,
             wide: f32s(tokens * hidden)?,
             logits: f32s(tokens * experts)?,
-            rows: u16s(tokens * k * hidden)?,
-            expert_gate_up: u16s(tokens * 2 * inter)?,
-            expert_act: u16s(tokens * inter)?,
+            rows: values(tokens * k * hidden)?,
+            expert_gate_up: values(tokens * 2 * inter)?,
+            expert_act: values(tokens * inter)?,
             expert_out: f32s(tokens * k * hidden)?,
             row_tokens: u32s(tokens * k)?,
             slots: u32s(tokens * k)?,
@@ -169,12 +171,12 @@ fn not_afmoe(op: &'static str) -> crate::Error {
     .into()
 }
 
-impl DeviceOps<'_, '_> {
+impl<E: Activation> DeviceOps<'_, '_, E> {
     fn afmoe_parts<'b>(
         &'b mut self,
-        block: &'b DeviceBlock,
+        block: &'b DeviceBlock<E>,
         op: &'static str,
-    ) -> Result<(&'b DeviceAfmoe, &'b mut super::Scratch)> {
+    ) -> Result<(&'b DeviceAfmoe<E>, &'b mut super::Scratch<E>)> {
         match (&block.afmoe, self.s.afmoe.is_some()) {
             (Some(a), true) => Ok((a, &mut *self.s)),
             _ => Err(not_afmoe(op)),
@@ -182,8 +184,8 @@ impl DeviceOps<'_, '_> {
     }
 }
 
-impl AfmoeOps for DeviceOps<'_, '_> {
-    fn head_norms(&mut self, block: &DeviceBlock) -> Result<()> {
+impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
+    fn head_norms(&mut self, block: &DeviceBlock<E>) -> Result<()> {
         let p = self.pass;
         let c = p.config;
         let (a, s) = self.afmoe_parts(block, "head_norm")?;
@@ -202,7 +204,7 @@ impl AfmoeOps for DeviceOps<'_, '_> {
         )
     }
 
-    fn attention_gate(&mut self, block: &DeviceBlock) -> Result<()> {
+    fn attention_gate(&mut self, block: &DeviceBlock<E>) -> Result<()> {
         let p = self.pass;
         let c = p.config;
         let attn_width = c.num_heads * c.head_dim;
@@ -211,7 +213,15 @@ impl AfmoeOps for DeviceOps<'_, '_> {
             return Err(not_afmoe("sigmoid_gate"));
         };
         let shape = (attn_width, c.hidden_size);
-        p.gemm(&s.normed, &a.attn_gate, &mut scratch.gate, BF16, shape, 0.0)?;
+        let c_type = E::DATA_TYPE;
+        p.gemm(
+            &s.normed,
+            &a.attn_gate,
+            &mut scratch.gate,
+            c_type,
+            shape,
+            0.0,
+        )?;
         let n = p.tokens * attn_width;
         launch::sigmoid_gate(
             p.stream,
@@ -222,7 +232,7 @@ impl AfmoeOps for DeviceOps<'_, '_> {
         )
     }
 
-    fn branch_norm(&mut self, block: &DeviceBlock, sublayer: Sublayer) -> Result<()> {
+    fn branch_norm(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
         let p = self.pass;
         let c = p.config;
         let (a, s) = self.afmoe_parts(block, "rms_norm_wide")?;
@@ -255,7 +265,7 @@ impl AfmoeOps for DeviceOps<'_, '_> {
             .map_err(|e| CudaError::fault("clearing the branch")(e).into())
     }
 
-    fn routed_experts(&mut self, block: &DeviceBlock) -> Result<()> {
+    fn routed_experts(&mut self, block: &DeviceBlock<E>) -> Result<()> {
         let p = self.pass;
         let (c, tokens) = (p.config, p.tokens);
         let hidden = c.hidden_size;
@@ -307,7 +317,11 @@ impl AfmoeOps for DeviceOps<'_, '_> {
 
 /// Each expert's SwiGLU over its block of grouped rows, one GEMM pair per expert, into
 /// `expert_out`.
-fn run_experts(p: &super::Pass<'_>, moe: &DeviceMoe, scratch: &mut AfmoeScratch) -> Result<()> {
+fn run_experts<E: Activation>(
+    p: &super::Pass<'_>,
+    moe: &DeviceMoe<E>,
+    scratch: &mut AfmoeScratch<E>,
+) -> Result<()> {
     let hidden = p.config.hidden_size;
     let (_, _, inter) = routed(p.config);
     for (e, (gate_up, down)) in moe.experts.iter().enumerate() {
@@ -318,16 +332,9 @@ fn run_experts(p: &super::Pass<'_>, moe: &DeviceMoe, scratch: &mut AfmoeScratch)
         }
         let input = scratch.rows.slice(rows.start * hidden..rows.end * hidden);
         let product = (n, 2 * inter, hidden);
-        gemm(
-            p.blas,
-            p.stream,
-            &input,
-            gate_up,
-            &mut scratch.expert_gate_up,
-            BF16,
-            product,
-            0.0,
-        )?;
+        let types = (E::DATA_TYPE, E::DATA_TYPE, E::COMPUTE);
+        let buffers = (&input, gate_up, &mut scratch.expert_gate_up);
+        launch::gemm(p.blas, p.stream, buffers, types, product, 0.0)?;
         let swiglu = &p.kernels.swiglu;
         launch::swiglu(
             p.stream,
@@ -339,25 +346,18 @@ fn run_experts(p: &super::Pass<'_>, moe: &DeviceMoe, scratch: &mut AfmoeScratch)
         let mut out = scratch
             .expert_out
             .slice_mut(rows.start * hidden..rows.end * hidden);
-        gemm(
-            p.blas,
-            p.stream,
-            &scratch.expert_act,
-            down,
-            &mut out,
-            F32,
-            (n, hidden, inter),
-            0.0,
-        )?;
+        let types = (E::DATA_TYPE, F32, E::COMPUTE);
+        let buffers = (&scratch.expert_act, down, &mut out);
+        launch::gemm(p.blas, p.stream, buffers, types, (n, hidden, inter), 0.0)?;
     }
     Ok(())
 }
 
 /// Downloads the logits, routes each token on the host and uploads the grouping.
-fn route(
+fn route<E>(
     stream: &Arc<CudaStream>,
-    scratch: &mut AfmoeScratch,
-    moe: &DeviceMoe,
+    scratch: &mut AfmoeScratch<E>,
+    moe: &DeviceMoe<E>,
     c: &ModelConfig,
     tokens: usize,
 ) -> Result<()> {

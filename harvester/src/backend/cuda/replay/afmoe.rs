@@ -4,46 +4,47 @@
 //! ([`crate::model::routing`], the code the CUDA backend runs on its downloaded logits), the
 //! grouped expert GEMMs, and `moe_scatter`'s fused multiply-adds in expert order.
 
-use super::{HostBlock, HostOps, bf16_matrix, bf16_values, gemm, rms_norm_wide, swiglu, widen};
-use crate::backend::cuda::emulation::{WARP, kernel_bf16, warp_sum};
+use super::{HostBlock, HostOps, HostValue, gemm, rms_norm_wide, swiglu};
+use crate::backend::cuda::emulation::{WARP, warp_sum};
 use crate::error::Result;
 use crate::model::AfmoeBlock;
 use crate::model::afmoe::AfmoeOps;
 use crate::model::dense::Sublayer;
 use crate::model::routing::{Choice, Grouping, choose};
 
-/// What an AFMoE block adds, as the CUDA backend uploads it.
-pub(super) struct HostAfmoe {
-    q_norm: Vec<u16>,
-    k_norm: Vec<u16>,
-    attn_gate: Vec<u16>,
-    attn_out_norm: Vec<u16>,
-    mlp_out_norm: Vec<u16>,
-    moe: Option<HostMoe>,
+/// What an AFMoE block adds, as the CUDA backend uploads it in the mode of `T`.
+pub(super) struct HostAfmoe<T> {
+    q_norm: Vec<T>,
+    k_norm: Vec<T>,
+    attn_gate: Vec<T>,
+    attn_out_norm: Vec<T>,
+    mlp_out_norm: Vec<T>,
+    moe: Option<HostMoe<T>>,
 }
 
-/// A sparse block's routed experts: the router in f32, each expert's gate|up and down in bf16.
-struct HostMoe {
+/// A sparse block's routed experts: the router in f32, each expert's gate|up and down in the
+/// mode's type.
+struct HostMoe<T> {
     router: Vec<f32>,
     expert_bias: Vec<f32>,
-    experts: Vec<(Vec<u16>, Vec<u16>)>,
+    experts: Vec<(Vec<T>, Vec<T>)>,
 }
 
-impl HostAfmoe {
+impl<T: HostValue> HostAfmoe<T> {
     pub(super) fn of(a: &AfmoeBlock) -> Self {
         Self {
-            q_norm: bf16_values(&a.q_norm),
-            k_norm: bf16_values(&a.k_norm),
-            attn_gate: bf16_matrix(&a.attn_gate),
-            attn_out_norm: bf16_values(&a.attn_out_norm),
-            mlp_out_norm: bf16_values(&a.mlp_out_norm),
+            q_norm: T::values(&a.q_norm),
+            k_norm: T::values(&a.k_norm),
+            attn_gate: T::matrix(&a.attn_gate),
+            attn_out_norm: T::values(&a.attn_out_norm),
+            mlp_out_norm: T::values(&a.mlp_out_norm),
             moe: a.moe.as_ref().map(|m| HostMoe {
                 router: m.router.to_f32_vec(),
                 expert_bias: m.expert_bias.clone(),
                 experts: m
                     .experts
                     .iter()
-                    .map(|e| (bf16_matrix(&e.gate_up), bf16_matrix(&e.down)))
+                    .map(|e| (T::matrix(&e.gate_up), T::matrix(&e.down)))
                     .collect(),
             }),
         }
@@ -59,8 +60,8 @@ fn not_afmoe(op: &'static str) -> crate::Error {
     .into()
 }
 
-impl AfmoeOps for HostOps<'_> {
-    fn head_norms(&mut self, block: &HostBlock) -> Result<()> {
+impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
+    fn head_norms(&mut self, block: &HostBlock<T>) -> Result<()> {
         let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("head_norm"))?;
         let c = self.config;
         let eps = c.rms_norm_eps as f32;
@@ -80,7 +81,7 @@ impl AfmoeOps for HostOps<'_> {
         Ok(())
     }
 
-    fn attention_gate(&mut self, block: &HostBlock) -> Result<()> {
+    fn attention_gate(&mut self, block: &HostBlock<T>) -> Result<()> {
         let a = block
             .afmoe
             .as_ref()
@@ -93,13 +94,13 @@ impl AfmoeOps for HostOps<'_> {
             c.hidden_size,
         );
         for (attn, g) in self.attn.iter_mut().zip(gate) {
-            let g = widen(kernel_bf16(g));
-            *attn = kernel_bf16(widen(*attn) / (1.0 + (-g).exp()));
+            let g = T::stored(g).widen();
+            *attn = T::stored(attn.widen() / (1.0 + (-g).exp()));
         }
         Ok(())
     }
 
-    fn branch_norm(&mut self, block: &HostBlock, sublayer: Sublayer) -> Result<()> {
+    fn branch_norm(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
         let a = block
             .afmoe
             .as_ref()
@@ -118,7 +119,7 @@ impl AfmoeOps for HostOps<'_> {
         Ok(())
     }
 
-    fn routed_experts(&mut self, block: &HostBlock) -> Result<()> {
+    fn routed_experts(&mut self, block: &HostBlock<T>) -> Result<()> {
         let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
         let (Some(moe), Some(config)) = (&a.moe, &self.config.afmoe) else {
             return Err(not_afmoe("routing"));
@@ -139,7 +140,7 @@ impl AfmoeOps for HostOps<'_> {
         let mut grouping = Grouping::default();
         grouping.group(&choices, experts, k);
         // moe_gather
-        let rows: Vec<u16> = grouping
+        let rows: Vec<T> = grouping
             .tokens
             .iter()
             .flat_map(|&t| self.normed[t as usize * hidden..][..hidden].iter().copied())
@@ -152,7 +153,7 @@ impl AfmoeOps for HostOps<'_> {
             }
             let input = &rows[span.start * hidden..span.end * hidden];
             let product = gemm(input, gate_up, 2 * inter, hidden);
-            let gate_up: Vec<u16> = product.iter().map(|&v| kernel_bf16(v)).collect();
+            let gate_up: Vec<T> = product.iter().map(|&v| T::stored(v)).collect();
             let act = swiglu(&gate_up, inter);
             let expert_out = gemm(&act, down, hidden, inter);
             out[span.start * hidden..span.end * hidden].copy_from_slice(&expert_out);
@@ -167,19 +168,20 @@ impl AfmoeOps for HostOps<'_> {
     }
 }
 
-/// `head_norm` on one head: lane `l` sums the squares of dimensions `l, l + 32, ...` (fused),
-/// the warp butterfly, then each value times the scale times its bf16 weight, rounded.
-fn head_norm(head: &mut [u16], weight: &[u16], eps: f32) {
+/// `norm_heads` on one head: lane `l` sums the squares of dimensions `l, l + 32, ...`
+/// (fused), the warp butterfly, then each value times the scale times its weight, stored in
+/// the mode's type.
+fn head_norm<T: HostValue>(head: &mut [T], weight: &[T], eps: f32) {
     let mut lanes = [0.0f32; WARP];
     for (lane, sum) in lanes.iter_mut().enumerate() {
         for &v in head.iter().skip(lane).step_by(WARP) {
-            let v = widen(v);
+            let v = v.widen();
             *sum = v.mul_add(v, *sum);
         }
     }
     let scale = 1.0 / (warp_sum(lanes) / head.len() as f32 + eps).sqrt();
     for (h, &w) in head.iter_mut().zip(weight) {
-        *h = kernel_bf16(widen(*h) * scale * widen(w));
+        *h = T::stored(h.widen() * scale * w.widen());
     }
 }
 
@@ -225,6 +227,8 @@ fn gemm_f32(a: &[f32], w: &[f32], n: usize, k: usize) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    use crate::backend::cuda::emulation::kernel_bf16;
+
     fn bits(values: &[f32]) -> Vec<u16> {
         values.iter().map(|&v| kernel_bf16(v)).collect()
     }
@@ -234,7 +238,7 @@ mod tests {
         let mut head = bits(&[3.0, -1.0, 2.0, 0.5, 1.5, -2.5, 0.25, 4.0]);
         let weight = bits(&[1.0; 8]);
         head_norm(&mut head, &weight, 1e-6);
-        let mean_square: f32 = head.iter().map(|&v| widen(v) * widen(v)).sum::<f32>() / 8.0;
+        let mean_square: f32 = head.iter().map(|&v| v.widen() * v.widen()).sum::<f32>() / 8.0;
         assert!((mean_square - 1.0).abs() < 1e-2, "{mean_square}");
     }
 
