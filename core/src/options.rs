@@ -435,6 +435,17 @@ mod tests {
     }
 
     #[test]
+    fn a_job_that_names_no_precision_runs_in_its_devices_own_and_one_that_does_keeps_it() {
+        assert_eq!(Precision::or_device(None, false), Precision::F32);
+        assert_eq!(Precision::or_device(None, true), Precision::Bf16);
+        for asked in [Precision::F32, Precision::Bf16] {
+            for gpu in [false, true] {
+                assert_eq!(Precision::or_device(Some(asked), gpu), asked);
+            }
+        }
+    }
+
+    #[test]
     fn a_zero_or_absurd_number_names_its_field_and_range() {
         for (raw, field) in [
             (

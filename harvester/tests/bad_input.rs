@@ -312,6 +312,29 @@ fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
 }
 
 #[test]
+fn the_cuda_backend_refuses_the_f32_mode_by_name_before_it_looks_for_a_gpu() {
+    let dir = common::fixtures().join("tiny-mistral-window-bf16");
+    let weights = LlamaWeights::load(&dir, None).unwrap();
+    let spec = CaptureSpec {
+        layers: LayerSelection::All
+            .resolve(weights.config.num_layers)
+            .unwrap(),
+        sites: harvest_core::Sites::default(),
+        precision: harvest_core::plan::Precision::F32,
+        directions: None,
+    };
+    let error = harvester::backend::cuda::forward::CudaBackend::new(weights, spec, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("f32 mode")
+            && error.contains("--precision bf16")
+            && error.contains("HARVEST_CUDA_F32=try"),
+        "{error}"
+    );
+}
+
+#[test]
 fn an_afmoe_checkpoint_missing_its_expert_bias_names_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let fixture = common::fixtures().join("tiny-afmoe-bf16");

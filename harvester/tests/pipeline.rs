@@ -1465,6 +1465,49 @@ fn a_run_on_the_cuda_replay_writes_what_a_gpu_run_would_and_says_bf16() {
 }
 
 #[test]
+fn a_run_on_the_cuda_replay_that_names_f32_computes_f32_within_a_shard_bit_of_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
+    let (replayed, cpu) = (dir.path().join("replayed"), dir.path().join("cpu"));
+    let f32 = ["--precision", "f32"];
+    run_ok(&run_args_with(
+        &prompts,
+        &replayed,
+        &["--device", "cuda-replay", f32[0], f32[1]],
+    ));
+    // The CPU's own precision is f32.
+    run_ok(&run_args_with(&prompts, &cpu, &["--device", "cpu"]));
+    let (ours, theirs) = (manifest(&replayed), manifest(&cpu));
+    assert_eq!(ours.precision, harvest_core::plan::Precision::F32);
+    assert_eq!(theirs.precision, harvest_core::plan::Precision::F32);
+    // Both keep f32 throughout: the bf16 shards differ by a flipped last bit at most. The
+    // replay's own precision, bf16, is outside the same bound.
+    let bf16 = dir.path().join("bf16");
+    run_ok(&run_args_with(
+        &prompts,
+        &bf16,
+        &["--device", "cuda-replay"],
+    ));
+    assert_eq!(
+        manifest(&bf16).precision,
+        harvest_core::plan::Precision::Bf16
+    );
+    let within = |out: &Path| {
+        let compared = harvester()
+            .args(["compare", cpu.to_str().unwrap(), out.to_str().unwrap()])
+            .args(["--max-relative-error", "5e-3"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&compared.stdout).into_owned();
+        (compared.status.success(), said)
+    };
+    let (f32_within, said) = within(&replayed);
+    assert!(f32_within, "{said}");
+    let (bf16_within, said) = within(&bf16);
+    assert!(!bf16_within, "{said}");
+}
+
+#[test]
 fn parts_refuse_the_norm_filter_whose_median_spans_the_whole_corpus() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = parts_prompts(dir.path());

@@ -260,6 +260,38 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
   fi
 done
 
+step "the f32 mode: $device against the replay's f32 mode and the CPU's f32 mode"
+# The f32 mode keeps every activation in f32 (the kernels' _f32 entry points, f32 GEMMs on the
+# pedantic compute type). It runs on a GPU only when asked for until this step has passed
+# (HARVEST_CUDA_F32). Three f32 engines differ by summation orders and exp alone, a few f32
+# ulps, which the bf16 shards show as an occasional flipped last bit: on the CPU the replay is
+# at 1.4e-3 of the CPU's f32 mode (mean 2.4e-5), the bf16 modes near 1e-2. Guard PARITY_F32.
+vs_f32=${PARITY_F32:-5e-3}
+f32_plan=(--precision f32 --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all
+  --shard-size 4 --progress off)
+f32_runs=ok
+for engine in cpu cuda-replay "$device"; do
+  [ -d "$work/f32-$engine" ] && continue
+  HARVEST_CUDA_F32=try CUDA_LAUNCH_BLOCKING=1 limited 300 "$harvester" run --device "$engine" \
+    "${f32_plan[@]}" --out "$work/f32-$engine" >/dev/null || f32_runs="the $engine run FAILED"
+done
+if [ "$f32_runs" != ok ]; then
+  note "f32: $f32_runs"
+  failures=$((failures + 1))
+else
+  for against in cuda-replay cpu; do
+    [ "$against" = "$device" ] && continue
+    if f32_vs=$("$harvester" compare "$work/f32-$against" "$work/f32-$device" \
+        --max-relative-error "$vs_f32" 2>&1); then
+      note "f32 $device vs $against f32 (guard $vs_f32): passed: $(echo "$f32_vs" | head -1)"
+    else
+      note "f32 $device vs $against f32 (guard $vs_f32): FAILED: $(echo "$f32_vs" | head -2 | tr '\n' ' ')"
+      failures=$((failures + 1))
+    fi
+    echo "$f32_vs" | head -1 | sed "s/^{/{\"against\":\"$against-f32\",/" >>"$out/parity.jsonl"
+  done
+fi
+
 step "2 pipeline stages on one $device against 1: the same bytes"
 # Each stage on the same GPU (--stage-devices 0,0) runs the blocks the single run runs, the
 # residual stream handed on through host memory: every file but result.json must be equal.

@@ -50,16 +50,17 @@ pub enum WorkerError {
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// The server's environment variables a harvester child gets; nothing else (no credentials,
 /// no configuration of the server's own) reaches it.
-pub const PASSED_ENV: [&str; 7] = [
+pub const PASSED_ENV: [&str; 8] = [
     "PATH",
     "LD_LIBRARY_PATH",
     "TMPDIR",
     "CUDA_VISIBLE_DEVICES",
     "LANG",
-    // Let a model of several devices run its CUDA stages, and AFMoE run on a GPU, before a
-    // GPU window checks them.
+    // Let a model of several devices run its CUDA stages, and AFMoE and the f32 mode run on a
+    // GPU, before a GPU window checks them.
     "HARVEST_CUDA_STAGES",
     "HARVEST_CUDA_AFMOE",
+    "HARVEST_CUDA_F32",
 ];
 /// Tries of the final store write before the job is queued again.
 const FINAL_WRITE_TRIES: u32 = 5;

@@ -104,7 +104,7 @@ pub struct CaptureSpec {
     pub layers: Layers,
     /// The hook sites kept of each kept block.
     pub sites: Sites,
-    /// The arithmetic (the CPU backend honours both; CUDA computes in bf16).
+    /// The arithmetic; every backend honours both.
     pub precision: harvest_core::plan::Precision,
     /// If present, each kept row is projected onto these unit directions instead of copied.
     pub directions: Option<Directions>,

@@ -132,6 +132,15 @@ impl Checkpoint {
             .sum()
     }
 
+    /// How many values the tensors whose name starts with `prefix` hold, whatever their dtype.
+    pub fn stored_values(&self, prefix: &str) -> u64 {
+        self.locations
+            .iter()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .map(|(_, loc)| loc.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     /// Whether the checkpoint has a tensor of this name.
     pub fn contains(&self, name: &str) -> bool {
         self.locations.contains_key(name)

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use harvest_core::ResolvedPlan;
+use harvest_core::plan::Precision;
 
 use super::progress::Progress;
 use super::{CAPTURE_POOL, RunOptions, UPLOAD_QUEUE, staged};
@@ -253,10 +254,17 @@ fn open_stages(
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
     check_cuda_model(&config, &spec, device)?;
     let checkpoint = crate::model::Checkpoint::open(&plan.model)?;
+    // A GPU holds the weights in the mode's type (2 or 4 bytes a value, whatever the checkpoint
+    // stores; AFMoE's small f32 routers aside); the CPU maps or decodes what is stored.
+    let bytes = |prefix: &str| match (device, spec.precision) {
+        (DeviceChoice::Cuda(_), Precision::Bf16) => 2 * checkpoint.stored_values(prefix),
+        (DeviceChoice::Cuda(_), Precision::F32) => 4 * checkpoint.stored_values(prefix),
+        _ => checkpoint.stored_bytes(prefix),
+    };
     let block_bytes: Vec<u64> = (0..config.num_layers)
-        .map(|b| checkpoint.stored_bytes(&format!("model.layers.{b}.")))
+        .map(|b| bytes(&format!("model.layers.{b}.")))
         .collect();
-    let embed = checkpoint.stored_bytes("model.embed_tokens.");
+    let embed = bytes("model.embed_tokens.");
     let mut stage_plan = plan_stages(&block_bytes, embed, spec.layers.deepest(), stages)?;
     let mut weights = Vec::with_capacity(stage_plan.running.len());
     for share in &mut stage_plan.running {

@@ -45,8 +45,8 @@ pub enum DeviceChoice {
 }
 
 impl DeviceChoice {
-    /// Whether the forward pass is the CUDA backend's, on a GPU or replayed: it computes in
-    /// bf16 whatever the plan asks.
+    /// Whether the forward pass is the CUDA backend's, on a GPU or replayed: its own precision
+    /// is bf16 (`Precision::or_device`).
     pub fn is_cuda_arithmetic(self) -> bool {
         matches!(self, Self::Cuda(_) | Self::CudaReplay)
     }
