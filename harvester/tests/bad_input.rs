@@ -288,21 +288,27 @@ fn a_file_that_is_not_gguf_is_rejected() {
     assert!(err.contains("not a GGUF file"), "{err}");
 }
 
-#[test]
-fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
-    let dir = common::fixtures().join("tiny-afmoe-bf16");
+/// What the CUDA backend says when it refuses the fixture `name` in `precision`, before it
+/// looks for a GPU (none is needed to see it).
+fn cuda_refusal(name: &str, precision: harvest_core::plan::Precision) -> String {
+    let dir = common::fixtures().join(name);
     let weights = LlamaWeights::load(&dir, None).unwrap();
     let spec = CaptureSpec {
         layers: LayerSelection::All
             .resolve(weights.config.num_layers)
             .unwrap(),
         sites: harvest_core::Sites::default(),
-        precision: harvest_core::plan::Precision::Bf16,
+        precision,
         directions: None,
     };
-    let error = harvester::backend::cuda::forward::CudaBackend::new(weights, spec, 0)
+    harvester::backend::cuda::forward::CudaBackend::new(weights, spec, 0)
         .unwrap_err()
-        .to_string();
+        .to_string()
+}
+
+#[test]
+fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
+    let error = cuda_refusal("tiny-afmoe-bf16", harvest_core::plan::Precision::Bf16);
     assert!(
         error.contains("AFMoE")
             && error.contains("--device cpu")
@@ -313,19 +319,10 @@ fn the_cuda_backend_refuses_afmoe_by_name_before_it_looks_for_a_gpu() {
 
 #[test]
 fn the_cuda_backend_refuses_the_f32_mode_by_name_before_it_looks_for_a_gpu() {
-    let dir = common::fixtures().join("tiny-mistral-window-bf16");
-    let weights = LlamaWeights::load(&dir, None).unwrap();
-    let spec = CaptureSpec {
-        layers: LayerSelection::All
-            .resolve(weights.config.num_layers)
-            .unwrap(),
-        sites: harvest_core::Sites::default(),
-        precision: harvest_core::plan::Precision::F32,
-        directions: None,
-    };
-    let error = harvester::backend::cuda::forward::CudaBackend::new(weights, spec, 0)
-        .unwrap_err()
-        .to_string();
+    let error = cuda_refusal(
+        "tiny-mistral-window-bf16",
+        harvest_core::plan::Precision::F32,
+    );
     assert!(
         error.contains("f32 mode")
             && error.contains("--precision bf16")

@@ -11,6 +11,7 @@
 
 mod afmoe;
 mod element;
+mod staging;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use std::time::Instant;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 use rayon::prelude::*;
 
 use super::download::Slots;
@@ -35,6 +36,7 @@ use crate::model::{LlamaWeights, Matrix, ModelConfig};
 use harvest_core::plan::Precision;
 
 pub(super) use self::element::{Activation, decoded_f32};
+use self::staging::{Plain, Staging, UPLOAD_VARIABLE};
 
 /// GEMM outputs added into the f32 residual stream.
 const F32: cudaDataType = cudaDataType::CUDA_R_32F;
@@ -80,7 +82,8 @@ pub(super) fn rounded_bf16(matrix: &Matrix) -> Vec<u16> {
 pub struct LoadPhases {
     /// Rounding f32 or f16 weights to bf16 on the host (none for a bf16 checkpoint).
     pub convert_seconds: f64,
-    /// Copying the bf16 weights to the device.
+    /// Copying the weights to the device (staged: from the first chunk queued to the last
+    /// one done).
     pub upload_seconds: f64,
     /// Compiling the kernels and loading their module.
     pub kernels_seconds: f64,
@@ -88,6 +91,9 @@ pub struct LoadPhases {
     pub kernel_code: &'static str,
     /// The attention kernel chosen for the model's head width.
     pub attention_kernel: &'static str,
+    /// Whether the weights went up through page-locked staging buffers (else from pageable
+    /// memory, by the driver).
+    pub staged: bool,
 }
 
 /// A mapped bf16 part viewed as bf16 bits, when it is 2-byte aligned (a safetensors payload
@@ -104,25 +110,49 @@ fn bf16_bits(part: &[u8]) -> Option<&[u16]> {
 pub(super) struct Uploader<'a> {
     stream: &'a Arc<CudaStream>,
     phases: LoadPhases,
+    /// Page-locked buffers the weights pass through, unless the driver's pageable path is
+    /// kept (`staging`).
+    staging: Option<Staging>,
 }
 
 impl Uploader<'_> {
-    /// Copies `values` into `device` starting at element `offset`.
-    fn copy<T: DeviceRepr>(
+    /// Queues `values` for `device` starting at element `offset`; `values` may be dropped on
+    /// return (they are staged, or copied by the driver before it returns).
+    fn copy<T: Plain>(
         &mut self,
         values: &[T],
         device: &mut CudaSlice<T>,
         offset: usize,
     ) -> Result<()> {
         let start = Instant::now();
-        self.stream
-            .memcpy_htod(values, &mut device.slice_mut(offset..offset + values.len()))
-            .map_err(|e| memory_error("uploading the weights")(e))?;
+        let failed = |e| memory_error("uploading the weights")(e);
+        let mut view = device.slice_mut(offset..offset + values.len());
+        match &mut self.staging {
+            Some(staging) => {
+                let (dst, _record) = view.device_ptr_mut(self.stream);
+                staging
+                    .upload(self.stream, T::bytes(values), dst)
+                    .map_err(failed)?;
+            }
+            None => self.stream.memcpy_htod(values, &mut view).map_err(failed)?,
+        }
         self.phases.upload_seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 
-    fn alloc<T: DeviceRepr>(&mut self, len: usize) -> Result<CudaSlice<T>> {
+    /// Waits for the last staged uploads, counting the wait as upload time.
+    fn finish(&mut self) -> Result<()> {
+        let start = Instant::now();
+        if let Some(staging) = &self.staging {
+            staging
+                .finish()
+                .map_err(|e| memory_error("uploading the weights")(e))?;
+        }
+        self.phases.upload_seconds += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn alloc<T: Plain>(&mut self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every element is written by `copy` before any kernel reads it (the callers
         // cover `0..len` with their parts).
         #[allow(unsafe_code)]
@@ -344,7 +374,7 @@ enum Kept {
     Projections(Slots<f32>),
 }
 
-/// The CUDA backend on one device, computing in the job's precision: a [`Device`] of bf16 or
+/// The CUDA backend on one device, computing in the job's precision: a `Device` of bf16 or
 /// of f32 activations.
 pub struct CudaBackend {
     device: Box<dyn DevicePass>,
@@ -563,14 +593,17 @@ impl<E: Activation> Device<E> {
         let kernels_start = Instant::now();
         let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
         let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
+        let staging = Staging::new(&context, std::env::var(UPLOAD_VARIABLE).ok().as_deref());
         let mut up = Uploader {
             stream: &stream,
             phases: LoadPhases {
                 kernels_seconds: kernels_start.elapsed().as_secs_f64(),
                 kernel_code: code.as_str(),
                 attention_kernel: kernels.attention.name,
+                staged: staging.is_some(),
                 ..LoadPhases::default()
             },
+            staging,
         };
         let embed = if first_block == 0 {
             Some(E::upload_matrix(&mut up, &weights.embed)?)
@@ -581,6 +614,7 @@ impl<E: Activation> Device<E> {
             .iter()
             .map(|b| up.block(b))
             .collect::<Result<Vec<_>>>()?;
+        up.finish()?;
         let phases = up.phases;
         let inv_freq: Vec<f32> = config
             .inverse_frequencies()

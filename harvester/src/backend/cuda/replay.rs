@@ -1,6 +1,6 @@
 //! `--device cuda-replay`: the CUDA backend's forward pass run on the CPU, for tests. The same
 //! blocks ([`crate::model::forward_block`]: dense, and AFMoE in `afmoe`) run over host buffers,
-//! in either mode's type ([`HostValue`]: bf16 bits, or f32 with every rounding left out, as
+//! in either mode's type (`HostValue`: bf16 bits, or f32 with every rounding left out, as
 //! the kernels' `_f32` entry points leave it), each op replaying its kernel
 //! in `kernels.cu` loop for loop: the same weights and rounding points, the same
 //! block-wide sums in the same order (a 256-thread block's strided partial sums, then the warp
