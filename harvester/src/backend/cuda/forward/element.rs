@@ -10,13 +10,14 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use harvest_core::plan::Precision;
 use rayon::prelude::*;
 
-use super::{CONVERT_ROWS, F32, Pass, Uploader, bf16_bits, bf16_values, rounded_bf16};
+use super::upload::{CONVERT_ROWS, bf16_bits};
+use super::{F32, Pass, Uploader, bf16_values, rounded_bf16};
 use crate::backend::cuda::launch;
 use crate::error::Result;
 use crate::model::{Half, Matrix};
 
 /// The type of the activations between kernels and of the weights, for one compute mode.
-pub(in crate::backend::cuda) trait Activation:
+pub(super) trait Activation:
     DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + Send + Sync + std::fmt::Debug + 'static
 {
     /// The mode this type computes.
