@@ -7,7 +7,8 @@
 //! - `ops`: the block ops (`DeviceOps`), and `afmoe` AFMoE's;
 //! - `kernel_set`: the kernels of `kernels.cu` loaded, their entry points for the mode;
 //! - `buffers`: a batch's buffers and what they take;
-//! - `upload` and `staging`: the weights' way to the device;
+//! - `upload` and `staging`: the weights' way to the device, `hand_off` the residual
+//!   stream's between pipeline stages;
 //! - here: the backend itself, its checks, load and per-batch run.
 //!
 //! Checked on an H200 by the GPU window (`scripts/gpu-window.sh`, figures in `docs/gpu.md`):
@@ -17,6 +18,7 @@
 mod afmoe;
 mod buffers;
 mod element;
+mod hand_off;
 mod kernel_set;
 mod ops;
 mod staging;
@@ -43,6 +45,7 @@ use harvest_core::plan::Precision;
 use self::buffers::{BatchBuffers, Kept, Scratch, keeps_branches, mlp_width};
 use self::element::Activation;
 pub(super) use self::element::decoded_f32;
+use self::hand_off::HandOff;
 use self::kernel_set::Kernels;
 use self::ops::{DeviceOps, Keeping, Pass};
 use self::staging::{Staging, UPLOAD_VARIABLE};
@@ -122,6 +125,8 @@ struct Device<E> {
     inv_freq: CudaSlice<f32>,
     directions: Option<CudaSlice<f32>>,
     scratch: Option<Scratch<E>>,
+    /// The residual stream's page-locked buffer, on a pipeline stage.
+    hand_off: HandOff,
     host_tiles: Vec<u32>,
     phases: LoadPhases,
     /// Whether some block has a QKV bias, and an O bias: they need buffers of their own.
@@ -349,6 +354,7 @@ impl<E: Activation> Device<E> {
             inv_freq,
             directions,
             scratch: None,
+            hand_off: HandOff::default(),
             host_tiles: Vec::new(),
             phases,
             qkv_bias: weights.blocks.iter().any(|b| b.qkv_bias.is_some()),
@@ -517,8 +523,8 @@ impl<E: Activation> Device<E> {
                 (tokens, c.hidden_size, embedding_scale(c)),
             )?,
             (None, Some(x)) if x.len() >= stream_values => self
-                .stream
-                .memcpy_htod(&x[..stream_values], &mut s.x.slice_mut(..stream_values))
+                .hand_off
+                .upload(&self.stream, &x[..stream_values], &mut s.x)
                 .map_err(&handed_on)?,
             (None, _) => return Err(no_stream(self.first_block, stream_values)),
         }
@@ -563,10 +569,9 @@ impl<E: Activation> Device<E> {
         }
         if let Some(x) = x {
             x.resize(stream_values, 0.0);
-            self.stream
-                .memcpy_dtoh(&s.x.slice(..stream_values), &mut x[..])
+            self.hand_off
+                .download(&self.stream, &s.x, &mut x[..])
                 .map_err(&handed_on)?;
-            self.stream.synchronize().map_err(&handed_on)?;
         }
         Ok(())
     }
