@@ -187,7 +187,16 @@ up() {
   fi
   storage_secrets
   say "waiting for the Deployments"
-  kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2
+  if ! kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2; then
+    # Say what the cluster shows, so that a run that fails here can be diagnosed from its log.
+    say "the Deployments are not available; the cluster shows:"
+    kc -n harvest-system get deployments,replicasets,pods -o wide >&2 || true
+    kc -n harvest-system get events --sort-by=.lastTimestamp 2>&1 | tail -n 30 >&2 || true
+    for log in "$dir"/cluster.log "$dir"/agent-*.log; do
+      [ -f "$log" ] && { say "the end of $log:"; tail -n 20 "$log" >&2; }
+    done
+    return 1
+  fi
   wait_for "the harvest-api Service" 30 bash -c "$(declare -f is_real api_port kubectl_bin kc); dir=$dir; api_port | grep -q ."
   print_exports
 }

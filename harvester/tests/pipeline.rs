@@ -1508,6 +1508,28 @@ fn a_run_on_the_cuda_replay_that_names_f32_computes_f32_within_a_shard_bit_of_th
 }
 
 #[test]
+fn parts_on_the_cuda_replay_close_in_its_arithmetic_when_finalize_names_their_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = parts_prompts(dir.path());
+    let (parted, whole) = (dir.path().join("parted"), dir.path().join("whole"));
+    let replay = ["--device", "cuda-replay"];
+    run_ok(&run_args_with(&prompts, &whole, &replay));
+    run_in_parts(&prompts, &parted, &replay, 2);
+    assert_eq!(
+        manifest(&parted).precision,
+        harvest_core::plan::Precision::Bf16
+    );
+    assert_eq!(output_files(&parted), output_files(&whole));
+    // Finalize on another kind of device resolves another precision, so another plan: it
+    // refuses the output rather than rewrite it.
+    let output = harvester()
+        .args(finalize_args(&prompts, &parted, &["--device", "cpu"]))
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+}
+
+#[test]
 fn parts_refuse_the_norm_filter_whose_median_spans_the_whole_corpus() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = parts_prompts(dir.path());

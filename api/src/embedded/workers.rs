@@ -490,6 +490,10 @@ impl Workers {
         }
         if let Some(&[first, ..]) = devices.as_deref() {
             command.args(["--device", &format!("cuda:{first}")]);
+        } else if let (Role::Finalize, Some(first)) = (role, self.config.gpus.first()) {
+            // Finalize takes no GPU, but its device says what arithmetic the parts ran in (a
+            // job that names no precision runs bf16 on a GPU), so its fingerprint is theirs.
+            command.args(["--device", &format!("cuda:{first}")]);
         }
         if let Some(gpus) = devices.filter(|gpus| gpus.len() > 1) {
             let listed: Vec<String> = gpus.iter().map(u32::to_string).collect();
@@ -838,8 +842,15 @@ mod tests {
             Some("4"),
             "8 threads over 2 parts"
         );
+        // Finalize holds no GPU but names the parts' kind of device: on a server with GPUs, a
+        // GPU's (it is never probed); on one without, none.
         let finalize = args(workers.command("m", &paths, Role::Finalize, (1, None)));
-        assert!(!finalize.iter().any(|a| a == "--device"), "{finalize:?}");
+        let at = finalize.iter().position(|a| a == "--device").unwrap();
+        assert_eq!(finalize[at + 1], "cuda:3");
+        assert!(
+            !finalize.iter().any(|a| a == "--pipeline-stages"),
+            "{finalize:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
