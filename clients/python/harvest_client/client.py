@@ -188,7 +188,8 @@ class Client:
         Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
         ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
         (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards;
-        ``precision="bf16"`` runs the CPU engine's bf16 mode; ``parallelism=N`` runs the job as
+        ``precision="f32"`` or ``"bf16"`` picks the arithmetic (None: the device's own, f32 on
+        a CPU and bf16 on a GPU; the manifest says which ran); ``parallelism=N`` runs the job as
         N harvester processes on the embedded server (the files are those of one);
         ``max_prompt_tokens=N`` cuts each prompt to its first N tokens before the forward pass.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is

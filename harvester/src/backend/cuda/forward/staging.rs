@@ -107,6 +107,9 @@ impl Staging {
                 .zip(chunk.par_chunks(STAGING_TASK_BYTES))
                 .for_each(|(to, from)| to.copy_from_slice(from));
             let offset = (index * STAGING_BYTES) as CUdeviceptr;
+            // The raw call below does not make the stream's context current, as cudarc's own
+            // calls do.
+            stream.context().bind_to_thread()?;
             // SAFETY: `dst + offset` starts a run of at least `chunk.len()` device bytes (the
             // caller's buffer holds all of `bytes`); the source is page-locked memory that no
             // one writes until `uploaded[slot]`, recorded right after this copy on the same
