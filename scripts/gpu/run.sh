@@ -355,6 +355,14 @@ if [ "$device" != cpu ]; then
     --ids "$work/ids-short.json" --layers "$three" --batch-tokens $((4 * batch_tokens)) \
     | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-batch-$((4 * batch_tokens))\",/" \
     | tee -a "$out/bench.jsonl"
+  # Information: what the f32 mode costs (f32 weights, f32 GEMMs without TF32, CUDA-core
+  # attention), on the same corpus.
+  echo "-- ${short[0]}x${short[1]}-3-layers-f32"
+  HARVEST_CUDA_F32=try limited 200 "$harvester" bench --device "$device" --precision f32 \
+    --model "$bench_model" --ids "$work/ids-short.json" --layers "$three" \
+    --batch-tokens "$batch_tokens" \
+    | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-f32\",/" \
+    | tee -a "$out/bench.jsonl"
 fi
 step "load: page-locked staging against the driver's pageable path, warm and cold, beside the disk's own read rate"
 # The weights go up through two page-locked buffers (forward/staging.rs) unless
