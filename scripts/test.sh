@@ -17,9 +17,11 @@ scripts/controlplane.sh >/dev/null
 # Kueue's controller and install, for the real tier's Kueue test (cold: a few minutes).
 scripts/kueue.sh >/dev/null
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
-# NVRTC from the wheel: the kernel test must compile every CUDA kernel, not skip.
-nvrtc_lib=$(echo "$tools"/../lib/python3*/site-packages/nvidia/cu13/lib)
-export LD_LIBRARY_PATH=$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} HARVEST_REQUIRE_NVRTC=1
+# NVIDIA's CUDA 12 and 13 wheels (the harvester looks in a site-packages named here) and driver
+# 535's library: the CUDA tests must compile every kernel and resolve every entry point, not skip.
+site_packages=$(echo "$tools"/../lib/python3*/site-packages)
+export HARVEST_CUDA_LIBRARY_PATH=$site_packages HARVEST_TEST_LIBCUDA=$tools/../libcuda-535 \
+  HARVEST_REQUIRE_NVRTC=1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0

@@ -36,9 +36,10 @@ pub struct ServerConfig {
     #[serde(default)]
     pub worker_threads: Option<usize>,
     /// The GPUs (CUDA ordinals) the workers run on, each harvester on its own while it runs,
-    /// a job's parts on one each (default none: harvesters run on the CPU).
+    /// a job's parts on one each. Left out, the server uses every GPU `harvester cuda-info
+    /// --list` finds usable, and says so at start; `[]` keeps the workers on the CPU.
     #[serde(default)]
-    pub worker_gpus: Vec<u32>,
+    pub worker_gpus: Option<Vec<u32>>,
     /// Longest a submit may spend counting its corpus's tokens before it is answered 429
     /// `harvest_count_busy` (the hosted service's 10 s).
     #[serde(default = "default_count_timeout")]
@@ -229,7 +230,7 @@ impl ServerConfig {
                 config.count_timeout_seconds
             )));
         }
-        let mut gpus = config.worker_gpus.clone();
+        let mut gpus = config.worker_gpus.clone().unwrap_or_default();
         gpus.sort_unstable();
         if let Some(twice) = gpus.windows(2).find(|w| w[0] == w[1]) {
             return Err(StartupError::config(format!(

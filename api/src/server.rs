@@ -56,7 +56,12 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
     };
     let backend: Arc<dyn JobBackend> = match &config.kubernetes {
         Some(kubernetes) => Arc::new(build_kubernetes(config, kubernetes, links).await?),
-        None => Arc::new(build_embedded(config, links)?),
+        None => {
+            let gpus =
+                crate::embedded::gpus::detect(&config.harvester, config.worker_gpus.as_deref())
+                    .await;
+            Arc::new(build_embedded(config, links, gpus)?)
+        }
     };
     Ok(AppState::new(
         backend,
@@ -69,7 +74,11 @@ pub async fn build(config: &ServerConfig) -> Result<Arc<AppState>, StartupError>
     ))
 }
 
-fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend, StartupError> {
+fn build_embedded(
+    config: &ServerConfig,
+    links: Links,
+    gpus: Vec<u32>,
+) -> Result<EmbeddedBackend, StartupError> {
     let store = open_store(config)?;
     let worker_config = WorkerConfig {
         harvester: config.harvester.clone(),
@@ -79,7 +88,7 @@ fn build_embedded(config: &ServerConfig, links: Links) -> Result<EmbeddedBackend
             .job_timeout_seconds
             .map(std::time::Duration::from_secs),
         attempts: config.worker_attempts,
-        gpus: config.worker_gpus.clone(),
+        gpus,
         stages: config
             .models
             .iter()

@@ -47,7 +47,7 @@ async fn fixture_with(
         public_url: "http://harvest.test".into(),
         url_ttl_seconds: 3600,
         worker_threads: None,
-        worker_gpus: Vec::new(),
+        worker_gpus: Some(Vec::new()),
         count_timeout_seconds: 10.0,
         job_timeout_seconds: None,
         worker_attempts: 3,

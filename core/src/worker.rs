@@ -126,6 +126,14 @@ pub struct RunResult {
     /// `by_prompt`, or `shuffled`: then `n_shards` counts training files.
     #[serde(default, skip_serializing_if = "is_by_prompt")]
     pub layout: crate::layout::LayoutName,
+    /// Where the forward pass ran (`cpu`, `cuda:N`, `cuda-replay`); absent from results written
+    /// before it was recorded, and from one read back from a manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Why `--device auto` chose it: the GPU's name, compute capability, driver and libraries,
+    /// or why the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_reason: Option<String>,
 }
 
 fn is_by_prompt(layout: &crate::layout::LayoutName) -> bool {
@@ -356,6 +364,8 @@ mod tests {
             output: "s3://b/p".into(),
             resumed_shards: 1,
             layout: crate::layout::LayoutName::ByPrompt,
+            device: Some("cuda:0".into()),
+            device_reason: None,
         }
     }
 

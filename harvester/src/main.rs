@@ -101,13 +101,30 @@ enum Command {
         #[arg(long)]
         tokenizer_from: Option<PathBuf>,
     },
-    /// Report what the CUDA backend finds here: driver and NVRTC versions, the device, the
-    /// CUDA libraries loaded (with paths), and whether the kernels compile, load and run as a
-    /// cubin and as PTX; prints JSON, and fails when no form runs.
+    /// Report what the CUDA backend finds here: the driver's CUDA version, the device, which
+    /// cuBLAS and NVRTC it loaded (from where, and why), and whether the kernels build for the
+    /// device's architecture, load and run as a cubin and as PTX; prints JSON, and fails when
+    /// no form runs. With --compile-only, needs no GPU: compiles every kernel for each --arch
+    /// and prints NVRTC's report (exit 0 when all compiled). With --list, lists the GPUs.
     CudaInfo {
         /// The GPU: cuda or cuda:N.
         #[arg(long, default_value = "cuda")]
         device: harvester::backend::cuda::DeviceChoice,
+        /// Compile only, for the architectures of --arch; no GPU is needed.
+        #[arg(long, conflicts_with = "list")]
+        compile_only: bool,
+        /// Architectures to compile for with --compile-only (sm_80, 8.0 or 80; comma-separated),
+        /// or `listed` for every generation CI checks (sm_80, 86, 89, 90, 100, 120).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "listed",
+            requires = "compile_only"
+        )]
+        arch: Vec<String>,
+        /// List this machine's GPUs and whether each is usable; prints JSON, exit 0.
+        #[arg(long)]
+        list: bool,
     },
     /// Report the CPU backend's kernel levels here: the CPU's highest, the one the kernels run
     /// at (HARVEST_CPU_LEVEL caps it), and what the CPU lacks for each; prints JSON.
@@ -149,7 +166,8 @@ struct BenchArgs {
     /// Tokens per forward batch.
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
-    /// The engine: cpu, cuda or cuda:N (auto picks the CPU, as `run` does).
+    /// The engine: auto, cpu, cuda or cuda:N (auto takes GPU 0 when one is usable, as `run`
+    /// does).
     #[arg(long, default_value = "cpu")]
     device: harvester::backend::cuda::DeviceChoice,
     /// Project onto this many seeded random directions instead of keeping activations.
@@ -238,9 +256,10 @@ struct RunArgs {
     /// Write a summary of at most 4 KiB here at exit (a Kubernetes termination message).
     #[arg(long)]
     termination_log: Option<PathBuf>,
-    /// Where the forward pass runs: auto, cpu, cuda or cuda:N. `auto` runs on the CPU until the
-    /// CUDA backend has passed its GPU check; `cuda` runs it. `cuda-replay` runs the CUDA
-    /// backend's forward pass on the CPU, its kernels' arithmetic replayed: slow, for tests.
+    /// Where the forward pass runs: auto, cpu, cuda or cuda:N. `auto` runs on GPU 0 when one
+    /// is usable and the job needs nothing that has not yet run on a GPU (AFMoE, the f32 mode
+    /// named, pipeline stages), else on the CPU, and logs which and why. `cuda-replay` runs the
+    /// CUDA backend's forward pass on the CPU, its kernels' arithmetic replayed: slow, for tests.
     #[arg(long, default_value = "auto")]
     device: harvester::backend::cuda::DeviceChoice,
     /// Run only part INDEX/COUNT of the job's shards (INDEX from 0), for several workers on one
@@ -329,6 +348,8 @@ fn run_job(args: &RunArgs, job: Job) -> ExitCode {
         progress: args.progress,
         model_name: args.model_name.clone(),
         device: args.device,
+        tried_on_gpu: harvester::backend::cuda::tried_variables(|name| std::env::var(name).ok()),
+        device_reason: None,
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
         spill_dir: args.spill_dir.clone(),
         pipeline_stages: args.pipeline_stages,
@@ -419,6 +440,10 @@ fn main() -> anyhow::Result<ExitCode> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    // Where the CUDA backend finds cuBLAS and NVRTC, and keeps its compiled kernels.
+    let setup = harvester::backend::cuda::CudaSetup::from_vars(|name| std::env::var(name).ok())
+        .map_err(anyhow::Error::msg)?;
+    harvester::backend::cuda::configure(setup);
     if let Some(threads) = cli.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -483,7 +508,23 @@ fn tool(command: Command) -> anyhow::Result<()> {
                 serde_json::json!({"model": out, "shape": shape, "weight_bytes": bytes})
             ));
         }
-        Command::CudaInfo { device } => {
+        Command::CudaInfo {
+            compile_only: true,
+            arch,
+            ..
+        } => {
+            let archs = parse_archs(&arch)?;
+            let report = harvester::backend::cuda::info::compile_report(&archs)?;
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+            if !report.succeeded() {
+                anyhow::bail!("some kernels did not compile: see the report's errors");
+            }
+        }
+        Command::CudaInfo { list: true, .. } => {
+            let gpus = harvester::backend::cuda::list_gpus();
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&gpus)?));
+        }
+        Command::CudaInfo { device, .. } => {
             let harvester::backend::cuda::DeviceChoice::Cuda(ordinal) = device else {
                 anyhow::bail!("cuda-info takes --device cuda or cuda:N, not {device:?}");
             };
@@ -510,6 +551,21 @@ fn tool(command: Command) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The architectures `--arch` names: `listed` for every generation CI checks.
+fn parse_archs(names: &[String]) -> anyhow::Result<Vec<harvester::backend::cuda::kernels::Arch>> {
+    use harvester::backend::cuda::kernels::LISTED_ARCHS;
+    let mut archs = Vec::new();
+    for name in names {
+        if name.trim() == "listed" {
+            archs.extend(LISTED_ARCHS);
+        } else {
+            archs.push(name.parse().map_err(anyhow::Error::msg)?);
+        }
+    }
+    archs.dedup();
+    Ok(archs)
 }
 
 /// `harvester cleanup`: the answer on stdout and in the termination log; the exit status
@@ -544,7 +600,14 @@ fn cleanup(
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let device = harvester::backend::cuda::select(args.device)?;
+    let tried = harvester::backend::cuda::tried_variables(|name| std::env::var(name).ok());
+    let features = harvester::backend::cuda::JobFeatures {
+        f32: args.precision == Some(harvest_core::plan::Precision::F32),
+        ..Default::default()
+    };
+    let (device, _) = harvester::backend::cuda::select(args.device, features, &|variable| {
+        tried.contains(&variable)
+    })?;
     let prompts =
         harvester::bench::load_corpus(&args.model, args.ids.as_deref(), args.prompts.as_deref())?;
     let report = harvester::bench::run(harvester::bench::BenchConfig {

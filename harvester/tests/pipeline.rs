@@ -68,6 +68,8 @@ fn options() -> RunOptions {
         part: None,
         token_budget: None,
         job_uid: None,
+        tried_on_gpu: Vec::new(),
+        device_reason: None,
     }
 }
 

@@ -57,6 +57,8 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             part: None,
             token_budget: None,
             job_uid: None,
+            tried_on_gpu: Vec::new(),
+            device_reason: None,
         },
     )
     .unwrap();

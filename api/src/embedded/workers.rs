@@ -50,12 +50,22 @@ pub enum WorkerError {
 pub const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// The server's environment variables a harvester child gets; nothing else (no credentials,
 /// no configuration of the server's own) reaches it.
-pub const PASSED_ENV: [&str; 8] = [
+pub const PASSED_ENV: [&str; 16] = [
     "PATH",
     "LD_LIBRARY_PATH",
     "TMPDIR",
     "CUDA_VISIBLE_DEVICES",
     "LANG",
+    // Where the harvester finds cuBLAS and NVRTC (its library search), and keeps its compiled
+    // kernels between starts.
+    "HARVEST_CUDA_LIBRARY_PATH",
+    "HARVEST_CUDA_MAJOR",
+    "HARVEST_KERNEL_CACHE",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "CUDA_HOME",
+    "HOME",
+    "XDG_CACHE_HOME",
     // Let a model of several devices run its CUDA stages, and AFMoE and the f32 mode run on a
     // GPU, before a GPU window checks them.
     "HARVEST_CUDA_STAGES",
@@ -494,6 +504,10 @@ impl Workers {
             // Finalize takes no GPU, but its device says what arithmetic the parts ran in (a
             // job that names no precision runs bf16 on a GPU), so its fingerprint is theirs.
             command.args(["--device", &format!("cuda:{first}")]);
+        } else {
+            // A server without GPUs keeps its workers on the CPU even where `auto` would find
+            // one (`worker_gpus: []`).
+            command.args(["--device", "cpu"]);
         }
         if let Some(gpus) = devices.filter(|gpus| gpus.len() > 1) {
             let listed: Vec<String> = gpus.iter().map(u32::to_string).collect();
@@ -851,6 +865,25 @@ mod tests {
             !finalize.iter().any(|a| a == "--pipeline-stages"),
             "{finalize:?}"
         );
+        // A server without GPUs names the CPU, so `auto` never takes a GPU it was not given.
+        let cpu_server = Workers::new(
+            Arc::new(Store::open(&dir.path().join("cpu.sqlite")).unwrap()),
+            WorkerConfig {
+                harvester: "/bin/harvester".into(),
+                data_dir: dir.path().into(),
+                threads: None,
+                deadline: None,
+                attempts: 1,
+                gpus: Vec::new(),
+                stages: BTreeMap::new(),
+            },
+            1,
+        );
+        for role in [Role::Whole, Role::Part(0, 2), Role::Finalize] {
+            let cpu = args(cpu_server.command("m", &paths, role, (1, None)));
+            let at = cpu.iter().position(|a| a == "--device").unwrap();
+            assert_eq!(cpu[at + 1], "cpu", "{cpu:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -28,6 +28,9 @@ pub(super) struct Closing<'a> {
     pub(super) resumed_shards: usize,
     pub(super) spill_dir: Option<std::path::PathBuf>,
     pub(super) job_uid: Option<String>,
+    /// Where the forward pass ran, and why `auto` chose it.
+    pub(super) device: crate::backend::cuda::DeviceChoice,
+    pub(super) device_reason: Option<String>,
 }
 
 /// Writes the statistics, then the manifest (the commit point), then `result.json`, and
@@ -82,6 +85,8 @@ pub(super) fn commit(
         },
         output: job.plan.output.to_string(),
         resumed_shards: closing.resumed_shards,
+        device: Some(closing.device.to_string()),
+        device_reason: closing.device_reason.clone(),
     };
     let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
         path: RESULT_FILE.into(),

@@ -88,6 +88,11 @@ pub struct RunOptions {
     pub model_name: Option<String>,
     /// Where the forward pass runs, as [`crate::backend::cuda::select`] resolved it.
     pub device: DeviceChoice,
+    /// The variables of features not yet checked on a GPU that are set to `try` (see
+    /// [`crate::backend::cuda::tried_variables`]): `--device auto` takes the GPU for them too.
+    pub tried_on_gpu: Vec<&'static str>,
+    /// Why `--device auto` chose `device` (set by the run itself; `result.json` carries it).
+    pub device_reason: Option<String>,
     /// How to reach S3, when the plan names `s3://` locations.
     pub s3: S3Config,
     /// Where the shuffled layout spills its buckets (about the job's size); default `.shuffle/`
@@ -326,6 +331,8 @@ fn close(
         resumed_shards,
         spill_dir: options.spill_dir.clone(),
         job_uid: options.job_uid.clone(),
+        device: options.device,
+        device_reason: options.device_reason.clone(),
     };
     commit(&closing, &ready.store, runtime)
 }

@@ -48,6 +48,8 @@ pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<
         timings: Timings::default(),
         output: store.location().to_string(),
         resumed_shards: manifest.shards.len(),
+        device: None,
+        device_reason: None,
     }))
 }
 

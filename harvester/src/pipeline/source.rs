@@ -5,8 +5,10 @@ use harvest_core::{HarvestPlan, RawPlan};
 
 use super::result::Termination;
 use super::{RunOptions, finalize, result, run, run_part};
-use crate::backend::cuda::DeviceChoice;
+use crate::backend::cuda::{DeviceChoice, JobFeatures, select};
 use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use harvest_core::plan::Precision;
 
 /// Where `harvester run` takes its plan from.
 #[derive(Debug, Clone)]
@@ -68,6 +70,19 @@ pub fn finalize_source(source: &PlanSource, options: &RunOptions) -> Termination
     result::termination(outcome)
 }
 
+/// What `plan` asks of the CUDA backend that `--device auto` weighs: an AFMoE model (read off
+/// its `config.json`; one that cannot be read is left to the load to refuse), the f32 mode
+/// named, pipeline stages.
+fn job_features(plan: &HarvestPlan, options: &RunOptions) -> JobFeatures {
+    let afmoe = ModelConfig::from_file(&plan.model.join("config.json"))
+        .is_ok_and(|config| config.afmoe.is_some());
+    JobFeatures {
+        afmoe,
+        f32: plan.options.precision == Some(Precision::F32),
+        stages: options.pipeline_stages.is_some_and(|stages| stages > 1),
+    }
+}
+
 /// Reads and validates the plan, picks the device, and turns `act`'s outcome into the worker
 /// protocol's termination.
 fn with_plan(
@@ -79,13 +94,18 @@ fn with_plan(
         Ok(raw) => raw,
         Err(message) => return result::bad_input(&message),
     };
-    let outcome = crate::backend::cuda::select(options.device).and_then(|device| {
-        let plan = HarvestPlan::try_from(raw)?;
-        let options = RunOptions {
-            device,
-            ..options.clone()
-        };
-        act(&plan, &options)
-    });
+    let outcome = HarvestPlan::try_from(raw)
+        .map_err(Error::from)
+        .and_then(|plan| {
+            let tried = |variable: &str| options.tried_on_gpu.contains(&variable);
+            let (device, device_reason) =
+                select(options.device, job_features(&plan, options), &tried)?;
+            let options = RunOptions {
+                device,
+                device_reason,
+                ..options.clone()
+            };
+            act(&plan, &options)
+        });
     result::termination(outcome)
 }

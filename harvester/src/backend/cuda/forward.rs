@@ -28,8 +28,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::cudaDataType;
+use super::blas::{Blas, DataType};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use super::download::Slots;
@@ -54,7 +53,7 @@ use self::upload::Uploader;
 pub(in crate::backend::cuda) use self::upload::{bf16_values, rounded_bf16};
 
 /// GEMM outputs added into the f32 residual stream.
-const F32: cudaDataType = cudaDataType::CUDA_R_32F;
+const F32: DataType = DataType::R_32F;
 
 /// Setting up on a device failed: that machine cannot run the backend.
 fn driver(error: impl std::fmt::Display) -> crate::Error {
@@ -112,7 +111,7 @@ struct Device<E> {
     stream: Arc<CudaStream>,
     /// Copies kept layers to the host while later blocks run on `stream`.
     copies: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Blas,
     kernels: Kernels,
     /// The embedding, on the first stage only.
     embed: Option<CudaSlice<E>>,
@@ -303,7 +302,7 @@ impl<E: Activation> Device<E> {
         let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
         let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
+        let blas = Blas::new(stream.clone())?;
         let staging = Staging::new(&context, std::env::var(UPLOAD_VARIABLE).ok().as_deref());
         let mut up = Uploader {
             stream: &stream,
@@ -627,7 +626,7 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     super::probe(ordinal)?;
     let context = CudaContext::new(ordinal).map_err(driver)?;
     let stream = context.default_stream();
-    let blas = CudaBlas::new(stream.clone()).map_err(driver)?;
+    let blas = Blas::new(stream.clone())?;
     let a = stream
         .clone_htod(&bf16_values(
             &(0..m * k)

@@ -2,8 +2,7 @@
 //! its buffers hold what the grid touches, then launches with its own `// SAFETY:` note. A
 //! failed launch is a [`CudaError::Fault`]: a bug, never "no GPU".
 
-use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use super::blas::{Blas, ComputeType, DataType};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg,
@@ -527,14 +526,14 @@ pub(super) fn project(
 /// `c`, and `compute` cuBLAS's compute type. cuBLAS is column-major, so this computes
 /// `cᵀ = w · aᵀ`.
 pub(super) fn gemm<I, C>(
-    blas: &CudaBlas,
+    blas: &Blas,
     stream: &CudaStream,
     buffers: (
         &impl DevicePtr<I>,
         &impl DevicePtr<I>,
         &mut impl DevicePtrMut<C>,
     ),
-    (inputs, c_type, compute): (cudaDataType, cudaDataType, cublasComputeType_t),
+    (inputs, c_type, compute): (DataType, DataType, ComputeType),
     shape: (usize, usize, usize),
     beta: f32,
 ) -> Result<()> {
@@ -549,7 +548,7 @@ pub(super) fn gemm<I, C>(
 /// `c[rows, n] = a[rows, k] · w[n, k]ᵀ` all in f32, summed in f32 without TF32 (the pedantic
 /// compute type): AFMoE's router, whose logits choose experts.
 pub(super) fn gemm_f32(
-    blas: &CudaBlas,
+    blas: &Blas,
     stream: &CudaStream,
     a: &CudaSlice<f32>,
     w: &CudaSlice<f32>,
@@ -557,24 +556,24 @@ pub(super) fn gemm_f32(
     shape: (usize, usize, usize),
 ) -> Result<()> {
     let types = GemmTypes {
-        inputs: cudaDataType::CUDA_R_32F,
-        output: cudaDataType::CUDA_R_32F,
-        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        inputs: DataType::R_32F,
+        output: DataType::R_32F,
+        compute: ComputeType::F32_PEDANTIC,
     };
     gemm_typed(blas, stream, (a, w, c), types, shape, 0.0)
 }
 
 /// The element types of a GEMM's buffers and its compute type.
 pub(super) struct GemmTypes {
-    inputs: cudaDataType,
-    output: cudaDataType,
-    compute: cublasComputeType_t,
+    inputs: DataType,
+    output: DataType,
+    compute: ComputeType,
 }
 
 /// `c = a · wᵀ + beta · c` through `cublasGemmEx`, the buffers of element types `I` and `C`
 /// that `types` names.
 fn gemm_typed<I, C>(
-    blas: &CudaBlas,
+    blas: &Blas,
     stream: &CudaStream,
     (a, w, c): (
         &impl DevicePtr<I>,
@@ -596,29 +595,14 @@ fn gemm_typed<I, C>(
     let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
     // SAFETY: the three buffers live on `stream`'s device and hold at least rows·k, n·k and
     // rows·n elements (checked above) of the types `types` names (the two callers pair them);
-    // alpha and beta outlive the call, which only enqueues.
+    // the call only enqueues on the handle's stream, `stream`.
     #[allow(unsafe_code)]
     let done = unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            m,
-            n_cols,
-            k_dim,
-            (&raw const alpha).cast(),
-            w_ptr as *const _,
-            types.inputs,
-            k_dim,
-            a_ptr as *const _,
-            types.inputs,
-            k_dim,
-            (&raw const beta).cast(),
-            c_ptr as *mut _,
-            types.output,
-            m,
-            types.compute,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        blas.gemm_tn(
+            (m, n_cols, k_dim),
+            (w_ptr as *const _, a_ptr as *const _, c_ptr as *mut _),
+            (types.inputs, types.output, types.compute),
+            (alpha, beta),
         )
     };
     done.map_err(|e| CudaError::fault(NAME)(e).into())

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use cudarc::cublas::sys::{cublasComputeType_t, cudaDataType};
+use crate::backend::cuda::blas::{ComputeType, DataType};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use harvest_core::plan::Precision;
 use rayon::prelude::*;
@@ -23,10 +23,10 @@ pub(super) trait Activation:
     /// The mode this type computes.
     const PRECISION: Precision;
     /// cuBLAS's name for the type.
-    const DATA_TYPE: cudaDataType;
+    const DATA_TYPE: DataType;
     /// The GEMMs' compute type over it: f32 sums, and for f32 inputs the pedantic type, so no
     /// TF32 rounding creeps into the f32 mode.
-    const COMPUTE: cublasComputeType_t;
+    const COMPUTE: ComputeType;
     /// The suffix of this mode's entry points in `kernels.cu`.
     const KERNEL_SUFFIX: &'static str;
     /// The norm kept in f32 (AFMoE's branch norms and router input) for this mode's weights.
@@ -50,8 +50,8 @@ pub(super) trait Activation:
 
 impl Activation for u16 {
     const PRECISION: Precision = Precision::Bf16;
-    const DATA_TYPE: cudaDataType = cudaDataType::CUDA_R_16BF;
-    const COMPUTE: cublasComputeType_t = cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    const DATA_TYPE: DataType = DataType::R_16BF;
+    const COMPUTE: ComputeType = ComputeType::F32;
     const KERNEL_SUFFIX: &'static str = "";
     const WIDE_NORM: &'static str = "rms_norm_wide";
 
@@ -111,8 +111,8 @@ impl Activation for u16 {
 
 impl Activation for f32 {
     const PRECISION: Precision = Precision::F32;
-    const DATA_TYPE: cudaDataType = cudaDataType::CUDA_R_32F;
-    const COMPUTE: cublasComputeType_t = cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC;
+    const DATA_TYPE: DataType = DataType::R_32F;
+    const COMPUTE: ComputeType = ComputeType::F32_PEDANTIC;
     const KERNEL_SUFFIX: &'static str = "_f32";
     const WIDE_NORM: &'static str = "rms_norm_f32";
 

@@ -7,8 +7,9 @@ use cudarc::driver::{CudaContext, CudaFunction};
 
 use super::Activation;
 use crate::backend::cuda::error::CudaError;
-use crate::backend::cuda::kernels::{self, KernelCode};
+use crate::backend::cuda::kernels::{self, Arch, KernelCache, KernelCode};
 use crate::backend::cuda::launch::AttentionKernel;
+use crate::backend::cuda::libraries::{self, Purpose};
 use crate::backend::cuda::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::error::Result;
 use harvest_core::plan::Precision;
@@ -51,33 +52,57 @@ fn attention_kernel<E: Activation>(
     })
 }
 
-/// Compiles the kernels and loads them on `context` in the first form of `order` that loads.
+/// Builds the kernels for `context`'s device and loads them in the first form of `order` that
+/// loads. An image from the cache that the driver refuses is forgotten and compiled anew.
 fn load_kernels(
     context: &Arc<CudaContext>,
     order: &[KernelCode],
 ) -> Result<(Arc<cudarc::driver::CudaModule>, KernelCode)> {
+    let loaded = libraries::loaded(Purpose::Run)?;
+    let nvrtc = &loaded.nvrtc.api;
+    let device = Arch::from_capability(
+        context
+            .compute_capability()
+            .map_err(CudaError::unavailable)?,
+    );
+    let cache = KernelCache::configured();
     let mut attempts = Vec::new();
     for &code in order {
-        let image = match kernels::compile(code) {
-            Ok(image) => image,
-            Err(crate::Error::Cuda(CudaError::Compile { log })) => {
-                attempts.push(format!("{}: did not compile: {log}", code.as_str()));
-                continue;
+        for _ in 0..2 {
+            let image = match kernels::build(nvrtc, &cache, code, device) {
+                Ok(image) => image,
+                Err(crate::Error::Cuda(CudaError::Compile { log })) => {
+                    attempts.push(format!("{}: did not compile: {log}", code.as_str()));
+                    break;
+                }
+                Err(other) => return Err(other),
+            };
+            match context.load_module(image.module_image()) {
+                Ok(module) => {
+                    tracing::debug!(
+                        code = code.as_str(),
+                        target = %image.target,
+                        cached = image.cached,
+                        seconds = image.seconds,
+                        "kernels loaded"
+                    );
+                    return Ok((module, code));
+                }
+                Err(e) => {
+                    attempts.push(format!("{} for {}: {e}", code.as_str(), image.target));
+                    match (&image.cache_file, image.cached) {
+                        // A cached image the driver refuses may be damaged: compile once more.
+                        (Some(path), true) => KernelCache::forget(path),
+                        _ => break,
+                    }
+                }
             }
-            Err(other) => return Err(other),
-        };
-        match context.load_module(image) {
-            Ok(module) => return Ok((module, code)),
-            Err(e) => attempts.push(format!("{}: {e}", code.as_str())),
         }
     }
-    let nvrtc = kernels::nvrtc_version().map_or_else(
-        |e| e.to_string(),
-        |(major, minor)| format!("{major}.{minor}"),
-    );
+    let (major, minor) = nvrtc.version();
     Err(CudaError::ModuleLoad {
         attempts: attempts.join("; "),
-        nvrtc,
+        nvrtc: format!("{major}.{minor} ({})", loaded.nvrtc.path.display()),
         driver: crate::backend::cuda::driver_version().unwrap_or_else(|| "unknown".into()),
     }
     .into())

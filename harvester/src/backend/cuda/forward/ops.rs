@@ -2,8 +2,7 @@
 //! cuBLAS GEMM over one batch's buffers, in the mode's type `E`, and the capture of a kept
 //! site into its slot.
 
-use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::cudaDataType;
+use crate::backend::cuda::blas::{Blas, DataType};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use std::sync::Arc;
 
@@ -21,7 +20,7 @@ use harvest_core::{Site, Sites};
 pub(super) struct Pass<'a> {
     pub(super) config: &'a ModelConfig,
     pub(super) stream: &'a Arc<CudaStream>,
-    pub(super) blas: &'a CudaBlas,
+    pub(super) blas: &'a Blas,
     pub(super) kernels: &'a Kernels,
     pub(super) inv_freq: &'a CudaSlice<f32>,
     pub(super) tokens: usize,
@@ -240,7 +239,7 @@ impl Pass<'_> {
         a: &CudaSlice<E>,
         w: &CudaSlice<E>,
         c: &mut CudaSlice<C>,
-        c_type: cudaDataType,
+        c_type: DataType,
         (n, k): (usize, usize),
         beta: f32,
     ) -> Result<()> {
