@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Checks docker/ as far as a machine without a Docker engine can: each Dockerfile parses into
 known instructions, every COPY source exists in the build context and is not left out by
-.dockerignore, .dockerignore leaves out target/ and .git/, and every binary an image copies out of
+.dockerignore, .dockerignore leaves out target/ and .git/, every binary an image copies out of
 its build stage is a binary target of the package that stage builds (so the image runs what CI
-built and tested). Usage: scripts/check-docker.py [REPO]; exit status 1 names each problem."""
+built and tested), every folder copied out of another stage is one that stage's pip installs
+into, and the NVIDIA wheels an image installs are the versions scripts/test-tools.sh pins (the
+CUDA libraries CI compiled the kernels with and resolved every entry point in).
+Usage: scripts/check-docker.py [REPO]; exit status 1 names each problem."""
 
 from __future__ import annotations
 
@@ -82,26 +85,47 @@ def check(repo: Path) -> list[str]:
         if not ignored(patterns, name):
             problems.append(f".dockerignore does not leave out {name}/: add a line {name}/")
     packages = binaries(repo)
+    wheels: dict[str, set[tuple[str, str]]] = {}
     dockerfiles = sorted((repo / "docker").glob("*.Dockerfile"))
     if not dockerfiles:
         problems.append("docker/ holds no *.Dockerfile")
     for dockerfile in dockerfiles:
         where = dockerfile.relative_to(repo)
         steps = instructions(dockerfile.read_text())
+        # Per stage (by its AS name): the binaries its cargo builds, the folders pip fills.
+        stage = ""
+        built_in: dict[str, set[str]] = {}
+        pip_targets: dict[str, set[str]] = {}
         built: set[str] = set()
         if not steps or steps[0][1] not in ("FROM", "ARG"):
             problems.append(f"{where}: the first instruction is not FROM")
         for line, keyword, args in steps:
             if keyword not in INSTRUCTIONS:
                 problems.append(f"{where}:{line}: unknown instruction {keyword}")
+            if keyword == "FROM":
+                named = re.search(r"\s+AS\s+([\w.-]+)\s*$", args, re.IGNORECASE)
+                stage = named.group(1) if named else ""
             if keyword == "RUN":
                 for package in re.findall(r"cargo build [^&;]*?-p ([\w-]+)", args):
                     if package not in packages:
                         problems.append(f"{where}:{line}: cargo builds -p {package}, which is not a workspace package")
                     built |= packages.get(package, set())
+                    built_in.setdefault(stage, set()).update(packages.get(package, set()))
+                for target in re.findall(r"pip install [^&;]*?--target[= ](\S+)", args):
+                    pip_targets.setdefault(stage, set()).add(target)
+                for pin in re.findall(r"(nvidia-[\w-]+)==([\w.]+)", args):
+                    wheels.setdefault(pin[0], set()).add((pin[1], f"{where}:{line}"))
             if keyword == "COPY":
                 words = [w for w in args.split() if not w.startswith("--")]
                 sources = words[:-1]
+                source_stage = re.search(r"--from=([\w.-]+)", args)
+                if source_stage and source_stage.group(1) in pip_targets:
+                    for source in sources:
+                        if source.rstrip("/") not in pip_targets[source_stage.group(1)]:
+                            problems.append(
+                                f"{where}:{line}: copies {source} from stage {source_stage.group(1)}, whose pip installs into {', '.join(sorted(pip_targets[source_stage.group(1)]))}"
+                            )
+                    continue
                 if "--from=" in args:
                     for source in sources:
                         binary = Path(source).name
@@ -118,6 +142,13 @@ def check(repo: Path) -> list[str]:
                         problems.append(f"{where}:{line}: COPY source {source} does not exist in the context")
                     elif ignored(patterns, relative):
                         problems.append(f"{where}:{line}: COPY source {source} is left out by .dockerignore")
+    tested = dict(re.findall(r"(nvidia-[\w-]+)==([\w.]+)", (repo / "scripts/test-tools.sh").read_text()))
+    for wheel, uses in sorted(wheels.items()):
+        for version, place in sorted(uses):
+            if tested.get(wheel) != version:
+                problems.append(
+                    f"{place}: installs {wheel}=={version}, but CI tests {wheel}=={tested.get(wheel, 'nothing')} (scripts/test-tools.sh): pin the same version"
+                )
     return problems
 
 

@@ -374,6 +374,62 @@ fn a_driver_that_sees_no_gpu_is_named_and_its_cuda_version_chooses_cuda_12s_libr
 }
 
 #[test]
+fn auto_runs_a_job_on_the_cpu_where_the_driver_sees_no_gpu_and_says_why_in_the_log_and_result() {
+    let Some(dir) = present(
+        old_driver(),
+        "the 535 driver library (HARVEST_TEST_LIBCUDA)",
+    ) else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let prompts = work.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"text\": \"The cat sat\"}\n{\"text\": \"on the mat\"}\n",
+    )
+    .unwrap();
+    let out = work.path().join("out");
+    let output = harvester()
+        .env("LD_LIBRARY_PATH", &dir)
+        .args([
+            "run",
+            "--device",
+            "auto",
+            "--layers",
+            "3",
+            "--progress",
+            "off",
+            "--model",
+        ])
+        .arg(common::smollm2_dir())
+        .arg("--prompts")
+        .arg(&prompts)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("auto runs on the CPU: no usable GPU") && stderr.contains("finds no GPU"),
+        "{stderr}"
+    );
+    let result: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    assert_eq!(result["device"], "cpu");
+    assert!(
+        result["device_reason"]
+            .as_str()
+            .unwrap()
+            .contains("driver (CUDA 12.2) is installed but finds no GPU"),
+        "{result}"
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["precision"], "f32", "the CPU's own arithmetic");
+}
+
+#[test]
 fn a_compiled_image_is_cached_and_the_second_build_reads_it_instead_of_nvrtc() {
     if present(wheel_file(Kind::Nvrtc, 13), "NVRTC 13").is_none() {
         return;
