@@ -411,7 +411,8 @@ fn auto_runs_a_job_on_the_cpu_where_the_driver_sees_no_gpu_and_says_why_in_the_l
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(
-        stderr.contains("auto runs on the CPU: no usable GPU") && stderr.contains("finds no GPU"),
+        stderr.contains("auto runs on the CPU: no usable GPU: the NVIDIA driver")
+            && stderr.contains("finds no GPU"),
         "{stderr}"
     );
     let result: serde_json::Value =

@@ -2,7 +2,8 @@
 # lists every folder that holds one (with `ls -l` of each library) into $out/env.txt, and puts
 # one folder for cuBLAS, cuBLASLt, NVRTC and NVRTC's builtins on LD_LIBRARY_PATH (never two
 # installs mixed): a toolkit whose version matches the driver's CUDA first, then any folder
-# that holds all four; then the driver's folder. Sets `chosen` and `driver_dir`.
+# that holds all four; then the driver's folder. Sets `chosen` and `driver_dir`, and lists every
+# folder in HARVEST_CUDA_LIBRARY_PATH for the harvester's own choice.
 driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
 # Every folder that holds a CUDA library, with `ls -l` of each library in it.
 candidates=$( {
@@ -39,3 +40,7 @@ fi
 driver_dir=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / {print $NF; exit}' | xargs -r dirname)
 [ -z "$driver_dir" ] && [ -e /usr/local/nvidia/lib64/libcuda.so.1 ] && driver_dir=/usr/local/nvidia/lib64
 export LD_LIBRARY_PATH=${chosen}${driver_dir:+:$driver_dir}
+# The harvester's own search (backend/cuda/libraries.rs) gets every folder found, and picks the
+# CUDA major the driver runs from them.
+HARVEST_CUDA_LIBRARY_PATH=$(echo $candidates | tr ' ' ':')
+export HARVEST_CUDA_LIBRARY_PATH

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU window (issue 33), the GPU side: `scripts/gpu-window.sh pack` copies this into .gpu/
+# The GPU window (issues 33, 51), the GPU side: `scripts/gpu-window.sh pack` copies this into .gpu/
 # with the stripped harvester, a tokenizer, the parity prompts and the CPU references, and
 # prints the one command that runs it there:   bash .gpu/run.sh OUT
 # Every step has its own time limit, so one hang costs that step alone; everything is teed
@@ -60,24 +60,39 @@ if [ "$device" != cpu ]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
+# Compiled kernels are cached here for the window (a fresh cache: the first start compiles).
+export HARVEST_KERNEL_CACHE=$work/kernel-cache
 if [ "$device" != cpu ]; then
-  step "kernels: compile for sm_90 (cubin) and compute_90 (PTX), load and run each"
+  step "kernels: compile for the device's own architecture (cubin and PTX), load and run each; then a second start from the disk cache"
   if limited 120 "$harvester" cuda-info --device "$device" >"$out/cuda-info.json"; then
     cat "$out/cuda-info.json"
   else
     cat "$out/cuda-info.json"; failures=$((failures + 1))
   fi
-  python3 - "$out/cuda-info.json" <<'PY' | tee -a "$summary"
+  # The second start must find both forms in the cache (no NVRTC) and still load and run them.
+  limited 120 "$harvester" cuda-info --device "$device" >"$work/cuda-info-cached.json"
+  cat "$work/cuda-info-cached.json"
+  python3 - "$out/cuda-info.json" "$work/cuda-info-cached.json" <<'PY' | tee -a "$summary"
 import json, sys
 try:
     info = json.load(open(sys.argv[1]))
 except Exception as e:
     print(f"kernels: no report ({e})"); sys.exit()
-print(f"device: {info['device']} (capability {info['compute_capability']}), driver CUDA {info['driver_cuda']}, NVRTC {info['nvrtc']}, {info['free_bytes']/2**30:.1f} of {info['total_bytes']/2**30:.1f} GiB free")
+libs = info["libraries"]
+print(f"device: {info['device']} ({info['arch']}, capability {info['compute_capability']}), driver CUDA {info['driver_cuda']}, {info['free_bytes']/2**30:.1f} of {info['total_bytes']/2**30:.1f} GiB free")
+print(f"libraries: CUDA {libs['major']}: cuBLAS {libs['cublas']['version']} ({libs['cublas']['path']}), NVRTC {libs['nvrtc']['version']} ({libs['nvrtc']['path']}); why: {libs['why']}")
 for k in info["kernels"]:
-    print(f"kernels as {k['code']}: {'RAN' if k['ran'] else 'FAILED'}, {k['bytes']} bytes, compile {k['compile_seconds']:.2f} s, load {k['load_seconds']:.3f} s{'; ' + k['error'] if k['error'] else ''}")
+    print(f"kernels as {k['code']} for {k['target']}: {'RAN' if k['ran'] else 'FAILED'}, {k['bytes']} bytes, {'cache read' if k['cached'] else 'NVRTC'} {k['compile_seconds']:.2f} s, load {k['load_seconds']:.3f} s{'; ' + k['error'] if k['error'] else ''}")
 print("loaded: " + ", ".join(info["loaded_libraries"]))
+try:
+    cached = json.load(open(sys.argv[2]))
+    for k in cached["kernels"]:
+        verdict = "passed" if k["cached"] and k["ran"] else "FAILED"
+        print(f"second start, {k['code']}: {verdict}: {'from the cache' if k['cached'] else 'NVRTC again'} in {k['compile_seconds']:.3f} s, {'ran' if k['ran'] else 'did not run'}")
+except Exception as e:
+    print(f"second start: FAILED: no report ({e})")
 PY
+  grep -q "second start, .*: FAILED" "$summary" && failures=$((failures + 1))
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +182,49 @@ if [ "$device" != cpu ]; then
     --model "$smol" --device cuda --harvest harvester-cuda-simple-attention \
     "$work/candidate-HARVEST_CUDA_ATTENTION=simple" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
     | grep parity-summary | sed 's/^/simple attention: /' | tee -a "$summary"
+fi
+
+step "auto: --device auto takes the $device's place and writes the same bytes"
+# A job that names nothing unchecked runs on GPU 0 when one is usable (on DEVICE=cpu, here,
+# on the CPU), says so in result.json, and is the same run as naming the device.
+expected=$([ "$device" = cpu ] && echo cpu || echo cuda:0)
+auto_ref=$candidate
+if limited 180 "$harvester" run --device auto --precision bf16 --model "$smol" \
+    --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
+    --out "$work/auto" >/dev/null; then
+  chose=$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r.get("device"), "|", r.get("device_reason"))' "$work/auto/result.json")
+  if [ "${chose%% |*}" = "$expected" ] && diff -rq --exclude=result.json "$auto_ref" "$work/auto" >/dev/null; then
+    note "auto: passed: ran on ${chose%% |*}, the same bytes as --device $device (${chose#*| })"
+  else
+    note "auto: FAILED: ran on ${chose%% |*} (expected $expected): ${chose#*| }; $(diff -rq --exclude=result.json "$auto_ref" "$work/auto" 2>&1 | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+else
+  note "auto: the run FAILED"
+  failures=$((failures + 1))
+fi
+if [ "$device" != cpu ]; then
+  step "CUDA 12's libraries on this driver (HARVEST_CUDA_MAJOR=12), against the default's"
+  # Information: the libraries a driver of the 12 line would load. cuBLAS 12 may pick other
+  # GEMM algorithms, so the bits may differ within the bf16 engines' spread.
+  if HARVEST_CUDA_MAJOR=12 limited 60 "$harvester" cuda-info --device "$device" >"$work/cuda12.json" 2>"$work/cuda12.err"; then
+    if HARVEST_CUDA_MAJOR=12 limited 180 "$harvester" run --device "$device" --precision bf16 \
+        --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+        --progress off --out "$work/candidate-cuda12" >/dev/null; then
+      libs12=$(python3 - "$work/cuda12.json" <<'PY'
+import json, sys
+libs = json.load(open(sys.argv[1]))["libraries"]
+print(f"cuBLAS {libs['cublas']['version']}, NVRTC {libs['nvrtc']['version']}")
+PY
+)
+      note "CUDA 12 libraries ($libs12) vs the default's: $("$harvester" compare "$candidate" "$work/candidate-cuda12" --max-relative-error "$vs_cpu" 2>&1 | head -1)"
+    else
+      note "CUDA 12 libraries: the run FAILED"
+      failures=$((failures + 1))
+    fi
+  else
+    note "CUDA 12 libraries: not here ($(tail -1 "$work/cuda12.err"))"
+  fi
 fi
 
 # ---------------------------------------------------------------------------------------------
