@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
-"""API benchmarks, in one run on loopback:
+"""API benchmarks, in one run on loopback. Every latency line is of successful answers only: the
+per-key rate limit is off where latency is measured (the embedded server's configuration says
+`"rate_limit": null`; on Kubernetes the API's ConfigMap says so and its Pods are replaced), and
+any answer other than 200 in a latency line fails the run instead of printing a figure.
   1. counting: the time to answer a submit of 4,096 prompts holding about 2M tokens (the caps),
      which the server tokenizes for real before admitting it;
-  2. status polls under load: wrk against GET /v1/harvest/{id} (p50, p99, requests/s);
-  3. status polls at a paced 1,000 requests/s (4 keep-alive connections, 250/s each) for
-     HARVEST_BENCH_PACED_S seconds (default 30): p50, p99 and p99.9, measured client-side.
+  2. status polls at a paced 1,000 requests/s (4 keep-alive connections, 250/s each) for
+     HARVEST_BENCH_PACED_S seconds (default 30): p50, p99 and p99.9, measured client-side;
+  3. status polls under load: wrk against GET /v1/harvest/{id} (p50, p99, requests/s);
+  4. the rate limiter apart, at its default (50 a second, bursts of 100, per key): one key polled
+     at 1,000/s for 5 s, the answers and the refusals (429) per second and the refusals' latency.
 
-    python3 scripts/bench_api.py        (needs wrk for step 2: apt-get install wrk)
+    python3 scripts/bench_api.py        (needs wrk for step 3: apt-get install wrk)
+    python3 scripts/bench_api.py --kubernetes [fast|real]
+        steps 2 and 3 against the Kubernetes backend, through the harvest-api Service of the
+        test cluster (scripts/cluster.sh up [--real], release binaries), its watch caches warmed
+        by a few hundred polls first; the cluster is taken down afterwards.
     python3 scripts/bench_api.py --soak 600
         the soak instead: the paced 1,000 polls/s for that many seconds while another client
         submits jobs that really run (max_workers 1), cancels, long-polls and downloads; the
@@ -65,10 +74,24 @@ def running_server(max_workers, limits, **extra):
             server.wait()
 
 
+class Failed(Exception):
+    """A latency line met an answer other than 200: no figure is printed for it."""
+
+
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--soak":
-        return soak(float(sys.argv[2]))
-    with running_server(max_workers=0, limits={"monthly_jobs_per_key": 100000}) as (server, key):
+    try:
+        if len(sys.argv) == 3 and sys.argv[1] == "--soak":
+            return soak(float(sys.argv[2]))
+        if len(sys.argv) >= 2 and sys.argv[1] == "--kubernetes":
+            return kubernetes(sys.argv[2] if len(sys.argv) > 2 else "fast")
+        return embedded()
+    except Failed as failure:
+        print(f"FAILED: {failure}")
+        return 1
+
+
+def embedded():
+    with running_server(max_workers=0, limits={"monthly_jobs_per_key": 100000}, rate_limit=None) as (server, key):
         rng = random.Random(0)
         prompts = [" ".join(rng.choice(WORDS) for _ in range(462)) for _ in range(4096)]
         body = json.dumps({"model": "smollm2-135m", "prompts": prompts}).encode()
@@ -83,33 +106,133 @@ def main():
         took = time.perf_counter() - start
         print(f"counting: 4096 prompts, {len(body) / 1e6:.1f} MB body -> HTTP {status} in {took:.2f} s")
         if status != 202:
-            print(f"  {job}")
-            return 1
+            raise Failed(f"the submit was answered {status}: {job}")
         print(f"  reserved_tokens {job['reserved_tokens']} (bytes + 1 per prompt)")
-        url = f"http://127.0.0.1:{PORT}/v1/harvest/{job['job_id']}"
-        paced_polls(f"/v1/harvest/{job['job_id']}", key)
-        if not shutil.which("wrk"):
-            print("status polls: wrk is not installed (apt-get install wrk); skipped")
-            return 0
-        for connections in (8, 32):
-            out = subprocess.run(["wrk", "-t2", f"-c{connections}", "-d10s", "--latency", "-H",
-                                  f"Authorization: Bearer {key}", url], capture_output=True, text=True).stdout
-            rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
-            p50 = re.search(r"50%\s+(\S+)", out).group(1)
-            p99 = re.search(r"99%\s+(\S+)", out).group(1)
-            print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
+        path = f"/v1/harvest/{job['job_id']}"
+        paced_polls("127.0.0.1", PORT, path, [key])
+        wrk_polls(f"http://127.0.0.1:{PORT}{path}", key)
+    with running_server(max_workers=0, limits={"monthly_jobs_per_key": 100000}) as (server, key):
+        _, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]})
+        limiter(f"/v1/harvest/{job['job_id']}", key)
     return 0
 
 
-def api_call(method, path, key, body=None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=data, method=method,
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+def wrk_polls(url, key):
+    """wrk's status polls at 8 and 32 connections; a non-2xx answer fails the run."""
+    if not shutil.which("wrk"):
+        print("status polls: wrk is not installed (apt-get install wrk); skipped")
+        return
+    for connections in (8, 32):
+        out = subprocess.run(["wrk", "-t2", f"-c{connections}", "-d10s", "--latency", "-H",
+                              f"Authorization: Bearer {key}", url], capture_output=True, text=True).stdout
+        refused = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+        if refused:
+            raise Failed(f"wrk at {connections} connections met {refused.group(1)} answers other than 2xx or 3xx: {url}")
+        rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
+        p50 = re.search(r"50%\s+(\S+)", out).group(1)
+        p99 = re.search(r"99%\s+(\S+)", out).group(1)
+        print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
+
+
+def limiter(path, key, rate=1000, seconds=5.0):
+    """The rate limiter on its own: one key polled at `rate` a second."""
+    answered, refusal_times = 0, []
+    start = time.perf_counter()
+    for status, took in paced("127.0.0.1", PORT, path, key, rate, seconds):
+        if status == 200:
+            answered += 1
+        elif status == 429:
+            refusal_times.append(took)
+        else:
+            raise Failed(f"the limiter's step was answered {status}")
+    took = time.perf_counter() - start
+    refusal_times.sort()
+    pick = lambda q: refusal_times[min(len(refusal_times) - 1, int(q * len(refusal_times)))] * 1000 if refusal_times else 0.0
+    print(f"rate limiter (the default: 50/s a key, bursts of 100): one key polled at {rate}/s for {seconds:.0f} s: "
+          f"{answered / took:.0f} answered/s, {len(refusal_times) / took:.0f} refused (429)/s; the refusals' p50 "
+          f"{pick(0.5):.2f} ms, p99 {pick(0.99):.2f} ms")
+
+
+def kubernetes(tier):
+    """Paced and wrk polls through the test cluster's harvest-api Service, with the rate limit
+    off (the API's ConfigMap edited and its Pods replaced) and the watch caches warm."""
+    if tier not in ("fast", "real"):
+        print(f"--kubernetes takes fast or real, not {tier!r}")
+        return 2
+    subprocess.run(["cargo", "build", "--quiet", "--release", "--workspace", "--bins"], cwd=ROOT, check=True)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
+    env = {**os.environ, "HARVEST_BIN_DIR": str(target)}
+    up = subprocess.run(["scripts/cluster.sh", "up"] + (["--real"] if tier == "real" else []), cwd=ROOT,
+                        env=env, capture_output=True, text=True)
+    if up.returncode != 0:
+        print(up.stderr[-3000:])
+        raise Failed(f"scripts/cluster.sh up ({tier}) failed")
+    exports = dict(re.findall(r"export (\w+)=(\S+)", up.stdout))
+    env.update(exports)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
+        kubectl = lambda *args, **kw: subprocess.run(["kubectl", *args], env=env, check=True, capture_output=True,
+                                                     text=True, **kw)
+        if tier == "real":
+            kubectl_path = (pathlib.Path(os.environ.get("HARVEST_CACHE", CACHE)) / "cluster" / "state" / "kubectl").read_text().strip()
+            kubectl = lambda *args, **kw: subprocess.run([kubectl_path, *args], env=env, check=True, capture_output=True,
+                                                         text=True, **kw)
+        config = json.loads(kubectl("-n", "harvest-system", "get", "configmap", "harvest-api", "-o",
+                                    "jsonpath={.data.api\\.json}").stdout)
+        config["rate_limit"] = None
+        patch = json.dumps({"data": {"api.json": json.dumps(config, indent=2)}})
+        kubectl("-n", "harvest-system", "patch", "configmap", "harvest-api", "--type", "merge", "-p", patch)
+        old = set(kubectl("-n", "harvest-system", "get", "pods", "-l", "app.kubernetes.io/name=harvest-api", "-o",
+                          "jsonpath={.items[*].metadata.name}").stdout.split())
+        kubectl("-n", "harvest-system", "delete", "pods", "-l", "app.kubernetes.io/name=harvest-api", "--wait=false")
+        deadline = time.monotonic() + 180
+        while True:
+            pods = json.loads(kubectl("-n", "harvest-system", "get", "pods", "-l", "app.kubernetes.io/name=harvest-api",
+                                      "-o", "json").stdout)["items"]
+            ready = [p for p in pods if p["metadata"]["name"] not in old and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+            if len(ready) >= 2 and len(pods) == len(ready):
+                break
+            if time.monotonic() > deadline:
+                raise Failed("the API's new Pods were not Ready within 180 s")
+            time.sleep(0.5)
+        api = exports["HARVEST_API"]
+        host, port = re.match(r"http://([^:/]+):(\d+)/v1", api).groups()
+        port = int(port)
+        key = subprocess.run(["scripts/cluster.sh", "create-key", "bench"], cwd=ROOT, env=env, check=True,
+                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]},
+                               host=host, port=port, attempts=60)
+        if status != 202:
+            raise Failed(f"the submit was answered {status}: {job}")
+        path = f"/v1/harvest/{job['job_id']}"
+        # Warm the watch caches (and both replicas) before anything is timed.
+        for _ in range(400):
+            status, _ = api_call("GET", path, key, host=host, port=port)
+            if status != 200:
+                raise Failed(f"a warm-up poll was answered {status}")
+        print(f"kubernetes ({tier} tier), through the harvest-api Service (2 replicas), rate limit off:")
+        paced_polls(host, port, path, [key])
+        wrk_polls(f"http://{host}:{port}{path}", key)
+    finally:
+        subprocess.run(["scripts/cluster.sh", "down"], cwd=ROOT, env=env, capture_output=True)
+    return 0
+
+
+def api_call(method, path, key, body=None, host="127.0.0.1", port=None, attempts=1):
+    """One request; `attempts` tries a refused connection again, a second apart."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{host}:{port or PORT}{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+        except OSError:
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(1)
 
 
 def footprint(pid):
@@ -120,7 +243,7 @@ def footprint(pid):
 def soak(seconds):
     """Polls paced at 1,000/s for `seconds`, beside mixed traffic with real jobs."""
     import threading
-    with running_server(max_workers=1, limits={"monthly_jobs_per_key": 1000000, "daily_tokens": 1000000000},
+    with running_server(max_workers=1, limits={"monthly_jobs_per_key": 1000000, "daily_tokens": 1000000000}, rate_limit=None,
                         worker_threads=1) as (server, key):
         status, job = api_call("POST", "/v1/harvest", key, {"model": "smollm2-135m", "prompts": ["a poll target"]})
         target_path = f"/v1/harvest/{job['job_id']}"
@@ -158,7 +281,7 @@ def soak(seconds):
         for t in threads:
             t.start()
         os.environ["HARVEST_BENCH_PACED_S"] = str(seconds)
-        paced_polls(target_path, key)
+        paced_polls("127.0.0.1", PORT, target_path, [key])
         stop.set()
         for t in threads:
             t.join()
@@ -169,49 +292,61 @@ def soak(seconds):
     return 0
 
 
-def paced_polls(path, key, rate=1000, connections=4):
-    """Status polls at a fixed rate, each connection on its own thread and schedule, so a slow
-    answer delays the next request of its connection only (no coordinated omission: latency is
-    counted from the scheduled send time)."""
+def paced(host, port, path, key, per_second, seconds):
+    """Polls `path` on one keep-alive connection at `per_second` for `seconds`, yielding each
+    answer's status and its latency from the scheduled send time."""
     import http.client
+    conn = http.client.HTTPConnection(host, port)
+    start, sent = time.perf_counter(), 0
+    while True:
+        due = start + sent / per_second
+        if due - start >= seconds:
+            return
+        now = time.perf_counter()
+        if due > now:
+            time.sleep(due - now)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        response.read()
+        yield response.status, time.perf_counter() - due
+        sent += 1
+
+
+def paced_polls(host, port, path, keys, rate=1000, connections=4):
+    """Status polls at a fixed rate, each connection on its own thread and schedule (and key, in
+    turn from `keys`), so a slow answer delays the next request of its connection only (no
+    coordinated omission: latency is counted from the scheduled send time). An answer other
+    than 200 fails the run: the figures are of status answers only."""
     import threading
     seconds = float(os.environ.get("HARVEST_BENCH_PACED_S", "30"))
     per = rate / connections
     latencies, errors = [], []
     lock = threading.Lock()
 
-    def run():
-        conn = http.client.HTTPConnection("127.0.0.1", PORT)
-        mine, start, sent = [], time.perf_counter(), 0
-        while True:
-            due = start + sent / per
-            if due - start >= seconds:
-                break
-            now = time.perf_counter()
-            if due > now:
-                time.sleep(due - now)
-            conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
-            response = conn.getresponse()
-            response.read()
-            if response.status != 200:
-                errors.append(response.status)
-            mine.append(time.perf_counter() - due)
-            sent += 1
+    def run(key):
+        mine = []
+        for status, took in paced(host, port, path, key, per, seconds):
+            if status != 200:
+                errors.append(status)
+            mine.append(took)
         with lock:
             latencies.extend(mine)
 
-    threads = [threading.Thread(target=run) for _ in range(connections)]
+    threads = [threading.Thread(target=run, args=(keys[i % len(keys)],)) for i in range(connections)]
     begun = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     took = time.perf_counter() - begun
+    if errors:
+        counts = {status: errors.count(status) for status in sorted(set(errors))}
+        raise Failed(f"status polls paced at {rate}/s met {len(errors)} answers other than 200 ({counts}): no latency figure")
     latencies.sort()
     pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
     print(f"status polls paced at {rate}/s over {connections} connections for {seconds:.0f} s: "
           f"{len(latencies) / took:.0f} requests/s done, p50 {pick(0.5):.2f} ms, p99 {pick(0.99):.2f} ms, "
-          f"p99.9 {pick(0.999):.2f} ms, {len(errors)} non-200")
+          f"p99.9 {pick(0.999):.2f} ms, all 200")
 
 
 if __name__ == "__main__":

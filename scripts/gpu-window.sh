@@ -50,4 +50,4 @@ if [ "$total" -gt "$limit" ]; then
   exit 1
 fi
 echo "run on the GPU machine, carrying .gpu (output under OUT):"
-echo '  bash .gpu/run.sh "$OUT"'
+echo '  bash .gpu/run.sh "$OUT"      # STEPS=a,b reruns only those steps (docs/gpu.md)'

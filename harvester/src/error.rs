@@ -214,6 +214,17 @@ pub enum Error {
         /// Bytes available (MemAvailable).
         available: u64,
     },
+    /// A GPU run's host buffers (the captures copied back, the shards in flight) need more of
+    /// the host's memory than is available.
+    #[error(
+        "the GPU run holds about {needed} bytes of host memory for the captures it copies back and the shards in flight, but this machine has {available} bytes available: keep fewer or shallower layers, fewer sites, a smaller batch_tokens or shard_size, or use a machine with more memory"
+    )]
+    HostMemory {
+        /// Bytes the pipeline's host buffers need.
+        needed: u64,
+        /// Bytes available (MemAvailable, or the cgroup's limit).
+        available: u64,
+    },
     /// A job cannot be run in parts as asked.
     #[error("{reason}")]
     BadParts {
@@ -315,6 +326,7 @@ impl Error {
             | Self::Store { .. }
             | Self::Json { .. }
             | Self::InsufficientMemory { .. }
+            | Self::HostMemory { .. }
             | Self::StageMemory { .. }
             | Self::PartsMissing { .. }
             // This machine's environment asks for instructions its CPU lacks; another may not.

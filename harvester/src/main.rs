@@ -269,8 +269,8 @@ struct RunArgs {
     part: Option<harvest_core::plan::Part>,
     /// Split the model's blocks into N contiguous pipeline stages, balanced by bytes, each
     /// owned by its own thread, with batches flowing between them: on the CPU, or with
-    /// `--device cuda:N` one GPU a stage (cuda:N, cuda:N+1, ...). Stages past the deepest kept
-    /// layer are never loaded.
+    /// `--device cuda:N` one GPU a stage (cuda:N, cuda:N+1, ...). Only the blocks up to the
+    /// deepest kept layer are split (over all N) and loaded.
     #[arg(long)]
     pipeline_stages: Option<usize>,
     /// The GPU of each pipeline stage, comma-separated (e.g. 0,0 runs two stages on cuda:0);
@@ -509,31 +509,11 @@ fn tool(command: Command) -> anyhow::Result<()> {
             ));
         }
         Command::CudaInfo {
-            compile_only: true,
+            device,
+            compile_only,
             arch,
-            ..
-        } => {
-            let archs = parse_archs(&arch)?;
-            let report = harvester::backend::cuda::info::compile_report(&archs)?;
-            print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?));
-            if !report.succeeded() {
-                anyhow::bail!("some kernels did not compile: see the report's errors");
-            }
-        }
-        Command::CudaInfo { list: true, .. } => {
-            let gpus = harvester::backend::cuda::list_gpus();
-            print_out(&format!("{}\n", serde_json::to_string_pretty(&gpus)?));
-        }
-        Command::CudaInfo { device, .. } => {
-            let harvester::backend::cuda::DeviceChoice::Cuda(ordinal) = device else {
-                anyhow::bail!("cuda-info takes --device cuda or cuda:N, not {device:?}");
-            };
-            let info = harvester::backend::cuda::info::report(ordinal)?;
-            print_out(&format!("{}\n", serde_json::to_string_pretty(&info)?));
-            if !info.kernels.iter().any(|form| form.ran) {
-                anyhow::bail!("no form of the CUDA kernels ran on cuda:{ordinal}");
-            }
-        }
+            list,
+        } => cuda_info(device, compile_only.then_some(&arch[..]), list)?,
         Command::CpuInfo => {
             let report = harvester::backend::cpu::level::report()?;
             print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -549,6 +529,37 @@ fn tool(command: Command) -> anyhow::Result<()> {
                 anyhow::bail!("{failure}");
             }
         }
+    }
+    Ok(())
+}
+
+/// `harvester cuda-info`: the device's report, the compile report of `compile_only`'s
+/// architectures (no GPU), or with `list` the GPUs.
+fn cuda_info(
+    device: harvester::backend::cuda::DeviceChoice,
+    compile_only: Option<&[String]>,
+    list: bool,
+) -> anyhow::Result<()> {
+    if let Some(arch) = compile_only {
+        let report = harvester::backend::cuda::info::compile_report(&parse_archs(arch)?)?;
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+        if !report.succeeded() {
+            anyhow::bail!("some kernels did not compile: see the report's errors");
+        }
+        return Ok(());
+    }
+    if list {
+        let gpus = harvester::backend::cuda::list_gpus();
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&gpus)?));
+        return Ok(());
+    }
+    let harvester::backend::cuda::DeviceChoice::Cuda(ordinal) = device else {
+        anyhow::bail!("cuda-info takes --device cuda or cuda:N, not {device}");
+    };
+    let info = harvester::backend::cuda::info::report(ordinal)?;
+    print_out(&format!("{}\n", serde_json::to_string_pretty(&info)?));
+    if !info.kernels.iter().any(|form| form.ran) {
+        anyhow::bail!("no form of the CUDA kernels ran on cuda:{ordinal}");
     }
     Ok(())
 }

@@ -111,9 +111,34 @@ pub fn check(needed: Needed, available: Option<u64>) -> Result<()> {
     }
 }
 
+/// Refuses a GPU run whose host buffers (`needed`: the capture buffers in circulation and the
+/// shards held) exceed `available` (when it is known): the weights live on the GPU, and the
+/// checkpoint's mapped pages are cache the kernel can take back.
+pub fn check_host(needed: u64, available: Option<u64>) -> Result<()> {
+    match available {
+        Some(available) if needed > available => Err(Error::HostMemory { needed, available }),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_run_whose_host_buffers_do_not_fit_is_refused_naming_both_sizes() {
+        check_host(10, Some(10)).unwrap();
+        check_host(10, None).unwrap();
+        let error = check_host(1_350_000_000_000, Some(100_000_000_000))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("1350000000000 bytes of host memory")
+                && error.contains("100000000000 bytes available")
+                && error.contains("fewer or shallower layers"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn mem_available_is_read_in_bytes() {

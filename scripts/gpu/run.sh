@@ -2,9 +2,14 @@
 # The GPU window (issues 33, 51), the GPU side: `scripts/gpu-window.sh pack` copies this into .gpu/
 # with the stripped harvester, a tokenizer, the parity prompts and the CPU references, and
 # prints the one command that runs it there:   bash .gpu/run.sh OUT
-# Every step has its own time limit, so one hang costs that step alone; everything is teed
-# into OUT (at most 8 files: log.txt, env.txt, cuda-info.json, parity.jsonl, sanitizer.txt,
-# bench.jsonl, peer.jsonl, summary.txt), with one summary line per figure at the end.
+# Every step has its own time limit, and the whole run one deadline (WINDOW_SECONDS, default
+# 540, below the device call's 600): a step gets what is left of it, less a reserve for the
+# summary, so a slow step costs the later ones, never the summary. OUT holds three files:
+# summary.txt (one line per figure), log.txt (everything), and details.tar.gz (each step's
+# JSON: env, cuda-info, parity, sanitizer, bench, load, peer), packed at exit whatever happens.
+# STEPS=kernels,parity,... runs only the steps named (environment and summary always run), so
+# a rerun repeats only what failed: upload, kernels, parity, variants, auto, cuda12, sites,
+# replay, fixtures, f32, stages, speed, load.
 # After parity, every hook site of three layers is compared with the CPU bf16 mode (run on the
 # GPU machine's own CPU), and resid_post alone with resid_post beside every other site; then
 # the GPU's parity run with the CUDA replay of it on the GPU machine's CPU.
@@ -20,19 +25,38 @@ if [ -n "${WORK:-}" ]; then
   work=$WORK
 else
   work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
 fi
-mkdir -p "$out" "$work"
+details=$out/details
+mkdir -p "$out" "$work" "$details"
 exec > >(tee -a "$out/log.txt") 2>&1
 summary=$out/summary.txt
 : >"$summary"
+# At exit, every step's file goes into one archive, so what comes back is three files.
+pack_details() {
+  [ -d "$details" ] || return 0
+  tar -czf "$out/details.tar.gz" -C "$out" details && rm -rf "$details"
+}
+trap 'pack_details; [ -z "${WORK:-}" ] && rm -rf "$work"' EXIT
+# On a CPU (CI) the same steps take minutes longer, with no device call to fit in.
+deadline=$((SECONDS + ${WINDOW_SECONDS:-$([ "$device" = cpu ] && echo 3600 || echo 540)}))
+# Seconds kept back for the summary and the packing.
+reserve=20
+steps=${STEPS:-all}
+# Whether step $1 runs: STEPS names it, or names none.
+wanted() { [ "$steps" = all ] || [[ ",$steps," == *",$1,"* ]]; }
 note() { echo "$*" | tee -a "$summary"; }
 step() { echo; echo "== $* ($(date +%T))"; }
 failures=0
-# Runs "$@" under a time limit of $1 seconds, saying so when it is killed.
+# Runs "$@" under a time limit of $1 seconds, or what is left of the window's deadline if that
+# is less, saying so when it is killed or not started.
 limited() {
-  local seconds=$1; shift
-  timeout --kill-after=10 "$seconds" "$@"
+  local seconds=$1 left=$((deadline - reserve - SECONDS)); shift
+  [ "$left" -lt "$seconds" ] && seconds=$left
+  if [ "$seconds" -le 0 ]; then
+    echo "!! no time left in the window for: $*"
+    return 124
+  fi
+  timeout --kill-after=5 "$seconds" "$@"
   local rc=$?
   [ "$rc" = 124 ] && echo "!! timed out after ${seconds}s: $*"
   return "$rc"
@@ -46,13 +70,13 @@ step "environment"
   grep -m1 'model name' /proc/cpuinfo
   grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E 'avx512|avx2|amx' | tr '\n' ' '; echo
   nproc; free -g | head -2
-} 2>&1 | tee "$out/env.txt"
+} 2>&1 | tee "$details/env.txt"
 export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
 if [ "$device" != cpu ]; then
-  nvidia-smi 2>&1 | tee -a "$out/env.txt"
-  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
-  driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
-  echo "driver $driver, CUDA $driver_cuda" | tee -a "$out/env.txt"
+  limited 20 nvidia-smi 2>&1 | tee -a "$details/env.txt"
+  driver=$(limited 20 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  driver_cuda=$(limited 20 nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+  echo "driver $driver, CUDA $driver_cuda" | tee -a "$details/env.txt"
 
   source "$here/cuda-env.sh"
   note "libraries: chosen folder ${chosen:-NONE (all four libraries in one folder were not found)}; driver ${driver_dir:-from the linker cache}; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
@@ -62,17 +86,17 @@ fi
 # ---------------------------------------------------------------------------------------------
 # Compiled kernels are cached here for the window (a fresh cache: the first start compiles).
 export HARVEST_KERNEL_CACHE=$work/kernel-cache
-if [ "$device" != cpu ]; then
+if [ "$device" != cpu ] && wanted kernels; then
   step "kernels: compile for the device's own architecture (cubin and PTX), load and run each; then a second start from the disk cache"
-  if limited 120 "$harvester" cuda-info --device "$device" >"$out/cuda-info.json"; then
-    cat "$out/cuda-info.json"
+  if limited 120 "$harvester" cuda-info --device "$device" >"$details/cuda-info.json"; then
+    cat "$details/cuda-info.json"
   else
-    cat "$out/cuda-info.json"; failures=$((failures + 1))
+    cat "$details/cuda-info.json"; failures=$((failures + 1))
   fi
   # The second start must find both forms in the cache (no NVRTC) and still load and run them.
   limited 120 "$harvester" cuda-info --device "$device" >"$work/cuda-info-cached.json"
   cat "$work/cuda-info-cached.json"
-  python3 - "$out/cuda-info.json" "$work/cuda-info-cached.json" <<'PY' | tee -a "$summary"
+  python3 - "$details/cuda-info.json" "$work/cuda-info-cached.json" <<'PY' | tee -a "$summary"
 import json, sys
 try:
     info = json.load(open(sys.argv[1]))
@@ -96,25 +120,58 @@ PY
 fi
 
 # ---------------------------------------------------------------------------------------------
+# What most steps share: the SmolLM2-shaped checkpoint and the parity run's output.
+vs_cpu=${PARITY_VS_CPU:-1.5e-2}
+smol=$work/smollm2-shaped
+limited 120 "$harvester" synth-model --shape smollm2-135m --out "$smol" --tokenizer-from "$here/tokenizer" >/dev/null
+candidate=$work/candidate
+: >"$details/parity.jsonl"
+# The parity run, in $candidate: the reference of the steps after parity. A rerun of STEPS
+# without parity makes it first.
+parity_run() {
+  [ -f "$candidate/manifest.json" ] && return 0
+  CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run --device "$device" --precision bf16 \
+    --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+    --progress off --out "$candidate" >/dev/null
+}
+
+if [ "$device" != cpu ] && wanted upload; then
+  step "upload: the weights staged through page-locked memory against the driver's pageable path (the same bits)"
+  # Seconds long, before anything else that uploads: every CUDA run stages its weights, so if
+  # the two differ the rest of the window runs pageable (and says so) instead of failing.
+  if limited 120 "$harvester" run --device "$device" --precision bf16 --model "$smol" \
+      --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
+      --out "$work/upload-staged" >/dev/null \
+    && HARVEST_CUDA_UPLOAD=pageable limited 120 "$harvester" run --device "$device" --precision bf16 \
+      --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+      --progress off --out "$work/upload-pageable" >/dev/null; then
+    if same=$("$harvester" compare "$work/upload-pageable" "$work/upload-staged" --max-relative-error 0 2>&1); then
+      note "upload staged vs pageable: passed, the same bits: $(echo "$same" | head -1)"
+    else
+      note "upload staged vs pageable: FAILED, the rest of the window runs pageable: $(echo "$same" | head -2 | tr '\n' ' ')"
+      export HARVEST_CUDA_UPLOAD=pageable
+      failures=$((failures + 1))
+    fi
+  else
+    note "upload: a run FAILED; the rest of the window runs pageable"
+    export HARVEST_CUDA_UPLOAD=pageable
+    failures=$((failures + 1))
+  fi
+fi
+
+if wanted parity; then
 step "parity: SmolLM2-shaped random checkpoint, $device against the CPU bf16 reference"
 # Two bf16 engines that round at different points differ by about as much as each differs from
 # the float32 truth (the first window measured 8.7e-3 between CUDA and the CPU bf16 mode, each
 # about 1.2e-2 from transformers float32), so the CPU check is a guard (PARITY_VS_CPU), and the
 # verdict is against transformers float32: no further from it than the CPU bf16 mode (times
 # 1.25) and than transformers' own bf16 pass.
-vs_cpu=${PARITY_VS_CPU:-1.5e-2}
-smol=$work/smollm2-shaped
-limited 120 "$harvester" synth-model --shape smollm2-135m --out "$smol" --tokenizer-from "$here/tokenizer" >/dev/null
-candidate=$work/candidate
-: >"$out/parity.jsonl"
 parity=passed
-if CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run --device "$device" --precision bf16 \
-  --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
-  --progress off --out "$candidate" >/dev/null; then
+if parity_run; then
   "$harvester" compare "$here/reference-bf16" "$candidate" --max-relative-error "$vs_cpu" \
-    | tee -a "$out/parity.jsonl" || parity="FAILED (against the CPU bf16 mode)"
+    | tee -a "$details/parity.jsonl" || parity="FAILED (against the CPU bf16 mode)"
   "$harvester" compare "$here/reference-f32" "$candidate" --max-relative-error 1 \
-    | sed 's/^{/{"against":"cpu-f32",/' | tee -a "$out/parity.jsonl" || true
+    | sed 's/^{/{"against":"cpu-f32",/' | tee -a "$details/parity.jsonl" || true
 else
   parity="FAILED (the $device run did not finish)"
 fi
@@ -123,9 +180,9 @@ if [ -d "$candidate/partial" ] || [ -f "$candidate/manifest.json" ]; then
   peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
   limited 150 python3 "$here/peer.py" parity --model "$smol" --device "$peer_device" \
     --harvest "harvester-$device" "$candidate" --harvest harvester-cpu-bf16 "$here/reference-bf16" \
-    | tee "$out/peer.jsonl"
+    | tee "$details/peer.jsonl"
 fi
-verdict=$(python3 - "$out/parity.jsonl" "$out/peer.jsonl" "$parity" "$device" "$vs_cpu" <<'PY' 2>&1
+verdict=$(python3 - "$details/parity.jsonl" "$details/peer.jsonl" "$parity" "$device" "$vs_cpu" <<'PY' 2>&1
 import json, sys
 parity_file, peer_file, parity, device, vs_cpu = sys.argv[1:]
 def records(path):
@@ -161,21 +218,30 @@ case "$verdict" in *"parity: passed"*) ;; *)
     limited 150 compute-sanitizer --tool memcheck --print-limit 50 \
       "$harvester" run --device "$device" --precision bf16 --model "$smol" \
       --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
-      --out "$work/sanitized" >"$out/sanitizer.txt" 2>&1
-    tail -40 "$out/sanitizer.txt"
-    note "sanitizer: $(grep -m1 -E 'ERROR SUMMARY' "$out/sanitizer.txt" || echo 'no summary line')"
+      --out "$work/sanitized" >"$details/sanitizer.txt" 2>&1
+    tail -40 "$details/sanitizer.txt"
+    note "sanitizer: $(grep -m1 -E 'ERROR SUMMARY' "$details/sanitizer.txt" || echo 'no summary line')"
   fi ;;
 esac
-if [ "$device" != cpu ]; then
+fi
+if [ "$device" != cpu ] && wanted variants && parity_run; then
   step "the parity run with the kernels as PTX, with CUDA-core attention, and with the weights uploaded from pageable memory, against the default"
-  # PTX and the pageable upload must give the same bits as the default (a cubin, staged).
-  for variant in HARVEST_CUDA_CODE=ptx HARVEST_CUDA_ATTENTION=simple HARVEST_CUDA_UPLOAD=pageable; do
-    if env "$variant" timeout 120 "$harvester" run --device "$device" --precision bf16 \
+  # PTX and the pageable upload must give the same bits as the default (a cubin, staged), so
+  # they are judged at 0; the CUDA-core attention is another kernel, judged by the CPU guard.
+  for variant in HARVEST_CUDA_CODE=ptx:0 HARVEST_CUDA_UPLOAD=pageable:0 HARVEST_CUDA_ATTENTION=simple:$vs_cpu; do
+    guard=${variant##*:}; variant=${variant%:*}
+    if (export "$variant"; limited 120 "$harvester" run --device "$device" --precision bf16 \
       --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
-      --progress off --out "$work/candidate-$variant" >/dev/null; then
-      note "$variant: $("$harvester" compare "$candidate" "$work/candidate-$variant" --max-relative-error 1 2>&1 | head -1)"
+      --progress off --out "$work/candidate-$variant" >/dev/null); then
+      if judged=$("$harvester" compare "$candidate" "$work/candidate-$variant" --max-relative-error "$guard" 2>&1); then
+        note "$variant (guard $guard): passed: $(echo "$judged" | head -1)"
+      else
+        note "$variant (guard $guard): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
+        failures=$((failures + 1))
+      fi
     else
       note "$variant: the run FAILED"
+      failures=$((failures + 1))
     fi
   done
   [ -d "$work/candidate-HARVEST_CUDA_ATTENTION=simple" ] && limited 150 python3 "$here/peer.py" parity \
@@ -184,6 +250,7 @@ if [ "$device" != cpu ]; then
     | grep parity-summary | sed 's/^/simple attention: /' | tee -a "$summary"
 fi
 
+if wanted auto && parity_run; then
 step "auto: --device auto takes the $device's place and writes the same bytes"
 # A job that names nothing unchecked runs on GPU 0 when one is usable (on DEVICE=cpu, here,
 # on the CPU), says so in result.json, and is the same run as naming the device.
@@ -203,7 +270,8 @@ else
   note "auto: the run FAILED"
   failures=$((failures + 1))
 fi
-if [ "$device" != cpu ]; then
+fi
+if [ "$device" != cpu ] && wanted cuda12 && parity_run; then
   step "CUDA 12's libraries on this driver (HARVEST_CUDA_MAJOR=12), against the default's"
   # Information: the libraries a driver of the 12 line would load. cuBLAS 12 may pick other
   # GEMM algorithms, so the bits may differ within the bf16 engines' spread.
@@ -228,6 +296,7 @@ PY
 fi
 
 # ---------------------------------------------------------------------------------------------
+if wanted sites; then
 step "every hook site: $device against the CPU bf16 mode (both run here), and resid_post with and without the other sites kept"
 # The CPU reference is made here: the bf16 mode gives the same bytes on every CPU of one kind
 # (docs/engine.md), and three layers of five sites do not fit the pack. A branch output kept
@@ -249,7 +318,7 @@ if limited 120 "$harvester" run --device cpu "${sites_plan[@]}" --sites "$all_si
     note "sites $device vs cpu bf16 (guard $vs_sites): FAILED: $(echo "$sites" | head -2 | tr '\n' ' ')"
     failures=$((failures + 1))
   fi
-  echo "$sites" | head -1 | sed 's/^{/{"against":"cpu-bf16-sites",/' >>"$out/parity.jsonl"
+  echo "$sites" | head -1 | sed 's/^{/{"against":"cpu-bf16-sites",/' >>"$details/parity.jsonl"
   if same=$("$harvester" compare "$work/post-$device" "$work/sites-$device" --max-relative-error 0 2>&1); then
     note "resid_post alone against resid_post with every site kept: the same bits: $(echo "$same" | head -1)"
   else
@@ -261,7 +330,10 @@ else
   failures=$((failures + 1))
 fi
 
+fi
+
 # ---------------------------------------------------------------------------------------------
+if wanted replay && parity_run; then
 step "the CUDA replay (--device cuda-replay, on this machine's CPU) against the $device parity run"
 # The replay runs the same dense block over the kernels' arithmetic replayed on the CPU; it can
 # differ from the GPU only by cuBLAS's summation order, the GPU's approximate exp, sincos and
@@ -279,12 +351,15 @@ if [ -f "$candidate/manifest.json" ] && limited 300 "$harvester" run --device cu
     note "replay vs $device (guard $vs_replay): FAILED: $(echo "$replay" | head -2 | tr '\n' ' ')"
     failures=$((failures + 1))
   fi
-  echo "$replay" | head -1 | sed 's/^{/{"against":"cuda-replay",/' >>"$out/parity.jsonl"
+  echo "$replay" | head -1 | sed 's/^{/{"against":"cuda-replay",/' >>"$details/parity.jsonl"
 else
   note "replay: the $device parity run or the replay run FAILED"
   failures=$((failures + 1))
 fi
 
+fi
+
+if wanted fixtures; then
 step "16-wide heads, a QKV bias, a sliding window and AFMoE (the Llama 3, Qwen2, Mistral and AFMoE test fixtures): $device against the replay"
 # None has run on a GPU before: the replay, tied to the kernels, is their check until here.
 # AFMoE runs on a GPU only when asked for until this step has passed (HARVEST_CUDA_AFMOE); its
@@ -315,6 +390,9 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
   fi
 done
 
+fi
+
+if wanted f32; then
 step "the f32 mode: $device against the replay's f32 mode and the CPU's f32 mode"
 # The f32 mode keeps every activation in f32 (the kernels' _f32 entry points, f32 GEMMs on the
 # pedantic compute type). It runs on a GPU only when asked for until this step has passed
@@ -343,10 +421,13 @@ else
       note "f32 $device vs $against f32 (guard $vs_f32): FAILED: $(echo "$f32_vs" | head -2 | tr '\n' ' ')"
       failures=$((failures + 1))
     fi
-    echo "$f32_vs" | head -1 | sed "s/^{/{\"against\":\"$against-f32\",/" >>"$out/parity.jsonl"
+    echo "$f32_vs" | head -1 | sed "s/^{/{\"against\":\"$against-f32\",/" >>"$details/parity.jsonl"
   done
 fi
 
+fi
+
+if wanted stages && parity_run; then
 step "2 pipeline stages on one $device against 1: the same bytes"
 # Each stage on the same GPU (--stage-devices 0,0) runs the blocks the single run runs, the
 # residual stream handed on through host memory: every file but result.json must be equal.
@@ -366,17 +447,26 @@ else
   failures=$((failures + 1))
 fi
 
+fi
+
 # ---------------------------------------------------------------------------------------------
 if [ "$device" = cpu ]; then
   shape=${BENCH_SHAPE:-smollm2-135m}; short=(4 64); long=(2 256); batch_tokens=256
 else
   shape=${BENCH_SHAPE:-llama-8b}; short=(64 512); long=(8 4096); batch_tokens=8192
 fi
-step "speed: a $shape-shaped random bf16 model on $device"
 bench_model=$work/bench-model
-start=$(date +%s.%N)
-limited 240 "$harvester" synth-model --shape "$shape" --out "$bench_model" >/dev/null
-note "synth $shape: $(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')") s"
+# The bench model, made once for the speed and load steps.
+bench_model_made() {
+  [ -f "$bench_model/config.json" ] && return 0
+  local start
+  start=$(date +%s.%N)
+  limited 240 "$harvester" synth-model --shape "$shape" --out "$bench_model" >/dev/null || return 1
+  note "synth $shape: $(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')") s"
+}
+: >"$details/bench.jsonl"
+if wanted speed && bench_model_made; then
+step "speed: a $shape-shaped random bf16 model on $device"
 python3 - "$work" "${short[@]}" "${long[@]}" <<'PY'
 import json, random, sys
 work, a, b, c, d = sys.argv[1], *map(int, sys.argv[2:])
@@ -387,7 +477,6 @@ for name, n, length in (("short", a, b), ("long", c, d)):
 PY
 blocks=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$bench_model/config.json")
 three="$((blocks / 4)),$((blocks / 2)),$((3 * blocks / 4))"
-: >"$out/bench.jsonl"
 # name : ids : layers : directions
 shapes=("${short[0]}x${short[1]}-3-layers:$work/ids-short.json:$three:0"
         "${short[0]}x${short[1]}-all-layers:$work/ids-short.json:all:0"
@@ -400,9 +489,9 @@ for spec in "${shapes[@]}"; do
   if limited 150 "$harvester" bench --device "$device" --precision bf16 --model "$bench_model" \
     --ids "$ids" --layers "$layers" --batch-tokens "$batch_tokens" "${projection[@]}" \
     >"$work/bench.json"; then
-    sed "s/^{/{\"shape\":\"$name\",/" "$work/bench.json" | tee -a "$out/bench.jsonl"
+    sed "s/^{/{\"shape\":\"$name\",/" "$work/bench.json" | tee -a "$details/bench.jsonl"
   else
-    echo "{\"shape\":\"$name\",\"failed\":true}" | tee -a "$out/bench.jsonl"
+    echo "{\"shape\":\"$name\",\"failed\":true}" | tee -a "$details/bench.jsonl"
     failures=$((failures + 1))
   fi
 done
@@ -412,7 +501,7 @@ if [ "$device" != cpu ]; then
   limited 150 "$harvester" bench --device "$device" --precision bf16 --model "$bench_model" \
     --ids "$work/ids-short.json" --layers "$three" --batch-tokens $((4 * batch_tokens)) \
     | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-batch-$((4 * batch_tokens))\",/" \
-    | tee -a "$out/bench.jsonl"
+    | tee -a "$details/bench.jsonl"
   # Information: what the f32 mode costs (f32 weights, f32 GEMMs without TF32, CUDA-core
   # attention), on the same corpus.
   echo "-- ${short[0]}x${short[1]}-3-layers-f32"
@@ -420,8 +509,16 @@ if [ "$device" != cpu ]; then
     --model "$bench_model" --ids "$work/ids-short.json" --layers "$three" \
     --batch-tokens "$batch_tokens" \
     | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-f32\",/" \
-    | tee -a "$out/bench.jsonl"
+    | tee -a "$details/bench.jsonl"
 fi
+step "speed: transformers on the same token ids"
+peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
+peer_shapes=(); for spec in "${shapes[@]}"; do peer_shapes+=(--shape "$spec"); done
+limited 240 python3 "$here/peer.py" speed --model "$bench_model" --device "$peer_device" \
+  --batch-tokens "$batch_tokens" "${peer_shapes[@]}" | tee -a "$details/peer.jsonl"
+fi
+
+if wanted load && bench_model_made; then
 step "load: page-locked staging against the driver's pageable path, warm and cold, beside the disk's own read rate"
 # The weights go up through two page-locked buffers (forward/staging.rs) unless
 # HARVEST_CUDA_UPLOAD=pageable. Cold: the checkpoint's pages are dropped from the page cache
@@ -430,7 +527,7 @@ step "load: page-locked staging against the driver's pageable path, warm and col
 # its time is the load's.
 echo '[[1, 2, 3, 4, 5, 6, 7, 8]]' >"$work/ids-tiny.json"
 evict() {
-  sync
+  limited 60 sync
   python3 - "$bench_model" <<'PY'
 import glob, os, sys
 for path in glob.glob(os.path.join(sys.argv[1], "*.safetensors")):
@@ -439,9 +536,9 @@ for path in glob.glob(os.path.join(sys.argv[1], "*.safetensors")):
     os.close(fd)
 PY
 }
-: >"$out/load.jsonl"
+: >"$details/load.jsonl"
 evict
-python3 - "$bench_model" <<'PY' | tee -a "$out/load.jsonl"
+limited 120 python3 - "$bench_model" <<'PY' | tee -a "$details/load.jsonl"
 import glob, json, os, sys, time
 paths = glob.glob(os.path.join(sys.argv[1], "*.safetensors"))
 start, total = time.perf_counter(), 0
@@ -459,22 +556,19 @@ for run in cold-staged cold-pageable warm-staged warm-pageable; do
       --model "$bench_model" --ids "$work/ids-tiny.json" --layers all --batch-tokens 8 \
       >"$work/load.json"; then
     python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps({"load": sys.argv[2], "bytes": r.get("weight_bytes_bf16"), "seconds": r.get("load_seconds"), "gb_per_s": r.get("load_gb_per_s"), "phases": r.get("cuda_load")}))' \
-      "$work/load.json" "$run" | tee -a "$out/load.jsonl"
+      "$work/load.json" "$run" | tee -a "$details/load.jsonl"
   else
     note "load $run: the bench FAILED"
     failures=$((failures + 1))
   fi
 done
 
-step "speed: transformers on the same token ids"
-peer_device=$([ "$device" = cpu ] && echo cpu || echo cuda)
-peer_shapes=(); for spec in "${shapes[@]}"; do peer_shapes+=(--shape "$spec"); done
-limited 240 python3 "$here/peer.py" speed --model "$bench_model" --device "$peer_device" \
-  --batch-tokens "$batch_tokens" "${peer_shapes[@]}" | tee -a "$out/peer.jsonl"
+fi
 
 # ---------------------------------------------------------------------------------------------
 step "summary"
-python3 - "$out/bench.jsonl" "$out/peer.jsonl" "$device" <<'PY' | tee -a "$summary"
+touch "$details/bench.jsonl" "$details/peer.jsonl"
+python3 - "$details/bench.jsonl" "$details/peer.jsonl" "$device" <<'PY' | tee -a "$summary"
 import json, sys
 H200_BF16_GFLOPS = 790_000.0  # bf16 products measured on this kind of machine
 ours = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]

@@ -1,9 +1,11 @@
 //! How a model's blocks split into pipeline stages, one per device, and what each stage holds,
 //! decided from the checkpoint's header before any weight is read. Pure.
 //!
-//! All of the model's blocks are split, balanced by bytes, so a stage always holds the same
-//! blocks whatever a job keeps; a job runs the stages up to the one holding its deepest kept
-//! block, cut there, and never loads or runs the rest.
+//! The blocks a job runs, up to its deepest kept one, are split over every stage asked for,
+//! balanced by bytes, so a job that keeps only shallow layers still uses every GPU it was given
+//! (a 405B job whose deepest layer is 40 runs 41 blocks over 8 GPUs, not over the 3 whose
+//! share of all 126 blocks holds them). Blocks past the deepest kept one are never loaded. Any
+//! split writes the same bytes, so it need not be the same from job to job.
 
 use std::ops::Range;
 
@@ -84,12 +86,13 @@ impl StageShare {
 pub struct StagePlan {
     /// The stages that run, in order.
     pub running: Vec<StageShare>,
-    /// How many stages the model was split into (those past the deepest kept block never run).
+    /// How many stages run: those asked for, or one a block where the job runs fewer blocks.
     pub stages: usize,
 }
 
-/// Splits the model's blocks (`block_bytes[b]` each) into `stages` and keeps those a job whose
-/// deepest kept block is `deepest` runs. `embed_bytes` go to the first stage.
+/// Splits the blocks a job whose deepest kept block is `deepest` runs (`block_bytes[b]` each)
+/// into `stages`, or one a block where there are fewer blocks. `embed_bytes` go to the first
+/// stage.
 pub fn plan_stages(
     block_bytes: &[u64],
     embed_bytes: u64,
@@ -104,12 +107,11 @@ pub fn plan_stages(
             ),
         });
     }
-    let all = split_stages(block_bytes, blocks - 1, stages);
-    let running = all
-        .iter()
-        .take_while(|range| range.start <= deepest)
-        .map(|range| {
-            let blocks = range.start..range.end.min(deepest + 1);
+    let deepest = deepest.min(blocks - 1);
+    let split = split_stages(block_bytes, deepest, stages);
+    let running: Vec<StageShare> = split
+        .into_iter()
+        .map(|blocks| {
             let weights: u64 = block_bytes[blocks.clone()].iter().sum();
             let embed = if blocks.start == 0 { embed_bytes } else { 0 };
             StageShare {
@@ -120,8 +122,8 @@ pub fn plan_stages(
         })
         .collect();
     Ok(StagePlan {
+        stages: running.len(),
         running,
-        stages: all.len(),
     })
 }
 
@@ -355,7 +357,7 @@ mod tests {
     }
 
     #[test]
-    fn a_job_runs_only_the_stages_up_to_its_deepest_block_cut_there() {
+    fn a_job_splits_the_blocks_up_to_its_deepest_over_every_stage_asked_for() {
         let blocks = vec![10u64; 9];
         let full = plan_stages(&blocks, 5, 8, 3).unwrap();
         let ranges: Vec<_> = full.running.iter().map(|s| s.blocks.clone()).collect();
@@ -364,11 +366,24 @@ mod tests {
             full.running[0].weight_bytes, 35,
             "the embedding is the first stage's"
         );
-        // Deepest block 1 sits in stage 1 of 3: stages 2 and 3 never run.
-        let shallow = plan_stages(&blocks, 5, 1, 3).unwrap();
-        assert_eq!(shallow.running.len(), 1);
-        assert_eq!(shallow.running[0].blocks, 0..2);
+        // Deepest block 5 of 9: its 6 blocks over all 3 stages, not over the first 2.
+        let shallow = plan_stages(&blocks, 5, 5, 3).unwrap();
+        let ranges: Vec<_> = shallow.running.iter().map(|s| s.blocks.clone()).collect();
+        assert_eq!(ranges, [0..2, 2..4, 4..6]);
         assert_eq!(shallow.stages, 3);
+        // Fewer blocks to run than stages: one a block.
+        let two = plan_stages(&blocks, 5, 1, 3).unwrap();
+        let ranges: Vec<_> = two.running.iter().map(|s| s.blocks.clone()).collect();
+        assert_eq!((ranges, two.stages), (vec![0..1, 1..2], 2));
+        // A 405B-shaped job whose deepest layer is 40, on 8 GPUs: every GPU runs some of its
+        // 41 blocks and none more than 6 (the pipeline's pace), where a split of all 126
+        // blocks put 16 on each of the 3 GPUs that ran.
+        let llama_405b = plan_stages(&vec![7u64; 126], 3, 40, 8).unwrap();
+        let sizes: Vec<usize> = llama_405b.running.iter().map(|s| s.blocks.len()).collect();
+        assert_eq!(sizes.len(), 8, "{sizes:?}");
+        assert_eq!(sizes.iter().max(), Some(&6), "{sizes:?}");
+        assert_eq!(sizes.iter().sum::<usize>(), 41);
+        assert_eq!(llama_405b.running.last().unwrap().blocks.end, 41);
     }
 
     #[test]

@@ -105,12 +105,18 @@ fn open_backend(
     progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
     let weights = LlamaWeights::load(&plan.model, Some(plan.options.layers.deepest() + 1))?;
-    if let DeviceChoice::Cpu | DeviceChoice::Auto = device {
-        let Sizing {
-            batch_tokens,
-            pipeline_bytes,
-        } = sizing;
-        CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
+    match device {
+        DeviceChoice::Cpu | DeviceChoice::Auto => {
+            let Sizing {
+                batch_tokens,
+                pipeline_bytes,
+            } = sizing;
+            CpuBackend::check_memory(&weights, &spec, batch_tokens, pipeline_bytes)?;
+        }
+        DeviceChoice::Cuda(_) => {
+            crate::memory::check_host(sizing.pipeline_bytes, crate::memory::available_bytes())?;
+        }
+        DeviceChoice::CudaReplay => {}
     }
     // A model the GPU cannot run is refused before gigabytes are read for nothing.
     check_cuda_model(&weights.config, &spec, device)?;
@@ -287,6 +293,7 @@ fn open_stages(
         weights.push(w);
     }
     if let DeviceChoice::Cuda(_) = device {
+        crate::memory::check_host(sizing.pipeline_bytes, crate::memory::available_bytes())?;
         let capacity = device_capacity(&stage_plan, &gpus, crate::backend::cuda::free_memory)?;
         check_stage_memory(&stage_plan, &capacity)?;
     } else if let Some(available) = crate::memory::available_bytes() {

@@ -621,25 +621,19 @@ fn upload_batch<E>(
 
 /// bf16 GEMM GFLOP/s of cuBLAS on GPU `ordinal` for `out[m, n] = a[m, k] · b[n, k]ᵀ` (f32
 /// accumulation and output, as the forward pass's residual GEMMs): the best of several timed
-/// rounds after a warm-up, the ceiling the benchmark reports next to the forward pass.
+/// rounds after a warm-up, the ceiling the benchmark reports next to the forward pass. The
+/// inputs are seeded random values in [-1, 1), as weights and activations are: patterned data
+/// (zeros, short cycles) toggles fewer bits and reads faster than real products run.
 pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     super::probe(ordinal)?;
     let context = CudaContext::new(ordinal).map_err(driver)?;
     let stream = context.default_stream();
     let blas = Blas::new(stream.clone())?;
     let a = stream
-        .clone_htod(&bf16_values(
-            &(0..m * k)
-                .map(|i| (i % 17) as f32 * 0.01)
-                .collect::<Vec<_>>(),
-        ))
+        .clone_htod(&bf16_values(&random_values(m * k, 1)))
         .map_err(driver)?;
     let b = stream
-        .clone_htod(&bf16_values(
-            &(0..n * k)
-                .map(|i| (i % 13) as f32 * 0.01)
-                .collect::<Vec<_>>(),
-        ))
+        .clone_htod(&bf16_values(&random_values(n * k, 2)))
         .map_err(driver)?;
     let mut c = stream.alloc_zeros::<f32>(m * n).map_err(driver)?;
     let timing = CudaError::fault("timing the GEMM");
@@ -666,9 +660,37 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     Ok(2.0 * (m * n * k) as f64 / best / 1e9)
 }
 
+/// `count` values uniform in [-1, 1) from a xorshift generator seeded with `seed`.
+fn random_values(count: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // The top 24 bits as a fraction of 2^23, less 1: [-1, 1).
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gemm_rates_inputs_are_spread_over_minus_one_to_one_and_differ_by_seed() {
+        let values = random_values(100_000, 1);
+        assert!(values.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        let negative = values.iter().filter(|v| **v < 0.0).count();
+        assert!((45_000..55_000).contains(&negative), "{negative} negative");
+        let distinct: std::collections::BTreeSet<u32> =
+            values.iter().map(|v| v.to_bits()).collect();
+        assert!(distinct.len() > 90_000, "{} distinct", distinct.len());
+        assert_ne!(values[..8], random_values(8, 2)[..]);
+    }
 
     fn fixture_config(name: &str) -> ModelConfig {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");

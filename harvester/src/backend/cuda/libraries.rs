@@ -270,24 +270,7 @@ pub fn choose(
             })
             .collect();
         if files.len() == needs.len() {
-            let mut why = match driver {
-                Some(driver) => format!("the driver supports CUDA {driver}"),
-                None => "no driver is loaded (compiling only)".to_owned(),
-            };
-            if forced.is_some() {
-                why.push_str(&format!(", and {MAJOR_VARIABLE}={major} pins CUDA {major}"));
-            }
-            why.push_str(&format!(
-                "; CUDA {major}'s {} found",
-                needs
-                    .iter()
-                    .map(|kind| kind.name())
-                    .collect::<Vec<_>>()
-                    .join(" and ")
-            ));
-            if !passed_over.is_empty() {
-                why.push_str(&format!(" (passed over: {})", passed_over.join("; ")));
-            }
+            let why = why_chosen((driver, forced), major, needs, &passed_over);
             return Ok(Choice { major, files, why });
         }
         let missing: Vec<String> = needs
@@ -297,15 +280,44 @@ pub fn choose(
             .collect();
         passed_over.push(format!("CUDA {major}'s lack {}", missing.join(" and ")));
     }
-    let supported: Vec<u32> = MAJORS
+    Err(none_usable((driver, forced), needs, &passed_over))
+}
+
+/// Why `major` was chosen, in a sentence, with what was passed over first.
+fn why_chosen(
+    (driver, forced): (Option<CudaVersion>, Option<u32>),
+    major: u32,
+    needs: &[Kind],
+    passed_over: &[String],
+) -> String {
+    let mut why = match driver {
+        Some(driver) => format!("the driver supports CUDA {driver}"),
+        None => "no driver is loaded (compiling only)".to_owned(),
+    };
+    if forced.is_some() {
+        why.push_str(&format!(", and {MAJOR_VARIABLE}={major} pins CUDA {major}"));
+    }
+    let names: Vec<&str> = needs.iter().map(|kind| kind.name()).collect();
+    why.push_str(&format!("; CUDA {major}'s {} found", names.join(" and ")));
+    if !passed_over.is_empty() {
+        why.push_str(&format!(" (passed over: {})", passed_over.join("; ")));
+    }
+    why
+}
+
+/// The refusal when no major has a usable set: what each lacked, and the wheels to install for
+/// the majors the driver runs.
+fn none_usable(
+    (driver, forced): (Option<CudaVersion>, Option<u32>),
+    needs: &[Kind],
+    passed_over: &[String],
+) -> String {
+    let install: Vec<String> = MAJORS
         .iter()
         .copied()
         .filter(|&major| driver.is_none_or(|d| d.major >= major))
         .filter(|&major| forced.is_none_or(|f| f == major))
-        .collect();
-    let install: Vec<String> = supported
-        .iter()
-        .map(|&major| {
+        .map(|major| {
             let wheels: Vec<&str> = needs.iter().map(|kind| kind.wheel(major)).collect();
             format!("`pip install {}`", wheels.join(" "))
         })
@@ -314,7 +326,7 @@ pub fn choose(
         || "no driver is loaded".to_owned(),
         |d| format!("the driver supports CUDA {d}"),
     );
-    Err(format!(
+    format!(
         "no usable CUDA libraries: {driver_text}; {}. Install them ({}) and name their folder in {PATH_VARIABLE} (a site-packages folder will do), or use --device cpu",
         passed_over.join("; "),
         if install.is_empty() {
@@ -322,7 +334,7 @@ pub fn choose(
         } else {
             install.join(" or ")
         }
-    ))
+    )
 }
 
 /// The libraries as loaded: each one's file, version and entry points.
