@@ -52,13 +52,14 @@ failures=0
 limited() {
   local seconds=$1 left=$((deadline - reserve - SECONDS)); shift
   [ "$left" -lt "$seconds" ] && seconds=$left
+  # Said in the summary too, since the step's own output may be going to /dev/null.
   if [ "$seconds" -le 0 ]; then
-    echo "!! no time left in the window for: $*"
+    note "!! no time left in the window for: ${*:1:3}" >&2
     return 124
   fi
   timeout --kill-after=5 "$seconds" "$@"
   local rc=$?
-  [ "$rc" = 124 ] && echo "!! timed out after ${seconds}s: $*"
+  [ "$rc" = 124 ] && note "!! timed out after ${seconds}s: ${*:1:3}" >&2
   return "$rc"
 }
 
