@@ -78,7 +78,17 @@ class Failed(Exception):
     """A latency line met an answer other than 200: no figure is printed for it."""
 
 
+def machine():
+    """The CPU this ran on: its model, cores and vector flags (every benchmark prints them)."""
+    info = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown")
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    vector = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx")))
+    return f"{model}, {os.cpu_count()} cores, {' '.join(vector) or 'no AVX2'}"
+
+
 def main():
+    print(f"machine: {machine()}")
     try:
         if len(sys.argv) == 3 and sys.argv[1] == "--soak":
             return soak(float(sys.argv[2]))
@@ -129,8 +139,9 @@ def wrk_polls(url, key):
         if refused:
             raise Failed(f"wrk at {connections} connections met {refused.group(1)} answers other than 2xx or 3xx: {url}")
         rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
-        p50 = re.search(r"50%\s+(\S+)", out).group(1)
-        p99 = re.search(r"99%\s+(\S+)", out).group(1)
+        # The latency distribution's own lines (a thread's "+/- Stdev" may also end in 50%).
+        p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1)
+        p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1)
         print(f"status polls, wrk 2 threads {connections} connections 10 s: {rps} requests/s, p50 {p50}, p99 {p99}")
 
 
@@ -207,12 +218,21 @@ def kubernetes(tier):
         path = f"/v1/harvest/{job['job_id']}"
         # Warm the watch caches (and both replicas) before anything is timed.
         for _ in range(400):
-            status, _ = api_call("GET", path, key, host=host, port=port)
+            status, seen = api_call("GET", path, key, host=host, port=port)
             if status != 200:
                 raise Failed(f"a warm-up poll was answered {status}")
-        print(f"kubernetes ({tier} tier), through the harvest-api Service (2 replicas), rate limit off:")
+        links = len((seen.get("result") or {}).get("shard_urls", []))
+        print(f"kubernetes ({tier} tier), through the harvest-api Service (2 replicas), rate limit off, "
+              f"polling a {seen.get('status')} job ({links} signed shard links an answer):")
         paced_polls(host, port, path, [key])
         wrk_polls(f"http://{host}:{port}{path}", key)
+        # The same polls at one API Pod's own address: the API without the test cluster's
+        # Service forwarding (a userspace proxy here, where a real cluster's is the kernel's).
+        pod_ip = kubectl("-n", "harvest-system", "get", "pods", "-l", "app.kubernetes.io/name=harvest-api", "-o",
+                         "jsonpath={.items[0].status.podIP}").stdout.strip()
+        print(f"kubernetes ({tier} tier), one API Pod at its own address ({pod_ip}:8080), rate limit off:")
+        paced_polls(pod_ip, 8080, path, [key])
+        wrk_polls(f"http://{pod_ip}:8080{path}", key)
     finally:
         subprocess.run(["scripts/cluster.sh", "down"], cwd=ROOT, env=env, capture_output=True)
     return 0
