@@ -87,9 +87,13 @@ enum Command {
     /// Write a Llama checkpoint of a named shape with seeded random bf16 weights, for benchmarks
     /// and backend checks where a real checkpoint cannot be brought.
     SynthModel {
-        /// The shape: llama-8b or smollm2-135m.
+        /// The shape: llama-8b, llama-405b, smollm2-135m, or a small one a GPU must check
+        /// (window-128: 128-wide heads with a sliding window; heads-256; attention-bias).
         #[arg(long)]
         shape: String,
+        /// Write only the first N blocks (a 405B-shaped model cut to a few, say).
+        #[arg(long)]
+        blocks: Option<usize>,
         /// The checkpoint directory to write.
         #[arg(long)]
         out: PathBuf,
@@ -497,12 +501,17 @@ fn tool(command: Command) -> anyhow::Result<()> {
         Command::Bench(args) => bench(args)?,
         Command::SynthModel {
             shape,
+            blocks,
             out,
             seed,
             tokenizer_from,
         } => {
-            let bytes =
-                harvester::synth::write_named(&shape, &out, seed, tokenizer_from.as_deref())?;
+            let bytes = harvester::synth::write_named(
+                &shape,
+                &out,
+                seed,
+                (blocks, tokenizer_from.as_deref()),
+            )?;
             print_out(&format!(
                 "{}\n",
                 serde_json::json!({"model": out, "shape": shape, "weight_bytes": bytes})

@@ -1,7 +1,9 @@
 //! `harvester synth-model`: a Llama checkpoint of a given shape with seeded random bf16
 //! weights, for benchmarks and backend checks where a real checkpoint cannot be brought
-//! (an 8B-shaped model for throughput; a SmolLM2-shaped one for CPU/GPU parity).
-//! The weights are uniform in ±√(3 / fan_in) (unit variance per output), norms are 1.
+//! (an 8B-shaped model for throughput; a SmolLM2-shaped one for CPU/GPU parity; a 405B-shaped
+//! one cut to a few blocks for one block's time; and small ones with what a GPU must check:
+//! 128-wide heads with a sliding window, 256-wide heads, attention biases). The weights are
+//! uniform in ±√(3 / fan_in) (unit variance per output), biases in ±0.1, norms are 1.
 
 use std::path::Path;
 
@@ -48,13 +50,19 @@ impl Shape {
         vocab: 49_152,
     };
 
-    /// A preset by name: `llama-8b` or `smollm2-135m`.
+    /// Llama 3.1 405B: 126 blocks, hidden 16384, GQA 128/8, MLP 53248, vocabulary 128256.
+    pub const LLAMA_405B: Self = Self {
+        hidden: 16_384,
+        layers: 126,
+        heads: 128,
+        kv_heads: 8,
+        intermediate: 53_248,
+        vocab: 128_256,
+    };
+
+    /// A preset by name: `llama-8b`, `llama-405b` or `smollm2-135m`.
     pub fn named(name: &str) -> Option<Self> {
-        match name {
-            "llama-8b" => Some(Self::LLAMA_8B),
-            "smollm2-135m" => Some(Self::SMOLLM2_135M),
-            _ => None,
-        }
+        Variant::named(name).map(|(shape, _)| shape)
     }
 
     /// Parameters, embedding included.
@@ -64,6 +72,67 @@ impl Shape {
             + self.heads * head_dim * self.hidden;
         let block = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden;
         (self.vocab * self.hidden + self.layers * block) as u64
+    }
+}
+
+/// What a shape adds to the plain Llama block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Variant {
+    /// A sliding window of this many keys on every block (written as Mistral).
+    pub sliding_window: Option<usize>,
+    /// Q, K, V and O biases (Llama's `attention_bias`).
+    pub attention_bias: bool,
+}
+
+/// The shapes `synth-model --shape` takes, with what each checks.
+pub const SHAPES: [&str; 6] = [
+    "llama-8b",
+    "llama-405b",
+    "smollm2-135m",
+    "window-128",
+    "heads-256",
+    "attention-bias",
+];
+
+impl Variant {
+    /// The shape and variant of preset `name` (see [`SHAPES`]). The small ones share SmolLM2's
+    /// vocabulary, so its tokenizer serves them.
+    pub fn named(name: &str) -> Option<(Shape, Self)> {
+        let small = |heads, kv_heads| Shape {
+            hidden: 512,
+            layers: 4,
+            heads,
+            kv_heads,
+            intermediate: 1024,
+            vocab: Shape::SMOLLM2_135M.vocab,
+        };
+        Some(match name {
+            "llama-8b" => (Shape::LLAMA_8B, Self::default()),
+            "llama-405b" => (Shape::LLAMA_405B, Self::default()),
+            "smollm2-135m" => (Shape::SMOLLM2_135M, Self::default()),
+            // 128-wide heads with a window: the tensor-core attention's window and tile skipping.
+            "window-128" => (
+                small(4, 2),
+                Self {
+                    sliding_window: Some(16),
+                    ..Self::default()
+                },
+            ),
+            // 256-wide heads: the CUDA-core attention's widest.
+            "heads-256" => (small(2, 1), Self::default()),
+            // QKV and O biases: `add_bias_bf16`, `add_bias` and the branch buffer they need.
+            "attention-bias" => (
+                Shape {
+                    layers: 4,
+                    ..Shape::SMOLLM2_135M
+                },
+                Self {
+                    attention_bias: true,
+                    ..Self::default()
+                },
+            ),
+            _ => return None,
+        })
     }
 }
 
@@ -93,6 +162,11 @@ fn random_bf16(n: usize, scale: f32, offset: f32, seed: u64) -> Vec<u8> {
 /// Every tensor of a Llama checkpoint of `shape` that harvest loads, in Hugging Face naming:
 /// `(name, dims, is a norm weight)`.
 pub fn tensors(shape: Shape) -> Vec<(String, Vec<usize>, bool)> {
+    tensors_of(shape, Variant::default())
+}
+
+/// The tensors of `shape` with `variant`'s (biases after each block's weights).
+pub fn tensors_of(shape: Shape, variant: Variant) -> Vec<(String, Vec<usize>, bool)> {
     let (h, i) = (shape.hidden, shape.intermediate);
     let head_dim = h / shape.heads.max(1);
     let (q_rows, kv_rows) = (shape.heads * head_dim, shape.kv_heads * head_dim);
@@ -114,23 +188,47 @@ pub fn tensors(shape: Shape) -> Vec<(String, Vec<usize>, bool)> {
             (p("mlp.up_proj.weight"), vec![i, h], false),
             (p("mlp.down_proj.weight"), vec![h, i], false),
         ]);
+        if variant.attention_bias {
+            specs.extend([
+                (p("self_attn.q_proj.bias"), vec![q_rows], false),
+                (p("self_attn.k_proj.bias"), vec![kv_rows], false),
+                (p("self_attn.v_proj.bias"), vec![kv_rows], false),
+                (p("self_attn.o_proj.bias"), vec![h], false),
+            ]);
+        }
     }
     specs
 }
 
-/// Writes the checkpoint of the shape named `name` into `dir`, with the tokenizer files of
-/// `tokenizer_from` copied beside it (their vocabulary must match); returns the weight bytes.
+/// Writes the checkpoint of the shape named `name` into `dir`, its first `blocks` blocks only
+/// where that is given (a large shape cut short), with the tokenizer files of `tokenizer_from`
+/// copied beside it (their vocabulary must match); returns the weight bytes.
 pub fn write_named(
     name: &str,
     dir: &Path,
     seed: u64,
-    tokenizer_from: Option<&Path>,
+    (blocks, tokenizer_from): (Option<usize>, Option<&Path>),
 ) -> Result<u64> {
-    let shape = Shape::named(name).ok_or_else(|| Error::BadConfig {
+    let bad = |reason: String| Error::BadConfig {
         path: dir.join("config.json"),
-        reason: format!("unknown shape {name:?}: use llama-8b or smollm2-135m"),
+        reason,
+    };
+    let (mut shape, variant) = Variant::named(name).ok_or_else(|| {
+        bad(format!(
+            "unknown shape {name:?}: use one of {}",
+            SHAPES.join(", ")
+        ))
     })?;
-    let bytes = write(shape, dir, seed)?;
+    if let Some(blocks) = blocks {
+        if blocks == 0 || blocks > shape.layers {
+            return Err(bad(format!(
+                "--blocks {blocks} is not between 1 and {name}'s {} blocks",
+                shape.layers
+            )));
+        }
+        shape.layers = blocks;
+    }
+    let bytes = write_variant(shape, variant, dir, seed)?;
     if let Some(from) = tokenizer_from {
         for file in ["tokenizer.json", "tokenizer_config.json"] {
             let source = from.join(file);
@@ -143,6 +241,11 @@ pub fn write_named(
 /// Writes `config.json` and `model.safetensors` for `shape` into `dir`; returns the weight
 /// bytes written.
 pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
+    write_variant(shape, Variant::default(), dir, seed)
+}
+
+/// [`write`] with `variant`'s additions.
+pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> Result<u64> {
     if shape.heads == 0
         || !shape.hidden.is_multiple_of(shape.heads)
         || !shape.heads.is_multiple_of(shape.kv_heads.max(1))
@@ -156,7 +259,7 @@ pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
         });
     }
     let (h, i) = (shape.hidden, shape.intermediate);
-    let specs = tensors(shape);
+    let specs = tensors_of(shape, variant);
     let data: Vec<Vec<u8>> = specs
         .iter()
         .enumerate()
@@ -165,6 +268,8 @@ pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
             let fan_in = dims.last().copied().unwrap_or(1) as f32;
             let (scale, offset) = if *norm {
                 (0.0, 1.0)
+            } else if dims.len() == 1 {
+                (0.1, 0.0)
             } else {
                 ((3.0 / fan_in).sqrt(), 0.0)
             };
@@ -186,13 +291,19 @@ pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
         path: path.clone(),
         reason: e.to_string(),
     })?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
         "intermediate_size": i, "num_hidden_layers": shape.layers,
         "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
         "vocab_size": shape.vocab, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "attention_bias": variant.attention_bias,
     });
+    if let Some(window) = variant.sliding_window {
+        config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        config["model_type"] = serde_json::json!("mistral");
+        config["sliding_window"] = serde_json::json!(window);
+    }
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, config.to_string())
         .map_err(|e| Error::io("writing", config_path, e))?;
@@ -237,5 +348,49 @@ mod tests {
         );
         // Llama 3 8B less its LM head and final norm, which harvest never loads.
         assert_eq!(Shape::LLAMA_8B.parameters(), 7_504_920_576);
+    }
+
+    #[test]
+    fn each_named_shape_loads_as_what_it_checks_and_a_cut_keeps_its_first_blocks() {
+        let load = |name: &str, blocks| {
+            let dir = tempfile::tempdir().unwrap();
+            write_named(name, dir.path(), 1, (blocks, None)).unwrap();
+            (LlamaWeights::load(dir.path(), None).unwrap(), dir)
+        };
+        let (window, _dir) = load("window-128", None);
+        assert_eq!(window.config.head_dim, 128);
+        assert!(
+            window
+                .config
+                .attention_windows
+                .iter()
+                .all(|w| *w == Some(16))
+        );
+        let (wide, _dir) = load("heads-256", None);
+        assert_eq!(wide.config.head_dim, 256);
+        let (biased, _dir) = load("attention-bias", None);
+        assert!(
+            biased
+                .blocks
+                .iter()
+                .all(|b| b.qkv_bias.is_some() && b.o_bias.is_some())
+        );
+        let (cut, _dir) = load("smollm2-135m", Some(3));
+        assert_eq!(cut.blocks.len(), 3);
+        let dir = tempfile::tempdir().unwrap();
+        let error = write_named("llama-405b", dir.path(), 1, (Some(127), None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--blocks 127") && error.contains("126 blocks"),
+            "{error}"
+        );
+        let error = write_named("llama-3b", dir.path(), 1, (None, None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("\"llama-3b\"") && error.contains("window-128"),
+            "{error}"
+        );
     }
 }

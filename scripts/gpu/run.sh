@@ -9,7 +9,7 @@
 # JSON: env, cuda-info, parity, sanitizer, bench, load, peer), packed at exit whatever happens.
 # STEPS=kernels,parity,... runs only the steps named (environment and summary always run), so
 # a rerun repeats only what failed: upload, kernels, parity, variants, auto, cuda12, sites,
-# replay, fixtures, f32, stages, speed, load.
+# replay, fixtures, f32, stages, shapes, batch, speed, load, block405.
 # After parity, every hook site of three layers is compared with the CPU bf16 mode (run on the
 # GPU machine's own CPU), and resid_post alone with resid_post beside every other site; then
 # the GPU's parity run with the CUDA replay of it on the GPU machine's CPU.
@@ -121,8 +121,12 @@ PY
 fi
 
 # ---------------------------------------------------------------------------------------------
-# What most steps share: the SmolLM2-shaped checkpoint and the parity run's output.
+# What most steps share: the guards, the SmolLM2-shaped checkpoint and the parity run's output.
 vs_cpu=${PARITY_VS_CPU:-1.5e-2}
+vs_sites=${PARITY_SITES:-3e-2}
+vs_replay=${PARITY_REPLAY:-5e-3}
+[ "$device" = cpu ] && vs_replay=1
+vs_f32=${PARITY_F32:-5e-3}
 smol=$work/smollm2-shaped
 limited 120 "$harvester" synth-model --shape smollm2-135m --out "$smol" --tokenizer-from "$here/tokenizer" >/dev/null
 candidate=$work/candidate
@@ -303,7 +307,6 @@ step "every hook site: $device against the CPU bf16 mode (both run here), and re
 # (docs/engine.md), and three layers of five sites do not fit the pack. A branch output kept
 # apart joins the stream by the same one f32 addition as the GEMM's beta = 1, so resid_post
 # must keep its bits whatever else is kept.
-vs_sites=${PARITY_SITES:-3e-2}
 all_sites=resid_pre,attn_out,resid_mid,mlp_out,resid_post
 sites_plan=(--precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers 0,14,29
   --shard-size 4 --progress off)
@@ -341,8 +344,6 @@ step "the CUDA replay (--device cuda-replay, on this machine's CPU) against the 
 # rsqrt, and fused products. The guard (PARITY_REPLAY) was set before any GPU run compared
 # them: the first window's figure decides whether the replay stands in for the GPU in CI. On
 # DEVICE=cpu the comparison is with the CPU bf16 mode, which rounds elsewhere: information only.
-vs_replay=${PARITY_REPLAY:-5e-3}
-[ "$device" = cpu ] && vs_replay=1
 if [ -f "$candidate/manifest.json" ] && limited 300 "$harvester" run --device cuda-replay \
     --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
     --progress off --out "$work/replay" >/dev/null; then
@@ -400,7 +401,6 @@ step "the f32 mode: $device against the replay's f32 mode and the CPU's f32 mode
 # (HARVEST_CUDA_F32). Three f32 engines differ by summation orders and exp alone, a few f32
 # ulps, which the bf16 shards show as an occasional flipped last bit: on the CPU the replay is
 # at 1.4e-3 of the CPU's f32 mode (mean 2.4e-5), the bf16 modes near 1e-2. Guard PARITY_F32.
-vs_f32=${PARITY_F32:-5e-3}
 f32_plan=(--precision f32 --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all
   --shard-size 4 --progress off)
 f32_runs=ok
@@ -447,7 +447,115 @@ else
   note "2 stages: the parity run or the staged run FAILED"
   failures=$((failures + 1))
 fi
+# Eight stages on one device, kept layers on both sides of every cut: the same bytes too.
+eight_flags=(--pipeline-stages 8); [ "$device" = cpu ] || eight_flags+=(--stage-devices 0,0,0,0,0,0,0,0)
+if HARVEST_CUDA_STAGES=try limited 240 "$harvester" run --device "$device" --precision bf16 \
+    --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+    --progress off "${eight_flags[@]}" --out "$work/staged-8" >/dev/null; then
+  if staged=$(diff -rq --exclude=result.json "$candidate" "$work/staged-8" 2>&1); then
+    note "8 stages on one $device vs 1: the same bytes"
+  else
+    note "8 stages on one $device vs 1: FAILED: $(echo "$staged" | head -3 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+else
+  note "8 stages: the run FAILED"
+  failures=$((failures + 1))
+fi
+fi
 
+if wanted shapes; then
+step "128-wide heads with a window, 256-wide heads, attention biases (synth-model shapes): $device against the replay and the CPU, bf16; the biases in f32 too"
+# None of these has met a GPU: the tensor-core attention's window and key-tile skipping
+# (window-128), the CUDA-core attention at its widest heads (heads-256), the QKV and O biases
+# (attention-bias). Each runs every site of every block on the device, replayed, and on the
+# CPU; the device is judged against the replay (PARITY_REPLAY) and against the CPU's bf16 mode
+# (PARITY_SITES, the bf16 engines' spread). On DEVICE=cpu the CPU is the device: information.
+for shape in window-128 heads-256 attention-bias; do
+  model=$work/shape-$shape
+  limited 60 "$harvester" synth-model --shape "$shape" --out "$model" --tokenizer-from "$here/tokenizer" >/dev/null
+  runs=ok
+  for engine in "$device" cuda-replay cpu; do
+    [ -d "$work/$shape-$engine" ] && continue
+    CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" --precision bf16 \
+      --model "$model" --prompts "$here/parity_prompts.jsonl" --layers all \
+      --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
+      --out "$work/$shape-$engine" >/dev/null || runs="the $engine run FAILED"
+  done
+  if [ "$runs" != ok ]; then
+    note "$shape: $runs"
+    failures=$((failures + 1))
+    continue
+  fi
+  for against in cuda-replay cpu; do
+    [ "$against" = "$device" ] && continue
+    guard=$vs_replay; [ "$against" = cpu ] && guard=$vs_sites
+    [ "$device" = cpu ] && guard=1
+    if judged=$("$harvester" compare "$work/$shape-$against" "$work/$shape-$device" --max-relative-error "$guard" 2>&1); then
+      note "$shape $device vs $against, bf16 (guard $guard): passed: $(echo "$judged" | head -1)"
+    else
+      note "$shape $device vs $against, bf16 (guard $guard): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
+      failures=$((failures + 1))
+    fi
+  done
+done
+# The biases in the f32 mode: the bias joins the f32 product in place (add_bias).
+bias_f32=ok
+for engine in cpu "$device"; do
+  [ -d "$work/bias-f32-$engine" ] && continue
+  HARVEST_CUDA_F32=try CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" \
+    --precision f32 --model "$work/shape-attention-bias" --prompts "$here/parity_prompts.jsonl" \
+    --layers all --shard-size 4 --progress off --out "$work/bias-f32-$engine" >/dev/null \
+    || bias_f32="the $engine run FAILED"
+done
+if [ "$bias_f32" != ok ]; then
+  note "attention-bias f32: $bias_f32"
+  failures=$((failures + 1))
+elif judged=$("$harvester" compare "$work/bias-f32-cpu" "$work/bias-f32-$device" --max-relative-error "$vs_f32" 2>&1); then
+  note "attention-bias f32 $device vs cpu f32 (guard $vs_f32): passed: $(echo "$judged" | head -1)"
+else
+  note "attention-bias f32 $device vs cpu f32 (guard $vs_f32): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
+  failures=$((failures + 1))
+fi
+fi
+
+if wanted batch && parity_run; then
+step "batch invariance: the parity prompts one batch at a time, and in two parts, against one full batch"
+# The CPU promises a prompt's bits whatever batch it runs in; on a GPU cuBLAS may choose its
+# kernels by a GEMM's row count, so there the figures are reported, not judged, until they say
+# what it would cost to make them equal. The parity run above is one full batch.
+batch_judge=1; [ "$device" = cpu ] && batch_judge=0
+if limited 180 "$harvester" run --device "$device" --precision bf16 --model "$smol" \
+    --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --batch-tokens 64 \
+    --progress off --out "$work/batch-small" >/dev/null; then
+  if judged=$("$harvester" compare "$candidate" "$work/batch-small" --max-relative-error "$batch_judge" 2>&1); then
+    note "batches of 64 tokens vs one batch ($([ "$batch_judge" = 0 ] && echo 'the same bits required' || echo information)): $(echo "$judged" | head -1)"
+  else
+    note "batches of 64 tokens vs one batch: FAILED, the bits differ: $(echo "$judged" | head -1)"
+    failures=$((failures + 1))
+  fi
+else
+  note "batch invariance: the small-batch run FAILED"
+  failures=$((failures + 1))
+fi
+parts_ok=ok
+for part in 0/2 1/2; do
+  limited 120 "$harvester" run --device "$device" --precision bf16 --model "$smol" \
+    --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 --part "$part" \
+    --progress off --out "$work/batch-parts" >/dev/null || parts_ok="part $part FAILED"
+done
+[ "$parts_ok" = ok ] && { limited 60 "$harvester" finalize --device "$device" --precision bf16 \
+  --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
+  --progress off --out "$work/batch-parts" >/dev/null || parts_ok="finalize FAILED"; }
+if [ "$parts_ok" != ok ]; then
+  note "two parts: $parts_ok"
+  failures=$((failures + 1))
+elif parts=$(diff -rq --exclude=result.json "$candidate" "$work/batch-parts" 2>&1); then
+  note "two parts finalized vs one run: the same bytes"
+else
+  note "two parts finalized vs one run: $([ "$device" = cpu ] && echo FAILED || echo 'information, they differ'): $(echo "$parts" | head -3 | tr '\n' ' ')"
+  [ "$device" = cpu ] && failures=$((failures + 1))
+fi
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -564,6 +672,30 @@ for run in cold-staged cold-pageable warm-staged warm-pageable; do
   fi
 done
 
+fi
+
+if [ "$device" != cpu ] && wanted block405; then
+step "one block of a 405B-shaped model (16,384 wide, two blocks written): its time, for the 8-GPU prediction"
+# docs/models.md predicts llama-405b's rate on 8 GPUs from one block's time at the bench's
+# batch; two blocks (about 17 GB with the embedding) fit any window's GPU and disk.
+big=$work/llama-405b-2
+python3 -c 'import json, random; random.seed(7); json.dump([[random.randrange(1, 40000) for _ in range(512)] for _ in range(16)], open("'"$work"'/ids-405b.json", "w"))'
+if limited 150 "$harvester" synth-model --shape llama-405b --blocks 2 --out "$big" >/dev/null \
+  && limited 120 "$harvester" bench --device "$device" --precision bf16 --model "$big" \
+    --ids "$work/ids-405b.json" --layers 1 --batch-tokens 8192 >"$work/block405.json"; then
+  sed 's/^{/{"shape":"llama-405b-2-blocks",/' "$work/block405.json" | tee -a "$details/bench.jsonl"
+  block=$(python3 - "$work/block405.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{r['tokens_per_s']:.0f} tok/s over 2 blocks, {r['seconds'] / 2 / r['tokens'] * 1e6:.1f} ms a block per 1,000 tokens, {r['gflops'] / 1000:.0f} TFLOP/s")
+PY
+)
+  note "llama-405b, 2 blocks of 16,384 wide, 16 x 512 tokens: $block"
+else
+  note "llama-405b, 2 blocks: FAILED"
+  failures=$((failures + 1))
+fi
+rm -rf "$big"
 fi
 
 # ---------------------------------------------------------------------------------------------
