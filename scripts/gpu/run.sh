@@ -499,9 +499,10 @@ for shape in window-128 heads-256 attention-bias; do
     fi
   done
 done
-# The biases in the f32 mode: the bias joins the f32 product in place (add_bias).
+# The biases in the f32 mode: the bias joins the f32 product in place (add_bias). Against the
+# replay's f32 mode and the CPU's (on DEVICE=cpu, the CPU against the replay).
 bias_f32=ok
-for engine in cpu "$device"; do
+for engine in cpu cuda-replay "$device"; do
   [ -d "$work/bias-f32-$engine" ] && continue
   HARVEST_CUDA_F32=try CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" \
     --precision f32 --model "$work/shape-attention-bias" --prompts "$here/parity_prompts.jsonl" \
@@ -511,11 +512,16 @@ done
 if [ "$bias_f32" != ok ]; then
   note "attention-bias f32: $bias_f32"
   failures=$((failures + 1))
-elif judged=$("$harvester" compare "$work/bias-f32-cpu" "$work/bias-f32-$device" --max-relative-error "$vs_f32" 2>&1); then
-  note "attention-bias f32 $device vs cpu f32 (guard $vs_f32): passed: $(echo "$judged" | head -1)"
 else
-  note "attention-bias f32 $device vs cpu f32 (guard $vs_f32): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
-  failures=$((failures + 1))
+  for against in cuda-replay cpu; do
+    [ "$against" = "$device" ] && continue
+    if judged=$("$harvester" compare "$work/bias-f32-$against" "$work/bias-f32-$device" --max-relative-error "$vs_f32" 2>&1); then
+      note "attention-bias f32 $device vs $against f32 (guard $vs_f32): passed: $(echo "$judged" | head -1)"
+    else
+      note "attention-bias f32 $device vs $against f32 (guard $vs_f32): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
+      failures=$((failures + 1))
+    fi
+  done
 fi
 fi
 
