@@ -390,6 +390,27 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
     note "$fixture $device vs replay, $precision (guard $guard): FAILED: $(echo "$fixture_vs" | head -2 | tr '\n' ' ')"
     failures=$((failures + 1))
   fi
+  # And against the CPU engine, which shares no kernel logic with the device: its bf16 mode
+  # (PARITY_SITES, the bf16 engines' spread), or for AFMoE, which the CPU runs in f32 only, its
+  # f32 mode, information only (a bf16 run reroutes a few tokens, docs/engine.md).
+  [ "$runs" = ok ] && [ "$device" != cpu ] || continue
+  cpu_precision=bf16; cpu_guard=$vs_sites
+  [ "$fixture" = tiny-afmoe-bf16 ] && cpu_precision=f32 && cpu_guard=1e9
+  if limited 120 "$harvester" run --device cpu --precision "$cpu_precision" \
+      --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
+      --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
+      --out "$work/$fixture-cpu" >/dev/null; then
+    if fixture_vs=$("$harvester" compare "$work/$fixture-cpu" "$work/$fixture-$device" \
+        --max-relative-error "$cpu_guard" 2>&1); then
+      note "$fixture $device vs cpu $cpu_precision (guard $cpu_guard): passed: $(echo "$fixture_vs" | head -1)"
+    else
+      note "$fixture $device vs cpu $cpu_precision (guard $cpu_guard): FAILED: $(echo "$fixture_vs" | head -2 | tr '\n' ' ')"
+      failures=$((failures + 1))
+    fi
+  else
+    note "$fixture: the cpu run FAILED"
+    failures=$((failures + 1))
+  fi
 done
 
 fi
