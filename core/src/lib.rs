@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod chat;
 pub mod clock;
 pub mod estimate;
 pub mod format;

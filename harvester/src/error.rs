@@ -115,6 +115,12 @@ pub enum Error {
         /// The library's complaint.
         reason: String,
     },
+    /// A conversation could not be rendered: no chat template, or the template refused it.
+    #[error("{reason}")]
+    Chat {
+        /// What is wrong, naming the conversation or the file, and what to do.
+        reason: String,
+    },
     /// A prompt that tokenizes to nothing cannot be harvested.
     #[error(
         "prompt {index} is empty after tokenization: give it some text, or keep add_special_tokens true"
@@ -311,6 +317,7 @@ impl Error {
             | Self::Gguf { .. }
             | Self::UnsupportedGgufType { .. }
             | Self::Tokenizer { .. }
+            | Self::Chat { .. }
             | Self::EmptyPrompt { .. }
             | Self::Layers(_)
             | Self::BadDirections { .. }

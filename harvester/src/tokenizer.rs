@@ -3,9 +3,16 @@
 //! `add_special_tokens` means exactly what it means in Hugging Face: the tokenizer's own
 //! post-processor decides what is added (BOS for Llama 3, nothing for SmolLM2). Prompts longer
 //! than the context window are cut to fit, and the cut is reported.
+//!
+//! A conversation is rendered by the checkpoint's chat template (`tokenizer_config.json`'s
+//! `chat_template`, written there for a GGUF import from its `tokenizer.chat_template`), then
+//! tokenized without special tokens, as transformers' `apply_chat_template(tokenize=True)`
+//! does, with exactly one BOS at the start wherever the model has one
+//! (`harvest_core::chat::bos_once`).
 
 use std::path::{Path, PathBuf};
 
+use harvest_core::chat::{ChatTemplate, Conversation, SpecialTokens, bos_once};
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
@@ -27,6 +34,10 @@ pub struct PromptTokenizer {
     path: PathBuf,
     max_tokens: usize,
     bos_id: Option<u32>,
+    /// The chat template, where the checkpoint has one.
+    chat: Option<ChatTemplate>,
+    /// Whether the tokenizer puts BOS before plain text (its post-processor).
+    adds_bos: bool,
 }
 
 impl PromptTokenizer {
@@ -44,13 +55,33 @@ impl PromptTokenizer {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let bos_id = bos_token(&dir.join("tokenizer_config.json"))
-            .and_then(|token| inner.token_to_id(&token));
+        let config_path = dir.join("tokenizer_config.json");
+        let config = tokenizer_config(&config_path);
+        let special = special_tokens(&config);
+        let bos_id = special
+            .bos
+            .as_deref()
+            .and_then(|token| inner.token_to_id(token));
+        let adds_bos = bos_id.is_some_and(|bos| {
+            inner
+                .encode_fast("a", true)
+                .is_ok_and(|e| e.get_ids().first() == Some(&bos))
+        });
+        let chat = match chat_template(&config) {
+            Some(source) => Some(
+                ChatTemplate::new(&source, special).map_err(|e| Error::Chat {
+                    reason: format!("{}: {e}", config_path.display()),
+                })?,
+            ),
+            None => None,
+        };
         Ok(Self {
             inner,
             path,
             max_tokens: max_tokens.max(1),
             bos_id,
+            chat,
+            adds_bos,
         })
     }
 
@@ -86,7 +117,45 @@ impl PromptTokenizer {
                 path: self.path.clone(),
                 reason: format!("prompt {index}: {e}"),
             })?;
+        self.cut(index, encoding.get_ids().to_vec())
+    }
+
+    /// Whether the checkpoint has a chat template, so conversations can run.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat.is_some()
+    }
+
+    /// Renders conversation `index` with the chat template and tokenizes it as
+    /// `apply_chat_template(tokenize=True)` does, BOS once. A checkpoint without a template,
+    /// or a template that refuses the conversation, is an error naming it.
+    pub fn encode_conversation(
+        &self,
+        index: usize,
+        conversation: &Conversation,
+    ) -> Result<Encoded> {
+        let chat = self.chat.as_ref().ok_or_else(|| Error::Chat {
+            reason: format!(
+                "the model has no chat template ({} names no chat_template), so it cannot run conversations: send prompts instead, rendered as the model expects them, or use a checkpoint with a chat template",
+                self.path.with_file_name("tokenizer_config.json").display()
+            ),
+        })?;
+        let text = chat.render(index, conversation).map_err(|e| Error::Chat {
+            reason: e.to_string(),
+        })?;
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                reason: format!("conversation {index}: {e}"),
+            })?;
         let mut ids = encoding.get_ids().to_vec();
+        bos_once(&mut ids, self.bos_id, self.adds_bos);
+        self.cut(index, ids)
+    }
+
+    /// `ids` of prompt `index` cut to the context window; none at all is an error.
+    fn cut(&self, index: usize, mut ids: Vec<u32>) -> Result<Encoded> {
         if ids.is_empty() {
             return Err(Error::EmptyPrompt { index });
         }
@@ -112,13 +181,43 @@ impl PromptTokenizer {
     }
 }
 
-/// The `bos_token` of a `tokenizer_config.json`, in either its string or its object form.
-fn bos_token(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
-    match config.get("bos_token")? {
+/// A `tokenizer_config.json`, or nothing where it is absent or unreadable.
+fn tokenizer_config(path: &Path) -> serde_json::Value {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// A special token of a `tokenizer_config.json` (`bos_token`, ...), in either its string or
+/// its object form.
+fn special_token(config: &serde_json::Value, name: &str) -> Option<String> {
+    match config.get(name)? {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// The special tokens a chat template may name.
+fn special_tokens(config: &serde_json::Value) -> SpecialTokens {
+    SpecialTokens {
+        bos: special_token(config, "bos_token"),
+        eos: special_token(config, "eos_token"),
+        unk: special_token(config, "unk_token"),
+        pad: special_token(config, "pad_token"),
+    }
+}
+
+/// The chat template of a `tokenizer_config.json`: its `chat_template` string, or from a list
+/// of named templates the one named `default`, as transformers picks it.
+fn chat_template(config: &serde_json::Value) -> Option<String> {
+    match config.get("chat_template")? {
+        serde_json::Value::String(source) => Some(source.clone()),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
         _ => None,
     }
 }

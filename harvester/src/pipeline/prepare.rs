@@ -7,10 +7,11 @@ use harvest_core::plan::shard_count;
 use harvest_core::{HarvestPlan, ResolvedPlan};
 use rayon::prelude::*;
 
+use super::prompts::{self, Corpus};
 use super::result::RunResult;
 use super::shard::ShardRecord;
 use super::store::{S3Config, Store};
-use super::{RunOptions, directions, fingerprint, prompts, resume};
+use super::{RunOptions, directions, fingerprint, resume};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::projection::Directions;
@@ -34,6 +35,32 @@ pub(super) struct Ready {
     pub(super) resumed: BTreeMap<usize, ShardRecord>,
 }
 
+/// Tokenizes every item of `corpus`: prompts as they are (with the tokenizer's special tokens
+/// where `add_special_tokens`), conversations rendered by the model's chat template, which
+/// writes their special tokens itself (`add_special_tokens: false` is refused for them, since
+/// it would not mean what it means for prompts).
+fn encode_corpus(
+    corpus: &Corpus,
+    tokenizer: &PromptTokenizer,
+    add_special_tokens: bool,
+) -> Result<Vec<Encoded>> {
+    match corpus {
+        Corpus::Texts(texts) => texts
+            .par_iter()
+            .enumerate()
+            .map(|(i, text)| tokenizer.encode(i, text, add_special_tokens))
+            .collect(),
+        Corpus::Conversations(_) if !add_special_tokens => Err(Error::Chat {
+            reason: "add_special_tokens: false applies to prompts; a conversation's special tokens are its chat template's, with one BOS: leave add_special_tokens out for conversations".into(),
+        }),
+        Corpus::Conversations(conversations) => conversations
+            .par_iter()
+            .enumerate()
+            .map(|(i, conversation)| tokenizer.encode_conversation(i, conversation))
+            .collect(),
+    }
+}
+
 /// Reads the inputs, resolves the plan against the model, tokenizes the corpus and finds what
 /// an earlier run of the same plan left. Bad input fails here, before any output is written.
 pub(super) fn prepare(
@@ -44,7 +71,7 @@ pub(super) fn prepare(
     let store = Store::open(&plan.output, &options.s3)?;
     let (prompt_name, prompt_bytes) =
         runtime.block_on(read_object(&plan.prompts, "prompts", &options.s3))?;
-    let prompts = prompts::parse_prompts(&prompt_name, &prompt_bytes)?;
+    let corpus = prompts::parse_corpus(&prompt_name, &prompt_bytes)?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
     let plan = plan.clone().resolve(&config.shape())?;
     let directions = match &plan.project_onto {
@@ -71,12 +98,8 @@ pub(super) fn prepare(
         tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
         return Ok(Prepared::Finished(result));
     }
-    let encoded: Vec<Encoded> = prompts
-        .par_iter()
-        .enumerate()
-        .map(|(i, text)| tokenizer.encode(i, text, plan.options.add_special_tokens))
-        .collect::<Result<_>>()?;
-    drop(prompts);
+    let encoded = encode_corpus(&corpus, &tokenizer, plan.options.add_special_tokens)?;
+    drop(corpus);
     check_token_budget(&encoded, options.token_budget)?;
     let truncated = encoded
         .iter()
