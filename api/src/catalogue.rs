@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use harvest_core::chat::{ChatTemplate, from_tokenizer_config};
 use harvest_core::{ModelShape, ServedModel};
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +21,11 @@ pub struct CatalogueModel {
     pub path: PathBuf,
     /// Its tokenizer, for counting.
     pub tokenizer: Arc<tokenizers::Tokenizer>,
+    /// Its chat template, for conversations; or why it takes none.
+    pub chat: Result<Arc<ChatTemplate>, String>,
+    /// Its BOS id in the tokenizer, and whether the tokenizer puts BOS before plain text: what
+    /// leaves a conversation one BOS (`harvest_core::chat::bos_once`).
+    pub tokenizer_bos: Option<(u32, bool)>,
     /// Its context window.
     pub max_tokens: usize,
     /// Its Hugging Face architecture class (what a manifest names).
@@ -160,6 +166,32 @@ impl Catalogue {
                 tokenizer_path.display()
             ))
         })?;
+        let config_path = model.path.join("tokenizer_config.json");
+        let tokenizer_config = std::fs::read_to_string(&config_path)
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .unwrap_or(serde_json::Value::Null);
+        let (template, special) = from_tokenizer_config(&tokenizer_config);
+        let tokenizer_bos = special
+            .bos
+            .as_deref()
+            .and_then(|token| tokenizer.token_to_id(token))
+            .map(|bos| {
+                let adds = tokenizer
+                    .encode_fast("a", true)
+                    .is_ok_and(|e| e.get_ids().first() == Some(&bos));
+                (bos, adds)
+            });
+        let chat = match template {
+            None => Err(format!(
+                "model {} has no chat template ({} names no chat_template), so it takes no conversations: send prompts, rendered as the model expects them",
+                model.name,
+                config_path.display()
+            )),
+            Some(source) => ChatTemplate::new(&source, special)
+                .map(Arc::new)
+                .map_err(|e| format!("model {}: {e}, so it takes no conversations", model.name)),
+        };
         let served = ServedModel {
             name: model.name.clone(),
             shape: ModelShape {
@@ -172,6 +204,8 @@ impl Catalogue {
             model: served,
             path: model.path.clone(),
             tokenizer: Arc::new(tokenizer),
+            chat,
+            tokenizer_bos,
             max_tokens: shape.max_position_embeddings,
             architecture: shape.architectures.first().cloned().unwrap_or_default(),
             devices: model.devices,

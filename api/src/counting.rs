@@ -55,6 +55,9 @@ pub enum Counted {
 pub struct CountOptions<'a> {
     /// Whether the tokenizer adds its special tokens.
     pub add_special_tokens: bool,
+    /// For conversations: the BOS id, and whether the tokenizer puts one before plain text;
+    /// each is left one BOS (`harvest_core::chat::bos_once`).
+    pub bos_once: Option<(u32, bool)>,
     /// The context window each prompt is cut to.
     pub max_tokens: u64,
     /// Stop once the corpus is known to hold more tokens than this.
@@ -73,6 +76,7 @@ pub fn count(
 ) -> Result<Counted, tokenizers::Error> {
     let CountOptions {
         add_special_tokens,
+        bos_once,
         max_tokens,
         cap,
         selection,
@@ -97,16 +101,20 @@ pub fn count(
         let encodings = tokenizer.encode_batch_fast(inputs, add_special_tokens)?;
         for (offset, encoding) in encodings.iter().enumerate() {
             let index = chunk_index * COUNT_CHUNK + offset;
-            let n = (encoding.len() as u64).min(max_tokens);
+            let mut ids = std::borrow::Cow::Borrowed(encoding.get_ids());
+            if let Some((bos, adds_bos)) = bos_once {
+                harvest_core::chat::bos_once(ids.to_mut(), Some(bos), adds_bos);
+            }
+            let n = (ids.len() as u64).min(max_tokens);
             if n == 0 {
                 return Ok(Counted::Empty { index });
             }
-            if (encoding.len() as u64) > max_tokens {
-                counts.truncated.push((index, encoding.len()));
+            if (ids.len() as u64) > max_tokens {
+                counts.truncated.push((index, ids.len()));
             }
             counts.per_prompt.push(n as usize);
             if let (Some(rules), Some(kept)) = (selection, counts.kept.as_mut()) {
-                let ids = &encoding.get_ids()[..n as usize];
+                let ids = &ids[..n as usize];
                 let (n_kept, dropped) =
                     rules.count(index, ids.iter().map(|id| special.contains(id)));
                 kept.push(n_kept);
@@ -134,6 +142,7 @@ mod tests {
     fn options(max_tokens: u64, cap: u64) -> CountOptions<'static> {
         CountOptions {
             add_special_tokens: true,
+            bos_once: None,
             max_tokens,
             cap,
             selection: None,

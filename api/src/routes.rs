@@ -96,7 +96,12 @@ pub(crate) async fn submit(
 ) -> Result<Response, ApiError> {
     let model = catalogue_model(&state, &request.model)?;
     let dry_run = request.dry_run.unwrap_or(false);
-    let submission = request.validate(&model.model)?;
+    let chat = model
+        .chat
+        .as_ref()
+        .map(AsRef::as_ref)
+        .map_err(String::as_str);
+    let submission = request.validate(&model.model, chat)?;
     if submission.parallelism > model.max_parallelism {
         return Err(ApiError::invalid(format!(
             "parallelism {} is above model {}'s cap of {}: use at most {}, or leave it out for one worker",
@@ -290,7 +295,11 @@ async fn count_within_timeout(
 ) -> Result<Counts, ApiError> {
     let tokenizer = Arc::clone(&model.tokenizer);
     let prompts = submission.prompts.clone();
-    let special = submission.options.add_special_tokens;
+    // A conversation is its template's rendering, tokenized without special tokens and left
+    // one BOS, as the worker tokenizes it.
+    let conversations = submission.conversations.is_some();
+    let special = submission.options.add_special_tokens && !conversations;
+    let bos_once = conversations.then_some(model.tokenizer_bos).flatten();
     let max_tokens = submission.options.max_tokens(model.max_tokens) as u64;
     let selection = submission.options.selection;
     let cancelled = Arc::new(AtomicBool::new(false));
@@ -298,6 +307,7 @@ async fn count_within_timeout(
     let counting = tokio::task::spawn_blocking(move || {
         let options = counting::CountOptions {
             add_special_tokens: special,
+            bos_once,
             max_tokens,
             cap: MAX_JOB_TOKENS,
             selection: (!selection.is_everything()).then_some(&selection),

@@ -4,6 +4,7 @@
 use std::num::NonZeroUsize;
 
 use base64::Engine;
+use harvest_core::chat::{ChatTemplate, Conversation, Message};
 use harvest_core::clock::UnixMillis;
 use harvest_core::layout::LayoutName;
 use harvest_core::lifecycle::JobStatus;
@@ -29,8 +30,20 @@ pub const MAX_BATCH_SIZE: usize = 4096;
 pub struct HarvestRequest {
     /// A model name from the catalogue.
     pub model: String,
-    /// 1 to 4,096 prompts.
-    pub prompts: Vec<String>,
+    /// 1 to 4,096 prompts (or, instead, `conversations`).
+    #[serde(default)]
+    pub prompts: Option<Vec<String>>,
+    /// Our extension, instead of `prompts`: 1 to 4,096 conversations, each a list of messages
+    /// `{"role": "system" | "user" | "assistant" | "tool", "content": "..."}`, rendered by the
+    /// model's own chat template and tokenized as transformers' `apply_chat_template` does,
+    /// with one BOS. A model without a chat template refuses them.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Vec<Object>>>, example = json!([[{"role": "user", "content": "What is a residual stream?"}, {"role": "assistant", "content": "The sum every block reads and writes."}]]))]
+    pub conversations: Option<Vec<Vec<Message>>>,
+    /// Our extension: with `conversations`, end each with the template's opening of the
+    /// assistant's next turn (default false).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
     /// A list of block indices, `"all"`, or omitted for the quartile default.
     #[serde(default)]
     #[schema(value_type = Option<Object>, example = json!([8, 16, 24]))]
@@ -130,8 +143,10 @@ fn no_compression() -> String {
 pub struct Submission {
     /// The model's catalogue name.
     pub model: String,
-    /// The prompts.
+    /// The prompts, or each conversation as its chat template renders it (what is counted).
     pub prompts: Vec<String>,
+    /// The conversations, where the job is of conversations: what the worker is handed.
+    pub conversations: Option<Vec<Conversation>>,
     /// What the job keeps and how it is cut, layers resolved.
     pub options: JobOptions,
     /// Directions as f32, `[n, hidden]` row-major, not yet normalised.
@@ -144,12 +159,30 @@ pub struct Submission {
     pub parallelism: usize,
 }
 
+impl Submission {
+    /// The inputs file the worker is handed: the prompts, or the conversations, which it
+    /// renders with the model's chat template as the count did.
+    pub fn inputs_jsonl(&self) -> String {
+        match &self.conversations {
+            Some(conversations) => harvest_core::worker::write_conversations_jsonl(conversations),
+            None => harvest_core::worker::write_prompts_jsonl(&self.prompts),
+        }
+    }
+}
+
 impl HarvestRequest {
-    /// Validates the request against the model's catalogue entry.
-    pub fn validate(self, model: &ServedModel) -> Result<Submission, ApiError> {
+    /// Validates the request against the model's catalogue entry, rendering its conversations
+    /// with `chat`, the model's template (or why it has none).
+    pub fn validate(
+        self,
+        model: &ServedModel,
+        chat: Result<&ChatTemplate, &str>,
+    ) -> Result<Submission, ApiError> {
         let Self {
             model: name,
             prompts,
+            conversations,
+            add_generation_prompt,
             layers,
             sites,
             shard_size,
@@ -168,6 +201,12 @@ impl HarvestRequest {
             parallelism,
             max_prompt_tokens,
         } = self;
+        let (prompts, conversations) = inputs(
+            prompts,
+            conversations,
+            (add_generation_prompt, add_special_tokens),
+            chat,
+        )?;
         check_prompt_count(prompts.len())?;
         if let Some(batch) = batch_size {
             bounded("batch_size", batch, MAX_BATCH_SIZE)?;
@@ -219,6 +258,7 @@ impl HarvestRequest {
         Ok(Submission {
             model: name,
             prompts,
+            conversations,
             options,
             directions,
             reserved_tokens,
@@ -226,6 +266,63 @@ impl HarvestRequest {
             parallelism,
         })
     }
+}
+
+/// The job's inputs: its prompts, or its conversations with each rendered by `chat` (what is
+/// counted), refusing both or neither, a conversation without messages, options that apply to
+/// the other kind, and conversations for a model without a template.
+#[allow(clippy::type_complexity)]
+fn inputs(
+    prompts: Option<Vec<String>>,
+    conversations: Option<Vec<Vec<Message>>>,
+    (add_generation_prompt, add_special_tokens): (Option<bool>, Option<bool>),
+    chat: Result<&ChatTemplate, &str>,
+) -> Result<(Vec<String>, Option<Vec<Conversation>>), ApiError> {
+    let conversations = match (prompts, conversations) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "send prompts or conversations, not both: one job holds one kind",
+            ));
+        }
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "prompts is missing: send 1 to 4096 prompts (or, our extension, conversations)",
+            ));
+        }
+        (Some(prompts), None) => {
+            if add_generation_prompt.is_some() {
+                return Err(ApiError::invalid(
+                    "add_generation_prompt applies to conversations: leave it out with prompts",
+                ));
+            }
+            return Ok((prompts, None));
+        }
+        (None, Some(conversations)) => conversations,
+    };
+    if add_special_tokens == Some(false) {
+        return Err(ApiError::invalid(
+            "add_special_tokens: false applies to prompts; a conversation's special tokens are its chat template's, with one BOS: leave add_special_tokens out with conversations",
+        ));
+    }
+    check_prompt_count(conversations.len())?;
+    let template = chat.map_err(ApiError::invalid)?;
+    let conversations: Vec<Conversation> = conversations
+        .into_iter()
+        .map(|messages| Conversation {
+            messages,
+            add_generation_prompt: add_generation_prompt.unwrap_or(false),
+        })
+        .collect();
+    let rendered = conversations
+        .iter()
+        .enumerate()
+        .map(|(index, conversation)| {
+            template
+                .render(index, conversation)
+                .map_err(|e| ApiError::invalid(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((rendered, Some(conversations)))
 }
 
 /// The processes a job runs in: 1 to [`MAX_PARALLELISM`], at most its `shards`, and 1 with the
@@ -672,10 +769,99 @@ mod tests {
         }
     }
 
-    fn parse(json: serde_json::Value) -> Result<Submission, ApiError> {
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    fn parse_with(
+        json: serde_json::Value,
+        chat: Result<&ChatTemplate, &str>,
+    ) -> Result<Submission, ApiError> {
         let request: HarvestRequest =
             serde_json::from_value(json).map_err(|e| ApiError::invalid(e.to_string()))?;
-        request.validate(&model())
+        request.validate(&model(), chat)
+    }
+
+    fn parse(json: serde_json::Value) -> Result<Submission, ApiError> {
+        parse_with(json, Err("model smollm2-135m has no chat template"))
+    }
+
+    #[test]
+    fn conversations_are_rendered_by_the_model_s_template_and_counted_as_rendered() {
+        let template =
+            ChatTemplate::new(CHATML, harvest_core::chat::SpecialTokens::default()).unwrap();
+        let chat = Ok(&template);
+        let submission = parse_with(
+            serde_json::json!({"model": "m", "add_generation_prompt": true, "conversations": [
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                [{"role": "user", "content": "Again"}]]}),
+            chat,
+        )
+        .unwrap();
+        assert_eq!(
+            submission.prompts[1],
+            "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let conversations = submission.conversations.as_ref().unwrap();
+        assert!(conversations.iter().all(|c| c.add_generation_prompt));
+        assert_eq!(conversations[0].messages.len(), 2);
+        // The reservation bounds the rendered text, markup included.
+        let rendered: u64 = submission.prompts.iter().map(|p| p.len() as u64 + 1).sum();
+        assert_eq!(submission.reserved_tokens, rendered);
+    }
+
+    #[test]
+    fn a_bad_mix_of_prompts_and_conversations_or_their_options_is_named() {
+        let template =
+            ChatTemplate::new(CHATML, harvest_core::chat::SpecialTokens::default()).unwrap();
+        let chat = || Ok(&template);
+        let one = serde_json::json!([[{"role": "user", "content": "x"}]]);
+        let cases = [
+            (
+                serde_json::json!({"model": "m", "prompts": ["a"], "conversations": one}),
+                "not both",
+            ),
+            (serde_json::json!({"model": "m"}), "prompts is missing"),
+            (
+                serde_json::json!({"model": "m", "prompts": ["a"], "add_generation_prompt": true}),
+                "add_generation_prompt applies to conversations",
+            ),
+            (
+                serde_json::json!({"model": "m", "conversations": one, "add_special_tokens": false}),
+                "add_special_tokens: false applies to prompts",
+            ),
+            (
+                serde_json::json!({"model": "m", "conversations": [[]]}),
+                "conversation 0 has no messages",
+            ),
+        ];
+        for (body, words) in cases {
+            let error = parse_with(body, chat()).unwrap_err().to_string();
+            assert!(error.contains(words), "{words}: {error}");
+        }
+        let error = parse(serde_json::json!({"model": "m", "conversations": one}))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("has no chat template"), "{error}");
+        let error = serde_json::from_value::<HarvestRequest>(serde_json::json!(
+            {"model": "m", "conversations": [[{"role": "narrator", "content": "x"}]]}
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("narrator"), "{error}");
+        let refusing = ChatTemplate::new(
+            "{{ raise_exception('Conversation roles must alternate') }}",
+            harvest_core::chat::SpecialTokens::default(),
+        )
+        .unwrap();
+        let error = parse_with(
+            serde_json::json!({"model": "m", "conversations": [[{"role": "user", "content": "x"}], [{"role": "user", "content": "y"}]]}),
+            Ok(&refusing),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("conversation 0") && error.contains("roles must alternate"),
+            "{error}"
+        );
     }
 
     fn b64(bytes: &[u8]) -> String {

@@ -10,7 +10,7 @@ mod suite;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{Value, json};
 use suite::*;
 
 fn write_config(dir: &Path, port: u16, max_workers: usize) -> PathBuf {
@@ -22,7 +22,7 @@ fn write_config_with(
     dir: &Path,
     port: u16,
     max_workers: usize,
-    extra: serde_json::Value,
+    extra: Value,
 ) -> PathBuf {
     let mut config = json!({
         "data_dir": dir.join("data"),
@@ -146,7 +146,7 @@ fn an_account_taken_out_of_the_configuration_gets_401_after_a_restart() {
     let models = format!("{}/v1/models", server.base);
     assert_eq!(request("GET", &models, &key, None).0, 200);
     drop(server);
-    let mut edited: serde_json::Value =
+    let mut edited: Value =
         serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     edited["accounts"] = json!([{"name": "acme"}]);
     std::fs::write(&config, edited.to_string()).unwrap();
@@ -399,7 +399,7 @@ fn a_client_that_never_finishes_its_headers_is_disconnected() {
 }
 
 /// Every file of a done job (manifest, stats, shards), fetched through its links.
-fn job_files(job: &serde_json::Value) -> Vec<Vec<u8>> {
+fn job_files(job: &Value) -> Vec<Vec<u8>> {
     let result = &job["result"];
     let mut urls = vec![result["manifest_url"].clone(), result["stats_url"].clone()];
     urls.extend(result["shard_urls"].as_array().unwrap().iter().cloned());
@@ -548,4 +548,77 @@ fn a_running_jobs_ready_shards_download_as_the_bytes_the_finished_job_lists() {
     assert!(why.contains("shuffled layout"), "{why}");
     partial_refusals(&server, &key, &id);
     wait_for(&server, &key, &id, |j| j["status"] == "done");
+}
+
+/// The reference conversations and SmolLM2's token ids for them, as transformers'
+/// `apply_chat_template` makes them (`scripts/reference/make_chat_fixtures.py`).
+fn chat_reference() -> (Vec<Value>, Vec<Vec<u32>>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../harvester/tests/fixtures/chat/reference.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases: Vec<&Value> = reference["families"]["smollm2"]["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|case| case["add_generation_prompt"] == true)
+        .collect();
+    let conversations = cases
+        .iter()
+        .map(|case| {
+            reference["conversations"][case["conversation"].as_u64().unwrap() as usize].clone()
+        })
+        .collect();
+    let ids = cases
+        .iter()
+        .map(|case| serde_json::from_value(case["ids"].clone()).unwrap())
+        .collect();
+    (conversations, ids)
+}
+
+#[test]
+fn a_job_of_conversations_counts_and_harvests_the_chat_template_s_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start(&write_config(dir.path(), port, 1), port);
+    let key = create_key(&server.config, "acme");
+    let (conversations, expected) = chat_reference();
+    let url = format!("{}/v1/harvest", server.base);
+    let body = json!({"model": "smollm2-135m", "conversations": conversations,
+                      "add_generation_prompt": true, "layers": [3], "shard_size": 8});
+    let mut dry = body.clone();
+    dry["dry_run"] = json!(true);
+    let (status, counted) = request("POST", &url, &key, Some(dry));
+    assert_eq!(status, 200, "{counted}");
+    let tokens: u64 = expected.iter().map(|ids| ids.len() as u64).sum();
+    assert_eq!(
+        counted["tokens"], tokens,
+        "the count is of the template's tokens: {counted}"
+    );
+    assert_eq!(counted["n_prompts"], expected.len());
+    let job = submit_ok(&server, &key, body);
+    let done = long_poll_done(&server, &key, &job);
+    assert_eq!(done["result"]["tokens"], tokens, "{done}");
+    let shard = reqwest::blocking_get(done["result"]["shard_urls"][0].as_str().unwrap()).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&shard).unwrap();
+    for (prompt, ids) in expected.iter().enumerate() {
+        let tokens: Vec<u32> = tensors
+            .tensor(&format!("tokens_{prompt}"))
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert_eq!(&tokens, ids, "conversation {prompt}");
+    }
+    // A refusal names what to do: a role the seed API knows nothing of.
+    let (status, refused) = request(
+        "POST",
+        &url,
+        &key,
+        Some(
+            json!({"model": "smollm2-135m", "conversations": [[{"role": "narrator", "content": "x"}]]}),
+        ),
+    );
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.to_string().contains("narrator"), "{refused}");
 }

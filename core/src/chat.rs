@@ -97,6 +97,32 @@ pub struct SpecialTokens {
     pub pad: Option<String>,
 }
 
+/// What a `tokenizer_config.json` says of chat: its template (the `chat_template` string, or
+/// from a list of named templates the one named `default`, as transformers picks it) and the
+/// special tokens a template may name (each a string or an object with a `content`).
+pub fn from_tokenizer_config(config: &serde_json::Value) -> (Option<String>, SpecialTokens) {
+    let token = |name: &str| match config.get(name)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    };
+    let template = match config.get("chat_template") {
+        Some(serde_json::Value::String(source)) => Some(source.clone()),
+        Some(serde_json::Value::Array(named)) => named
+            .iter()
+            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+        _ => None,
+    };
+    let special = SpecialTokens {
+        bos: token("bos_token"),
+        eos: token("eos_token"),
+        unk: token("unk_token"),
+        pad: token("pad_token"),
+    };
+    (template, special)
+}
+
 /// A model's chat template, parsed once.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
@@ -349,6 +375,23 @@ mod tests {
             template.render(0, &conversation).unwrap(),
             "{\"a\": [1, \"é\"], \"b\": {\"c\": null}}|[\n  1\n]"
         );
+    }
+
+    #[test]
+    fn a_tokenizer_config_gives_its_template_and_special_tokens_in_either_form() {
+        let config = serde_json::json!({
+            "bos_token": {"content": "<s>", "lstrip": false},
+            "eos_token": "</s>",
+            "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+        });
+        let (template, special) = from_tokenizer_config(&config);
+        assert_eq!(template.as_deref(), Some("D"));
+        assert_eq!(special.bos.as_deref(), Some("<s>"));
+        assert_eq!(special.eos.as_deref(), Some("</s>"));
+        assert_eq!(special.pad, None);
+        let (template, _) = from_tokenizer_config(&serde_json::json!({"chat_template": "S"}));
+        assert_eq!(template.as_deref(), Some("S"));
+        assert_eq!(from_tokenizer_config(&serde_json::Value::Null).0, None);
     }
 
     #[test]

@@ -329,6 +329,17 @@ pub fn write_prompts_jsonl<S: AsRef<str>>(prompts: &[S]) -> String {
     out
 }
 
+/// The inputs file of a job of conversations: one `{"messages": [...], "add_generation_prompt":
+/// ...}` object per line, which the worker renders with the model's chat template.
+pub fn write_conversations_jsonl(conversations: &[crate::chat::Conversation]) -> String {
+    let mut out = String::new();
+    for conversation in conversations {
+        out.push_str(&serde_json::to_string(conversation).unwrap_or_default());
+        out.push('\n');
+    }
+    out
+}
+
 /// Reads a prompts JSONL file; blank lines are skipped, and an error names its line.
 pub fn read_prompts_jsonl(text: &str) -> Result<Vec<String>, PromptsLineError> {
     text.lines()

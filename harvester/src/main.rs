@@ -190,7 +190,9 @@ struct RunArgs {
     /// Checkpoint directory.
     #[arg(long, required_unless_present_any = ["plan", "plan_json"])]
     model: Option<String>,
-    /// Prompts: .jsonl ({"text": ...} per line), .json (list of strings) or .txt; path or s3://.
+    /// Prompts: .jsonl ({"text": ...} per line, or a conversation {"messages": [{"role": ...,
+    /// "content": ...}], "add_generation_prompt": false} per line, rendered by the model's chat
+    /// template), .json (list of strings) or .txt; path or s3://.
     #[arg(long, required_unless_present_any = ["plan", "plan_json"])]
     prompts: Option<String>,
     /// Layers to keep: a list such as 8,16,24, all, or quartiles (the default).

@@ -244,7 +244,7 @@ pub fn write(shape: Shape, dir: &Path, seed: u64) -> Result<u64> {
     write_variant(shape, Variant::default(), dir, seed)
 }
 
-/// [`write`] with `variant`'s additions.
+/// [`write()`] with `variant`'s additions.
 pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> Result<u64> {
     if shape.heads == 0
         || !shape.hidden.is_multiple_of(shape.heads)

@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use harvest_core::chat::{ChatTemplate, Conversation, SpecialTokens, bos_once};
+use harvest_core::chat::{ChatTemplate, Conversation, bos_once, from_tokenizer_config};
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
@@ -56,8 +56,7 @@ impl PromptTokenizer {
             reason: e.to_string(),
         })?;
         let config_path = dir.join("tokenizer_config.json");
-        let config = tokenizer_config(&config_path);
-        let special = special_tokens(&config);
+        let (template, special) = from_tokenizer_config(&tokenizer_config(&config_path));
         let bos_id = special
             .bos
             .as_deref()
@@ -67,7 +66,7 @@ impl PromptTokenizer {
                 .encode_fast("a", true)
                 .is_ok_and(|e| e.get_ids().first() == Some(&bos))
         });
-        let chat = match chat_template(&config) {
+        let chat = match template {
             Some(source) => Some(
                 ChatTemplate::new(&source, special).map_err(|e| Error::Chat {
                     reason: format!("{}: {e}", config_path.display()),
@@ -187,37 +186,4 @@ fn tokenizer_config(path: &Path) -> serde_json::Value {
         .ok()
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or(serde_json::Value::Null)
-}
-
-/// A special token of a `tokenizer_config.json` (`bos_token`, ...), in either its string or
-/// its object form.
-fn special_token(config: &serde_json::Value, name: &str) -> Option<String> {
-    match config.get(name)? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
-        _ => None,
-    }
-}
-
-/// The special tokens a chat template may name.
-fn special_tokens(config: &serde_json::Value) -> SpecialTokens {
-    SpecialTokens {
-        bos: special_token(config, "bos_token"),
-        eos: special_token(config, "eos_token"),
-        unk: special_token(config, "unk_token"),
-        pad: special_token(config, "pad_token"),
-    }
-}
-
-/// The chat template of a `tokenizer_config.json`: its `chat_template` string, or from a list
-/// of named templates the one named `default`, as transformers picks it.
-fn chat_template(config: &serde_json::Value) -> Option<String> {
-    match config.get("chat_template")? {
-        serde_json::Value::String(source) => Some(source.clone()),
-        serde_json::Value::Array(named) => named
-            .iter()
-            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
-            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
-        _ => None,
-    }
 }

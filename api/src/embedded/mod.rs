@@ -331,10 +331,7 @@ fn write_inputs(paths: &JobPaths, model: &Path, submission: &Submission) -> std:
     let input = paths.input();
     std::fs::create_dir_all(&input)?;
     let prompts = input.join("prompts.jsonl");
-    std::fs::write(
-        &prompts,
-        harvest_core::worker::write_prompts_jsonl(&submission.prompts),
-    )?;
+    std::fs::write(&prompts, submission.inputs_jsonl())?;
     let project_onto = match &submission.directions {
         Some((n, values)) => {
             let path = input.join("directions.npy");

@@ -580,7 +580,7 @@ impl KubeBackend {
     /// Writes a job's prompts (and directions) to storage; where the HarvestJob finds them.
     async fn store_inputs(&self, id: &str, submission: &Submission) -> Result<InputRef, ApiError> {
         let internal = |detail: String| ApiError::Internal { detail };
-        let lines = harvest_core::worker::write_prompts_jsonl(&submission.prompts);
+        let lines = submission.inputs_jsonl();
         self.storage
             .put_input(id, "prompts.jsonl", lines.into_bytes())
             .await

@@ -56,6 +56,34 @@ def _prompt_of(path: Path, where: str, value: Any) -> str:
     raise errors.HarvestError(f"{path} {where}: a {type(value).__name__}, not a string prompt")
 
 
+def read_conversations(path: Path) -> Optional[List[Any]]:
+    """The conversations of a JSONL file whose lines are ``{"messages": [...]}`` (as the
+    harvester reads them too), or None where its lines are prompts. A file of both is named."""
+    if path.suffix.lower() not in (".jsonl", ".ndjson"):
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    conversations, prompts = [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        if isinstance(value, dict) and "messages" in value:
+            if not isinstance(value["messages"], list):
+                raise errors.HarvestError(f"{path} line {number}: \"messages\" must be a list of {{\"role\", \"content\"}} messages")
+            conversations.append(value["messages"])
+        else:
+            prompts += 1
+        if conversations and prompts:
+            raise errors.HarvestError(f"{path} line {number}: the file mixes prompts and conversations (\"messages\"): give a job one kind")
+    return conversations or None
+
+
 def _jsonl(path: Path, text: str) -> List[str]:
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -140,7 +168,10 @@ def _slice(text: Optional[str]) -> Optional[List[int]]:
 
 
 def _submit(client: Client, args: argparse.Namespace) -> int:
-    prompts = read_prompts(Path(args.prompts))
+    conversations = read_conversations(Path(args.prompts))
+    prompts = None if conversations is not None else read_prompts(Path(args.prompts))
+    if args.add_generation_prompt and conversations is None:
+        raise errors.HarvestError("--add-generation-prompt applies to a file of conversations ({\"messages\": [...]} lines)")
     directions = None
     if args.project_onto:
         import numpy as np
@@ -165,6 +196,8 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         add_special_tokens=not args.no_special_tokens,
         project_onto=directions,
     )
+    if conversations is not None:
+        request.update(conversations=conversations, add_generation_prompt=True if args.add_generation_prompt else None)
     if args.dry_run:
         estimate = client.estimate(prompts, **request)
         if args.json:
@@ -179,7 +212,8 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         return 0
     job = client.submit(prompts, **request, retry=args.retry)
     if not args.json:
-        print(f"submitted {job.id} ({len(prompts)} prompts, {job.data.get('reserved_tokens')} tokens reserved)", file=sys.stderr)
+        count = f"{len(conversations)} conversations" if conversations is not None else f"{len(prompts)} prompts"
+        print(f"submitted {job.id} ({count}, {job.data.get('reserved_tokens')} tokens reserved)", file=sys.stderr)
     if args.wait or args.download:
         job.wait(progress=not args.json)
     if args.download:
@@ -307,7 +341,15 @@ def parser() -> argparse.ArgumentParser:
     commands.add_parser("models", help="list the models").set_defaults(run=_models)
 
     submit = commands.add_parser("submit", help="submit a prompt file as a job")
-    submit.add_argument("prompts", help="a .jsonl, .json or .txt file of prompts")
+    submit.add_argument(
+        "prompts",
+        help='a .jsonl, .json or .txt file of prompts, or a .jsonl of conversations ({"messages": [{"role": "user", "content": "..."}, ...]} per line)',
+    )
+    submit.add_argument(
+        "--add-generation-prompt",
+        action="store_true",
+        help="with conversations: end each with the chat template's opening of the assistant's turn",
+    )
     submit.add_argument("--model", required=True)
     submit.add_argument("--layers", help="block indices like 8,16,24, or all (default: the model's quartiles)")
     submit.add_argument(

@@ -148,27 +148,31 @@ class Client:
 
     def estimate(
         self,
-        prompts: Sequence[str],
-        model: str,
+        prompts: Optional[Sequence[str]] = None,
+        model: Optional[str] = None,
         layers: Layers = None,
         shard_size: Optional[int] = None,
         add_special_tokens: bool = True,
         project_onto: Any = None,
         *,
         sites: Optional[Sequence[str]] = None,
+        conversations: Optional[Sequence[Sequence[Dict[str, str]]]] = None,
+        add_generation_prompt: Optional[bool] = None,
         **selection: Any,
     ) -> Dict[str, Any]:
         """A dry run: what the job would be (``tokens``, ``kept_tokens``, ``files`` bytes per
-        kind, ``total_bytes``, ``estimated_seconds``), with no job made and no quota used."""
+        kind, ``total_bytes``, ``estimated_seconds``), with no job made and no quota used.
+        Takes ``conversations=`` instead of prompts, as :meth:`submit` does."""
         body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, None, sites)
+        body.update(_conversations(conversations, add_generation_prompt, "prompts" in body))
         body.update(_selection(selection))
         body["dry_run"] = True
         return self._json("POST", "/harvest", json=body)
 
     def submit(
         self,
-        prompts: Sequence[str],
-        model: str,
+        prompts: Optional[Sequence[str]] = None,
+        model: Optional[str] = None,
         layers: Layers = None,
         shard_size: Optional[int] = None,
         add_special_tokens: bool = True,
@@ -176,6 +180,8 @@ class Client:
         *,
         sites: Optional[Sequence[str]] = None,
         batch_size: Optional[int] = None,
+        conversations: Optional[Sequence[Sequence[Dict[str, str]]]] = None,
+        add_generation_prompt: Optional[bool] = None,
         retry: bool = False,
         retry_for: float = SUBMIT_RETRY_FOR_S,
         **selection: Any,
@@ -193,10 +199,15 @@ class Client:
         N harvester processes on the embedded server (the files are those of one);
         ``max_prompt_tokens=N`` cuts each prompt to its first N tokens before the forward pass.
         ``project_onto`` is a numpy array or torch tensor ``[n_directions, hidden]``; it is
-        checked and encoded here. With ``retry=True``, a 429 that clears by itself
+        checked and encoded here. Instead of prompts, ``conversations=`` takes a list of
+        conversations, each a list of ``{"role": "system" | "user" | "assistant" | "tool",
+        "content": "..."}`` messages, which the server renders with the model's own chat template
+        (as transformers' ``apply_chat_template`` does, one BOS); ``add_generation_prompt=True``
+        ends each with the opening of the assistant's next turn. With ``retry=True``, a 429 that clears by itself
         (``harvest_count_busy``, ``harvest_concurrency_exceeded``) is retried after its
         ``Retry-After`` for up to ``retry_for`` seconds; nothing else is retried."""
         body = self._body(prompts, model, layers, shard_size, add_special_tokens, project_onto, batch_size, sites)
+        body.update(_conversations(conversations, add_generation_prompt, "prompts" in body))
         body.update(_selection(selection))
         deadline = time.monotonic() + retry_for
         while True:
@@ -210,8 +221,8 @@ class Client:
 
     def _body(
         self,
-        prompts: Sequence[str],
-        model: str,
+        prompts: Optional[Sequence[str]],
+        model: Optional[str],
         layers: Layers,
         shard_size: Optional[int],
         add_special_tokens: bool,
@@ -220,13 +231,17 @@ class Client:
         sites: Optional[Sequence[str]] = None,
     ) -> Dict[str, Any]:
         """The request body, checked and encoded here (before anything is sent)."""
-        if isinstance(prompts, (str, bytes)):
-            raise TypeError("prompts must be a list of strings, not one string: wrap it as [prompt]")
-        prompts = list(prompts)
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompts[{i}] is a {type(prompt).__name__}: every prompt must be a string")
-        body: Dict[str, Any] = {"model": model, "prompts": prompts}
+        if not isinstance(model, str) or not model:
+            raise TypeError("model is missing: name a model of the server's catalogue, e.g. model=\"llama-8b\"")
+        body: Dict[str, Any] = {"model": model}
+        if prompts is not None:
+            if isinstance(prompts, (str, bytes)):
+                raise TypeError("prompts must be a list of strings, not one string: wrap it as [prompt]")
+            prompts = list(prompts)
+            for i, prompt in enumerate(prompts):
+                if not isinstance(prompt, str):
+                    raise TypeError(f"prompts[{i}] is a {type(prompt).__name__}: every prompt must be a string")
+            body["prompts"] = prompts
         if layers is not None:
             body["layers"] = layers if isinstance(layers, str) else [int(layer) for layer in layers]
         if sites is not None:
@@ -243,6 +258,48 @@ class Client:
             entry = self._model(model)
             body["project_onto"] = encode_directions(project_onto, entry.get("hidden_size") if entry else None)
         return body
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _conversations(
+    conversations: Optional[Sequence[Sequence[Dict[str, str]]]],
+    add_generation_prompt: Optional[bool],
+    has_prompts: bool,
+) -> Dict[str, Any]:
+    """The request's ``conversations`` (checked here: each a list of role/content messages)
+    and ``add_generation_prompt``; prompts or conversations, exactly one."""
+    if conversations is None:
+        if not has_prompts:
+            raise TypeError("give prompts (a list of strings) or conversations= (a list of message lists)")
+        if add_generation_prompt is not None:
+            raise TypeError("add_generation_prompt applies to conversations=, not to prompts")
+        return {}
+    if has_prompts:
+        raise TypeError("give prompts or conversations=, not both: one job holds one kind")
+    if isinstance(conversations, (str, bytes, dict)):
+        raise TypeError("conversations must be a list of conversations, each a list of {\"role\", \"content\"} messages")
+    checked = []
+    for i, conversation in enumerate(conversations):
+        if isinstance(conversation, (str, bytes, dict)):
+            raise TypeError(f"conversations[{i}] is a {type(conversation).__name__}: each conversation is a list of messages")
+        messages = []
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or set(message) != {"role", "content"}:
+                raise TypeError(f"conversations[{i}][{j}] must be a dict with exactly \"role\" and \"content\"")
+            if message["role"] not in ROLES:
+                raise ValueError(f"conversations[{i}][{j}]: role {message['role']!r} is not one of {', '.join(ROLES)}")
+            if not isinstance(message["content"], str):
+                raise TypeError(f"conversations[{i}][{j}]: content is a {type(message['content']).__name__}, not a string")
+            messages.append({"role": message["role"], "content": message["content"]})
+        if not messages:
+            raise ValueError(f"conversations[{i}] has no messages: give each at least one")
+        checked.append(messages)
+    body: Dict[str, Any] = {"conversations": checked}
+    if add_generation_prompt is not None:
+        body["add_generation_prompt"] = bool(add_generation_prompt)
+    return body
 
 
 class Job:

@@ -122,3 +122,26 @@ def test_progress_reads_as_the_weights_being_read_then_as_prompts_done():
     running = {"phase": "running", "prompts_done": 3, "prompts_total": 8, "tokens_done": 90}
     assert describe_progress(running) == "3/8 prompts, 90 tokens"
     assert describe_progress({"prompts_done": 1, "prompts_total": 2, "tokens_done": 5}) == "1/2 prompts, 5 tokens"
+
+
+def test_submit_takes_a_jsonl_file_of_conversations_with_the_generation_prompt(server, tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "What is a probe?"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And an SAE?"}]},
+    ]
+    chats.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    dry = json.loads(harvest(server, "--json", "submit", str(chats), "--model", MODEL, "--add-generation-prompt", "--dry-run").stdout)
+    assert dry["n_prompts"] == 2 and dry["tokens"] > 0
+    done = harvest(server, "--json", "submit", str(chats), "--model", MODEL, "--layers", "3", "--add-generation-prompt", "--wait")
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout)
+    assert job["status"] == "done" and job["tokens"] == dry["tokens"]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps(lines[0]) + "\n")
+    refused = harvest(server, "submit", str(mixed), "--model", MODEL)
+    assert refused.returncode != 0 and "mixes prompts and conversations" in refused.stderr
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    refused = harvest(server, "submit", str(prompts), "--model", MODEL, "--add-generation-prompt")
+    assert refused.returncode != 0 and "--add-generation-prompt applies to a file of conversations" in refused.stderr

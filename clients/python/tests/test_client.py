@@ -367,3 +367,36 @@ def test_a_bf16_job_says_so_in_its_manifest_and_stays_close_to_f32(client, tmp_p
     _, bf16 = runs["bf16"].prompt(0)
     error = np.linalg.norm(bf16 - f32, axis=-1) / np.linalg.norm(f32, axis=-1)
     assert 0 < np.median(error) < 2e-2, np.median(error)
+
+
+def chat_reference():
+    """SmolLM2's conversations and their token ids as transformers' apply_chat_template makes
+    them (harvester/tests/fixtures/chat/reference.json)."""
+    path = Path(__file__).resolve().parents[3] / "harvester/tests/fixtures/chat/reference.json"
+    reference = json.loads(path.read_text())
+    cases = [c for c in reference["families"]["smollm2"]["cases"] if c["add_generation_prompt"]]
+    return [reference["conversations"][c["conversation"]] for c in cases], [c["ids"] for c in cases]
+
+
+def test_conversations_submitted_are_harvested_as_the_chat_template_tokenizes_them(client, tmp_path):
+    conversations, expected = chat_reference()
+    estimate = client.estimate(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3])
+    assert estimate["tokens"] == sum(len(ids) for ids in expected)
+    job = client.submit(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3]).wait(progress=False)
+    assert job.status == "done", job.error
+    job.download(tmp_path)
+    reader = job.open(tmp_path)
+    assert len(reader) == len(expected)
+    for i, ids in enumerate(expected):
+        assert reader.tokens(i).tolist() == ids
+
+
+def test_bad_conversations_are_refused_before_anything_is_sent(client):
+    with pytest.raises(ValueError, match=r"conversations\[0\]\[0\]: role 'narrator'"):
+        client.submit(conversations=[[{"role": "narrator", "content": "x"}]], model=MODEL)
+    with pytest.raises(TypeError, match="not both"):
+        client.submit(["a"], MODEL, conversations=[[{"role": "user", "content": "x"}]])
+    with pytest.raises(TypeError, match="add_generation_prompt applies to conversations"):
+        client.submit(["a"], MODEL, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="has no messages"):
+        client.estimate(conversations=[[]], model=MODEL)
