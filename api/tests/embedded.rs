@@ -18,12 +18,7 @@ fn write_config(dir: &Path, port: u16, max_workers: usize) -> PathBuf {
 }
 
 /// The test configuration with `extra`'s keys added (or replaced).
-fn write_config_with(
-    dir: &Path,
-    port: u16,
-    max_workers: usize,
-    extra: Value,
-) -> PathBuf {
+fn write_config_with(dir: &Path, port: u16, max_workers: usize, extra: Value) -> PathBuf {
     let mut config = json!({
         "data_dir": dir.join("data"),
         "harvester": harvester(),

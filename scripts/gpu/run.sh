@@ -45,6 +45,26 @@ steps=${STEPS:-all}
 # Whether step $1 runs: STEPS names it, or names none.
 wanted() { [ "$steps" = all ] || [[ ",$steps," == *",$1,"* ]]; }
 note() { echo "$*" | tee -a "$summary"; }
+# One summary line LABEL: CANDIDATE against REFERENCE with `harvester compare` at GUARD.
+judge() {
+  local label=$1 guard=$2 reference=$3 candidate=$4 judged
+  if judged=$("$harvester" compare "$reference" "$candidate" --max-relative-error "$guard" 2>&1); then
+    note "$label (guard $guard): passed: $(echo "$judged" | head -1)"
+  else
+    note "$label (guard $guard): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+}
+# One summary line LABEL: whether two runs wrote the same bytes (every file but result.json).
+same_bytes() {
+  local label=$1 reference=$2 candidate=$3 differs
+  if differs=$(diff -rq --exclude=result.json "$reference" "$candidate" 2>&1); then
+    note "$label: the same bytes"
+  else
+    note "$label: FAILED: $(echo "$differs" | head -3 | tr '\n' ' ')"
+    failures=$((failures + 1))
+  fi
+}
 step() { echo; echo "== $* ($(date +%T))"; }
 failures=0
 # Runs "$@" under a time limit of $1 seconds, or what is left of the window's deadline if that
@@ -238,12 +258,7 @@ if [ "$device" != cpu ] && wanted variants && parity_run; then
     if (export "$variant"; limited 120 "$harvester" run --device "$device" --precision bf16 \
       --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
       --progress off --out "$work/candidate-$variant" >/dev/null); then
-      if judged=$("$harvester" compare "$candidate" "$work/candidate-$variant" --max-relative-error "$guard" 2>&1); then
-        note "$variant (guard $guard): passed: $(echo "$judged" | head -1)"
-      else
-        note "$variant (guard $guard): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
-        failures=$((failures + 1))
-      fi
+      judge "$variant" "$guard" "$candidate" "$work/candidate-$variant"
     else
       note "$variant: the run FAILED"
       failures=$((failures + 1))
@@ -400,13 +415,7 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
       --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
       --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
       --out "$work/$fixture-cpu" >/dev/null; then
-    if fixture_vs=$("$harvester" compare "$work/$fixture-cpu" "$work/$fixture-$device" \
-        --max-relative-error "$cpu_guard" 2>&1); then
-      note "$fixture $device vs cpu $cpu_precision (guard $cpu_guard): passed: $(echo "$fixture_vs" | head -1)"
-    else
-      note "$fixture $device vs cpu $cpu_precision (guard $cpu_guard): FAILED: $(echo "$fixture_vs" | head -2 | tr '\n' ' ')"
-      failures=$((failures + 1))
-    fi
+    judge "$fixture $device vs cpu $cpu_precision" "$cpu_guard" "$work/$fixture-cpu" "$work/$fixture-$device"
   else
     note "$fixture: the cpu run FAILED"
     failures=$((failures + 1))
@@ -458,12 +467,7 @@ stage_flags=(--pipeline-stages 2); [ "$device" = cpu ] || stage_flags+=(--stage-
 if [ -f "$candidate/manifest.json" ] && HARVEST_CUDA_STAGES=try CUDA_LAUNCH_BLOCKING=1 limited 180 "$harvester" run \
     --device "$device" --precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl" \
     --layers all --shard-size 4 --progress off "${stage_flags[@]}" --out "$work/staged" >/dev/null; then
-  if staged=$(diff -rq --exclude=result.json "$candidate" "$work/staged" 2>&1); then
-    note "2 stages on one $device vs 1: the same bytes"
-  else
-    note "2 stages on one $device vs 1: FAILED: $(echo "$staged" | head -3 | tr '\n' ' ')"
-    failures=$((failures + 1))
-  fi
+  same_bytes "2 stages on one $device vs 1" "$candidate" "$work/staged"
 else
   note "2 stages: the parity run or the staged run FAILED"
   failures=$((failures + 1))
@@ -473,12 +477,7 @@ eight_flags=(--pipeline-stages 8); [ "$device" = cpu ] || eight_flags+=(--stage-
 if HARVEST_CUDA_STAGES=try limited 240 "$harvester" run --device "$device" --precision bf16 \
     --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
     --progress off "${eight_flags[@]}" --out "$work/staged-8" >/dev/null; then
-  if staged=$(diff -rq --exclude=result.json "$candidate" "$work/staged-8" 2>&1); then
-    note "8 stages on one $device vs 1: the same bytes"
-  else
-    note "8 stages on one $device vs 1: FAILED: $(echo "$staged" | head -3 | tr '\n' ' ')"
-    failures=$((failures + 1))
-  fi
+  same_bytes "8 stages on one $device vs 1" "$candidate" "$work/staged-8"
 else
   note "8 stages: the run FAILED"
   failures=$((failures + 1))
@@ -512,12 +511,7 @@ for shape in window-128 heads-256 attention-bias; do
     [ "$against" = "$device" ] && continue
     guard=$vs_replay; [ "$against" = cpu ] && guard=$vs_sites
     [ "$device" = cpu ] && guard=1
-    if judged=$("$harvester" compare "$work/$shape-$against" "$work/$shape-$device" --max-relative-error "$guard" 2>&1); then
-      note "$shape $device vs $against, bf16 (guard $guard): passed: $(echo "$judged" | head -1)"
-    else
-      note "$shape $device vs $against, bf16 (guard $guard): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
-      failures=$((failures + 1))
-    fi
+    judge "$shape $device vs $against, bf16" "$guard" "$work/$shape-$against" "$work/$shape-$device"
   done
 done
 # The biases in the f32 mode: the bias joins the f32 product in place (add_bias). Against the
@@ -536,12 +530,7 @@ if [ "$bias_f32" != ok ]; then
 else
   for against in cuda-replay cpu; do
     [ "$against" = "$device" ] && continue
-    if judged=$("$harvester" compare "$work/bias-f32-$against" "$work/bias-f32-$device" --max-relative-error "$vs_f32" 2>&1); then
-      note "attention-bias f32 $device vs $against f32 (guard $vs_f32): passed: $(echo "$judged" | head -1)"
-    else
-      note "attention-bias f32 $device vs $against f32 (guard $vs_f32): FAILED: $(echo "$judged" | head -2 | tr '\n' ' ')"
-      failures=$((failures + 1))
-    fi
+    judge "attention-bias f32 $device vs $against f32" "$vs_f32" "$work/bias-f32-$against" "$work/bias-f32-$device"
   done
 fi
 fi

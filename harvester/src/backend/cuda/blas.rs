@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::error::CudaError;
-use super::libraries::{self, Purpose, entry_point};
+use super::symbols::entry_point;
 use crate::error::Result;
 
 /// `cudaDataType`: an element type of a GEMM's buffers.
@@ -164,16 +164,8 @@ pub struct Blas {
 }
 
 impl Blas {
-    /// A handle on `stream`'s context, its work on `stream`.
-    pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let loaded = libraries::loaded(Purpose::Run)?;
-        let api = &loaded
-            .cublas
-            .as_ref()
-            .ok_or_else(|| CudaError::Unavailable {
-                reason: "cuBLAS is not loaded".into(),
-            })?
-            .api;
+    /// A handle of cuBLAS `api` on `stream`'s context, its work on `stream`.
+    pub fn new(api: &'static CublasApi, stream: Arc<CudaStream>) -> Result<Self> {
         stream
             .context()
             .bind_to_thread()

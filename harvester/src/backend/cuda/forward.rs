@@ -302,7 +302,7 @@ impl<E: Activation> Device<E> {
         let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
         let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
-        let blas = Blas::new(stream.clone())?;
+        let blas = Blas::new(super::libraries::cublas()?, stream.clone())?;
         let staging = Staging::new(&context, std::env::var(UPLOAD_VARIABLE).ok().as_deref());
         let mut up = Uploader {
             stream: &stream,
@@ -628,7 +628,7 @@ pub fn gemm_rate(ordinal: usize, [m, n, k]: [usize; 3]) -> Result<f64> {
     super::probe(ordinal)?;
     let context = CudaContext::new(ordinal).map_err(driver)?;
     let stream = context.default_stream();
-    let blas = Blas::new(stream.clone())?;
+    let blas = Blas::new(super::libraries::cublas()?, stream.clone())?;
     let a = stream
         .clone_htod(&bf16_values(&random_values(m * k, 1)))
         .map_err(driver)?;

@@ -175,7 +175,8 @@ pub fn report(ordinal: usize) -> Result<CudaInfo> {
         total_bytes: total as u64,
         free_bytes: free as u64,
         kernels,
-        cublas: super::blas::Blas::new(context.default_stream())
+        cublas: libraries::cublas()
+            .and_then(|api| super::blas::Blas::new(api, context.default_stream()))
             .map(drop)
             .map_err(|e| e.to_string()),
         loaded_libraries: loaded_libraries(),

@@ -471,6 +471,17 @@ fn system_path(soname: &str) -> Option<PathBuf> {
         .find_map(|line| line.split("=>").nth(1).map(|p| PathBuf::from(p.trim())))
 }
 
+/// The cuBLAS of this process's libraries ([`loaded`] for a run on a GPU).
+pub fn cublas() -> Result<&'static CublasApi> {
+    let loaded = loaded(Purpose::Run)?;
+    loaded.cublas.as_ref().map(|l| &l.api).ok_or_else(|| {
+        CudaError::Unavailable {
+            reason: "cuBLAS is not loaded".into(),
+        }
+        .into()
+    })
+}
+
 /// The driver's CUDA version, where the driver library loads.
 pub fn driver_cuda() -> Option<CudaVersion> {
     if !super::driver_present() {
@@ -534,24 +545,6 @@ fn open<Api>(
         api,
         _library: library,
     })
-}
-
-/// Resolves `name` in `library` as a function pointer of type `T`.
-///
-/// # Safety
-/// `T` must be the function's type as its library declares it.
-#[allow(unsafe_code)]
-pub(super) unsafe fn entry_point<T: Copy>(
-    library: &libloading::Library,
-    name: &str,
-) -> std::result::Result<T, String> {
-    // SAFETY: the caller gives the declared type; the pointer is copied out and used only
-    // while the library stays loaded (it is kept with the pointer).
-    unsafe { library.get::<T>(name) }
-        .map(|symbol| *symbol)
-        .map_err(|e| {
-            format!("entry point {name} is missing ({e}): the library is too old or not NVIDIA's")
-        })
 }
 
 /// What `cuda-info` says of the libraries.

@@ -34,6 +34,7 @@ pub mod libraries;
 pub mod nvrtc;
 pub mod plan;
 pub mod replay;
+mod symbols;
 
 use std::path::PathBuf;
 

@@ -96,7 +96,7 @@ pub struct Compiled {
 impl NvrtcApi {
     /// Resolves every entry point in `library`, with its version (`major.minor`).
     pub fn resolve(library: &libloading::Library) -> Result<(Self, String), String> {
-        use super::libraries::entry_point;
+        use super::symbols::entry_point;
         // SAFETY: each type is the function's declaration in nvrtc.h, the same in CUDA 12 and
         // 13; `libraries` keeps the library loaded with these pointers.
         #[allow(unsafe_code)]
