@@ -25,7 +25,30 @@ pub enum Role {
     Tool,
 }
 
+/// The role id of a token the template writes itself (markup: headers, separators, BOS):
+/// `roles_i` holds it, or a message's [`Role::id`].
+pub const TEMPLATE_ROLE: u8 = 0;
+
+/// Each role id of `roles_i` and its name, as the manifest lists them.
+pub const ROLE_NAMES: [(u8, &str); 5] = [
+    (TEMPLATE_ROLE, "template"),
+    (1, "system"),
+    (2, "user"),
+    (3, "assistant"),
+    (4, "tool"),
+];
+
 impl Role {
+    /// The role's id in `roles_i` (see [`ROLE_NAMES`]).
+    pub fn id(self) -> u8 {
+        match self {
+            Self::System => 1,
+            Self::User => 2,
+            Self::Assistant => 3,
+            Self::Tool => 4,
+        }
+    }
+
     /// The role's name, as templates see it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -197,6 +220,122 @@ impl ChatTemplate {
             })
             .map_err(fail)
     }
+}
+
+/// A run of a rendered conversation's bytes with one role and turn: a message's content (its
+/// role, its index), or markup the template writes around message `turn` (the template's role;
+/// the generation prompt's turn is the message count).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    /// The bytes, in the rendered text.
+    pub bytes: std::ops::Range<usize>,
+    /// [`TEMPLATE_ROLE`] or a message's [`Role::id`].
+    pub role: u8,
+    /// The message it belongs to, from 0.
+    pub turn: u16,
+}
+
+impl ChatTemplate {
+    /// Renders conversation `index` and finds which bytes are which message's: the text is
+    /// rendered message by message (the first message, the first two, ...), each rendering a
+    /// prefix of the next, so message `i`'s part of the text is what its rendering adds; inside
+    /// that part, its content (as written, or trimmed where the template trims it) is its
+    /// role's and the rest the template's. A template whose renderings are not prefixes of each
+    /// other (it rewrites earlier turns as later ones come) is an error naming the turn.
+    pub fn spans(
+        &self,
+        index: usize,
+        conversation: &Conversation,
+    ) -> Result<(String, Vec<Span>), ChatError> {
+        let text = self.render(index, conversation)?;
+        let messages = &conversation.messages;
+        let mut spans = Vec::with_capacity(2 * messages.len() + 1);
+        let mut start = 0;
+        for (turn, message) in messages.iter().enumerate() {
+            let last = turn + 1 == messages.len();
+            let prefix = self.render_messages(
+                index,
+                &messages[..=turn],
+                last && conversation.add_generation_prompt,
+            )?;
+            let end = if last { text.len() } else { prefix.len() };
+            if !text.starts_with(&prefix) || end < start {
+                return Err(ChatError::Render {
+                    index,
+                    reason: format!(
+                        "the template renders message {turn} differently once later messages follow, so its tokens' roles cannot be told apart"
+                    ),
+                });
+            }
+            let turn_id = u16::try_from(turn).unwrap_or(u16::MAX);
+            let part = &text[start..end];
+            let content = [message.content.as_str(), message.content.trim()]
+                .into_iter()
+                .filter(|c| !c.is_empty())
+                .find_map(|c| part.find(c).map(|at| (start + at, start + at + c.len())));
+            match content {
+                Some((from, to)) => {
+                    spans.push(markup(start..from, turn_id));
+                    spans.push(Span {
+                        bytes: from..to,
+                        role: message.role.id(),
+                        turn: turn_id,
+                    });
+                    spans.push(markup(to..end, turn_id));
+                }
+                None => spans.push(markup(start..end, turn_id)),
+            }
+            start = end;
+        }
+        if conversation.add_generation_prompt {
+            // The generation prompt is what the last rendering added past its message's part.
+            let generation = self.render_messages(index, messages, false)?;
+            if let Some(last) = spans.iter_mut().rev().find(|s| s.role == TEMPLATE_ROLE)
+                && text.starts_with(&generation)
+                && last.bytes.end == text.len()
+                && last.bytes.start <= generation.len()
+            {
+                last.bytes.end = generation.len();
+                spans.push(markup(
+                    generation.len()..text.len(),
+                    u16::try_from(messages.len()).unwrap_or(u16::MAX),
+                ));
+            }
+        }
+        spans.retain(|s| !s.bytes.is_empty());
+        Ok((text, spans))
+    }
+}
+
+/// Markup of turn `turn` over `bytes`.
+fn markup(bytes: std::ops::Range<usize>, turn: u16) -> Span {
+    Span {
+        bytes,
+        role: TEMPLATE_ROLE,
+        turn,
+    }
+}
+
+/// Each token's role and turn, from its byte offsets in the rendered text: a token with any
+/// byte of a message's content is that message's (a word's leading space, or a newline merged
+/// into its last word, does not make it markup), any other the template's, of the turn its
+/// first byte falls in. A token the tokenizer adds outside the text (an empty span such as
+/// `(0, 0)`) is the template's, turn 0.
+pub fn token_roles(offsets: &[(usize, usize)], spans: &[Span]) -> (Vec<u8>, Vec<u16>) {
+    offsets
+        .iter()
+        .map(|&(from, to)| {
+            if to <= from {
+                return (TEMPLATE_ROLE, 0);
+            }
+            let content = spans
+                .iter()
+                .find(|s| s.role != TEMPLATE_ROLE && s.bytes.start < to && from < s.bytes.end);
+            content
+                .or_else(|| spans.iter().find(|s| s.bytes.contains(&from)))
+                .map_or((TEMPLATE_ROLE, 0), |s| (s.role, s.turn))
+        })
+        .unzip()
 }
 
 /// An error's message with its causes, as the template's author wrote it where they did.
@@ -392,6 +531,91 @@ mod tests {
         let (template, _) = from_tokenizer_config(&serde_json::json!({"chat_template": "S"}));
         assert_eq!(template.as_deref(), Some("S"));
         assert_eq!(from_tokenizer_config(&serde_json::Value::Null).0, None);
+    }
+
+    #[test]
+    fn each_byte_of_a_rendered_conversation_is_a_message_s_content_or_markup_of_its_turn() {
+        let template = ChatTemplate::new(CHATML, SpecialTokens::default()).unwrap();
+        let conversation = Conversation {
+            messages: vec![said(Role::User, "Hi"), said(Role::Assistant, "Hello")],
+            add_generation_prompt: true,
+        };
+        let (text, spans) = template.spans(0, &conversation).unwrap();
+        let pieces: Vec<(&str, u8, u16)> = spans
+            .iter()
+            .map(|s| (&text[s.bytes.clone()], s.role, s.turn))
+            .collect();
+        assert_eq!(
+            pieces,
+            [
+                (
+                    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n",
+                    TEMPLATE_ROLE,
+                    0
+                ),
+                ("Hi", Role::User.id(), 0),
+                // A message's closing markup is its turn's; the next one's opening, the next.
+                ("<|im_end|>\n", TEMPLATE_ROLE, 0),
+                ("<|im_start|>assistant\n", TEMPLATE_ROLE, 1),
+                ("Hello", Role::Assistant.id(), 1),
+                ("<|im_end|>\n", TEMPLATE_ROLE, 1),
+                ("<|im_start|>assistant\n", TEMPLATE_ROLE, 2),
+            ]
+        );
+        // The spans cover the text once, in order.
+        assert_eq!(spans.first().unwrap().bytes.start, 0);
+        assert_eq!(spans.last().unwrap().bytes.end, text.len());
+        assert!(spans.windows(2).all(|w| w[0].bytes.end == w[1].bytes.start));
+    }
+
+    #[test]
+    fn a_trimmed_content_is_still_its_role_s_and_a_token_with_any_content_byte_is_the_message_s() {
+        let source =
+            "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        let conversation = Conversation {
+            messages: vec![said(Role::System, "  be brief  "), said(Role::User, "ok")],
+            add_generation_prompt: false,
+        };
+        let (text, spans) = template.spans(0, &conversation).unwrap();
+        assert_eq!(text, "[system] be brief\n[user] ok\n");
+        let content: Vec<&str> = spans
+            .iter()
+            .filter(|s| s.role != TEMPLATE_ROLE)
+            .map(|s| &text[s.bytes.clone()])
+            .collect();
+        assert_eq!(content, ["be brief", "ok"]);
+        // Tokens: "[system]", " be", " brief", "\n[user]", " ok", and an added BOS (0, 0).
+        let offsets = [(0, 8), (8, 11), (11, 17), (17, 24), (24, 27), (0, 0)];
+        let (roles, turns) = token_roles(&offsets, &spans);
+        assert_eq!(
+            roles,
+            [
+                0,
+                Role::System.id(),
+                Role::System.id(),
+                0,
+                Role::User.id(),
+                0
+            ]
+        );
+        assert_eq!(turns, [0, 0, 0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn() {
+        // The first message renders differently once it is not the last.
+        let source = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }};{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokens::default()).unwrap();
+        let conversation = Conversation {
+            messages: vec![said(Role::User, "a"), said(Role::Assistant, "b")],
+            add_generation_prompt: false,
+        };
+        let error = template.spans(3, &conversation).unwrap_err().to_string();
+        assert!(
+            error.contains("conversation 3") && error.contains("message 0"),
+            "{error}"
+        );
     }
 
     #[test]
