@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use harvest_core::chat::{Span, conversation_tokens};
 use harvest_core::selection::{Dropped, TokenSelection};
 
 /// Prompts tokenized per call: small enough that a cancelled count stops within a fraction of
@@ -64,6 +65,9 @@ pub struct CountOptions<'a> {
     pub cap: u64,
     /// Count what this selection keeps of each prompt too.
     pub selection: Option<&'a TokenSelection>,
+    /// For conversations: each one's spans (`harvest_core::chat::ChatTemplate::spans`), from
+    /// which a selection by `roles` finds each token's role.
+    pub spans: Option<&'a [Vec<Span>]>,
 }
 
 /// Counts `prompts`, each cut to `max_tokens` as the worker will, stopping at `cap` or when
@@ -80,7 +84,10 @@ pub fn count(
         max_tokens,
         cap,
         selection,
+        spans,
     } = options;
+    // Roles need each token's byte offsets (`encode_batch`), which cost a little more.
+    let spans = spans.filter(|_| selection.is_some_and(|s| s.roles.is_some()));
     let special: std::collections::HashSet<u32> = tokenizer
         .get_added_tokens_decoder()
         .into_iter()
@@ -98,12 +105,26 @@ pub fn count(
             return Ok(Counted::Cancelled);
         }
         let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        let encodings = tokenizer.encode_batch_fast(inputs, add_special_tokens)?;
+        let encodings = match spans {
+            Some(_) => tokenizer.encode_batch(inputs, add_special_tokens)?,
+            None => tokenizer.encode_batch_fast(inputs, add_special_tokens)?,
+        };
         for (offset, encoding) in encodings.iter().enumerate() {
             let index = chunk_index * COUNT_CHUNK + offset;
             let mut ids = std::borrow::Cow::Borrowed(encoding.get_ids());
-            if let Some((bos, adds_bos)) = bos_once {
-                harvest_core::chat::bos_once(ids.to_mut(), Some(bos), adds_bos);
+            let mut roles = None;
+            if let Some(spans) = spans.and_then(|all| all.get(index)) {
+                let (bos, adds_bos) = bos_once.map_or((None, false), |(b, a)| (Some(b), a));
+                let (fixed, token_roles) = conversation_tokens(
+                    ids.into_owned(),
+                    encoding.get_offsets(),
+                    spans,
+                    (bos, adds_bos),
+                );
+                ids = std::borrow::Cow::Owned(fixed);
+                roles = Some(token_roles.roles);
+            } else if let Some((bos, adds_bos)) = bos_once {
+                let _ = harvest_core::chat::bos_once(ids.to_mut(), Some(bos), adds_bos);
             }
             let n = (ids.len() as u64).min(max_tokens);
             if n == 0 {
@@ -115,8 +136,9 @@ pub fn count(
             counts.per_prompt.push(n as usize);
             if let (Some(rules), Some(kept)) = (selection, counts.kept.as_mut()) {
                 let ids = &ids[..n as usize];
+                let roles = roles.as_deref().map(|r| &r[..n as usize]);
                 let (n_kept, dropped) =
-                    rules.count(index, ids.iter().map(|id| special.contains(id)));
+                    rules.count(index, ids.iter().map(|id| special.contains(id)), roles);
                 kept.push(n_kept);
                 counts.dropped.add(&dropped);
             }
@@ -146,6 +168,7 @@ mod tests {
             max_tokens,
             cap,
             selection: None,
+            spans: None,
         }
     }
 

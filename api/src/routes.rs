@@ -188,6 +188,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         add_special_tokens: submission.options.add_special_tokens,
         bos_token_id: model.bos_token_id,
         max_tokens: submission.options.max_tokens(model.max_tokens),
+        conversations: submission.conversations.is_some(),
     })
 }
 
@@ -302,6 +303,10 @@ async fn count_within_timeout(
     let bos_once = conversations.then_some(model.tokenizer_bos).flatten();
     let max_tokens = submission.options.max_tokens(model.max_tokens) as u64;
     let selection = submission.options.selection;
+    let spans = submission
+        .spans
+        .clone()
+        .filter(|_| selection.roles.is_some());
     let cancelled = Arc::new(AtomicBool::new(false));
     let flag = Arc::clone(&cancelled);
     let counting = tokio::task::spawn_blocking(move || {
@@ -311,6 +316,7 @@ async fn count_within_timeout(
             max_tokens,
             cap: MAX_JOB_TOKENS,
             selection: (!selection.is_everything()).then_some(&selection),
+            spans: spans.as_deref(),
         };
         counting::count(&tokenizer, &prompts, options, &flag)
     });

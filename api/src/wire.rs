@@ -4,7 +4,7 @@
 use std::num::NonZeroUsize;
 
 use base64::Engine;
-use harvest_core::chat::{ChatTemplate, Conversation, Message};
+use harvest_core::chat::{ChatTemplate, Conversation, Message, Span};
 use harvest_core::clock::UnixMillis;
 use harvest_core::layout::LayoutName;
 use harvest_core::lifecycle::JobStatus;
@@ -74,6 +74,12 @@ pub struct HarvestRequest {
     #[serde(default)]
     #[schema(example = json!([1, 512]))]
     pub positions: Option<Vec<u64>>,
+    /// Our extension, for `conversations`: keep only the tokens of these roles, any of
+    /// `template` (the chat template's own markup and BOS), `system`, `user`, `assistant` and
+    /// `tool`. Every token's role is in `roles_i` and its message in `turns_i` either way.
+    #[serde(default)]
+    #[schema(example = json!(["assistant"]))]
+    pub roles: Option<Vec<String>>,
     /// Our extension: keep each token with this probability, in (0, 1], decided by a hash of
     /// `seed`, the prompt and the position (the same in every run).
     #[serde(default)]
@@ -147,6 +153,9 @@ pub struct Submission {
     pub prompts: Vec<String>,
     /// The conversations, where the job is of conversations: what the worker is handed.
     pub conversations: Option<Vec<Conversation>>,
+    /// Each conversation's spans of `prompts` (which bytes are which message's), where the job
+    /// is of conversations: what counting by `roles` reads.
+    pub spans: Option<Vec<Vec<Span>>>,
     /// What the job keeps and how it is cut, layers resolved.
     pub options: JobOptions,
     /// Directions as f32, `[n, hidden]` row-major, not yet normalised.
@@ -191,6 +200,7 @@ impl HarvestRequest {
             project_onto,
             exclude_special_tokens,
             positions,
+            roles,
             sample_rate,
             seed,
             max_norm_multiple,
@@ -201,7 +211,7 @@ impl HarvestRequest {
             parallelism,
             max_prompt_tokens,
         } = self;
-        let (prompts, conversations) = inputs(
+        let (prompts, conversations, spans) = inputs(
             prompts,
             conversations,
             (add_generation_prompt, add_special_tokens),
@@ -224,6 +234,7 @@ impl HarvestRequest {
             selection: RawSelection {
                 exclude_special_tokens,
                 positions,
+                roles,
                 sample_rate,
                 seed,
                 max_norm_multiple,
@@ -246,6 +257,11 @@ impl HarvestRequest {
         .map_err(|e| invalid(&e))?
         .resolve(&model.shape)
         .map_err(|e| invalid(&e))?;
+        if conversations.is_none() && options.selection.roles.is_some() {
+            return Err(ApiError::invalid(
+                "roles keeps the tokens of some roles of a conversation, and this job sends prompts: send conversations instead, or leave roles out",
+            ));
+        }
         let per_prompt_cap = options
             .max_prompt_tokens
             .map_or(u64::MAX, |n| n.get() as u64);
@@ -259,6 +275,7 @@ impl HarvestRequest {
             model: name,
             prompts,
             conversations,
+            spans,
             options,
             directions,
             reserved_tokens,
@@ -269,15 +286,23 @@ impl HarvestRequest {
 }
 
 /// The job's inputs: its prompts, or its conversations with each rendered by `chat` (what is
-/// counted), refusing both or neither, a conversation without messages, options that apply to
-/// the other kind, and conversations for a model without a template.
+/// counted) and its spans (whose bytes are whose), refusing both or neither, a conversation
+/// without messages, options that apply to the other kind, and conversations for a model
+/// without a template.
 #[allow(clippy::type_complexity)]
 fn inputs(
     prompts: Option<Vec<String>>,
     conversations: Option<Vec<Vec<Message>>>,
     (add_generation_prompt, add_special_tokens): (Option<bool>, Option<bool>),
     chat: Result<&ChatTemplate, &str>,
-) -> Result<(Vec<String>, Option<Vec<Conversation>>), ApiError> {
+) -> Result<
+    (
+        Vec<String>,
+        Option<Vec<Conversation>>,
+        Option<Vec<Vec<Span>>>,
+    ),
+    ApiError,
+> {
     let conversations = match (prompts, conversations) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -295,7 +320,7 @@ fn inputs(
                     "add_generation_prompt applies to conversations: leave it out with prompts",
                 ));
             }
-            return Ok((prompts, None));
+            return Ok((prompts, None, None));
         }
         (None, Some(conversations)) => conversations,
     };
@@ -313,16 +338,16 @@ fn inputs(
             add_generation_prompt: add_generation_prompt.unwrap_or(false),
         })
         .collect();
-    let rendered = conversations
+    let (rendered, spans) = conversations
         .iter()
         .enumerate()
         .map(|(index, conversation)| {
             template
-                .render(index, conversation)
+                .spans(index, conversation)
                 .map_err(|e| ApiError::invalid(e.to_string()))
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((rendered, Some(conversations)))
+        .collect::<Result<(Vec<_>, Vec<_>), _>>()?;
+    Ok((rendered, Some(conversations), Some(spans)))
 }
 
 /// The processes a job runs in: 1 to [`MAX_PARALLELISM`], at most its `shards`, and 1 with the

@@ -547,7 +547,7 @@ fn a_running_jobs_ready_shards_download_as_the_bytes_the_finished_job_lists() {
 
 /// The reference conversations and SmolLM2's token ids for them, as transformers'
 /// `apply_chat_template` makes them (`scripts/reference/make_chat_fixtures.py`).
-fn chat_reference() -> (Vec<Value>, Vec<Vec<u32>>) {
+fn chat_reference() -> (Vec<Value>, Vec<Vec<u32>>, Vec<Vec<u8>>) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../harvester/tests/fixtures/chat/reference.json");
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -567,7 +567,11 @@ fn chat_reference() -> (Vec<Value>, Vec<Vec<u32>>) {
         .iter()
         .map(|case| serde_json::from_value(case["ids"].clone()).unwrap())
         .collect();
-    (conversations, ids)
+    let roles = cases
+        .iter()
+        .map(|case| serde_json::from_value(case["roles"].clone()).unwrap())
+        .collect();
+    (conversations, ids, roles)
 }
 
 #[test]
@@ -576,7 +580,7 @@ fn a_job_of_conversations_counts_and_harvests_the_chat_template_s_tokens() {
     let port = free_port();
     let server = start(&write_config(dir.path(), port, 1), port);
     let key = create_key(&server.config, "acme");
-    let (conversations, expected) = chat_reference();
+    let (conversations, expected, roles) = chat_reference();
     let url = format!("{}/v1/harvest", server.base);
     let body = json!({"model": "smollm2-135m", "conversations": conversations,
                       "add_generation_prompt": true, "layers": [3], "shard_size": 8});
@@ -590,7 +594,7 @@ fn a_job_of_conversations_counts_and_harvests_the_chat_template_s_tokens() {
         "the count is of the template's tokens: {counted}"
     );
     assert_eq!(counted["n_prompts"], expected.len());
-    let job = submit_ok(&server, &key, body);
+    let job = submit_ok(&server, &key, body.clone());
     let done = long_poll_done(&server, &key, &job);
     assert_eq!(done["result"]["tokens"], tokens, "{done}");
     let shard = reqwest::blocking_get(done["result"]["shard_urls"][0].as_str().unwrap()).unwrap();
@@ -604,7 +608,48 @@ fn a_job_of_conversations_counts_and_harvests_the_chat_template_s_tokens() {
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         assert_eq!(&tokens, ids, "conversation {prompt}");
+        assert_eq!(
+            tensors.tensor(&format!("roles_{prompt}")).unwrap().data(),
+            &roles[prompt][..],
+            "conversation {prompt}"
+        );
     }
+    // Assistant-only: the dry run counts what the worker keeps, and the bytes it writes.
+    let assistant: u64 = roles.iter().flatten().filter(|&&r| r == 3).count() as u64;
+    let mut only = body.clone();
+    only["roles"] = json!(["assistant"]);
+    let mut dry = only.clone();
+    dry["dry_run"] = json!(true);
+    let (status, counted) = request("POST", &url, &key, Some(dry));
+    assert_eq!(status, 200, "{counted}");
+    assert_eq!(counted["kept_tokens"], assistant, "{counted}");
+    let job = submit_ok(&server, &key, only);
+    let done = long_poll_done(&server, &key, &job);
+    let manifest: Value = reqwest::blocking_get(done["result"]["manifest_url"].as_str().unwrap())
+        .map(|bytes| serde_json::from_slice(&bytes).unwrap())
+        .unwrap();
+    assert_eq!(
+        manifest["selection"]["kept_tokens"], assistant,
+        "{manifest}"
+    );
+    assert_eq!(
+        manifest["selection"]["rules"]["roles"],
+        json!(["assistant"])
+    );
+    assert_eq!(manifest["roles"]["ids"]["3"], "assistant");
+    assert_eq!(
+        manifest["shards"][0]["bytes"], counted["files"]["shards"]["bytes"],
+        "the dry run predicts the shard to the byte"
+    );
+    // roles on plain prompts is refused by name.
+    let (status, refused) = request(
+        "POST",
+        &url,
+        &key,
+        Some(json!({"model": "smollm2-135m", "prompts": ["hi"], "roles": ["assistant"]})),
+    );
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.to_string().contains("roles"), "{refused}");
     // A refusal names what to do: a role the seed API knows nothing of.
     let (status, refused) = request(
         "POST",

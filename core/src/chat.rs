@@ -418,17 +418,82 @@ fn python_dumps(value: &serde_json::Value, indent: Option<usize>, depth: usize, 
 
 /// Leaves exactly one `bos` at the start of `ids` where the model has one: a doubled BOS (the
 /// template wrote one and something added another) loses the extra, and where the tokenizer
-/// would add one to plain text (`adds_bos`) but the template wrote none, one is added.
-pub fn bos_once(ids: &mut Vec<u32>, bos: Option<u32>, adds_bos: bool) {
+/// would add one to plain text (`adds_bos`) but the template wrote none, one is added. What it
+/// did is returned, so per-token columns can follow ([`BosFix::apply`]).
+pub fn bos_once(ids: &mut Vec<u32>, bos: Option<u32>, adds_bos: bool) -> BosFix {
     let Some(bos) = bos else {
-        return;
+        return BosFix::Unchanged;
     };
     let leading = ids.iter().take_while(|&&id| id == bos).count();
     if leading > 1 {
         ids.drain(..leading - 1);
+        BosFix::Removed(leading - 1)
     } else if leading == 0 && adds_bos {
         ids.insert(0, bos);
+        BosFix::Added
+    } else {
+        BosFix::Unchanged
     }
+}
+
+/// What [`bos_once`] did to a conversation's ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum BosFix {
+    /// Nothing.
+    Unchanged,
+    /// Removed this many leading tokens (extra BOS).
+    Removed(usize),
+    /// Put a BOS in front.
+    Added,
+}
+
+impl BosFix {
+    /// Does the same to a per-token column: drops its first tokens, or puts `added` in front.
+    pub fn apply<T: Copy>(self, column: &mut Vec<T>, added: T) {
+        match self {
+            Self::Unchanged => {}
+            Self::Removed(n) => {
+                column.drain(..n.min(column.len()));
+            }
+            Self::Added => column.insert(0, added),
+        }
+    }
+}
+
+/// Each token of a conversation: its role id ([`ROLE_NAMES`]) and its turn (the message it
+/// belongs to, from 0; the generation prompt's is the message count), beside its id.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TokenRoles {
+    /// Role id per token.
+    pub roles: Vec<u8>,
+    /// Turn per token.
+    pub turns: Vec<u16>,
+}
+
+impl TokenRoles {
+    /// Keeps the first `n` tokens' roles, as the context window keeps the first `n` ids.
+    pub fn truncate(&mut self, n: usize) {
+        self.roles.truncate(n);
+        self.turns.truncate(n);
+    }
+}
+
+/// A rendered conversation's token ids (tokenized without special tokens, with each token's
+/// byte `offsets` in the rendered text) as they run, one BOS at the start, with each token's
+/// role and turn from the conversation's `spans` ([`ChatTemplate::spans`]). A BOS put in front
+/// is the template's, turn 0.
+pub fn conversation_tokens(
+    mut ids: Vec<u32>,
+    offsets: &[(usize, usize)],
+    spans: &[Span],
+    (bos, adds_bos): (Option<u32>, bool),
+) -> (Vec<u32>, TokenRoles) {
+    let (mut roles, mut turns) = token_roles(offsets, spans);
+    let fix = bos_once(&mut ids, bos, adds_bos);
+    fix.apply(&mut roles, TEMPLATE_ROLE);
+    fix.apply(&mut turns, 0);
+    (ids, TokenRoles { roles, turns })
 }
 
 #[cfg(test)]
@@ -621,18 +686,39 @@ mod tests {
     #[test]
     fn bos_is_left_exactly_once() {
         let mut doubled = vec![1, 1, 5, 6];
-        bos_once(&mut doubled, Some(1), true);
+        assert_eq!(bos_once(&mut doubled, Some(1), true), BosFix::Removed(1));
         assert_eq!(doubled, [1, 5, 6]);
         let mut missing = vec![5, 6];
-        bos_once(&mut missing, Some(1), true);
+        assert_eq!(bos_once(&mut missing, Some(1), true), BosFix::Added);
         assert_eq!(missing, [1, 5, 6]);
         // A tokenizer that adds no BOS to text gets none added.
         let mut chatml = vec![5, 6];
-        bos_once(&mut chatml, Some(1), false);
+        assert_eq!(bos_once(&mut chatml, Some(1), false), BosFix::Unchanged);
         assert_eq!(chatml, [5, 6]);
         let mut none = vec![5];
-        bos_once(&mut none, None, true);
+        assert_eq!(bos_once(&mut none, None, true), BosFix::Unchanged);
         assert_eq!(none, [5]);
+    }
+
+    #[test]
+    fn a_conversations_roles_follow_its_bos_fix_token_for_token() {
+        let spans = [
+            markup(0..3, 0),
+            Span {
+                bytes: 3..8,
+                role: Role::User.id(),
+                turn: 0,
+            },
+        ];
+        // Two BOS (the template's and the tokenizer's), then "hey" and "there".
+        let offsets = [(0, 0), (0, 3), (3, 5), (5, 8)];
+        let (ids, roles) = conversation_tokens(vec![1, 1, 7, 8], &offsets, &spans, (Some(1), true));
+        assert_eq!(ids, [1, 7, 8]);
+        assert_eq!(roles.roles, [TEMPLATE_ROLE, 2, 2]);
+        assert_eq!(roles.turns, [0, 0, 0]);
+        let (ids, roles) = conversation_tokens(vec![7, 8], &offsets[2..], &spans, (Some(1), true));
+        assert_eq!(ids, [1, 7, 8]);
+        assert_eq!(roles.roles, [TEMPLATE_ROLE, 2, 2]);
     }
 
     #[test]

@@ -55,6 +55,8 @@ pub struct JobShape<'a> {
     pub bos_token_id: Option<u32>,
     /// The context window.
     pub max_tokens: usize,
+    /// Whether the job runs conversations (shards then carry `roles_i` and `turns_i`).
+    pub conversations: bool,
 }
 
 /// What a token selection keeps, as predicted before the job runs.
@@ -98,9 +100,23 @@ impl Tensor {
         Self { name, dtype, shape }
     }
 
+    /// A shard's tensor as the manifest lists it.
+    fn listed(entry: format::TensorEntry) -> Self {
+        let dtype = match entry.dtype.as_str() {
+            "bfloat16" => "BF16",
+            "float32" => "F32",
+            "int32" => "I32",
+            "uint8" => "U8",
+            "uint16" => "U16",
+            _ => "I64",
+        };
+        Self::new(entry.name, dtype, entry.shape)
+    }
+
     fn data_len(&self) -> u64 {
         let width = match self.dtype {
-            "BF16" | "F16" => 2,
+            "U8" => 1,
+            "U16" | "BF16" | "F16" => 2,
             "I32" | "F32" => 4,
             _ => 8,
         };
@@ -110,11 +126,13 @@ impl Tensor {
     /// The dtype's place in the crate's `Dtype` order (which sorts the header).
     fn rank(&self) -> u8 {
         match self.dtype {
-            "F16" => 0,
-            "BF16" => 1,
-            "I32" => 2,
-            "F32" => 3,
-            _ => 4,
+            "U8" => 0,
+            "U16" => 1,
+            "F16" => 2,
+            "BF16" => 3,
+            "I32" => 4,
+            "F32" => 5,
+            _ => 6,
         }
     }
 }
@@ -156,27 +174,20 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
         .chunks(shard_size)
         .enumerate()
         .map(|(shard, counts)| {
-            let tensors = counts
-                .iter()
-                .enumerate()
-                .flat_map(|(offset, &tokens)| {
-                    let i = shard * shard_size + offset;
-                    let kept = kept.map(|k| k.get(i).copied().unwrap_or(0));
-                    let rows = kept.unwrap_or(tokens);
-                    let values = shape.sites.as_slice().iter().map(move |site| {
-                        Tensor::new(
-                            format!("{}_{i}", site.tensor_prefix()),
-                            value_dtype,
-                            vec![layers, rows, shape.width],
-                        )
-                    });
-                    let positions =
-                        kept.map(|kept| Tensor::new(format!("positions_{i}"), "I32", vec![kept]));
-                    values
-                        .chain([Tensor::new(format!("tokens_{i}"), "I32", vec![tokens])])
-                        .chain(positions)
-                })
-                .collect();
+            let first_prompt = shard * shard_size;
+            let kept = kept.map(|k| {
+                let end = (first_prompt + counts.len()).min(k.len());
+                &k[first_prompt.min(end)..end]
+            });
+            let (_, listed) = ShardEntry::contents_of(
+                first_prompt,
+                counts,
+                kept,
+                (shape.contents, shape.sites),
+                (layers, shape.width),
+                shape.conversations,
+            );
+            let tensors = listed.into_iter().map(Tensor::listed).collect();
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
         })
         .collect();
@@ -224,10 +235,9 @@ fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
                 first_prompt,
                 counts,
                 kept,
-                shape.contents,
-                shape.sites,
-                shape.layers.len(),
-                shape.width,
+                (shape.contents, shape.sites),
+                (shape.layers.len(), shape.width),
+                shape.conversations,
             );
             ShardEntry {
                 file: crate::plan::shard_file_name(shard),
@@ -393,6 +403,9 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         train,
         precision: shape.precision,
         job_uid: None,
+        roles: shape
+            .conversations
+            .then(format::RolesInfo::of_conversations),
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -423,7 +436,21 @@ mod tests {
             add_special_tokens: true,
             bos_token_id: Some(1),
             max_tokens: 512,
+            conversations: false,
         }
+    }
+
+    #[test]
+    fn conversations_add_a_role_byte_and_a_turn_pair_per_token_and_the_roles_block() {
+        let prompts = predict(&shape(&[3, 5, 7], &[1], Contents::Activations));
+        let chats = predict(&JobShape {
+            conversations: true,
+            ..shape(&[3, 5, 7], &[1], Contents::Activations)
+        });
+        let extra: u64 = chats.shards.iter().sum::<u64>() - prompts.shards.iter().sum::<u64>();
+        // 15 tokens of 1 + 2 bytes, and two header entries (under 96 bytes each) per prompt.
+        assert!((15 * 3..15 * 3 + 3 * 2 * 96).contains(&extra), "{extra}");
+        assert!(chats.manifest > prompts.manifest + 200, "the roles block");
     }
 
     #[test]

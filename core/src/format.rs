@@ -120,6 +120,32 @@ pub struct Manifest {
     /// these files only for that job. Absent outside Kubernetes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_uid: Option<String>,
+    /// Present for a job of conversations: what `roles_i` and `turns_i` hold, and each role id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub roles: Option<RolesInfo>,
+}
+
+/// The per-token roles of a job of conversations, as the manifest documents them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolesInfo {
+    /// Each role id of `roles_i` (as a string, JSON's keys being strings) and its name.
+    pub ids: std::collections::BTreeMap<String, String>,
+    /// The tensors, in words.
+    pub tensors: String,
+}
+
+impl RolesInfo {
+    /// What every job of conversations records.
+    pub fn of_conversations() -> Self {
+        Self {
+            ids: crate::chat::ROLE_NAMES
+                .iter()
+                .map(|&(id, name)| (id.to_string(), name.to_owned()))
+                .collect(),
+            tensors: "roles_{i}: uint8 [n_tokens], each token's role id (ids); a token of a message's content has the message's role, any other (the template's markup, BOS, the generation prompt) is template. turns_{i}: uint16 [n_tokens], the message each token belongs to, from 0 (markup before message k belongs to turn k; the generation prompt's turn is the message count). Both run beside tokens_{i}, over every token that ran".to_owned(),
+        }
+    }
 }
 
 impl Manifest {
@@ -326,7 +352,8 @@ pub struct ShardEntry {
     #[serde(default)]
     pub prompts: Vec<usize>,
     /// Every tensor it holds, in prompt order: each site's tensor in block order (`prompt_i`
-    /// for `resid_post`), then `tokens_i`, then `positions_i` when the job selected tokens.
+    /// for `resid_post`), then `tokens_i`, then `roles_i` and `turns_i` for conversations,
+    /// then `positions_i` when the job selected tokens.
     #[serde(default)]
     pub tensors: Vec<TensorEntry>,
     /// File size.
@@ -341,7 +368,7 @@ pub struct ShardEntry {
 pub struct TensorEntry {
     /// Its name in the shard (`prompt_7`, `attn_out_7`, `tokens_7`).
     pub name: String,
-    /// `bfloat16`, `float32` or `int32`.
+    /// `bfloat16`, `float32`, `int32`, `uint8` or `uint16`.
     pub dtype: String,
     /// Its shape.
     pub shape: Vec<usize>,
@@ -352,18 +379,17 @@ impl ShardEntry {
     /// prompts have `token_counts` tokens, each site's tensor holding `layers` kept layers of
     /// `width` values per token.
     /// With `kept_counts` (a job that selects tokens), the activations hold that many tokens
-    /// and `positions_i` lists them.
+    /// and `positions_i` lists them; `conversations` adds `roles_i` and `turns_i`.
     pub fn contents_of(
         first_prompt: usize,
         token_counts: &[usize],
         kept_counts: Option<&[usize]>,
-        contents: Contents,
-        sites: &Sites,
-        layers: usize,
-        width: usize,
+        (contents, sites): (Contents, &Sites),
+        (layers, width): (usize, usize),
+        conversations: bool,
     ) -> (Vec<usize>, Vec<TensorEntry>) {
         let prompts: Vec<usize> = (first_prompt..first_prompt + token_counts.len()).collect();
-        let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 2));
+        let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 4));
         for (n, (&i, &tokens)) in prompts.iter().zip(token_counts).enumerate() {
             let kept = kept_counts.map(|k| k.get(n).copied().unwrap_or(0));
             let rows = kept.unwrap_or(tokens);
@@ -377,6 +403,15 @@ impl ShardEntry {
                 dtype: "int32".to_owned(),
                 shape: vec![tokens],
             });
+            if conversations {
+                for (name, dtype) in [("roles", "uint8"), ("turns", "uint16")] {
+                    tensors.push(TensorEntry {
+                        name: format!("{name}_{i}"),
+                        dtype: dtype.to_owned(),
+                        shape: vec![tokens],
+                    });
+                }
+            }
             if let Some(kept) = kept {
                 tensors.push(TensorEntry {
                     name: format!("positions_{i}"),
@@ -481,10 +516,9 @@ mod tests {
             4,
             &[3, 5],
             None,
-            Contents::Projections,
-            &Sites::default(),
-            2,
-            8,
+            (Contents::Projections, &Sites::default()),
+            (2, 8),
+            false,
         );
         assert_eq!(prompts, [4, 5]);
         let listed: Vec<(&str, &str, &[usize])> = tensors
@@ -498,6 +532,28 @@ mod tests {
                 ("tokens_4", "int32", &[3][..]),
                 ("prompt_5", "float32", &[2, 5, 8][..]),
                 ("tokens_5", "int32", &[5][..]),
+            ]
+        );
+        let (_, tensors) = ShardEntry::contents_of(
+            0,
+            &[3],
+            Some(&[2]),
+            (Contents::Activations, &Sites::default()),
+            (2, 8),
+            true,
+        );
+        let listed: Vec<(&str, &str, &[usize])> = tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("prompt_0", "bfloat16", &[2, 2, 8][..]),
+                ("tokens_0", "int32", &[3][..]),
+                ("roles_0", "uint8", &[3][..]),
+                ("turns_0", "uint16", &[3][..]),
+                ("positions_0", "int32", &[2][..]),
             ]
         );
     }

@@ -308,6 +308,9 @@ impl JobOptions {
                 positions: selection
                     .positions
                     .map(|p| vec![u64::from(p.start), u64::from(p.end)]),
+                roles: selection
+                    .roles
+                    .map(|r| r.names().into_iter().map(str::to_owned).collect()),
                 sample_rate: selection.sample.map(|s| s.rate),
                 seed: selection.sample.map(|s| s.seed).or(layout_seed),
                 max_norm_multiple: selection.max_norm_multiple,
@@ -390,6 +393,7 @@ mod tests {
             selection: RawSelection {
                 exclude_special_tokens: Some(true),
                 positions: Some(vec![1, 64]),
+                roles: Some(vec!["assistant".into()]),
                 sample_rate: Some(0.5),
                 seed: Some(9),
                 max_norm_multiple: None,

@@ -103,6 +103,9 @@ pub struct RawPlan {
     /// Keep positions `[start, end)` of each prompt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub positions: Option<Vec<u64>>,
+    /// Keep only the tokens of these roles (`assistant`, ...): conversations only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub roles: Option<Vec<String>>,
     /// Keep each token with this probability (seeded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sample_rate: Option<f64>,
@@ -232,6 +235,7 @@ impl ResolvedPlan {
             batch_tokens: batch_tokens.get(),
             exclude_special_tokens: selection.exclude_special_tokens.unwrap_or(false),
             positions: selection.positions,
+            roles: selection.roles,
             sample_rate: selection.sample_rate,
             seed: selection.seed,
             max_norm_multiple: selection.max_norm_multiple,
@@ -334,6 +338,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             batch_tokens,
             exclude_special_tokens,
             positions,
+            roles,
             sample_rate,
             seed,
             max_norm_multiple,
@@ -351,6 +356,7 @@ impl TryFrom<RawPlan> for HarvestPlan {
             selection: RawSelection {
                 exclude_special_tokens: Some(exclude_special_tokens),
                 positions,
+                roles,
                 sample_rate,
                 seed,
                 max_norm_multiple,

@@ -1,9 +1,10 @@
 //! Token selection on the server: which tokens of each prompt a job keeps.
 //!
 //! ```text
-//! every token ─► positions [start, end) ─► not special ─► sampled (seeded hash) ─► norm ≤ m × median
+//! every token ─► positions [start, end) ─► of a kept role ─► not special ─► sampled (seeded hash)
+//!             ─► norm ≤ m × median
 //! ```
-//! The first three are pure functions of (prompt, position, id), so they give the same answer in
+//! The first four are pure functions of (prompt, position, id, role), so they give the same answer in
 //! every run, thread count and backend, and the API can count what they keep before a job runs.
 //! The norm filter compares each token's `resid_post` norm at the deepest kept layer with the
 //! median of every candidate norm so far, in prompt order, the current prompt included; the
@@ -52,6 +53,72 @@ pub enum SelectionError {
         "seed is given without sample_rate or layout \"shuffled\", which are what it seeds: give one of them, or drop seed"
     )]
     SeedWithoutRate,
+    /// A role name that is not one of [`crate::chat::ROLE_NAMES`].
+    #[error(
+        "roles names {name:?}, which is not a role: give any of \"template\", \"system\", \"user\", \"assistant\", \"tool\", for example [\"assistant\"]"
+    )]
+    UnknownRole {
+        /// What was given.
+        name: String,
+    },
+    /// `roles` without any role.
+    #[error(
+        "roles is empty, which would keep no token: give the roles to keep, for example [\"assistant\"], or leave roles out"
+    )]
+    NoRoles,
+}
+
+/// The roles a job keeps, as a set of [`crate::chat::ROLE_NAMES`] ids (bit `id` set when
+/// kept); written as their names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoleSet(u8);
+
+impl RoleSet {
+    /// The set of the named roles; an unknown name or none at all is an error.
+    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Self, SelectionError> {
+        if names.is_empty() {
+            return Err(SelectionError::NoRoles);
+        }
+        let mut bits = 0u8;
+        for name in names {
+            let name = name.as_ref();
+            let (id, _) = crate::chat::ROLE_NAMES
+                .iter()
+                .find(|(_, known)| *known == name)
+                .ok_or_else(|| SelectionError::UnknownRole {
+                    name: name.to_owned(),
+                })?;
+            bits |= 1 << id;
+        }
+        Ok(Self(bits))
+    }
+
+    /// Whether the role with this id is kept.
+    pub fn contains(self, role: u8) -> bool {
+        role < 8 && self.0 & (1 << role) != 0
+    }
+
+    /// The kept roles' names, in id order.
+    pub fn names(self) -> Vec<&'static str> {
+        crate::chat::ROLE_NAMES
+            .iter()
+            .filter(|(id, _)| self.contains(*id))
+            .map(|&(_, name)| name)
+            .collect()
+    }
+}
+
+impl Serialize for RoleSet {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.names().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for RoleSet {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let names = Vec::<String>::deserialize(deserializer)?;
+        Self::from_names(&names).map_err(serde::de::Error::custom)
+    }
 }
 
 /// A slice of each prompt's positions, `[start, end)`.
@@ -82,6 +149,9 @@ pub struct TokenSelection {
     /// Keep only these positions of each prompt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub positions: Option<PositionSlice>,
+    /// Keep only the tokens of these roles (a job of conversations only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub roles: Option<RoleSet>,
     /// Keep each token with this probability, decided by a seeded hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sample: Option<Sample>,
@@ -98,6 +168,8 @@ pub struct RawSelection {
     pub exclude_special_tokens: Option<bool>,
     /// `positions`: `[start, end)`.
     pub positions: Option<Vec<u64>>,
+    /// `roles`: names of [`crate::chat::ROLE_NAMES`].
+    pub roles: Option<Vec<String>>,
     /// `sample_rate`.
     pub sample_rate: Option<f64>,
     /// `seed` (0 when only a rate is given).
@@ -125,6 +197,7 @@ impl RawSelection {
                 })
             }
         };
+        let roles = self.roles.as_deref().map(RoleSet::from_names).transpose()?;
         let sample = match (self.sample_rate, self.seed) {
             (None, None) => None,
             (None, Some(_)) => return Err(SelectionError::SeedWithoutRate),
@@ -146,6 +219,7 @@ impl RawSelection {
         Ok(TokenSelection {
             exclude_special_tokens: self.exclude_special_tokens.unwrap_or(false),
             positions,
+            roles,
             sample,
             max_norm_multiple: self.max_norm_multiple,
         })
@@ -158,6 +232,9 @@ impl RawSelection {
 pub struct Dropped {
     /// Outside `positions`.
     pub positions: u64,
+    /// Of a role not kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub roles: u64,
     /// Special tokens.
     pub special: u64,
     /// Not sampled.
@@ -170,6 +247,7 @@ impl Dropped {
     /// Adds another count.
     pub fn add(&mut self, other: &Self) {
         self.positions += other.positions;
+        self.roles += other.roles;
         self.special += other.special;
         self.sampled += other.sampled;
         self.norm += other.norm;
@@ -177,8 +255,12 @@ impl Dropped {
 
     /// Every dropped token.
     pub fn total(&self) -> u64 {
-        self.positions + self.special + self.sampled + self.norm
+        self.positions + self.roles + self.special + self.sampled + self.norm
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl TokenSelection {
@@ -189,12 +271,23 @@ impl TokenSelection {
 
     /// The pure part of the decision for the token at `position` of prompt `prompt`: `None`
     /// when kept (so far), else the filter that drops it. `special` says whether the tokenizer
-    /// marks its id special.
-    pub fn pre_norm(&self, prompt: usize, position: usize, special: bool) -> Option<Reason> {
+    /// marks its id special; `role` is its role id, for a conversation's tokens.
+    pub fn pre_norm(
+        &self,
+        prompt: usize,
+        position: usize,
+        special: bool,
+        role: Option<u8>,
+    ) -> Option<Reason> {
         if let Some(slice) = self.positions
             && !(slice.start as usize..slice.end as usize).contains(&position)
         {
             return Some(Reason::Positions);
+        }
+        if let Some(roles) = self.roles
+            && !role.is_some_and(|role| roles.contains(role))
+        {
+            return Some(Reason::Role);
         }
         if self.exclude_special_tokens && special {
             return Some(Reason::Special);
@@ -208,12 +301,19 @@ impl TokenSelection {
     }
 
     /// How many tokens of one prompt the pure filters keep, and what they drop: what the API
-    /// predicts before the norm filter (which can only drop more) runs.
-    pub fn count(&self, prompt: usize, special: impl Iterator<Item = bool>) -> (usize, Dropped) {
+    /// predicts before the norm filter (which can only drop more) runs. `roles` are the
+    /// tokens' role ids, for a conversation.
+    pub fn count(
+        &self,
+        prompt: usize,
+        special: impl Iterator<Item = bool>,
+        roles: Option<&[u8]>,
+    ) -> (usize, Dropped) {
         let mut kept = 0;
         let mut dropped = Dropped::default();
         for (position, special) in special.enumerate() {
-            match self.pre_norm(prompt, position, special) {
+            let role = roles.and_then(|roles| roles.get(position).copied());
+            match self.pre_norm(prompt, position, special, role) {
                 None => kept += 1,
                 Some(reason) => reason.count(&mut dropped),
             }
@@ -227,6 +327,8 @@ impl TokenSelection {
 pub enum Reason {
     /// Outside `positions`.
     Positions,
+    /// Of a role not kept.
+    Role,
     /// A special token.
     Special,
     /// Not sampled.
@@ -240,6 +342,7 @@ impl Reason {
     pub fn count(self, dropped: &mut Dropped) {
         match self {
             Self::Positions => dropped.positions += 1,
+            Self::Role => dropped.roles += 1,
             Self::Special => dropped.special += 1,
             Self::Sampled => dropped.sampled += 1,
             Self::Norm => dropped.norm += 1,
@@ -362,7 +465,10 @@ mod tests {
     fn no_fields_keep_every_token() {
         let selection = raw().validate().unwrap();
         assert!(selection.is_everything());
-        assert_eq!(selection.count(3, [true, false, false].into_iter()).0, 3);
+        assert_eq!(
+            selection.count(3, [true, false, false].into_iter(), None).0,
+            3
+        );
     }
 
     #[test]
@@ -411,6 +517,21 @@ mod tests {
             })
             .contains("without sample_rate")
         );
+        let text = bad(RawSelection {
+            roles: Some(vec!["assistent".into()]),
+            ..raw()
+        });
+        assert!(
+            text.contains("\"assistent\"") && text.contains("\"assistant\""),
+            "{text}"
+        );
+        assert!(
+            bad(RawSelection {
+                roles: Some(vec![]),
+                ..raw()
+            })
+            .contains("roles is empty")
+        );
     }
 
     #[test]
@@ -422,9 +543,34 @@ mod tests {
         }
         .validate()
         .unwrap();
-        let (kept, dropped) = selection.count(0, [true, true, false, false].into_iter());
+        let (kept, dropped) = selection.count(0, [true, true, false, false].into_iter(), None);
         assert_eq!(kept, 1);
         assert_eq!((dropped.positions, dropped.special), (2, 1));
+    }
+
+    #[test]
+    fn roles_keep_only_the_named_roles_tokens_and_plain_prompts_keep_none() {
+        let selection = RawSelection {
+            roles: Some(vec!["assistant".into(), "user".into()]),
+            positions: Some(vec![0, 5]),
+            ..raw()
+        }
+        .validate()
+        .unwrap();
+        // template, user, user, template, assistant, assistant (outside positions)
+        let roles = [0, 2, 2, 0, 3, 3];
+        let (kept, dropped) = selection.count(0, [false; 6].into_iter(), Some(&roles));
+        assert_eq!(kept, 3);
+        assert_eq!((dropped.positions, dropped.roles), (1, 2));
+        assert_eq!(dropped.total(), 3);
+        let (kept, _) = selection.count(0, [false; 3].into_iter(), None);
+        assert_eq!(kept, 0, "a token without a role is of no kept role");
+        let json = serde_json::to_value(selection).unwrap();
+        assert_eq!(json["roles"], serde_json::json!(["user", "assistant"]));
+        assert_eq!(
+            serde_json::from_value::<TokenSelection>(json).unwrap(),
+            selection
+        );
     }
 
     #[test]
@@ -438,7 +584,7 @@ mod tests {
         .unwrap();
         let keep = |prompt| {
             (0..4000)
-                .map(|p| selection.pre_norm(prompt, p, false).is_none())
+                .map(|p| selection.pre_norm(prompt, p, false, None).is_none())
                 .collect::<Vec<_>>()
         };
         let kept = keep(0).iter().filter(|&&k| k).count();
@@ -453,7 +599,7 @@ mod tests {
             ..selection
         };
         let differs = (0..4000)
-            .filter(|&p| other_seed.pre_norm(0, p, false).is_none() != keep(0)[p])
+            .filter(|&p| other_seed.pre_norm(0, p, false, None).is_none() != keep(0)[p])
             .count();
         assert!(differs > 1000, "{differs}");
     }

@@ -44,6 +44,12 @@ pub struct HarvestOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 2, max = 2))]
     pub positions: Option<Vec<u32>>,
+    /// For conversations: keep only the tokens of these roles, any of `template`, `system`,
+    /// `user`, `assistant` and `tool`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 5))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub roles: Option<Vec<String>>,
     /// Keep each token with this probability, in (0, 1], decided by a hash seeded with `seed`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = 1.0))]
@@ -98,6 +104,7 @@ impl HarvestOptions {
                     .positions
                     .as_ref()
                     .map(|p| p.iter().map(|&v| u64::from(v)).collect()),
+                roles: self.roles.clone(),
                 sample_rate: self.sample_rate,
                 seed: self.seed,
                 max_norm_multiple: self.max_norm_multiple,
@@ -147,6 +154,7 @@ impl From<&JobOptions> for HarvestOptions {
                     .map(|v| u32::try_from(v).unwrap_or(u32::MAX))
                     .collect()
             }),
+            roles: selection.roles,
             sample_rate: selection.sample_rate,
             seed: selection.seed,
             max_norm_multiple: selection.max_norm_multiple,
@@ -168,6 +176,7 @@ impl Default for HarvestOptions {
             add_special_tokens: true,
             exclude_special_tokens: false,
             positions: None,
+            roles: None,
             sample_rate: None,
             seed: None,
             max_norm_multiple: None,

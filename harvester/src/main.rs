@@ -214,6 +214,10 @@ struct RunArgs {
     /// Keep positions START to END (exclusive) of each prompt, e.g. 1:512.
     #[arg(long, value_parser = parse_slice)]
     positions: Option<Slice>,
+    /// Keep only the tokens of these roles of a conversation, comma-separated: template,
+    /// system, user, assistant, tool (e.g. assistant).
+    #[arg(long, value_delimiter = ',')]
+    roles: Option<Vec<String>>,
     /// Keep each token with this probability, decided by a hash seeded with --seed.
     #[arg(long)]
     sample_rate: Option<f64>,
@@ -313,6 +317,7 @@ impl RunArgs {
             batch_tokens: self.batch_tokens,
             exclude_special_tokens: self.exclude_special_tokens,
             positions: self.positions.map(|Slice(start, end)| vec![start, end]),
+            roles: self.roles.clone(),
             sample_rate: self.sample_rate,
             seed: self.seed,
             max_norm_multiple: self.max_norm_multiple,

@@ -8,11 +8,14 @@
 //! `chat_template`, written there for a GGUF import from its `tokenizer.chat_template`), then
 //! tokenized without special tokens, as transformers' `apply_chat_template(tokenize=True)`
 //! does, with exactly one BOS at the start wherever the model has one
-//! (`harvest_core::chat::bos_once`).
+//! (`harvest_core::chat::bos_once`), and each token's role and turn found from its byte offsets
+//! in the text (`harvest_core::chat::conversation_tokens`).
 
 use std::path::{Path, PathBuf};
 
-use harvest_core::chat::{ChatTemplate, Conversation, bos_once, from_tokenizer_config};
+use harvest_core::chat::{
+    ChatTemplate, Conversation, TokenRoles, conversation_tokens, from_tokenizer_config,
+};
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
@@ -25,6 +28,8 @@ pub struct Encoded {
     pub ids: Vec<u32>,
     /// The length before truncation, when the prompt was truncated.
     pub truncated_from: Option<usize>,
+    /// For a conversation: each token's role and turn, as long as `ids`.
+    pub roles: Option<TokenRoles>,
 }
 
 /// A checkpoint's tokenizer with the context limit applied.
@@ -116,7 +121,7 @@ impl PromptTokenizer {
                 path: self.path.clone(),
                 reason: format!("prompt {index}: {e}"),
             })?;
-        self.cut(index, encoding.get_ids().to_vec())
+        self.cut(index, encoding.get_ids().to_vec(), None)
     }
 
     /// Whether the checkpoint has a chat template, so conversations can run.
@@ -138,31 +143,46 @@ impl PromptTokenizer {
                 self.path.with_file_name("tokenizer_config.json").display()
             ),
         })?;
-        let text = chat.render(index, conversation).map_err(|e| Error::Chat {
+        let (text, spans) = chat.spans(index, conversation).map_err(|e| Error::Chat {
             reason: e.to_string(),
         })?;
+        // Byte offsets (`encode`, not `encode_fast`): the spans are byte ranges of the text.
         let encoding = self
             .inner
-            .encode_fast(text, false)
+            .encode(text.as_str(), false)
             .map_err(|e| Error::Tokenizer {
                 path: self.path.clone(),
                 reason: format!("conversation {index}: {e}"),
             })?;
-        let mut ids = encoding.get_ids().to_vec();
-        bos_once(&mut ids, self.bos_id, self.adds_bos);
-        self.cut(index, ids)
+        let (ids, roles) = conversation_tokens(
+            encoding.get_ids().to_vec(),
+            encoding.get_offsets(),
+            &spans,
+            (self.bos_id, self.adds_bos),
+        );
+        self.cut(index, ids, Some(roles))
     }
 
-    /// `ids` of prompt `index` cut to the context window; none at all is an error.
-    fn cut(&self, index: usize, mut ids: Vec<u32>) -> Result<Encoded> {
+    /// `ids` of prompt `index` (and their roles) cut to the context window; none at all is an
+    /// error.
+    fn cut(
+        &self,
+        index: usize,
+        mut ids: Vec<u32>,
+        mut roles: Option<TokenRoles>,
+    ) -> Result<Encoded> {
         if ids.is_empty() {
             return Err(Error::EmptyPrompt { index });
         }
         let truncated_from = (ids.len() > self.max_tokens).then_some(ids.len());
         ids.truncate(self.max_tokens);
+        if let Some(roles) = roles.as_mut() {
+            roles.truncate(self.max_tokens);
+        }
         Ok(Encoded {
             ids,
             truncated_from,
+            roles,
         })
     }
 

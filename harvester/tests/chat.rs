@@ -58,6 +58,11 @@ fn every_conversation_tokenizes_to_transformers_apply_chat_template_ids_in_each_
                 .encode_conversation(index, &conversation(&reference, case))
                 .unwrap();
             assert_eq!(ours.ids, expected, "{name}: {case}");
+            let roles = ours.roles.expect("a conversation's tokens have roles");
+            let expected_roles: Vec<u8> = serde_json::from_value(case["roles"].clone()).unwrap();
+            let expected_turns: Vec<u16> = serde_json::from_value(case["turns"].clone()).unwrap();
+            assert_eq!(roles.roles, expected_roles, "{name}: roles of {case}");
+            assert_eq!(roles.turns, expected_turns, "{name}: turns of {case}");
             // One BOS where the model has one, whatever the template wrote.
             if let Some(bos) = tokenizer.bos_id() {
                 let leading = ours.ids.iter().take_while(|&&id| id == bos).count();
@@ -165,6 +170,90 @@ fn a_conversations_file_is_harvested_with_the_template_s_token_ids() {
         }
     }
     assert_eq!(index, cases.len());
+    let ids_of = |tensors: &safetensors::SafeTensors<'_>, name: &str| -> Vec<u32> {
+        let tensor = tensors.tensor(name).unwrap();
+        match tensor.dtype() {
+            safetensors::Dtype::U8 => tensor.data().iter().map(|&b| u32::from(b)).collect(),
+            safetensors::Dtype::U16 => tensor
+                .data()
+                .chunks_exact(2)
+                .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
+            _ => tensor
+                .data()
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        }
+    };
+    let roles = manifest
+        .roles
+        .as_ref()
+        .expect("the manifest documents roles");
+    assert_eq!(roles.ids["3"], "assistant");
+    // An assistant-only job keeps exactly the assistant's tokens: the full run's rows there.
+    let assistant = dir.path().join("assistant");
+    let output = run(&prompts, &assistant, &["--roles", "assistant"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let kept: harvest_core::format::Manifest =
+        serde_json::from_str(&std::fs::read_to_string(assistant.join("manifest.json")).unwrap())
+            .unwrap();
+    let mut kept_total = 0;
+    for (full_shard, shard) in manifest.shards.iter().zip(&kept.shards) {
+        let full_bytes = std::fs::read(out.join(&full_shard.file)).unwrap();
+        let full = safetensors::SafeTensors::deserialize(&full_bytes).unwrap();
+        let bytes = std::fs::read(assistant.join(&shard.file)).unwrap();
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for &prompt in &shard.prompts {
+            let case = &cases[prompt];
+            let expected_roles: Vec<u32> = serde_json::from_value(case["roles"].clone()).unwrap();
+            let expected: Vec<u32> = (0..expected_roles.len() as u32)
+                .filter(|&p| expected_roles[p as usize] == 3)
+                .collect();
+            assert_eq!(ids_of(&tensors, &format!("roles_{prompt}")), expected_roles);
+            assert_eq!(
+                ids_of(&tensors, &format!("turns_{prompt}")),
+                serde_json::from_value::<Vec<u32>>(case["turns"].clone()).unwrap()
+            );
+            let positions = ids_of(&tensors, &format!("positions_{prompt}"));
+            assert_eq!(positions, expected, "conversation {prompt}");
+            let rows = tensors.tensor(&format!("prompt_{prompt}")).unwrap();
+            let all = full.tensor(&format!("prompt_{prompt}")).unwrap();
+            let width = 2 * rows.shape()[2];
+            for (row, &position) in positions.iter().enumerate() {
+                assert_eq!(
+                    rows.data()[row * width..][..width],
+                    all.data()[position as usize * width..][..width],
+                    "conversation {prompt} row {row}"
+                );
+            }
+            kept_total += positions.len() as u64;
+        }
+    }
+    let selection = kept.selection.as_ref().unwrap();
+    assert_eq!(selection.kept_tokens, kept_total);
+    assert!(
+        kept_total > 0 && selection.dropped.roles > 0,
+        "{selection:?}"
+    );
+    assert_eq!(
+        kept.stats_tokens, kept_total,
+        "statistics describe the kept rows only"
+    );
+    // roles on plain prompts is refused by name.
+    let plain = dir.path().join("plain.jsonl");
+    std::fs::write(&plain, "{\"text\": \"hello\"}\n").unwrap();
+    let refused = run(&plain, &dir.path().join("plain"), &["--roles", "assistant"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("roles") && stderr.contains("plain text"),
+        "{stderr}"
+    );
     // add_special_tokens: false means nothing for a conversation, and is refused by name.
     let refused = run(
         &prompts,

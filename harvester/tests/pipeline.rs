@@ -529,6 +529,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
     selected.options.selection = RawSelection {
         exclude_special_tokens: Some(true),
         positions: Some(vec![0, 12]),
+        roles: None,
         sample_rate: Some(0.75),
         seed: Some(11),
         max_norm_multiple: Some(1.2),
@@ -591,7 +592,7 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
                     selected
                         .options
                         .selection
-                        .pre_norm(i, position, false)
+                        .pre_norm(i, position, false, None)
                         .is_none()
                 );
                 for layer in 0..2 {
@@ -607,7 +608,13 @@ fn selected_tokens_are_the_full_runs_rows_at_the_listed_positions_and_the_counts
             }
             kept_total += positions.len() as u64;
             sampled_out += (0..ids.len().min(12))
-                .filter(|&p| selected.options.selection.pre_norm(i, p, false).is_some())
+                .filter(|&p| {
+                    selected
+                        .options
+                        .selection
+                        .pre_norm(i, p, false, None)
+                        .is_some()
+                })
                 .count();
         }
     }
@@ -992,6 +999,7 @@ fn check_prediction_of(
         add_special_tokens: manifest.tokenizer.add_special_tokens,
         bos_token_id: manifest.tokenizer.bos_token_id,
         max_tokens: manifest.tokenizer.max_tokens,
+        conversations: manifest.roles.is_some(),
     };
     let predicted = harvest_core::estimate::predict(&shape);
     let actual: Vec<u64> = match &manifest.train {

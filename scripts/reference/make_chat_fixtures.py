@@ -14,7 +14,12 @@ It writes, under harvester/tests/fixtures/chat/:
                               as imported from the GGUF into the model cache), every conversation
                               below rendered and tokenized by transformers
                               (apply_chat_template(tokenize=True)), with and without the
-                              generation prompt, and the conversations a template refuses.
+                              generation prompt, and the conversations a template refuses;
+                              with each token's role id and turn, found by rendering the
+                              conversation message by message with transformers (message i's
+                              part of the text is what rendering the first i+1 messages adds;
+                              inside it, its content is its role's, the rest the template's)
+                              and the fast tokenizer's offset mapping.
 """
 import json
 import os
@@ -93,6 +98,65 @@ def family_dir(name, tiny, template, added, bos, eos, adds_bos):
     return out
 
 
+ROLE_IDS = {"system": 1, "user": 2, "assistant": 3, "tool": 4}  # 0: the template's own
+
+
+def render(tokenizer, messages, generation):
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=generation)
+
+
+def spans(tokenizer, messages, generation):
+    """(start, end, role, turn) in characters of the rendered text, by per-message rendering."""
+    text = render(tokenizer, messages, generation)
+    out, start = [], 0
+    for turn, message in enumerate(messages):
+        last = turn == len(messages) - 1
+        prefix = render(tokenizer, messages[:turn + 1], last and generation)
+        assert text.startswith(prefix), "the template rewrites earlier turns"
+        end = len(text) if last else len(prefix)
+        part = text[start:end]
+        content = None
+        for candidate in (message["content"], message["content"].strip()):
+            if candidate and candidate in part:
+                at = start + part.index(candidate)
+                content = (at, at + len(candidate))
+                break
+        if content:
+            out += [(start, content[0], 0, turn), (*content, ROLE_IDS[message["role"]], turn),
+                    (content[1], end, 0, turn)]
+        else:
+            out.append((start, end, 0, turn))
+        start = end
+    if generation:
+        without = render(tokenizer, messages, False)
+        if out[-1][2] == 0 and out[-1][0] <= len(without):
+            out[-1] = (out[-1][0], len(without), 0, out[-1][3])
+            out.append((len(without), len(text), 0, len(messages)))
+    return text, [s for s in out if s[1] > s[0]]
+
+
+def roles_of(tokenizer, messages, generation, n_ids):
+    """Each token's (role, turn): content overlapping a token makes it the message's."""
+    text, found = spans(tokenizer, messages, generation)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    roles, turns = [], []
+    for start, end in offsets:
+        hit = None
+        if end > start:
+            hit = next((s for s in found if s[2] != 0 and s[0] < end and start < s[1]), None)
+            hit = hit or next((s for s in found if s[0] <= start < s[1]), None)
+        roles.append(hit[2] if hit else 0)
+        turns.append(hit[3] if hit else 0)
+    # One BOS at the start, as apply_chat_template's ids have: a BOS added in front is the
+    # template's, an extra one dropped.
+    while len(roles) > n_ids:
+        roles.pop(0), turns.pop(0)
+    while len(roles) < n_ids:
+        roles.insert(0, 0), turns.insert(0, 0)
+    return roles, turns
+
+
 def reference(directory):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
     cases, refused = [], []
@@ -107,8 +171,9 @@ def reference(directory):
                 refused.append({"conversation": index, "add_generation_prompt": generation,
                                 "error": str(error)})
                 continue
+            roles, turns = roles_of(tokenizer, messages, generation, len(ids))
             cases.append({"conversation": index, "add_generation_prompt": generation,
-                          "ids": list(ids)})
+                          "ids": list(ids), "roles": roles, "turns": turns})
     return {"cases": cases, "refused": refused}
 
 

@@ -362,6 +362,7 @@ mod tests {
             .map(|&n| Encoded {
                 ids: vec![1; n],
                 truncated_from: None,
+                roles: None,
             })
             .collect();
         let sizing = Sizing::of(&plan, &encoded, (4, 8), CAPTURE_POOL);

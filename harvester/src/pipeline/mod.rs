@@ -128,6 +128,8 @@ struct Job<'a> {
     shards: std::ops::Range<usize>,
     /// Ids the tokenizer marks special, ascending.
     special_ids: Vec<u32>,
+    /// Whether the corpus is conversations (each prompt then has its tokens' roles).
+    conversations: bool,
 }
 
 impl Job<'_> {
@@ -259,6 +261,7 @@ fn job_of(ready: &Ready, shards: std::ops::Range<usize>) -> Job<'_> {
         n_shards: shard_count(ready.encoded.len(), plan.options.shard_size),
         shards,
         special_ids: ready.tokenizer.special_ids(),
+        conversations: ready.encoded.iter().any(|e| e.roles.is_some()),
     }
 }
 

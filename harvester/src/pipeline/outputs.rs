@@ -86,6 +86,7 @@ pub(super) fn build_outputs(
         train: train.map(|t| train_info(job, t)),
         precision: job.plan.options.precision.unwrap_or_default(),
         job_uid: None,
+        roles: job.conversations.then(format::RolesInfo::of_conversations),
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
@@ -190,10 +191,9 @@ fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
         record.meta.first_prompt,
         &record.meta.token_counts,
         selecting.then_some(record.meta.kept_counts.as_slice()),
-        job.contents,
-        &job.plan.options.sites,
-        job.layers,
-        job.width,
+        (job.contents, &job.plan.options.sites),
+        (job.layers, job.width),
+        job.conversations,
     );
     ShardEntry {
         file: shard_file_name(record.meta.shard),

@@ -43,8 +43,12 @@ fn encode_corpus(
     corpus: &Corpus,
     tokenizer: &PromptTokenizer,
     add_special_tokens: bool,
+    selects_roles: bool,
 ) -> Result<Vec<Encoded>> {
     match corpus {
+        Corpus::Texts(_) if selects_roles => Err(Error::Chat {
+            reason: "roles keeps the tokens of some roles of a conversation, and this job's prompts are plain text: send conversations ({\"messages\": [...]} lines), or leave roles out".into(),
+        }),
         Corpus::Texts(texts) => texts
             .par_iter()
             .enumerate()
@@ -98,7 +102,12 @@ pub(super) fn prepare(
         tracing::info!(output = %plan.output, "harvest already complete; nothing to do");
         return Ok(Prepared::Finished(result));
     }
-    let encoded = encode_corpus(&corpus, &tokenizer, plan.options.add_special_tokens)?;
+    let encoded = encode_corpus(
+        &corpus,
+        &tokenizer,
+        plan.options.add_special_tokens,
+        plan.options.selection.roles.is_some(),
+    )?;
     drop(corpus);
     check_token_budget(&encoded, options.token_budget)?;
     let truncated = encoded

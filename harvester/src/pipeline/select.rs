@@ -5,6 +5,7 @@
 use harvest_core::selection::{Dropped, NormHistogram, Reason, TokenSelection};
 
 use crate::backend::Captured;
+use crate::tokenizer::Encoded;
 
 /// Decides the kept positions of each prompt, in prompt order.
 #[derive(Debug)]
@@ -53,12 +54,12 @@ impl Selector {
         self.running.merge(histogram);
     }
 
-    /// The kept positions of prompt `prompt`, whose ids are `ids` and whose rows are `rows` of
-    /// `captured`. Its candidate norms are also added to `shard_norms`.
+    /// The kept positions of prompt `prompt`, `encoded`, whose rows are `rows` of `captured`.
+    /// Its candidate norms are also added to `shard_norms`.
     pub fn select(
         &mut self,
         prompt: usize,
-        ids: &[u32],
+        encoded: &Encoded,
         captured: &Captured,
         rows: std::ops::Range<usize>,
         shard_norms: &mut NormHistogram,
@@ -66,9 +67,11 @@ impl Selector {
         let mut dropped = Dropped::default();
         self.kept.clear();
         self.candidates.clear();
-        for (position, id) in ids.iter().enumerate() {
+        let roles = encoded.roles.as_ref().map(|r| r.roles.as_slice());
+        for (position, id) in encoded.ids.iter().enumerate() {
             let special = self.special.binary_search(id).is_ok();
-            match self.selection.pre_norm(prompt, position, special) {
+            let role = roles.and_then(|roles| roles.get(position).copied());
+            match self.selection.pre_norm(prompt, position, special, role) {
                 Some(reason) => reason.count(&mut dropped),
                 None => self.kept.push(position as u32),
             }
@@ -126,8 +129,12 @@ mod tests {
         captured.reset(1, 1, 5, 1);
         captured.data = vec![100.0, 1.0, 1.2, 0.9, 50.0];
         let mut norms = NormHistogram::default();
-        let ids = [7, 8, 1, 9, 10];
-        let selected = selector.select(0, &ids, &captured, 0..5, &mut norms);
+        let encoded = Encoded {
+            ids: vec![7, 8, 1, 9, 10],
+            truncated_from: None,
+            roles: None,
+        };
+        let selected = selector.select(0, &encoded, &captured, 0..5, &mut norms);
         assert_eq!(selected.kept, [1, 3]);
         assert_eq!((selected.dropped.special, selected.dropped.norm), (1, 2));
         assert_eq!(norms.total(), 4, "special tokens are not candidates");

@@ -12,12 +12,15 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::backend::Captured;
 use crate::error::{Error, Result};
+use crate::tokenizer::Encoded;
 
 /// One prompt's captured tensors, ready to serialise.
 #[derive(Debug)]
 struct PromptTensors {
     index: usize,
     ids: Vec<u8>,
+    /// For a conversation: `roles_i` (uint8) and `turns_i` (uint16), beside `ids`.
+    roles: Option<(Vec<u8>, Vec<u8>)>,
     /// The kept positions, int32, when the job selects tokens.
     positions: Option<Vec<u8>>,
     /// Per kept site, in block order.
@@ -116,14 +119,12 @@ impl ShardAssembly {
         }
     }
 
-    /// Adds the next prompt, whose rows are `rows` of `captured`, keeping `kept` of them.
-    /// `skip_bos` leaves its first token (a BOS) out of the statistics.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds the next prompt, `encoded`, whose rows are `rows` of `captured`, keeping `kept` of
+    /// them. `skip_bos` leaves its first token (a BOS) out of the statistics.
     pub fn push(
         &mut self,
         index: usize,
-        ids: &[u32],
-        truncated_from: Option<usize>,
+        encoded: &Encoded,
         captured: &Captured,
         rows: std::ops::Range<usize>,
         skip_bos: bool,
@@ -134,6 +135,11 @@ impl ShardAssembly {
             self.first_prompt + self.prompts.len(),
             "prompts arrive in order"
         );
+        let Encoded {
+            ids,
+            truncated_from,
+            roles,
+        } = encoded;
         let width = captured.width;
         let positions: Option<&[u32]> = match kept {
             KeptRows::All => None,
@@ -162,7 +168,7 @@ impl ShardAssembly {
                 }
             }
         }
-        if let Some(original) = truncated_from {
+        if let &Some(original) = truncated_from {
             self.truncations.push(Truncation {
                 prompt: index,
                 original_tokens: original,
@@ -179,6 +185,10 @@ impl ShardAssembly {
                 .iter()
                 .flat_map(|&id| (id as i32).to_le_bytes())
                 .collect(),
+            roles: roles.as_ref().map(|r| {
+                let turns = r.turns.iter().flat_map(|t| t.to_le_bytes()).collect();
+                (r.roles.clone(), turns)
+            }),
             positions: self.selecting.then(|| {
                 positions
                     .iter()
@@ -225,6 +235,16 @@ impl ShardAssembly {
                 format!("tokens_{}", p.index),
                 tensor(Dtype::I32, vec![p.ids.len() / 4], &p.ids)?,
             ));
+            if let Some((roles, turns)) = &p.roles {
+                views.push((
+                    format!("roles_{}", p.index),
+                    tensor(Dtype::U8, vec![roles.len()], roles)?,
+                ));
+                views.push((
+                    format!("turns_{}", p.index),
+                    tensor(Dtype::U16, vec![turns.len() / 2], turns)?,
+                ));
+            }
             if let Some(positions) = &p.positions {
                 views.push((
                     format!("positions_{}", p.index),
@@ -416,6 +436,45 @@ mod tests {
         }
     }
 
+    fn plain(ids: &[u32], truncated_from: Option<usize>) -> Encoded {
+        Encoded {
+            ids: ids.to_vec(),
+            truncated_from,
+            roles: None,
+        }
+    }
+
+    #[test]
+    fn a_conversations_shard_carries_each_tokens_role_and_turn_beside_its_id() {
+        let mut shard = ShardAssembly::new(
+            0,
+            0,
+            1,
+            &shape(Contents::Activations, &Sites::default(), 2, true),
+        );
+        let encoded = Encoded {
+            ids: vec![1, 2, 3],
+            truncated_from: None,
+            roles: Some(harvest_core::chat::TokenRoles {
+                roles: vec![0, 2, 3],
+                turns: vec![0, 0, 300],
+            }),
+        };
+        let kept = KeptRows::Positions(&[2], Dropped::default());
+        shard.push(0, &encoded, &captured(), 0..3, false, kept);
+        let (bytes, _) = shard.finish("fp").unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let roles = st.tensor("roles_0").unwrap();
+        assert_eq!((roles.dtype(), roles.data()), (Dtype::U8, &[0u8, 2, 3][..]));
+        let turns = st.tensor("turns_0").unwrap();
+        assert_eq!(turns.dtype(), Dtype::U16);
+        assert_eq!(
+            turns.data(),
+            [0u8, 0, 0, 0, 44, 1],
+            "little-endian, every token"
+        );
+    }
+
     fn bf16s(bytes: &[u8]) -> Vec<f32> {
         bytes
             .chunks_exact(2)
@@ -432,9 +491,9 @@ mod tests {
             &shape(Contents::Activations, &Sites::default(), 2, false),
         );
         let c = captured();
-        shard.push(4, &[7, 8], None, &c, 0..2, false, KeptRows::All);
+        shard.push(4, &plain(&[7, 8], None), &c, 0..2, false, KeptRows::All);
         assert!(!shard.is_complete());
-        shard.push(5, &[9], Some(10), &c, 2..3, true, KeptRows::All);
+        shard.push(5, &plain(&[9], Some(10)), &c, 2..3, true, KeptRows::All);
         assert!(shard.is_complete());
         let (bytes, record) = shard.finish("fp").unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -467,7 +526,7 @@ mod tests {
         c.data = vec![1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0];
         let mut shard =
             ShardAssembly::new(0, 0, 1, &shape(Contents::Activations, &sites, 2, false));
-        shard.push(0, &[5, 6], None, &c, 0..2, false, KeptRows::All);
+        shard.push(0, &plain(&[5, 6], None), &c, 0..2, false, KeptRows::All);
         let (bytes, record) = shard.finish("fp").unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let mut names = st.names();
@@ -501,8 +560,7 @@ mod tests {
         };
         shard.push(
             0,
-            &[1, 2, 3],
-            None,
+            &plain(&[1, 2, 3], None),
             &captured(),
             0..3,
             false,

@@ -197,27 +197,13 @@ fn assemble_stage(
             let skip_bos = job.bos_id.is_some() && encoded.ids.first() == job.bos_id.as_ref();
             let mut norms = assembly.norms.take().unwrap_or_default();
             let selected = selector.as_mut().map(|selector| {
-                selector.select(
-                    index,
-                    &encoded.ids,
-                    &output.captured,
-                    rows.clone(),
-                    &mut norms,
-                )
+                selector.select(index, encoded, &output.captured, rows.clone(), &mut norms)
             });
             let kept = match &selected {
                 None => KeptRows::All,
                 Some(selected) => KeptRows::Positions(selected.kept, selected.dropped),
             };
-            assembly.push(
-                index,
-                &encoded.ids,
-                encoded.truncated_from,
-                &output.captured,
-                rows,
-                skip_bos,
-                kept,
-            );
+            assembly.push(index, encoded, &output.captured, rows, skip_bos, kept);
             if selector.as_ref().is_some_and(Selector::filters_norms) {
                 assembly.norms = Some(norms);
             }
