@@ -167,6 +167,13 @@ def _slice(text: Optional[str]) -> Optional[List[int]]:
     return [start, end]
 
 
+def _roles(text: Optional[str]) -> Optional[List[str]]:
+    """``--roles assistant,user`` as a list of names (None when not given)."""
+    if text is None:
+        return None
+    return [role.strip() for role in text.split(",") if role.strip()]
+
+
 def _submit(client: Client, args: argparse.Namespace) -> int:
     conversations = read_conversations(Path(args.prompts))
     prompts = None if conversations is not None else read_prompts(Path(args.prompts))
@@ -186,6 +193,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         sites=[site.strip() for site in args.sites.split(",") if site.strip()] if args.sites else None,
         exclude_special_tokens=True if args.exclude_special_tokens else None,
         positions=_slice(args.positions),
+        roles=_roles(args.roles),
         sample_rate=args.sample_rate,
         seed=args.seed,
         max_norm_multiple=args.max_norm_multiple,
@@ -274,6 +282,7 @@ def _stream(client: Client, args: argparse.Namespace) -> int:
         site=args.site,
         poll_s=args.poll,
         report=report,
+        roles=_roles(args.roles),
     )
     shown = 0.0
     for _ in batches:
@@ -318,6 +327,7 @@ def _export(args: argparse.Namespace) -> int:
         context_size=args.context_size,
         hook=args.hook_name,
         drop_bos=not args.keep_bos,
+        roles=_roles(args.roles),
     )
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -358,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--shard-size", type=int, help="prompts per shard file (default 32)")
     submit.add_argument("--exclude-special-tokens", action="store_true", help="keep no token the tokenizer marks special")
     submit.add_argument("--positions", metavar="START:END", help="keep positions START to END (exclusive) of each prompt")
+    submit.add_argument("--roles", metavar="ROLE,...", help="for conversations: keep only these roles' tokens (template, system, user, assistant, tool)")
     submit.add_argument("--sample-rate", type=float, help="keep each token with this probability (seeded)")
     submit.add_argument("--seed", type=int, help="the seed of --sample-rate and of --layout shuffled (default 0)")
     submit.add_argument("--max-norm-multiple", type=float, help="drop tokens whose norm exceeds this many running medians")
@@ -395,6 +406,7 @@ def parser() -> argparse.ArgumentParser:
     stream.add_argument("--shuffle-buffer", type=int, default=65536, help="rows mixed at once; 0 keeps shard order (default 65536)")
     stream.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
     stream.add_argument("--keep-bos", action="store_true", help="keep each prompt's leading BOS")
+    stream.add_argument("--roles", metavar="ROLE,...", help="for conversations: keep only these roles' tokens (template, system, user, assistant, tool)")
     stream.add_argument("--batches", type=int, help="stop after this many batches")
     stream.add_argument("--poll", type=float, default=1.0, help="seconds between asks while no shard is ready (default 1)")
     stream.add_argument("--every", type=float, default=5.0, help="seconds between progress lines (default 5)")
@@ -409,6 +421,7 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--context-size", type=int, default=128, help="tokens per SAELens row (default 128, SAELens's default)")
     export.add_argument("--hook-name", help="the SAELens column (default blocks.LAYER.hook_SITE)")
     export.add_argument("--keep-bos", action="store_true", help="keep each prompt's leading BOS")
+    export.add_argument("--roles", metavar="ROLE,...", help="for conversations: keep only these roles' tokens (template, system, user, assistant, tool)")
     export.set_defaults(run=_export, offline=True)
     return top
 

@@ -192,7 +192,9 @@ class Client:
         ``sites`` lists hook sites of each kept block (``resid_pre``, ``attn_out``,
         ``resid_mid``, ``mlp_out``, ``resid_post``); None keeps ``resid_post`` alone.
         Token selection takes ``exclude_special_tokens=True``, ``positions=(start, end)``,
-        ``sample_rate=`` with ``seed=``, and ``max_norm_multiple=``; ``layout="shuffled"``
+        ``sample_rate=`` with ``seed=``, ``max_norm_multiple=``, and for conversations
+        ``roles=["assistant"]`` (any of ``template``, ``system``, ``user``, ``assistant``,
+        ``tool``: only those tokens are kept); ``layout="shuffled"``
         (with ``rows_per_file=`` and ``seed=``) writes training files instead of shards;
         ``precision="f32"`` or ``"bf16"`` picks the arithmetic (None: the device's own, f32 on
         a CPU and bf16 on a GPU; the manifest says which ran); ``parallelism=N`` runs the job as
@@ -261,6 +263,9 @@ class Client:
 
 
 ROLES = ("system", "user", "assistant", "tool")
+#: The roles a token can have (``roles_i`` holds their index): the template's own markup, or
+#: a message's role.
+TOKEN_ROLES = ("template",) + ROLES
 
 
 def _conversations(
@@ -415,6 +420,7 @@ class Job:
         poll_s: float = 1.0,
         drop_last: bool = False,
         report: Any = None,
+        roles: Optional[Sequence[str]] = None,
     ) -> Iterator[Any]:
         """Float32 ``[batch, width]`` rows of hook site ``site`` at block ``layer``, yielded
         while the job runs: each shard the server lists as ready is fetched, checked against
@@ -424,7 +430,8 @@ class Job:
         in a buffer of ``shuffle_buffer`` rows drawn from ``seed`` (0: shard order), which
         bounds the memory. The order depends on when shards become ready; the rows do not.
         Raises ``JobFailed`` or ``JobCancelled`` if the job ends that way. Pass a
-        :class:`~harvest_client.stream.StreamReport` as ``report`` to follow rows/s."""
+        :class:`~harvest_client.stream.StreamReport` as ``report`` to follow rows/s. For a
+        job of conversations, ``roles=["assistant"]`` yields only those roles' tokens."""
         from .stream import stream_job
 
         return stream_job(
@@ -439,6 +446,7 @@ class Job:
             poll_s=poll_s,
             drop_last=drop_last,
             report=report,
+            roles=roles,
         )
 
     def torch_stream(self, layer: int, batch_size: int, **kwargs: Any):
@@ -458,6 +466,7 @@ class Job:
 SELECTION_FIELDS = (
     "exclude_special_tokens",
     "positions",
+    "roles",
     "sample_rate",
     "seed",
     "max_norm_multiple",
@@ -478,4 +487,11 @@ def _selection(given: Dict[str, Any]) -> Dict[str, Any]:
     body = {name: value for name, value in given.items() if value is not None}
     if "positions" in body:
         body["positions"] = [int(v) for v in body["positions"]]
+    if "roles" in body:
+        if isinstance(body["roles"], str):
+            raise TypeError(f"roles must be a list of role names, not one string: wrap it as [{body['roles']!r}]")
+        body["roles"] = [str(role) for role in body["roles"]]
+        unknown = [role for role in body["roles"] if role not in TOKEN_ROLES]
+        if unknown:
+            raise ValueError(f"roles: {unknown[0]!r} is not a role: give any of {', '.join(TOKEN_ROLES)}, for example [\"assistant\"]")
     return body

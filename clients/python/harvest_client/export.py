@@ -11,6 +11,9 @@ stays bounded whatever the job's size (needs ``pip install harvest-client[export
 - ``hf``: one row per token: ``prompt``, ``position`` and ``token_id`` (int32) and
   ``activation`` (float32 ``[width]``).
 
+For a job of conversations, ``roles`` (for example ``["assistant"]``) keeps only those roles'
+tokens, so a SAELens cache can hold the assistant's tokens alone.
+
 Chunks are saved as separate datasets under ``OUT/.tmp_shards`` and their Arrow files are
 then moved into ``OUT`` under one ``state.json``: the layout SAELens's own cache runner
 writes, so nothing is copied twice."""
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -59,10 +62,10 @@ def _datasets():
     return datasets
 
 
-def _tokens(reader: Reader, layer: int, site: str, drop_bos: bool) -> Iterator[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+def _tokens(reader: Reader, layer: int, site: str, drop_bos: bool, roles: Optional[Sequence[str]] = None) -> Iterator[Tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """Each prompt's kept rows at ``layer``: (prompt, positions, token ids, float32 rows)."""
     for i in range(reader.n_prompts):
-        rows, positions = reader.rows(i, layer, site=site, drop_bos=drop_bos)
+        rows, positions = reader.rows(i, layer, site=site, drop_bos=drop_bos, roles=roles)
         yield i, positions, reader.tokens(i)[positions], rows
 
 
@@ -77,10 +80,12 @@ def export(
     hook: Optional[str] = None,
     drop_bos: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
+    roles: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """Writes the downloaded job in ``directory`` to the new directory ``out`` in ``format``
     (``saelens`` or ``hf``) and returns what it wrote. ``hook`` renames the SAELens column
-    (default ``blocks.{layer}.hook_{site}``)."""
+    (default ``blocks.{layer}.hook_{site}``); ``roles`` keeps only those roles' tokens of a
+    job of conversations."""
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {', '.join(FORMATS)}")
     reader = Reader(directory)
@@ -97,6 +102,7 @@ def export(
         )
     if context_size < 1:
         raise ValueError(f"context_size={context_size} must be at least 1")
+    reader._roles_wanted(roles)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.HarvestError(f"{out} is not empty: export into a new or empty directory (SAELens refuses the same)")
@@ -112,12 +118,13 @@ def export(
         "layer": layer,
         "site": site,
         "drop_bos": drop_bos,
+        "roles": list(roles) if roles is not None else None,
     }
     if format == "saelens":
         column = hook or hook_name(layer, site)
-        summary = _saelens(datasets, reader, scratch, layer, site, column, context_size, drop_bos, chunk_bytes, description)
+        summary = _saelens(datasets, reader, scratch, layer, site, column, context_size, (drop_bos, roles), chunk_bytes, description)
     else:
-        summary = _hf(datasets, reader, scratch, layer, site, drop_bos, chunk_bytes, description)
+        summary = _hf(datasets, reader, scratch, layer, site, (drop_bos, roles), chunk_bytes, description)
     summary["files"] = _consolidate(datasets, scratch, out)
     summary.update(format=format, out=str(out), width=width)
     return summary
@@ -129,7 +136,7 @@ def _save(datasets, scratch: Path, index: int, columns: Dict[str, np.ndarray], f
     chunk.save_to_disk(str(scratch / f"shard_{index:05d}"), num_shards=1)
 
 
-def _saelens(datasets, reader: Reader, scratch: Path, layer: int, site: str, column: str, context_size: int, drop_bos: bool, chunk_bytes: int, description: Dict[str, Any]) -> Dict[str, Any]:
+def _saelens(datasets, reader: Reader, scratch: Path, layer: int, site: str, column: str, context_size: int, kept: Tuple[bool, Optional[Sequence[str]]], chunk_bytes: int, description: Dict[str, Any]) -> Dict[str, Any]:
     width = reader.width
     features = datasets.Features(
         {
@@ -142,7 +149,7 @@ def _saelens(datasets, reader: Reader, scratch: Path, layer: int, site: str, col
     acts = np.empty((per_chunk * context_size, width), dtype=np.float32)
     ids = np.empty(per_chunk * context_size, dtype=np.int32)
     filled = chunks = rows = tokens = 0
-    for _, _, token_ids, values in _tokens(reader, layer, site, drop_bos):
+    for _, _, token_ids, values in _tokens(reader, layer, site, *kept):
         tokens += token_ids.size
         while token_ids.size:
             take = min(token_ids.size, acts.shape[0] - filled)
@@ -169,7 +176,7 @@ def _saelens(datasets, reader: Reader, scratch: Path, layer: int, site: str, col
     return {"hook_name": column, "context_size": context_size, "rows": rows, "tokens": rows * context_size, "left_out_tokens": tokens - rows * context_size}
 
 
-def _hf(datasets, reader: Reader, scratch: Path, layer: int, site: str, drop_bos: bool, chunk_bytes: int, description: Dict[str, Any]) -> Dict[str, Any]:
+def _hf(datasets, reader: Reader, scratch: Path, layer: int, site: str, kept: Tuple[bool, Optional[Sequence[str]]], chunk_bytes: int, description: Dict[str, Any]) -> Dict[str, Any]:
     width = reader.width
     features = datasets.Features(
         {
@@ -190,7 +197,7 @@ def _hf(datasets, reader: Reader, scratch: Path, layer: int, site: str, drop_bos
         chunks += 1
         pending, held = [], 0
 
-    for i, positions, token_ids, values in _tokens(reader, layer, site, drop_bos):
+    for i, positions, token_ids, values in _tokens(reader, layer, site, *kept):
         pending.append((np.full(positions.size, i, dtype=np.int32), positions.astype(np.int32), token_ids.astype(np.int32), values))
         held += positions.size
         rows += positions.size

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -20,7 +20,41 @@ _DTYPES = {
     "F64": np.float64,
     "I32": np.int32,
     "I64": np.int64,
+    "U8": np.uint8,
+    "U16": np.uint16,
 }
+
+#: Each role's id in ``roles_i`` (the manifest's ``roles.ids`` lists the same).
+ROLE_IDS = {"template": 0, "system": 1, "user": 2, "assistant": 3, "tool": 4}
+
+
+def role_ids(roles: Sequence[str], known: Optional[Dict[str, int]] = None) -> np.ndarray:
+    """The ids of the named roles (uint8), refusing an unknown name or one string."""
+    known = known or ROLE_IDS
+    if isinstance(roles, (str, bytes)):
+        raise TypeError(f"roles must be a list of role names, not one string: wrap it as [{roles!r}]")
+    ids = []
+    for role in roles:
+        if role not in known:
+            raise ValueError(f"roles: {role!r} is not a role: give any of {', '.join(known)}, for example ['assistant']")
+        ids.append(known[role])
+    if not ids:
+        raise ValueError("roles is empty, which keeps no token: name the roles to keep, or pass None for every token")
+    return np.array(sorted(set(ids)), dtype=np.uint8)
+
+
+def kept_by_role(file: "SafetensorsFile", i: int, ids: np.ndarray) -> np.ndarray:
+    """Which of prompt ``i``'s activation rows in ``file`` are of a role in ``ids`` (bool
+    ``[n_kept]``): ``roles_i`` is over every token that ran, the rows over ``positions_i``."""
+    name = f"roles_{i}"
+    if name not in file.header:
+        raise errors.HarvestError(
+            f"{file.path.name} has no {name}: roles belong to jobs of conversations, and this job's prompts are plain text"
+        )
+    roles = np.array(file.raw(name))
+    if f"positions_{i}" in file.header:
+        roles = roles[np.array(file.raw(f"positions_{i}"))]
+    return np.isin(roles, ids)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -99,6 +133,10 @@ class Reader:
         self.selection: Optional[Dict[str, Any]] = self.manifest.get("selection")
         #: "by_prompt" or "shuffled" (training files, read with :meth:`train_batches`).
         self.layout: str = self.manifest.get("layout", "by_prompt")
+        #: For a job of conversations: each role's id in ``roles_i`` (None for plain prompts).
+        self.role_ids: Optional[Dict[str, int]] = None
+        if self.manifest.get("roles"):
+            self.role_ids = {name: int(i) for i, name in self.manifest["roles"]["ids"].items()}
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
             counts = shard["kept_counts"] if self.selection else shard["token_counts"]
@@ -153,6 +191,29 @@ class Reader:
         """Prompt ``i``'s token ids (int32), every one that ran."""
         return np.array(self._shard_of(i).raw(f"tokens_{i}"))
 
+    def _roles_wanted(self, roles: Optional[Sequence[str]]) -> Optional[np.ndarray]:
+        if roles is None:
+            return None
+        if self.role_ids is None:
+            raise errors.HarvestError(
+                "roles belong to jobs of conversations, and this job's prompts are plain text: leave roles out"
+            )
+        return role_ids(roles, self.role_ids)
+
+    def roles(self, i: int) -> np.ndarray:
+        """Prompt ``i``'s role id of every token that ran (uint8, beside :meth:`tokens`; names
+        in :attr:`role_ids`), for a job of conversations."""
+        if self.role_ids is None:
+            raise errors.HarvestError("this job's prompts are plain text: only conversations have roles")
+        return np.array(self._shard_of(i).raw(f"roles_{i}"))
+
+    def turns(self, i: int) -> np.ndarray:
+        """Prompt ``i``'s message index of every token that ran (uint16, beside :meth:`tokens`;
+        the template's markup before message k is turn k), for a job of conversations."""
+        if self.role_ids is None:
+            raise errors.HarvestError("this job's prompts are plain text: only conversations have turns")
+        return np.array(self._shard_of(i).raw(f"turns_{i}"))
+
     def positions(self, i: int) -> np.ndarray:
         """The positions of prompt ``i`` its activations hold, in the order of their token axis
         (every position unless the job selected tokens)."""
@@ -176,18 +237,26 @@ class Reader:
             return tokens, th.from_numpy(raw)
         return self.tokens(i), shard.float32(name)
 
-    def rows(self, i: int, layer: int, *, site: str = "resid_post", drop_bos: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    def rows(
+        self, i: int, layer: int, *, site: str = "resid_post", drop_bos: bool = False, roles: Optional[Sequence[str]] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
         """Prompt ``i`` at block ``layer`` alone: float32 ``[n_kept, width]`` rows of hook
         site ``site`` and the int32 ``[n_kept]`` positions they hold. ``drop_bos`` leaves out
-        a leading BOS by the statistics' rule (as :meth:`token_batches` does)."""
+        a leading BOS by the statistics' rule (as :meth:`token_batches` does); ``roles`` keeps
+        only those roles' tokens (a job of conversations)."""
         position = self.layer_position(layer)
+        wanted = self._roles_wanted(roles)
         shard = self._shard_of(i)
         name = self._tensor_name(site, i)
         raw = shard.raw(name)[position]
         positions = self.positions(i)
-        first = 1 if drop_bos and self._leading_bos(i) else 0
-        values = raw[first:]
-        return (bf16_to_f32(values) if shard.dtype(name) == "BF16" else np.array(values, dtype=np.float32)), positions[first:]
+        keep = np.ones(positions.size, dtype=bool)
+        if drop_bos and self._leading_bos(i):
+            keep[0] = False
+        if wanted is not None:
+            keep &= kept_by_role(shard, i, wanted)
+        values = raw[keep] if not keep.all() else raw
+        return (bf16_to_f32(values) if shard.dtype(name) == "BF16" else np.array(values, dtype=np.float32)), positions[keep]
 
     def _leading_bos(self, i: int) -> bool:
         """Whether prompt ``i``'s activations start with the BOS the statistics leave out."""
@@ -210,26 +279,31 @@ class Reader:
             "count": int(np.array(stats.raw("count")).reshape(-1)[0]),
         }
 
-    def _index(self, drop_bos: bool) -> Tuple[np.ndarray, np.ndarray]:
-        """Every token as (prompt, position), leaving out each leading BOS when asked, by the
-        same rule as the statistics: a prompt whose first id is the tokenizer's BOS."""
+    def _index(self, drop_bos: bool, roles: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Every kept row as (prompt, row), leaving out each leading BOS when asked, by the
+        same rule as the statistics (a prompt whose first id is the tokenizer's BOS), and the
+        rows of other roles than ``roles``."""
+        wanted = self._roles_wanted(roles)
         prompts: List[np.ndarray] = []
         positions: List[np.ndarray] = []
         for i in range(self.n_prompts):
             n = self._where[i][1]
             first = 1 if drop_bos and self._leading_bos(i) else 0
-            positions.append(np.arange(first, n, dtype=np.int32))
-            prompts.append(np.full(n - first, i, dtype=np.int32))
+            rows = np.arange(first, n, dtype=np.int32)
+            if wanted is not None and n:
+                rows = rows[kept_by_role(self._shard_of(i), i, wanted)[first:]]
+            positions.append(rows)
+            prompts.append(np.full(rows.size, i, dtype=np.int32))
         if not prompts:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
         return np.concatenate(prompts), np.concatenate(positions)
 
-    def n_tokens(self, drop_bos: bool = True) -> int:
+    def n_tokens(self, drop_bos: bool = True, roles: Optional[Sequence[str]] = None) -> int:
         """Tokens :meth:`token_batches` yields per epoch (for the shuffled layout, the rows of
         the training files)."""
         if self.layout == "shuffled":
             return int(self.manifest["train"]["rows"])
-        return int(self._index(drop_bos)[0].size)
+        return int(self._index(drop_bos, roles)[0].size)
 
     def train_batches(self, layer: int, batch_size: int, *, site: str = "resid_post") -> Iterator[Tuple[np.ndarray, np.ndarray]]:
         """The shuffled layout's rows in file order (already a seeded uniform permutation of the
@@ -269,18 +343,20 @@ class Reader:
         *,
         drop_last: bool = False,
         site: str = "resid_post",
+        roles: Optional[Sequence[str]] = None,
     ) -> Iterator[np.ndarray]:
         """One epoch of float32 ``[batch, width]`` rows of block ``layer`` (one of
         ``layer_indices``), every token once, in an order drawn from ``seed`` across all shards
         when ``shuffle``. ``drop_bos`` leaves out each prompt's leading BOS (as the statistics
         do); ``normalize`` subtracts the statistics' mean and divides by their std. The last
         batch may be short unless ``drop_last``. ``site`` picks the hook site (default
-        ``resid_post``)."""
+        ``resid_post``). For a job of conversations, ``roles=["assistant"]`` yields only those
+        roles' tokens (the statistics, for ``normalize``, stay those of every kept token)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         position = self.layer_position(layer)
         self._tensor_name(site, 0)
-        prompts, positions = self._index(drop_bos)
+        prompts, positions = self._index(drop_bos, roles)
         order = np.random.default_rng(seed).permutation(prompts.size) if shuffle else np.arange(prompts.size)
         mean = std = None
         if normalize:

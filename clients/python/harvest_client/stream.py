@@ -11,14 +11,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import errors
 from .jobs import JobLike
 from .download import _Expired, _fetch, _matches, _Wanted, Download
-from .reader import SafetensorsFile, bf16_to_f32
+from .reader import SafetensorsFile, bf16_to_f32, kept_by_role, role_ids
 
 
 #: Rows the shuffle buffer holds by default (256 MB of float32 rows at width 1024).
@@ -123,8 +123,10 @@ class _Shard:
 class _Stream:
     """One pass over a job's rows of hook site ``site`` at block ``layer``."""
 
-    def __init__(self, job: JobLike, layer: int, site: str, drop_bos: bool, directory: Path, keep_files: bool, report: StreamReport) -> None:
+    def __init__(self, job: JobLike, layer: int, site: str, drop_bos: bool, directory: Path, keep_files: bool, report: StreamReport, roles: Optional[Sequence[str]] = None) -> None:
         self.job = job
+        #: The ids of the roles kept, or None for every token.
+        self.roles: Optional[np.ndarray] = None if roles is None else role_ids(roles)
         self.site = site
         self.drop_bos = drop_bos
         self.directory = directory
@@ -229,7 +231,12 @@ class _Stream:
                 starts = f"positions_{i}" not in file.header or int(file.raw(f"positions_{i}")[0]) == 0
                 if starts and int(file.raw(f"tokens_{i}")[0]) == self.bos:
                     first = 1
-            values = values[first:]
+            if self.roles is not None:
+                keep = kept_by_role(file, i, self.roles)
+                keep[:first] = False
+                values = values[keep]
+            else:
+                values = values[first:]
             yield bf16_to_f32(values) if file.dtype(name) == "BF16" else np.array(values, dtype=np.float32)
         del file
         self.read.add(shard.file)
@@ -251,6 +258,7 @@ def stream_job(
     poll_s: float = DEFAULT_POLL_S,
     drop_last: bool = False,
     report: Optional[StreamReport] = None,
+    roles: Optional[Sequence[str]] = None,
 ) -> Iterator[np.ndarray]:
     """See :meth:`harvest_client.Job.stream`."""
     if batch_size < 1:
@@ -266,7 +274,7 @@ def stream_job(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        stream = _Stream(job, layer, site, drop_bos, directory, scratch is None, report)
+        stream = _Stream(job, layer, site, drop_bos, directory, scratch is None, report, roles)
         yield from _batches(stream, batch_size, shuffle_buffer, seed, poll_s, drop_last, report)
     finally:
         if scratch is not None:

@@ -133,6 +133,8 @@ def test_submit_takes_a_jsonl_file_of_conversations_with_the_generation_prompt(s
     chats.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     dry = json.loads(harvest(server, "--json", "submit", str(chats), "--model", MODEL, "--add-generation-prompt", "--dry-run").stdout)
     assert dry["n_prompts"] == 2 and dry["tokens"] > 0
+    users = json.loads(harvest(server, "--json", "submit", str(chats), "--model", MODEL, "--roles", "user,system", "--dry-run").stdout)
+    assert 0 < users["kept_tokens"] < dry["tokens"], users
     done = harvest(server, "--json", "submit", str(chats), "--model", MODEL, "--layers", "3", "--add-generation-prompt", "--wait")
     assert done.returncode == 0, done.stderr
     job = json.loads(done.stdout)

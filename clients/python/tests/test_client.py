@@ -369,13 +369,59 @@ def test_a_bf16_job_says_so_in_its_manifest_and_stays_close_to_f32(client, tmp_p
     assert 0 < np.median(error) < 2e-2, np.median(error)
 
 
-def chat_reference():
+def chat_reference(with_roles: bool = False):
     """SmolLM2's conversations and their token ids as transformers' apply_chat_template makes
-    them (harvester/tests/fixtures/chat/reference.json)."""
+    them (harvester/tests/fixtures/chat/reference.json), and each token's role id."""
     path = Path(__file__).resolve().parents[3] / "harvester/tests/fixtures/chat/reference.json"
     reference = json.loads(path.read_text())
     cases = [c for c in reference["families"]["smollm2"]["cases"] if c["add_generation_prompt"]]
-    return [reference["conversations"][c["conversation"]] for c in cases], [c["ids"] for c in cases]
+    found = [reference["conversations"][c["conversation"]] for c in cases], [c["ids"] for c in cases]
+    return (*found, [c["roles"] for c in cases]) if with_roles else found
+
+
+def test_an_assistant_only_job_and_the_readers_role_filter_keep_exactly_the_assistants_rows(client, tmp_path):
+    conversations, expected, roles = chat_reference(with_roles=True)
+    assistant = sum(r == 3 for row in roles for r in row)
+    full = client.submit(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3]).wait(progress=False)
+    assert full.status == "done", full.error
+    full.download(tmp_path / "full")
+    reader = full.open(tmp_path / "full")
+    assert reader.role_ids["assistant"] == 3
+    for i, ids in enumerate(expected):
+        assert reader.roles(i).tolist() == roles[i]
+        assert reader.turns(i).size == len(ids)
+    assert reader.n_tokens(roles=["assistant"]) == assistant
+    client_side = np.concatenate(list(reader.token_batches(3, 5, shuffle=False, roles=["assistant"])))
+    estimate = client.estimate(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3], roles=["assistant"])
+    assert estimate["kept_tokens"] == assistant
+    kept = client.submit(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3], roles=["assistant"]).wait(progress=False)
+    assert kept.status == "done", kept.error
+    kept.download(tmp_path / "kept")
+    server_side = kept.open(tmp_path / "kept")
+    assert server_side.manifest["selection"]["kept_tokens"] == assistant
+    rows = np.concatenate(list(server_side.token_batches(3, 5, shuffle=False)))
+    np.testing.assert_array_equal(rows, client_side)
+    for i in range(len(expected)):
+        values, positions = reader.rows(i, 3, roles=["assistant"])
+        assert positions.tolist() == [p for p, r in enumerate(roles[i]) if r == 3]
+        np.testing.assert_array_equal(server_side.rows(i, 3)[0], values)
+    streamed = np.concatenate(list(full.stream(3, 5, shuffle_buffer=0, roles=["assistant"])))
+    np.testing.assert_array_equal(streamed, client_side)
+    from harvest_client.export import export
+
+    summary = export(tmp_path / "full", tmp_path / "hf", format="hf", layer=3, roles=["assistant"])
+    assert summary["rows"] == assistant
+    # Only conversations have roles; a role name is checked before anything is read or sent.
+    plain = client.submit(["no roles here"], MODEL, layers=[3]).wait(progress=False)
+    plain.download(tmp_path / "plain")
+    with pytest.raises(HarvestError, match="plain text"):
+        plain.open(tmp_path / "plain").n_tokens(roles=["assistant"])
+    with pytest.raises(ValueError, match="'assistent' is not a role"):
+        reader.n_tokens(roles=["assistent"])
+    with pytest.raises(ValueError, match="'narrator' is not a role"):
+        client.submit(conversations=conversations, model=MODEL, roles=["narrator"])
+    with pytest.raises(InvalidRequest, match="roles"):
+        client.submit(["a"], MODEL, roles=["assistant"])
 
 
 def test_conversations_submitted_are_harvested_as_the_chat_template_tokenizes_them(client, tmp_path):
