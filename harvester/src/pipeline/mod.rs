@@ -28,6 +28,7 @@ mod commit;
 pub mod directions;
 mod engine;
 mod fingerprint;
+mod flow;
 mod inspect;
 mod outputs;
 mod prepare;

@@ -19,9 +19,9 @@ use std::time::Instant;
 use harvest_core::plan::shard_prompts;
 
 use super::Job;
+use super::flow::ForwardOutput;
 use super::progress::Progress;
 use super::shard::ShardRecord;
-use super::stages::ForwardOutput;
 use crate::backend::{Batch, Captured, Stage};
 use crate::error::{Error, Result};
 
@@ -136,7 +136,7 @@ fn run_chain(
             }
         }
         if errors.iter().any(Option::is_some) {
-            return Err(super::stages::root_cause(errors));
+            return Err(super::flow::root_cause(errors));
         }
         Ok(tokens)
     })

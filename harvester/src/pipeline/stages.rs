@@ -9,6 +9,7 @@ use bytes::Bytes;
 use harvest_core::plan::{shard_file_name, shard_prompts};
 
 use super::engine::Engine;
+use super::flow::{ForwardOutput, root_cause};
 use super::progress::Progress;
 use super::select::Selector;
 use super::shard::{KeptRows, ShardAssembly, ShardRecord, ShardShape};
@@ -16,11 +17,6 @@ use super::store::Store;
 use super::{FORWARD_QUEUE, Job, UPLOAD_QUEUE, staged};
 use crate::backend::{Backend, Batch, Captured};
 use crate::error::{Error, Result};
-
-pub(super) struct ForwardOutput {
-    pub(super) prompts: Vec<usize>,
-    pub(super) captured: Captured,
-}
 
 /// What the concurrent stages produced.
 pub(super) struct StageOutcome {
@@ -76,19 +72,6 @@ pub(super) fn run_stages(
             }
         }
     })
-}
-
-/// The error to report when stages fail: one that failed on its own, not one that only saw its
-/// neighbour's channel close.
-pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
-    let mut lost = None;
-    for error in errors.into_iter().flatten() {
-        match error {
-            Error::StageLost { .. } => lost = lost.or(Some(error)),
-            real => return real,
-        }
-    }
-    lost.unwrap_or(Error::StageLost { stage: "pipeline" })
 }
 
 fn forward_stage(
@@ -247,26 +230,4 @@ async fn upload_stage(
         records.push(record);
     }
     Ok((records, busy))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_root_cause_is_the_stage_that_failed_on_its_own() {
-        let store = Error::Store {
-            location: "s3://b/p".into(),
-            reason: "403".into(),
-        };
-        let lost = Error::StageLost { stage: "assemble" };
-        let cause = root_cause([Some(lost), Some(store), None]);
-        assert!(matches!(cause, Error::Store { .. }), "{cause}");
-        assert_eq!(
-            cause.kind(),
-            harvest_core::worker::ErrorKind::Infrastructure
-        );
-        let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
-        assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
-    }
 }

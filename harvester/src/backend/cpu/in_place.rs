@@ -10,7 +10,7 @@
 //! that exist are stored.
 #![allow(unsafe_code)]
 
-use super::matmul::{MatRef, output_fits};
+use super::views::{MatRef, output_fits};
 
 /// `out[r, c] = Σ_j a[r, j] · b[j, c]` for `r < a.rows`, `c < b.cols`; `out` has row stride
 /// `out_stride`.

@@ -26,6 +26,7 @@ mod moe;
 mod ops;
 pub mod peak;
 pub mod sgemm;
+pub mod views;
 
 use std::path::Path;
 

@@ -25,7 +25,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::matmul::MatRef;
+use super::views::MatRef;
 
 /// Columns of `k` packed and summed per pass, at most (as even blocks: 576 runs as 3 × 192): a
 /// strip of `a` is `KC × MR` values (6 KiB with AVX2) and stays in L1 beside the panel of `w`
@@ -114,24 +114,6 @@ impl WeightRows for MatRef<'_> {
     fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
         let from = row * self.row_stride + start;
         dst.copy_from_slice(&self.data[from..from + dst.len()]);
-    }
-}
-
-impl WeightRows for super::bf16::Bf16View<'_> {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-
-    fn cols(&self) -> usize {
-        self.cols
-    }
-
-    fn widen_segment(&self, row: usize, start: usize, dst: &mut [f32]) {
-        let from = row * self.stride + start;
-        let bits = &self.bits[from..from + dst.len()];
-        for (d, &b) in dst.iter_mut().zip(bits) {
-            *d = f32::from_bits(u32::from(b) << 16);
-        }
     }
 }
 
@@ -1062,31 +1044,6 @@ mod tests {
         assert_eq!(run(0..200, 1), all);
         assert_eq!(run(117..118, 2), all[117 * n..118 * n]);
         assert_eq!(run(50..61, 4), all[50 * n..61 * n]);
-    }
-
-    #[test]
-    fn a_bf16_weight_gives_the_bits_of_its_f32_widening() {
-        let (m, n, k) = (9, 45, 270);
-        let a = values(m * k, 6);
-        let bits: Vec<u16> = values(n * k, 7)
-            .iter()
-            .map(|&v| (crate::dtype::bf16_rounded_bits(v) >> 16) as u16)
-            .collect();
-        let widened: Vec<f32> = bits
-            .iter()
-            .map(|&b| f32::from_bits(u32::from(b) << 16))
-            .collect();
-        let (mut from_bits, mut from_f32) = (vec![0.0; m * n], vec![0.0; m * n]);
-        let a = MatRef::dense(&a, m, k);
-        product(
-            a,
-            &crate::backend::cpu::bf16::Bf16View::dense(&bits, n, k),
-            &mut from_bits,
-            n,
-            false,
-        );
-        product(a, &MatRef::dense(&widened, n, k), &mut from_f32, n, false);
-        assert_eq!(from_bits, from_f32);
     }
 
     #[test]

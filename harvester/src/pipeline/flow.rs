@@ -1,0 +1,47 @@
+//! What passes between the pipeline's threads (forward, the stages of a staged model,
+//! assembly, upload), and which of their failures is reported: the leaf both the single and
+//! the staged engine build on.
+
+use crate::backend::Captured;
+use crate::error::Error;
+
+/// One forward batch's captured rows and the prompts they hold, in order.
+pub(super) struct ForwardOutput {
+    pub(super) prompts: Vec<usize>,
+    pub(super) captured: Captured,
+}
+
+/// The error to report when stages fail: one that failed on its own, not one that only saw its
+/// neighbour's channel close.
+pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
+    let mut lost = None;
+    for error in errors.into_iter().flatten() {
+        match error {
+            Error::StageLost { .. } => lost = lost.or(Some(error)),
+            real => return real,
+        }
+    }
+    lost.unwrap_or(Error::StageLost { stage: "pipeline" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_cause_is_the_stage_that_failed_on_its_own() {
+        let store = Error::Store {
+            location: "s3://b/p".into(),
+            reason: "403".into(),
+        };
+        let lost = Error::StageLost { stage: "assemble" };
+        let cause = root_cause([Some(lost), Some(store), None]);
+        assert!(matches!(cause, Error::Store { .. }), "{cause}");
+        assert_eq!(
+            cause.kind(),
+            harvest_core::worker::ErrorKind::Infrastructure
+        );
+        let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
+        assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
+    }
+}
