@@ -441,6 +441,7 @@ fn a_compiled_image_is_cached_and_the_second_build_reads_it_instead_of_nvrtc() {
             major: Some(13),
         },
         kernel_cache: None,
+        switches: Default::default(),
     });
     let loaded = libraries::loaded(libraries::Purpose::Compile).unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -89,7 +89,11 @@ fn check_cuda_model(config: &ModelConfig, spec: &CaptureSpec, device: DeviceChoi
         check_model(config)?;
     }
     if let DeviceChoice::Cuda(_) = device {
-        check_unchecked(config, spec.precision, &|name| std::env::var(name).ok())?;
+        check_unchecked(
+            config,
+            spec.precision,
+            &crate::backend::cuda::switches::switch,
+        )?;
     }
     Ok(())
 }
@@ -230,7 +234,9 @@ impl StageDevices<'_> {
         };
         match (self.device, self.listed) {
             (DeviceChoice::Cuda(first), listed) => {
-                check_cuda_stages_allowed(std::env::var(CUDA_STAGES_VARIABLE).ok().as_deref())?;
+                check_cuda_stages_allowed(
+                    crate::backend::cuda::switches::switch(CUDA_STAGES_VARIABLE).as_deref(),
+                )?;
                 let gpus = stage_devices(first, self.stages, listed)?;
                 check_stage_devices(&gpus, crate::backend::cuda::probe(first)?.devices)?;
                 Ok(gpus)

@@ -47,7 +47,8 @@ pub(super) use self::element::decoded_f32;
 use self::hand_off::HandOff;
 use self::kernel_set::Kernels;
 use self::ops::{DeviceOps, Keeping, Pass};
-use self::staging::{Staging, UPLOAD_VARIABLE};
+use self::staging::Staging;
+pub use self::staging::UPLOAD_VARIABLE;
 pub use self::upload::LoadPhases;
 use self::upload::Uploader;
 pub(in crate::backend::cuda) use self::upload::{bf16_values, rounded_bf16};
@@ -155,15 +156,15 @@ pub const CUDA_AFMOE_VARIABLE: &str = "HARVEST_CUDA_AFMOE";
 /// checked it.
 pub const CUDA_F32_VARIABLE: &str = "HARVEST_CUDA_F32";
 
-/// Refuses what has run only on the replay, on a GPU, unless its variable (read by `env`) is
-/// `try`, as the GPU window sets them: AFMoE ([`CUDA_AFMOE_VARIABLE`]) and the f32 mode
+/// Refuses what has run only on the replay, on a GPU, unless its switch (read by `switch`,
+/// [`super::switches::switch`] in a run) is `try`, as the GPU window sets them: AFMoE ([`CUDA_AFMOE_VARIABLE`]) and the f32 mode
 /// ([`CUDA_F32_VARIABLE`]).
 pub fn check_unchecked(
     config: &ModelConfig,
     precision: Precision,
-    env: &dyn Fn(&str) -> Option<String>,
+    switch: &dyn Fn(&str) -> Option<String>,
 ) -> Result<()> {
-    let tried = |variable: &str| env(variable).as_deref().map(str::trim) == Some("try");
+    let tried = |variable: &str| switch(variable).as_deref().map(str::trim) == Some("try");
     let unchecked = if config.afmoe.is_some() && !tried(CUDA_AFMOE_VARIABLE) {
         Some((
             "AFMoE (AfmoeForCausalLM)",
@@ -208,9 +209,7 @@ impl CudaBackend {
 
     fn load(weights: LlamaWeights, spec: CaptureSpec, ordinal: usize) -> Result<Self> {
         check_model(&weights.config)?;
-        check_unchecked(&weights.config, spec.precision, &|name| {
-            std::env::var(name).ok()
-        })?;
+        check_unchecked(&weights.config, spec.precision, &super::switches::switch)?;
         let device: Box<dyn DevicePass> = match spec.precision {
             Precision::Bf16 => Box::new(Device::<u16>::load(weights, spec, ordinal)?),
             Precision::F32 => Box::new(Device::<f32>::load(weights, spec, ordinal)?),
@@ -303,7 +302,10 @@ impl<E: Activation> Device<E> {
         let kernels_start = Instant::now();
         let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
         let blas = Blas::new(super::libraries::cublas()?, stream.clone())?;
-        let staging = Staging::new(&context, std::env::var(UPLOAD_VARIABLE).ok().as_deref());
+        let staging = Staging::new(
+            &context,
+            super::switches::switch(UPLOAD_VARIABLE).as_deref(),
+        );
         let mut up = Uploader {
             stream: &stream,
             phases: LoadPhases {

@@ -34,6 +34,7 @@ pub mod libraries;
 pub mod nvrtc;
 pub mod plan;
 pub mod replay;
+pub mod switches;
 mod symbols;
 
 use std::path::PathBuf;
@@ -106,15 +107,28 @@ pub struct CudaSetup {
     pub libraries: LibrarySearch,
     /// The folder compiled kernels are cached in; `None` keeps none.
     pub kernel_cache: Option<PathBuf>,
+    /// The switches that were set ([`SWITCHES`]).
+    pub switches: switches::Switches,
 }
+
+/// Every variable the backend takes as a switch ([`switches`]).
+pub const SWITCHES: [&str; 6] = [
+    forward::CUDA_AFMOE_VARIABLE,
+    forward::CUDA_F32_VARIABLE,
+    crate::backend::stages::CUDA_STAGES_VARIABLE,
+    plan::ATTENTION_VARIABLE,
+    kernels::CODE_VARIABLE,
+    forward::UPLOAD_VARIABLE,
+];
 
 /// The variable that names the kernel cache's folder (`off`: no cache).
 pub const KERNEL_CACHE_VARIABLE: &str = "HARVEST_KERNEL_CACHE";
 
 impl CudaSetup {
     /// The setup the environment describes (`var` reads a variable): the library search of
-    /// [`LibrarySearch::from_vars`], and the kernel cache in [`KERNEL_CACHE_VARIABLE`], else
-    /// `$XDG_CACHE_HOME/harvest/kernels`, else `$HOME/.cache/harvest/kernels`.
+    /// [`LibrarySearch::from_vars`], the kernel cache in [`KERNEL_CACHE_VARIABLE`], else
+    /// `$XDG_CACHE_HOME/harvest/kernels`, else `$HOME/.cache/harvest/kernels`, and the
+    /// [`SWITCHES`] that are set.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> std::result::Result<Self, String> {
         let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
         let kernel_cache = match set(KERNEL_CACHE_VARIABLE) {
@@ -129,6 +143,7 @@ impl CudaSetup {
         Ok(Self {
             libraries: LibrarySearch::from_vars(&var)?,
             kernel_cache,
+            switches: switches::Switches::from_vars(&SWITCHES, &var),
         })
     }
 }
@@ -138,6 +153,7 @@ impl CudaSetup {
 pub fn configure(setup: CudaSetup) {
     libraries::configure(setup.libraries);
     kernels::configure_cache(setup.kernel_cache);
+    switches::configure(setup.switches);
 }
 
 /// What the probe found: the GPU, and the driver and libraries that will run it.
@@ -570,6 +586,34 @@ mod tests {
             CudaSetup::from_vars(|name| (name == KERNEL_CACHE_VARIABLE).then(|| "off".to_owned()))
                 .unwrap();
         assert_eq!(setup.kernel_cache, None);
+    }
+
+    #[test]
+    fn the_setup_holds_each_switch_that_is_set_and_nothing_else() {
+        let setup = CudaSetup::from_vars(|name| match name {
+            "HARVEST_CUDA_ATTENTION" => Some("simple".to_owned()),
+            "HARVEST_CUDA_AFMOE" => Some("try".to_owned()),
+            "HARVEST_CUDA_CODE" => Some("  ".to_owned()),
+            "HOME" => Some("/home/researcher".to_owned()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(setup.switches.get(plan::ATTENTION_VARIABLE), Some("simple"));
+        assert_eq!(
+            setup.switches.get(forward::CUDA_AFMOE_VARIABLE),
+            Some("try")
+        );
+        assert_eq!(
+            setup.switches.get(kernels::CODE_VARIABLE),
+            None,
+            "blank is unset"
+        );
+        assert_eq!(setup.switches.get("HOME"), None, "not a switch");
+        assert!(
+            SWITCHES
+                .iter()
+                .all(|name| name.starts_with("HARVEST_CUDA_"))
+        );
     }
 
     #[test]

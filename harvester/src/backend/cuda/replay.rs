@@ -214,7 +214,7 @@ impl<T: HostValue> Replay<T> {
                 afmoe: b.afmoe.as_ref().map(afmoe::HostAfmoe::of),
             })
             .collect();
-        let forced = std::env::var(ATTENTION_VARIABLE).ok();
+        let forced = super::switches::switch(ATTENTION_VARIABLE);
         // The tensor-core kernels are bf16's alone.
         let bf16 = T::PRECISION == Precision::Bf16;
         Self {

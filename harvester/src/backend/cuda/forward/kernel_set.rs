@@ -21,7 +21,7 @@ fn attention_kernel<E: Activation>(
     function: &dyn Fn(&str) -> Result<CudaFunction>,
     head_dim: usize,
 ) -> Result<AttentionKernel> {
-    let forced = std::env::var(ATTENTION_VARIABLE).ok();
+    let forced = crate::backend::cuda::switches::switch(ATTENTION_VARIABLE);
     let bf16 = E::PRECISION == Precision::Bf16;
     Ok(if bf16 && uses_tensor_cores(head_dim, forced.as_deref()) {
         let name = if head_dim == 64 {
@@ -134,7 +134,9 @@ impl Kernels {
         context: &Arc<CudaContext>,
         head_dim: usize,
     ) -> Result<(Self, KernelCode)> {
-        let order = KernelCode::order(std::env::var(kernels::CODE_VARIABLE).ok().as_deref())?;
+        let order = KernelCode::order(
+            crate::backend::cuda::switches::switch(kernels::CODE_VARIABLE).as_deref(),
+        )?;
         let (module, code) = load_kernels(context, &order)?;
         let function = |name: &str| {
             module
