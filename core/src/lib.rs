@@ -28,6 +28,7 @@ pub mod chat;
 pub mod clock;
 pub mod estimate;
 pub mod format;
+pub mod invocation;
 pub mod layers;
 pub mod layout;
 pub mod lifecycle;

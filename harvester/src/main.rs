@@ -653,3 +653,78 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     print_out(&format!("{}\n", serde_json::to_string(&report)?));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use harvest_core::invocation::{Invocation, PlanArg, Task};
+
+    use super::*;
+
+    fn parsed(call: &Invocation) -> Command {
+        let args = std::iter::once("harvester".to_owned()).chain(call.to_args());
+        Cli::try_parse_from(args)
+            .unwrap_or_else(|e| panic!("{call:?}: {e}"))
+            .command
+    }
+
+    #[test]
+    fn every_call_a_backend_writes_parses_back_to_what_it_says() {
+        let part = Invocation {
+            plan: Some(PlanArg::File("/jobs/7/plan.json".into())),
+            device: Some("cuda:2".into()),
+            pipeline_stages: Some(2),
+            stage_devices: Some(vec![2, 3]),
+            model_name: Some("llama-8b".into()),
+            termination_log: Some("/jobs/7/part-1.log".into()),
+            progress_json: true,
+            ..Invocation::new(Task::Part { index: 1, count: 3 })
+        };
+        let Command::Run(run) = parsed(&part) else {
+            panic!("not run")
+        };
+        assert_eq!(run.plan, Some(PathBuf::from("/jobs/7/plan.json")));
+        assert_eq!(run.device.to_string(), "cuda:2");
+        assert_eq!(
+            (run.pipeline_stages, run.stage_devices),
+            (Some(2), Some(vec![2, 3]))
+        );
+        assert_eq!(run.part.map(|p| p.to_string()).as_deref(), Some("1/3"));
+        assert_eq!(run.model_name.as_deref(), Some("llama-8b"));
+        assert_eq!(
+            run.termination_log,
+            Some(PathBuf::from("/jobs/7/part-1.log"))
+        );
+        assert!(matches!(run.progress, ProgressMode::Json));
+        let pod = Invocation {
+            plan: Some(PlanArg::Json("{\"model\":\"/m\"}".into())),
+            token_budget: Some(10_000),
+            job_uid: Some("u-1".into()),
+            spill_dir: Some("/scratch".into()),
+            ..Invocation::new(Task::Finalize)
+        };
+        let Command::Finalize(finalize) = parsed(&pod) else {
+            panic!("not finalize")
+        };
+        assert_eq!(finalize.plan_json.as_deref(), Some("{\"model\":\"/m\"}"));
+        assert_eq!(finalize.token_budget, Some(10_000));
+        assert_eq!(finalize.job_uid.as_deref(), Some("u-1"));
+        assert_eq!(finalize.spill_dir, Some(PathBuf::from("/scratch")));
+        let cleanup = Invocation {
+            job_uid: Some("u-1".into()),
+            termination_log: Some("/dev/termination-log".into()),
+            ..Invocation::new(Task::Cleanup {
+                output: "s3://b/p".into(),
+            })
+        };
+        let Command::Cleanup {
+            output,
+            job_uid,
+            termination_log,
+        } = parsed(&cleanup)
+        else {
+            panic!("not cleanup")
+        };
+        assert_eq!((output.as_str(), job_uid.as_str()), ("s3://b/p", "u-1"));
+        assert_eq!(termination_log, Some(PathBuf::from("/dev/termination-log")));
+    }
+}

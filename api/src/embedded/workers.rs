@@ -18,6 +18,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use harvest_core::invocation::{Invocation, PlanArg, Task};
 use harvest_core::lifecycle::{JobEvent, JobStatus};
 use harvest_core::worker::{ProgressEvent, RESULT_FILE, RunResult, Termination};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -490,36 +491,38 @@ impl Workers {
         role: Role,
         (of, devices): (usize, Option<Vec<u32>>),
     ) -> Command {
-        let mut command = Command::new(&self.config.harvester);
-        command.arg(match role {
-            Role::Whole | Role::Part(..) => "run",
-            Role::Finalize => "finalize",
-        });
-        if let Role::Part(index, count) = role {
-            command.args(["--part", &format!("{index}/{count}")]);
-        }
-        if let Some(&[first, ..]) = devices.as_deref() {
-            command.args(["--device", &format!("cuda:{first}")]);
+        let task = match role {
+            Role::Whole => Task::Run,
+            Role::Part(index, count) => Task::Part { index, count },
+            Role::Finalize => Task::Finalize,
+        };
+        let device = if let Some(&[first, ..]) = devices.as_deref() {
+            format!("cuda:{first}")
         } else if let (Role::Finalize, Some(first)) = (role, self.config.gpus.first()) {
             // Finalize takes no GPU, but its device says what arithmetic the parts ran in (a
             // job that names no precision runs bf16 on a GPU), so its fingerprint is theirs.
-            command.args(["--device", &format!("cuda:{first}")]);
+            format!("cuda:{first}")
         } else {
             // A server without GPUs keeps its workers on the CPU even where `auto` would find
             // one (`worker_gpus: []`).
-            command.args(["--device", "cpu"]);
-        }
-        if let Some(gpus) = devices.filter(|gpus| gpus.len() > 1) {
-            let listed: Vec<String> = gpus.iter().map(u32::to_string).collect();
-            command.args(["--pipeline-stages", &gpus.len().to_string()]);
-            command.args(["--stage-devices", &listed.join(",")]);
-        }
+            "cpu".to_owned()
+        };
+        let stages = devices.filter(|gpus| gpus.len() > 1);
+        let invocation = Invocation {
+            plan: Some(PlanArg::File(
+                paths.input().join("plan.json").display().to_string(),
+            )),
+            device: Some(device),
+            pipeline_stages: stages.as_ref().map(Vec::len),
+            stage_devices: stages,
+            model_name: Some(model.to_owned()),
+            termination_log: Some(role.termination_log(paths).display().to_string()),
+            progress_json: true,
+            ..Invocation::new(task)
+        };
+        let mut command = Command::new(&self.config.harvester);
         command
-            .arg("--plan")
-            .arg(paths.input().join("plan.json"))
-            .args(["--progress", "json", "--model-name", model])
-            .arg("--termination-log")
-            .arg(role.termination_log(paths))
+            .args(invocation.to_args())
             .env_clear()
             .envs(
                 PASSED_ENV

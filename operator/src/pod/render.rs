@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use harvest_core::ResolvedPlan;
+use harvest_core::invocation::{Invocation, PlanArg, Task};
 use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file_data_bytes};
 use harvest_core::plan::MAX_DIRECTIONS;
 use harvest_crds::{HarvestAccountSpec, HarvestJob, ValidJob};
@@ -43,13 +44,14 @@ pub fn render(
         .filter(|_| attempt.role != Role::Finalize);
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
-    let mut args = worker_args(job, valid, model, config, role)?;
+    let scratch = scratch_bytes(valid, model, role);
+    let args = worker_args(job, valid, model, config, (role, scratch.is_some()))?;
     let mut resources = match role {
         Role::Finalize => finalize_resources(&valid.plan, model),
         Role::Whole | Role::Part { .. } => resources(model),
     };
     let (mut volumes, mut volume_mounts) = (model.volumes.clone(), model.volume_mounts.clone());
-    if let Some(bytes) = scratch_bytes(valid, model, role) {
+    if let Some(bytes) = scratch {
         let size = Quantity(bytes.to_string());
         volumes.push(scratch_volume(&size));
         volume_mounts.push(VolumeMount {
@@ -57,7 +59,6 @@ pub fn render(
             mount_path: SCRATCH_PATH.into(),
             ..VolumeMount::default()
         });
-        args.extend(["--spill-dir".to_owned(), SCRATCH_PATH.to_owned()]);
         resources
             .requests
             .get_or_insert_with(BTreeMap::new)
@@ -178,15 +179,14 @@ pub fn render_cleanup(
         limits: Some(BTreeMap::from([("memory".to_owned(), memory)])),
         ..ResourceRequirements::default()
     };
-    let args = [
-        "cleanup",
-        "--output",
-        output,
-        "--job-uid",
-        &uid,
-        "--termination-log",
-        TERMINATION_LOG,
-    ];
+    let args = Invocation {
+        job_uid: Some(uid.clone()),
+        termination_log: Some(TERMINATION_LOG.to_owned()),
+        ..Invocation::new(Task::Cleanup {
+            output: output.to_owned(),
+        })
+    }
+    .to_args();
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(cleanup_pod_name(&job.name_any(), Some(&uid))),
@@ -207,7 +207,7 @@ pub fn render_cleanup(
             containers: vec![Container {
                 name: CONTAINER.into(),
                 image: Some(model.image.clone()),
-                args: Some(args.map(str::to_owned).to_vec()),
+                args: Some(args),
                 resources: Some(resources),
                 termination_message_path: Some(TERMINATION_LOG.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
@@ -314,44 +314,39 @@ fn restricted_container() -> SecurityContext {
 /// The harvester's arguments: `run` (a part reads its range from `HARVEST_PART`) or
 /// `finalize`, the resolved plan inline, the model's name, the job's token budget and UID
 /// (the same for every part and the finalize step, which the byte identity needs), the
-/// termination log and JSON progress, then the configuration's extra arguments.
+/// termination log, JSON progress and the scratch space where the layout `spills`, then the
+/// configuration's extra arguments.
 fn worker_args(
     job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
-    role: Role,
+    (role, spills): (Role, bool),
 ) -> Result<Vec<String>> {
     let plan = serde_json::to_string(&valid.plan.to_raw()).map_err(|source| Error::Encode {
         what: "the harvester plan",
         source,
     })?;
-    let command = match role {
-        Role::Whole | Role::Part { .. } => "run",
-        Role::Finalize => "finalize",
+    // A part reads its range from `HARVEST_PART`, so every part's Pod has the same arguments.
+    let task = match role {
+        Role::Whole | Role::Part { .. } => Task::Run,
+        Role::Finalize => Task::Finalize,
     };
-    let mut args = vec![
-        command.to_owned(),
-        "--plan-json".to_owned(),
-        plan,
-        "--model-name".to_owned(),
-        model.name.clone(),
-        "--token-budget".to_owned(),
-        valid.token_budget.to_string(),
-        "--job-uid".to_owned(),
-        job.uid().unwrap_or_default(),
-        "--termination-log".to_owned(),
-        TERMINATION_LOG.to_owned(),
-        "--progress".to_owned(),
-        "json".to_owned(),
-    ];
-    if let Some(device) = &model.device {
-        args.extend(["--device".to_owned(), device.clone()]);
-    }
-    if model.gpus > 1 && !matches!(role, Role::Finalize) {
+    let invocation = Invocation {
+        plan: Some(PlanArg::Json(plan)),
+        device: model.device.clone(),
         // One pipeline stage a GPU: the Pod's GPUs are its cuda:0 to cuda:N-1.
-        args.extend(["--pipeline-stages".to_owned(), model.gpus.to_string()]);
-    }
+        pipeline_stages: (model.gpus > 1 && !matches!(role, Role::Finalize))
+            .then_some(model.gpus as usize),
+        model_name: Some(model.name.clone()),
+        token_budget: Some(valid.token_budget),
+        job_uid: Some(job.uid().unwrap_or_default()),
+        termination_log: Some(TERMINATION_LOG.to_owned()),
+        progress_json: true,
+        spill_dir: spills.then(|| SCRATCH_PATH.to_owned()),
+        ..Invocation::new(task)
+    };
+    let mut args = invocation.to_args();
     args.extend(config.worker_extra_args.iter().cloned());
     Ok(args)
 }
