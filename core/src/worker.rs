@@ -82,6 +82,44 @@ impl From<ErrorKind> for ExitStatus {
     }
 }
 
+/// Who is to blame for a failed attempt: the one rule both backends retry by. The input: the
+/// same run fails again, so the job fails now. The job (a crash, out of memory): retried,
+/// counted against the job's attempts (`backoffLimit` on Kubernetes). The infrastructure
+/// (storage, disk, device, a lost node): retried, and not counted where the backend counts it
+/// apart. A rerun resumes from the shards already recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Blame {
+    /// A crash or out of memory.
+    Job,
+    /// Storage, disk, device, or the cluster.
+    Infrastructure,
+    /// The plan or its inputs.
+    Input,
+}
+
+impl Blame {
+    /// The blame for a harvester that ended with exit `code` ([`ExitStatus`]); `None` is a
+    /// process killed by a signal, the job's (an OOM kill, say) unless the supervisor knows
+    /// better (an eviction).
+    pub fn of_exit(code: Option<i32>) -> Self {
+        match code.map(ExitStatus::from_code) {
+            Some(ExitStatus::Failed(ErrorKind::BadInput)) => Self::Input,
+            Some(ExitStatus::Failed(ErrorKind::Infrastructure)) => Self::Infrastructure,
+            Some(
+                ExitStatus::Success
+                | ExitStatus::Failed(ErrorKind::Internal)
+                | ExitStatus::Unexpected(_),
+            )
+            | None => Self::Job,
+        }
+    }
+
+    /// Whether another attempt can help.
+    pub fn retried(self) -> bool {
+        self != Self::Input
+    }
+}
+
 /// Seconds spent per stage. Stages overlap, so they need not add up to the wall time.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Timings {
@@ -359,6 +397,17 @@ pub fn read_prompts_jsonl(text: &str) -> Result<Vec<String>, PromptsLineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_refused_input_is_not_retried_and_a_kill_is_the_jobs() {
+        assert_eq!(Blame::of_exit(Some(2)), Blame::Input);
+        assert_eq!(Blame::of_exit(Some(3)), Blame::Infrastructure);
+        for crash in [Some(70), Some(101), Some(137), None] {
+            assert_eq!(Blame::of_exit(crash), Blame::Job, "{crash:?}");
+        }
+        assert!(!Blame::Input.retried());
+        assert!(Blame::Job.retried() && Blame::Infrastructure.retried());
+    }
 
     fn result() -> RunResult {
         RunResult {

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use harvest_core::invocation::{Invocation, PlanArg, Task};
 use harvest_core::lifecycle::{JobEvent, JobStatus};
-use harvest_core::worker::{ProgressEvent, RESULT_FILE, RunResult, Termination};
+use harvest_core::worker::{Blame, ProgressEvent, RESULT_FILE, RunResult, Termination};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::{Semaphore, oneshot, watch};
@@ -759,17 +759,11 @@ async fn read_progress(
     last
 }
 
-/// Whether a harvester's ending is worth another run: it was killed by a signal, or it reported
-/// an infrastructure failure (storage, disk, device), which a rerun may not meet.
+/// Whether a harvester's ending is worth another run, by the rule the operator retries by too
+/// ([`Blame`]): anything but refused input (a kill, a crash, an infrastructure failure), which
+/// the next run resumes from its records.
 fn retryable(status: std::process::ExitStatus) -> bool {
-    use std::os::unix::process::ExitStatusExt;
-    status.signal().is_some()
-        || status
-            .code()
-            .map(harvest_core::worker::ExitStatus::from_code)
-            == Some(harvest_core::worker::ExitStatus::Failed(
-                harvest_core::worker::ErrorKind::Infrastructure,
-            ))
+    Blame::of_exit(status.code()).retried()
 }
 
 /// SIGTERM, then SIGKILL after [`CANCEL_GRACE`].

@@ -135,16 +135,9 @@ pub fn job_label(job: &str) -> String {
     shortened(job, 63)
 }
 
-/// Who is to blame for a failed attempt, which decides whether it is retried and counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Blame {
-    /// The job (out of memory, a crash): retried, counted against `backoffLimit`.
-    Job,
-    /// The cluster (eviction, lost node, storage down): retried without counting.
-    Infrastructure,
-    /// The input: retrying cannot help, so the job fails now.
-    Input,
-}
+/// Who is to blame for a failed attempt, which decides whether it is retried and counted: the
+/// rule the embedded backend retries by too.
+pub use harvest_core::worker::Blame;
 
 /// A failed attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -303,21 +303,22 @@ fn classify_exit(exit_code: i32, reason: Option<&str>, message: Option<&str>) ->
             ),
         };
     }
+    let blame = Blame::of_exit(Some(exit_code));
     match ExitStatus::from_code(exit_code) {
         ExitStatus::Failed(ErrorKind::BadInput) => Failure {
-            blame: Blame::Input,
+            blame,
             reason: "InvalidInput".into(),
             message: with_detail("the harvester refused its input".into()),
         },
         ExitStatus::Failed(ErrorKind::Infrastructure) => Failure {
-            blame: Blame::Infrastructure,
+            blame,
             reason: "StorageUnavailable".into(),
             message: with_detail("the object store failed".into()),
         },
         status @ (ExitStatus::Success
         | ExitStatus::Failed(ErrorKind::Internal)
         | ExitStatus::Unexpected(_)) => Failure {
-            blame: Blame::Job,
+            blame,
             reason: "WorkerFailed".into(),
             message: with_detail(format!(
                 "the harvester exited with status {}",
