@@ -39,7 +39,7 @@ impl Comparison {
             || self.max_relative_error > max_relative_error)
             .then(|| {
                 format!(
-                    "the harvests differ: {} prompt(s) with other token ids, {} row(s) with NaN or infinity, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
+                    "the harvests differ: {} tensor(s) of token ids, kept positions or roles that differ, {} row(s) with NaN or infinity, largest relative error {:.3e} (allowed {max_relative_error:.0e})",
                     self.token_mismatches, self.non_finite_rows, self.max_relative_error
                 )
             })
@@ -91,9 +91,10 @@ pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
                 name: format!("{tensor} of {name}"),
                 dir: b.to_owned(),
             })?;
-            if tensor.starts_with("tokens_") {
-                report.prompts += 1;
-                if view_a.data() != view_b.data() {
+            // Ids, kept positions, roles and turns: integers, equal or not.
+            if !matches!(view_a.dtype(), Dtype::BF16 | Dtype::F32) {
+                report.prompts += usize::from(tensor.starts_with("tokens_"));
+                if view_a.data() != view_b.data() || view_a.dtype() != view_b.dtype() {
                     report.token_mismatches += 1;
                 }
                 continue;
@@ -172,5 +173,37 @@ mod tests {
             (differs.max_relative_error - 0.1).abs() < 1e-9,
             "{differs:?}"
         );
+    }
+
+    #[test]
+    fn a_conversations_roles_are_compared_as_ids_not_as_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, roles: &[u8]| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            let rows: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let ids: Vec<u8> = [5i32].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let tensors = [
+                (
+                    "prompt_0",
+                    TensorView::new(Dtype::F32, vec![1, 1, 2], &rows).unwrap(),
+                ),
+                (
+                    "tokens_0",
+                    TensorView::new(Dtype::I32, vec![1], &ids).unwrap(),
+                ),
+                (
+                    "roles_0",
+                    TensorView::new(Dtype::U8, vec![1], roles).unwrap(),
+                ),
+            ];
+            let bytes = safetensors::serialize(tensors, None).unwrap();
+            std::fs::write(path.join("shard_00000.safetensors"), bytes).unwrap();
+            path
+        };
+        let (a, b, c) = (write("a", &[3]), write("b", &[3]), write("c", &[2]));
+        let same = compare(&a, &b).unwrap();
+        assert_eq!((same.prompts, same.rows, same.token_mismatches), (1, 1, 0));
+        assert_eq!(compare(&a, &c).unwrap().token_mismatches, 1);
     }
 }
