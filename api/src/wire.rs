@@ -217,20 +217,16 @@ impl HarvestRequest {
             (add_generation_prompt, add_special_tokens),
             chat,
         )?;
-        check_prompt_count(prompts.len())?;
-        if let Some(batch) = batch_size {
-            bounded("batch_size", batch, MAX_BATCH_SIZE)?;
-        }
+        check_sizes(prompts.len(), batch_size)?;
         let directions = project_onto
             .map(|p| p.decode(model.shape.hidden_size))
             .transpose()?;
         let invalid = |e: &dyn std::fmt::Display| ApiError::invalid(e.to_string());
         let options = RawOptions {
             layers,
-            sites: match sites {
-                None => Sites::default(),
-                Some(names) => Sites::parse(&names).map_err(|e| invalid(&e))?,
-            },
+            sites: sites
+                .map_or(Ok(Sites::default()), |names| Sites::parse(&names))
+                .map_err(|e| invalid(&e))?,
             selection: RawSelection {
                 exclude_special_tokens,
                 positions,
@@ -239,16 +235,9 @@ impl HarvestRequest {
                 seed,
                 max_norm_multiple,
             },
-            layout: layout
-                .as_deref()
-                .map_or(Ok(LayoutName::ByPrompt), str::parse::<LayoutName>)
-                .map_err(|e| invalid(&e))?,
+            layout: parsed::<LayoutName>(layout)?.unwrap_or(LayoutName::ByPrompt),
             rows_per_file,
-            precision: precision
-                .as_deref()
-                .map(str::parse::<Precision>)
-                .transpose()
-                .map_err(|e| invalid(&e))?,
+            precision: parsed::<Precision>(precision)?,
             shard_size: shard_size.unwrap_or(DEFAULT_SHARD_SIZE),
             add_special_tokens: add_special_tokens.unwrap_or(true),
             max_prompt_tokens,
@@ -257,18 +246,8 @@ impl HarvestRequest {
         .map_err(|e| invalid(&e))?
         .resolve(&model.shape)
         .map_err(|e| invalid(&e))?;
-        if conversations.is_none() && options.selection.roles.is_some() {
-            return Err(ApiError::invalid(
-                "roles keeps the tokens of some roles of a conversation, and this job sends prompts: send conversations instead, or leave roles out",
-            ));
-        }
-        let per_prompt_cap = options
-            .max_prompt_tokens
-            .map_or(u64::MAX, |n| n.get() as u64);
-        let reserved_tokens = prompts
-            .iter()
-            .map(|p| (p.len() as u64 + 1).min(per_prompt_cap))
-            .sum();
+        check_roles(conversations.is_some(), &options.selection)?;
+        let reserved_tokens = reserved_tokens(&prompts, &options);
         let shards = prompts.len().div_ceil(options.shard_size.get());
         let parallelism = check_parallelism(parallelism, shards, &options.selection)?;
         Ok(Submission {
@@ -283,6 +262,49 @@ impl HarvestRequest {
             parallelism,
         })
     }
+}
+
+/// The prompt count and the `batch_size` hint, each within its bounds.
+fn check_sizes(prompts: usize, batch_size: Option<usize>) -> Result<(), ApiError> {
+    check_prompt_count(prompts)?;
+    if let Some(batch) = batch_size {
+        bounded("batch_size", batch, MAX_BATCH_SIZE)?;
+    }
+    Ok(())
+}
+
+/// A named value (`layout`, `precision`) parsed, or the 400 that names it.
+fn parsed<T: std::str::FromStr>(value: Option<String>) -> Result<Option<T>, ApiError>
+where
+    T::Err: std::fmt::Display,
+{
+    value
+        .as_deref()
+        .map(str::parse::<T>)
+        .transpose()
+        .map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+/// `roles` selects among a conversation's tokens: plain prompts have none.
+fn check_roles(conversations: bool, selection: &TokenSelection) -> Result<(), ApiError> {
+    if conversations || selection.roles.is_none() {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        "roles keeps the tokens of some roles of a conversation, and this job sends prompts: send conversations instead, or leave roles out",
+    ))
+}
+
+/// What the job reserves before its count: each prompt's bytes plus one for its start token,
+/// at most `max_prompt_tokens`.
+fn reserved_tokens(prompts: &[String], options: &JobOptions) -> u64 {
+    let per_prompt_cap = options
+        .max_prompt_tokens
+        .map_or(u64::MAX, |n| n.get() as u64);
+    prompts
+        .iter()
+        .map(|p| (p.len() as u64 + 1).min(per_prompt_cap))
+        .sum()
 }
 
 /// The job's inputs: its prompts, or its conversations with each rendered by `chat` (what is

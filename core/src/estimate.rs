@@ -327,6 +327,19 @@ fn train_block(
     }
 }
 
+/// The manifest's cut prompts, each cut to the context window.
+fn truncations(shape: &JobShape<'_>) -> Vec<Truncation> {
+    shape
+        .truncated
+        .iter()
+        .map(|&(prompt, original_tokens)| Truncation {
+            prompt,
+            original_tokens,
+            kept_tokens: shape.max_tokens,
+        })
+        .collect()
+}
+
 /// The length of the job's pretty-printed manifest, with placeholders of the real lengths.
 fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
     let total_tokens: usize = shape.token_counts.iter().sum();
@@ -359,15 +372,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         shard_size: shape.shard_size,
         total_tokens: total_tokens as u64,
         shards: entries,
-        truncated_prompts: shape
-            .truncated
-            .iter()
-            .map(|&(prompt, original_tokens)| Truncation {
-                prompt,
-                original_tokens,
-                kept_tokens: shape.max_tokens,
-            })
-            .collect(),
+        truncated_prompts: truncations(shape),
         projection: (shape.contents == Contents::Projections).then_some(ProjectionInfo {
             n_directions: shape.width,
             normalized: true,
