@@ -280,6 +280,9 @@ fn train_tensors(shape: &JobShape<'_>) -> Vec<String> {
         })
         .collect();
     names.push("index".into());
+    if shape.conversations {
+        names.push("roles".into());
+    }
     names
 }
 
@@ -289,11 +292,15 @@ fn train_files(shape: &JobShape<'_>, dtype: &'static str, rows_per_file: NonZero
     train_rows(shape, rows_per_file)
         .into_iter()
         .map(|rows| {
-            let mut tensors: Vec<Tensor> = names[..names.len() - 1]
+            let mut tensors: Vec<Tensor> = names
                 .iter()
+                .take_while(|n| *n != "index")
                 .map(|n| Tensor::new(n.clone(), dtype, vec![rows, shape.width]))
                 .collect();
             tensors.push(Tensor::new("index".into(), "I32", vec![rows, 2]));
+            if shape.conversations {
+                tensors.push(Tensor::new("roles".into(), "U8", vec![rows]));
+            }
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
         })
         .collect()

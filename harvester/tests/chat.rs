@@ -244,6 +244,71 @@ fn a_conversations_file_is_harvested_with_the_template_s_token_ids() {
         kept.stats_tokens, kept_total,
         "statistics describe the kept rows only"
     );
+    // The shuffled layout: each training row carries its token's role, and the files are the
+    // size the estimate predicts.
+    let shuffled = dir.path().join("shuffled");
+    let output = run(
+        &prompts,
+        &shuffled,
+        &["--layout", "shuffled", "--rows-per-file", "50"],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let written: harvest_core::format::Manifest =
+        serde_json::from_str(&std::fs::read_to_string(shuffled.join("manifest.json")).unwrap())
+            .unwrap();
+    let train = written.train.as_ref().unwrap();
+    assert_eq!(train.tensors.last().map(String::as_str), Some("roles"));
+    let mut rows = 0;
+    for file in &train.files {
+        let bytes = std::fs::read(shuffled.join(&file.file)).unwrap();
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let index = ids_of(&tensors, "index");
+        let row_roles = ids_of(&tensors, "roles");
+        assert_eq!(index.len(), 2 * row_roles.len());
+        for (pair, &role) in index.chunks(2).zip(&row_roles) {
+            let expected: Vec<u32> =
+                serde_json::from_value(cases[pair[0] as usize]["roles"].clone()).unwrap();
+            assert_eq!(
+                role, expected[pair[1] as usize],
+                "prompt {} position {}",
+                pair[0], pair[1]
+            );
+        }
+        rows += row_roles.len();
+    }
+    assert_eq!(rows as u64, written.total_tokens);
+    let counts: Vec<usize> = manifest
+        .shards
+        .iter()
+        .flat_map(|s| s.token_counts.clone())
+        .collect();
+    let sites = harvest_core::Sites::default();
+    let predicted = harvest_core::estimate::predict(&harvest_core::estimate::JobShape {
+        token_counts: &counts,
+        truncated: &[],
+        shard_size: written.shard_size,
+        layers: &written.layer_indices,
+        sites: &sites,
+        layout: harvest_core::layout::Layout::Shuffled {
+            rows_per_file: std::num::NonZeroUsize::new(50).unwrap(),
+            seed: 0,
+        },
+        precision: written.precision,
+        selection: None,
+        contents: written.contents,
+        width: written.model.hidden_size,
+        model: written.model.clone(),
+        add_special_tokens: true,
+        bos_token_id: written.tokenizer.bos_token_id,
+        max_tokens: written.tokenizer.max_tokens,
+        conversations: true,
+    });
+    let sizes: Vec<u64> = train.files.iter().map(|f| f.bytes).collect();
+    assert_eq!(predicted.shards, sizes, "training files to the byte");
     // roles on plain prompts is refused by name.
     let plain = dir.path().join("plain.jsonl");
     std::fs::write(&plain, "{\"text\": \"hello\"}\n").unwrap();

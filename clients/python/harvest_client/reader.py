@@ -305,23 +305,31 @@ class Reader:
             return int(self.manifest["train"]["rows"])
         return int(self._index(drop_bos, roles)[0].size)
 
-    def train_batches(self, layer: int, batch_size: int, *, site: str = "resid_post") -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    def train_batches(
+        self, layer: int, batch_size: int, *, site: str = "resid_post", roles: Optional[Sequence[str]] = None
+    ) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
         """The shuffled layout's rows in file order (already a seeded uniform permutation of the
         whole job): float32 ``[batch, width]`` of hook site ``site`` at block ``layer``, with the
         ``[batch, 2]`` (prompt, position) of each row. The training files hold every kept
-        token, BOS included unless the job excluded special tokens."""
+        token, BOS included unless the job excluded special tokens; for a job of
+        conversations, ``roles=["assistant"]`` yields only those roles' rows (each file's
+        ``roles`` tensor)."""
         if self.layout != "shuffled":
             raise errors.HarvestError("this job's layout is by_prompt: read it with token_batches")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         self.layer_position(layer)
         self._tensor_name(site, 0)
+        wanted = self._roles_wanted(roles)
         name = f"{site}.{layer}"
         pending: List[Tuple[np.ndarray, np.ndarray]] = []
         held = 0
         for entry in self.manifest["train"]["files"]:
             file = self._file(entry["file"])
             values, index = file.float32(name), np.array(file.raw("index"))
+            if wanted is not None:
+                keep = np.isin(np.array(file.raw("roles")), wanted)
+                values, index = values[keep], index[keep]
             pending.append((values, index))
             held += values.shape[0]
             while held >= batch_size:

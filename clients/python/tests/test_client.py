@@ -411,6 +411,17 @@ def test_an_assistant_only_job_and_the_readers_role_filter_keep_exactly_the_assi
 
     summary = export(tmp_path / "full", tmp_path / "hf", format="hf", layer=3, roles=["assistant"])
     assert summary["rows"] == assistant
+    shuffled = client.submit(conversations=conversations, model=MODEL, add_generation_prompt=True, layers=[3], layout="shuffled").wait(progress=False)
+    assert shuffled.status == "done", shuffled.error
+    shuffled.download(tmp_path / "shuffled")
+    train = shuffled.open(tmp_path / "shuffled")
+    batches = list(train.train_batches(3, 7, roles=["assistant"]))
+    rows = np.concatenate([values for values, _ in batches])
+    index = np.concatenate([pairs for _, pairs in batches])
+    assert rows.shape[0] == assistant
+    assert all(roles[p][q] == 3 for p, q in index.tolist())
+    order = np.lexsort((index[:, 1], index[:, 0]))
+    np.testing.assert_array_equal(rows[order], client_side)
     # Only conversations have roles; a role name is checked before anything is read or sent.
     plain = client.submit(["no roles here"], MODEL, layers=[3]).wait(progress=False)
     plain.download(tmp_path / "plain")

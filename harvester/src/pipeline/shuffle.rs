@@ -31,13 +31,17 @@ pub const BUCKET_BYTES: u64 = harvest_core::layout::SHUFFLE_BUCKET_BYTES;
 /// Bytes of a spill record before its values: key (u64), prompt (u32), position (u32).
 const RECORD_HEAD: usize = harvest_core::layout::SPILL_RECORD_HEAD;
 
+/// A row's role byte after its values in a spill record, for a job of conversations.
+const ROLE_BYTES: usize = 1;
+
 /// The training files written, in order.
 pub(super) struct TrainFiles {
     /// Each file's name, size and checksum.
     pub files: Vec<FileDigest>,
     /// Rows of each file.
     pub rows: Vec<usize>,
-    /// The tensor names of every file, values first (site by site, layer by layer), then `index`.
+    /// The tensor names of every file, values first (site by site, layer by layer), then
+    /// `index`, then `roles` for a job of conversations.
     pub tensors: Vec<String>,
 }
 
@@ -55,6 +59,15 @@ struct Rows<'a> {
     itemsize: usize,
     /// Bytes of one row's values over every slot.
     values: usize,
+    /// Whether each row carries its token's role (a job of conversations).
+    roles: bool,
+}
+
+impl Rows<'_> {
+    /// Bytes of one spill record: its head, its values, and its role where rows have one.
+    fn record_bytes(&self) -> usize {
+        RECORD_HEAD + self.values + if self.roles { ROLE_BYTES } else { 0 }
+    }
 }
 
 /// Scatters the shards of `records` into buckets under `spill_in`, then writes the training
@@ -76,9 +89,10 @@ pub(super) fn write_train_files(
         job,
         itemsize,
         values: job.slots * job.width * itemsize,
+        roles: job.conversations,
     };
     let total: u64 = records.values().map(|r| kept_rows(job, r)).sum();
-    let record_bytes = (RECORD_HEAD + rows.values) as u64;
+    let record_bytes = rows.record_bytes() as u64;
     let buckets = (total * record_bytes).div_ceil(BUCKET_BYTES).max(1) as usize;
     let dir = &spill_in.path;
     if spill_in.owned && dir.exists() {
@@ -153,7 +167,7 @@ fn scatter(
     let mut buckets_out = Buckets {
         writers,
         paths: &paths,
-        record: Vec::with_capacity(RECORD_HEAD + rows.values),
+        record: Vec::with_capacity(rows.record_bytes()),
     };
     for shard in records.values() {
         let name = shard_file_name(shard.meta.shard);
@@ -215,6 +229,11 @@ fn scatter_shard(
             (0..tokens as u32).collect()
         };
         let n = positions.len();
+        let roles = if rows.roles {
+            Some(tensor(format!("roles_{prompt}"))?)
+        } else {
+            None
+        };
         let sites = job
             .plan
             .options
@@ -236,6 +255,13 @@ fn scatter_shard(
                     record.extend_from_slice(&view.data()[at..at + row]);
                 }
             }
+            if let Some(roles) = &roles {
+                let role = roles
+                    .data()
+                    .get(position as usize)
+                    .ok_or_else(|| corrupt(format!("roles_{prompt} has no position {position}")))?;
+                record.push(*role);
+            }
             let bucket = bucket_of(key, out.writers.len());
             out.writers[bucket]
                 .write_all(record)
@@ -254,6 +280,8 @@ struct TrainWriter<'a> {
     /// Per slot, the values of the file being filled.
     values: Vec<Vec<u8>>,
     index: Vec<u8>,
+    /// Each row's role, for a job of conversations.
+    roles: Vec<u8>,
     filled: usize,
     done: TrainFiles,
 }
@@ -277,12 +305,16 @@ impl<'a> TrainWriter<'a> {
             })
             .collect();
         tensors.push("index".into());
+        if rows.roles {
+            tensors.push("roles".into());
+        }
         Self {
             rows,
             rows_per_file: rows_per_file.get(),
             remaining: total,
             values: vec![Vec::new(); job.slots],
             index: Vec::new(),
+            roles: Vec::new(),
             filled: 0,
             done: TrainFiles {
                 files: Vec::new(),
@@ -303,6 +335,7 @@ impl<'a> TrainWriter<'a> {
             }
             self.index.clear();
             self.index.reserve(rows * 8);
+            self.roles.clear();
         }
         let (_, prompt, position) = sort_key(record);
         self.index.extend_from_slice(&(prompt as i32).to_le_bytes());
@@ -312,6 +345,9 @@ impl<'a> TrainWriter<'a> {
         for (slot, values) in self.values.iter_mut().enumerate() {
             let at = RECORD_HEAD + slot * row;
             values.extend_from_slice(&record[at..at + row]);
+        }
+        if self.rows.roles {
+            self.roles.push(record[RECORD_HEAD + self.rows.values]);
         }
         self.filled += 1;
         self.remaining = self.remaining.saturating_sub(1);
@@ -341,6 +377,10 @@ impl<'a> TrainWriter<'a> {
         }
         let index = TensorView::new(Dtype::I32, vec![rows, 2], &self.index).map_err(invalid)?;
         views.push(("index".to_owned(), index));
+        if self.rows.roles {
+            let roles = TensorView::new(Dtype::U8, vec![rows], &self.roles).map_err(invalid)?;
+            views.push(("roles".to_owned(), roles));
+        }
         let metadata = HashMap::from([("harvest_plan".to_owned(), job.fingerprint.to_owned())]);
         let bytes = safetensors::serialize(views, Some(metadata)).map_err(invalid)?;
         let name = train_file_name(self.done.files.len());
