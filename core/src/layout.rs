@@ -30,6 +30,8 @@ pub const SPILL_RECORD_HEAD: usize = 16;
 
 /// The scratch space the shuffle spills `rows` rows into: a record head and `slots` values of
 /// `width` × `itemsize` bytes per row. The spill lives until the training files are written.
+/// A job of conversations adds one byte a row (its role), which the callers' margin of one
+/// bucket ([`SHUFFLE_BUCKET_BYTES`]) covers up to 2^28 rows.
 pub fn spill_bytes(rows: u64, slots: usize, width: usize, itemsize: usize) -> u64 {
     rows * (SPILL_RECORD_HEAD as u64 + slots as u64 * width as u64 * itemsize as u64)
 }
