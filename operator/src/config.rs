@@ -568,4 +568,26 @@ mod shipped {
             );
         }
     }
+
+    #[test]
+    fn shipped_gpu_workers_are_placed_by_their_gpu_request_so_a_pool_can_scale_from_zero() {
+        let (text, worker_image) = shipped_config();
+        let config = OperatorConfig::parse_with(&text, Some(worker_image)).unwrap();
+        for model in config.models.iter().filter(|m| m.gpus > 0) {
+            assert!(
+                model.node_selector.is_empty(),
+                "{}: an autoscaler cannot know a label such as nvidia.com/gpu.present before the node exists: {:?}",
+                model.name,
+                model.node_selector
+            );
+            assert!(
+                model
+                    .tolerations
+                    .iter()
+                    .any(|t| t.key.as_deref() == Some("nvidia.com/gpu")),
+                "{}: GPU nodes' taint is tolerated",
+                model.name
+            );
+        }
+    }
 }
