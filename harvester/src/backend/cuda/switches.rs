@@ -41,7 +41,8 @@ pub(super) fn configure(switches: Switches) {
     let _ = CONFIGURED.set(switches);
 }
 
-/// The value of switch `name` as `main` handed it in; none before [`configure`] or when unset.
+/// The value of switch `name` as `main` handed it in; none before [`super::configure`] or when
+/// unset.
 pub fn switch(name: &str) -> Option<String> {
     CONFIGURED
         .get()
