@@ -9,6 +9,12 @@ pub const ADMITTED: &str = "Admitted";
 pub const RUNNING: &str = "Running";
 /// The job has ended, whatever the outcome (`reason` says which): wait on this one.
 pub const FINISHED: &str = "Finished";
+/// The job ended with its files written (`kubectl wait --for=condition=Succeeded`), as a
+/// batch Job's `Complete`.
+pub const SUCCEEDED: &str = "Succeeded";
+/// The job ended without its files: failed or cancelled (`reason` says which), as a batch
+/// Job's `Failed`. `kubectl wait --for=condition=Failed` returns on it.
+pub const FAILED: &str = "Failed";
 /// The `Finished` reason of a cancelled job.
 pub const CANCELLED: &str = "Cancelled";
 /// The `Finished` message of a cancelled job.

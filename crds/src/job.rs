@@ -24,6 +24,8 @@ pub const DEFAULT_BACKOFF_LIMIT: i32 = 3;
     category = "harvest",
     status = "HarvestJobStatus",
     printcolumn = r#"{"name": "Phase", "type": "string", "jsonPath": ".status.phase"}"#,
+    printcolumn = r#"{"name": "Reason", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Finished\")].reason"}"#,
+    printcolumn = r#"{"name": "Account", "type": "string", "jsonPath": ".status.account"}"#,
     printcolumn = r#"{"name": "Model", "type": "string", "jsonPath": ".spec.model"}"#,
     printcolumn = r#"{"name": "Prompts", "type": "integer", "jsonPath": ".status.progress.promptsTotal"}"#,
     printcolumn = r#"{"name": "Tokens", "type": "integer", "jsonPath": ".status.tokens.charged"}"#,
@@ -481,8 +483,14 @@ impl HarvestJobStatus {
                 "the job has finished".into(),
             );
         }
+        let phase = JobPhase::finished(reason);
+        let outcome = match phase {
+            JobPhase::Succeeded => crate::conditions::SUCCEEDED,
+            _ => crate::conditions::FAILED,
+        };
+        set(outcome, true, reason, message.clone());
         set(crate::conditions::FINISHED, true, reason, message);
-        self.phase = Some(JobPhase::finished(reason));
+        self.phase = Some(phase);
         charge
     }
 }
@@ -553,6 +561,31 @@ mod tests {
                 charge
             );
             assert_eq!(status.phase, Some(JobPhase::Succeeded));
+        }
+    }
+
+    #[test]
+    fn an_ended_job_says_succeeded_or_failed_as_a_batch_job_does_so_kubectl_wait_returns() {
+        let now = Time(Timestamp::from_second(60).unwrap());
+        let ended = |event, reason: &str| {
+            let mut status = admitted(true);
+            status.finish(event, reason, "why".into(), None, &now);
+            status.conditions
+        };
+        let done = ended(JobEvent::Succeeded { tokens: 1 }, "Succeeded");
+        assert!(conditions::is_true(&done, conditions::SUCCEEDED));
+        assert!(conditions::get(&done, conditions::FAILED).is_none());
+        for (event, reason) in [
+            (JobEvent::Failed, "InvalidInput"),
+            (JobEvent::Cancel, conditions::CANCELLED),
+        ] {
+            let failed = ended(event, reason);
+            let condition = conditions::get(&failed, conditions::FAILED).unwrap();
+            assert_eq!(
+                (condition.status.as_str(), condition.reason.as_str()),
+                ("True", reason)
+            );
+            assert!(conditions::get(&failed, conditions::SUCCEEDED).is_none());
         }
     }
 }

@@ -389,6 +389,24 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
             "--timeout=240s",
         ])
         .unwrap();
+    // As a batch Job: waiting for Failed returns on it, and it never says Succeeded.
+    cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=Failed",
+            "harvestjob/needs-a-gpu",
+            "-n",
+            "my-team",
+            "--timeout=10s",
+        ])
+        .unwrap();
+    assert_eq!(
+        cluster.field(
+            &gpu,
+            "{.status.conditions[?(@.type==\"Succeeded\")].status}"
+        ),
+        ""
+    );
     let finished = cluster.field(
         &gpu,
         "{.status.conditions[?(@.type==\"Finished\")].message}",
