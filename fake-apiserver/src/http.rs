@@ -374,7 +374,7 @@ fn table(kind: &kinds::Kind, items: &[Value], rv: &str) -> Value {
             let mut cells = vec![item["metadata"]["name"].clone()];
             for column in &printer {
                 let path = column["jsonPath"].as_str().unwrap_or_default();
-                let value = path.trim_start_matches('.').split('.').fold(item, |v, p| &v[p]).clone();
+                let value = column_value(item, path).clone();
                 let cell = match (column["type"].as_str(), &value) {
                     (_, Value::Null) => Value::Null,
                     (Some("date"), Value::String(stamp)) => json!(age(parse_rfc3339(stamp).map_or(0, |t| now.saturating_sub(t)))),
@@ -386,6 +386,36 @@ fn table(kind: &kinds::Kind, items: &[Value], rv: &str) -> Value {
         })
         .collect();
     json!({"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": rv}, "columnDefinitions": columns, "rows": rows})
+}
+
+/// A printer column's value: a dotted path whose steps may be list filters,
+/// `.status.conditions[?(@.type=="Finished")].reason` (what CRDs' columns use); null when absent.
+fn column_value<'v>(item: &'v Value, path: &str) -> &'v Value {
+    const NULL: &Value = &Value::Null;
+    let (mut value, mut rest) = (item, path.trim_start_matches('.'));
+    while !rest.is_empty() {
+        if let Some(filter) = rest.strip_prefix("[?(@.") {
+            let Some((condition, tail)) = filter.split_once(")]") else {
+                return NULL;
+            };
+            let Some((key, wanted)) = condition.split_once("==") else {
+                return NULL;
+            };
+            let wanted = wanted.trim_matches('"');
+            let found = value.as_array().and_then(|items| {
+                items
+                    .iter()
+                    .find(|entry| entry[key].as_str() == Some(wanted))
+            });
+            value = found.unwrap_or(NULL);
+            rest = tail.trim_start_matches('.');
+        } else {
+            let end = rest.find(['.', '[']).unwrap_or(rest.len());
+            value = &value[&rest[..end]];
+            rest = rest[end..].trim_start_matches('.');
+        }
+    }
+    value
 }
 
 fn parse_rfc3339(stamp: &str) -> Option<u64> {
@@ -494,4 +524,24 @@ where
     Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::column_value;
+
+    #[test]
+    fn a_printer_column_reads_dotted_paths_and_list_filters_as_kubectl_shows_them() {
+        let job = json!({"spec": {"model": "m"}, "status": {"conditions": [
+            {"type": "Running", "reason": "PodRunning"},
+            {"type": "Finished", "reason": "Succeeded"}]}});
+        assert_eq!(column_value(&job, ".spec.model"), "m");
+        let reason = ".status.conditions[?(@.type==\"Finished\")].reason";
+        assert_eq!(column_value(&job, reason), "Succeeded");
+        let missing = ".status.conditions[?(@.type==\"Failed\")].reason";
+        assert!(column_value(&job, missing).is_null());
+        assert!(column_value(&job, ".status.phase").is_null());
+    }
 }
