@@ -157,15 +157,21 @@ impl Seaweed {
         // `weed server`, not `weed mini`: only it takes a free-space floor, and mini's (1% of
         // the disk) refuses every write on a big disk that is nearly full, which a build cache
         // makes common. Small volumes keep the test data far below the floor's headroom.
-        cmd.args(["server", "-filer", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
-            .arg(format!("-dir={}", data.display()))
-            .args([
-                &format!("-volume.minFreeSpace={MIN_FREE_SPACE}"),
-                "-master.volumeSizeLimitMB=64",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-            ])
-            .arg(format!("-s3.config={}", config.display()));
+        cmd.args([
+            "server",
+            "-filer",
+            "-s3",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+        ])
+        .arg(format!("-dir={}", data.display()))
+        .args([
+            &format!("-volume.minFreeSpace={MIN_FREE_SPACE}"),
+            "-master.volumeSizeLimitMB=64",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+        ])
+        .arg(format!("-s3.config={}", config.display()));
         for (flag, port) in flags.iter().zip(&ports) {
             cmd.arg(format!("-{flag}={port}"));
         }
