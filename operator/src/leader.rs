@@ -1,7 +1,8 @@
 //! Leader election with a `coordination.k8s.io/v1` Lease: one replica reconciles, the others
-//! wait. The choice is pure ([`step`]); the loop around it does the I/O.
+//! wait. The choice is pure ([`step`]), as is what the election says of the replica's health
+//! ([`health`]); the loop around them does the I/O.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -77,6 +78,136 @@ impl Observation {
     }
 }
 
+/// How long a follower may go without any answer from the apiserver before `/healthz` fails,
+/// so that the kubelet restarts it with fresh connections and a fresh token. A blip is far
+/// shorter; a follower rides it out.
+pub const UNREACHABLE_GRACE: Duration = Duration::from_secs(300);
+
+/// What the election has seen of this replica, as `/healthz` and `/metrics` read it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// Whether this replica leads (or runs without election).
+    pub leading: bool,
+    /// When the election started.
+    pub started: Instant,
+    /// When an election round last got an answer from the apiserver (a conflict included).
+    pub reached: Option<Instant>,
+    /// When this replica last took or renewed the Lease.
+    pub renewed: Option<Instant>,
+    /// The last failed round's error.
+    pub last_error: Option<String>,
+    /// Failed rounds so far.
+    pub errors: u64,
+}
+
+/// Whether a liveness probe should pass: `Err` says why restarting the replica would help. A
+/// leader past its Lease without a renewal is wedged (it should have stopped leading); a
+/// follower that has reached no apiserver for [`UNREACHABLE_GRACE`] holds dead connections.
+pub fn health(seen: &Seen, lease: Duration, now: Instant) -> std::result::Result<(), String> {
+    let error = || {
+        seen.last_error
+            .as_deref()
+            .map_or(String::new(), |e| format!(" (last error: {e})"))
+    };
+    if seen.leading {
+        if let Some(renewed) = seen.renewed {
+            let since = now - renewed;
+            if since > lease {
+                return Err(format!(
+                    "leading, but the Lease was last renewed {} s ago, past its {} s{}",
+                    since.as_secs(),
+                    lease.as_secs(),
+                    error()
+                ));
+            }
+        }
+        return Ok(());
+    }
+    let since = now - seen.reached.unwrap_or(seen.started);
+    if since > UNREACHABLE_GRACE {
+        return Err(format!(
+            "following, and no election round has reached the apiserver for {} s{}",
+            since.as_secs(),
+            error()
+        ));
+    }
+    Ok(())
+}
+
+/// The election's record of this replica, shared by the election loop and the HTTP endpoint.
+#[derive(Debug, Clone)]
+pub struct Election {
+    seen: Arc<Mutex<Seen>>,
+    lease: Duration,
+}
+
+impl Election {
+    /// A replica that elects a leader with a Lease of `lease`, following until it wins.
+    pub fn new(lease: Duration) -> Self {
+        Self::starting(false, lease)
+    }
+
+    /// A replica that runs without election: it leads from the start.
+    pub fn alone() -> Self {
+        Self::starting(true, Duration::MAX)
+    }
+
+    fn starting(leading: bool, lease: Duration) -> Self {
+        let seen = Seen {
+            leading,
+            started: Instant::now(),
+            reached: None,
+            renewed: None,
+            last_error: None,
+            errors: 0,
+        };
+        Self {
+            seen: Arc::new(Mutex::new(seen)),
+            lease,
+        }
+    }
+
+    /// What has been seen so far.
+    pub fn seen(&self) -> Seen {
+        self.lock().clone()
+    }
+
+    /// [`health`] as of now.
+    pub fn health(&self) -> std::result::Result<(), String> {
+        health(&self.seen(), self.lease, Instant::now())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A round the apiserver answered; `held` when this replica holds the Lease after it.
+    fn answered(&self, held: bool) {
+        let mut seen = self.lock();
+        let now = Instant::now();
+        seen.reached = Some(now);
+        seen.leading = held;
+        if held {
+            seen.renewed = Some(now);
+        }
+    }
+
+    /// A round that failed; true when its error differs from the last one (worth a log line).
+    fn failed(&self, error: String) -> bool {
+        let mut seen = self.lock();
+        seen.errors += 1;
+        let new = seen.last_error.as_deref() != Some(error.as_str());
+        seen.last_error = Some(error);
+        new
+    }
+
+    fn lost(&self) {
+        self.lock().leading = false;
+    }
+}
+
 /// A held Lease.
 #[derive(Debug)]
 pub struct Leadership {
@@ -85,6 +216,7 @@ pub struct Leadership {
     me: String,
     duration: Duration,
     observed: Mutex<Observation>,
+    election: Election,
 }
 
 /// How long the leader keeps trying to renew before it gives up leading: shorter than the
@@ -94,31 +226,52 @@ fn renew_deadline(duration: Duration) -> Duration {
 }
 
 impl Leadership {
-    /// Waits until this replica holds the Lease `name`.
+    /// Waits until this replica holds the Lease `name`, riding out apiserver errors (each
+    /// round bounded by the Lease's duration): a follower that exited on one would
+    /// crash-loop through a blip. What it sees goes to `election`.
     pub async fn acquire(
         api: Api<Lease>,
         name: &str,
         me: &str,
         duration: Duration,
-    ) -> Result<Self> {
+        election: Election,
+    ) -> Self {
         let this = Self {
             api,
             name: name.to_owned(),
             me: me.to_owned(),
             duration,
             observed: Mutex::default(),
+            election,
         };
         loop {
-            match this.try_hold().await {
-                Ok(true) => {
-                    info!(lease = %this.name, identity = %this.me, "acquired leadership");
-                    return Ok(this);
+            match tokio::time::timeout(duration, this.try_hold()).await {
+                Ok(Ok(held)) => {
+                    this.election.answered(held);
+                    if held {
+                        info!(lease = %this.name, identity = %this.me, "acquired leadership");
+                        return this;
+                    }
                 }
-                Ok(false) => {}
-                Err(Error::Kube(kube::Error::Api(status))) if status.code == 409 => {}
-                Err(e) => return Err(e),
+                // Another replica wrote the Lease first: an answer, not a failure.
+                Ok(Err(Error::Kube(kube::Error::Api(status)))) if status.code == 409 => {
+                    this.election.answered(false);
+                }
+                Ok(Err(error)) => this.follower_failed(error.to_string()),
+                Err(_) => {
+                    let waited = duration.as_millis();
+                    this.follower_failed(format!("no answer within {waited} ms"));
+                }
             }
             tokio::time::sleep(this.duration / 3).await;
+        }
+    }
+
+    /// Logs a follower's failed round when its error is new (the same error every few seconds
+    /// through an outage would bury the log); `/healthz` and the metrics count them all.
+    fn follower_failed(&self, error: String) {
+        if self.election.failed(error.clone()) {
+            warn!(%error, lease = %self.name, "reading the Lease failed; still following, retrying");
         }
     }
 
@@ -135,11 +288,13 @@ impl Leadership {
             let attempt = tokio::time::timeout(left, self.try_hold()).await;
             let error = match attempt {
                 Ok(Ok(true)) => {
+                    self.election.answered(true);
                     renewed = Instant::now();
                     wait = self.duration / 3;
                     continue;
                 }
                 Ok(Ok(false)) => {
+                    self.election.lost();
                     let holder = self
                         .api
                         .get_opt(&self.name)
@@ -157,7 +312,9 @@ impl Leadership {
                 Ok(Err(error)) => error.to_string(),
                 Err(_) => format!("no answer within {} ms", left.as_millis()),
             };
+            self.election.failed(error.clone());
             if renewed.elapsed() >= deadline {
+                self.election.lost();
                 return Error::LostLeadership {
                     lease: self.name.clone(),
                     holder: format!(
@@ -308,6 +465,53 @@ mod tests {
             step(Some(&held_by("me", 0)), "me", Duration::from_secs(1000)),
             LeaseStep::Renew
         );
+    }
+
+    fn seen(leading: bool, start: Instant) -> Seen {
+        Seen {
+            leading,
+            started: start,
+            reached: None,
+            renewed: None,
+            last_error: Some("connection refused".into()),
+            errors: 3,
+        }
+    }
+
+    #[test]
+    fn a_follower_is_healthy_through_an_outage_until_the_grace_and_then_names_the_error() {
+        let start = Instant::now();
+        let lease = Duration::from_secs(15);
+        let mut follower = seen(false, start);
+        let minute = Duration::from_secs(60);
+        assert_eq!(health(&follower, lease, start + minute), Ok(()));
+        let why = health(&follower, lease, start + UNREACHABLE_GRACE + minute).unwrap_err();
+        assert!(
+            why.contains("360 s") && why.contains("connection refused"),
+            "{why}"
+        );
+        // Any answer, a conflict included, restarts the count.
+        follower.reached = Some(start + UNREACHABLE_GRACE);
+        assert_eq!(
+            health(&follower, lease, start + UNREACHABLE_GRACE + minute),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn a_leader_past_its_lease_without_a_renewal_is_unhealthy() {
+        let start = Instant::now();
+        let lease = Duration::from_secs(15);
+        let mut leader = seen(true, start);
+        leader.renewed = Some(start);
+        assert_eq!(
+            health(&leader, lease, start + Duration::from_secs(10)),
+            Ok(())
+        );
+        let why = health(&leader, lease, start + Duration::from_secs(20)).unwrap_err();
+        assert!(why.contains("20 s ago, past its 15 s"), "{why}");
+        // A replica without election leads and never renews: healthy.
+        assert_eq!(Election::alone().health(), Ok(()));
     }
 
     #[test]

@@ -91,18 +91,18 @@ pub async fn run(
     let jobs = controller.store();
     let account_controller = account_controller(&client, settings.config.api_namespace.clone());
     let metrics = metrics::Metrics::default();
+    let election = settings
+        .leader
+        .as_ref()
+        .map_or_else(leader::Election::alone, |l| {
+            leader::Election::new(l.duration)
+        });
     // Health and metrics come up before the election, so a follower is Ready too.
     let metrics_task = match settings.metrics_addr {
-        Some(addr) => Some(serve_metrics(addr, &metrics, &jobs).await?),
+        Some(addr) => Some(serve_metrics(addr, &metrics, &jobs, &election).await?),
         None => None,
     };
-    let leadership = match elect(&client, settings.leader.as_ref()).await {
-        Ok(held) => held,
-        Err(error) => {
-            metrics_task.inspect(tokio::task::JoinHandle::abort);
-            return Err(error);
-        }
-    };
+    let leadership = elect(&client, settings.leader.as_ref(), election).await;
     let context = Arc::new(reconcile::Context {
         client: client.clone(),
         config: settings.config,
@@ -226,14 +226,20 @@ async fn drain_within_grace(
 async fn elect(
     client: &Client,
     leader: Option<&LeaderElection>,
-) -> Result<Option<leader::Leadership>> {
-    let Some(leader) = leader else {
-        return Ok(None);
-    };
+    election: leader::Election,
+) -> Option<leader::Leadership> {
+    let leader = leader?;
     let api = Api::<Lease>::namespaced(client.clone(), &leader.namespace);
-    leader::Leadership::acquire(api, &leader.lease, &leader.identity, leader.duration)
-        .await
-        .map(Some)
+    Some(
+        leader::Leadership::acquire(
+            api,
+            &leader.lease,
+            &leader.identity,
+            leader.duration,
+            election,
+        )
+        .await,
+    )
 }
 
 /// The job controller: every HarvestJob, and the worker Pods this operator labels as its own:
@@ -292,6 +298,7 @@ async fn serve_metrics(
     addr: SocketAddr,
     metrics: &metrics::Metrics,
     jobs: &kube::runtime::reflector::Store<HarvestJob>,
+    election: &leader::Election,
 ) -> Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -303,5 +310,6 @@ async fn serve_metrics(
         listener,
         metrics.clone(),
         jobs.clone(),
+        election.clone(),
     )))
 }

@@ -14,6 +14,8 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+use crate::leader::{Election, Seen};
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabel {
     error: &'static str,
@@ -64,6 +66,8 @@ pub struct Metrics {
     account_tokens: Family<AccountLabel, Gauge>,
     account_active: Family<AccountLaneLabel, Gauge>,
     account_pending: Family<AccountName, Gauge>,
+    leader: Gauge,
+    election_errors: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -115,8 +119,22 @@ impl Default for Metrics {
             "Jobs waiting for admission per account",
             account_pending.clone(),
         );
+        let leader = Gauge::default();
+        let election_errors = Counter::default();
+        registry.register(
+            "leader",
+            "1 while this replica leads (or runs without election), 0 while it follows",
+            leader.clone(),
+        );
+        registry.register(
+            "election_errors",
+            "Leader election rounds that failed to read or write the Lease",
+            election_errors.clone(),
+        );
         Self {
             registry: Arc::new(registry),
+            leader,
+            election_errors,
             reconciles,
             failures,
             duration,
@@ -190,8 +208,12 @@ impl Metrics {
             .set(i64::from(usage.pending));
     }
 
-    /// The text exposition, with the jobs-by-phase gauge taken from the cache now.
-    pub fn render(&self, jobs: &Store<HarvestJob>) -> String {
+    /// The text exposition, with the jobs-by-phase gauge taken from the cache now and the
+    /// election's figures from what it has `seen`.
+    pub fn render(&self, jobs: &Store<HarvestJob>, seen: &Seen) -> String {
+        self.leader.set(i64::from(seen.leading));
+        self.election_errors
+            .inc_by(seen.errors.saturating_sub(self.election_errors.get()));
         let phases = [
             "Pending",
             "Suspended",
@@ -220,22 +242,33 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` and `GET /healthz` on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, metrics: Metrics, jobs: Store<HarvestJob>) {
+/// Serves `GET /metrics`, `GET /healthz` (the election's [`crate::leader::health`]) and
+/// `GET /readyz` (always: a follower is ready too) on `listener` until the task is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Metrics,
+    jobs: Store<HarvestJob>,
+    election: Election,
+) {
     loop {
         let Ok((mut stream, _)) = listener.accept().await else {
             continue;
         };
         let metrics = metrics.clone();
         let jobs = jobs.clone();
+        let election = election.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 1024];
             let n = stream.read(&mut buf).await.unwrap_or(0);
             let request = String::from_utf8_lossy(&buf[..n]);
             let path = request.split_whitespace().nth(1).unwrap_or("/");
             let (status, body) = match path {
-                "/metrics" => ("200 OK", metrics.render(&jobs)),
-                "/healthz" | "/readyz" => ("200 OK", "ok\n".to_owned()),
+                "/metrics" => ("200 OK", metrics.render(&jobs, &election.seen())),
+                "/healthz" => match election.health() {
+                    Ok(()) => ("200 OK", "ok\n".to_owned()),
+                    Err(why) => ("503 Service Unavailable", format!("{why}\n")),
+                },
+                "/readyz" => ("200 OK", "ok\n".to_owned()),
                 _ => (
                     "404 Not Found",
                     "not found: try /metrics or /healthz\n".to_owned(),
@@ -255,7 +288,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn metrics_are_served_over_http_with_the_account_gauges() {
+    async fn metrics_are_served_over_http_with_the_account_gauges_and_a_lone_replica_leads() {
         let metrics = Metrics::default();
         metrics.account(
             "team-a",
@@ -268,7 +301,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (jobs, _writer) = kube::runtime::reflector::store::<HarvestJob>();
-        let server = tokio::spawn(serve(listener, metrics, jobs));
+        let election = Election::alone();
+        let server = tokio::spawn(serve(listener, metrics, jobs, election));
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream
             .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -283,6 +317,8 @@ mod tests {
             "harvest_operator_account_active_jobs{account=\"team-a\",lane=\"small\"} 2",
             "harvest_operator_account_pending_jobs{account=\"team-a\"} 4",
             "harvest_operator_jobs{phase=\"Running\"} 0",
+            "harvest_operator_leader 1",
+            "harvest_operator_election_errors_total 0",
         ] {
             assert!(response.contains(line), "missing {line}:\n{response}");
         }

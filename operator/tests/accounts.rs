@@ -295,6 +295,65 @@ async fn a_follower_waiting_for_the_lease_is_ready_all_the_same() {
     );
 }
 
+/// The answer to `GET path` on the operator's metrics address, status line included.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: operator\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(answer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_rides_out_lease_errors_counts_them_and_then_leads_healthy() {
+    let mut cluster = Cluster::start(2).await;
+    cluster.kill_operator().await;
+    // Its first rounds fail as through an apiserver blip; it used to exit on the first one.
+    cluster
+        .server
+        .store
+        .fail_next("GET", "/leases/harvest-operator", 3);
+    let port = harvest_testkit::free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let replica = cluster.spawn_replica_serving("replica-a", Some(addr), std::future::pending());
+    harvest_testkit::eventually("replica-a leading", Duration::from_secs(60), || async {
+        assert!(
+            !replica.is_finished(),
+            "the replica exited on a transient error"
+        );
+        (cluster.leader().as_deref() == Some("replica-a"))
+            .then_some(())
+            .ok_or(format!("{:?}", cluster.leader()))
+    })
+    .await;
+    let metrics =
+        harvest_testkit::eventually("the leader gauge at 1", Duration::from_secs(30), || async {
+            let answer = http_get(addr, "/metrics").await?;
+            answer
+                .contains("harvest_operator_leader 1")
+                .then_some(answer.clone())
+                .ok_or(answer)
+        })
+        .await;
+    assert!(
+        metrics.contains("harvest_operator_election_errors_total 3"),
+        "{metrics}"
+    );
+    let health = http_get(addr, "/healthz").await.unwrap();
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    replica.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_keeps_its_lease_through_renew_errors_shorter_than_its_renew_deadline() {
     let mut cluster = Cluster::start(4).await;
