@@ -53,6 +53,8 @@ images:
   - {name: ghcr.io/harvest-dev/harvest-operator, newName: harvest-operator, newTag: $tag}
   - {name: ghcr.io/harvest-dev/harvester, newName: harvest-harvester, newTag: $tag}
 YAML
+kubectl apply -k manifests/crds/
+kubectl wait --for=condition=Established crd/harvestjobs.harvest.dev crd/harvestaccounts.harvest.dev --timeout=60s
 kubectl apply -k "$overlay"
 # S3 in its own namespace (the harvest namespaces enforce the restricted Pod Security level).
 kubectl apply -f - <<YAML

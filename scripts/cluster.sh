@@ -3,7 +3,7 @@
 # Kubernetes stand-in that runs each Pod as a local process (harvest-test-cluster, from
 # fake-apiserver/; fake-apiserver/DIVERGENCES.md says how it differs from a real cluster).
 #
-#   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/, wait
+#   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/crds/ and manifests/, wait
 #   eval "$(scripts/cluster.sh up --real)"  # the same on a real control plane (see below)
 #   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
 #   scripts/cluster.sh down             # stop everything `up` started
@@ -179,13 +179,16 @@ up() {
   else
     start_fake "$bin" "${images[@]}"
   fi
-  say "kubectl apply -k manifests/"
+  say "kubectl apply -k manifests/crds/, then -k manifests/"
   if [ "$tier" = real ]; then
+    kc apply -k manifests/crds/ >&2
+    kc wait --for=condition=Established crd --all --timeout=60s >&2
     kc apply -k manifests/ >&2
     bind_models_claim
   else
     # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
     # apiserver validates custom resources against their schemas itself.
+    kc apply -k manifests/crds/ --validate=false >&2
     kc apply -k manifests/ --validate=false >&2
   fi
   storage_secrets

@@ -197,20 +197,34 @@ async fn deleting_a_tenant_namespace_with_a_job_in_flight_while_the_operator_is_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kubectl_delete_of_the_manifests_with_a_job_in_flight_finishes_within_a_minute() {
+async fn kubectl_delete_of_the_manifests_mid_job_ends_within_a_minute_and_keeps_the_ledger() {
     let cluster = LocalCluster::up_on(Tier::Real);
-    example_job_running(&cluster, "my-team").await;
+    let job = example_job_running(&cluster, "my-team").await;
+    let job: Vec<&str> = job.iter().map(String::as_str).collect();
     delete_within_a_minute(&cluster, &["-k", "manifests/"]);
-    // The CRDs took every HarvestJob with them, the tenant's too; nothing is left being
-    // deleted.
+    // The CRDs are not part of it (manifests/crds/ is applied on its own), so the accounts,
+    // whose status is the token ledger, and the tenant's job are still there.
     let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");
-    assert!(!crds.contains("harvest.dev"), "{crds}");
+    for crd in ["harvestaccounts.harvest.dev", "harvestjobs.harvest.dev"] {
+        assert!(crds.split_whitespace().any(|c| c == crd), "{crds}");
+    }
+    let account = json(&cluster, &["harvestaccount", "interp-team"]);
+    assert!(account["status"].is_object(), "{account}");
+    assert_eq!(
+        json(&cluster, &job)["metadata"]["name"],
+        "smollm2-quartiles"
+    );
     assert_eq!(terminating(&cluster, "namespaces"), Vec::<String>::new());
+    assert_eq!(terminating(&cluster, "harvestjobs"), Vec::<String>::new());
     eventually("no harvest Pod left", DELETION, || {
         let pods = cluster.field(&["pods", "-A"], "{.items[*].metadata.name}");
         pods.is_empty().then_some(()).ok_or(pods)
     })
     .await;
+    // Removing them on purpose, as docs/install.md says, takes the jobs with them.
+    delete_within_a_minute(&cluster, &["-k", "manifests/crds/"]);
+    let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");
+    assert!(!crds.contains("harvest.dev"), "{crds}");
 }
 
 /// The job's record as it ends: Succeeded, charged exactly its tokens, and the account's lane

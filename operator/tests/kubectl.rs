@@ -1,6 +1,6 @@
 //! kubectl against the fake apiserver: the platform team's install (`kubectl apply -k
-//! manifests/`), a job applied from YAML, `kubectl get hj` and `kubectl wait`, with the real
-//! operator and harvester behind them.
+//! manifests/crds/`, then `-k manifests/`), a job applied from YAML, `kubectl get hj` and
+//! `kubectl wait`, with the real operator and harvester behind them.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -53,6 +53,7 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     let cluster = Cluster::start(1).await;
     let kubeconfig = cluster.server.write_kubeconfig(cluster.dir.path()).unwrap();
     let manifests = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests");
+    let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/crds");
     let prompts = cluster.prompts("kubectl", 4, 1);
     let output = cluster.output("from-kubectl");
     let job = format!(
@@ -61,6 +62,12 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
     );
     let (config, job) = (kubeconfig.clone(), job.clone());
     let listed = tokio::task::spawn_blocking(move || {
+        let definitions = kubectl(&config, &["apply", "--validate=false", "-k", crds], None);
+        assert!(
+            definitions
+                .contains("customresourcedefinition.apiextensions.k8s.io/harvestjobs.harvest.dev"),
+            "{definitions}"
+        );
         let applied = kubectl(
             &config,
             &["apply", "--validate=false", "-k", manifests],
@@ -71,9 +78,8 @@ async fn kubectl_installs_the_manifests_applies_a_job_lists_it_and_waits_for_it(
             "{applied}"
         );
         assert!(
-            applied
-                .contains("customresourcedefinition.apiextensions.k8s.io/harvestjobs.harvest.dev"),
-            "{applied}"
+            !applied.contains("customresourcedefinition"),
+            "the CRDs are applied on their own: {applied}"
         );
         // The short names a platform team types, for the availability objects.
         let budgets = kubectl(
@@ -310,6 +316,39 @@ fn an_overlay_sets_the_images_the_models_storage_and_the_object_store_each_in_on
                 "{overlay}: {deployment}"
             );
         }
+    }
+}
+
+#[test]
+fn the_crds_are_applied_on_their_own_and_marked_so_no_prune_or_uninstall_deletes_the_ledger() {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+    let definitions = kustomize(&manifests.join("crds"));
+    let names: Vec<&str> = definitions
+        .iter()
+        .map(|o| o["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["harvestaccounts.harvest.dev", "harvestjobs.harvest.dev"]
+    );
+    for crd in &definitions {
+        let annotations = &crd["metadata"]["annotations"];
+        assert_eq!(
+            annotations["argocd.argoproj.io/sync-options"],
+            "Prune=false,Delete=false"
+        );
+        assert_eq!(annotations["kustomize.toolkit.fluxcd.io/prune"], "disabled");
+        assert_eq!(annotations["helm.sh/resource-policy"], "keep");
+    }
+    // What `kubectl delete -k` of the base or an overlay deletes holds no CRD.
+    for tree in ["", "base", "overlays/gpu", "overlays/cpu"] {
+        let objects = kustomize(&manifests.join(tree));
+        assert!(
+            objects
+                .iter()
+                .all(|o| o["kind"] != "CustomResourceDefinition"),
+            "manifests/{tree} renders a CRD"
+        );
     }
 }
 

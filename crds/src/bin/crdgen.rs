@@ -1,4 +1,4 @@
-//! Prints the CRD YAML committed under `manifests/base/crds/`; CI diffs the two.
+//! Prints the CRD YAML committed under `manifests/crds/`; CI diffs the two.
 #![allow(clippy::print_stdout)]
 
 fn main() -> anyhow::Result<()> {
