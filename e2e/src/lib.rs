@@ -288,6 +288,41 @@ impl LocalCluster {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
+    /// docs/install.md's key step, `kubectl exec deploy/harvest-api -- harvest-api --config
+    /// /etc/harvest/api.json create-key --account ACCOUNT`: the command runs as an API Pod
+    /// would run it, with that Pod's ServiceAccount and the API's ConfigMap. The key, or
+    /// what the command said when it failed.
+    pub fn create_key_in_api_pod(&self, account: &str) -> Result<String, String> {
+        let pod = self.field(
+            &[
+                "pods",
+                "-n",
+                "harvest-system",
+                "-l",
+                "app.kubernetes.io/name=harvest-api",
+            ],
+            "{.items[0].metadata.name}",
+        );
+        let config = self.field(
+            &["configmap", "harvest-api", "-n", "harvest-system"],
+            "{.data.api\\.json}",
+        );
+        let path = self.dir.path().join("api-pod.json");
+        std::fs::write(&path, config).unwrap();
+        let out = Command::new(bin_dir().join("harvest-api"))
+            .arg("--config")
+            .arg(&path)
+            .args(["create-key", "--account", account])
+            .env("KUBECONFIG", self.pod_kubeconfig("harvest-system", &pod))
+            .output()
+            .unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
     /// The local S3 server's `bucket`, with the credentials `up` gave the cluster.
     pub fn bucket(&self, bucket: &str) -> Arc<AmazonS3> {
         let endpoint = std::fs::read_to_string(self.dir.path().join("s3.endpoint")).unwrap();
