@@ -1,10 +1,11 @@
 //! The shipped manifests on the local test cluster, as applied by `scripts/cluster.sh up`: the
 //! seed flow through the API Service, `kubectl apply` of the example job, an operator rollout
-//! mid-job, a REST job in parts with a part Pod deleted, a GPU model with no GPU node, and
+//! mid-job, a REST job in parts with a part Pod deleted, workers no node takes (waiting past
+//! the start timeout until a node joins, or cancelled), and
 //! schema refusals.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use harvest_e2e::{LocalCluster, WITHIN, eventually, repo};
+use harvest_e2e::{LocalCluster, Tier, WITHIN, eventually, repo};
 use object_store::ObjectStoreExt;
 use object_store::path::Path as StorePath;
 use serde_json::{Value, json};
@@ -231,7 +232,12 @@ async fn the_example_job_finishes_through_an_operator_rollout_and_is_charged_onc
             "--timeout=240s",
         ])
         .unwrap();
-    assert_eq!(cluster.field(&job, "{.status.phase}"), "Succeeded");
+    assert_eq!(
+        cluster.field(&job, "{.status.phase}"),
+        "Succeeded",
+        "{}",
+        json_status(&cluster, &job)
+    );
     let tokens: u64 = cluster
         .field(&job, "{.status.result.tokens}")
         .parse()
@@ -326,12 +332,13 @@ async fn a_tenant_with_edit_rights_reaches_no_storage_credentials(cluster: &Loca
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_job() {
+async fn a_worker_no_node_takes_waits_past_the_start_timeout_and_runs_once_a_node_joins() {
     let cluster = LocalCluster::up();
     cluster.tenant("my-team");
     cluster.upload_example_prompts(4, 8).await;
-    // One slot, and a start timeout a test can wait out; the operator reads its catalogue at
-    // start, so the change rolls it out.
+    // One slot, and a start timeout a test can wait out many times over; SmolLM2 goes to a
+    // pool no node is in yet. The operator reads its catalogue at start, so the change rolls
+    // it out.
     cluster
         .kubectl(&[
             "patch",
@@ -343,7 +350,15 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         ])
         .unwrap();
     cluster.set_operator_config(|config| {
-        config.replacen("startTimeoutSeconds: 1200", "startTimeoutSeconds: 5", 1)
+        let edited = config
+            .replace("startTimeoutSeconds: 1200", "startTimeoutSeconds: 5")
+            .replacen(
+                "\n    device: cpu\n",
+                "\n    device: cpu\n    startTimeoutSeconds: 5\n    nodeSelector: {harvest.dev/pool: late}\n",
+                1,
+            );
+        assert!(edited.contains("harvest.dev/pool"), "{config}");
+        edited
     });
     // The real tier's GPU nodes are cordoned (the fake has none).
     let gpu_nodes = cluster.field(
@@ -359,39 +374,55 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         .replace("name: smollm2-quartiles", "name: needs-a-gpu")
         .replace("model: smollm2-135m", "model: llama-8b")
         .replace("smollm2-quartiles\n", "needs-a-gpu\n");
-    cluster
-        .kubectl_with_input(
-            &["apply", "--validate=false", "-n", "my-team", "-f", "-"],
-            Some(&gpu_job),
-        )
-        .unwrap();
-    cluster
-        .kubectl(&[
-            "apply",
-            "--validate=false",
-            "-f",
-            "manifests/examples/harvestjob.yaml",
-            "-n",
-            "my-team",
-        ])
-        .unwrap();
+    let apply = |yaml: &str| {
+        cluster
+            .kubectl_with_input(
+                &["apply", "--validate=false", "-n", "my-team", "-f", "-"],
+                Some(yaml),
+            )
+            .unwrap()
+    };
+    apply(&gpu_job);
     let gpu = ["harvestjob", "needs-a-gpu", "-n", "my-team"];
+    let running_reason =
+        |job: &[&str]| cluster.field(job, "{.status.conditions[?(@.type==\"Running\")].reason}");
     eventually("the GPU job's Pod waiting as Unschedulable", WITHIN, || {
-        let reason = cluster.field(&gpu, "{.status.conditions[?(@.type==\"Running\")].reason}");
+        let reason = running_reason(&gpu);
         (reason == "Unschedulable").then_some(()).ok_or(reason)
     })
     .await;
+    // It waits as a batch Job's Pod would, three start timeouts and more, holding its slot.
+    let seen = std::time::Instant::now();
+    eventually("three start timeouts gone by", WITHIN, || {
+        let finished = cluster.field(&gpu, "{.status.conditions[?(@.type==\"Finished\")].status}");
+        assert_ne!(
+            finished,
+            "True",
+            "the waiting job ended: {}",
+            json_status(&cluster, &gpu)
+        );
+        (seen.elapsed() > std::time::Duration::from_secs(15))
+            .then_some(())
+            .ok_or(format!("{:?}", seen.elapsed()))
+    })
+    .await;
+    let message = cluster.field(&gpu, "{.status.conditions[?(@.type==\"Running\")].message}");
+    assert!(message.contains(" nodes are available"), "{message}");
+    apply(&example);
+    // Cancelled, it fails as a batch Job does: waiting for Failed returns on it, and it never
+    // says Succeeded. Nothing ran, so nothing is charged, and its slot goes to the job behind.
     cluster
         .kubectl(&[
-            "wait",
-            "--for=condition=Finished",
-            "harvestjob/needs-a-gpu",
+            "patch",
+            "harvestjob",
+            "needs-a-gpu",
             "-n",
             "my-team",
-            "--timeout=240s",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"cancel":true}}"#,
         ])
         .unwrap();
-    // As a batch Job: waiting for Failed returns on it, and it never says Succeeded.
     cluster
         .kubectl(&[
             "wait",
@@ -399,9 +430,13 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
             "harvestjob/needs-a-gpu",
             "-n",
             "my-team",
-            "--timeout=10s",
+            "--timeout=60s",
         ])
         .unwrap();
+    assert_eq!(
+        cluster.field(&gpu, "{.status.conditions[?(@.type==\"Finished\")].reason}"),
+        "Cancelled"
+    );
     assert_eq!(
         cluster.field(
             &gpu,
@@ -409,19 +444,26 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         ),
         ""
     );
-    let finished = cluster.field(
-        &gpu,
-        "{.status.conditions[?(@.type==\"Finished\")].message}",
-    );
-    assert_eq!(
-        cluster.field(&gpu, "{.status.conditions[?(@.type==\"Finished\")].reason}"),
-        "PodStartTimeout",
-        "{finished}"
-    );
-    // The scheduler's own words reach the job.
-    assert!(finished.contains(" nodes are available"), "{finished}");
     assert_eq!(cluster.field(&gpu, "{.status.tokens.charged}"), "0");
-    // Its slot went to the job behind it.
+    let smollm2 = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
+    eventually("the SmolLM2 job's Pod waiting for its pool", WITHIN, || {
+        let reason = running_reason(&smollm2);
+        (reason == "Unschedulable").then_some(()).ok_or(reason)
+    })
+    .await;
+    // A node joins the pool: a new Node on the fake, a labelled one on the real tier.
+    match cluster.tier {
+        Tier::Fake => {
+            apply(
+                "apiVersion: v1\nkind: Node\nmetadata: {name: late-node, labels: {harvest.dev/pool: late, kubernetes.io/hostname: late-node}}\n",
+            );
+        }
+        Tier::Real => {
+            cluster
+                .kubectl(&["label", "node", "cpu-1", "harvest.dev/pool=late"])
+                .unwrap();
+        }
+    }
     cluster
         .kubectl(&[
             "wait",
@@ -432,13 +474,7 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
             "--timeout=240s",
         ])
         .unwrap();
-    assert_eq!(
-        cluster.field(
-            &["harvestjob", "smollm2-quartiles", "-n", "my-team"],
-            "{.status.phase}"
-        ),
-        "Succeeded"
-    );
+    assert_eq!(cluster.field(&smollm2, "{.status.phase}"), "Succeeded");
     // A field past its schema maximum never reaches the controller.
     let refused = cluster
         .kubectl_with_input(
@@ -454,6 +490,11 @@ async fn a_gpu_job_with_no_gpu_node_times_out_and_frees_its_slot_for_the_next_jo
         refused.contains("spec.harvest.shardSize") && refused.contains("4096"),
         "{refused}"
     );
+}
+
+/// A job's status, for a failure's message.
+fn json_status(cluster: &LocalCluster, job: &[&str]) -> String {
+    cluster.field(job, "{.status}")
 }
 
 /// A done job's files through its signed links: the manifest (less the job's id and uid, all

@@ -60,8 +60,9 @@ pub struct CatalogueEntry {
     /// The PriorityClass of worker Pods.
     #[serde(default)]
     pub priority_class_name: Option<String>,
-    /// How long an attempt's Pod may wait for a node, and then, once scheduled, to start
-    /// running (image pull, volumes), before the job fails and frees its slot.
+    /// How long an attempt's Pod may take, once scheduled, to start running (image pull,
+    /// volumes), before the job fails and frees its slot. The wait for a node has no limit of
+    /// its own (the job's `activeDeadlineSeconds` bounds it), as a batch Job's has none.
     #[serde(default = "default_start_timeout")]
     pub start_timeout_seconds: u64,
     /// Most workers one job of this model may be split over (`spec.parallelism`); 1 runs

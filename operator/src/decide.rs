@@ -373,9 +373,11 @@ impl Builder<'_> {
         self.retry(failure, failed_at, infra_retries, policy);
     }
 
-    /// A Pod not yet running: reported as it waits, and failed once it has waited out the
-    /// model's `startTimeoutSeconds` (the scheduler or kubelet will not start it; its slot is
-    /// freed and nothing is charged).
+    /// A Pod not yet running: reported as it waits, and, once a node has it, failed when it
+    /// has waited out the model's `startTimeoutSeconds` from scheduling (the kubelet will not
+    /// start it: an image that cannot be pulled, a volume that cannot be mounted; its slot is
+    /// freed and nothing is charged). `since` is `None` while no node has it: that wait has
+    /// no timeout of its own, as a batch Job's has none.
     fn starting(&mut self, waiting: Option<(String, String)>, since: Option<Time>) {
         let attempts = self.old.attempts;
         if let (Some(timeout), Some(since)) = (self.observed.start_timeout, since) {

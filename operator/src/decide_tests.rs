@@ -335,18 +335,18 @@ fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
 }
 
 #[test]
-fn a_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothing() {
+fn a_scheduled_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothing() {
     let mut job = job();
     let first = step(&job, None, Admission::Admit, 0);
     apply(&mut job, &first);
-    let unschedulable = |now: i64| {
+    let pulling = |now: i64| {
         let observed = Observed {
             job: &job,
             spec: Ok(job.spec.token_budget),
             pod: Some(PodState::Starting {
                 waiting: Some((
-                    "Unschedulable".into(),
-                    "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.".into(),
+                    "ImagePullBackOff".into(),
+                    "Back-off pulling image \"registry.example.org/harvester:9\"".into(),
                 )),
                 since: Some(Time(at(0))),
             }),
@@ -360,20 +360,54 @@ fn a_pod_that_never_starts_fails_the_job_after_the_start_timeout_charging_nothin
         };
         decide(&observed, &POLICY)
     };
-    let waiting = unschedulable(590);
+    let waiting = pulling(590);
     assert!(!conditions::is_true(&waiting.status.conditions, FINISHED));
     assert_eq!(waiting.requeue_after, Some(Duration::from_secs(10)));
-    let late = unschedulable(600);
+    let late = pulling(600);
     let finished = get(&late.status.conditions, FINISHED).unwrap();
     assert_eq!(finished.reason, "PodStartTimeout");
     assert!(
-        finished.message.contains("600 s")
-            && finished.message.contains("Insufficient nvidia.com/gpu"),
+        finished.message.contains("600 s") && finished.message.contains("ImagePullBackOff"),
         "{}",
         finished.message
     );
     assert!(late.actions.contains(&Action::DeletePod("j-1".into())));
     assert_eq!(late.status.tokens.unwrap().charged, Some(0));
+}
+
+#[test]
+fn a_pod_no_node_takes_waits_past_the_start_timeout_keeping_its_slot_and_says_why() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    apply(&mut job, &first);
+    let observed = Observed {
+        job: &job,
+        spec: Ok(job.spec.token_budget),
+        pod: Some(PodState::Starting {
+            waiting: Some((
+                "Unschedulable".into(),
+                "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.".into(),
+            )),
+            since: None,
+        }),
+        reported: None,
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(6 * 3600),
+        start_timeout: Some(Duration::from_secs(600)),
+        workers: Workers::default(),
+    };
+    let waiting = decide(&observed, &POLICY);
+    assert!(!conditions::is_true(&waiting.status.conditions, FINISHED));
+    assert!(waiting.actions.is_empty(), "{:?}", waiting.actions);
+    let running = get(&waiting.status.conditions, RUNNING).unwrap();
+    assert_eq!(running.reason, "Unschedulable");
+    assert!(
+        running.message.contains("Insufficient nvidia.com/gpu"),
+        "{}",
+        running.message
+    );
 }
 
 #[test]

@@ -101,9 +101,11 @@ pub fn observe(pod: &Pod) -> PodState {
                 )),
                 since: None,
             },
-            // Admitted: Kueue reserved the quota and owns the wait for a node (its
-            // waitForPodsReady); the start timeout counts from scheduling only.
-            queued => PodState::Starting {
+            // The start timeout counts from scheduling only: until a node takes the Pod it
+            // waits as a batch Job's Pod does, bounded by the job's activeDeadlineSeconds (a
+            // GPU pool scaling up from zero, a busy pool, a preemption). Under Kueue, the wait
+            // for a node after admission is Kueue's (its waitForPodsReady).
+            _ => PodState::Starting {
                 waiting: container
                     .and_then(|s| s.waiting)
                     .and_then(|w| {
@@ -111,12 +113,7 @@ pub fn observe(pod: &Pod) -> PodState {
                             .map(|reason| (reason, w.message.unwrap_or_default()))
                     })
                     .or_else(|| unschedulable(&status)),
-                since: scheduled_at(&status).or_else(|| {
-                    queued
-                        .is_none()
-                        .then(|| pod.metadata.creation_timestamp.clone())
-                        .flatten()
-                }),
+                since: scheduled_at(&status),
             },
         },
     }

@@ -171,7 +171,7 @@ fn a_succeeded_pod_yields_the_run_summary_and_a_pull_error_is_a_waiting_reason()
 }
 
 #[test]
-fn the_start_timeout_counts_from_creation_until_scheduled_then_from_scheduling() {
+fn the_start_timeout_counts_from_scheduling_and_not_while_no_node_takes_the_pod() {
     let created = "2026-01-01T00:00:00Z";
     let scheduled = "2026-01-01T00:14:00Z";
     let mut unscheduled = pod_with(
@@ -183,7 +183,7 @@ fn the_start_timeout_counts_from_creation_until_scheduled_then_from_scheduling()
         PodState::Starting { since, .. } => since.map(|t| t.0.to_string()),
         other => panic!("{other:?}"),
     };
-    assert_eq!(since(&unscheduled).as_deref(), Some(created));
+    assert_eq!(since(&unscheduled), None, "waiting for a node is not timed");
     // A GPU node came up after 14 minutes; the image pull starts a wait of its own.
     let mut pulling = pod_with(
         json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled}],
@@ -603,10 +603,12 @@ fn a_pod_kueue_holds_is_waiting_for_its_queue_with_no_start_timeout_running() {
 #[test]
 fn a_pod_with_a_queue_label_that_kueue_did_not_take_in_is_an_ordinary_pod() {
     let created = "2026-01-01T00:00:00Z";
+    // Gated by something else, with the queue label but no sign of Kueue's webhook: not
+    // reported as waiting for a queue; the scheduler's words stand.
     let mut pod = kueue_pod(
-        false,
+        true,
         json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
-        "reason": "Unschedulable", "message": "0/3 nodes are available", "lastTransitionTime": created}]}),
+        "reason": "SchedulingGated", "message": "Scheduling is blocked due to non-empty scheduling gates", "lastTransitionTime": created}]}),
         created,
     );
     pod.metadata
@@ -614,10 +616,11 @@ fn a_pod_with_a_queue_label_that_kueue_did_not_take_in_is_an_ordinary_pod() {
         .as_mut()
         .unwrap()
         .remove(KUEUE_MANAGED_LABEL);
-    let PodState::Starting { since, .. } = observe(&pod) else {
+    let PodState::Starting { since, waiting } = observe(&pod) else {
         panic!("not starting")
     };
-    assert_eq!(since.map(|t| t.0.to_string()).as_deref(), Some(created));
+    assert_eq!(since, None);
+    assert_eq!(waiting.unwrap().0, "SchedulingGated");
 }
 
 #[test]
