@@ -306,7 +306,7 @@ impl Shell<'_> {
                         entry,
                         &ctx.config,
                         attempt,
-                        account.as_ref().map(|a| &a.spec),
+                        account.as_deref(),
                     )?;
                     ctx.grant_pod(self.job, attempt);
                     let (role, number) = (what(attempt.role), attempt.number);

@@ -17,6 +17,12 @@ pub const JOB_LABEL: &str = "harvest.dev/job";
 /// Label with the UID of a Pod's job: in the operator's worker namespace, where tenants cannot
 /// create Pods, it is what makes a Pod the job's own.
 pub const JOB_UID_LABEL: &str = "harvest.dev/job-uid";
+/// Label with the namespace of a Pod's job, and one with the account that pays for it (once
+/// admitted): workers run in the operator's namespace, so these are what chargeback tools
+/// (OpenCost, Kubecost) and a platform's dashboards group them by.
+pub const TENANT_LABEL: &str = "harvest.dev/tenant";
+/// See [`TENANT_LABEL`].
+pub const ACCOUNT_LABEL: &str = "harvest.dev/account";
 /// Annotations naming a Pod's job in full, to find the job from a Pod in another namespace.
 pub const JOB_NAMESPACE_ANNOTATION: &str = "harvest.dev/job-namespace";
 /// See [`JOB_NAMESPACE_ANNOTATION`].

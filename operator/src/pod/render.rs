@@ -6,7 +6,7 @@ use harvest_core::ResolvedPlan;
 use harvest_core::invocation::{Invocation, PlanArg, Task};
 use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file_data_bytes};
 use harvest_core::plan::MAX_DIRECTIONS;
-use harvest_crds::{HarvestAccountSpec, HarvestJob, ValidJob};
+use harvest_crds::{HarvestAccount, HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod,
     PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource,
@@ -17,24 +17,26 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 
 use super::{
-    Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, JOB_UID_LABEL,
-    KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TERMINATION_LOG, cleanup_pod_name,
-    job_label, role_pod_name,
+    ACCOUNT_LABEL, Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION,
+    JOB_UID_LABEL, KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TENANT_LABEL,
+    TERMINATION_LOG, cleanup_pod_name, job_label, role_pod_name,
 };
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
 
-/// Builds `attempt`'s Pod. `account` is the paying account's spec, when it has one: its own
-/// storage Secret is used over the catalogue's `workerEnvSecret`, and its `localQueue` over
-/// the entry's.
+/// Builds `attempt`'s Pod. `account` is the paying account, when it has one: its name labels
+/// the Pod, its own storage Secret is used over the catalogue's `workerEnvSecret`, and its
+/// `localQueue` over the entry's.
 pub fn render(
     job: &HarvestJob,
     valid: &ValidJob,
     model: &CatalogueEntry,
     config: &OperatorConfig,
     attempt: &Attempt,
-    account: Option<&HarvestAccountSpec>,
+    account: Option<&HarvestAccount>,
 ) -> Result<Pod> {
+    let paying = account.map(ResourceExt::name_any);
+    let account = account.map(|a| &a.spec);
     let credentials = account.and_then(|a| a.storage.as_ref()?.credentials_secret.as_deref());
     // Only the Pods that run the model take GPUs, so only they queue; the finalize step goes
     // straight to the scheduler.
@@ -70,7 +72,7 @@ pub fn render(
     let secret = credentials.or(config.worker_env_secret.as_deref());
     let (env, env_from) = environment(job, secret, config.worker_env_config_map.as_deref(), role);
     Ok(Pod {
-        metadata: metadata(job, config, role, attempt, queue)?,
+        metadata: metadata(job, config, (role, attempt), queue, paying.as_deref())?,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(config.worker_service_account.clone()),
@@ -110,9 +112,9 @@ pub fn render(
 fn metadata(
     job: &HarvestJob,
     config: &OperatorConfig,
-    role: Role,
-    attempt: u32,
+    (role, attempt): (Role, u32),
     queue: Option<&str>,
+    account: Option<&str>,
 ) -> Result<ObjectMeta> {
     let owner = job
         .controller_owner_ref(&())
@@ -124,6 +126,10 @@ fn metadata(
     // label, and the job's finalizer deletes it.
     let owners = (job.namespace().as_ref() == Some(&namespace)).then(|| vec![owner.clone()]);
     let mut labels = labels(job, &owner.uid, attempt, role);
+    if let Some(account) = account {
+        // An account's name may be a 253-character DNS subdomain; a label value holds 63.
+        labels.insert(ACCOUNT_LABEL.to_owned(), job_label(account));
+    }
     if let Some(queue) = queue {
         labels.insert(KUEUE_QUEUE_LABEL.to_owned(), queue.to_owned());
     }
@@ -222,7 +228,8 @@ pub fn render_cleanup(
     })
 }
 
-/// Who manages the Pod, its job by name and UID, its attempt, and a part's index.
+/// Who manages the Pod, its job by name and UID, the job's namespace, its attempt, and a
+/// part's index.
 fn labels(job: &HarvestJob, uid: &str, attempt: u32, role: Role) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::from([
         (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
@@ -230,6 +237,9 @@ fn labels(job: &HarvestJob, uid: &str, attempt: u32, role: Role) -> BTreeMap<Str
         (JOB_UID_LABEL.to_owned(), uid.to_owned()),
         ("harvest.dev/attempt".to_owned(), attempt.to_string()),
     ]);
+    if let Some(namespace) = job.namespace() {
+        labels.insert(TENANT_LABEL.to_owned(), namespace);
+    }
     match role {
         Role::Whole => {}
         Role::Part { index, .. } => {

@@ -295,7 +295,7 @@ fn a_uid_label_makes_a_pod_the_jobs_only_in_the_operators_worker_namespace() {
 }
 
 #[test]
-fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference() {
+fn a_worker_in_the_operators_namespace_names_its_job_tenant_and_account_and_has_no_owner() {
     let mut config = config();
     config.worker_namespace = Some("harvest-system".into());
     let job = job();
@@ -304,10 +304,13 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
         .spec
         .validate(&entry.served(), std::path::Path::new(&entry.path))
         .unwrap();
-    let account: harvest_crds::HarvestAccountSpec = serde_json::from_value(
-        json!({"storage": {"prefix": "/acme", "credentialsSecret": "acme-s3"}}),
-    )
-    .unwrap();
+    let account = harvest_crds::HarvestAccount::new(
+        "acme",
+        serde_json::from_value(
+            json!({"storage": {"prefix": "/acme", "credentialsSecret": "acme-s3"}}),
+        )
+        .unwrap(),
+    );
     let pod = render(
         &job,
         &valid,
@@ -325,6 +328,9 @@ fn a_worker_in_the_operators_namespace_names_its_job_and_has_no_owner_reference(
     assert_eq!(pod.metadata.owner_references, None);
     let labels = pod.metadata.labels.unwrap();
     assert_eq!(labels["harvest.dev/job-uid"], "uid-1");
+    // What chargeback and namespace dashboards group workers by, in the shared namespace.
+    assert_eq!(labels["harvest.dev/tenant"], "team");
+    assert_eq!(labels["harvest.dev/account"], "acme");
     let annotations = pod.metadata.annotations.unwrap();
     assert_eq!(annotations["harvest.dev/job-namespace"], "team");
     assert_eq!(annotations["harvest.dev/job-name"], "j");
@@ -486,7 +492,7 @@ fn a_worker_reads_the_storage_settings_config_map_and_then_the_credentials_secre
 fn queue_of(
     config: &OperatorConfig,
     role: Role,
-    account: Option<&harvest_crds::HarvestAccountSpec>,
+    account: Option<&harvest_crds::HarvestAccount>,
 ) -> Option<String> {
     let entry = config.model("m").unwrap();
     let valid = job()
@@ -516,8 +522,10 @@ fn the_pods_that_run_the_model_name_the_entrys_local_queue_and_an_accounts_queue
     assert_eq!(queue_of(&config, part, None).as_deref(), Some("gpu-queue"));
     // The finalize step takes no GPU: it does not queue.
     assert_eq!(queue_of(&config, Role::Finalize, None), None);
-    let account: harvest_crds::HarvestAccountSpec =
-        serde_json::from_value(json!({"localQueue": "team-a"})).unwrap();
+    let account = harvest_crds::HarvestAccount::new(
+        "team-a",
+        serde_json::from_value(json!({"localQueue": "team-a"})).unwrap(),
+    );
     assert_eq!(
         queue_of(&config, part, Some(&account)).as_deref(),
         Some("team-a")
