@@ -84,6 +84,12 @@ pub struct CatalogueEntry {
     /// over it. Unset: the Pods go straight to the scheduler. See `docs/operator.md`.
     #[serde(default)]
     pub local_queue: Option<String>,
+    /// The Kueue WorkloadPriorityClass of the Pods that queue (the label
+    /// `kueue.x-k8s.io/priority-class`). A queued Pod does not carry `priorityClassName`:
+    /// Kueue would take its value as the Workload's priority and might preempt other teams'
+    /// workloads with it. Unset: Kueue's default priority, as other teams' jobs get.
+    #[serde(default)]
+    pub workload_priority_class: Option<String>,
 }
 
 fn default_start_timeout() -> u64 {
@@ -158,6 +164,20 @@ impl CatalogueEntry {
         }
         if let Some(queue) = &self.local_queue {
             check_local_queue(queue).map_err(|why| format!("model {name:?}: {why}"))?;
+        }
+        if let Some(class) = &self.workload_priority_class {
+            let label = !class.is_empty()
+                && class.len() <= 63
+                && class.starts_with(|c: char| c.is_ascii_alphanumeric())
+                && class.ends_with(|c: char| c.is_ascii_alphanumeric())
+                && class
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+            if !label {
+                return Err(format!(
+                    "model {name:?}: workloadPriorityClass {class:?} cannot be a label value: name a WorkloadPriorityClass of at most 63 letters, digits, '-', '_' and '.'"
+                ));
+            }
         }
         let quantities = [&self.resources.requests, &self.resources.limits];
         for (resource, quantity) in quantities.into_iter().flatten().flatten() {

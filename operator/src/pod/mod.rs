@@ -61,6 +61,8 @@ pub enum Role {
 /// behind its scheduling gate, and its controller lifts the gate once the ClusterQueue has
 /// room (Kueue's plain-Pod integration, one Workload per Pod).
 pub const KUEUE_QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+/// Label naming the Kueue WorkloadPriorityClass of a queued Pod's Workload.
+pub const KUEUE_PRIORITY_LABEL: &str = "kueue.x-k8s.io/priority-class";
 /// The label Kueue's webhook puts on each Pod it took in: from then on Kueue, not the start
 /// timeout, decides how long the Pod waits for a node.
 pub const KUEUE_MANAGED_LABEL: &str = "kueue.x-k8s.io/managed";

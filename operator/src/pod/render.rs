@@ -18,8 +18,8 @@ use kube::{Resource, ResourceExt};
 
 use super::{
     ACCOUNT_LABEL, Attempt, CONTAINER, JOB_LABEL, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION,
-    JOB_UID_LABEL, KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role, TENANT_LABEL,
-    TERMINATION_LOG, cleanup_pod_name, job_label, role_pod_name,
+    JOB_UID_LABEL, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, MANAGED_BY, PART_ENV, PART_LABEL, Role,
+    TENANT_LABEL, TERMINATION_LOG, cleanup_pod_name, job_label, role_pod_name,
 };
 use crate::config::{CatalogueEntry, OperatorConfig};
 use crate::error::{Error, Result};
@@ -44,6 +44,16 @@ pub fn render(
         .and_then(|a| a.local_queue.as_deref())
         .or(model.local_queue.as_deref())
         .filter(|_| attempt.role != Role::Finalize);
+    // A queued Pod's priority is Kueue's: its priorityClassName would become the Workload's
+    // priority and could preempt other teams' workloads.
+    let priority_class_name = model
+        .priority_class_name
+        .clone()
+        .filter(|_| queue.is_none());
+    let workload_priority = model
+        .workload_priority_class
+        .as_deref()
+        .filter(|_| queue.is_some());
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
     let scratch = scratch_bytes(valid, model, role);
@@ -72,7 +82,13 @@ pub fn render(
     let secret = credentials.or(config.worker_env_secret.as_deref());
     let (env, env_from) = environment(job, secret, config.worker_env_config_map.as_deref(), role);
     Ok(Pod {
-        metadata: metadata(job, config, (role, attempt), queue, paying.as_deref())?,
+        metadata: metadata(
+            job,
+            config,
+            (role, attempt),
+            (queue, workload_priority),
+            paying.as_deref(),
+        )?,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(config.worker_service_account.clone()),
@@ -87,7 +103,7 @@ pub fn render(
             image_pull_secrets: (!model.image_pull_secrets.is_empty())
                 .then(|| model.image_pull_secrets.clone()),
             runtime_class_name: model.runtime_class_name.clone().filter(|_| on_gpu_nodes),
-            priority_class_name: model.priority_class_name.clone(),
+            priority_class_name,
             security_context: Some(restricted_pod()),
             containers: vec![Container {
                 name: CONTAINER.into(),
@@ -113,7 +129,7 @@ fn metadata(
     job: &HarvestJob,
     config: &OperatorConfig,
     (role, attempt): (Role, u32),
-    queue: Option<&str>,
+    (queue, workload_priority): (Option<&str>, Option<&str>),
     account: Option<&str>,
 ) -> Result<ObjectMeta> {
     let owner = job
@@ -132,6 +148,9 @@ fn metadata(
     }
     if let Some(queue) = queue {
         labels.insert(KUEUE_QUEUE_LABEL.to_owned(), queue.to_owned());
+    }
+    if let Some(class) = workload_priority {
+        labels.insert(KUEUE_PRIORITY_LABEL.to_owned(), class.to_owned());
     }
     let annotations = BTreeMap::from([
         (

@@ -509,6 +509,58 @@ fn queue_of(
 }
 
 #[test]
+fn a_queued_pod_leaves_its_priority_to_kueue_and_names_the_entrys_workload_priority_class() {
+    let entry = |extra: &str| {
+        OperatorConfig::parse(&format!(
+            "models:\n- {{name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, priorityClassName: harvest-gpu{extra}}}\nlanes: {{small: 1, large: 1}}\n"
+        ))
+        .unwrap()
+    };
+    let pod = |config: &OperatorConfig, role| {
+        let entry = config.model("m").unwrap();
+        let valid = job()
+            .spec
+            .validate(&entry.served(), std::path::Path::new(&entry.path))
+            .unwrap();
+        let attempt = Attempt {
+            role,
+            number: 1,
+            deadline_seconds: None,
+        };
+        let pod = render(&job(), &valid, entry, config, &attempt, None).unwrap();
+        let labels = pod.metadata.labels.unwrap();
+        (
+            pod.spec.unwrap().priority_class_name,
+            labels.get(KUEUE_PRIORITY_LABEL).cloned(),
+        )
+    };
+    let queued = entry(", localQueue: gpu, workloadPriorityClass: harvest-batch");
+    assert_eq!(
+        pod(&queued, Role::Whole),
+        (None, Some("harvest-batch".into())),
+        "Kueue would take the PriorityClass's 1000 as the Workload's priority"
+    );
+    // The finalize Pod does not queue: the scheduler's PriorityClass stands.
+    assert_eq!(
+        pod(&queued, Role::Finalize),
+        (Some("harvest-gpu".into()), None)
+    );
+    assert_eq!(
+        pod(&entry(""), Role::Whole),
+        (Some("harvest-gpu".into()), None)
+    );
+    let refused = OperatorConfig::parse(
+        "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, workloadPriorityClass: 'Not A Label!'}\nlanes: {small: 1, large: 1}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("workloadPriorityClass \"Not A Label!\""),
+        "{refused}"
+    );
+}
+
+#[test]
 fn the_pods_that_run_the_model_name_the_entrys_local_queue_and_an_accounts_queue_wins() {
     let config = OperatorConfig::parse(
         "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1, gpus: 2, localQueue: gpu-queue}\nlanes: {small: 1, large: 1}\n",
