@@ -400,8 +400,8 @@ fn the_base_keeps_a_replica_of_each_deployment_through_a_drain_and_lets_nothing_
     }
 }
 
-#[test]
-fn the_prometheus_component_scrapes_both_metrics_ports_and_the_public_service_exposes_none() {
+/// The objects of the GPU overlay with `component` added, as a platform's overlay adds it.
+fn gpu_overlay_with(component: &str) -> Vec<serde_yaml::Value> {
     let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../manifests")
         .canonicalize()
@@ -412,11 +412,45 @@ fn the_prometheus_component_scrapes_both_metrics_ports_and_the_public_service_ex
     std::fs::write(
         dir.path().join("kustomization.yaml"),
         format!(
-            "resources: [{up}{root}/overlays/gpu]\ncomponents: [{up}{root}/components/prometheus]\n"
+            "resources: [{up}{root}/overlays/gpu]\ncomponents: [{up}{root}/components/{component}]\n"
         ),
     )
     .unwrap();
-    let objects = kustomize(dir.path());
+    kustomize(dir.path())
+}
+
+#[test]
+fn the_egress_component_lets_every_harvest_pod_resolve_names_and_reach_https_past_a_deny() {
+    let objects = gpu_overlay_with("egress");
+    let policy = object(&objects, "NetworkPolicy", "harvest-egress");
+    assert_eq!(policy["metadata"]["namespace"], "harvest-system");
+    // Every Pod there: the API, the operator and the workers.
+    assert_eq!(
+        policy["spec"]["podSelector"],
+        serde_yaml::Value::Mapping(Default::default())
+    );
+    assert_eq!(policy["spec"]["policyTypes"][0], "Egress");
+    let rules = policy["spec"]["egress"].as_sequence().unwrap();
+    let allows = |protocol: &str, port: u64| {
+        rules.iter().any(|rule| {
+            rule["ports"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .any(|p| p["protocol"] == protocol && p["port"] == port)
+        })
+    };
+    assert!(allows("UDP", 53) && allows("TCP", 53) && allows("TCP", 443) && allows("TCP", 6443));
+    let dns = rules.iter().find(|r| r["ports"][0]["port"] == 53).unwrap();
+    assert_eq!(
+        dns["to"][0]["podSelector"]["matchLabels"]["k8s-app"],
+        "kube-dns"
+    );
+}
+
+#[test]
+fn the_prometheus_component_scrapes_both_metrics_ports_and_the_public_service_exposes_none() {
+    let objects = gpu_overlay_with("prometheus");
     let monitor = object(&objects, "ServiceMonitor", "harvest");
     let selector = &monitor["spec"]["selector"]["matchLabels"];
     let scraped: Vec<&serde_yaml::Value> = objects
