@@ -329,6 +329,12 @@ pub struct OperatorConfig {
     /// an overlay sets them in one place. Optional: a missing ConfigMap is no error.
     #[serde(default)]
     pub worker_env_config_map: Option<String>,
+    /// The StorageClass of the shuffled layout's scratch space (the spill of every token the
+    /// budget allows: terabytes for a large job), as a volume made for each Pod and deleted
+    /// with it. Unset: an emptyDir on the node's disk, requested as ephemeral storage, which a
+    /// large job's Pod finds on no node.
+    #[serde(default)]
+    pub scratch_storage_class: Option<String>,
     /// Extra arguments for the harvester (`--threads 8`, say).
     #[serde(default)]
     pub worker_extra_args: Vec<String>,

@@ -8,9 +8,10 @@ use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file
 use harvest_core::plan::MAX_DIRECTIONS;
 use harvest_crds::{HarvestAccount, HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar, Pod,
+    Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar,
+    EphemeralVolumeSource, PersistentVolumeClaimSpec, PersistentVolumeClaimTemplate, Pod,
     PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource,
-    SecurityContext, Volume, VolumeMount,
+    SecurityContext, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -65,16 +66,21 @@ pub fn render(
     let (mut volumes, mut volume_mounts) = (model.volumes.clone(), model.volume_mounts.clone());
     if let Some(bytes) = scratch {
         let size = Quantity(bytes.to_string());
-        volumes.push(scratch_volume(&size));
+        volumes.push(scratch_volume(
+            &size,
+            config.scratch_storage_class.as_deref(),
+        ));
         volume_mounts.push(VolumeMount {
             name: SCRATCH_VOLUME.into(),
             mount_path: SCRATCH_PATH.into(),
             ..VolumeMount::default()
         });
-        resources
-            .requests
-            .get_or_insert_with(BTreeMap::new)
-            .insert("ephemeral-storage".into(), size);
+        if config.scratch_storage_class.is_none() {
+            resources
+                .requests
+                .get_or_insert_with(BTreeMap::new)
+                .insert("ephemeral-storage".into(), size);
+        }
     }
     // The finalize step never runs the model: it goes wherever CPU and memory are, not to the
     // catalogue's GPU nodes (their selector, tolerations and runtime class).
@@ -408,12 +414,35 @@ fn row_values(plan: &ResolvedPlan, model: &CatalogueEntry) -> (usize, usize) {
 
 /// The spill's emptyDir of `size`, asked for up front: not the container's writable layer,
 /// where it would meet DiskPressure evictions.
-fn scratch_volume(size: &Quantity) -> Volume {
+/// The scratch volume of `size`: a claim of `class` made for the Pod and deleted with it (a
+/// generic ephemeral volume), or else an emptyDir on the node's disk.
+fn scratch_volume(size: &Quantity, class: Option<&str>) -> Volume {
+    let Some(class) = class else {
+        return Volume {
+            name: SCRATCH_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(size.clone()),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        };
+    };
+    let claim = PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".into()]),
+        storage_class_name: Some(class.to_owned()),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_owned(), size.clone())])),
+            ..VolumeResourceRequirements::default()
+        }),
+        ..PersistentVolumeClaimSpec::default()
+    };
     Volume {
         name: SCRATCH_VOLUME.into(),
-        empty_dir: Some(EmptyDirVolumeSource {
-            size_limit: Some(size.clone()),
-            ..EmptyDirVolumeSource::default()
+        ephemeral: Some(EphemeralVolumeSource {
+            volume_claim_template: Some(PersistentVolumeClaimTemplate {
+                metadata: None,
+                spec: claim,
+            }),
         }),
         ..Volume::default()
     }

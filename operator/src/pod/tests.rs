@@ -462,6 +462,58 @@ fn the_pod_that_writes_training_files_spills_into_an_empty_dir_it_asks_for_up_fr
 }
 
 #[test]
+fn with_a_scratch_storage_class_a_large_spill_is_a_claim_made_for_the_pod_not_node_disk() {
+    let mut config = config();
+    config.scratch_storage_class = Some("fast-scratch".into());
+    let entry = config.model("m").unwrap();
+    let mut job = job();
+    // 100M tokens at 2 layers of 576 bf16 values: about 233 GB, more than a node's disk.
+    job.spec.token_budget = 100_000_000;
+    job.spec.harvest.layers = Some(vec![3, 7]);
+    job.spec.harvest.layout = Some(harvest_core::layout::LayoutName::Shuffled);
+    let valid = job
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let attempt = Attempt {
+        role: Role::Finalize,
+        number: 1,
+        deadline_seconds: None,
+    };
+    let spec = render(&job, &valid, entry, &config, &attempt, None)
+        .unwrap()
+        .spec
+        .unwrap();
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "harvest-scratch")
+        .unwrap();
+    assert!(volume.empty_dir.is_none());
+    let claim = &volume
+        .ephemeral
+        .as_ref()
+        .unwrap()
+        .volume_claim_template
+        .as_ref()
+        .unwrap()
+        .spec;
+    assert_eq!(claim.storage_class_name.as_deref(), Some("fast-scratch"));
+    let bytes = 100_000_000u64 * (16 + 2 * 576 * 2) + (256 << 20);
+    let storage = &claim.resources.as_ref().unwrap().requests.as_ref().unwrap()["storage"];
+    assert_eq!(storage.0, bytes.to_string());
+    // The node's own disk is not asked for.
+    let requests = spec.containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .requests
+        .unwrap();
+    assert!(!requests.contains_key("ephemeral-storage"), "{requests:?}");
+}
+
+#[test]
 fn a_worker_reads_the_storage_settings_config_map_and_then_the_credentials_secret() {
     let config = OperatorConfig::parse(
         "models:\n- {name: m, path: /models/m, numLayers: 30, hiddenSize: 576, lane: small, image: img:1}\nlanes: {small: 1, large: 1}\nworkerEnvSecret: harvest-s3\nworkerEnvConfigMap: harvest-s3-endpoint\n",
