@@ -17,10 +17,13 @@ pub const DEFAULT_URL_TTL_SECONDS: u64 = 7 * 24 * 3600;
 
 /// The configuration file.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// Where the SQLite store, job inputs and outputs, and the signing secret live.
     pub data_dir: PathBuf,
+    /// The keys of the file this release does not know (a newer release's, or misspelt), as
+    /// paths (`models.0.future_key`); ignored, and named in a warning at start.
+    #[serde(skip)]
+    pub unknown_keys: Vec<String>,
     /// The `harvester` binary (embedded backend).
     #[serde(default)]
     pub harvester: PathBuf,
@@ -86,7 +89,6 @@ fn default_rate_limit() -> Option<crate::ratelimit::RateLimit> {
 
 /// The Kubernetes backend: jobs are HarvestJobs, accounts HarvestAccounts, keys Secrets.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
     /// The namespace the API owns: its HarvestJobs and key Secrets live there, and the
     /// operator's `apiNamespace` must name it.
@@ -108,7 +110,6 @@ impl KubernetesConfig {
 
 /// A model of the catalogue.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The name clients send.
     pub name: String,
@@ -142,7 +143,6 @@ fn one_device() -> u32 {
 
 /// An account.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct AccountConfig {
     /// Its name.
     pub name: String,
@@ -195,8 +195,15 @@ impl ServerConfig {
     /// the file's directory.
     pub fn from_file(path: &Path) -> Result<Self, StartupError> {
         let text = std::fs::read_to_string(path)?;
-        let mut config: Self = serde_json::from_str(&text)
+        // Keys this release does not know are set aside, not refused, so that a rollback
+        // with a newer release's configuration starts; `unknown_keys` names them.
+        let mut unknown = Vec::new();
+        let mut config: Self =
+            serde_ignored::deserialize(&mut serde_json::Deserializer::from_str(&text), |key| {
+                unknown.push(key.to_string());
+            })
             .map_err(|e| StartupError::config(format!("{}: {e}", path.display())))?;
+        config.unknown_keys = unknown;
         let base = path.parent().unwrap_or(Path::new("."));
         config.data_dir = resolve(base, &config.data_dir);
         config.harvester = resolve(base, &config.harvester);

@@ -77,6 +77,13 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let config = ServerConfig::from_file(&cli.config)
         .with_context(|| format!("reading {}", cli.config.display()))?;
+    if !config.unknown_keys.is_empty() {
+        tracing::warn!(
+            keys = ?config.unknown_keys,
+            path = %cli.config.display(),
+            "the configuration has keys this release does not know (a newer release's, or misspelt); they are ignored"
+        );
+    }
     match cli.command {
         Command::Serve {
             listen,

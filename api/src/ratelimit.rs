@@ -17,7 +17,6 @@ pub const TRACKED_KEYS: usize = 65_536;
 
 /// The limit, from the configuration's `rate_limit` (`null` turns it off).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct RateLimit {
     /// Sustained requests per second per key.
     pub requests_per_second: f64,

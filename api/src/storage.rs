@@ -27,7 +27,7 @@ pub const MAX_PRESIGNED_SECONDS: u64 = 7 * 24 * 3600;
 
 /// The `storage` section of the Kubernetes backend's configuration.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum StorageConfig {
     /// The data directory, shared with the workers at the same path.
     Local,

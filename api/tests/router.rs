@@ -42,6 +42,7 @@ async fn fixture_with(
     let dir = tempfile::tempdir().unwrap();
     let mut config = ServerConfig {
         data_dir: dir.path().join("data"),
+        unknown_keys: Vec::new(),
         harvester,
         max_workers: 0,
         public_url: "http://harvest.test".into(),

@@ -64,3 +64,25 @@ fn the_kubernetes_api_configuration_lists_the_seed_models() {
     let config: ServerConfig = serde_json::from_str(&json).unwrap();
     check_seed_models(&config);
 }
+
+#[test]
+fn a_newer_releases_keys_are_set_aside_and_named_so_a_rolled_back_server_starts() {
+    let mut example: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repository().join("configs/embedded.example.json")).unwrap(),
+    )
+    .unwrap();
+    example["future_setting"] = serde_json::json!({"on": true});
+    example["models"][0]["future_field"] = serde_json::json!(3);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("newer.json");
+    std::fs::write(&path, example.to_string()).unwrap();
+    let config = ServerConfig::from_file(&path).unwrap();
+    assert_eq!(
+        config.unknown_keys,
+        ["future_setting", "models.0.future_field"]
+    );
+    let shipped =
+        ServerConfig::from_file(&repository().join("configs/embedded.example.json")).unwrap();
+    assert_eq!(config.models.len(), shipped.models.len());
+    assert!(shipped.unknown_keys.is_empty());
+}

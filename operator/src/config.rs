@@ -15,7 +15,7 @@ use crate::error::Error;
 
 /// One model of the catalogue and the Pod that runs it.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(rename_all = "camelCase")]
 pub struct CatalogueEntry {
     /// The name jobs use.
     pub name: String,
@@ -276,7 +276,7 @@ impl CatalogueEntry {
 
 /// How many admitted jobs may run at once in each lane.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(rename_all = "camelCase")]
 pub struct LaneCapacity {
     /// Single-GPU jobs.
     pub small: u32,
@@ -296,7 +296,7 @@ impl LaneCapacity {
 
 /// The configuration file.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(rename_all = "camelCase")]
 pub struct OperatorConfig {
     /// The models jobs may name.
     pub models: Vec<CatalogueEntry>,
@@ -335,6 +335,10 @@ pub struct OperatorConfig {
     /// large job's Pod finds on no node.
     #[serde(default)]
     pub scratch_storage_class: Option<String>,
+    /// The keys of the file this release does not know (a newer release's, or misspelt),
+    /// as paths (`models.0.futureKey`); ignored, and named in a warning at start.
+    #[serde(skip)]
+    pub unknown_keys: Vec<String>,
     /// Extra arguments for the harvester (`--threads 8`, say).
     #[serde(default)]
     pub worker_extra_args: Vec<String>,
@@ -417,7 +421,16 @@ impl OperatorConfig {
 
     /// [`Self::parse`], with the worker image given apart from the text.
     pub fn parse_with(text: &str, worker_image: Option<String>) -> Result<Self, String> {
-        let mut config: Self = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        // Keys this release does not know are set aside, not refused: a newer release's
+        // configuration must not stop the previous operator after a rollback. They are named
+        // at start (`unknown_keys`), as a misspelt key should be.
+        let mut unknown = Vec::new();
+        let mut config: Self =
+            serde_ignored::deserialize(serde_yaml::Deserializer::from_str(text), |path| {
+                unknown.push(path.to_string());
+            })
+            .map_err(|e| e.to_string())?;
+        config.unknown_keys = unknown;
         if let Some(image) = worker_image.filter(|i| !i.trim().is_empty()) {
             config.worker_image = Some(image);
         }
@@ -514,9 +527,27 @@ lanes: {small: 2, large: 1}
     }
 
     #[test]
-    fn unknown_keys_and_duplicate_models_are_refused_by_name() {
+    fn a_newer_releases_keys_are_set_aside_and_named_so_a_rolled_back_operator_starts() {
+        let newer = EXAMPLE
+            .replacen("lanes:", "futureSetting: {on: true}\nlanes:", 1)
+            .replacen("    gpus: 1\n", "    gpus: 1\n    futureField: 3\n", 1);
+        let config = OperatorConfig::parse(&newer).unwrap();
+        assert_eq!(
+            config.unknown_keys,
+            ["models.0.futureField", "futureSetting"]
+        );
+        assert_eq!(
+            config.models,
+            OperatorConfig::parse(EXAMPLE).unwrap().models,
+            "the rest is read as before"
+        );
+    }
+
+    #[test]
+    fn a_missing_required_key_and_duplicate_models_are_refused_by_name() {
+        // `lane:` for `lanes:` leaves the required lanes unset.
         let typo = EXAMPLE.replace("lanes:", "lane:");
-        assert!(OperatorConfig::parse(&typo).unwrap_err().contains("lane"));
+        assert!(OperatorConfig::parse(&typo).unwrap_err().contains("lanes"));
         let twice = format!("{EXAMPLE}\n").replace(
             "lanes:",
             "  - {name: smollm2-135m, path: /m, numLayers: 1, hiddenSize: 8, lane: small, image: i}\nlanes:",

@@ -45,6 +45,13 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let config = OperatorConfig::load(&cli.config, cli.worker_image.clone())?;
+    if !config.unknown_keys.is_empty() {
+        tracing::warn!(
+            keys = ?config.unknown_keys,
+            path = %cli.config.display(),
+            "the configuration has keys this release does not know (a newer release's, or misspelt); they are ignored"
+        );
+    }
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
