@@ -195,6 +195,11 @@ pub struct HarvestAccountStatus {
     /// edit before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// What a newer release wrote that this one does not know, kept as it is: the ledger is
+    /// written back whole, and after a rollback the older operator must not drop it.
+    #[serde(flatten, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(skip)]
+    pub newer: BTreeMap<String, serde_json::Value>,
 }
 
 /// Running jobs per lane.
@@ -382,6 +387,21 @@ impl HarvestAccount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_newer_releases_ledger_fields_survive_this_releases_read_and_write_back() {
+        let written_by_newer = serde_json::json!({
+            "tokensTotal": 900,
+            "tokensByModel": {"llama-8b": 900},
+        });
+        let read: HarvestAccountStatus = serde_json::from_value(written_by_newer).unwrap();
+        assert_eq!(read.tokens_total, 900);
+        let written_back = serde_json::to_value(&read).unwrap();
+        assert_eq!(
+            written_back["tokensByModel"],
+            serde_json::json!({"llama-8b": 900})
+        );
+    }
 
     #[test]
     fn books_survive_a_round_trip_through_the_status_with_their_hold_windows() {

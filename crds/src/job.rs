@@ -4,6 +4,8 @@
 //! `ttlSecondsAfterFinished` may change after creation; the CEL rules in the schema say so and
 //! the apiserver enforces them.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -140,6 +142,15 @@ pub enum JobPhase {
     Cancelled,
 }
 
+/// A phase this release does not know (a newer release's) reads as none: the phase is for
+/// display only, and a list of jobs must still decode.
+fn lenient_phase<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<JobPhase>, D::Error> {
+    let phase = Option::<serde_json::Value>::deserialize(deserializer)?;
+    Ok(phase.and_then(|p| serde_json::from_value(p).ok()))
+}
+
 impl JobPhase {
     /// The name as written in status.
     pub fn as_str(self) -> &'static str {
@@ -159,7 +170,11 @@ impl JobPhase {
 #[serde(rename_all = "camelCase")]
 pub struct HarvestJobStatus {
     /// Derived from the conditions, for display.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_phase"
+    )]
     pub phase: Option<JobPhase>,
     /// `Admitted`, `Running` and `Finished`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -215,6 +230,11 @@ pub struct HarvestJobStatus {
     /// Parts done out of all, like `2/3`, for `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parts_summary: Option<String>,
+    /// What a newer release wrote that this one does not know, kept as it is: status is
+    /// written back whole, and after a rollback the older operator must not drop it.
+    #[serde(flatten, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(skip)]
+    pub newer: BTreeMap<String, serde_json::Value>,
 }
 
 /// Where a part of a job stands.
@@ -508,6 +528,30 @@ mod tests {
     use crate::conditions::{self, FINISHED, RUNNING};
     use harvest_core::lifecycle::JobEvent;
     use k8s_openapi::jiff::Timestamp;
+
+    #[test]
+    fn a_newer_releases_status_fields_and_phase_survive_this_releases_read_and_write_back() {
+        let written_by_newer = serde_json::json!({
+            "phase": "Draining",
+            "attempts": 2,
+            "account": "acme",
+            "routerStats": {"experts": 64},
+            "parts": [],
+        });
+        let read: HarvestJobStatus = serde_json::from_value(written_by_newer).unwrap();
+        // The phase is for display: one this release does not know reads as none, so a list
+        // of jobs still decodes.
+        assert_eq!(read.phase, None);
+        assert_eq!((read.attempts, read.account.as_deref()), (2, Some("acme")));
+        let written_back = serde_json::to_value(&read).unwrap();
+        assert_eq!(
+            written_back["routerStats"],
+            serde_json::json!({"experts": 64}),
+            "a rolled-back operator's full write keeps what it does not know"
+        );
+        // This release's own fields are not kept twice.
+        assert!(!read.newer.contains_key("attempts"), "{:?}", read.newer);
+    }
 
     fn admitted(ran: bool) -> HarvestJobStatus {
         let now = Time(Timestamp::UNIX_EPOCH);
