@@ -477,6 +477,20 @@ impl OperatorConfig {
     }
 }
 
+/// Resolves once the file at `path` reads as something other than `loaded` (an edited
+/// ConfigMap, which the kubelet swaps in atomically), looking every `every`. A file that cannot
+/// be read meanwhile (mid-swap) is looked at again.
+pub async fn changed(path: std::path::PathBuf, loaded: Vec<u8>, every: std::time::Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        if let Ok(now) = tokio::fs::read(&path).await
+            && now != loaded
+        {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,6 +530,29 @@ lanes: {small: 2, large: 1}
             message.contains("\"smollm2-135m\" names no image"),
             "{message}"
         );
+    }
+
+    #[tokio::test]
+    async fn an_edit_of_the_configuration_file_is_noticed_and_a_rewrite_of_the_same_text_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, EXAMPLE).unwrap();
+        let every = std::time::Duration::from_millis(10);
+        let watch = tokio::spawn(changed(path.clone(), EXAMPLE.into(), every));
+        // The same text written again (a resync of an unchanged ConfigMap) is no change.
+        std::fs::write(&path, EXAMPLE).unwrap();
+        let unchanged = tokio::time::timeout(std::time::Duration::from_millis(200), async {
+            while !watch.is_finished() {
+                tokio::time::sleep(every).await;
+            }
+        })
+        .await;
+        assert!(unchanged.is_err(), "resolved on an unchanged file");
+        std::fs::write(&path, EXAMPLE.replace("small: 2", "small: 3")).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), watch)
+            .await
+            .expect("the edit is noticed")
+            .unwrap();
     }
 
     #[test]

@@ -34,6 +34,9 @@ struct Cli {
     identity: String,
 }
 
+/// How often the configuration file is read again for changes.
+const CONFIG_POLL: Duration = Duration::from_secs(10);
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -44,6 +47,7 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let cli = Cli::parse();
+    let loaded = std::fs::read(&cli.config).unwrap_or_default();
     let config = OperatorConfig::load(&cli.config, cli.worker_image.clone())?;
     if !config.unknown_keys.is_empty() {
         tracing::warn!(
@@ -67,7 +71,8 @@ async fn main() -> anyhow::Result<()> {
         instance: cli.identity,
     };
     // SIGTERM is how Kubernetes stops the Pod; SIGINT a person at a terminal.
-    let shutdown = async {
+    let config_path = cli.config.clone();
+    let shutdown = async move {
         let terminate = async {
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(mut signal) => {
@@ -79,9 +84,16 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         };
+        // An edited ConfigMap reaches the mounted file, not this process: stop, and the
+        // kubelet starts the container again on the new configuration.
+        let edited = harvest_operator::config::changed(config_path.clone(), loaded, CONFIG_POLL);
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             () = terminate => {}
+            () = edited => tracing::info!(
+                path = %config_path.display(),
+                "the configuration changed; stopping so that the container restarts with it"
+            ),
         }
         tracing::info!("stopping: finishing the reconciles in flight, then releasing the Lease");
     };
