@@ -93,7 +93,9 @@ launch_storage() {
   # `weed server`, not `weed mini`: only it takes a free-space floor, and mini's (1% of the
   # disk) refuses every write on a big disk that is nearly full.
   local args=(server -filer -s3 "-dir=$dir/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 "-s3.config=$dir/s3.json"
-    -volume.minFreeSpace=256MiB -master.volumeSizeLimitMB=64 -s3.port.iceberg=0 -s3.port.lance=0)
+    -volume.minFreeSpace=256MiB -master.volumeSizeLimitMB=64 -s3.port.iceberg=0 -s3.port.lance=0
+    # Each bucket grows its own 7 volumes: the default 8 in all leaves the second bucket none.
+    -volume.max=200)
   for flag in master.port master.port.grpc volume.port volume.port.grpc filer.port filer.port.grpc \
     s3.port s3.port.grpc; do
     local port

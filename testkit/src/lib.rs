@@ -156,7 +156,7 @@ impl Seaweed {
         let mut cmd = Command::new(&weed);
         // `weed server`, not `weed mini`: only it takes a free-space floor, and mini's (1% of
         // the disk) refuses every write on a big disk that is nearly full, which a build cache
-        // makes common. Small volumes keep the test data far below the floor's headroom.
+        // makes common. Small (sparse) volumes keep the test data far below its headroom.
         cmd.args([
             "server",
             "-filer",
@@ -168,6 +168,9 @@ impl Seaweed {
         .args([
             &format!("-volume.minFreeSpace={MIN_FREE_SPACE}"),
             "-master.volumeSizeLimitMB=64",
+            // Each bucket grows its own 7 volumes: the default 8 in all would leave every
+            // bucket after the first without one.
+            "-volume.max=200",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
         ])
