@@ -6,7 +6,7 @@ use harvest_core::ResolvedPlan;
 use harvest_core::invocation::{Invocation, PlanArg, Task};
 use harvest_core::layout::{Layout, SHUFFLE_BUCKET_BYTES, spill_bytes, train_file_data_bytes};
 use harvest_core::plan::MAX_DIRECTIONS;
-use harvest_crds::{HarvestAccount, HarvestJob, ValidJob};
+use harvest_crds::{HarvestAccount, HarvestAccountSpec, HarvestJob, ValidJob};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapEnvSource, Container, EmptyDirVolumeSource, EnvFromSource, EnvVar,
     EphemeralVolumeSource, PersistentVolumeClaimSpec, PersistentVolumeClaimTemplate, Pod,
@@ -39,22 +39,11 @@ pub fn render(
     let paying = account.map(ResourceExt::name_any);
     let account = account.map(|a| &a.spec);
     let credentials = account.and_then(|a| a.storage.as_ref()?.credentials_secret.as_deref());
-    // Only the Pods that run the model take GPUs, so only they queue; the finalize step goes
-    // straight to the scheduler.
-    let queue = account
-        .and_then(|a| a.local_queue.as_deref())
-        .or(model.local_queue.as_deref())
-        .filter(|_| attempt.role != Role::Finalize);
-    // A queued Pod's priority is Kueue's: its priorityClassName would become the Workload's
-    // priority and could preempt other teams' workloads.
-    let priority_class_name = model
-        .priority_class_name
-        .clone()
-        .filter(|_| queue.is_none());
-    let workload_priority = model
-        .workload_priority_class
-        .as_deref()
-        .filter(|_| queue.is_some());
+    let Queueing {
+        queue,
+        priority_class_name,
+        workload_priority,
+    } = queueing(account, model, attempt.role);
     let (role, deadline_seconds, attempt) =
         (attempt.role, attempt.deadline_seconds, attempt.number);
     let scratch = scratch_bytes(valid, model, role);
@@ -65,22 +54,13 @@ pub fn render(
     };
     let (mut volumes, mut volume_mounts) = (model.volumes.clone(), model.volume_mounts.clone());
     if let Some(bytes) = scratch {
-        let size = Quantity(bytes.to_string());
-        volumes.push(scratch_volume(
-            &size,
-            config.scratch_storage_class.as_deref(),
-        ));
-        volume_mounts.push(VolumeMount {
-            name: SCRATCH_VOLUME.into(),
-            mount_path: SCRATCH_PATH.into(),
-            ..VolumeMount::default()
-        });
-        if config.scratch_storage_class.is_none() {
-            resources
-                .requests
-                .get_or_insert_with(BTreeMap::new)
-                .insert("ephemeral-storage".into(), size);
-        }
+        let class = config.scratch_storage_class.as_deref();
+        add_scratch(
+            bytes,
+            class,
+            (&mut volumes, &mut volume_mounts),
+            &mut resources,
+        );
     }
     // The finalize step never runs the model: it goes wherever CPU and memory are, not to the
     // catalogue's GPU nodes (their selector, tolerations and runtime class).
@@ -128,6 +108,42 @@ pub fn render(
         }),
         status: None,
     })
+}
+
+/// Whether a Pod queues in Kueue, and the priority it carries either way.
+struct Queueing<'a> {
+    /// The LocalQueue.
+    queue: Option<&'a str>,
+    /// The scheduler's PriorityClass, for a Pod that does not queue.
+    priority_class_name: Option<String>,
+    /// Kueue's WorkloadPriorityClass, for a Pod that does.
+    workload_priority: Option<&'a str>,
+}
+
+/// Only the Pods that run the model take GPUs, so only they queue (the account's LocalQueue
+/// over the entry's); the finalize step goes straight to the scheduler. A queued Pod's
+/// priority is Kueue's: its priorityClassName would become the Workload's priority and could
+/// preempt other teams' workloads.
+fn queueing<'a>(
+    account: Option<&'a HarvestAccountSpec>,
+    model: &'a CatalogueEntry,
+    role: Role,
+) -> Queueing<'a> {
+    let queue = account
+        .and_then(|a| a.local_queue.as_deref())
+        .or(model.local_queue.as_deref())
+        .filter(|_| role != Role::Finalize);
+    Queueing {
+        queue,
+        priority_class_name: model
+            .priority_class_name
+            .clone()
+            .filter(|_| queue.is_none()),
+        workload_priority: model
+            .workload_priority_class
+            .as_deref()
+            .filter(|_| queue.is_some()),
+    }
 }
 
 /// The Pod's name, namespace, labels and annotations, and its owner when it can have one.
@@ -414,6 +430,29 @@ fn row_values(plan: &ResolvedPlan, model: &CatalogueEntry) -> (usize, usize) {
 
 /// The spill's emptyDir of `size`, asked for up front: not the container's writable layer,
 /// where it would meet DiskPressure evictions.
+/// Mounts `bytes` of scratch space at [`SCRATCH_PATH`]: a claim of `class`, or node disk that
+/// the Pod asks for up front as ephemeral storage.
+fn add_scratch(
+    bytes: u64,
+    class: Option<&str>,
+    (volumes, mounts): (&mut Vec<Volume>, &mut Vec<VolumeMount>),
+    resources: &mut ResourceRequirements,
+) {
+    let size = Quantity(bytes.to_string());
+    volumes.push(scratch_volume(&size, class));
+    mounts.push(VolumeMount {
+        name: SCRATCH_VOLUME.into(),
+        mount_path: SCRATCH_PATH.into(),
+        ..VolumeMount::default()
+    });
+    if class.is_none() {
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert("ephemeral-storage".into(), size);
+    }
+}
+
 /// The scratch volume of `size`: a claim of `class` made for the Pod and deleted with it (a
 /// generic ephemeral volume), or else an emptyDir on the node's disk.
 fn scratch_volume(size: &Quantity, class: Option<&str>) -> Volume {
