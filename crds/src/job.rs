@@ -230,6 +230,10 @@ pub struct HarvestJobStatus {
     /// Parts done out of all, like `2/3`, for `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parts_summary: Option<String>,
+    /// The harvester image the job's first worker ran. Every later attempt and part runs it
+    /// too, so that an operator upgrade mid-job changes neither the bytes nor a resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_image: Option<String>,
     /// What a newer release wrote that this one does not know, kept as it is: status is
     /// written back whole, and after a rollback the older operator must not drop it.
     #[serde(flatten, skip_serializing_if = "BTreeMap::is_empty")]

@@ -88,6 +88,8 @@ pub struct Observed<'a> {
     pub now: Timestamp,
     /// How long the model's Pod may take to start (the catalogue's `startTimeoutSeconds`).
     pub start_timeout: Option<Duration>,
+    /// The harvester image the catalogue gives the model now.
+    pub worker_image: Option<String>,
     /// The job's workers: parts and Pod slots.
     pub workers: Workers,
 }
@@ -192,6 +194,12 @@ pub fn decide(observed: &Observed<'_>, policy: &Policy) -> Decision {
         requeue_after: None,
     };
     b.run(policy);
+    // The first worker's image is the job's: every later attempt and part runs it, so that an
+    // upgrade mid-job neither changes the bytes nor breaks a resume.
+    let creates = b.actions.iter().any(|a| matches!(a, Action::CreatePod(_)));
+    if creates && b.status.worker_image.is_none() {
+        b.status.worker_image.clone_from(&observed.worker_image);
+    }
     b.status.phase = Some(phase(&b.status, observed.job.spec.suspend));
     Decision {
         status: b.status,

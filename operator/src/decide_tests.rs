@@ -48,6 +48,7 @@ fn step(job: &HarvestJob, pod: Option<PodState>, admission: Admission, now: i64)
         lane: Some("small".into()),
         now: at(now),
         start_timeout: None,
+        worker_image: Some("harvester:1".into()),
         workers: Workers::default(),
     };
     decide(&observed, &POLICY)
@@ -201,6 +202,36 @@ fn success_charges_what_ran_and_a_ttl_deletes_the_job_once_it_expires() {
 }
 
 #[test]
+fn the_first_workers_image_is_the_jobs_and_a_later_catalogue_image_does_not_replace_it() {
+    let mut job = job();
+    let first = step(&job, None, Admission::Admit, 0);
+    assert!(
+        first
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::CreatePod(_)))
+    );
+    assert_eq!(first.status.worker_image.as_deref(), Some("harvester:1"));
+    apply(&mut job, &first);
+    // The operator was upgraded: its catalogue names a new image; the attempt's Pod is gone.
+    let observed = Observed {
+        job: &job,
+        spec: Ok(job.spec.token_budget),
+        pod: None,
+        reported: None,
+        admission: Admission::Admit,
+        account: Some("acct".into()),
+        lane: Some("small".into()),
+        now: at(60),
+        start_timeout: None,
+        worker_image: Some("harvester:2".into()),
+        workers: Workers::default(),
+    };
+    let retried = decide(&observed, &POLICY);
+    assert_eq!(retried.status.worker_image.as_deref(), Some("harvester:1"));
+}
+
+#[test]
 fn cancel_stops_the_pod_and_suspend_releases_the_slot() {
     let mut job = job();
     let admitted = step(&job, None, Admission::Admit, 0);
@@ -234,6 +265,7 @@ fn an_invalid_spec_fails_at_once_without_a_pod_or_a_requeue() {
         lane: None,
         now: at(0),
         start_timeout: None,
+        worker_image: None,
         workers: Workers::default(),
     };
     let decision = decide(&observed, &POLICY);
@@ -287,6 +319,7 @@ fn a_running_job_takes_its_workers_report_as_progress_and_looks_again_soon() {
         lane: Some("small".into()),
         now: at(3),
         start_timeout: None,
+        worker_image: None,
         workers: Workers::default(),
     };
     let decision = decide(&observed, &POLICY);
@@ -322,6 +355,7 @@ fn a_worker_reading_its_weights_shows_loading_with_its_bytes() {
         lane: Some("small".into()),
         now: at(3),
         start_timeout: None,
+        worker_image: None,
         workers: Workers::default(),
     };
     let progress = decide(&observed, &POLICY).status.progress.unwrap();
@@ -356,6 +390,7 @@ fn a_scheduled_pod_that_never_starts_fails_the_job_after_the_start_timeout_charg
             lane: Some("small".into()),
             now: at(now),
             start_timeout: Some(Duration::from_secs(600)),
+            worker_image: None,
             workers: Workers::default(),
         };
         decide(&observed, &POLICY)
@@ -396,6 +431,7 @@ fn a_pod_no_node_takes_waits_past_the_start_timeout_keeping_its_slot_and_says_wh
         lane: Some("small".into()),
         now: at(6 * 3600),
         start_timeout: Some(Duration::from_secs(600)),
+        worker_image: None,
         workers: Workers::default(),
     };
     let waiting = decide(&observed, &POLICY);
@@ -431,6 +467,7 @@ fn a_pod_queued_in_kueue_past_the_start_timeout_keeps_waiting_and_says_so() {
         lane: Some("small".into()),
         now: at(6 * 3600),
         start_timeout: Some(Duration::from_secs(600)),
+        worker_image: None,
         workers: Workers::default(),
     };
     let queued = decide(&observed, &POLICY);
@@ -628,6 +665,7 @@ fn step_parts(
         lane: Some("small".into()),
         now: at(now),
         start_timeout: None,
+        worker_image: None,
         workers: Workers {
             parallelism: 3,
             parts,
@@ -830,6 +868,7 @@ fn a_one_pod_job_without_a_pod_slot_stays_admitted_and_says_it_waits() {
             lane: Some("small".into()),
             now: at(0),
             start_timeout: None,
+            worker_image: None,
             workers: Workers {
                 pod_slots: slots,
                 ..Workers::default()

@@ -232,6 +232,11 @@ impl Shell<'_> {
                 .config
                 .model(&job.spec.model)
                 .map(|m| Duration::from_secs(m.start_timeout_seconds)),
+            worker_image: self
+                .ctx
+                .config
+                .model(&job.spec.model)
+                .map(|m| m.image.clone()),
             workers,
         })
     }

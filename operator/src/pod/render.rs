@@ -93,7 +93,7 @@ pub fn render(
             security_context: Some(restricted_pod()),
             containers: vec![Container {
                 name: CONTAINER.into(),
-                image: Some(model.image.clone()),
+                image: Some(worker_image(job, model)),
                 args: Some(args),
                 env: Some(env),
                 env_from,
@@ -108,6 +108,15 @@ pub fn render(
         }),
         status: None,
     })
+}
+
+/// The image the job's workers run: the one its first worker ran (`status.workerImage`), else
+/// the catalogue's now.
+fn worker_image(job: &HarvestJob, model: &CatalogueEntry) -> String {
+    job.status
+        .as_ref()
+        .and_then(|s| s.worker_image.clone())
+        .unwrap_or_else(|| model.image.clone())
 }
 
 /// Whether a Pod queues in Kueue, and the priority it carries either way.
@@ -253,7 +262,7 @@ pub fn render_cleanup(
             security_context: Some(restricted_pod()),
             containers: vec![Container {
                 name: CONTAINER.into(),
-                image: Some(model.image.clone()),
+                image: Some(worker_image(job, model)),
                 args: Some(args),
                 resources: Some(resources),
                 termination_message_path: Some(TERMINATION_LOG.into()),

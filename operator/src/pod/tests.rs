@@ -276,6 +276,37 @@ fn only_a_pod_whose_controller_is_the_job_is_read_as_its_worker() {
 }
 
 #[test]
+fn a_job_keeps_running_the_image_its_first_worker_ran_after_the_catalogue_changes() {
+    let config = config();
+    let entry = config.model("m").unwrap();
+    let mut job = job();
+    let valid = job
+        .spec
+        .validate(&entry.served(), std::path::Path::new(&entry.path))
+        .unwrap();
+    let attempt = Attempt {
+        role: Role::Whole,
+        number: 2,
+        deadline_seconds: None,
+    };
+    let image = |job: &HarvestJob| {
+        render(job, &valid, entry, &config, &attempt, None)
+            .unwrap()
+            .spec
+            .unwrap()
+            .containers[0]
+            .image
+            .clone()
+    };
+    assert_eq!(image(&job).as_deref(), Some("img:1"));
+    job.status = Some(harvest_crds::HarvestJobStatus {
+        worker_image: Some("img:0".into()),
+        ..Default::default()
+    });
+    assert_eq!(image(&job).as_deref(), Some("img:0"));
+}
+
+#[test]
 fn a_uid_label_makes_a_pod_the_jobs_only_in_the_operators_worker_namespace() {
     let labelled: Pod = serde_json::from_value(json!({
         "metadata": {"name": "j-1", "labels": {"harvest.dev/job-uid": "uid-1"}},
