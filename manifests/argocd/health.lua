@@ -21,8 +21,15 @@ for _, condition in ipairs(obj.status.conditions) do
     return hs
   end
 end
+-- No account pays for the job: it waits for a person to fix the accounts, not for capacity,
+-- so Argo CD shows it Degraded rather than Progressing forever. It turns Progressing, then
+-- Healthy, once an account takes it.
+local unpaid = { NoAccount = true, UnknownAccount = true, AmbiguousAccount = true }
 for _, condition in ipairs(obj.status.conditions) do
   if condition.type == "Admitted" and condition.status == "False" and hs.status ~= "Suspended" then
+    if unpaid[condition.reason] then
+      hs.status = "Degraded"
+    end
     hs.message = condition.reason .. ": " .. (condition.message or "")
   elseif condition.type == "Running" then
     hs.message = condition.reason .. ": " .. (condition.message or "")
