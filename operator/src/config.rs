@@ -477,16 +477,18 @@ impl OperatorConfig {
     }
 }
 
-/// Resolves once the file at `path` reads as something other than `loaded` (an edited
-/// ConfigMap, which the kubelet swaps in atomically), looking every `every`. A file that cannot
-/// be read meanwhile (mid-swap) is looked at again.
-pub async fn changed(path: std::path::PathBuf, loaded: Vec<u8>, every: std::time::Duration) {
+/// Resolves once one of `files` reads as something other than what it held when loaded (an
+/// edited ConfigMap, which the kubelet swaps in atomically), looking every `every`. A file
+/// that cannot be read meanwhile (mid-swap) is looked at again.
+pub async fn changed(files: Vec<(std::path::PathBuf, Vec<u8>)>, every: std::time::Duration) {
     loop {
         tokio::time::sleep(every).await;
-        if let Ok(now) = tokio::fs::read(&path).await
-            && now != loaded
-        {
-            return;
+        for (path, loaded) in &files {
+            if let Ok(now) = tokio::fs::read(path).await
+                && &now != loaded
+            {
+                return;
+            }
         }
     }
 }
@@ -538,7 +540,7 @@ lanes: {small: 2, large: 1}
         let path = dir.path().join("config.yaml");
         std::fs::write(&path, EXAMPLE).unwrap();
         let every = std::time::Duration::from_millis(10);
-        let watch = tokio::spawn(changed(path.clone(), EXAMPLE.into(), every));
+        let watch = tokio::spawn(changed(vec![(path.clone(), EXAMPLE.into())], every));
         // The same text written again (a resync of an unchanged ConfigMap) is no change.
         std::fs::write(&path, EXAMPLE).unwrap();
         let unchanged = tokio::time::timeout(std::time::Duration::from_millis(200), async {

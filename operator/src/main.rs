@@ -47,7 +47,16 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let cli = Cli::parse();
-    let loaded = std::fs::read(&cli.config).unwrap_or_default();
+    // The configuration, and beside it the ConfigMap's `workerImage` key (mounted from the same
+    // ConfigMap), which reaches this process as HARVEST_WORKER_IMAGE at container start.
+    let watched: Vec<(PathBuf, Vec<u8>)> = [
+        Some(cli.config.clone()),
+        cli.config.parent().map(|dir| dir.join("workerImage")),
+    ]
+    .into_iter()
+    .flatten()
+    .filter_map(|path| Some((path.clone(), std::fs::read(&path).ok()?)))
+    .collect();
     let config = OperatorConfig::load(&cli.config, cli.worker_image.clone())?;
     if !config.unknown_keys.is_empty() {
         tracing::warn!(
@@ -86,7 +95,7 @@ async fn main() -> anyhow::Result<()> {
         };
         // An edited ConfigMap reaches the mounted file, not this process: stop, and the
         // kubelet starts the container again on the new configuration.
-        let edited = harvest_operator::config::changed(config_path.clone(), loaded, CONFIG_POLL);
+        let edited = harvest_operator::config::changed(watched, CONFIG_POLL);
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             () = terminate => {}
