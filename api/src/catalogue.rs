@@ -63,6 +63,28 @@ struct Shape {
     architectures: Vec<String>,
     #[serde(default)]
     bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    num_dense_layers: Option<usize>,
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+}
+
+impl Shape {
+    /// The routed experts of an AFMoE checkpoint, with the defaults its config class (and the
+    /// harvester) gives; none for a dense one.
+    fn moe(&self) -> Option<harvest_core::model::MoeShape> {
+        let afmoe = self.architectures.iter().any(|a| a == "AfmoeForCausalLM");
+        let first_sparse_layer = self.num_dense_layers.unwrap_or(1);
+        (afmoe && first_sparse_layer < self.num_hidden_layers).then(|| {
+            harvest_core::model::MoeShape {
+                first_sparse_layer,
+                experts: self.num_experts.unwrap_or(64),
+                experts_per_token: self.num_experts_per_tok.unwrap_or(6),
+            }
+        })
+    }
 }
 
 /// `GET /v1/models`.
@@ -197,6 +219,7 @@ impl Catalogue {
             shape: ModelShape {
                 num_layers: shape.num_hidden_layers,
                 hidden_size: shape.hidden_size,
+                moe: shape.moe(),
             },
             lane: model.lane,
         };

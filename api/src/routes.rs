@@ -162,6 +162,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         Some((n, _)) => (Contents::Projections, *n),
         None => (Contents::Activations, model.model.shape.hidden_size),
     };
+    let router = harvest_core::format::RouterInfo::of_job(&model.model.shape, &submission.options);
     estimate::predict(&JobShape {
         token_counts: &counts.per_prompt,
         truncated: &counts.truncated,
@@ -189,6 +190,7 @@ fn predict(model: &CatalogueModel, submission: &Submission, counts: &Counts) -> 
         bos_token_id: model.bos_token_id,
         max_tokens: submission.options.max_tokens(model.max_tokens),
         conversations: submission.conversations.is_some(),
+        router: router.as_ref(),
     })
 }
 

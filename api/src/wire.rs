@@ -243,9 +243,8 @@ impl HarvestRequest {
             max_prompt_tokens,
         }
         .validate(directions.is_some())
-        .map_err(|e| invalid(&e))?
-        .resolve(&model.shape)
         .map_err(|e| invalid(&e))?;
+        let options = model.resolve(options).map_err(|e| invalid(&e))?;
         check_roles(conversations.is_some(), &options.selection)?;
         let reserved_tokens = reserved_tokens(&prompts, &options);
         let shards = prompts.len().div_ceil(options.shard_size.get());
@@ -811,6 +810,7 @@ mod tests {
             shape: harvest_core::ModelShape {
                 num_layers: 30,
                 hidden_size: 4,
+                moe: None,
             },
             lane: Lane::Small,
         }

@@ -57,6 +57,8 @@ pub struct JobShape<'a> {
     pub max_tokens: usize,
     /// Whether the job runs conversations (shards then carry `roles_i` and `turns_i`).
     pub conversations: bool,
+    /// The router's record, for a job that keeps it ([`format::RouterInfo::of_job`]).
+    pub router: Option<&'a format::RouterInfo>,
 }
 
 /// What a token selection keeps, as predicted before the job runs.
@@ -185,7 +187,7 @@ pub fn predict(shape: &JobShape<'_>) -> Predicted {
                 kept,
                 (shape.contents, shape.sites),
                 (layers, shape.width),
-                shape.conversations,
+                (shape.conversations, shape.router),
             );
             let tensors = listed.into_iter().map(Tensor::listed).collect();
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
@@ -237,7 +239,7 @@ fn shard_entries(shape: &JobShape<'_>, shards: &[u64]) -> Vec<ShardEntry> {
                 kept,
                 (shape.contents, shape.sites),
                 (shape.layers.len(), shape.width),
-                shape.conversations,
+                (shape.conversations, shape.router),
             );
             ShardEntry {
                 file: crate::plan::shard_file_name(shard),
@@ -418,6 +420,7 @@ fn manifest_len(shape: &JobShape<'_>, shards: &[u64], stats: u64) -> u64 {
         roles: shape
             .conversations
             .then(format::RolesInfo::of_conversations),
+        router: shape.router.cloned(),
     };
     serde_json::to_vec_pretty(&manifest).map_or(0, |v| v.len() as u64)
 }
@@ -449,7 +452,29 @@ mod tests {
             bos_token_id: Some(1),
             max_tokens: 512,
             conversations: false,
+            router: None,
         }
+    }
+
+    #[test]
+    fn the_router_adds_its_ids_and_weights_per_kept_sparse_layer_and_token_and_its_block() {
+        let prompts = predict(&shape(&[3, 5, 7], &[1, 2], Contents::Activations));
+        let choices = format::RouterInfo::new(vec![2], 8, 2, false);
+        let routed = predict(&JobShape {
+            router: Some(&choices),
+            ..shape(&[3, 5, 7], &[1, 2], Contents::Activations)
+        });
+        let extra: u64 = routed.shards.iter().sum::<u64>() - prompts.shards.iter().sum::<u64>();
+        // 15 tokens of 2 (id, weight) pairs of 4 + 4 bytes, two header entries per prompt.
+        assert!((15 * 16..15 * 16 + 3 * 2 * 112).contains(&extra), "{extra}");
+        assert!(routed.manifest > prompts.manifest + 300, "the router block");
+        let logits = format::RouterInfo::new(vec![2], 8, 2, true);
+        let with_logits = predict(&JobShape {
+            router: Some(&logits),
+            ..shape(&[3, 5, 7], &[1, 2], Contents::Activations)
+        });
+        let more = with_logits.shards.iter().sum::<u64>() - routed.shards.iter().sum::<u64>();
+        assert!((15 * 32..15 * 32 + 3 * 112).contains(&more), "{more}");
     }
 
     #[test]

@@ -123,6 +123,76 @@ pub struct Manifest {
     /// Present for a job of conversations: what `roles_i` and `turns_i` hold, and each role id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub roles: Option<RolesInfo>,
+    /// Present for a job that keeps the `router` site: the blocks and what the router tensors
+    /// hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterInfo>,
+}
+
+/// The expert choices of a job that keeps the `router` site, as the manifest documents them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterInfo {
+    /// The kept layers that are mixture-of-experts blocks, ascending: the first axis of every
+    /// router tensor (the kept dense blocks have none).
+    pub layer_indices: Vec<usize>,
+    /// Routed experts per block: the range of the ids, and the last axis of `router_logits_i`.
+    pub experts: usize,
+    /// Experts each token goes to: the last axis of `router_ids_i` and `router_weights_i`.
+    pub experts_per_token: usize,
+    /// Whether `router_logits_i` is kept.
+    pub logits: bool,
+    /// The tensors, in words.
+    pub tensors: String,
+}
+
+impl RouterInfo {
+    /// The record of a job that keeps the router at `layer_indices` of a model with `experts`
+    /// routed experts, `experts_per_token` per token.
+    pub fn new(layer_indices: Vec<usize>, experts: usize, experts_per_token: usize, logits: bool) -> Self {
+        let mut tensors = "router_ids_{i}: int32 [n_router_layers, n_tokens, experts_per_token], each token's experts in the order the router ranks them (highest sigmoid score plus expert bias first, the lower id first on a tie); router_weights_{i}: float32 of the same shape, each expert's gate weight, the factor its output is multiplied by (its sigmoid score normalised over the chosen experts, times route_scale). The layers are layer_indices here; the tokens are those of the activations, in the same order".to_owned();
+        if logits {
+            tensors.push_str("; router_logits_{i}: float32 [n_router_layers, n_tokens, experts], the router's logits before the sigmoid");
+        }
+        Self {
+            layer_indices,
+            experts,
+            experts_per_token,
+            logits,
+            tensors,
+        }
+    }
+
+    /// What a job with `options` on a model of `shape` records: none unless it keeps the
+    /// router (and the model has routed experts).
+    pub fn of_job(shape: &crate::ModelShape, options: &crate::JobOptions) -> Option<Self> {
+        let (router, moe) = (options.sites.router()?, shape.moe?);
+        Some(Self::new(
+            shape.router_layers(&options.layers),
+            moe.experts,
+            moe.experts_per_token,
+            router.logits(),
+        ))
+    }
+
+    /// A prompt's router tensors with `rows` kept tokens: name prefix, dtype, shape.
+    fn tensors_of(&self, i: usize, rows: usize) -> Vec<TensorEntry> {
+        let layers = self.layer_indices.len();
+        let mut all = vec![
+            ("router_ids", "int32", self.experts_per_token),
+            ("router_weights", "float32", self.experts_per_token),
+        ];
+        if self.logits {
+            all.push(("router_logits", "float32", self.experts));
+        }
+        all.into_iter()
+            .map(|(name, dtype, last)| TensorEntry {
+                name: format!("{name}_{i}"),
+                dtype: dtype.to_owned(),
+                shape: vec![layers, rows, last],
+            })
+            .collect()
+    }
 }
 
 /// The per-token roles of a job of conversations, as the manifest documents them.
@@ -353,7 +423,7 @@ pub struct ShardEntry {
     pub prompts: Vec<usize>,
     /// Every tensor it holds, in prompt order: each site's tensor in block order (`prompt_i`
     /// for `resid_post`), then `tokens_i`, then `roles_i` and `turns_i` for conversations,
-    /// then `positions_i` when the job selected tokens.
+    /// then `positions_i` when the job selected tokens, then the router's tensors when kept.
     #[serde(default)]
     pub tensors: Vec<TensorEntry>,
     /// File size.
@@ -379,14 +449,15 @@ impl ShardEntry {
     /// prompts have `token_counts` tokens, each site's tensor holding `layers` kept layers of
     /// `width` values per token.
     /// With `kept_counts` (a job that selects tokens), the activations hold that many tokens
-    /// and `positions_i` lists them; `conversations` adds `roles_i` and `turns_i`.
+    /// and `positions_i` lists them; `conversations` adds `roles_i` and `turns_i`, `router`
+    /// the router's tensors.
     pub fn contents_of(
         first_prompt: usize,
         token_counts: &[usize],
         kept_counts: Option<&[usize]>,
         (contents, sites): (Contents, &Sites),
         (layers, width): (usize, usize),
-        conversations: bool,
+        (conversations, router): (bool, Option<&RouterInfo>),
     ) -> (Vec<usize>, Vec<TensorEntry>) {
         let prompts: Vec<usize> = (first_prompt..first_prompt + token_counts.len()).collect();
         let mut tensors = Vec::with_capacity(prompts.len() * (sites.len() + 4));
@@ -419,6 +490,7 @@ impl ShardEntry {
                     shape: vec![kept],
                 });
             }
+            tensors.extend(router.iter().flat_map(|r| r.tensors_of(i, rows)));
         }
         (prompts, tensors)
     }
@@ -518,7 +590,7 @@ mod tests {
             None,
             (Contents::Projections, &Sites::default()),
             (2, 8),
-            false,
+            (false, None),
         );
         assert_eq!(prompts, [4, 5]);
         let listed: Vec<(&str, &str, &[usize])> = tensors
@@ -534,13 +606,14 @@ mod tests {
                 ("tokens_5", "int32", &[5][..]),
             ]
         );
+        let router = RouterInfo::new(vec![3], 16, 4, true);
         let (_, tensors) = ShardEntry::contents_of(
             0,
             &[3],
             Some(&[2]),
             (Contents::Activations, &Sites::default()),
             (2, 8),
-            true,
+            (true, Some(&router)),
         );
         let listed: Vec<(&str, &str, &[usize])> = tensors
             .iter()
@@ -554,6 +627,9 @@ mod tests {
                 ("roles_0", "uint8", &[3][..]),
                 ("turns_0", "uint16", &[3][..]),
                 ("positions_0", "int32", &[2][..]),
+                ("router_ids_0", "int32", &[1, 2, 4][..]),
+                ("router_weights_0", "float32", &[1, 2, 4][..]),
+                ("router_logits_0", "float32", &[1, 2, 16][..]),
             ]
         );
     }

@@ -49,6 +49,32 @@ pub enum LayerError {
     /// A model with no blocks cannot have layers.
     #[error("the model has no decoder blocks")]
     NoBlocks,
+    /// The `router` site on a model without routed experts.
+    #[error(
+        "sites lists {site}, the expert choices of a mixture-of-experts model, and {model} is dense: leave {site} out of sites"
+    )]
+    RouterOnDense {
+        /// `router` or `router_logits`.
+        site: crate::Site,
+        /// The model's name.
+        model: String,
+    },
+    /// The `router` site with no kept sparse block.
+    #[error(
+        "sites lists {site}, the expert choices of {model}'s mixture-of-experts blocks, and none of the kept layers {kept} is one: its sparse blocks are layers {first}..={last}, so keep one of them"
+    )]
+    RouterWithoutSparseLayer {
+        /// `router` or `router_logits`.
+        site: crate::Site,
+        /// The model's name.
+        model: String,
+        /// The kept layers.
+        kept: String,
+        /// The first sparse block.
+        first: usize,
+        /// The last block.
+        last: usize,
+    },
 }
 
 /// A validated, ascending, duplicate-free list of block indices, all below the model's depth.

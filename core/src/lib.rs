@@ -47,5 +47,5 @@ pub use layers::{LayerError, LayerSelection, Layers};
 pub use model::{ModelShape, ServedModel};
 pub use options::{JobOptions, OptionsError, RawOptions};
 pub use plan::{HarvestPlan, Location, PlanError, RawPlan, ResolvedPlan};
-pub use sites::{Site, SiteError, Sites};
+pub use sites::{Router, Site, SiteError, Sites};
 pub use stats::RunningStats;

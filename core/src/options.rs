@@ -384,6 +384,7 @@ mod tests {
     const SMOLLM: ModelShape = ModelShape {
         num_layers: 30,
         hidden_size: 576,
+        moe: None,
     };
 
     fn every_option() -> RawOptions {

@@ -513,6 +513,7 @@ mod tests {
         let shape = ModelShape {
             num_layers: 30,
             hidden_size: 576,
+            moe: None,
         };
         let plan: HarvestPlan = raw(
             r#"{"model": "/m", "prompts": "s3://b/in/p.jsonl", "output": "/out", "project_onto": "/d.npy", "shard_size": 4}"#,
@@ -535,6 +536,7 @@ mod tests {
         let shape = ModelShape {
             num_layers: 2,
             hidden_size: 8,
+            moe: None,
         };
         let plan: HarvestPlan =
             raw(r#"{"model": "m", "prompts": "p", "output": "o", "layers": [2]}"#)

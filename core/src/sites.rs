@@ -8,6 +8,11 @@
 //! branch output before adding it (AFMoE's post-attention and post-MLP norms), the site is what
 //! the residual stream receives, after that norm. A job keeps any set of them, and one forward
 //! pass serves them all.
+//!
+//! A mixture-of-experts model adds one more: `router`, each token's top-k expert ids and gate
+//! weights at each kept sparse block (`router_logits` adds the router's full logits). It is
+//! not a row of the residual stream, so [`Sites`] holds it apart from the activation sites and
+//! it has no statistics; it is kept beside at least one activation site.
 
 use std::fmt;
 
@@ -28,10 +33,15 @@ pub enum Site {
     MlpOut,
     /// The block's output: the seed's layer `k`.
     ResidPost,
+    /// A mixture-of-experts block's expert choices: top-k ids and gate weights per token.
+    Router,
+    /// `router`, plus the router's full logits per token.
+    RouterLogits,
 }
 
 impl Site {
-    /// Every site, in the order a block computes them (and the order outputs list them).
+    /// Every activation site (a row of the residual stream or a branch of it), in the order a
+    /// block computes them (and the order outputs list them).
     pub const ALL: [Self; 5] = [
         Self::ResidPre,
         Self::AttnOut,
@@ -48,11 +58,18 @@ impl Site {
             Self::ResidMid => "resid_mid",
             Self::MlpOut => "mlp_out",
             Self::ResidPost => "resid_post",
+            Self::Router => "router",
+            Self::RouterLogits => "router_logits",
         }
     }
 
+    /// Whether the site is a row of the residual stream (or a branch of it), not the router.
+    pub fn is_activation(self) -> bool {
+        !matches!(self, Self::Router | Self::RouterLogits)
+    }
+
     /// What the site's per-prompt tensors are called before `_i`: `prompt` for `resid_post` (the
-    /// seed's name), the site's own name otherwise.
+    /// seed's name), the site's own name otherwise (the router's are listed by [`Router`]).
     pub fn tensor_prefix(self) -> &'static str {
         match self {
             Self::ResidPost => "prompt",
@@ -62,7 +79,10 @@ impl Site {
 
     /// Parses a site's name.
     pub fn parse(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.as_str() == name)
+        Self::ALL
+            .into_iter()
+            .chain([Self::Router, Self::RouterLogits])
+            .find(|s| s.as_str() == name)
     }
 }
 
@@ -79,7 +99,10 @@ pub enum SiteError {
     #[error("sites is empty: give one or more of {}", names())]
     Empty,
     /// A name that is not a site.
-    #[error("sites[{index}] {name:?} is not a hook site: use one of {}", names())]
+    #[error(
+        "sites[{index}] {name:?} is not a hook site: use one of {}, router, router_logits",
+        names()
+    )]
     Unknown {
         /// Its place in the list.
         index: usize,
@@ -92,25 +115,65 @@ pub enum SiteError {
         /// The site.
         site: Site,
     },
+    /// `router` with no activation site beside it.
+    #[error(
+        "sites lists only {site}: the router's choices are kept beside the activations, so add an activation site ({}); to keep little else, add resid_post with one projection direction",
+        names()
+    )]
+    RouterAlone {
+        /// `router` or `router_logits`.
+        site: Site,
+    },
 }
 
 fn names() -> String {
     Site::ALL.map(Site::as_str).join(", ")
 }
 
-/// A non-empty set of sites, held in block order.
+/// What a job keeps of a mixture-of-experts model's routing: the `router` site.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Router {
+    /// Each token's top-k expert ids (highest score first) and their gate weights.
+    Choices,
+    /// The choices, and the router's logits over every expert.
+    WithLogits,
+}
+
+impl Router {
+    /// The site name that asks for it.
+    pub fn site(self) -> Site {
+        match self {
+            Self::Choices => Site::Router,
+            Self::WithLogits => Site::RouterLogits,
+        }
+    }
+
+    /// Whether the full logits are kept.
+    pub fn logits(self) -> bool {
+        self == Self::WithLogits
+    }
+}
+
+/// A set of sites: one or more activation sites, held in block order, and perhaps the router.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Sites(Vec<Site>);
+pub struct Sites {
+    activations: Vec<Site>,
+    router: Option<Router>,
+}
 
 impl Default for Sites {
     /// `resid_post` alone: what a request without `sites` gets.
     fn default() -> Self {
-        Self(vec![Site::ResidPost])
+        Self {
+            activations: vec![Site::ResidPost],
+            router: None,
+        }
     }
 }
 
 impl Sites {
-    /// Validates a list of sites.
+    /// Validates a list of sites. `router_logits` includes `router`, so the two may be given
+    /// together.
     pub fn new(sites: &[Site]) -> Result<Self, SiteError> {
         if sites.is_empty() {
             return Err(SiteError::Empty);
@@ -120,7 +183,21 @@ impl Sites {
         if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
             return Err(SiteError::Repeated { site: pair[0] });
         }
-        Ok(Self(sorted))
+        let router = if sorted.contains(&Site::RouterLogits) {
+            Some(Router::WithLogits)
+        } else {
+            sorted.contains(&Site::Router).then_some(Router::Choices)
+        };
+        sorted.retain(|s| s.is_activation());
+        if let (true, Some(router)) = (sorted.is_empty(), router) {
+            return Err(SiteError::RouterAlone {
+                site: router.site(),
+            });
+        }
+        Ok(Self {
+            activations: sorted,
+            router,
+        })
     }
 
     /// Parses and validates site names, as a request or a flag gives them.
@@ -138,29 +215,34 @@ impl Sites {
         Self::new(&sites)
     }
 
-    /// The sites, in block order.
+    /// The activation sites, in block order.
     pub fn as_slice(&self) -> &[Site] {
-        &self.0
+        &self.activations
     }
 
-    /// How many.
+    /// How many activation sites.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.activations.len()
     }
 
-    /// Never true: a set of sites is not empty.
+    /// Never true: a set of sites keeps an activation site.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.activations.is_empty()
     }
 
     /// Where `site` sits in [`Sites::as_slice`], if kept.
     pub fn position(&self, site: Site) -> Option<usize> {
-        self.0.iter().position(|&s| s == site)
+        self.activations.iter().position(|&s| s == site)
     }
 
-    /// Whether `site` is kept.
+    /// Whether activation site `site` is kept.
     pub fn contains(&self, site: Site) -> bool {
-        self.0.contains(&site)
+        self.activations.contains(&site)
+    }
+
+    /// What is kept of the router, if anything.
+    pub fn router(&self) -> Option<Router> {
+        self.router
     }
 
     /// Whether this is `resid_post` alone, what the seed's contract returns.
@@ -168,9 +250,16 @@ impl Sites {
         *self == Self::default()
     }
 
-    /// The names, in block order.
+    /// Every site, the activations in block order and then the router's: what a request
+    /// lists.
+    pub fn all(&self) -> Vec<Site> {
+        let router = self.router.map(Router::site);
+        self.activations.iter().copied().chain(router).collect()
+    }
+
+    /// The names of [`Sites::all`].
     pub fn names(&self) -> Vec<&'static str> {
-        self.0.iter().map(|s| s.as_str()).collect()
+        self.all().into_iter().map(Site::as_str).collect()
     }
 }
 
@@ -196,7 +285,7 @@ impl fmt::Display for Sites {
 
 impl Serialize for Sites {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(serializer)
+        self.all().serialize(serializer)
     }
 }
 
@@ -250,6 +339,25 @@ mod tests {
             prefixes,
             ["resid_pre", "attn_out", "resid_mid", "mlp_out", "prompt"]
         );
+    }
+
+    #[test]
+    fn the_router_is_kept_apart_from_the_activation_sites_and_never_alone() {
+        let sites = Sites::parse(&["router", "resid_post", "attn_out"]).unwrap();
+        assert_eq!(sites.as_slice(), [Site::AttnOut, Site::ResidPost]);
+        assert_eq!(sites.router(), Some(Router::Choices));
+        assert_eq!(sites.to_string(), "attn_out,resid_post,router");
+        assert_eq!(sites.position(Site::Router), None);
+        let logits = Sites::parse(&["resid_post", "router_logits", "router"]).unwrap();
+        assert_eq!(logits.router(), Some(Router::WithLogits));
+        assert_eq!(logits.names(), ["resid_post", "router_logits"]);
+        let error = Sites::parse(&["router"]).unwrap_err();
+        assert_eq!(error, SiteError::RouterAlone { site: Site::Router });
+        assert!(
+            error.to_string().contains("add an activation site"),
+            "{error}"
+        );
+        assert!(Sites::default().router().is_none());
     }
 
     #[test]

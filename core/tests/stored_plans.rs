@@ -6,6 +6,7 @@ use harvest_core::{HarvestPlan, ModelShape, RawPlan};
 const SMOLLM: ModelShape = ModelShape {
     num_layers: 30,
     hidden_size: 576,
+    moe: None,
 };
 
 fn round_trip(text: &str) -> serde_json::Value {

@@ -206,6 +206,7 @@ mod tests {
     const SMOLLM: ModelShape = ModelShape {
         num_layers: 30,
         hidden_size: 576,
+        moe: None,
     };
 
     /// A spec with every option set, as a user or GitOps writes it.

@@ -144,7 +144,7 @@ impl HarvestJobSpec {
                 .transpose()?,
             output: location("output", output.as_deref().ok_or(SpecError::NoOutput)?)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
-            options: options.resolve(&model.shape)?,
+            options: model.resolve(options)?,
         };
         Ok(ValidJob {
             plan,
@@ -165,6 +165,7 @@ mod tests {
             shape: harvest_core::ModelShape {
                 num_layers: 30,
                 hidden_size: 576,
+                moe: None,
             },
             lane: Lane::Small,
         }

@@ -306,6 +306,7 @@ fn a_conversations_file_is_harvested_with_the_template_s_token_ids() {
         bos_token_id: written.tokenizer.bos_token_id,
         max_tokens: written.tokenizer.max_tokens,
         conversations: true,
+        router: None,
     });
     let sizes: Vec<u64> = train.files.iter().map(|f| f.bytes).collect();
     assert_eq!(predicted.shards, sizes, "training files to the byte");

@@ -272,6 +272,81 @@ fn afmoe_routing_qk_norms_gate_and_rope_placement_match_transformers() {
     );
 }
 
+/// `tiny-afmoe-bf16`'s reference prompts in one batch with `resid_post` and `router_logits` at
+/// its reference layers, in f32, on the CPU or through the CUDA replay.
+fn afmoe_routes(replay: bool, sequences: &[Vec<u32>], layers: &[usize]) -> Captured {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let weights = LlamaWeights::load(&dir, None).unwrap();
+    let layers = LayerSelection::Explicit(layers.iter().map(|&l| l as i64).collect());
+    let spec = CaptureSpec {
+        layers: layers.resolve(weights.config.num_layers).unwrap(),
+        sites: Sites::new(&[Site::ResidPost, Site::RouterLogits]).unwrap(),
+        precision: Precision::F32,
+        directions: None,
+    };
+    let mut backend: Box<dyn Backend> = if replay {
+        Box::new(ReplayBackend::new(weights, spec).unwrap())
+    } else {
+        Box::new(CpuBackend::new(weights, spec).unwrap())
+    };
+    let mut out = Captured::default();
+    backend
+        .capture(&Batch::from_sequences(sequences), &mut out)
+        .unwrap();
+    out
+}
+
+#[test]
+fn the_router_site_keeps_transformers_expert_ids_in_its_order_with_their_weights_and_logits() {
+    let dir = fixtures().join("tiny-afmoe-bf16");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let cpu = afmoe_routes(false, &sequences, &reference.layers);
+    let replayed = afmoe_routes(true, &sequences, &reference.layers);
+    let router_layers: Vec<usize> =
+        serde_json::from_str(&reference.metadata("router_layers").unwrap()).unwrap();
+    let routes = &cpu.routes;
+    assert_eq!(routes.shape.layers, router_layers.len(), "sparse kept layers");
+    let (k, experts) = (routes.shape.k, routes.shape.experts);
+    let (mut tokens, mut start) = (0, 0);
+    let (mut moved, mut worst_weight, mut worst_logit) = (0, 0f32, 0f32);
+    for (p, sequence) in sequences.iter().enumerate() {
+        let rows = start..start + sequence.len();
+        start = rows.end;
+        let (shape, ids) = reference.i32s(&format!("router_ids_{p}"));
+        assert_eq!(shape, [router_layers.len(), sequence.len(), k]);
+        let (_, weights) = reference.f32s(&format!("router_weights_{p}"));
+        let (_, logits) = reference.f32s(&format!("router_logits_{p}"));
+        let per_layer = sequence.len() * k;
+        for slot in 0..router_layers.len() {
+            let (our_ids, our_weights, our_logits) = routes.rows(slot, rows.clone());
+            let their = slot * per_layer..(slot + 1) * per_layer;
+            let their_logits = slot * sequence.len() * experts..(slot + 1) * sequence.len() * experts;
+            for (ours, theirs) in our_ids.chunks(k).zip(ids[their.clone()].chunks(k)) {
+                tokens += 1;
+                moved += usize::from(ours != theirs);
+            }
+            for (a, b) in our_weights.iter().zip(&weights[their]) {
+                worst_weight = worst_weight.max((a - b).abs());
+            }
+            for (a, b) in our_logits.iter().zip(&logits[their_logits]) {
+                worst_logit = worst_logit.max((a - b).abs());
+            }
+            let (replay_ids, replay_weights, _) = replayed.routes.rows(slot, rows.clone());
+            assert_eq!(replay_ids, our_ids, "prompt {p}: the CUDA replay routes alike");
+            let apart = replay_weights.iter().zip(our_weights).map(|(a, b)| (a - b).abs());
+            assert!(apart.fold(0f32, f32::max) < 1e-5, "prompt {p}");
+        }
+    }
+    let gap = reference.metadata("router_rank_gap").unwrap();
+    println!(
+        "router: {tokens} token-blocks, {moved} ranked differently from transformers (smallest key gap between ranks {gap}); worst weight {worst_weight:.2e}, worst logit {worst_logit:.2e}"
+    );
+    // The fixture's choices and ranks are all decided by at least 3.7e-4, far above f32 noise.
+    assert_eq!(moved, 0, "tokens routed or ranked differently");
+    assert!(worst_weight < 1e-4 && worst_logit < 1e-3);
+}
+
 /// The AFMoE fixture's worst per-token resid_post error (bf16-rounded) for weights changed by
 /// `break_it`.
 fn afmoe_error_when(break_it: impl FnOnce(&mut LlamaWeights)) -> f64 {

@@ -1000,6 +1000,7 @@ fn check_prediction_of(
         bos_token_id: manifest.tokenizer.bos_token_id,
         max_tokens: manifest.tokenizer.max_tokens,
         conversations: manifest.roles.is_some(),
+        router: manifest.router.as_ref(),
     };
     let predicted = harvest_core::estimate::predict(&shape);
     let actual: Vec<u64> = match &manifest.train {

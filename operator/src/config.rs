@@ -25,6 +25,10 @@ pub struct CatalogueEntry {
     pub num_layers: usize,
     /// Residual-stream width (the checkpoint's `hidden_size`), as the API's catalogue reads it.
     pub hidden_size: usize,
+    /// For a mixture-of-experts model, its routing (`firstSparseLayer`, `experts`,
+    /// `expertsPerToken`), for validating the `router` site before anything runs.
+    #[serde(default)]
+    pub moe: Option<harvest_core::model::MoeShape>,
     /// Its concurrency lane.
     pub lane: Lane,
     /// The harvester image; left out, the configuration's `workerImage`.
@@ -268,6 +272,7 @@ impl CatalogueEntry {
             shape: ModelShape {
                 num_layers: self.num_layers,
                 hidden_size: self.hidden_size,
+                moe: self.moe,
             },
             lane: self.lane,
         }

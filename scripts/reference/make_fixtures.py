@@ -28,6 +28,15 @@ resid_mid (the input of post_attention_layernorm) and mlp_out (the mlp's output)
 adds the site tensors to the existing references from the committed checkpoints, leaving
 everything else as it is.
 
+    python3 scripts/reference/make_fixtures.py --router-only
+
+adds transformers' own router outputs to tiny-afmoe-bf16/reference.safetensors, from the
+committed checkpoint, leaving everything else as it is: per prompt p, router_ids_p (int32),
+router_weights_p and router_logits_p (float32), [sparse kept layers, tokens, k or experts], as
+AfmoeTokenChoiceRouter returns them (torch.topk's order: highest score plus bias first). The
+metadata records the sparse kept layers and the smallest gap between adjacent keys, so the test
+knows how decisive each choice and each rank is.
+
     python3 scripts/reference/make_fixtures.py --afmoe-only
 
 writes tiny-afmoe-bf16/ alone: an AfmoeForCausalLM with dense and sparse blocks, a non-zero
@@ -331,6 +340,54 @@ def tiny_afmoe():
     save_file(tensors, out_dir / "reference.safetensors", metadata=meta)
 
 
+def router_only():
+    """Adds transformers' router outputs to the committed AFMoE fixture's reference."""
+    from safetensors.numpy import load_file
+    from safetensors import safe_open
+
+    out_dir = FIXTURES / "tiny-afmoe-bf16"
+    reference = out_dir / "reference.safetensors"
+    tensors = load_file(reference)
+    with safe_open(reference, "np") as f:
+        meta = dict(f.metadata())
+    layers = json.loads(meta["layers"])
+    model = AutoModelForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
+    model.eval()
+    k = model.config.num_experts_per_tok
+    sparse = [l for l in layers if l >= model.config.num_dense_layers]
+    choice_gap, rank_gap = 1.0, 1.0
+    for p in range(len(json.loads(meta["prompts"]))):
+        ids = tensors[f"ids_{p}_special"].tolist()[: int(meta["truncate_at"])]
+        found = {}
+        hooks = []
+        for index in sparse:
+            block = model.model.layers[index]
+
+            def keep(_m, args, out, index=index, block=block):
+                logits, weights, chosen = out
+                found[index] = (logits, weights, chosen)
+                keys = (torch.sigmoid(logits.double()) + block.mlp.expert_bias.double()).sort(dim=-1, descending=True).values
+                gaps.append((float((keys[:, k - 1] - keys[:, k]).min()), float((keys[:, :k - 1] - keys[:, 1:k]).min())))
+
+            hooks.append(block.mlp.router.register_forward_hook(keep))
+        gaps = []
+        with torch.no_grad():
+            model.model(input_ids=torch.tensor([ids]), use_cache=False)
+        for h in hooks:
+            h.remove()
+        for gap_choice, gap_rank in gaps:
+            choice_gap, rank_gap = min(choice_gap, gap_choice), min(rank_gap, gap_rank)
+        tensors[f"router_ids_{p}"] = np.stack([found[l][2].numpy().astype(np.int32) for l in sparse])
+        tensors[f"router_weights_{p}"] = np.stack([found[l][1].float().numpy() for l in sparse])
+        tensors[f"router_logits_{p}"] = np.stack([found[l][0].float().numpy() for l in sparse])
+    print(f"router: layers {sparse}, smallest choice gap {choice_gap:.3e}, rank gap {rank_gap:.3e}", file=sys.stderr)
+    meta.update({"router_layers": json.dumps(sparse), "router_choice_gap": f"{choice_gap:.3e}",
+                 "router_rank_gap": f"{rank_gap:.3e}"})
+    save_file(tensors, reference, metadata=meta)
+
+
 def sites_only():
     tiny = {"tiny-llama3-f16-sharded": torch.float16, "tiny-qwen2-f32": torch.float32,
             "tiny-mistral-window-bf16": torch.bfloat16}
@@ -342,6 +399,9 @@ def sites_only():
 if __name__ == "__main__":
     FIXTURES.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
+    if sys.argv[1:] == ["--router-only"]:
+        router_only()
+        sys.exit(0)
     if sys.argv[1:] == ["--afmoe-only"]:
         tiny_afmoe()
         sys.exit(0)

@@ -16,6 +16,8 @@ pub mod stages;
 use harvest_core::{Layers, Sites};
 
 use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::routing::{self, Choice};
 use crate::projection::Directions;
 
 /// Prompts packed end to end without padding. Sequence `s` holds tokens
@@ -165,6 +167,120 @@ impl CaptureSpec {
     pub fn width(&self, hidden: usize) -> usize {
         self.directions.as_ref().map_or(hidden, Directions::count)
     }
+
+    /// The kept layers whose expert choices are kept (the `router` site): the sparse blocks
+    /// among them, ascending. Empty when the router is not kept.
+    pub fn route_layers(&self, config: &ModelConfig) -> Vec<usize> {
+        match self.sites.router() {
+            None => Vec::new(),
+            Some(_) => config.shape().router_layers(&self.layers),
+        }
+    }
+
+    /// The route slot of model block `block`: its place among [`CaptureSpec::route_layers`].
+    pub fn route_slot(&self, config: &ModelConfig, block: usize) -> Option<usize> {
+        self.sites.router()?;
+        if !config.is_sparse(block) {
+            return None;
+        }
+        let kept = self.layers.as_slice();
+        let position = self.layers.position(block)?;
+        Some(kept[..position].iter().filter(|&&l| config.is_sparse(l)).count())
+    }
+
+    /// What each batch's [`Routes`] hold for a model of `config`.
+    pub fn route_shape(&self, config: &ModelConfig) -> RouteShape {
+        let (k, experts) = config
+            .afmoe
+            .as_ref()
+            .map_or((0, 0), |a| (a.experts_per_token, a.num_experts));
+        RouteShape {
+            layers: self.route_layers(config).len(),
+            k,
+            experts: match self.sites.router() {
+                Some(router) if router.logits() => experts,
+                _ => 0,
+            },
+        }
+    }
+}
+
+/// The geometry of a batch's [`Routes`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouteShape {
+    /// Kept sparse blocks (route slots); 0 when the router is not kept.
+    pub layers: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// Router logits kept per token: every expert's, or 0 when they are not kept.
+    pub experts: usize,
+}
+
+/// The expert choices of a batch, for a job that keeps the `router` site: per route slot (a
+/// kept sparse block, [`CaptureSpec::route_slot`]), each token's top-k expert ids in the order
+/// the router ranks them (highest key first) and their gate weights (what multiplies each
+/// expert's output), and the router's logits when kept.
+#[derive(Debug, Clone, Default)]
+pub struct Routes {
+    /// The geometry.
+    pub shape: RouteShape,
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Expert ids, `[layers, tokens, k]`.
+    pub ids: Vec<i32>,
+    /// Gate weights, `[layers, tokens, k]`.
+    pub weights: Vec<f32>,
+    /// Router logits, `[layers, tokens, experts]`.
+    pub logits: Vec<f32>,
+}
+
+impl Routes {
+    /// Resizes for a batch, keeping the allocations when they are large enough.
+    pub fn reset(&mut self, shape: RouteShape, tokens: usize) {
+        self.shape = shape;
+        self.tokens = tokens;
+        let choices = shape.layers * tokens * shape.k;
+        self.ids.resize(choices, 0);
+        self.weights.resize(choices, 0.0);
+        self.logits.resize(shape.layers * tokens * shape.experts, 0.0);
+    }
+
+    /// Records route slot `slot`: `choices` `[tokens, k]` as [`routing::choose`] left them,
+    /// and `logits` `[tokens, experts]`, scored with the block's `bias`.
+    pub fn record(&mut self, slot: usize, choices: &[Choice], logits: &[f32], bias: &[f32]) {
+        let (tokens, k) = (self.tokens, self.shape.k);
+        let all_experts = bias.len();
+        let base = slot * tokens * k;
+        let ids = &mut self.ids[base..base + tokens * k];
+        let weights = &mut self.weights[base..base + tokens * k];
+        for (t, ((ids, weights), chosen)) in ids
+            .chunks_exact_mut(k)
+            .zip(weights.chunks_exact_mut(k))
+            .zip(choices.chunks_exact(k))
+            .enumerate()
+        {
+            let logits = &logits[t * all_experts..(t + 1) * all_experts];
+            routing::ranked(chosen, logits, bias, ids, weights);
+        }
+        let kept = self.shape.experts;
+        if kept > 0 {
+            let base = slot * tokens * kept;
+            self.logits[base..base + tokens * kept].copy_from_slice(&logits[..tokens * kept]);
+        }
+    }
+
+    /// Token rows `rows` of route slot `slot`: its ids, weights and logits.
+    pub fn rows(&self, slot: usize, rows: std::ops::Range<usize>) -> (&[i32], &[f32], &[f32]) {
+        let (k, experts) = (self.shape.k, self.shape.experts);
+        let choices = slot * self.tokens * k;
+        let range = choices + rows.start * k..choices + rows.end * k;
+        let logits = slot * self.tokens * experts;
+        (
+            &self.ids[range.clone()],
+            &self.weights[range],
+            &self.logits[logits + rows.start * experts..logits + rows.end * experts],
+        )
+    }
 }
 
 /// Captured rows, `[sites, layers, tokens, width]` row-major f32, where `width` is the hidden size,
@@ -182,6 +298,8 @@ pub struct Captured {
     pub width: usize,
     /// The values.
     pub data: Vec<f32>,
+    /// The expert choices, when the `router` site is kept.
+    pub routes: Routes,
 }
 
 impl Captured {

@@ -30,8 +30,10 @@ pub trait AfmoeOps: BlockOps {
     fn clear_branch(&mut self) -> Result<()>;
     /// `branch += Σ weight · expert(normed)` over each token's routed experts. The router reads
     /// `rms_norm(x)` in f32 (bf16 rounding moves tokens to other experts), its logits are f32,
-    /// and the choice is [`super::routing::choose`]; the experts read the bf16 `normed`.
-    fn routed_experts(&mut self, block: &Self::Block) -> Result<()>;
+    /// and the choice is [`super::routing::choose`]; the experts read the bf16 `normed`. With
+    /// `route`, the choices (and logits) are also kept in that route slot of the capture
+    /// ([`crate::backend::Routes::record`]).
+    fn routed_experts(&mut self, block: &Self::Block, route: Option<usize>) -> Result<()>;
 }
 
 /// What differs between AFMoE blocks, read off the config.
@@ -59,12 +61,14 @@ impl AfmoeLayer {
     }
 }
 
-/// Runs one AFMoE block on the batch; `slot` gives the capture slot of each site it keeps.
+/// Runs one AFMoE block on the batch; `slot` gives the capture slot of each site it keeps,
+/// `route` the route slot of its expert choices when they are kept.
 pub fn block<O: AfmoeOps>(
     ops: &mut O,
     block: &O::Block,
     layer: AfmoeLayer,
     slot: impl Fn(Site) -> Option<usize>,
+    route: Option<usize>,
 ) -> Result<()> {
     let keep = |ops: &mut O, site: Site, source: Source| match slot(site) {
         Some(slot) => ops.keep(source, slot),
@@ -93,7 +97,7 @@ pub fn block<O: AfmoeOps>(
         ops.clear_branch()?;
     }
     if layer.sparse {
-        ops.routed_experts(block)?;
+        ops.routed_experts(block, route)?;
     }
     ops.branch_norm(block, Sublayer::Mlp)?;
     keep(ops, Site::MlpOut, Source::Branch)?;
@@ -166,8 +170,11 @@ mod tests {
         fn clear_branch(&mut self) -> Result<()> {
             self.push("branch = 0")
         }
-        fn routed_experts(&mut self, _: &()) -> Result<()> {
-            self.push("branch += experts")
+        fn routed_experts(&mut self, _: &(), route: Option<usize>) -> Result<()> {
+            match route {
+                Some(slot) => self.push(format!("branch += experts, routes in {slot}")),
+                None => self.push("branch += experts"),
+            }
         }
     }
 
@@ -181,7 +188,7 @@ mod tests {
     #[test]
     fn a_full_attention_dense_block_skips_rope_and_norms_both_branches_before_they_join() {
         let mut log = Log::default();
-        block(&mut log, &(), DENSE_FULL, |_| None).unwrap();
+        block(&mut log, &(), DENSE_FULL, |_| None, Some(0)).unwrap();
         assert_eq!(
             log.0,
             [
@@ -213,7 +220,7 @@ mod tests {
             ..DENSE_FULL
         };
         let slot = |site: Site| Site::ALL.iter().position(|&s| s == site);
-        block(&mut log, &(), layer, slot).unwrap();
+        block(&mut log, &(), layer, slot, Some(1)).unwrap();
         let ops: Vec<&str> = log.0.iter().map(String::as_str).collect();
         assert_eq!(ops[3..6], ["head norms", "rope", "attention Some(6)"]);
         assert_eq!(ops[8..10], ["branch norm Attention", "keep Branch in 1"]);
@@ -222,7 +229,7 @@ mod tests {
             [
                 "swiglu",
                 "branch = Mlp",
-                "branch += experts",
+                "branch += experts, routes in 1",
                 "branch norm Mlp",
                 "keep Branch in 3",
                 "x += branch",
@@ -239,7 +246,7 @@ mod tests {
             shared_mlp: false,
             ..DENSE_FULL
         };
-        block(&mut log, &(), layer, |_| None).unwrap();
+        block(&mut log, &(), layer, |_| None, None).unwrap();
         let ops: Vec<&str> = log.0.iter().map(String::as_str).collect();
         assert_eq!(
             ops[ops.len() - 5..],

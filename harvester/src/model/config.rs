@@ -270,11 +270,20 @@ impl ModelConfig {
         }
     }
 
-    /// The geometry every component shares (depth and width).
+    /// The geometry every component shares (depth, width, and the routed experts).
     pub fn shape(&self) -> harvest_core::ModelShape {
+        let moe = self
+            .afmoe
+            .as_ref()
+            .filter(|a| a.num_dense_layers < self.num_layers);
         harvest_core::ModelShape {
             num_layers: self.num_layers,
             hidden_size: self.hidden_size,
+            moe: moe.map(|a| harvest_core::model::MoeShape {
+                first_sparse_layer: a.num_dense_layers,
+                experts: a.num_experts,
+                experts_per_token: a.experts_per_token,
+            }),
         }
     }
 

@@ -240,16 +240,21 @@ impl LlamaWeights {
 }
 
 /// Runs block `index` of `config` on the batch as its family writes it ([`dense::block`] or
-/// [`afmoe::block`]); `slot` gives the capture slot of each site the block keeps.
+/// [`afmoe::block`]); `slot` gives the capture slot of each site the block keeps, `route` the
+/// route slot of its expert choices (a sparse block of a job that keeps the router).
 pub fn forward_block<O: afmoe::AfmoeOps>(
     ops: &mut O,
     block: &O::Block,
     config: &ModelConfig,
     index: usize,
     slot: impl Fn(harvest_core::Site) -> Option<usize>,
+    route: Option<usize>,
 ) -> Result<()> {
     match config.architecture {
-        Architecture::Afmoe => afmoe::block(ops, block, afmoe::AfmoeLayer::of(config, index), slot),
+        Architecture::Afmoe => {
+            let layer = afmoe::AfmoeLayer::of(config, index);
+            afmoe::block(ops, block, layer, slot, route)
+        }
         _ => dense::block(ops, block, config.attention_windows[index], slot),
     }
 }

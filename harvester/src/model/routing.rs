@@ -45,6 +45,25 @@ pub fn choose(logits: &[f32], bias: &[f32], scale: f32, chosen: &mut [Choice]) {
     }
 }
 
+/// Writes one token's `chosen` experts (as [`choose`] left them) into `ids` and `weights` in
+/// the order [`choose`] took them: key `sigmoid(logit) + bias` descending, the lower index first
+/// on a tie. This is the order of `torch.topk` in the reference implementation.
+pub fn ranked(chosen: &[Choice], logits: &[f32], bias: &[f32], ids: &mut [i32], weights: &mut [f32]) {
+    let key = |e: usize| 1.0 / (1.0 + (-logits[e]).exp()) + bias[e];
+    for (filled, c) in chosen.iter().enumerate() {
+        let e = c.expert as usize;
+        // Insertion: later positions hold lower keys (or equal keys of higher index).
+        let mut at = filled;
+        while at > 0 && key(ids[at - 1] as usize) < key(e) {
+            ids[at] = ids[at - 1];
+            weights[at] = weights[at - 1];
+            at -= 1;
+        }
+        ids[at] = e as i32;
+        weights[at] = c.weight;
+    }
+}
+
 /// The grouped order of a batch's choices. Every buffer only grows.
 #[derive(Debug, Default, Clone)]
 pub struct Grouping {
@@ -113,6 +132,20 @@ mod tests {
         let (s0, s2) = (1.0 / (1.0 + (-2.0f32).exp()), 0.5);
         assert!((chosen[0].weight - s0 / (s0 + s2) * 2.0).abs() < 1e-6);
         assert!((chosen[1].weight - s2 / (s0 + s2) * 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_choices_are_recorded_highest_key_first_and_the_lower_expert_first_on_a_tie() {
+        // Keys: 0.5, 0.5 + 0.3, 0.27, 0.5: expert 1 leads, then 0 and 3 tie (0 first).
+        let logits = [0.0, 0.0, -1.0, 0.0];
+        let bias = [0.0, 0.3, 0.0, 0.0];
+        let mut chosen = [Choice::default(); 3];
+        choose(&logits, &bias, 1.0, &mut chosen);
+        assert_eq!(chosen.map(|c| c.expert), [0, 1, 3], "the forward's order");
+        let (mut ids, mut weights) = ([0i32; 3], [0f32; 3]);
+        ranked(&chosen, &logits, &bias, &mut ids, &mut weights);
+        assert_eq!(ids, [1, 0, 3]);
+        assert_eq!(weights, [chosen[1].weight, chosen[0].weight, chosen[2].weight]);
     }
 
     #[test]

@@ -317,6 +317,7 @@ fn open_stages(
     Ok(staged::Staged {
         stages,
         capture: (spec.sites.len(), spec.layers.len(), width),
+        routes: spec.route_shape(&config),
     })
 }
 
@@ -361,6 +362,7 @@ mod tests {
         let shape = harvest_core::ModelShape {
             num_layers: 4,
             hidden_size: 8,
+            moe: None,
         };
         let plan = plan.resolve(&shape).unwrap();
         let encoded: Vec<Encoded> = [30, 50, 70, 10]
@@ -396,6 +398,7 @@ mod tests {
             .resolve(&harvest_core::ModelShape {
                 num_layers: 5,
                 hidden_size: 64,
+                moe: None,
             })
             .unwrap();
         let sizing = Sizing {

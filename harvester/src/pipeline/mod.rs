@@ -131,6 +131,8 @@ struct Job<'a> {
     special_ids: Vec<u32>,
     /// Whether the corpus is conversations (each prompt then has its tokens' roles).
     conversations: bool,
+    /// What the router tensors hold, for a job that keeps the `router` site.
+    router: Option<harvest_core::format::RouterInfo>,
 }
 
 impl Job<'_> {
@@ -263,6 +265,7 @@ fn job_of(ready: &Ready, shards: std::ops::Range<usize>) -> Job<'_> {
         shards,
         special_ids: ready.tokenizer.special_ids(),
         conversations: ready.encoded.iter().any(|e| e.roles.is_some()),
+        router: harvest_core::format::RouterInfo::of_job(&ready.config.shape(), &plan.options),
     }
 }
 

@@ -87,6 +87,7 @@ pub(super) fn build_outputs(
         precision: job.plan.options.precision.unwrap_or_default(),
         job_uid: None,
         roles: job.conversations.then(format::RolesInfo::of_conversations),
+        router: job.router.clone(),
     };
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
@@ -193,7 +194,7 @@ fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
         selecting.then_some(record.meta.kept_counts.as_slice()),
         (job.contents, &job.plan.options.sites),
         (job.layers, job.width),
-        job.conversations,
+        (job.conversations, job.router.as_ref()),
     );
     ShardEntry {
         file: shard_file_name(record.meta.shard),

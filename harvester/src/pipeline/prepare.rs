@@ -78,6 +78,11 @@ pub(super) fn prepare(
     let corpus = prompts::parse_corpus(&prompt_name, &prompt_bytes)?;
     let config = ModelConfig::from_file(&plan.model.join("config.json"))?;
     let plan = plan.clone().resolve(&config.shape())?;
+    let model_name = options.model_name.clone().unwrap_or_else(|| {
+        let name = plan.model.file_name().unwrap_or(plan.model.as_os_str());
+        name.to_string_lossy().into_owned()
+    });
+    config.shape().check_router(&model_name, &plan.options)?;
     let directions = match &plan.project_onto {
         Some(location) => {
             let (name, bytes) =

@@ -10,7 +10,7 @@ use harvest_core::{RunningStats, Sites};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::backend::Captured;
+use crate::backend::{Captured, RouteShape, Routes};
 use crate::error::{Error, Result};
 use crate::tokenizer::Encoded;
 
@@ -26,6 +26,51 @@ struct PromptTensors {
     /// Per kept site, in block order.
     values: Vec<Vec<u8>>,
     shape: [usize; 3],
+    /// The kept rows' expert choices, when the job keeps the router.
+    routes: Option<PromptRoutes>,
+}
+
+/// One prompt's `router_ids_i`, `router_weights_i` and `router_logits_i`, little-endian.
+#[derive(Debug)]
+struct PromptRoutes {
+    ids: Vec<u8>,
+    weights: Vec<u8>,
+    logits: Vec<u8>,
+    /// `[route layers, kept rows, k]`.
+    shape: [usize; 3],
+    /// Logits per row (0 when not kept).
+    experts: usize,
+}
+
+impl PromptRoutes {
+    /// The rows at `positions` of the batch rows `rows`, from every route slot of `routes`.
+    fn gather(routes: &Routes, rows: std::ops::Range<usize>, positions: &[u32]) -> Option<Self> {
+        let RouteShape { layers, k, experts } = routes.shape;
+        if layers == 0 {
+            return None;
+        }
+        let n = positions.len();
+        let mut out = Self {
+            ids: Vec::with_capacity(layers * n * k * 4),
+            weights: Vec::with_capacity(layers * n * k * 4),
+            logits: Vec::with_capacity(layers * n * experts * 4),
+            shape: [layers, n, k],
+            experts,
+        };
+        for slot in 0..layers {
+            let (ids, weights, logits) = routes.rows(slot, rows.clone());
+            for &p in positions {
+                let p = p as usize;
+                out.ids
+                    .extend(ids[p * k..(p + 1) * k].iter().flat_map(|v| v.to_le_bytes()));
+                out.weights
+                    .extend(weights[p * k..(p + 1) * k].iter().flat_map(|v| v.to_le_bytes()));
+                let logits = &logits[p * experts..(p + 1) * experts];
+                out.logits.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+            }
+        }
+        Some(out)
+    }
 }
 
 /// A shard being filled, prompt by prompt, in order.
@@ -197,6 +242,7 @@ impl ShardAssembly {
             }),
             values,
             shape: [captured.layers, n_kept, width],
+            routes: PromptRoutes::gather(&captured.routes, rows, positions),
         });
     }
 
@@ -250,6 +296,23 @@ impl ShardAssembly {
                     format!("positions_{}", p.index),
                     tensor(Dtype::I32, vec![p.shape[1]], positions)?,
                 ));
+            }
+            if let Some(r) = &p.routes {
+                let [layers, rows, _] = r.shape;
+                views.push((
+                    format!("router_ids_{}", p.index),
+                    tensor(Dtype::I32, r.shape.to_vec(), &r.ids)?,
+                ));
+                views.push((
+                    format!("router_weights_{}", p.index),
+                    tensor(Dtype::F32, r.shape.to_vec(), &r.weights)?,
+                ));
+                if r.experts > 0 {
+                    views.push((
+                        format!("router_logits_{}", p.index),
+                        tensor(Dtype::F32, vec![layers, rows, r.experts], &r.logits)?,
+                    ));
+                }
             }
         }
         // One metadata key only: safetensors writes the map in hash order, and a second key

@@ -22,7 +22,7 @@ use super::Job;
 use super::flow::ForwardOutput;
 use super::progress::Progress;
 use super::shard::ShardRecord;
-use crate::backend::{Batch, Captured, Stage};
+use crate::backend::{Batch, Captured, RouteShape, Stage};
 use crate::error::{Error, Result};
 
 /// Batches waiting between two consecutive stages.
@@ -51,6 +51,8 @@ pub struct Staged {
     pub stages: Vec<Box<dyn Stage>>,
     /// Kept sites, kept layers and values per token.
     pub capture: (usize, usize, usize),
+    /// The expert choices kept of each batch.
+    pub routes: RouteShape,
 }
 
 /// Runs every batch of the shards not yet done through the stages, sending each batch's
@@ -65,7 +67,7 @@ pub(super) fn forward(
 ) -> Result<(f64, u64)> {
     let start = Instant::now();
     let done_before = job.prompts_resumed(resumed);
-    let capture = staged.capture;
+    let capture = (staged.capture, staged.routes);
     let ends = Ends {
         tx,
         progress,
@@ -195,7 +197,7 @@ fn run_stage(stage: &mut dyn Stage, input: Receiver<Flight>, mut next: Next<'_>)
 fn feed(
     job: &Job<'_>,
     resumed: &BTreeMap<usize, ShardRecord>,
-    (sites, layers, width): (usize, usize, usize),
+    ((sites, layers, width), routes): ((usize, usize, usize), RouteShape),
     first: &SyncSender<Flight>,
     free: &Receiver<Captured>,
     spare: &Receiver<(Batch, Vec<f32>)>,
@@ -217,6 +219,7 @@ fn feed(
             if index == last || batch.num_tokens() + next_len > budget {
                 let mut captured = free.recv().map_err(|_| lost())?;
                 captured.reset(sites, layers, batch.num_tokens(), width);
+                captured.routes.reset(routes, batch.num_tokens());
                 let flight = Flight {
                     batch,
                     x,

@@ -106,7 +106,24 @@ impl Reference {
         }
     }
 
-    fn f32s(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
+    /// An int32 tensor, `(shape, values)`.
+    pub fn i32s(&self, name: &str) -> (Vec<usize>, Vec<i32>) {
+        let (shape, data) = self.tensor(name);
+        let values = data
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        (shape, values)
+    }
+
+    /// A metadata entry of the reference.
+    pub fn metadata(&self, key: &str) -> Option<String> {
+        let (_, metadata) = SafeTensors::read_metadata(&self.bytes).unwrap();
+        metadata.metadata().as_ref()?.get(key).cloned()
+    }
+
+    /// A float32 tensor, `(shape, values)`.
+    pub fn f32s(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
         let (shape, data) = self.tensor(name);
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
         assert_eq!(st.tensor(name).unwrap().dtype(), Dtype::F32);

@@ -430,6 +430,8 @@ impl Backend for CpuBackend {
         let width = self.capture_width();
         let (sites, layers) = (self.spec.sites.len(), self.spec.layers.len());
         out.reset(sites, layers, batch.num_tokens(), width);
+        let routes = self.spec.route_shape(&self.weights.config);
+        out.routes.reset(routes, batch.num_tokens());
         self.run_blocks(batch, out)
     }
 }
@@ -473,10 +475,11 @@ impl CpuBackend {
             }
             let layer = layers.position(index);
             let slot = |site| Some(sites.position(site)? * layers.len() + layer?);
+            let route = self.spec.route_slot(config, index);
             let w16 = self.bf16.as_ref().map(|blocks| &blocks[local]);
             let directions = self.spec.directions.as_ref();
             let mut ops = ops::CpuOps::new(&pass, &mut *s, (block, w16), (&mut *out, directions));
-            crate::model::forward_block(&mut ops, block, config, index, slot)?;
+            crate::model::forward_block(&mut ops, block, config, index, slot, route)?;
         }
         Ok(())
     }

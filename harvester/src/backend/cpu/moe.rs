@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use super::matmul::MatRef;
 use super::{GemmScratch, ROWS_PER_TASK, kernels, project};
+use crate::backend::Routes;
 use crate::model::routing::{Choice, Grouping, choose};
 use crate::model::{AfmoeConfig, MoeWeights};
 
@@ -71,6 +72,12 @@ impl Routed<'_> {
         gather(s, normed, hidden);
         self.run_experts(hidden, s, gemm);
         scatter(s, out, hidden, k);
+    }
+
+    /// Keeps the choices and logits of the batch [`Routed::add_to`] last ran in route slot
+    /// `slot` of `routes`.
+    pub fn record(&self, s: &MoeScratch, routes: &mut Routes, slot: usize) {
+        routes.record(slot, &s.choices, &s.logits, &self.weights.expert_bias);
     }
 
     /// Fills `s.choices`: each token's top-k experts by score plus bias, weighted by their

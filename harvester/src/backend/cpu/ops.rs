@@ -432,7 +432,7 @@ impl AfmoeOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn routed_experts(&mut self, block: &BlockWeights) -> Result<()> {
+    fn routed_experts(&mut self, block: &BlockWeights, route: Option<usize>) -> Result<()> {
         let moe_weights = block.afmoe.as_ref().and_then(|a| a.moe.as_ref());
         let (Some(weights), Some(config)) = (moe_weights, &self.pass.config.afmoe) else {
             return Ok(());
@@ -447,6 +447,9 @@ impl AfmoeOps for CpuOps<'_, '_> {
             &mut s.moe,
             &mut s.gemm,
         );
+        if let Some(slot) = route {
+            routed.record(&s.moe, &mut self.out.routes, slot);
+        }
         Ok(())
     }
 }

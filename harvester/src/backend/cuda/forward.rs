@@ -477,6 +477,7 @@ impl<E: Activation> Backend for Device<E> {
         let tokens = batch.num_tokens();
         let width = self.capture_width();
         out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        out.routes.reset(self.spec.route_shape(&self.config), tokens);
         if tokens == 0 {
             return Ok(());
         }
@@ -549,13 +550,15 @@ impl<E: Activation> Device<E> {
                 copies: &self.copies,
             });
             let slot = |site| keeping.as_ref().and_then(|k| k.slot(site));
+            let route = self.spec.route_slot(c, index);
             let mut ops = DeviceOps {
                 pass: &pass,
                 s: &mut *s,
                 inter: block.inter,
                 keeping: keeping.as_ref(),
+                routes: &mut out.routes,
             };
-            crate::model::forward_block(&mut ops, block, c, index, slot)?;
+            crate::model::forward_block(&mut ops, block, c, index, slot, route)?;
         }
         // Each kept slot is widened as its copy lands, while the blocks after it run. This
         // device's slot `site * kept + layer` is the batch's `site * layers + first + layer`.

@@ -251,6 +251,7 @@ impl<T: HostValue> Backend for Replay<T> {
         let tokens = batch.num_tokens();
         let width = self.capture_width();
         out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        out.routes.reset(self.spec.route_shape(&self.config), tokens);
         if tokens == 0 {
             return Ok(());
         }
@@ -306,7 +307,8 @@ impl<T: HostValue> Replay<T> {
                 Some(position * self.spec.layers.len() + layer)
             };
             ops.inter = block.inter;
-            result = crate::model::forward_block(&mut ops, block, &self.config, index, slot);
+            let route = self.spec.route_slot(&self.config, index);
+            result = crate::model::forward_block(&mut ops, block, &self.config, index, slot, route);
             if result.is_err() {
                 break;
             }

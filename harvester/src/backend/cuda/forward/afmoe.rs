@@ -265,12 +265,14 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
             .map_err(|e| CudaError::fault("clearing the branch")(e).into())
     }
 
-    fn routed_experts(&mut self, block: &DeviceBlock<E>) -> Result<()> {
+    fn routed_experts(&mut self, block: &DeviceBlock<E>, keep: Option<usize>) -> Result<()> {
         let p = self.pass;
         let (c, tokens) = (p.config, p.tokens);
         let hidden = c.hidden_size;
         let (experts, k, _) = routed(c);
-        let (a, s) = self.afmoe_parts(block, "routing")?;
+        // Not `afmoe_parts`: the routes are borrowed beside the scratch.
+        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
+        let s = &mut *self.s;
         let (Some(moe), Some(scratch)) = (&a.moe, s.afmoe.as_mut()) else {
             return Err(not_afmoe("routing"));
         };
@@ -311,7 +313,12 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
             (&scratch.expert_out, &scratch.slots, &scratch.weights),
             &mut s.branch,
             (tokens, k, hidden),
-        )
+        )?;
+        if let Some(slot) = keep {
+            let host = &scratch.host;
+            (self.routes).record(slot, &host.choices, &host.logits, &moe.expert_bias);
+        }
+        Ok(())
     }
 }
 

@@ -60,6 +60,8 @@ pub(super) struct DeviceOps<'p, 's, E> {
     pub(super) inter: usize,
     /// Where this block's kept sites go, if it is a kept layer.
     pub(super) keeping: Option<&'p Keeping<'p>>,
+    /// The batch's expert choices, which a sparse block with a route slot fills.
+    pub(super) routes: &'s mut crate::backend::Routes,
 }
 
 /// The input and weight of `sublayer`'s output projection (`attn` and O, or `act` and down),

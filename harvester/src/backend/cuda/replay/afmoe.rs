@@ -119,7 +119,7 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn routed_experts(&mut self, block: &HostBlock<T>) -> Result<()> {
+    fn routed_experts(&mut self, block: &HostBlock<T>, route: Option<usize>) -> Result<()> {
         let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
         let (Some(moe), Some(config)) = (&a.moe, &self.config.afmoe) else {
             return Err(not_afmoe("routing"));
@@ -136,6 +136,9 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
             .zip(logits.chunks_exact(experts))
         {
             choose(logits, &moe.expert_bias, config.route_scale as f32, chosen);
+        }
+        if let Some(slot) = route {
+            (self.out.routes).record(slot, &choices, &logits, &moe.expert_bias);
         }
         let mut grouping = Grouping::default();
         grouping.group(&choices, experts, k);
