@@ -285,6 +285,8 @@ fn train_tensors(shape: &JobShape<'_>) -> Vec<String> {
     if shape.conversations {
         names.push("roles".into());
     }
+    let router = shape.router.map(format::RouterInfo::train_tensors);
+    names.extend(router.into_iter().flatten().map(|(name, _, _)| name));
     names
 }
 
@@ -302,6 +304,11 @@ fn train_files(shape: &JobShape<'_>, dtype: &'static str, rows_per_file: NonZero
             tensors.push(Tensor::new("index".into(), "I32", vec![rows, 2]));
             if shape.conversations {
                 tensors.push(Tensor::new("roles".into(), "U8", vec![rows]));
+            }
+            let router = shape.router.map(format::RouterInfo::train_tensors);
+            for (name, dtype, width) in router.into_iter().flatten() {
+                let dtype = if dtype == "int32" { "I32" } else { "F32" };
+                tensors.push(Tensor::new(name, dtype, vec![rows, width]));
             }
             safetensors_len(tensors, ("harvest_plan", SHA256_HEX))
         })

@@ -149,7 +149,12 @@ pub struct RouterInfo {
 impl RouterInfo {
     /// The record of a job that keeps the router at `layer_indices` of a model with `experts`
     /// routed experts, `experts_per_token` per token.
-    pub fn new(layer_indices: Vec<usize>, experts: usize, experts_per_token: usize, logits: bool) -> Self {
+    pub fn new(
+        layer_indices: Vec<usize>,
+        experts: usize,
+        experts_per_token: usize,
+        logits: bool,
+    ) -> Self {
         let mut tensors = "router_ids_{i}: int32 [n_router_layers, n_tokens, experts_per_token], each token's experts in the order the router ranks them (highest sigmoid score plus expert bias first, the lower id first on a tie); router_weights_{i}: float32 of the same shape, each expert's gate weight, the factor its output is multiplied by (its sigmoid score normalised over the chosen experts, times route_scale). The layers are layer_indices here; the tokens are those of the activations, in the same order".to_owned();
         if logits {
             tensors.push_str("; router_logits_{i}: float32 [n_router_layers, n_tokens, experts], the router's logits before the sigmoid");
@@ -175,9 +180,10 @@ impl RouterInfo {
         ))
     }
 
-    /// A prompt's router tensors with `rows` kept tokens: name prefix, dtype, shape.
-    fn tensors_of(&self, i: usize, rows: usize) -> Vec<TensorEntry> {
-        let layers = self.layer_indices.len();
+    /// What the router keeps per token and layer, in the order every file holds it: tensor
+    /// prefix, dtype and values (each 4 bytes): `router_ids` and `router_weights` of `k`,
+    /// then `router_logits` of `experts` when kept.
+    pub fn parts(&self) -> Vec<(&'static str, &'static str, usize)> {
         let mut all = vec![
             ("router_ids", "int32", self.experts_per_token),
             ("router_weights", "float32", self.experts_per_token),
@@ -185,7 +191,29 @@ impl RouterInfo {
         if self.logits {
             all.push(("router_logits", "float32", self.experts));
         }
-        all.into_iter()
+        all
+    }
+
+    /// The router's tensors of a training file of the shuffled layout, layer by layer and
+    /// part by part ([`RouterInfo::parts`]): name (`router_ids.{layer}`), dtype, values per row.
+    pub fn train_tensors(&self) -> Vec<(String, &'static str, usize)> {
+        let parts = self.parts();
+        self.layer_indices
+            .iter()
+            .flat_map(|layer| {
+                let named = move |&(prefix, dtype, width): &(&str, &'static str, usize)| {
+                    (format!("{prefix}.{layer}"), dtype, width)
+                };
+                parts.iter().map(named).collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// A prompt's router tensors with `rows` kept tokens: name prefix, dtype, shape.
+    fn tensors_of(&self, i: usize, rows: usize) -> Vec<TensorEntry> {
+        let layers = self.layer_indices.len();
+        self.parts()
+            .into_iter()
             .map(|(name, dtype, last)| TensorEntry {
                 name: format!("{name}_{i}"),
                 dtype: dtype.to_owned(),
@@ -291,7 +319,8 @@ pub struct TrainInfo {
     /// Rows over every file: each kept token once.
     pub rows: u64,
     /// The tensors of every file: `{site}.{layer}` `[rows, width]` in the manifest's dtype,
-    /// then `index`, int32 `[rows, 2]`, each row's (prompt, position).
+    /// then `index`, int32 `[rows, 2]`, each row's (prompt, position); then `roles` for
+    /// conversations and the router's (`router.train_tensors`) when kept.
     pub tensors: Vec<String>,
     /// Every file, in order.
     pub files: Vec<TrainFile>,

@@ -306,7 +306,11 @@ fn the_router_site_keeps_transformers_expert_ids_in_its_order_with_their_weights
     let router_layers: Vec<usize> =
         serde_json::from_str(&reference.metadata("router_layers").unwrap()).unwrap();
     let routes = &cpu.routes;
-    assert_eq!(routes.shape.layers, router_layers.len(), "sparse kept layers");
+    assert_eq!(
+        routes.shape.layers,
+        router_layers.len(),
+        "sparse kept layers"
+    );
     let (k, experts) = (routes.shape.k, routes.shape.experts);
     let (mut tokens, mut start) = (0, 0);
     let (mut moved, mut worst_weight, mut worst_logit) = (0, 0f32, 0f32);
@@ -321,7 +325,8 @@ fn the_router_site_keeps_transformers_expert_ids_in_its_order_with_their_weights
         for slot in 0..router_layers.len() {
             let (our_ids, our_weights, our_logits) = routes.rows(slot, rows.clone());
             let their = slot * per_layer..(slot + 1) * per_layer;
-            let their_logits = slot * sequence.len() * experts..(slot + 1) * sequence.len() * experts;
+            let their_logits =
+                slot * sequence.len() * experts..(slot + 1) * sequence.len() * experts;
             for (ours, theirs) in our_ids.chunks(k).zip(ids[their.clone()].chunks(k)) {
                 tokens += 1;
                 moved += usize::from(ours != theirs);
@@ -333,8 +338,14 @@ fn the_router_site_keeps_transformers_expert_ids_in_its_order_with_their_weights
                 worst_logit = worst_logit.max((a - b).abs());
             }
             let (replay_ids, replay_weights, _) = replayed.routes.rows(slot, rows.clone());
-            assert_eq!(replay_ids, our_ids, "prompt {p}: the CUDA replay routes alike");
-            let apart = replay_weights.iter().zip(our_weights).map(|(a, b)| (a - b).abs());
+            assert_eq!(
+                replay_ids, our_ids,
+                "prompt {p}: the CUDA replay routes alike"
+            );
+            let apart = replay_weights
+                .iter()
+                .zip(our_weights)
+                .map(|(a, b)| (a - b).abs());
             assert!(apart.fold(0f32, f32::max) < 1e-5, "prompt {p}");
         }
     }

@@ -971,11 +971,15 @@ fn check_prediction_of(
     width: usize,
 ) {
     let manifest = manifest(out);
-    let kept: Vec<usize> = manifest
-        .shards
-        .iter()
-        .flat_map(|s| s.kept_counts.clone())
-        .collect();
+    // A shuffled manifest lists no shards; a by-prompt run of the same plan beside it does.
+    let by_prompt = out.with_file_name("by_prompt");
+    let kept: Vec<usize> = match manifest.shards.is_empty() && by_prompt.exists() {
+        true => self::manifest(&by_prompt).shards,
+        false => manifest.shards.clone(),
+    }
+    .iter()
+    .flat_map(|s| s.kept_counts.clone())
+    .collect();
     let selection = manifest
         .selection
         .as_ref()
@@ -984,12 +988,17 @@ fn check_prediction_of(
             kept_counts: &kept,
             dropped: info.dropped,
         });
+    let truncated: Vec<(usize, usize)> = manifest
+        .truncated_prompts
+        .iter()
+        .map(|t| (t.prompt, t.original_tokens))
+        .collect();
     let shape = harvest_core::estimate::JobShape {
         selection,
         layout,
         precision: manifest.precision,
         token_counts: counts,
-        truncated: &[],
+        truncated: &truncated,
         shard_size: manifest.shard_size,
         layers,
         sites,
@@ -1129,8 +1138,8 @@ fn two_and_three_cuda_replay_stages_write_the_bytes_one_replay_writes() {
 
 #[test]
 fn afmoe_in_two_and_three_cuda_replay_stages_writes_the_bytes_one_replay_writes() {
-    // Each stage routes its own sparse blocks' tokens; the embedding's muP scale is the first
-    // stage's alone.
+    // Each stage routes its own sparse blocks' tokens (and keeps their choices); the
+    // embedding's muP scale is the first stage's alone.
     let dir = tempfile::tempdir().unwrap();
     let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
     let model = fixtures().join("tiny-afmoe-bf16");
@@ -1147,7 +1156,7 @@ fn afmoe_in_two_and_three_cuda_replay_stages_writes_the_bytes_one_replay_writes(
             "--layers",
             "all",
             "--sites",
-            "attn_out,mlp_out,resid_post",
+            "attn_out,mlp_out,resid_post,router_logits",
             "--device",
             "cuda-replay",
             "--progress",
@@ -1620,4 +1629,136 @@ fn sigterm_mid_run_exits_3_at_once_saying_so_and_the_rerun_resumes_to_the_same_f
     let result: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
     assert!(result["resumed_shards"].as_u64().unwrap() >= 1, "{result}");
     assert_eq!(output_files(&stopped), output_files(&reference));
+}
+
+/// The int32 or float32 values of tensor `name` of `file`.
+fn tensor_values<T>(
+    file: &SafeTensors<'_>,
+    name: &str,
+    decode: fn([u8; 4]) -> T,
+) -> (Vec<usize>, Vec<T>) {
+    let view = file.tensor(name).unwrap();
+    let values = view
+        .data()
+        .chunks_exact(4)
+        .map(|b| decode(b.try_into().unwrap()))
+        .collect();
+    (view.shape().to_vec(), values)
+}
+
+#[test]
+fn a_router_job_keeps_transformers_expert_choices_of_the_kept_rows_in_both_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-afmoe-bf16");
+    let reference = Reference::open(&model.join("reference.safetensors"));
+    let prompts = write_prompts(dir.path(), &reference.prompts);
+    let by_prompt_out = dir.path().join("by_prompt");
+    let mut by_prompt = plan(&prompts, &by_prompt_out, vec![1, 3, 4], 2);
+    by_prompt.model = model.clone();
+    by_prompt.options.sites = Sites::parse(&["resid_post", "router_logits"]).unwrap();
+    by_prompt.options.max_prompt_tokens = NonZeroUsize::new(reference.truncate_at);
+    by_prompt.options.selection = RawSelection {
+        positions: Some(vec![2, 30]),
+        ..RawSelection::default()
+    }
+    .validate()
+    .unwrap();
+    pipeline::run(&by_prompt, &options()).unwrap();
+    let written = manifest(&by_prompt_out);
+    let router = written.router.clone().expect("a router block");
+    assert_eq!(router.layer_indices, [3, 4], "the kept sparse blocks");
+    assert_eq!((router.experts, router.experts_per_token), (8, 2));
+    let route = |p: usize, name: &str| reference.f32s(&format!("{name}_{p}")).1;
+    let mut rows = 0;
+    for shard in &written.shards {
+        let bytes = std::fs::read(by_prompt_out.join(&shard.file)).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        for &p in &shard.prompts {
+            let (_, positions) =
+                tensor_values(&file, &format!("positions_{p}"), i32::from_le_bytes);
+            let (shape, ids) = tensor_values(&file, &format!("router_ids_{p}"), i32::from_le_bytes);
+            let (_, weights) =
+                tensor_values(&file, &format!("router_weights_{p}"), f32::from_le_bytes);
+            let (logit_shape, _) =
+                tensor_values(&file, &format!("router_logits_{p}"), f32::from_le_bytes);
+            let n = positions.len();
+            assert_eq!((shape, logit_shape), (vec![2, n, 2], vec![2, n, 8]));
+            let (their_shape, their_ids) = reference.i32s(&format!("router_ids_{p}"));
+            let their_weights = route(p, "router_weights");
+            let tokens = their_shape[1];
+            for layer in 0..2 {
+                for (r, &position) in positions.iter().enumerate() {
+                    let ours = (layer * n + r) * 2..(layer * n + r + 1) * 2;
+                    let theirs = (layer * tokens + position as usize) * 2;
+                    let theirs = theirs..theirs + 2;
+                    assert_eq!(ids[ours.clone()], their_ids[theirs.clone()], "prompt {p}");
+                    for (a, b) in weights[ours].iter().zip(&their_weights[theirs]) {
+                        assert!((a - b).abs() < 1e-4, "prompt {p}: {a} {b}");
+                    }
+                    rows += 1;
+                }
+            }
+        }
+    }
+    assert!(rows > 100, "{rows} rows checked");
+    let counts: Vec<usize> = written
+        .shards
+        .iter()
+        .flat_map(|s| s.token_counts.clone())
+        .collect();
+    let sites = by_prompt.options.sites.clone();
+    let layers = [1, 3, 4];
+    check_prediction_of(
+        &by_prompt_out,
+        &counts,
+        Layout::ByPrompt,
+        &layers,
+        &sites,
+        Contents::Activations,
+        64,
+    );
+
+    // The shuffled layout carries each row's choices beside its activations.
+    let shuffled_out = dir.path().join("shuffled");
+    let mut shuffled = by_prompt.clone();
+    shuffled.output = Location::Local(shuffled_out.clone());
+    shuffled.options.layout = Layout::new(LayoutName::Shuffled, Some(64), 7).unwrap();
+    pipeline::run(&shuffled, &options()).unwrap();
+    let train = manifest(&shuffled_out).train.unwrap();
+    assert_eq!(
+        train.tensors[4..],
+        [
+            "router_ids.3",
+            "router_weights.3",
+            "router_logits.3",
+            "router_ids.4",
+            "router_weights.4",
+            "router_logits.4"
+        ]
+    );
+    let mut shuffled_rows = 0;
+    for entry in &train.files {
+        let bytes = std::fs::read(shuffled_out.join(&entry.file)).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let (_, index) = tensor_values(&file, "index", i32::from_le_bytes);
+        let (_, ids) = tensor_values(&file, "router_ids.4", i32::from_le_bytes);
+        for (row, pair) in index.chunks_exact(2).enumerate() {
+            let (p, position) = (pair[0] as usize, pair[1] as usize);
+            let (their_shape, their_ids) = reference.i32s(&format!("router_ids_{p}"));
+            let theirs = (their_shape[1] + position) * 2;
+            assert_eq!(ids[row * 2..row * 2 + 2], their_ids[theirs..theirs + 2]);
+            shuffled_rows += 1;
+        }
+    }
+    assert_eq!(shuffled_rows as u64, train.rows);
+    let layout = shuffled.options.layout;
+    check_prediction_of(
+        &shuffled_out,
+        &counts,
+        layout,
+        &layers,
+        &sites,
+        Contents::Activations,
+        64,
+    );
 }

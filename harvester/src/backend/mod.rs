@@ -185,7 +185,12 @@ impl CaptureSpec {
         }
         let kept = self.layers.as_slice();
         let position = self.layers.position(block)?;
-        Some(kept[..position].iter().filter(|&&l| config.is_sparse(l)).count())
+        Some(
+            kept[..position]
+                .iter()
+                .filter(|&&l| config.is_sparse(l))
+                .count(),
+        )
     }
 
     /// What each batch's [`Routes`] hold for a model of `config`.
@@ -242,7 +247,8 @@ impl Routes {
         let choices = shape.layers * tokens * shape.k;
         self.ids.resize(choices, 0);
         self.weights.resize(choices, 0.0);
-        self.logits.resize(shape.layers * tokens * shape.experts, 0.0);
+        self.logits
+            .resize(shape.layers * tokens * shape.experts, 0.0);
     }
 
     /// Records route slot `slot`: `choices` `[tokens, k]` as [`routing::choose`] left them,

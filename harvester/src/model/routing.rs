@@ -48,7 +48,13 @@ pub fn choose(logits: &[f32], bias: &[f32], scale: f32, chosen: &mut [Choice]) {
 /// Writes one token's `chosen` experts (as [`choose`] left them) into `ids` and `weights` in
 /// the order [`choose`] took them: key `sigmoid(logit) + bias` descending, the lower index first
 /// on a tie. This is the order of `torch.topk` in the reference implementation.
-pub fn ranked(chosen: &[Choice], logits: &[f32], bias: &[f32], ids: &mut [i32], weights: &mut [f32]) {
+pub fn ranked(
+    chosen: &[Choice],
+    logits: &[f32],
+    bias: &[f32],
+    ids: &mut [i32],
+    weights: &mut [f32],
+) {
     let key = |e: usize| 1.0 / (1.0 + (-logits[e]).exp()) + bias[e];
     for (filled, c) in chosen.iter().enumerate() {
         let e = c.expert as usize;
@@ -145,7 +151,10 @@ mod tests {
         let (mut ids, mut weights) = ([0i32; 3], [0f32; 3]);
         ranked(&chosen, &logits, &bias, &mut ids, &mut weights);
         assert_eq!(ids, [1, 0, 3]);
-        assert_eq!(weights, [chosen[1].weight, chosen[0].weight, chosen[2].weight]);
+        assert_eq!(
+            weights,
+            [chosen[1].weight, chosen[0].weight, chosen[2].weight]
+        );
     }
 
     #[test]

@@ -33,6 +33,16 @@ pub fn inspect(dir: &Path) -> Result<String> {
             t.rows
         ))
     );
+    if let Some(router) = &manifest.router {
+        let _ = writeln!(
+            out,
+            "router: top-{} of {} experts at layers {:?}{}",
+            router.experts_per_token,
+            router.experts,
+            router.layer_indices,
+            if router.logits { ", with logits" } else { "" }
+        );
+    }
     let files: Vec<(&str, u64)> = match &manifest.train {
         None => manifest
             .shards

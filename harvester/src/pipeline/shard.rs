@@ -63,10 +63,14 @@ impl PromptRoutes {
                 let p = p as usize;
                 out.ids
                     .extend(ids[p * k..(p + 1) * k].iter().flat_map(|v| v.to_le_bytes()));
-                out.weights
-                    .extend(weights[p * k..(p + 1) * k].iter().flat_map(|v| v.to_le_bytes()));
+                out.weights.extend(
+                    weights[p * k..(p + 1) * k]
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes()),
+                );
                 let logits = &logits[p * experts..(p + 1) * experts];
-                out.logits.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+                out.logits
+                    .extend(logits.iter().flat_map(|v| v.to_le_bytes()));
             }
         }
         Some(out)

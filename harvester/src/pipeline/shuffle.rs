@@ -61,12 +61,24 @@ struct Rows<'a> {
     values: usize,
     /// Whether each row carries its token's role (a job of conversations).
     roles: bool,
+    /// The router's parts ([`harvest_core::format::RouterInfo::parts`]) and its layers, when kept: a record carries
+    /// them after its role, layer by layer and part by part.
+    router: Option<(Vec<(&'static str, &'static str, usize)>, usize)>,
 }
 
 impl Rows<'_> {
-    /// Bytes of one spill record: its head, its values, and its role where rows have one.
+    /// Bytes of a record's router tail.
+    fn router_bytes(&self) -> usize {
+        self.router.as_ref().map_or(0, |(parts, layers)| {
+            layers * parts.iter().map(|&(_, _, width)| width * 4).sum::<usize>()
+        })
+    }
+
+    /// Bytes of one spill record: its head, its values, its role where rows have one, and its
+    /// expert choices where the router is kept.
     fn record_bytes(&self) -> usize {
-        RECORD_HEAD + self.values + if self.roles { ROLE_BYTES } else { 0 }
+        let role = if self.roles { ROLE_BYTES } else { 0 };
+        RECORD_HEAD + self.values + role + self.router_bytes()
     }
 }
 
@@ -90,6 +102,10 @@ pub(super) fn write_train_files(
         itemsize,
         values: job.slots * job.width * itemsize,
         roles: job.conversations,
+        router: job
+            .router
+            .as_ref()
+            .map(|r| (r.parts(), r.layer_indices.len())),
     };
     let total: u64 = records.values().map(|r| kept_rows(job, r)).sum();
     let record_bytes = rows.record_bytes() as u64;
@@ -242,6 +258,11 @@ fn scatter_shard(
             .iter()
             .map(|s| tensor(format!("{}_{prompt}", s.tensor_prefix())))
             .collect::<Result<Vec<_>>>()?;
+        let (parts, route_layers) = rows.router.clone().unwrap_or_default();
+        let router = parts
+            .iter()
+            .map(|&(prefix, _, width)| Ok((tensor(format!("{prefix}_{prompt}"))?, width * 4)))
+            .collect::<Result<Vec<_>>>()?;
         for (r, &position) in positions.iter().enumerate() {
             let key = shuffle_key(seed, prompt, position as usize);
             let record = &mut out.record;
@@ -261,6 +282,12 @@ fn scatter_shard(
                     .get(position as usize)
                     .ok_or_else(|| corrupt(format!("roles_{prompt} has no position {position}")))?;
                 record.push(*role);
+            }
+            for layer in 0..route_layers {
+                for (view, bytes) in &router {
+                    let at = (layer * n + r) * bytes;
+                    record.extend_from_slice(&view.data()[at..at + bytes]);
+                }
             }
             let bucket = bucket_of(key, out.writers.len());
             out.writers[bucket]
@@ -282,6 +309,8 @@ struct TrainWriter<'a> {
     index: Vec<u8>,
     /// Each row's role, for a job of conversations.
     roles: Vec<u8>,
+    /// Per router tensor (layer by layer, part by part): its dtype, bytes per row and values.
+    router: Vec<(Dtype, usize, Vec<u8>)>,
     filled: usize,
     done: TrainFiles,
 }
@@ -308,6 +337,23 @@ impl<'a> TrainWriter<'a> {
         if rows.roles {
             tensors.push("roles".into());
         }
+        let router = job
+            .router
+            .as_ref()
+            .map(harvest_core::format::RouterInfo::train_tensors)
+            .unwrap_or_default();
+        let buffers = router
+            .iter()
+            .map(|&(_, dtype, width)| {
+                let dtype = if dtype == "int32" {
+                    Dtype::I32
+                } else {
+                    Dtype::F32
+                };
+                (dtype, width * 4, Vec::new())
+            })
+            .collect();
+        tensors.extend(router.into_iter().map(|(name, _, _)| name));
         Self {
             rows,
             rows_per_file: rows_per_file.get(),
@@ -315,6 +361,7 @@ impl<'a> TrainWriter<'a> {
             values: vec![Vec::new(); job.slots],
             index: Vec::new(),
             roles: Vec::new(),
+            router: buffers,
             filled: 0,
             done: TrainFiles {
                 files: Vec::new(),
@@ -336,6 +383,10 @@ impl<'a> TrainWriter<'a> {
             self.index.clear();
             self.index.reserve(rows * 8);
             self.roles.clear();
+            for (_, bytes, values) in &mut self.router {
+                values.clear();
+                values.reserve(rows * *bytes);
+            }
         }
         let (_, prompt, position) = sort_key(record);
         self.index.extend_from_slice(&(prompt as i32).to_le_bytes());
@@ -346,8 +397,14 @@ impl<'a> TrainWriter<'a> {
             let at = RECORD_HEAD + slot * row;
             values.extend_from_slice(&record[at..at + row]);
         }
+        let mut at = RECORD_HEAD + self.rows.values;
         if self.rows.roles {
-            self.roles.push(record[RECORD_HEAD + self.rows.values]);
+            self.roles.push(record[at]);
+            at += ROLE_BYTES;
+        }
+        for (_, bytes, values) in &mut self.router {
+            values.extend_from_slice(&record[at..at + *bytes]);
+            at += *bytes;
         }
         self.filled += 1;
         self.remaining = self.remaining.saturating_sub(1);
@@ -380,6 +437,15 @@ impl<'a> TrainWriter<'a> {
         if self.rows.roles {
             let roles = TensorView::new(Dtype::U8, vec![rows], &self.roles).map_err(invalid)?;
             views.push(("roles".to_owned(), roles));
+        }
+        let names = self
+            .done
+            .tensors
+            .iter()
+            .skip(self.done.tensors.len() - self.router.len());
+        for (name, (dtype, bytes, values)) in names.zip(&self.router) {
+            let view = TensorView::new(*dtype, vec![rows, bytes / 4], values).map_err(invalid)?;
+            views.push((name.clone(), view));
         }
         let metadata = HashMap::from([("harvest_plan".to_owned(), job.fingerprint.to_owned())]);
         let bytes = safetensors::serialize(views, Some(metadata)).map_err(invalid)?;

@@ -477,7 +477,8 @@ impl<E: Activation> Backend for Device<E> {
         let tokens = batch.num_tokens();
         let width = self.capture_width();
         out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
-        out.routes.reset(self.spec.route_shape(&self.config), tokens);
+        out.routes
+            .reset(self.spec.route_shape(&self.config), tokens);
         if tokens == 0 {
             return Ok(());
         }
