@@ -50,7 +50,10 @@ pub struct HarvestRequest {
     pub layers: LayerSelection,
     /// Our extension: the hook sites kept of each kept layer, any of `resid_pre`, `attn_out`,
     /// `resid_mid`, `mlp_out` and `resid_post` (the default, alone). `resid_post` stays
-    /// `prompt_i`; every other site is `<site>_i`, of the same shape.
+    /// `prompt_i`; every other site is `<site>_i`, of the same shape. For a mixture-of-experts
+    /// model, `router` adds each kept token's top-k expert ids and gate weights at each kept
+    /// sparse layer (`router_ids_i`, `router_weights_i`), and `router_logits` the router's
+    /// logits too (`router_logits_i`); either goes beside an activation site.
     #[serde(default)]
     #[schema(example = json!(["attn_out", "mlp_out", "resid_post"]))]
     pub sites: Option<Vec<String>>,
@@ -955,6 +958,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("sites is empty"), "{err}");
+    }
+
+    #[test]
+    fn the_router_site_on_a_dense_model_is_a_400_naming_the_model_and_alone_naming_the_fix() {
+        let request =
+            serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["resid_post", "router"]});
+        let err = parse(request).unwrap_err();
+        assert_eq!(err.code(), "invalid_request");
+        let text = err.to_string();
+        assert!(text.contains("smollm2-135m is dense"), "{text}");
+        let alone = serde_json::json!({"model": "m", "prompts": ["a"], "sites": ["router_logits"]});
+        let text = parse(alone).unwrap_err().to_string();
+        assert!(text.contains("add an activation site"), "{text}");
     }
 
     #[test]

@@ -662,3 +662,70 @@ fn a_job_of_conversations_counts_and_harvests_the_chat_template_s_tokens() {
     assert_eq!(status, 400, "{refused}");
     assert!(refused.to_string().contains("narrator"), "{refused}");
 }
+
+#[test]
+fn a_router_job_on_a_moe_model_returns_its_expert_choices_as_predicted_and_a_dense_model_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let afmoe =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../harvester/tests/fixtures/tiny-afmoe-bf16");
+    let models = json!([
+        {"name": "smollm2-135m", "path": smollm2(), "lane": "small"},
+        {"name": "tiny-afmoe", "path": afmoe, "lane": "small"},
+    ]);
+    let config = write_config_with(dir.path(), port, 1, json!({ "models": models }));
+    let server = start(&config, port);
+    let key = create_key(&server.config, "acme");
+    let url = format!("{}/v1/harvest", server.base);
+    let body = json!({"model": "tiny-afmoe", "prompts": ["The quick brown fox.", "Experts, routed."],
+                      "layers": [1, 3, 4], "sites": ["resid_post", "router"]});
+    let mut dry = body.clone();
+    dry["dry_run"] = json!(true);
+    let (status, counted) = request("POST", &url, &key, Some(dry));
+    assert_eq!(status, 200, "{counted}");
+    let job = submit_ok(&server, &key, body);
+    let done = long_poll_done(&server, &key, &job);
+    let manifest: Value = reqwest::blocking_get(done["result"]["manifest_url"].as_str().unwrap())
+        .map(|bytes| serde_json::from_slice(&bytes).unwrap())
+        .unwrap();
+    assert_eq!(
+        manifest["router"]["layer_indices"],
+        json!([3, 4]),
+        "{manifest}"
+    );
+    assert_eq!(manifest["router"]["experts_per_token"], 2);
+    assert_eq!(
+        manifest["shards"][0]["bytes"], counted["files"]["shards"]["bytes"],
+        "the dry run predicts the shard to the byte"
+    );
+    let shard = reqwest::blocking_get(done["result"]["shard_urls"][0].as_str().unwrap()).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&shard).unwrap();
+    let tokens = tensors.tensor("tokens_1").unwrap().shape()[0];
+    let ids = tensors.tensor("router_ids_1").unwrap();
+    assert_eq!(ids.shape(), [2, tokens, 2]);
+    let experts: Vec<i32> = ids
+        .data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert!(experts.iter().all(|e| (0..8).contains(e)), "{experts:?}");
+    assert!(
+        experts.chunks(2).all(|pair| pair[0] != pair[1]),
+        "two experts per token"
+    );
+    // A dense model, or no kept sparse layer, is refused by name.
+    for (request_body, named) in [
+        (
+            json!({"model": "smollm2-135m", "prompts": ["hi"], "sites": ["resid_post", "router"]}),
+            "smollm2-135m is dense",
+        ),
+        (
+            json!({"model": "tiny-afmoe", "prompts": ["hi"], "layers": [0, 1], "sites": ["resid_post", "router"]}),
+            "layers 2..=4",
+        ),
+    ] {
+        let (status, refused) = request("POST", &url, &key, Some(request_body));
+        assert_eq!(status, 400, "{refused}");
+        assert!(refused.to_string().contains(named), "{refused}");
+    }
+}
