@@ -38,7 +38,12 @@ struct Bounds;
 
 impl Modify for Bounds {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let sites: Vec<Value> = Site::ALL.iter().map(|s| json!(s.as_str())).collect();
+        let router = [Site::Router, Site::RouterLogits];
+        let sites: Vec<Value> = Site::ALL
+            .iter()
+            .chain(&router)
+            .map(|s| json!(s.as_str()))
+            .collect();
         if let Some(components) = openapi.components.as_mut() {
             if let Some(RefOr::T(request)) = components.schemas.get_mut("HarvestRequest") {
                 limit_request(request, sites);

@@ -25,9 +25,11 @@ pub struct HarvestOptions {
     /// Keep every block.
     #[serde(default)]
     pub all_layers: bool,
-    /// Hook sites to keep of each kept block. Omitted: `resid_post` alone.
+    /// Hook sites to keep of each kept block. Omitted: `resid_post` alone. For a
+    /// mixture-of-experts model, `router` (or `router_logits`, with the router's logits) keeps
+    /// each token's expert choices at the kept sparse blocks, beside an activation site.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 5))]
+    #[schemars(length(min = 1, max = 7))]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
     pub sites: Option<Vec<Site>>,
     /// Prompts per shard.
@@ -145,7 +147,7 @@ impl From<&JobOptions> for HarvestOptions {
                 LayerSelection::Quartiles | LayerSelection::All => None,
             },
             all_layers: layers == LayerSelection::All,
-            sites: (!sites.is_default()).then(|| sites.as_slice().to_vec()),
+            sites: (!sites.is_default()).then(|| sites.all()),
             shard_size: to_u32(shard_size),
             add_special_tokens,
             exclude_special_tokens: selection.exclude_special_tokens.unwrap_or(false),

@@ -203,6 +203,29 @@ mod tests {
     }
 
     #[test]
+    fn the_router_on_a_dense_model_is_refused_naming_it_and_on_a_moe_model_reaches_the_plan() {
+        let mut spec = spec();
+        use harvest_core::Site;
+        spec.harvest.sites = Some(vec![Site::ResidPost, Site::Router]);
+        let error = spec.validate(&smollm(), Path::new(CHECKPOINT)).unwrap_err();
+        assert_eq!(error.reason(), "InvalidLayers");
+        assert!(
+            error.to_string().contains("smollm2-135m is dense"),
+            "{error}"
+        );
+        let mut moe = smollm();
+        moe.shape.moe = Some(harvest_core::model::MoeShape {
+            first_sparse_layer: 2,
+            experts: 8,
+            experts_per_token: 2,
+        });
+        let plan = spec.validate(&moe, Path::new(CHECKPOINT)).unwrap().plan;
+        assert_eq!(plan.options.sites.names(), ["resid_post", "router"]);
+        let written = crate::HarvestOptions::from(&plan.options);
+        assert_eq!(written.sites, Some(vec![Site::ResidPost, Site::Router]));
+    }
+
+    #[test]
     fn a_relative_or_bucketless_location_is_refused_with_its_field() {
         for bad in ["prompts.jsonl", "s3://", "s3:///key"] {
             let mut spec = spec();

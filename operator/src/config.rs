@@ -669,6 +669,15 @@ mod shipped {
                 "{name}"
             );
         }
+        // The MoE model's routing, which the router site is checked against; the dense ones
+        // refuse it.
+        let trinity = entry("trinity-truebase").served();
+        let moe = trinity.shape.moe.expect("trinity-truebase's experts");
+        assert_eq!(
+            (moe.first_sparse_layer, moe.experts, moe.experts_per_token),
+            (6, 256, 4)
+        );
+        assert!(entry("llama-8b").served().shape.moe.is_none());
     }
 
     #[test]
