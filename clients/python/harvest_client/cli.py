@@ -363,7 +363,9 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", required=True)
     submit.add_argument("--layers", help="block indices like 8,16,24, or all (default: the model's quartiles)")
     submit.add_argument(
-        "--sites", help="hook sites of each kept block, like attn_out,mlp_out,resid_post (default: resid_post)"
+        "--sites",
+        help="hook sites of each kept block, like attn_out,mlp_out,resid_post (default: resid_post); "
+        "router (or router_logits) adds a MoE model's expert choices",
     )
     submit.add_argument("--shard-size", type=int, help="prompts per shard file (default 32)")
     submit.add_argument("--exclude-special-tokens", action="store_true", help="keep no token the tokenizer marks special")

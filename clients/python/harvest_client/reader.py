@@ -137,6 +137,9 @@ class Reader:
         self.role_ids: Optional[Dict[str, int]] = None
         if self.manifest.get("roles"):
             self.role_ids = {name: int(i) for i, name in self.manifest["roles"]["ids"].items()}
+        #: For a job that kept the ``router`` site: its block (``layer_indices``, the MoE blocks
+        #: of the kept layers; ``experts``; ``experts_per_token``; ``logits``), else None.
+        self.router: Optional[Dict[str, Any]] = self.manifest.get("router")
         self._where: Dict[int, Tuple[str, int]] = {}
         for shard in self.manifest["shards"]:
             counts = shard["kept_counts"] if self.selection else shard["token_counts"]
@@ -220,6 +223,25 @@ class Reader:
         if self.selection is None:
             return np.arange(self.tokens(i).size, dtype=np.int32)
         return np.array(self._shard_of(i).raw(f"positions_{i}"))
+
+    def experts(self, i: int, layer: int, *, logits: bool = False) -> Tuple[np.ndarray, ...]:
+        """Prompt ``i``'s expert choices at mixture-of-experts block ``layer``, one row per
+        activation row (:meth:`positions`): int32 ``[n_kept, k]`` expert ids in the router's
+        rank order (highest score plus bias first) and float32 ``[n_kept, k]`` gate weights;
+        with ``logits=True`` also the float32 ``[n_kept, experts]`` router logits."""
+        if self.router is None:
+            raise errors.HarvestError(
+                "this job kept no expert choices: submit it with sites including 'router' (a mixture-of-experts model)"
+            )
+        blocks = list(self.router["layer_indices"])
+        if layer not in blocks:
+            raise ValueError(f"layer {layer} has no expert choices: this job kept them at blocks {blocks}")
+        if logits and not self.router.get("logits"):
+            raise errors.HarvestError("this job kept no router logits: submit it with the site 'router_logits'")
+        at = blocks.index(layer)
+        shard = self._shard_of(i)
+        names = ["router_ids", "router_weights"] + (["router_logits"] if logits else [])
+        return tuple(np.array(shard.raw(f"{name}_{i}")[at]) for name in names)
 
     def prompt(self, i: int, *, torch: bool = False, site: str = "resid_post") -> Tuple[Any, Any]:
         """Prompt ``i``: its tokens ``[n_tokens]`` and activations ``[n_layers_kept, n_tokens,

@@ -17,6 +17,9 @@ import pytest
 import requests
 
 MODEL = "smollm2-135m"
+#: A tiny random mixture-of-experts checkpoint (AFMoE, 8 experts, 2 a token, blocks 2 to 4 sparse).
+MOE_MODEL = "tiny-afmoe"
+MOE_DIR = Path(__file__).resolve().parents[3] / "harvester/tests/fixtures/tiny-afmoe-bf16"
 SEED = [
     "The quick brown fox jumps over the lazy dog.",
     "Interpretability research reads the residual stream.",
@@ -90,7 +93,10 @@ def start_server(directory: Path, extra: Optional[Dict] = None) -> Server:
         "max_workers": 1,
         "worker_threads": 1,
         "public_url": root,
-        "models": [{"name": MODEL, "path": str(_model_dir()), "lane": "small"}],
+        "models": [
+            {"name": MODEL, "path": str(_model_dir()), "lane": "small"},
+            {"name": MOE_MODEL, "path": str(MOE_DIR), "lane": "small"},
+        ],
         "accounts": [{"name": "lab"}, {"name": "other"}],
     }
     config.update(extra or {})

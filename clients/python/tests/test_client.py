@@ -14,7 +14,7 @@ import requests
 from harvest_client import Client, HarvestError, IntegrityError, InvalidApiKey, InvalidRequest, NotFound
 from harvest_client.reader import SafetensorsFile
 
-from conftest import MODEL, SEED, corpus, start_server, wait_until
+from conftest import MODEL, MOE_MODEL, SEED, corpus, start_server, wait_until
 
 
 def sha256(path: Path) -> str:
@@ -295,6 +295,26 @@ def test_a_job_with_hook_sites_reads_back_each_site_with_its_own_statistics(clie
 def test_an_unknown_site_is_a_400_that_names_it_and_the_choices(client):
     with pytest.raises(InvalidRequest, match=r"sites\[0\] \"attn\".*attn_out"):
         client.submit(corpus(1), MODEL, sites=["attn"])
+
+
+def test_a_router_job_reads_back_each_rows_expert_choices_beside_its_activations(client, tmp_path):
+    job = client.submit(corpus(3), MOE_MODEL, layers=[1, 3], sites=["resid_post", "router_logits"], positions=[1, 9])
+    job.wait(progress=False).download(tmp_path)
+    reader = job.open(tmp_path)
+    assert reader.router["layer_indices"] == [3], "the kept MoE blocks: block 1 is dense"
+    assert (reader.router["experts"], reader.router["experts_per_token"]) == (8, 2)
+    for i in range(len(reader)):
+        ids, weights, logits = reader.experts(i, 3, logits=True)
+        rows, positions = reader.rows(i, 3)
+        assert ids.shape == weights.shape == (positions.size, 2) and logits.shape == (positions.size, 8)
+        assert ((ids >= 0) & (ids < 8)).all() and (ids[:, 0] != ids[:, 1]).all()
+        # The gate weights are the chosen experts' sigmoid scores, normalised to route_scale (2.5).
+        scores = 1 / (1 + np.exp(-np.take_along_axis(logits, ids, axis=1)))
+        assert np.allclose(weights, scores / scores.sum(axis=1, keepdims=True) * 2.5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"blocks \[3\]"):
+        reader.experts(0, 1)
+    with pytest.raises(InvalidRequest, match="smollm2-135m is dense"):
+        client.submit(corpus(1), MODEL, sites=["resid_post", "router"])
 
 
 def test_a_token_selection_is_estimated_within_one_percent_and_read_back_by_position(client, tmp_path):
