@@ -247,7 +247,7 @@ impl HarvestRequest {
         }
         .validate(directions.is_some())
         .map_err(|e| invalid(&e))?;
-        let options = model.resolve(options).map_err(|e| invalid(&e))?;
+        let options = options.resolve_served(model).map_err(|e| invalid(&e))?;
         check_roles(conversations.is_some(), &options.selection)?;
         let reserved_tokens = reserved_tokens(&prompts, &options);
         let shards = prompts.len().div_ceil(options.shard_size.get());

@@ -129,6 +129,17 @@ pub struct Manifest {
     pub router: Option<RouterInfo>,
 }
 
+/// One of the router's tensors of a prompt, `{prefix}_{i}` `[layers, rows, width]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterPart {
+    /// `router_ids`, `router_weights` or `router_logits`.
+    pub prefix: &'static str,
+    /// `int32` or `float32`: 4 bytes a value either way.
+    pub dtype: &'static str,
+    /// Values per row: `k`, or the experts for the logits.
+    pub width: usize,
+}
+
 /// The expert choices of a job that keeps the `router` site, as the manifest documents them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -183,13 +194,19 @@ impl RouterInfo {
     /// What the router keeps per token and layer, in the order every file holds it: tensor
     /// prefix, dtype and values (each 4 bytes): `router_ids` and `router_weights` of `k`,
     /// then `router_logits` of `experts` when kept.
-    pub fn parts(&self) -> Vec<(&'static str, &'static str, usize)> {
+    pub fn parts(&self) -> Vec<RouterPart> {
+        let part = |prefix, dtype, width| RouterPart {
+            prefix,
+            dtype,
+            width,
+        };
+        let k = self.experts_per_token;
         let mut all = vec![
-            ("router_ids", "int32", self.experts_per_token),
-            ("router_weights", "float32", self.experts_per_token),
+            part("router_ids", "int32", k),
+            part("router_weights", "float32", k),
         ];
         if self.logits {
-            all.push(("router_logits", "float32", self.experts));
+            all.push(part("router_logits", "float32", self.experts));
         }
         all
     }
@@ -201,9 +218,8 @@ impl RouterInfo {
         self.layer_indices
             .iter()
             .flat_map(|layer| {
-                let named = move |&(prefix, dtype, width): &(&str, &'static str, usize)| {
-                    (format!("{prefix}.{layer}"), dtype, width)
-                };
+                let named =
+                    move |p: &RouterPart| (format!("{}.{layer}", p.prefix), p.dtype, p.width);
                 parts.iter().map(named).collect::<Vec<_>>()
             })
             .collect()
@@ -214,10 +230,10 @@ impl RouterInfo {
         let layers = self.layer_indices.len();
         self.parts()
             .into_iter()
-            .map(|(name, dtype, last)| TensorEntry {
-                name: format!("{name}_{i}"),
-                dtype: dtype.to_owned(),
-                shape: vec![layers, rows, last],
+            .map(|p| TensorEntry {
+                name: format!("{}_{i}", p.prefix),
+                dtype: p.dtype.to_owned(),
+                shape: vec![layers, rows, p.width],
             })
             .collect()
     }

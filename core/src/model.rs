@@ -7,7 +7,6 @@
 use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
-use crate::options::JobOptions;
 use crate::quota::Lane;
 
 /// A model's geometry: how deep it is and how wide its residual stream is.
@@ -46,16 +45,6 @@ pub struct ServedModel {
     pub lane: Lane,
 }
 
-impl ServedModel {
-    /// Resolves a job's layers against this model and checks what else depends on it (the
-    /// `router` site).
-    pub fn resolve(&self, options: JobOptions<LayerSelection>) -> Result<JobOptions, LayerError> {
-        let options = options.resolve(&self.shape)?;
-        self.shape.check_router(&self.name, &options)?;
-        Ok(options)
-    }
-}
-
 impl ModelShape {
     /// Resolves a selection against this model.
     pub fn layers(&self, selection: &LayerSelection) -> Result<Layers, LayerError> {
@@ -71,31 +60,6 @@ impl ModelShape {
             .copied()
             .filter(|&l| l >= first)
             .collect()
-    }
-
-    /// Refuses the `router` site of `options` on model `name` unless it has routed experts and
-    /// a kept layer is one of its sparse blocks.
-    pub fn check_router(&self, name: &str, options: &JobOptions) -> Result<(), LayerError> {
-        let Some(router) = options.sites.router() else {
-            return Ok(());
-        };
-        let site = router.site();
-        let Some(moe) = self.moe else {
-            return Err(LayerError::RouterOnDense {
-                site,
-                model: name.to_owned(),
-            });
-        };
-        if self.router_layers(&options.layers).is_empty() {
-            return Err(LayerError::RouterWithoutSparseLayer {
-                site,
-                model: name.to_owned(),
-                kept: format!("{:?}", options.layers.as_slice()),
-                first: moe.first_sparse_layer,
-                last: self.num_layers.saturating_sub(1),
-            });
-        }
-        Ok(())
     }
 
     /// The layers kept when a request names none (none for a model without blocks).
@@ -119,47 +83,5 @@ mod tests {
         };
         assert_eq!(shape.default_layers(), [7, 15, 22]);
         assert!(shape.layers(&LayerSelection::Explicit(vec![30])).is_err());
-    }
-
-    fn served(moe: Option<MoeShape>) -> ServedModel {
-        ServedModel {
-            name: "trinity".into(),
-            shape: ModelShape {
-                num_layers: 8,
-                hidden_size: 64,
-                moe,
-            },
-            lane: Lane::Small,
-        }
-    }
-
-    fn options(layers: &[i64], sites: &[&str]) -> JobOptions<LayerSelection> {
-        JobOptions {
-            layers: LayerSelection::Explicit(layers.to_vec()),
-            sites: crate::Sites::parse(sites).unwrap(),
-            ..JobOptions::default()
-        }
-    }
-
-    #[test]
-    fn the_router_is_refused_on_a_dense_model_and_without_a_sparse_layer_naming_the_model() {
-        let moe = MoeShape {
-            first_sparse_layer: 2,
-            experts: 8,
-            experts_per_token: 2,
-        };
-        let both = ["resid_post", "router"];
-        let dense = served(None).resolve(options(&[3], &both)).unwrap_err();
-        assert!(dense.to_string().contains("trinity is dense"), "{dense}");
-        let early = served(Some(moe))
-            .resolve(options(&[0, 1], &both))
-            .unwrap_err();
-        let text = early.to_string();
-        assert!(text.contains("[0, 1]") && text.contains("2..=7"), "{text}");
-        let kept = served(Some(moe))
-            .resolve(options(&[1, 2, 7], &both))
-            .unwrap();
-        assert_eq!(served(Some(moe)).shape.router_layers(&kept.layers), [2, 7]);
-        assert!(served(None).resolve(options(&[1], &["resid_post"])).is_ok());
     }
 }

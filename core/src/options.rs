@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::layers::{LayerError, LayerSelection, Layers};
 use crate::layout::{Layout, LayoutError, LayoutName, MAX_ROWS_PER_FILE};
-use crate::model::ModelShape;
+use crate::model::{ModelShape, ServedModel};
 use crate::selection::{RawSelection, SelectionError, TokenSelection};
 use crate::sites::{Site, SiteError, Sites};
 
@@ -238,6 +238,41 @@ impl JobOptions<LayerSelection> {
     pub fn resolve(self, shape: &ModelShape) -> Result<JobOptions, LayerError> {
         let layers = shape.layers(&self.layers)?;
         Ok(self.with_layers(layers))
+    }
+
+    /// Resolves the layers against served model `model` and checks what else depends on it
+    /// (the `router` site).
+    pub fn resolve_served(self, model: &ServedModel) -> Result<JobOptions, LayerError> {
+        let options = self.resolve(&model.shape)?;
+        options.check_router(&model.name, &model.shape)?;
+        Ok(options)
+    }
+}
+
+impl JobOptions {
+    /// Refuses the `router` site on model `name` of `shape` unless it has routed experts and a
+    /// kept layer is one of its sparse blocks.
+    pub fn check_router(&self, name: &str, shape: &ModelShape) -> Result<(), LayerError> {
+        let Some(router) = self.sites.router() else {
+            return Ok(());
+        };
+        let site = router.site();
+        let Some(moe) = shape.moe else {
+            return Err(LayerError::RouterOnDense {
+                site,
+                model: name.to_owned(),
+            });
+        };
+        if shape.router_layers(&self.layers).is_empty() {
+            return Err(LayerError::RouterWithoutSparseLayer {
+                site,
+                model: name.to_owned(),
+                kept: format!("{:?}", self.layers.as_slice()),
+                first: moe.first_sparse_layer,
+                last: shape.num_layers.saturating_sub(1),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -516,5 +551,48 @@ mod tests {
         let options = raw.validate(false).unwrap();
         assert!(options.selection.sample.is_none());
         assert!(matches!(options.layout, Layout::Shuffled { seed: 5, .. }));
+    }
+
+    fn served(moe: Option<crate::model::MoeShape>) -> ServedModel {
+        ServedModel {
+            name: "trinity".into(),
+            shape: ModelShape {
+                num_layers: 8,
+                hidden_size: 64,
+                moe,
+            },
+            lane: crate::quota::Lane::Small,
+        }
+    }
+
+    fn layers_and_sites(layers: &[i64], sites: &[&str]) -> JobOptions<LayerSelection> {
+        JobOptions {
+            layers: LayerSelection::Explicit(layers.to_vec()),
+            sites: Sites::parse(sites).unwrap(),
+            ..JobOptions::default()
+        }
+    }
+
+    #[test]
+    fn the_router_is_refused_on_a_dense_model_and_without_a_sparse_layer_naming_the_model() {
+        let moe = Some(crate::model::MoeShape {
+            first_sparse_layer: 2,
+            experts: 8,
+            experts_per_token: 2,
+        });
+        let both = ["resid_post", "router"];
+        let dense = layers_and_sites(&[3], &both).resolve_served(&served(None));
+        let text = dense.unwrap_err().to_string();
+        assert!(text.contains("trinity is dense"), "{text}");
+        let early = layers_and_sites(&[0, 1], &both).resolve_served(&served(moe));
+        let text = early.unwrap_err().to_string();
+        assert!(text.contains("[0, 1]") && text.contains("2..=7"), "{text}");
+        let kept = layers_and_sites(&[1, 2, 7], &both).resolve_served(&served(moe));
+        assert_eq!(
+            served(moe).shape.router_layers(&kept.unwrap().layers),
+            [2, 7]
+        );
+        let plain = layers_and_sites(&[1], &["resid_post"]).resolve_served(&served(None));
+        assert!(plain.is_ok());
     }
 }

@@ -144,7 +144,7 @@ impl HarvestJobSpec {
                 .transpose()?,
             output: location("output", output.as_deref().ok_or(SpecError::NoOutput)?)?,
             batch_tokens: NonZeroUsize::new(DEFAULT_BATCH_TOKENS).unwrap_or(NonZeroUsize::MIN),
-            options: model.resolve(options)?,
+            options: options.resolve_served(model)?,
         };
         Ok(ValidJob {
             plan,

@@ -199,7 +199,8 @@ struct RunArgs {
     #[arg(long, default_value = "quartiles")]
     layers: LayerSelection,
     /// Hook sites to keep of each kept layer, comma-separated: resid_pre, attn_out, resid_mid,
-    /// mlp_out, resid_post (the default).
+    /// mlp_out, resid_post (the default); on a mixture-of-experts model, router (or
+    /// router_logits) adds each token's expert choices at the kept sparse blocks.
     #[arg(long, default_value = "resid_post")]
     sites: harvest_core::Sites,
     /// Prompts per shard.

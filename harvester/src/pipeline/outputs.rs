@@ -31,11 +31,8 @@ pub(super) fn build_outputs(
         return Err(Error::StageLost { stage: "upload" });
     }
     let stats = merged_stats(job, records);
-    let total_tokens: u64 = records
-        .values()
-        .flat_map(|r| &r.meta.token_counts)
-        .map(|&n| n as u64)
-        .sum();
+    let counts = records.values().flat_map(|r| &r.meta.token_counts);
+    let total_tokens: u64 = counts.map(|&n| n as u64).sum();
     let sites = &job.plan.options.sites;
     let site_entries = site_entries(job, &stats);
     let manifest = Manifest {

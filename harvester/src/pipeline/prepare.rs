@@ -82,7 +82,7 @@ pub(super) fn prepare(
         let name = plan.model.file_name().unwrap_or(plan.model.as_os_str());
         name.to_string_lossy().into_owned()
     });
-    config.shape().check_router(&model_name, &plan.options)?;
+    plan.options.check_router(&model_name, &config.shape())?;
     let directions = match &plan.project_onto {
         Some(location) => {
             let (name, bytes) =

@@ -75,6 +75,27 @@ impl PromptRoutes {
         }
         Some(out)
     }
+
+    /// Adds prompt `index`'s router tensors to `views`.
+    fn views<'a>(&'a self, index: usize, views: &mut Vec<(String, TensorView<'a>)>) -> Result<()> {
+        let [layers, rows, _] = self.shape;
+        views.push((
+            format!("router_ids_{index}"),
+            tensor(Dtype::I32, self.shape.to_vec(), &self.ids)?,
+        ));
+        views.push((
+            format!("router_weights_{index}"),
+            tensor(Dtype::F32, self.shape.to_vec(), &self.weights)?,
+        ));
+        if self.experts > 0 {
+            let shape = vec![layers, rows, self.experts];
+            views.push((
+                format!("router_logits_{index}"),
+                tensor(Dtype::F32, shape, &self.logits)?,
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A shard being filled, prompt by prompt, in order.
@@ -268,11 +289,6 @@ impl ShardAssembly {
             Contents::Activations => Dtype::BF16,
             Contents::Projections => Dtype::F32,
         };
-        fn tensor(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>> {
-            TensorView::new(dtype, shape, data).map_err(|e| Error::InvalidBatch {
-                reason: e.to_string(),
-            })
-        }
         let mut views = Vec::with_capacity((1 + self.sites.len()) * self.prompts.len());
         for p in &self.prompts {
             for (site, values) in self.sites.as_slice().iter().zip(&p.values) {
@@ -301,22 +317,8 @@ impl ShardAssembly {
                     tensor(Dtype::I32, vec![p.shape[1]], positions)?,
                 ));
             }
-            if let Some(r) = &p.routes {
-                let [layers, rows, _] = r.shape;
-                views.push((
-                    format!("router_ids_{}", p.index),
-                    tensor(Dtype::I32, r.shape.to_vec(), &r.ids)?,
-                ));
-                views.push((
-                    format!("router_weights_{}", p.index),
-                    tensor(Dtype::F32, r.shape.to_vec(), &r.weights)?,
-                ));
-                if r.experts > 0 {
-                    views.push((
-                        format!("router_logits_{}", p.index),
-                        tensor(Dtype::F32, vec![layers, rows, r.experts], &r.logits)?,
-                    ));
-                }
+            if let Some(routes) = &p.routes {
+                routes.views(p.index, &mut views)?;
             }
         }
         // One metadata key only: safetensors writes the map in hash order, and a second key
@@ -345,6 +347,13 @@ impl ShardAssembly {
         };
         Ok((bytes, record))
     }
+}
+
+/// A tensor of a shard over `data`.
+fn tensor(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>> {
+    TensorView::new(dtype, shape, data).map_err(|e| Error::InvalidBatch {
+        reason: e.to_string(),
+    })
 }
 
 /// Appends `row` as the shard stores it: bf16 activations or f32 projections.

@@ -15,7 +15,7 @@ use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
-use harvest_core::format::{Contents, FileDigest};
+use harvest_core::format::{Contents, FileDigest, RouterPart};
 use harvest_core::layout::{bucket_of, shuffle_key, train_file_name, train_tensor_name};
 use harvest_core::plan::shard_file_name;
 use safetensors::tensor::TensorView;
@@ -63,14 +63,14 @@ struct Rows<'a> {
     roles: bool,
     /// The router's parts ([`harvest_core::format::RouterInfo::parts`]) and its layers, when kept: a record carries
     /// them after its role, layer by layer and part by part.
-    router: Option<(Vec<(&'static str, &'static str, usize)>, usize)>,
+    router: Option<(Vec<RouterPart>, usize)>,
 }
 
 impl Rows<'_> {
     /// Bytes of a record's router tail.
     fn router_bytes(&self) -> usize {
         self.router.as_ref().map_or(0, |(parts, layers)| {
-            layers * parts.iter().map(|&(_, _, width)| width * 4).sum::<usize>()
+            layers * parts.iter().map(|p| p.width * 4).sum::<usize>()
         })
     }
 
@@ -235,14 +235,9 @@ fn scatter_shard(
     let row = job.width * rows.itemsize;
     for (offset, &tokens) in shard.meta.token_counts.iter().enumerate() {
         let prompt = shard.meta.first_prompt + offset;
-        let positions: Vec<u32> = if selecting {
-            tensor(format!("positions_{prompt}"))?
-                .data()
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as u32)
-                .collect()
-        } else {
-            (0..tokens as u32).collect()
+        let positions = match selecting {
+            true => int32s(tensor(format!("positions_{prompt}"))?.data()),
+            false => (0..tokens as u32).collect(),
         };
         let n = positions.len();
         let roles = if rows.roles {
@@ -261,7 +256,7 @@ fn scatter_shard(
         let (parts, route_layers) = rows.router.clone().unwrap_or_default();
         let router = parts
             .iter()
-            .map(|&(prefix, _, width)| Ok((tensor(format!("{prefix}_{prompt}"))?, width * 4)))
+            .map(|p| Ok((tensor(format!("{}_{prompt}", p.prefix))?, p.width * 4)))
             .collect::<Result<Vec<_>>>()?;
         for (r, &position) in positions.iter().enumerate() {
             let key = shuffle_key(seed, prompt, position as usize);
@@ -296,6 +291,13 @@ fn scatter_shard(
         }
     }
     Ok(())
+}
+
+/// Little-endian int32 values, as `u32` (positions are never negative).
+fn int32s(data: &[u8]) -> Vec<u32> {
+    data.chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as u32)
+        .collect()
 }
 
 /// Fills training files row by row.
