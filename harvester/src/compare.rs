@@ -25,6 +25,12 @@ pub struct Comparison {
     pub max_relative_error: f64,
     /// The mean per-row relative error.
     pub mean_relative_error: f64,
+    /// Tokens' expert choices compared (tokens × kept MoE layers), for a job that kept the
+    /// router.
+    pub routed_tokens: usize,
+    /// Of those, the tokens sent to other experts or ranked otherwise: where two keys sat
+    /// within the engines' rounding (information: a bf16 run reroutes a few, docs/engine.md).
+    pub routed_differently: usize,
 }
 
 impl Comparison {
@@ -91,6 +97,14 @@ pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
                 name: format!("{tensor} of {name}"),
                 dir: b.to_owned(),
             })?;
+            // Expert choices: counted per token; their weights and logits follow the choices,
+            // so they are not rows of the residual stream to judge.
+            if tensor.starts_with("router_") {
+                if tensor.starts_with("router_ids_") {
+                    compare_routes(&view_a, &view_b, &mut report);
+                }
+                continue;
+            }
             // Ids, kept positions, roles and turns: integers, equal or not.
             if !matches!(view_a.dtype(), Dtype::BF16 | Dtype::F32) {
                 report.prompts += usize::from(tensor.starts_with("tokens_"));
@@ -127,6 +141,24 @@ pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
         report.mean_relative_error = error_sum / report.rows as f64;
     }
     Ok(report)
+}
+
+/// Counts the tokens of two `router_ids_i` (`[layers, tokens, k]`) whose choices differ; a
+/// shape that differs counts every token.
+fn compare_routes(
+    a: &safetensors::tensor::TensorView<'_>,
+    b: &safetensors::tensor::TensorView<'_>,
+    report: &mut Comparison,
+) {
+    let k = a.shape().last().copied().unwrap_or(1).max(1) * 4;
+    let tokens = a.data().len() / k;
+    report.routed_tokens += tokens;
+    report.routed_differently += if a.shape() == b.shape() {
+        let pairs = a.data().chunks(k).zip(b.data().chunks(k));
+        pairs.filter(|(x, y)| x != y).count()
+    } else {
+        tokens
+    };
 }
 
 #[cfg(test)]
@@ -205,5 +237,41 @@ mod tests {
         let same = compare(&a, &b).unwrap();
         assert_eq!((same.prompts, same.rows, same.token_mismatches), (1, 1, 0));
         assert_eq!(compare(&a, &c).unwrap().token_mismatches, 1);
+    }
+
+    #[test]
+    fn expert_choices_are_counted_per_token_and_their_weights_left_out_of_the_row_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, ids: &[i32], weight: f32| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            let rows: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            let tokens: Vec<u8> = [5i32, 6].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let ids: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let weights: Vec<u8> = [weight; 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let tensors = [
+                ("prompt_0", Dtype::F32, vec![1, 2, 2], &rows),
+                ("tokens_0", Dtype::I32, vec![2], &tokens),
+                ("router_ids_0", Dtype::I32, vec![1, 2, 2], &ids),
+                ("router_weights_0", Dtype::F32, vec![1, 2, 2], &weights),
+            ]
+            .map(|(n, d, shape, data)| (n, TensorView::new(d, shape, data).unwrap()));
+            let bytes = safetensors::serialize(tensors, None).unwrap();
+            std::fs::write(path.join("shard_00000.safetensors"), bytes).unwrap();
+            path
+        };
+        let a = write("a", &[1, 0, 3, 2], 0.5);
+        let b = write("b", &[1, 0, 2, 3], 0.7);
+        let report = compare(&a, &b).unwrap();
+        assert_eq!((report.routed_tokens, report.routed_differently), (2, 1));
+        assert_eq!((report.rows, report.token_mismatches), (2, 0));
+        assert_eq!(report.max_relative_error, 0.0, "the weights are not rows");
+        assert!(
+            report.failure(1e-3).is_none(),
+            "rerouting alone is information"
+        );
     }
 }

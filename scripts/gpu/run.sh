@@ -389,10 +389,14 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
   precision=bf16
   guard=$vs_replay
   [ "$device" = cpu ] && [ "$fixture" = tiny-afmoe-bf16 ] && precision=f32 && guard=${PARITY_F32:-5e-3}
+  # AFMoE keeps its expert choices too: compare counts the tokens routed otherwise
+  # (routed_differently of routed_tokens), the GPU's router site against the replay's.
+  sites=resid_pre,attn_out,resid_mid,mlp_out,resid_post
+  [ "$fixture" = tiny-afmoe-bf16 ] && sites=$sites,router_logits
   for engine in "$device" cuda-replay; do
     HARVEST_CUDA_AFMOE=try CUDA_LAUNCH_BLOCKING=1 limited 120 "$harvester" run --device "$engine" --precision "$precision" \
       --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
-      --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
+      --sites "$sites" --shard-size 4 --progress off \
       --out "$work/$fixture-$engine" >/dev/null || runs="the $engine run FAILED"
   done
   if [ "$runs" != ok ]; then
@@ -413,7 +417,7 @@ for fixture in tiny-llama3-f16-sharded tiny-qwen2-f32 tiny-mistral-window-bf16 t
   [ "$fixture" = tiny-afmoe-bf16 ] && cpu_precision=f32 && cpu_guard=1e9
   if limited 120 "$harvester" run --device cpu --precision "$cpu_precision" \
       --model "$fixtures/$fixture" --prompts "$here/parity_prompts.jsonl" --layers all \
-      --sites resid_pre,attn_out,resid_mid,mlp_out,resid_post --shard-size 4 --progress off \
+      --sites "$sites" --shard-size 4 --progress off \
       --out "$work/$fixture-cpu" >/dev/null; then
     judge "$fixture $device vs cpu $cpu_precision" "$cpu_guard" "$work/$fixture-cpu" "$work/$fixture-$device"
   else
