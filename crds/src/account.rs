@@ -184,6 +184,12 @@ pub struct HarvestAccountStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["uid"]))]
     pub holds: Vec<HoldEntry>,
+    /// Jobs with a TTL that ran to their end, newest last, at most [`MAX_RAN`]: a job that a
+    /// GitOps tool recreates from the same manifest after the TTL deleted it is recognised by
+    /// name and spec digest, and ends `AlreadyRan` instead of running and being charged again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["uid"]))]
+    pub ran: Vec<RanEntry>,
     /// `used/limit` per lane, for `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lanes: Option<LaneSummary>,
@@ -228,6 +234,47 @@ pub struct BudgetSummary {
     pub today: String,
     /// This month.
     pub month: String,
+}
+
+/// Jobs an account remembers having run ([`HarvestAccountStatus::ran`]): about 300 bytes each.
+pub const MAX_RAN: usize = 500;
+
+/// A job with a TTL that ran to its end.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RanEntry {
+    /// The job's UID.
+    pub uid: String,
+    /// `namespace/name`.
+    pub job: String,
+    /// [`crate::HarvestJobSpec::digest`] of its spec.
+    pub spec_digest: String,
+    /// `Succeeded`, `Failed` or `Cancelled`.
+    pub phase: String,
+    /// Tokens charged for it.
+    pub charged: u64,
+    /// When its hold was settled.
+    pub settled_at: Time,
+}
+
+impl HarvestAccountStatus {
+    /// Remembers `entry`, dropping the oldest past [`MAX_RAN`]; an entry of the same UID is
+    /// replaced.
+    pub fn remember_ran(&mut self, entry: RanEntry) {
+        self.ran.retain(|r| r.uid != entry.uid);
+        self.ran.push(entry);
+        let over = self.ran.len().saturating_sub(MAX_RAN);
+        self.ran.drain(..over);
+    }
+
+    /// The run of another job of the same name and spec as the job `uid` at `key`
+    /// (`namespace/name`) with spec digest `digest`, if one is remembered.
+    pub fn ran_before(&self, key: &str, digest: &str, uid: &str) -> Option<&RanEntry> {
+        self.ran
+            .iter()
+            .rev()
+            .find(|r| r.job == key && r.spec_digest == digest && r.uid != uid)
+    }
 }
 
 /// One running job's hold.
@@ -428,5 +475,42 @@ mod tests {
         assert!(restored.settle("uid-1", 250, tomorrow));
         assert_eq!(restored.ledger.tokens_today, 250);
         assert_eq!(restored.ledger.tokens_total, 250);
+    }
+
+    fn ran(uid: &str, job: &str, digest: &str) -> RanEntry {
+        RanEntry {
+            uid: uid.into(),
+            job: job.into(),
+            spec_digest: digest.into(),
+            phase: "Succeeded".into(),
+            charged: 10,
+            settled_at: Time(Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    #[test]
+    fn an_account_remembers_the_newest_runs_and_finds_another_job_of_the_same_name_and_spec() {
+        let mut status = HarvestAccountStatus::default();
+        for i in 0..MAX_RAN + 3 {
+            status.remember_ran(ran(&format!("u{i}"), &format!("ns/j{i}"), "d"));
+        }
+        assert_eq!(status.ran.len(), MAX_RAN);
+        assert_eq!(status.ran[0].uid, "u3", "the oldest go first");
+        let key = format!("ns/j{}", MAX_RAN);
+        assert!(status.ran_before(&key, "d", "new-uid").is_some());
+        assert!(
+            status.ran_before(&key, "other", "new-uid").is_none(),
+            "another spec"
+        );
+        assert!(
+            status.ran_before("ns/j0", "d", "new-uid").is_none(),
+            "forgotten"
+        );
+        assert!(
+            status
+                .ran_before(&key, "d", &format!("u{}", MAX_RAN))
+                .is_none(),
+            "itself"
+        );
     }
 }

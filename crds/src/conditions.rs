@@ -19,6 +19,11 @@ pub const FAILED: &str = "Failed";
 pub const CANCELLED: &str = "Cancelled";
 /// The `Finished` message of a cancelled job.
 pub const CANCELLED_MESSAGE: &str = "cancelled by its owner";
+/// The prefix of the `Finished` reason of a copy of a job that ran before under the same
+/// name and spec (`AlreadySucceeded`, `AlreadyFailed`, `AlreadyCancelled`): a GitOps tool
+/// applied the manifest again after the TTL deleted the job. It runs nothing and is charged
+/// nothing, and its TTL does not delete it.
+pub const ALREADY: &str = "Already";
 
 /// What a condition should now say.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -420,6 +420,23 @@ impl Progress {
 }
 
 impl HarvestJobSpec {
+    /// A digest of what the job asks for (hex sha256 of the spec's JSON, `suspend` and
+    /// `cancel` left out): the same manifest applied again, by a GitOps tool after the TTL
+    /// deleted the job, has the same digest.
+    pub fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let asked = Self {
+            suspend: false,
+            cancel: false,
+            ..self.clone()
+        };
+        let bytes = serde_json::to_vec(&asked).unwrap_or_default();
+        Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// A spec with every optional field at its default: quartile layers, no deadline, no TTL,
     /// outputs retained, `backoffLimit` [`DEFAULT_BACKOFF_LIMIT`].
     pub fn new(
@@ -449,9 +466,13 @@ impl HarvestJobSpec {
 }
 
 impl JobPhase {
-    /// The phase of a job whose `Finished` condition is true with `reason`.
+    /// The phase of a job whose `Finished` condition is true with `reason` (a copy of a job
+    /// that ran before, `Already<phase>`, takes that run's phase).
     pub fn finished(reason: &str) -> Self {
-        match reason {
+        match reason
+            .strip_prefix(crate::conditions::ALREADY)
+            .unwrap_or(reason)
+        {
             "Succeeded" => Self::Succeeded,
             "Cancelled" => Self::Cancelled,
             _ => Self::Failed,
@@ -635,5 +656,22 @@ mod tests {
             );
             assert!(conditions::get(&failed, conditions::SUCCEEDED).is_none());
         }
+    }
+
+    #[test]
+    fn the_spec_digest_ignores_suspend_and_cancel_and_changes_with_what_is_asked() {
+        let spec = HarvestJobSpec::new("m", "s3://in/p.jsonl", "s3://out/j", 500);
+        let paused = HarvestJobSpec {
+            suspend: true,
+            cancel: true,
+            ..spec.clone()
+        };
+        assert_eq!(spec.digest(), paused.digest());
+        assert_eq!(spec.digest().len(), 64);
+        let elsewhere = HarvestJobSpec::new("m", "s3://in/p.jsonl", "s3://out/k", 500);
+        assert_ne!(spec.digest(), elsewhere.digest());
+        assert_eq!(JobPhase::finished("AlreadySucceeded"), JobPhase::Succeeded);
+        assert_eq!(JobPhase::finished("AlreadyCancelled"), JobPhase::Cancelled);
+        assert_eq!(JobPhase::finished("AlreadyFailed"), JobPhase::Failed);
     }
 }

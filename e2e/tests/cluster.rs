@@ -1,8 +1,8 @@
 //! The shipped manifests on the local test cluster, as applied by `scripts/cluster.sh up`: the
 //! seed flow through the API Service, `kubectl apply` of the example job, an operator rollout
 //! mid-job, a REST job in parts with a part Pod deleted, workers no node takes (waiting past
-//! the start timeout until a node joins, or cancelled), and
-//! schema refusals.
+//! the start timeout until a node joins, or cancelled), a TTL'd job applied again by a GitOps
+//! tool (recognised, not run or charged twice), and schema refusals.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use harvest_e2e::{LocalCluster, Tier, WITHIN, eventually, repo};
@@ -493,6 +493,99 @@ async fn a_worker_no_node_takes_waits_past_the_start_timeout_and_runs_once_a_nod
 }
 
 /// A job's status, for a failure's message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_its_ttl_deleted_applied_again_from_the_same_manifest_is_not_run_or_charged_again() {
+    let cluster = LocalCluster::up();
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(6, 12).await;
+    // What Argo CD's self-heal or Flux does after the TTL deleted the job: apply the manifest
+    // in git again.
+    let example = std::fs::read_to_string(repo().join("manifests/examples/harvestjob.yaml"))
+        .unwrap()
+        .replace("name: smollm2-quartiles", "name: from-git")
+        .replace("smollm2-quartiles", "from-git")
+        .replace(
+            "ttlSecondsAfterFinished: 604800",
+            "ttlSecondsAfterFinished: 1",
+        );
+    let apply = || {
+        cluster
+            .kubectl_with_input(
+                &["apply", "--validate=false", "-f", "-", "-n", "my-team"],
+                Some(&example),
+            )
+            .unwrap()
+    };
+    let job = ["harvestjob", "from-git", "-n", "my-team"];
+    let account = ["harvestaccount", "interp-team"];
+    apply();
+    // The TTL of 1 s deletes the job soon after it ends: its UID is read while it runs.
+    let first_uid = eventually("the job created", WITHIN, || {
+        let uid = cluster.field(&job, "{.metadata.uid}");
+        (!uid.is_empty()).then_some(uid).ok_or(String::new())
+    })
+    .await;
+    eventually("the job's run settled and remembered", WITHIN, || {
+        let ran = cluster.field(&account, "{.status.ran[*].uid}");
+        ran.split(' ')
+            .any(|r| r == first_uid)
+            .then_some(())
+            .ok_or(format!("ran {ran}, {}", json_status(&cluster, &job)))
+    })
+    .await;
+    let charged = cluster.field(&account, "{.status.tokensTotal}");
+    assert_ne!(charged, "0", "the first run was charged");
+    eventually("the TTL deleted the job", WITHIN, || {
+        let gone = cluster.kubectl(&["get", "harvestjob", "from-git", "-n", "my-team"]);
+        gone.is_err().then_some(()).ok_or("still there".to_owned())
+    })
+    .await;
+    apply();
+    eventually("the copy ends as the run it copies", WITHIN, || {
+        let reason = cluster.field(&job, "{.status.conditions[?(@.type==\"Finished\")].reason}");
+        (reason == "AlreadySucceeded")
+            .then_some(())
+            .ok_or(json_status(&cluster, &job))
+    })
+    .await;
+    assert_ne!(cluster.field(&job, "{.metadata.uid}"), first_uid);
+    assert_eq!(cluster.field(&job, "{.status.phase}"), "Succeeded");
+    assert_eq!(cluster.field(&job, "{.status.pod}"), "", "no worker ran");
+    let message = cluster.field(
+        &job,
+        "{.status.conditions[?(@.type==\"Finished\")].message}",
+    );
+    assert!(message.contains(&first_uid), "{message}");
+    // Its own TTL has run out, and a reconcile after that (the suspend edit bumps the
+    // generation, which the status then records) leaves it be, or the tool would copy it again.
+    cluster
+        .kubectl(&[
+            "patch",
+            "harvestjob",
+            "from-git",
+            "-n",
+            "my-team",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"suspend":true}}"#,
+        ])
+        .unwrap();
+    eventually("a reconcile after the copy's TTL ran out", WITHIN, || {
+        let seen = cluster.field(&job, "{.status.observedGeneration}");
+        let generation = cluster.field(&job, "{.metadata.generation}");
+        (seen == generation)
+            .then_some(())
+            .ok_or(format!("{seen} of {generation}"))
+    })
+    .await;
+    assert_eq!(cluster.field(&job, "{.status.phase}"), "Succeeded");
+    assert_eq!(
+        cluster.field(&account, "{.status.tokensTotal}"),
+        charged,
+        "charged once"
+    );
+}
+
 fn json_status(cluster: &LocalCluster, job: &[&str]) -> String {
     cluster.field(job, "{.status}")
 }

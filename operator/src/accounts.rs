@@ -103,6 +103,31 @@ pub fn bind(
     }
 }
 
+/// The verdict on a job that `account` remembers having run under the same name and spec
+/// ([`harvest_crds::HarvestAccountStatus::ran_before`]): a copy a GitOps tool made after the
+/// TTL deleted it, which ends as that run did.
+pub fn already_ran(
+    job: &HarvestJob,
+    accounts: &[impl AsRef<HarvestAccount>],
+    account: &str,
+) -> Option<crate::admission::Admission> {
+    let paying = accounts
+        .iter()
+        .map(AsRef::as_ref)
+        .find(|a| a.name_any() == account)?;
+    let status = paying.status.as_ref()?;
+    let key = crate::context::key_of(job);
+    let before = status.ran_before(&key, &job.spec.digest(), &job.uid()?)?;
+    let settled = before.settled_at.0;
+    Some(crate::admission::Admission::AlreadyRan {
+        phase: before.phase.clone(),
+        message: format!(
+            "{key} ran to its end before with this same spec (UID {}, {}, {} tokens charged, settled {settled}) and its TTL deleted it; this copy, from the same manifest, is not run or charged again. Its outputs are where spec.output says. To run it again, give the job another name or change its spec",
+            before.uid, before.phase, before.charged
+        ),
+    })
+}
+
 /// The refusal of a job whose input or output lies outside its account's `storagePrefixes`
 /// and `storage.prefix` (`None` when every location is inside one, or the account names
 /// none).
@@ -323,6 +348,47 @@ mod tests {
         // An account without a prefix refuses nothing.
         let open = [account("team-a", &["a"])];
         assert_eq!(storage_refusal(&job, &open, "team-a"), None);
+    }
+
+    #[test]
+    fn a_job_recreated_under_the_name_and_spec_of_one_that_ran_is_known_and_another_is_not() {
+        let mut ran = job("a", &[]);
+        ran.metadata.uid = Some("old".into());
+        let mut paying = HarvestAccount::new("team-a", HarvestAccountSpec::for_namespaces(&["a"]));
+        let mut status = harvest_crds::HarvestAccountStatus::default();
+        status.remember_ran(harvest_crds::account::RanEntry {
+            uid: "old".into(),
+            job: "a/j".into(),
+            spec_digest: ran.spec.digest(),
+            phase: "Succeeded".into(),
+            charged: 77,
+            settled_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+        });
+        paying.status = Some(status);
+        let accounts = [std::sync::Arc::new(paying)];
+        let mut copy = ran.clone();
+        copy.metadata.uid = Some("new".into());
+        let Some(crate::admission::Admission::AlreadyRan { phase, message }) =
+            already_ran(&copy, &accounts, "team-a")
+        else {
+            panic!("the copy was not recognised")
+        };
+        assert_eq!(phase, "Succeeded");
+        assert!(
+            message.contains("77 tokens") && message.contains("another name"),
+            "{message}"
+        );
+        assert!(
+            already_ran(&ran, &accounts, "team-a").is_none(),
+            "the run itself"
+        );
+        copy.spec.harvest.shard_size = 8;
+        assert!(
+            already_ran(&copy, &accounts, "team-a").is_none(),
+            "an edited spec runs"
+        );
     }
 
     #[test]

@@ -47,6 +47,15 @@ pub enum Admission {
         /// Why, and what to do.
         message: String,
     },
+    /// Never: the same job (name and spec) ran to its end before, and its TTL deleted it;
+    /// this one is a GitOps tool's copy. It ends as that run ended, running nothing and
+    /// charged nothing.
+    AlreadyRan {
+        /// How that run ended: `Succeeded`, `Failed` or `Cancelled`.
+        phase: String,
+        /// What ran, and how to run it again.
+        message: String,
+    },
     /// Wait, for the reason given.
     Wait {
         /// CamelCase reason for the `Admitted=False` condition.

@@ -341,6 +341,9 @@ impl Context {
         {
             return Ok((refusal, None));
         }
+        if let Some(ran) = accounts::already_ran(job, &all_accounts, &binding.account) {
+            return Ok((ran, None));
+        }
         let verdict = self.admit(job, lane, &binding.account, now);
         if verdict != Admission::Admit {
             return Ok((verdict, None));

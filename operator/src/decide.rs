@@ -166,8 +166,17 @@ pub struct Decision {
 /// How a job ends.
 enum Outcome {
     Succeeded(Option<harvest_crds::ResultSummary>),
-    Failed { reason: String, message: String },
+    Failed {
+        reason: String,
+        message: String,
+    },
     Cancelled,
+    /// A copy of a job that ran before ([`Admission::AlreadyRan`]): no run, no charge; it
+    /// ends in that run's phase.
+    AlreadyRan {
+        phase: String,
+        message: String,
+    },
 }
 
 struct Builder<'a> {
@@ -247,6 +256,12 @@ impl Builder<'_> {
                 Admission::Refuse { reason, message } => {
                     return self.finish(Outcome::Failed {
                         reason: (*reason).to_owned(),
+                        message: message.clone(),
+                    });
+                }
+                Admission::AlreadyRan { phase, message } => {
+                    return self.finish(Outcome::AlreadyRan {
+                        phase: phase.clone(),
                         message: message.clone(),
                     });
                 }
@@ -640,6 +655,15 @@ impl Builder<'_> {
                 conditions::CANCELLED_MESSAGE.to_owned(),
                 false,
             ),
+            Outcome::AlreadyRan { phase, message } => {
+                let event = match phase.as_str() {
+                    "Succeeded" => JobEvent::Succeeded { tokens: 0 },
+                    "Cancelled" => JobEvent::Cancel,
+                    _ => JobEvent::Failed,
+                };
+                let reason = format!("{}{phase}", conditions::ALREADY);
+                (event, reason, message.clone(), false)
+            }
         };
         if let Outcome::Succeeded(Some(result)) = outcome {
             self.status.progress = Some(Progress::new(
@@ -667,6 +691,11 @@ impl Builder<'_> {
     }
 
     fn schedule_ttl(&mut self) {
+        // A copy of a job that ran before stays, or the GitOps tool would copy it again.
+        let finished = conditions::get(&self.status.conditions, FINISHED);
+        if finished.is_some_and(|c| c.reason.starts_with(conditions::ALREADY)) {
+            return;
+        }
         let (Some(ttl), Some(done)) = (
             self.observed.job.spec.ttl_seconds_after_finished,
             &self.status.completion_time,

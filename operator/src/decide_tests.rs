@@ -165,6 +165,38 @@ fn infrastructure_failures_retry_at_once_without_counting_until_the_cap() {
 }
 
 #[test]
+fn a_copy_of_a_job_that_ran_ends_in_its_phase_running_and_charging_nothing_and_outlives_its_ttl() {
+    for (phase, ends) in [
+        ("Succeeded", JobPhase::Succeeded),
+        ("Failed", JobPhase::Failed),
+        ("Cancelled", JobPhase::Cancelled),
+    ] {
+        let mut job = job();
+        job.spec.ttl_seconds_after_finished = Some(0);
+        let verdict = Admission::AlreadyRan {
+            phase: phase.into(),
+            message: "ran before".into(),
+        };
+        let done = step(&job, None, verdict, 0);
+        assert_eq!(done.status.phase, Some(ends), "{phase}");
+        let finished = get(&done.status.conditions, FINISHED).unwrap();
+        assert_eq!(finished.reason, format!("Already{phase}"));
+        assert!(done.status.tokens.is_none(), "no hold, no charge");
+        assert!(
+            done.actions
+                .iter()
+                .all(|a| matches!(a, Action::Event { .. })),
+            "{:?}",
+            done.actions
+        );
+        apply(&mut job, &done);
+        let later = step(&job, None, Admission::Admit, 3600);
+        assert!(!later.actions.contains(&Action::DeleteJob), "{phase}");
+        assert_eq!(later.requeue_after, None);
+    }
+}
+
+#[test]
 fn success_charges_what_ran_and_a_ttl_deletes_the_job_once_it_expires() {
     let mut job = job();
     job.spec.ttl_seconds_after_finished = Some(60);

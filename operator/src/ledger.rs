@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use harvest_crds::{HarvestAccount, HarvestJob, account::millis};
+use harvest_crds::account::{RanEntry, millis};
+use harvest_crds::{HarvestAccount, HarvestJob};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action as Requeue;
 use kube::{Api, ResourceExt};
@@ -84,6 +85,12 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
     }
     let limits = account.spec.limits();
     status.store(&book, &limits, &BTreeMap::new(), now);
+    for entry in due
+        .iter()
+        .filter_map(|(uid, charged)| ran(by_uid.get(uid)?, *charged, now_ts))
+    {
+        status.remember_ran(entry);
+    }
     let status_pending = mine.iter().filter(|j| accounts::is_pending(j)).count() as u32;
     status.pending_jobs = status_pending;
     status.observed_generation = account.metadata.generation;
@@ -110,6 +117,22 @@ pub async fn reconcile_account(account: Arc<HarvestAccount>, ctx: Arc<Context>) 
         },
     );
     Ok(Requeue::requeue(next_look(&book, now_ts)))
+}
+
+/// What the account remembers of a settled job with a TTL, so that the same manifest applied
+/// again after the TTL deleted it does not run again (`accounts::already_ran`); none for a job
+/// without a TTL, which stays until someone deletes it.
+fn ran(job: &HarvestJob, charged: u64, now: Timestamp) -> Option<RanEntry> {
+    job.spec.ttl_seconds_after_finished?;
+    let phase = job.status_or_default().phase?;
+    Some(RanEntry {
+        uid: job.uid()?,
+        job: crate::context::key_of(job),
+        spec_digest: job.spec.digest(),
+        phase: format!("{phase:?}"),
+        charged,
+        settled_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+    })
 }
 
 /// When to look at the account again: at its UTC midnight, and every resync (sooner while
