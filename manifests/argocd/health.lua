@@ -11,8 +11,10 @@ end
 for _, condition in ipairs(obj.status.conditions) do
   if condition.type == "Finished" and condition.status == "True" then
     -- A cancel is a finished, deliberate end: Healthy, not Suspended, which Argo CD would
-    -- show forever because nothing resumes a cancelled job.
-    if condition.reason == "Succeeded" or condition.reason == "Cancelled" then
+    -- show forever because nothing resumes a cancelled job. A copy of a job that ran before
+    -- (the same manifest applied again after the TTL deleted it) ends as that run did.
+    local ended = string.gsub(condition.reason, "^Already", "")
+    if ended == "Succeeded" or ended == "Cancelled" then
       hs.status = "Healthy"
     else
       hs.status = "Degraded"
