@@ -496,7 +496,7 @@ mod tests {
         }
         assert_eq!(status.ran.len(), MAX_RAN);
         assert_eq!(status.ran[0].uid, "u3", "the oldest go first");
-        let key = format!("ns/j{}", MAX_RAN);
+        let key = format!("ns/j{MAX_RAN}");
         assert!(status.ran_before(&key, "d", "new-uid").is_some());
         assert!(
             status.ran_before(&key, "other", "new-uid").is_none(),
@@ -508,7 +508,7 @@ mod tests {
         );
         assert!(
             status
-                .ran_before(&key, "d", &format!("u{}", MAX_RAN))
+                .ran_before(&key, "d", &format!("u{MAX_RAN}"))
                 .is_none(),
             "itself"
         );

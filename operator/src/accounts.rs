@@ -103,6 +103,11 @@ pub fn bind(
     }
 }
 
+/// A job's `namespace/name`, how queues, holds and logs name it.
+pub(crate) fn key_of(job: &HarvestJob) -> String {
+    format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
+}
+
 /// The verdict on a job that `account` remembers having run under the same name and spec
 /// ([`harvest_crds::HarvestAccountStatus::ran_before`]): a copy a GitOps tool made after the
 /// TTL deleted it, which ends as that run did.
@@ -116,7 +121,7 @@ pub fn already_ran(
         .map(AsRef::as_ref)
         .find(|a| a.name_any() == account)?;
     let status = paying.status.as_ref()?;
-    let key = crate::context::key_of(job);
+    let key = key_of(job);
     let before = status.ran_before(&key, &job.spec.digest(), &job.uid()?)?;
     let settled = before.settled_at.0;
     Some(crate::admission::Admission::AlreadyRan {

@@ -77,9 +77,7 @@ impl std::fmt::Debug for Context {
     }
 }
 
-pub(crate) fn key_of(job: &HarvestJob) -> String {
-    format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any())
-}
+pub(crate) use crate::accounts::key_of;
 
 impl Context {
     /// The cached HarvestAccount `name`.
