@@ -151,6 +151,13 @@ fn lenient_phase<'de, D: serde::Deserializer<'de>>(
     Ok(phase.and_then(|p| serde_json::from_value(p).ok()))
 }
 
+fn lenient_part_phase<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<PartPhase, D::Error> {
+    let phase = serde_json::Value::deserialize(deserializer)?;
+    Ok(serde_json::from_value(phase).unwrap_or_default())
+}
+
 impl JobPhase {
     /// The name as written in status.
     pub fn as_str(self) -> &'static str {
@@ -261,7 +268,10 @@ pub enum PartPhase {
 pub struct PartStatus {
     /// The part's index, from 0.
     pub index: u32,
-    /// Where it stands.
+    /// Where it stands. A phase this release does not know (a newer release's) reads as
+    /// `Waiting`, which the next decision corrects from the part's Pod, so that a list of
+    /// jobs still decodes after a rollback.
+    #[serde(deserialize_with = "lenient_part_phase")]
     pub phase: PartPhase,
     /// Pods created for it so far.
     #[serde(default)]
@@ -656,6 +666,17 @@ mod tests {
             );
             assert!(conditions::get(&failed, conditions::SUCCEEDED).is_none());
         }
+    }
+
+    #[test]
+    fn a_part_phase_of_a_newer_release_reads_as_waiting_and_the_known_ones_as_themselves() {
+        let parts = serde_json::json!([
+            {"index": 0, "phase": "Draining"},
+            {"index": 1, "phase": "Succeeded"},
+        ]);
+        let read: Vec<PartStatus> = serde_json::from_value(parts).unwrap();
+        assert_eq!(read[0].phase, PartPhase::Waiting);
+        assert_eq!(read[1].phase, PartPhase::Succeeded);
     }
 
     #[test]

@@ -129,7 +129,7 @@ fn ran(job: &HarvestJob, charged: u64, now: Timestamp) -> Option<RanEntry> {
         uid: job.uid()?,
         job: crate::context::key_of(job),
         spec_digest: job.spec.digest(),
-        phase: format!("{phase:?}"),
+        phase: phase.as_str().to_owned(),
         charged,
         settled_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
     })
