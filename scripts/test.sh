@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model, installs the
 # test-only tools and builds the real tier's Kubernetes control plane and Kueue from their Go
-# modules (all cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
+# modules, and Helm from its (all cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
 # on the real control plane (the first run is on the fake apiserver), runs
 # schemathesis on the OpenAPI document against the embedded server, then installs the Python
 # client (clients/python) and runs its pytest suite against the binaries cargo just built (the
@@ -16,6 +16,8 @@ tools=$(scripts/test-tools.sh)
 scripts/controlplane.sh >/dev/null
 # Kueue's controller and install, for the real tier's Kueue test (cold: a few minutes).
 scripts/kueue.sh >/dev/null
+# Helm, for the chart's tests (operator/tests/chart.rs) and its install on the real tier.
+scripts/helm.sh >/dev/null
 export HARVEST_WEED=$tools/weed HARVEST_PYTHON=$tools/python
 # NVIDIA's CUDA 12 and 13 wheels (the harvester looks in a site-packages named here) and driver
 # 535's library: the CUDA tests must compile every kernel and resolve every entry point, not skip.
