@@ -5,6 +5,7 @@
 #
 #   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/crds/ and manifests/, wait
 #   eval "$(scripts/cluster.sh up --real)"  # the same on a real control plane (see below)
+#   HARVEST_INSTALL=helm scripts/cluster.sh up --real  # helm install charts/harvest instead
 #   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
 #   scripts/cluster.sh down             # stop everything `up` started
 #
@@ -27,6 +28,7 @@ cd "$(dirname "$0")/.."
 cache=${HARVEST_CACHE:-$HOME/.cache/harvest}
 dir=${HARVEST_CLUSTER_DIR:-$cache/cluster}
 version=0.1.0
+next=0.1.1
 
 say() { echo "cluster: $*" >&2; }
 alive() { [ -f "$dir/$1.pid" ] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
@@ -149,8 +151,13 @@ storage_secrets() {
 }
 
 up() {
-  local tier=fake
+  local tier=fake install=${HARVEST_INSTALL:-kustomize}
   [ "${1:-}" = --real ] && tier=real
+  case $tier:$install in
+    real:helm | real:kustomize | fake:kustomize) ;;
+    fake:helm) say "HARVEST_INSTALL=helm runs on the real tier only: up --real"; exit 2 ;;
+    *) say "HARVEST_INSTALL=$install: use kustomize (the default) or helm"; exit 2 ;;
+  esac
   if alive cluster; then
     say "already up"
     print_exports
@@ -172,27 +179,39 @@ up() {
   tools=$(scripts/test-tools.sh)
   say "starting the S3 server"
   start_storage "$tools/weed"
-  local images=(--image "ghcr.io/harvest-dev/harvest-api:$version=$bin/harvest-api"
-    --image "ghcr.io/harvest-dev/harvest-operator:$version=$bin/harvest-operator"
-    --image "ghcr.io/harvest-dev/harvester:$version=$bin/harvester"
-    --claim "*/harvest-models=$cache/models")
+  local images=() tag
+  # $next: the same binaries under the next release's tag, for the upgrade tests.
+  for tag in "$version" "$next"; do
+    images+=(--image "ghcr.io/harvest-dev/harvest-api:$tag=$bin/harvest-api"
+      --image "ghcr.io/harvest-dev/harvest-operator:$tag=$bin/harvest-operator"
+      --image "ghcr.io/harvest-dev/harvester:$tag=$bin/harvester")
+  done
+  images+=(--claim "*/harvest-models=$cache/models")
   if [ "$tier" = real ]; then
     start_real "$bin" "${images[@]}"
   else
     start_fake "$bin" "${images[@]}"
   fi
-  say "kubectl apply -k manifests/crds/, then -k manifests/"
-  if [ "$tier" = real ]; then
-    kc apply -k manifests/crds/ >&2
-    kc wait --for=condition=Established crd --all --timeout=60s >&2
-    kc apply -k manifests/ >&2
-    bind_models_claim
-  else
-    # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
-    # apiserver validates custom resources against their schemas itself.
-    kc apply -k manifests/crds/ --validate=false >&2
-    kc apply -k manifests/ --validate=false >&2
-  fi
+  case $tier:$install in
+    real:helm)
+      install_chart
+      bind_models_claim
+      ;;
+    real:kustomize)
+      say "kubectl apply -k manifests/crds/, then -k manifests/"
+      kc apply -k manifests/crds/ >&2
+      kc wait --for=condition=Established crd --all --timeout=60s >&2
+      kc apply -k manifests/ >&2
+      bind_models_claim
+      ;;
+    fake:kustomize)
+      say "kubectl apply -k manifests/crds/, then -k manifests/"
+      # The stand-in serves no OpenAPI document, so kubectl cannot validate client-side; the
+      # apiserver validates custom resources against their schemas itself.
+      kc apply -k manifests/crds/ --validate=false >&2
+      kc apply -k manifests/ --validate=false >&2
+      ;;
+  esac
   storage_secrets
   say "waiting for the Deployments"
   if ! kc -n harvest-system wait --for=condition=Available deployment --all --timeout=300s >&2; then
@@ -253,6 +272,26 @@ start_real() {
     --dir "$dir/state/agents" > "$dir/agent-services.log" 2>&1 < /dev/null &
   echo $! > "$dir/agent-services.pid"
   wait_for "the nodes becoming Ready" 60 kc wait --for=condition=Ready node/cpu-0 node/cpu-1 node/gpu-0 node/gpu-1 --timeout=5s
+}
+
+# docs/install.md's Helm install: the release's namespace with its Pod Security level, then
+# the chart (its crds/ first). Helm keeps its own state under the cluster's directory.
+install_chart() {
+  local helm
+  helm=$(scripts/helm.sh)
+  echo "$helm" > "$dir/state/helm"
+  say "helm install harvest charts/harvest -n harvest-system"
+  kc create namespace harvest-system --dry-run=client -o yaml | kc apply -f - >&2
+  kc label namespace harvest-system --overwrite app.kubernetes.io/part-of=harvest \
+    pod-security.kubernetes.io/enforce=restricted pod-security.kubernetes.io/warn=restricted >&2
+  hc install harvest charts/harvest -n harvest-system >&2
+}
+
+# Helm against this cluster, its caches and repositories under the cluster's directory.
+hc() {
+  KUBECONFIG=$dir/state/kubeconfig HELM_CACHE_HOME=$dir/state/helm-home/cache \
+    HELM_CONFIG_HOME=$dir/state/helm-home/config HELM_DATA_HOME=$dir/state/helm-home/data \
+    "$(cat "$dir/state/helm")" "$@"
 }
 
 # Binds the models claim to the model cache, as a platform team's storage would.

@@ -107,11 +107,34 @@ impl Tier {
     }
 }
 
+/// How `scripts/cluster.sh up` installs harvest (`HARVEST_INSTALL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Install {
+    /// `kubectl apply -k manifests/crds/`, then `-k manifests/`.
+    Kustomize,
+    /// `helm install harvest charts/harvest` (the real tier only).
+    Helm,
+}
+
+impl Install {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Kustomize => "kustomize",
+            Self::Helm => "helm",
+        }
+    }
+}
+
 fn script(dir: &Path, args: &[&str]) -> std::process::Output {
+    script_installing(dir, args, Install::Kustomize)
+}
+
+fn script_installing(dir: &Path, args: &[&str], install: Install) -> std::process::Output {
     Command::new(repo().join("scripts/cluster.sh"))
         .args(args)
         .env("HARVEST_CLUSTER_DIR", dir)
         .env("HARVEST_BIN_DIR", bin_dir())
+        .env("HARVEST_INSTALL", install.name())
         .output()
         .unwrap()
 }
@@ -124,13 +147,18 @@ impl LocalCluster {
 
     /// `scripts/cluster.sh up` (`--real` for the real tier), its exports read back.
     pub fn up_on(tier: Tier) -> Self {
+        Self::up_installing(tier, Install::Kustomize)
+    }
+
+    /// `scripts/cluster.sh up` with harvest installed as `install` says.
+    pub fn up_installing(tier: Tier, install: Install) -> Self {
         let slot = (tier == Tier::Real).then(RealSlot::take);
         let dir = tempfile::tempdir().unwrap();
         let args: &[&str] = match tier {
             Tier::Fake => &["up"],
             Tier::Real => &["up", "--real"],
         };
-        let out = script(dir.path(), args);
+        let out = script_installing(dir.path(), args, install);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
             // What it started before it failed (the S3 server, the cluster) must not outlive
@@ -165,6 +193,29 @@ impl LocalCluster {
     /// Runs kubectl with this cluster's kubeconfig: its stdout, or its stderr as the error.
     pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
         self.kubectl_with_input(args, None)
+    }
+
+    /// Runs Helm (a cluster `up` installed with [`Install::Helm`]) in the repository root,
+    /// with this cluster's kubeconfig and Helm's state in its directory: its stdout, or its
+    /// stderr as the error.
+    pub fn helm(&self, args: &[&str]) -> Result<String, String> {
+        let state = self.dir.path().join("state");
+        let helm = std::fs::read_to_string(state.join("helm")).unwrap();
+        let home = state.join("helm-home");
+        let out = Command::new(helm.trim())
+            .args(args)
+            .current_dir(repo())
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .output()
+            .unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
     }
 
     /// Runs kubectl with `input` on its stdin.

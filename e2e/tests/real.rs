@@ -3,12 +3,12 @@
 //! them. CRD defaults, pruning and CEL; uninstall and namespace deletion with jobs in flight;
 //! a node that stops heartbeating; a ResourceQuota that refuses a worker; a watch answered
 //! 410 Gone after an etcd compaction; Kueue (a job queued in a full ClusterQueue, a worker
-//! it evicts).
+//! it evicts); the Helm chart installed, upgraded with a job in flight and uninstalled.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
-use harvest_e2e::{LocalCluster, Tier, WITHIN, eventually};
+use harvest_e2e::{Install, LocalCluster, Tier, WITHIN, eventually};
 use serde_json::Value;
 
 /// How long an uninstall or a namespace deletion may take (issue 36: within a minute).
@@ -225,6 +225,155 @@ async fn kubectl_delete_of_the_manifests_mid_job_ends_within_a_minute_and_keeps_
     delete_within_a_minute(&cluster, &["-k", "manifests/crds/"]);
     let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");
     assert!(!crds.contains("harvest.dev"), "{crds}");
+}
+
+/// The images the harvest-system Deployments run, by Deployment name.
+fn deployment_images(cluster: &LocalCluster) -> String {
+    cluster.field(
+        &["deployments", "-n", "harvest-system"],
+        "{range .items[*]}{.metadata.name}={.spec.template.spec.containers[0].image} {end}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_installs_the_chart_upgrades_it_with_a_job_in_flight_and_uninstalls_it_keeping_the_ledger_weights_and_keys()
+ {
+    // docs/install.md's Helm install: the namespace, the chart (its crds/ first).
+    let cluster = LocalCluster::up_installing(Tier::Real, Install::Helm);
+    let releases = cluster
+        .helm(&["list", "-n", "harvest-system", "-o", "json"])
+        .unwrap();
+    let releases: Value = serde_json::from_str(&releases).unwrap();
+    assert_eq!(releases[0]["name"], "harvest", "{releases}");
+    assert_eq!(releases[0]["status"], "deployed", "{releases}");
+    let job = example_job_running(&cluster, "my-team").await;
+    let job: Vec<&str> = job.iter().map(String::as_str).collect();
+    let first_worker = cluster.field(&job, "{.status.workerImage}");
+    assert_eq!(first_worker, "ghcr.io/harvest-dev/harvester:0.1.0");
+    // The next release, every image, while the job runs.
+    cluster
+        .helm(&[
+            "upgrade",
+            "harvest",
+            "charts/harvest",
+            "-n",
+            "harvest-system",
+            "--set-string",
+            "images.api.tag=0.1.1,images.operator.tag=0.1.1,images.worker.tag=0.1.1",
+        ])
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "rollout",
+            "status",
+            "-n",
+            "harvest-system",
+            "deployment/harvest-operator",
+            "deployment/harvest-api",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    let images = deployment_images(&cluster);
+    assert!(
+        images.contains("harvest-api=ghcr.io/harvest-dev/harvest-api:0.1.1")
+            && images.contains("harvest-operator=ghcr.io/harvest-dev/harvest-operator:0.1.1"),
+        "{images}"
+    );
+    // The new operator finishes the job on the harvester it started with, charged once.
+    let stored = succeeded_and_charged_once(&cluster, &job).await;
+    assert_eq!(stored["status"]["workerImage"], first_worker);
+    // The upgraded API serves: a key made as the install guide makes it lists the models.
+    let key = cluster.create_key_in_api_pod("interp-team").unwrap();
+    let models: Value = reqwest::Client::new()
+        .get(format!("{}/models", cluster.api))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(models.to_string().contains("smollm2-135m"), "{models}");
+    // Uninstall: what the templates made goes but the data: the models claim and the keys'
+    // namespace (helm.sh/resource-policy: keep), and the CRDs (crds/, which Helm never
+    // deletes) with the account's ledger and the job.
+    cluster
+        .helm(&["uninstall", "harvest", "-n", "harvest-system"])
+        .unwrap();
+    let crds = cluster.field(&["crd"], "{.items[*].metadata.name}");
+    for crd in ["harvestaccounts.harvest.dev", "harvestjobs.harvest.dev"] {
+        assert!(crds.split_whitespace().any(|c| c == crd), "{crds}");
+    }
+    let account = json(&cluster, &["harvestaccount", "interp-team"]);
+    assert_eq!(
+        account["status"]["tokensTotal"], stored["status"]["tokens"]["charged"],
+        "{account}"
+    );
+    assert_eq!(json(&cluster, &job)["status"]["phase"], "Succeeded");
+    eventually("no Deployment, API or operator Pod left", DELETION, || {
+        let left = cluster.field(
+            &[
+                "deployments,pods",
+                "-n",
+                "harvest-system",
+                "-l",
+                "app.kubernetes.io/name in (harvest-api,harvest-operator)",
+            ],
+            "{.items[*].metadata.name}",
+        );
+        left.is_empty().then_some(()).ok_or(left)
+    })
+    .await;
+    let roles = cluster.field(&["clusterroles"], "{.items[*].metadata.name}");
+    assert!(!roles.contains("harvest-"), "{roles}");
+    let claim = json(&cluster, &["pvc", "harvest-models", "-n", "harvest-system"]);
+    assert!(claim["metadata"]["deletionTimestamp"].is_null(), "{claim}");
+    assert_eq!(claim["status"]["phase"], "Bound");
+    assert_eq!(terminating(&cluster, "namespaces"), Vec::<String>::new());
+    // A later install picks up where this one was: the same key still opens the API.
+    cluster
+        .helm(&[
+            "install",
+            "harvest",
+            "charts/harvest",
+            "-n",
+            "harvest-system",
+        ])
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "rollout",
+            "status",
+            "-n",
+            "harvest-system",
+            "deployment/harvest-api",
+            "--timeout=240s",
+        ])
+        .unwrap();
+    let service = cluster
+        .state_dir()
+        .join("agents/services/harvest-system.harvest-api.80");
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    loop {
+        let answer = match std::fs::read_to_string(&service) {
+            Ok(port) => reqwest::Client::new()
+                .get(format!("http://127.0.0.1:{}/v1/models", port.trim()))
+                .bearer_auth(&key)
+                .send()
+                .await
+                .map(|r| r.status().to_string())
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if answer.as_deref() == Ok("200 OK") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reinstalled API did not take the old key: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// The job's record as it ends: Succeeded, charged exactly its tokens, and the account's lane
