@@ -6,6 +6,7 @@
 #   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/crds/ and manifests/, wait
 #   eval "$(scripts/cluster.sh up --real)"  # the same on a real control plane (see below)
 #   HARVEST_INSTALL=helm scripts/cluster.sh up --real  # helm install charts/harvest instead
+#   HARVEST_INSTALL=none scripts/cluster.sh up --real  # nothing installed (docs/install.md's test)
 #   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
 #   scripts/cluster.sh down             # stop everything `up` started
 #
@@ -154,7 +155,7 @@ up() {
   local tier=fake install=${HARVEST_INSTALL:-kustomize}
   [ "${1:-}" = --real ] && tier=real
   case $tier:$install in
-    real:helm | real:kustomize | fake:kustomize) ;;
+    real:helm | real:kustomize | fake:kustomize | real:none) ;;
     fake:helm) say "HARVEST_INSTALL=helm runs on the real tier only: up --real"; exit 2 ;;
     *) say "HARVEST_INSTALL=$install: use kustomize (the default) or helm"; exit 2 ;;
   esac
@@ -200,9 +201,15 @@ up() {
     real:kustomize)
       say "kubectl apply -k manifests/crds/, then -k manifests/"
       kc apply -k manifests/crds/ >&2
-      kc wait --for=condition=Established crd --all --timeout=60s >&2
+      # A new CRD has no conditions for a moment, which kubectl wait refuses as an error.
+      wait_for "the CRDs established" 60 kc wait --for=condition=Established crd --all --timeout=5s
       kc apply -k manifests/ >&2
       bind_models_claim
+      ;;
+    real:none)
+      # An empty cluster, its storage ready: what docs/install.md starts from (its test).
+      echo "export KUBECONFIG=$dir/state/kubeconfig"
+      return
       ;;
     fake:kustomize)
       say "kubectl apply -k manifests/crds/, then -k manifests/"
@@ -336,9 +343,30 @@ down() {
   say "down"
 }
 
+# Writes stdin to BUCKET/KEY of the local S3 server (through its filer).
+put_object() {
+  local bucket=${1:?usage: scripts/cluster.sh put BUCKET KEY < FILE} key=${2:?usage: scripts/cluster.sh put BUCKET KEY < FILE}
+  alive cluster || { say "not up: run scripts/cluster.sh up"; exit 1; }
+  curl -fsS -X PUT --data-binary @- "$(cat "$dir/filer.endpoint")/buckets/$bucket/$key" >/dev/null
+}
+
+# The local stand-ins for what docs/install.md does with a cloud or a registry (its test marks
+# each such command and runs one of these instead): the storage Secrets of the local S3 server,
+# the models claim bound to the model cache, an object put in a bucket.
+local_step() {
+  alive cluster || { say "not up: run scripts/cluster.sh up"; exit 1; }
+  case ${1:-} in
+    storage-secrets) storage_secrets ;;
+    bind-models) bind_models_claim ;;
+    put) shift; put_object "$@" ;;
+    *) echo "usage: scripts/cluster.sh local storage-secrets | bind-models | put BUCKET KEY" >&2; exit 2 ;;
+  esac
+}
+
 case ${1:-} in
   up) shift; up "$@" ;;
   create-key) shift; create_key "$@" ;;
+  local) shift; local_step "$@" ;;
   down) down ;;
-  *) echo "usage: scripts/cluster.sh up [--real] | create-key ACCOUNT | down" >&2; exit 2 ;;
+  *) echo "usage: scripts/cluster.sh up [--real] | create-key ACCOUNT | local STEP | down" >&2; exit 2 ;;
 esac

@@ -114,6 +114,8 @@ pub enum Install {
     Kustomize,
     /// `helm install harvest charts/harvest` (the real tier only).
     Helm,
+    /// Nothing: an empty real cluster with its storage ready, for docs/install.md's test.
+    Nothing,
 }
 
 impl Install {
@@ -121,6 +123,7 @@ impl Install {
         match self {
             Self::Kustomize => "kustomize",
             Self::Helm => "helm",
+            Self::Nothing => "none",
         }
     }
 }
@@ -181,7 +184,12 @@ impl LocalCluster {
             .map_or_else(|_| PathBuf::from("kubectl"), |p| PathBuf::from(p.trim()));
         Self {
             kubeconfig: export("KUBECONFIG").into(),
-            api: export("HARVEST_API"),
+            // Nothing installed, no API yet.
+            api: if install == Install::Nothing {
+                String::new()
+            } else {
+                export("HARVEST_API")
+            },
             kubectl,
             tier,
             setup_log: String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -216,6 +224,30 @@ impl LocalCluster {
         } else {
             Err(String::from_utf8_lossy(&out.stderr).into_owned())
         }
+    }
+
+    /// Runs `script` with `bash -euo pipefail` in the repository root as an administrator's
+    /// shell on this cluster: its kubeconfig, its kubectl first on `PATH`, and
+    /// `scripts/cluster.sh` pointed at it (for the local stand-ins docs/install.md names).
+    pub fn shell(&self, script: &str) -> std::process::Output {
+        let kubectl_dir = self
+            .kubectl
+            .parent()
+            .map(Path::to_owned)
+            .unwrap_or_default();
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let path =
+            std::env::join_paths(std::iter::once(kubectl_dir).chain(std::env::split_paths(&path)))
+                .unwrap();
+        Command::new("bash")
+            .args(["-euo", "pipefail", "-c", script])
+            .current_dir(repo())
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("PATH", path)
+            .env("HARVEST_CLUSTER_DIR", self.dir.path())
+            .env("HARVEST_BIN_DIR", bin_dir())
+            .output()
+            .unwrap()
     }
 
     /// Runs kubectl with `input` on its stdin.
