@@ -2,7 +2,8 @@
 //! seed flow through the API Service, `kubectl apply` of the example job, an operator rollout
 //! mid-job, a REST job in parts with a part Pod deleted, workers no node takes (waiting past
 //! the start timeout until a node joins, or cancelled), a TTL'd job applied again by a GitOps
-//! tool (recognised, not run or charged twice), and schema refusals.
+//! tool (recognised, not run or charged twice), a tenant's ResourceQuota holding its workers
+//! in harvest-system, and schema refusals.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use harvest_e2e::{LocalCluster, Tier, WITHIN, eventually, repo};
@@ -584,6 +585,74 @@ async fn a_job_its_ttl_deleted_applied_again_from_the_same_manifest_is_not_run_o
         charged,
         "charged once"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_resourcequota_holds_its_workers_in_harvest_system_waiting_until_raised() {
+    let cluster = LocalCluster::up();
+    cluster.tenant("my-team");
+    cluster.upload_example_prompts(6, 12).await;
+    // The tenant's own quota: one CPU, where a SmolLM2 worker asks two. The worker would run
+    // in harvest-system, which has no quota, so only the operator can hold it to this one.
+    let quota = |cpu: &str| {
+        format!(
+            "apiVersion: v1\nkind: ResourceQuota\nmetadata: {{name: team-compute, namespace: my-team}}\nspec: {{hard: {{requests.cpu: \"{cpu}\"}}}}\n"
+        )
+    };
+    cluster
+        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&quota("1")))
+        .unwrap();
+    cluster
+        .kubectl(&[
+            "apply",
+            "--validate=false",
+            "-f",
+            "manifests/examples/harvestjob.yaml",
+            "-n",
+            "my-team",
+        ])
+        .unwrap();
+    let job = ["harvestjob", "smollm2-quartiles", "-n", "my-team"];
+    let message = eventually("the job waiting for its namespace's quota", WITHIN, || {
+        let reason = cluster.field(&job, "{.status.conditions[?(@.type==\"Running\")].reason}");
+        let message = cluster.field(&job, "{.status.conditions[?(@.type==\"Running\")].message}");
+        (reason == "WaitingForQuota")
+            .then_some(message)
+            .ok_or_else(|| json_status(&cluster, &job))
+    })
+    .await;
+    assert!(
+        message.contains(
+            "namespace my-team's ResourceQuota \"team-compute\" limits requests.cpu to 1"
+        ) && message.contains("this worker asks 2"),
+        "{message}"
+    );
+    // No worker made, nothing counted against backoffLimit.
+    assert_eq!(cluster.field(&job, "{.status.failures}"), "0");
+    let workers = cluster.field(
+        &[
+            "pods",
+            "-n",
+            "harvest-system",
+            "-l",
+            "harvest.dev/tenant=my-team",
+        ],
+        "{.items[*].metadata.name}",
+    );
+    assert_eq!(workers, "", "a worker past the tenant's quota was made");
+    cluster
+        .kubectl_with_input(&["apply", "--validate=false", "-f", "-"], Some(&quota("4")))
+        .unwrap();
+    cluster
+        .kubectl(
+            &[
+                &["wait", "--for=condition=Succeeded", "--timeout=240s"],
+                &job[..],
+            ]
+            .concat(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", json_status(&cluster, &job)));
+    assert_eq!(cluster.field(&job, "{.status.failures}"), "0");
 }
 
 fn json_status(cluster: &LocalCluster, job: &[&str]) -> String {

@@ -92,6 +92,8 @@ pub fn builtins() -> Vec<Kind> {
         Kind::builtin("", "v1", "secrets", "Secret", true, false),
         Kind::builtin("", "v1", "configmaps", "ConfigMap", true, false),
         Kind::builtin("", "v1", "events", "Event", true, false),
+        // Stored as written: the stand-in computes no status.used (DIVERGENCES.md).
+        Kind::builtin("", "v1", "resourcequotas", "ResourceQuota", true, true),
         Kind::builtin("apps", "v1", "deployments", "Deployment", true, true),
         Kind::builtin(
             "policy",
@@ -189,6 +191,7 @@ pub fn builtins() -> Vec<Kind> {
         ("poddisruptionbudgets", "pdb"),
         ("networkpolicies", "netpol"),
         ("priorityclasses", "pc"),
+        ("resourcequotas", "quota"),
     ] {
         if let Some(kind) = kinds.iter_mut().find(|k| k.plural == plural) {
             kind.short_names.push(short.into());

@@ -30,6 +30,7 @@ pub mod pod;
 pub mod reconcile;
 pub mod slots;
 pub mod sweep;
+pub mod tenant_quota;
 
 use std::collections::HashSet;
 use std::future::Future;

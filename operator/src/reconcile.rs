@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use harvest_crds::conditions::{self, ADMITTED, FINISHED};
 use harvest_crds::{HarvestJob, OutputRetention, SpecError};
-use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::core::v1::{Pod, ResourceQuota, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action as Requeue;
@@ -313,8 +313,14 @@ impl Shell<'_> {
                         attempt,
                         account.as_deref(),
                     )?;
-                    ctx.grant_pod(self.job, attempt);
                     let (role, number) = (what(attempt.role), attempt.number);
+                    if let Some(why) = self.tenant_quota_refusal(&pod).await? {
+                        info!(attempt = number, reason = %why, "the job's namespace's ResourceQuota would not take the attempt's Pod; waiting");
+                        let message = format!("{role}attempt {number}: waiting for quota: {why}");
+                        applied.waiting_for_quota.push((attempt.role, message));
+                        continue;
+                    }
+                    ctx.grant_pod(self.job, attempt);
                     match self.pods.create(&post_params(), &pod).await {
                         Ok(_) => info!(
                             attempt = number,
@@ -422,6 +428,47 @@ impl Shell<'_> {
         Ok(decision
             .requeue_after
             .map_or_else(Requeue::await_change, Requeue::requeue))
+    }
+}
+
+impl Shell<'_> {
+    /// Why the job's namespace's own ResourceQuotas would not take `pod`, which runs in the
+    /// shared `workerNamespace` where the apiserver charges it to that namespace's instead
+    /// (see [`crate::tenant_quota`]); `None` for a Pod in the job's own namespace.
+    async fn tenant_quota_refusal(&self, pod: &Pod) -> Result<Option<String>> {
+        if !self.elsewhere {
+            return Ok(None);
+        }
+        let tenant = self.job.namespace().unwrap_or_default();
+        let quotas: Api<ResourceQuota> = Api::namespaced(self.ctx.client.clone(), &tenant);
+        let quotas = match quotas.list(&ListParams::default()).await {
+            Ok(list) => list.items,
+            // An install whose RBAC predates this check: the apiserver's own quotas still hold.
+            Err(kube::Error::Api(status)) if status.code == 403 => {
+                warn!(namespace = %tenant, error = %status.message, "cannot read the job's namespace's ResourceQuotas (give the operator list on resourcequotas); its workers are not counted against them");
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if quotas.is_empty() {
+            return Ok(None);
+        }
+        let selector = format!("{}={tenant}", crate::pod::TENANT_LABEL);
+        let workers: Vec<Pod> = self
+            .pods
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.name != pod.metadata.name)
+            .filter(|p| {
+                let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                !matches!(phase, Some("Succeeded" | "Failed"))
+            })
+            .collect();
+        Ok(crate::tenant_quota::refusal(
+            &tenant, &quotas, &workers, pod,
+        ))
     }
 }
 
