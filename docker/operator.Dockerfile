@@ -1,20 +1,7 @@
-# syntax=docker/dockerfile:1
-# The operator image.
-# UNBUILT: no Docker engine runs where this project is developed; build it in your CI.
-#   docker build -f docker/operator.Dockerfile -t ghcr.io/harvest-dev/harvest-operator:0.1.0 .
-FROM rust:1.95-bookworm AS build
-WORKDIR /src
-COPY . .
-# The registry and the target directory are BuildKit caches: a rebuild after a source change
-# recompiles the workspace crates, not the dependencies. The cache is not part of the image, so
-# the binary is copied out of it.
-RUN --mount=type=cache,target=/usr/local/cargo/registry \
-    --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p harvest-operator && \
-    mkdir -p /out && cp target/release/harvest-operator /out/
-
-FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
-COPY --from=build /out/harvest-operator /usr/local/bin/harvest-operator
+# The operator image: harvest-operator alone.
+# Built by scripts/images.sh from a context it prepares (bin/ from the project's own build).
+ARG BASE=gcr.io/distroless/cc-debian12:nonroot
+FROM ${BASE}
+COPY bin/harvest-operator /usr/local/bin/harvest-operator
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/harvest-operator"]

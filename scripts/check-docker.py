@@ -1,16 +1,14 @@
 #!/usr/bin/env python3
-"""Checks docker/ as far as a machine without a Docker engine can: each Dockerfile parses into
-known instructions, every COPY source exists in the build context and is not left out by
-.dockerignore, .dockerignore leaves out target/ and .git/, every binary an image copies out of
-its build stage is a binary target of the package that stage builds (so the image runs what CI
-built and tested), every folder copied out of another stage is one that stage's pip installs
-into, and the NVIDIA wheels an image installs are the versions scripts/test-tools.sh pins (the
-CUDA libraries CI compiled the kernels with and resolved every entry point in).
+"""Checks docker/ without a Docker engine (CI also builds and runs the images): each
+Dockerfile parses into known instructions, starts with ARG BASE and has one FROM ${BASE} (so a
+base made offline can stand in for the public one), runs no RUN or ADD (the offline base has no
+shell), copies only what scripts/images.sh stages for it (bin/<its workspace binary>, and cuda/
+for the worker, the wheels scripts/test-tools.sh pins), runs that binary, and ends as a numeric
+non-root USER.
 Usage: scripts/check-docker.py [REPO]; exit status 1 names each problem."""
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 import subprocess
@@ -21,7 +19,6 @@ INSTRUCTIONS = {
     "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
     "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL",
 }
-MUST_IGNORE = ("target", ".git")
 
 
 def instructions(text: str) -> list[tuple[int, str, str]]:
@@ -43,23 +40,6 @@ def instructions(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def ignored(patterns: list[str], path: str) -> bool:
-    """Whether .dockerignore's patterns leave `path` (relative, with /) out, `!` lines included."""
-    left_out = False
-    for pattern in patterns:
-        negate = pattern.startswith("!")
-        pattern = pattern.lstrip("!").rstrip("/")
-        parts = path.split("/")
-        hit = any(
-            fnmatch.fnmatch("/".join(parts[: i + 1]), pattern)
-            or fnmatch.fnmatch("/".join(parts[: i + 1]), pattern.replace("**/", ""))
-            for i in range(len(parts))
-        )
-        if hit:
-            left_out = not negate
-    return left_out
-
-
 def binaries(repo: Path) -> dict[str, set[str]]:
     """Each workspace package's binary targets."""
     metadata = json.loads(
@@ -74,81 +54,63 @@ def binaries(repo: Path) -> dict[str, set[str]]:
     }
 
 
+def staged(repo: Path) -> dict[str, str]:
+    """What scripts/images.sh copies into each image's context as bin/: image -> binary."""
+    text = (repo / "scripts/images.sh").read_text()
+    found = re.search(r"local -A binary=\(([^)]*)\)", text)
+    return dict(re.findall(r"\[([\w-]+)\]=([\w-]+)", found.group(1))) if found else {}
+
+
 def check(repo: Path) -> list[str]:
     problems = []
-    ignore_file = repo / ".dockerignore"
-    patterns = [
-        line.strip() for line in ignore_file.read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ] if ignore_file.exists() else []
-    for name in MUST_IGNORE:
-        if not ignored(patterns, name):
-            problems.append(f".dockerignore does not leave out {name}/: add a line {name}/")
     packages = binaries(repo)
-    wheels: dict[str, set[tuple[str, str]]] = {}
+    workspace_binaries = set().union(*packages.values()) if packages else set()
+    binary_of = staged(repo)
+    if not binary_of:
+        problems.append("scripts/images.sh: no `local -A binary=(...)` map of image to binary")
     dockerfiles = sorted((repo / "docker").glob("*.Dockerfile"))
     if not dockerfiles:
         problems.append("docker/ holds no *.Dockerfile")
     for dockerfile in dockerfiles:
         where = dockerfile.relative_to(repo)
+        image = dockerfile.name.removesuffix(".Dockerfile")
         steps = instructions(dockerfile.read_text())
-        # Per stage (by its AS name): the binaries its cargo builds, the folders pip fills.
-        stage = ""
-        built_in: dict[str, set[str]] = {}
-        pip_targets: dict[str, set[str]] = {}
-        built: set[str] = set()
-        if not steps or steps[0][1] not in ("FROM", "ARG"):
-            problems.append(f"{where}: the first instruction is not FROM")
+        if image not in binary_of:
+            problems.append(f"{where}: scripts/images.sh builds no image {image} (its binary map lacks it)")
+        if not steps or steps[0][1] != "ARG" or not steps[0][2].startswith("BASE="):
+            problems.append(f"{where}: the first instruction is not ARG BASE=<the public base a user pulls>")
+        froms = [args for _, keyword, args in steps if keyword == "FROM"]
+        if froms != ["${BASE}"]:
+            problems.append(f"{where}: has FROM {froms}, not one FROM ${{BASE}} (a base made offline must do)")
+        users = [args for _, keyword, args in steps if keyword == "USER"]
+        uid = users[-1].split(":")[0] if users else ""
+        if not uid.isdigit() or uid == "0":
+            who = uid or "the base image's user"
+            problems.append(f"{where}: runs as {who}: end with USER 65532:65532 (numeric, not root)")
+        copied: set[str] = set()
         for line, keyword, args in steps:
             if keyword not in INSTRUCTIONS:
                 problems.append(f"{where}:{line}: unknown instruction {keyword}")
-            if keyword == "FROM":
-                named = re.search(r"\s+AS\s+([\w.-]+)\s*$", args, re.IGNORECASE)
-                stage = named.group(1) if named else ""
-            if keyword == "RUN":
-                for package in re.findall(r"cargo build [^&;]*?-p ([\w-]+)", args):
-                    if package not in packages:
-                        problems.append(f"{where}:{line}: cargo builds -p {package}, which is not a workspace package")
-                    built |= packages.get(package, set())
-                    built_in.setdefault(stage, set()).update(packages.get(package, set()))
-                for target in re.findall(r"pip install [^&;]*?--target[= ](\S+)", args):
-                    pip_targets.setdefault(stage, set()).add(target)
-                for pin in re.findall(r"(nvidia-[\w-]+)==([\w.]+)", args):
-                    wheels.setdefault(pin[0], set()).add((pin[1], f"{where}:{line}"))
+            if keyword in ("RUN", "ADD"):
+                problems.append(f"{where}:{line}: {keyword} needs a shell or the network at build time, which the offline base has not: stage the file with scripts/images.sh and COPY it")
             if keyword == "COPY":
                 words = [w for w in args.split() if not w.startswith("--")]
-                sources = words[:-1]
-                source_stage = re.search(r"--from=([\w.-]+)", args)
-                if source_stage and source_stage.group(1) in pip_targets:
-                    for source in sources:
-                        if source.rstrip("/") not in pip_targets[source_stage.group(1)]:
-                            problems.append(
-                                f"{where}:{line}: copies {source} from stage {source_stage.group(1)}, whose pip installs into {', '.join(sorted(pip_targets[source_stage.group(1)]))}"
-                            )
-                    continue
-                if "--from=" in args:
-                    for source in sources:
-                        binary = Path(source).name
-                        if binary not in built:
-                            problems.append(
-                                f"{where}:{line}: copies {source}, not a binary the build stage's cargo build makes ({', '.join(sorted(built)) or 'none'})"
-                            )
-                    continue
-                for source in sources:
-                    relative = source.rstrip("/")
-                    if relative == ".":
+                if any(w.startswith("--from") for w in args.split()):
+                    problems.append(f"{where}:{line}: COPY --from needs a build stage: scripts/images.sh stages what the image holds")
+                for source in words[:-1]:
+                    source = source.rstrip("/")
+                    if source == "cuda" and image == "harvester":
                         continue
-                    if not (repo / relative).exists():
-                        problems.append(f"{where}:{line}: COPY source {source} does not exist in the context")
-                    elif ignored(patterns, relative):
-                        problems.append(f"{where}:{line}: COPY source {source} is left out by .dockerignore")
-    tested = dict(re.findall(r"(nvidia-[\w-]+)==([\w.]+)", (repo / "scripts/test-tools.sh").read_text()))
-    for wheel, uses in sorted(wheels.items()):
-        for version, place in sorted(uses):
-            if tested.get(wheel) != version:
-                problems.append(
-                    f"{place}: installs {wheel}=={version}, but CI tests {wheel}=={tested.get(wheel, 'nothing')} (scripts/test-tools.sh): pin the same version"
-                )
+                    binary = source.removeprefix("bin/")
+                    if not source.startswith("bin/") or binary not in workspace_binaries:
+                        problems.append(f"{where}:{line}: COPY {source}: the context holds bin/<a workspace binary> (and cuda/ for the worker), nothing else")
+                    elif binary_of.get(image) != binary:
+                        problems.append(f"{where}:{line}: COPY {source}, but scripts/images.sh stages bin/{binary_of.get(image)} for {image}")
+                    copied.add(binary)
+        entry = [args for _, keyword, args in steps if keyword == "ENTRYPOINT"]
+        target = json.loads(entry[-1])[0] if entry else ""
+        if Path(target).name not in copied:
+            problems.append(f"{where}: ENTRYPOINT {target or 'missing'} is not a binary it copies")
     return problems
 
 

@@ -5,6 +5,7 @@
 #
 #   eval "$(scripts/cluster.sh up)"     # build, start, kubectl apply -k manifests/crds/ and manifests/, wait
 #   eval "$(scripts/cluster.sh up --real)"  # the same on a real control plane (see below)
+#   scripts/cluster.sh up --real --images    # its Pods run in the three images (scripts/images.sh)
 #   HARVEST_INSTALL=helm scripts/cluster.sh up --real  # helm install charts/harvest instead
 #   HARVEST_INSTALL=none scripts/cluster.sh up --real  # nothing installed (docs/install.md's test)
 #   scripts/cluster.sh create-key acme  # a new API key for HarvestAccount acme (made if absent)
@@ -21,8 +22,9 @@
 # built from the Kubernetes modules that e2e/controlplane/go.mod pins (scripts/controlplane.sh),
 # with RBAC, Node authorization, NodeRestriction and Pod Security admission, and the version's
 # own kubectl. Two CPU nodes (cpu-0, cpu-1) and two GPU nodes (gpu-0, gpu-1, two GPUs each, tainted)
-# are harvest-node-agent processes that run their Pods as local processes; one more agent
-# forwards Service ports. The models
+# are harvest-node-agent processes that run their Pods as local processes (with --images, in the
+# images scripts/images.sh built, through its Docker engine, as read-only, non-root and without
+# capabilities as each Pod's securityContext says); one more agent forwards Service ports. The models
 # claim is bound to a hostPath PersistentVolume on the model cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -152,8 +154,18 @@ storage_secrets() {
 }
 
 up() {
-  local tier=fake install=${HARVEST_INSTALL:-kustomize}
-  [ "${1:-}" = --real ] && tier=real
+  local tier=fake install=${HARVEST_INSTALL:-kustomize} in_images=""
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --real) tier=real ;;
+      --images) in_images=1 ;;
+      *) say "up takes --real and --images, not $1"; exit 2 ;;
+    esac
+    shift
+  done
+  if [ -n "$in_images" ] && [ "$tier" != real ]; then
+    say "--images runs on the real tier only: up --real --images"; exit 2
+  fi
   case $tier:$install in
     real:helm | real:kustomize | fake:kustomize | real:none) ;;
     fake:helm) say "HARVEST_INSTALL=helm runs on the real tier only: up --real"; exit 2 ;;
@@ -180,12 +192,29 @@ up() {
   tools=$(scripts/test-tools.sh)
   say "starting the S3 server"
   start_storage "$tools/weed"
-  local images=() tag
+  local images=() tag image
+  if [ -n "$in_images" ]; then
+    # The images scripts/images.sh built (HARVEST_IMAGE_TAG; built here from these binaries
+    # when unset), run by the node agents through the engine.
+    eval "$(scripts/images.sh engine)"
+    local built=${HARVEST_IMAGE_TAG:-}
+    if [ -z "$built" ]; then
+      built=local
+      scripts/images.sh base >&2
+      scripts/images.sh build --binaries "$bin" --base harvest-base:bookworm --tag "$built" >&2
+    fi
+    images+=(--engine "$(command -v docker)")
+    echo "$DOCKER_HOST" > "$dir/state/docker-host"
+  fi
   # $next: the same binaries under the next release's tag, for the upgrade tests.
   for tag in "$version" "$next"; do
-    images+=(--image "ghcr.io/harvest-dev/harvest-api:$tag=$bin/harvest-api"
-      --image "ghcr.io/harvest-dev/harvest-operator:$tag=$bin/harvest-operator"
-      --image "ghcr.io/harvest-dev/harvester:$tag=$bin/harvester")
+    for image in harvest-api harvest-operator harvester; do
+      if [ -n "$in_images" ]; then
+        images+=(--image "ghcr.io/harvest-dev/$image:$tag=ghcr.io/harvest-dev/$image:$built")
+      else
+        images+=(--image "ghcr.io/harvest-dev/$image:$tag=$bin/$image")
+      fi
+    done
   done
   images+=(--claim "*/harvest-models=$cache/models")
   if [ "$tier" = real ]; then
@@ -340,6 +369,15 @@ down() {
     fi
     rm -f "$dir/$what.pid"
   done
+  # Containers a killed node agent left running (up --images).
+  if [ -f "$dir/state/docker-host" ]; then
+    local node left
+    for node in cpu-0 cpu-1 gpu-0 gpu-1; do
+      left=$(DOCKER_HOST=$(cat "$dir/state/docker-host") docker ps -aq --filter "label=harvest.dev/kubelet-dir=$dir/state/agents/$node" 2>/dev/null || true)
+      # shellcheck disable=SC2086
+      [ -z "$left" ] || DOCKER_HOST=$(cat "$dir/state/docker-host") docker rm -f $left >/dev/null 2>&1 || true
+    done
+  fi
   say "down"
 }
 

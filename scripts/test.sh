@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: fetches and imports the real test model, installs the
-# test-only tools and builds the real tier's Kubernetes control plane and Kueue from their Go
+# test-only tools, builds the three images (scripts/images.sh, a Docker engine started when none
+# answers) and builds the real tier's Kubernetes control plane and Kueue from their Go
 # modules, and Helm from its (all cached in ~/.cache/harvest), runs every test of the workspace, runs the e2e suite once more
 # on the real control plane (the first run is on the fake apiserver), runs
 # schemathesis on the OpenAPI document against the embedded server, then installs the Python
@@ -32,6 +33,15 @@ status=0
 # own integration tests: harvest-test-cluster (fake-apiserver has none) would be missing on a
 # new machine.
 cargo build --workspace --bins --quiet
+# The three images, from the binaries just built (the ones every test runs; users' builds take
+# the release profile), on a base made from Debian's packages with no registry, in a Docker
+# engine started here when none answers and stopped at the end: the image tests
+# (api/tests/images.rs, e2e/tests/images.rs) run them as the cluster would.
+eval "$(scripts/images.sh engine)"
+trap 'rm -f "$log"; scripts/images.sh stop' EXIT
+scripts/images.sh base
+scripts/images.sh build --profile dev --base harvest-base:bookworm --tag test
+export HARVEST_IMAGE_TAG=test
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 # The shared e2e suite again, on the real control plane (scripts/cluster.sh up --real).

@@ -155,13 +155,26 @@ impl LocalCluster {
 
     /// `scripts/cluster.sh up` with harvest installed as `install` says.
     pub fn up_installing(tier: Tier, install: Install) -> Self {
+        Self::up_with(tier, install, false)
+    }
+
+    /// `scripts/cluster.sh up --real --images`: the real tier, every Pod run in its image (the
+    /// ones `HARVEST_IMAGE_TAG` names) through the Docker engine `DOCKER_HOST` names.
+    pub fn up_in_images() -> Self {
+        Self::up_with(Tier::Real, Install::Kustomize, true)
+    }
+
+    fn up_with(tier: Tier, install: Install, in_images: bool) -> Self {
         let slot = (tier == Tier::Real).then(RealSlot::take);
         let dir = tempfile::tempdir().unwrap();
-        let args: &[&str] = match tier {
-            Tier::Fake => &["up"],
-            Tier::Real => &["up", "--real"],
-        };
-        let out = script_installing(dir.path(), args, install);
+        let mut args = vec!["up"];
+        if tier == Tier::Real {
+            args.push("--real");
+        }
+        if in_images {
+            args.push("--images");
+        }
+        let out = script_installing(dir.path(), &args, install);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
             // What it started before it failed (the S3 server, the cluster) must not outlive

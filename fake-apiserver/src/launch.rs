@@ -3,7 +3,9 @@
 //! volumes made into local directories. A process shares the host's filesystem and network,
 //! so each volume's mount path, the termination log and `0.0.0.0` binds are rewritten, in
 //! the arguments, the environment and the files of ConfigMap and Secret volumes, to the
-//! Pod's directories and its own loopback address.
+//! Pod's directories and its own loopback address. A container run in its image by an engine
+//! ([`PodHost::in_image`]) shares only the network: its volumes are mounted at their paths, so
+//! only the binds are rewritten, and its securityContext travels with it ([`Security`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -83,6 +85,9 @@ pub struct PodHost<'a> {
     pub claims: &'a BTreeMap<String, PathBuf>,
     /// Where unlisted claims are kept.
     pub claim_root: &'a Path,
+    /// Whether the container runs in its image through an engine (volumes mounted at their
+    /// paths) rather than as a local process (paths rewritten).
+    pub in_image: bool,
 }
 
 /// The apiserver as a Pod sees it: `KUBERNETES_SERVICE_HOST`/`PORT` and its kubeconfig.
@@ -105,6 +110,69 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
     /// The local file that stands for its termination message path.
     pub termination_log: PathBuf,
+    /// In an image: what the engine mounts, local path onto container path.
+    pub mounts: Vec<Mount>,
+    /// In an image: `command`'s first word, which replaces the image's entrypoint.
+    pub entrypoint: Option<String>,
+    /// In an image: the Pod's and the container's securityContext, merged.
+    pub security: Security,
+}
+
+/// A bind mount of a local file or directory into the container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    /// The local path.
+    pub local: PathBuf,
+    /// Where the container sees it.
+    pub path: String,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
+/// What a container's securityContext (over its Pod's) asks of the engine.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Security {
+    /// `runAsUser[:runAsGroup]`, when set.
+    pub user: Option<String>,
+    /// `runAsNonRoot`: the engine must not start it as root.
+    pub run_as_non_root: bool,
+    /// `readOnlyRootFilesystem`.
+    pub read_only_root: bool,
+    /// `capabilities.drop` holds `ALL`.
+    pub drop_all_capabilities: bool,
+    /// `allowPrivilegeEscalation: false`.
+    pub no_new_privileges: bool,
+}
+
+impl Security {
+    /// The container's securityContext over its Pod's (the fields a Pod may set too).
+    pub fn of(pod: &Value, container: &Value) -> Self {
+        let (pod, own) = (
+            &pod["spec"]["securityContext"],
+            &container["securityContext"],
+        );
+        let either = |key: &str| {
+            if own[key].is_null() {
+                pod[key].clone()
+            } else {
+                own[key].clone()
+            }
+        };
+        let user = either("runAsUser").as_u64().map(|uid| {
+            either("runAsGroup")
+                .as_u64()
+                .map_or(uid.to_string(), |gid| format!("{uid}:{gid}"))
+        });
+        Self {
+            user,
+            run_as_non_root: either("runAsNonRoot").as_bool() == Some(true),
+            read_only_root: own["readOnlyRootFilesystem"].as_bool() == Some(true),
+            drop_all_capabilities: own["capabilities"]["drop"]
+                .as_array()
+                .is_some_and(|drop| drop.iter().any(|c| c == "ALL")),
+            no_new_privileges: own["allowPrivilegeEscalation"].as_bool() == Some(false),
+        }
+    }
 }
 
 /// Why a container cannot start yet (the kubelet's `CreateContainerConfigError` and kin).
@@ -452,6 +520,7 @@ fn fill_volumes(
     pod: &Value,
     dirs: &BTreeMap<String, PathBuf>,
     rewrites: &Rewrites,
+    host: &PodHost<'_>,
 ) -> Result<(), NotReady> {
     let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
     for volume in pod["spec"]["volumes"].as_array().into_iter().flatten() {
@@ -472,6 +541,13 @@ fn fill_volumes(
         } else {
             let made = std::fs::create_dir_all(dir);
             made.map_err(|e| config_error(format!("volume {name}: {e}")))?;
+            // An emptyDir, or a claim this node made, is writable by any user, as a
+            // kubelet's emptyDir is: an image runs as its own user, not this node's.
+            let ours = dir.starts_with(host.dir) || dir.starts_with(host.claim_root);
+            if host.in_image && ours {
+                let opened = world_writable(dir);
+                opened.map_err(|e| config_error(format!("volume {name}: {e}")))?;
+            }
             continue;
         };
         let source_name = source_name.unwrap_or_default();
@@ -495,6 +571,12 @@ fn fill_volumes(
     Ok(())
 }
 
+fn world_writable(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = if path.is_dir() { 0o1777 } else { 0o666 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
 /// Resolves the Pod's first container into a local process's arguments and environment.
 /// `token` is the ServiceAccount token to put in the Pod's kubeconfig, if one is mounted.
 pub fn resolve(
@@ -509,6 +591,7 @@ pub fn resolve(
         ip: host.ip.to_owned(),
         ..Rewrites::default()
     };
+    let mut mounts = Vec::new();
     for mount in container["volumeMounts"].as_array().into_iter().flatten() {
         let (Some(name), Some(path)) = (mount["name"].as_str(), mount["mountPath"].as_str()) else {
             continue;
@@ -519,31 +602,73 @@ pub fn resolve(
             )));
         };
         let sub = mount["subPath"].as_str().unwrap_or_default();
-        rewrites.add(
-            path,
-            &if sub.is_empty() {
-                dir.clone()
-            } else {
-                dir.join(sub)
-            },
-        );
+        let local = if sub.is_empty() {
+            dir.clone()
+        } else {
+            dir.join(sub)
+        };
+        if host.in_image {
+            mounts.push(Mount {
+                local,
+                path: path.to_owned(),
+                read_only: mount["readOnly"].as_bool() == Some(true),
+            });
+        } else {
+            rewrites.add(path, &local);
+        }
     }
     let message_path = container["terminationMessagePath"]
         .as_str()
         .unwrap_or("/dev/termination-log");
     let termination_log = host.dir.join("termination-log");
-    rewrites.add(message_path, &termination_log);
-    fill_volumes(objects, pod, &dirs, &rewrites)?;
+    if host.in_image {
+        let made = std::fs::create_dir_all(host.dir)
+            .and_then(|()| std::fs::write(&termination_log, b""))
+            .and_then(|()| world_writable(&termination_log));
+        made.map_err(|e| config_error(format!("the termination log: {e}")))?;
+        mounts.push(Mount {
+            local: termination_log.clone(),
+            path: message_path.to_owned(),
+            read_only: false,
+        });
+    } else {
+        rewrites.add(message_path, &termination_log);
+    }
+    fill_volumes(objects, pod, &dirs, &rewrites, host)?;
 
     let declared = declared_env(objects, pod, container, host.ip)?;
     let home = host.dir.join("home");
     let made = std::fs::create_dir_all(&home);
     made.map_err(|e| config_error(format!("the Pod's home: {e}")))?;
-    let mut env = vec![
-        (
+    let mut env = Vec::new();
+    if host.in_image {
+        // The Pod's own files (home, kubeconfig) where the process would find them, and the
+        // apiserver's CA at the path the kubeconfig names; the image keeps its own PATH.
+        world_writable(&home).map_err(|e| config_error(format!("the Pod's home: {e}")))?;
+        mounts.push(Mount {
+            local: host.dir.to_owned(),
+            path: host.dir.display().to_string(),
+            read_only: true,
+        });
+        mounts.push(Mount {
+            local: home.clone(),
+            path: home.display().to_string(),
+            read_only: false,
+        });
+        if let Some(ca) = &host.api.ca_file {
+            mounts.push(Mount {
+                local: ca.clone(),
+                path: ca.display().to_string(),
+                read_only: true,
+            });
+        }
+    } else {
+        env.push((
             "PATH".to_owned(),
             std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
-        ),
+        ));
+    }
+    env.extend([
         ("HOME".to_owned(), home.display().to_string()),
         (
             "HOSTNAME".to_owned(),
@@ -560,7 +685,7 @@ pub fn resolve(
             "KUBERNETES_SERVICE_PORT".to_owned(),
             host.api.addr.port().to_string(),
         ),
-    ];
+    ]);
     if let Some(token) = token {
         let kubeconfig = host.dir.join("kubeconfig");
         let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
@@ -587,14 +712,19 @@ pub fn resolve(
             .map(|a| rewrites.apply(&expand(a, &env)))
             .collect()
     };
-    // The image's entrypoint is the mapped executable; `command` past its first word and
-    // `args` follow it.
-    let mut args: Vec<String> = strings(&container["command"]).into_iter().skip(1).collect();
+    // A process's entrypoint is the mapped executable, an image's its own unless `command`
+    // names one; `command` past its first word and `args` follow it.
+    let command = strings(&container["command"]);
+    let entrypoint = command.first().filter(|_| host.in_image).cloned();
+    let mut args: Vec<String> = command.into_iter().skip(1).collect();
     args.extend(strings(&container["args"]));
     Ok(Launch {
         args,
         env,
         termination_log,
+        mounts,
+        entrypoint,
+        security: Security::of(pod, container),
     })
 }
 

@@ -3,6 +3,8 @@
 //! verifies request signatures) on loopback.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod images;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command};

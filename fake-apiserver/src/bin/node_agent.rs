@@ -1,5 +1,5 @@
 //! `harvest-node-agent`: one node of a real (or any) apiserver, whose Pods run as local
-//! processes; with `--services-kubeconfig`, also the cluster's Service load balancer. Runs
+//! processes (or, with `--engine`, in their images through a Docker engine); with `--services-kubeconfig`, also the cluster's Service load balancer. Runs
 //! until SIGTERM or SIGINT. `scripts/cluster.sh up --real` starts one per node.
 
 use std::path::PathBuf;
@@ -31,7 +31,12 @@ struct Cli {
     /// Where Pod directories and logs go.
     #[arg(long)]
     dir: PathBuf,
-    /// `IMAGE=EXECUTABLE`: what runs for an image (repeatable).
+    /// Run containers in their images with this `docker` command (`DOCKER_HOST` names the
+    /// engine); `--image` then maps a Pod's image to a local image.
+    #[arg(long)]
+    engine: Option<PathBuf>,
+    /// `IMAGE=EXECUTABLE` (or `IMAGE=LOCAL_IMAGE` with `--engine`): what runs for an image
+    /// (repeatable).
     #[arg(long = "image", value_parser = key_value)]
     images: Vec<(String, String)>,
     /// `NAMESPACE/CLAIM=DIRECTORY` backing a PersistentVolumeClaim; `*` for every namespace.
@@ -63,7 +68,13 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("creating {}", cli.dir.display()))?;
-    let kubelet = KubeletConfig::from_flags(cli.images, cli.env, cli.claims, cli.dir.clone());
+    let mut kubelet = KubeletConfig::from_flags(cli.images, cli.env, cli.claims, cli.dir.clone());
+    kubelet.engine = cli
+        .engine
+        .map(|docker| harvest_fake_apiserver::kubelet::Engine {
+            docker,
+            host: std::env::var("DOCKER_HOST").ok(),
+        });
     let balancer = async {
         match &cli.services_kubeconfig {
             Some(path) => {

@@ -26,7 +26,8 @@ const COMMANDS: usize = 4;
 /// How the kubelet runs containers.
 #[derive(Debug, Clone, Default)]
 pub struct KubeletConfig {
-    /// Image name → local executable. A Pod whose image is not here waits in `ErrImagePull`.
+    /// Image name → local executable (or, with an [`Engine`], local image). A Pod whose image
+    /// is not here waits in `ErrImagePull`.
     pub images: HashMap<String, PathBuf>,
     /// Extra environment for every container (a real cluster would mount or inject these).
     pub env: Vec<(String, String)>,
@@ -35,6 +36,19 @@ pub struct KubeletConfig {
     /// PersistentVolumeClaims backed by a given local directory, by `namespace/name`; other
     /// claims get an empty directory under `work_dir`.
     pub claims: BTreeMap<String, PathBuf>,
+    /// When set, containers run in their images through this engine, and [`Self::images`]
+    /// maps a Pod's image to a local image instead of an executable.
+    pub engine: Option<Engine>,
+}
+
+/// A Docker engine that runs containers in their images, on the host's network (each Pod
+/// binds its own loopback address, as a process does).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// The `docker` command.
+    pub docker: PathBuf,
+    /// `DOCKER_HOST` for it, when not the default socket.
+    pub host: Option<String>,
 }
 
 impl KubeletConfig {
@@ -56,6 +70,7 @@ impl KubeletConfig {
                 .into_iter()
                 .map(|(k, v)| (k, PathBuf::from(v)))
                 .collect(),
+            engine: None,
         }
     }
 }

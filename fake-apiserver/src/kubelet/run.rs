@@ -159,6 +159,7 @@ impl PodTask {
             api: &self.node.api,
             claims: &self.node.config.claims,
             claim_root: &claim_root,
+            in_image: self.node.config.engine.is_some(),
         };
         let mut wake = self.node.link.wake();
         let mut reported = String::new();
@@ -209,6 +210,16 @@ impl PodTask {
                 return;
             }
         };
+        if let Some(refusal) = self.runs_as_root_refusal(&executable, &launch).await {
+            let state =
+                json!({"waiting": {"reason": "CreateContainerConfigError", "message": refusal}});
+            self.set(
+                json!({"phase": "Pending", "hostIP": "127.0.0.1", "podIP": ip,
+                "conditions": conditions(true, false),
+                "containerStatuses": [self.container_status(false, 0, state, &Value::Null)]}),
+            );
+            return;
+        }
         self.run_container(&executable, &launch, &ip, commands)
             .await;
     }
@@ -247,14 +258,21 @@ impl PodTask {
             let log = |suffix: &str| {
                 std::fs::File::create(work_dir.join(format!("{ns}_{name}.{suffix}")))
             };
-            let mut command = tokio::process::Command::new(executable);
-            command
-                .args(&launch.args)
-                .env_clear()
-                .envs(launch.env.iter().map(|(k, v)| (k, v)))
-                .envs(self.node.config.env.iter().map(|(k, v)| (k, v)))
-                .stdin(Stdio::null())
-                .kill_on_drop(true);
+            let uid = self.pod["metadata"]["uid"].as_str().unwrap_or(name);
+            let container = format!("harvest-pod-{uid}-{restarts}");
+            let mut command = match &self.node.config.engine {
+                Some(engine) => self.in_image(engine, executable, launch, &container),
+                None => {
+                    let mut command = tokio::process::Command::new(executable);
+                    command
+                        .args(&launch.args)
+                        .env_clear()
+                        .envs(launch.env.iter().map(|(k, v)| (k, v)))
+                        .envs(self.node.config.env.iter().map(|(k, v)| (k, v)));
+                    command
+                }
+            };
+            command.stdin(Stdio::null()).kill_on_drop(true);
             if let (Ok(out), Ok(err)) = (log("stdout"), log("stderr")) {
                 command.stdout(out).stderr(err);
             }
@@ -294,6 +312,7 @@ impl PodTask {
                         kill(Signal::SIGKILL);
                         let _ = child.wait().await;
                     }
+                    self.remove_container(&container).await;
                     return;
                 }
                 _ => {
@@ -302,6 +321,8 @@ impl PodTask {
                     137
                 }
             };
+            // A killed `docker run` leaves its container behind.
+            self.remove_container(&container).await;
             let (reason, pod_reason, pod_message) = match outcome {
                 Outcome::Exited(0) => ("Completed", None, None),
                 Outcome::Injected(Injected::OomKill) => ("OOMKilled", None, None),
@@ -352,6 +373,105 @@ impl PodTask {
             self.set(status);
             return;
         }
+    }
+
+    /// `docker run` of the container in its image, as a kubelet's runtime would start it:
+    /// its mounts, environment and securityContext; SIGTERM reaches it through the client.
+    fn in_image(
+        &self,
+        engine: &super::Engine,
+        image: &std::path::Path,
+        launch: &Launch,
+        container: &str,
+    ) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(&engine.docker);
+        command.env_clear();
+        if let Some(host) = &engine.host {
+            command.env("DOCKER_HOST", host);
+        }
+        command.args(["run", "--rm", "--name", container, "--network", "host"]);
+        // So that whoever stops the node can find what it left running.
+        command.arg("--label").arg(format!(
+            "harvest.dev/kubelet-dir={}",
+            self.node.config.work_dir.display()
+        ));
+        let security = &launch.security;
+        if let Some(user) = &security.user {
+            command.args(["--user", user]);
+        }
+        if security.read_only_root {
+            command.arg("--read-only");
+        }
+        if security.drop_all_capabilities {
+            command.args(["--cap-drop", "ALL"]);
+        }
+        if security.no_new_privileges {
+            command.args(["--security-opt", "no-new-privileges"]);
+        }
+        if let Some(entrypoint) = &launch.entrypoint {
+            command.args(["--entrypoint", entrypoint]);
+        }
+        for mount in &launch.mounts {
+            let mode = if mount.read_only { ":ro" } else { "" };
+            command
+                .arg("-v")
+                .arg(format!("{}:{}{mode}", mount.local.display(), mount.path));
+        }
+        for (key, value) in launch.env.iter().chain(&self.node.config.env) {
+            command.arg("-e").arg(format!("{key}={value}"));
+        }
+        command.arg(image).args(&launch.args);
+        command
+    }
+
+    /// The kubelet's refusal of a `runAsNonRoot` container whose image would run as root (or
+    /// as a user name it cannot check), when no `runAsUser` overrides it.
+    async fn runs_as_root_refusal(
+        &self,
+        image: &std::path::Path,
+        launch: &Launch,
+    ) -> Option<String> {
+        let engine = self.node.config.engine.as_ref()?;
+        if !launch.security.run_as_non_root || launch.security.user.is_some() {
+            return None;
+        }
+        let mut command = tokio::process::Command::new(&engine.docker);
+        if let Some(host) = &engine.host {
+            command.env("DOCKER_HOST", host);
+        }
+        let inspected = command
+            .args(["image", "inspect", "-f", "{{.Config.User}}"])
+            .arg(image)
+            .output()
+            .await
+            .ok()?;
+        let user = String::from_utf8_lossy(&inspected.stdout).trim().to_owned();
+        let uid = user.split(':').next().unwrap_or_default();
+        if uid.is_empty() || uid == "0" || uid == "root" {
+            Some("container has runAsNonRoot and image will run as root".to_owned())
+        } else if uid.parse::<u32>().is_err() {
+            Some(format!(
+                "container has runAsNonRoot and image has non-numeric user ({user}), cannot verify user is non-root"
+            ))
+        } else {
+            None
+        }
+    }
+
+    async fn remove_container(&self, container: &str) {
+        let Some(engine) = &self.node.config.engine else {
+            return;
+        };
+        let mut command = tokio::process::Command::new(&engine.docker);
+        if let Some(host) = &engine.host {
+            command.env("DOCKER_HOST", host);
+        }
+        let _ = command
+            .args(["rm", "-f", container])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await;
     }
 
     fn termination_message(&self, launch: &Launch, exit_code: i32) -> String {
