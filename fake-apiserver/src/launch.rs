@@ -571,6 +571,21 @@ fn fill_volumes(
     Ok(())
 }
 
+/// The kubelet's refusal of a `runAsNonRoot` container with no `runAsUser`, from its image's
+/// configured user (`docker image inspect`'s `Config.User`).
+pub fn runs_as_root_refusal(image_user: &str) -> Option<String> {
+    let uid = image_user.split(':').next().unwrap_or_default();
+    if uid.is_empty() || uid == "0" || uid == "root" {
+        Some("container has runAsNonRoot and image will run as root".to_owned())
+    } else if uid.parse::<u32>().is_err() {
+        Some(format!(
+            "container has runAsNonRoot and image has non-numeric user ({image_user}), cannot verify user is non-root"
+        ))
+    } else {
+        None
+    }
+}
+
 fn world_writable(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let mode = if path.is_dir() { 0o1777 } else { 0o666 };
@@ -749,6 +764,82 @@ mod tests {
             "--listen=127.9.9.9:8080"
         );
         assert_eq!(rewrites.apply("/a/models/b"), "/a/models/b");
+    }
+
+    #[test]
+    fn in_an_image_volumes_are_mounts_at_their_paths_and_only_binds_are_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = ApiAccess {
+            addr: "127.0.0.1:6443".parse().unwrap(),
+            scheme: "https",
+            ca_file: None,
+        };
+        let claims = BTreeMap::new();
+        let host = PodHost {
+            dir: &dir.path().join("pod"),
+            ip: "127.0.0.7",
+            api: &api,
+            claims: &claims,
+            claim_root: &dir.path().join("claims"),
+            in_image: true,
+        };
+        let pod = serde_json::json!({
+            "metadata": {"name": "w", "namespace": "ns"},
+            "spec": {
+                "securityContext": {"runAsNonRoot": true, "runAsUser": 1000},
+                "volumes": [{"name": "scratch", "emptyDir": {}}],
+                "containers": [{
+                    "name": "c",
+                    "command": ["/bin/tool", "serve"],
+                    "args": ["--data", "/scratch/x", "--listen", "0.0.0.0:80"],
+                    "volumeMounts": [{"name": "scratch", "mountPath": "/scratch", "readOnly": true}],
+                    "securityContext": {"runAsUser": 65532, "readOnlyRootFilesystem": true,
+                        "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+                }],
+            },
+        });
+        let launch = resolve(&Snapshot::default(), &pod, &host, None).unwrap();
+        assert_eq!(
+            launch.args,
+            ["serve", "--data", "/scratch/x", "--listen", "127.0.0.7:80"]
+        );
+        assert_eq!(launch.entrypoint.as_deref(), Some("/bin/tool"));
+        let scratch = launch.mounts.iter().find(|m| m.path == "/scratch").unwrap();
+        assert!(scratch.read_only && scratch.local.ends_with("volumes/scratch"));
+        assert!(
+            launch
+                .mounts
+                .iter()
+                .any(|m| m.path == "/dev/termination-log" && m.local == launch.termination_log)
+        );
+        assert!(
+            launch.env.iter().all(|(k, _)| k != "PATH"),
+            "{:?}",
+            launch.env
+        );
+        assert_eq!(
+            launch.security,
+            Security {
+                user: Some("65532".into()),
+                run_as_non_root: true,
+                read_only_root: true,
+                drop_all_capabilities: true,
+                no_new_privileges: true,
+            }
+        );
+    }
+
+    #[test]
+    fn run_as_non_root_refuses_an_image_of_root_or_of_a_user_name() {
+        assert!(runs_as_root_refusal("").is_some());
+        assert!(runs_as_root_refusal("0:0").is_some());
+        assert!(runs_as_root_refusal("root").is_some());
+        assert!(
+            runs_as_root_refusal("nonroot")
+                .unwrap()
+                .contains("non-numeric user (nonroot)")
+        );
+        assert_eq!(runs_as_root_refusal("65532:65532"), None);
     }
 
     #[test]

@@ -445,17 +445,7 @@ impl PodTask {
             .output()
             .await
             .ok()?;
-        let user = String::from_utf8_lossy(&inspected.stdout).trim().to_owned();
-        let uid = user.split(':').next().unwrap_or_default();
-        if uid.is_empty() || uid == "0" || uid == "root" {
-            Some("container has runAsNonRoot and image will run as root".to_owned())
-        } else if uid.parse::<u32>().is_err() {
-            Some(format!(
-                "container has runAsNonRoot and image has non-numeric user ({user}), cannot verify user is non-root"
-            ))
-        } else {
-            None
-        }
+        launch::runs_as_root_refusal(String::from_utf8_lossy(&inspected.stdout).trim())
     }
 
     async fn remove_container(&self, container: &str) {
