@@ -185,8 +185,9 @@ build() {
     esac
   done
   engine_answers || fail "no Docker engine answers at ${DOCKER_HOST:-the default socket}: run eval \"\$(scripts/images.sh engine)\" first"
-  if [ -n "$base" ] && ! docker image inspect "$base" >/dev/null 2>&1 && ! docker pull -q "$base" >/dev/null 2>&1; then
-    fail "base image $base is neither local nor pullable: make one with scripts/images.sh base (then --base $base_image), or name another"
+  local wanted=${base:-$(awk -F= '/^ARG BASE=/ { print $2; exit }' docker/harvester.Dockerfile)}
+  if ! docker image inspect "$wanted" >/dev/null 2>&1 && ! docker pull -q "$wanted" >/dev/null 2>&1; then
+    fail "base image $wanted is neither local nor pullable (no registry?): make one with scripts/images.sh base, then pass --base $base_image"
   fi
   if [ -z "$binaries" ]; then
     case $profile in
