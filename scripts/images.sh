@@ -15,8 +15,9 @@
 #                               --binaries, e.g. a Rust image's build), puts NVIDIA's cuBLAS and
 #                               NVRTC wheels (the versions scripts/test-tools.sh pins; of the CUDA
 #                               majors --cuda names, both by default) beside the harvester,
-#                               builds the three images on BASE (the Dockerfiles' default,
-#                               distroless, when not given) and prints each one's size
+#                               strips the binaries' line tables, builds the three images on
+#                               BASE (the Dockerfiles' default, distroless, when not given) and
+#                               prints each one's size
 #
 # Images are named as manifests/ names them: ghcr.io/harvest-dev/{harvester,harvest-api,
 # harvest-operator}:TAG (the workspace version unless --tag). State lives in
@@ -95,7 +96,7 @@ stop() {
 # libraries load, the CA bundle for S3 over TLS, a passwd naming 65532, and nothing else.
 base() {
   docker image inspect "$base_image" >/dev/null 2>&1 && { say "$base_image is there"; return; }
-  local work
+  # Global, for the EXIT trap.
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   (cd "$work" && apt-get download libc6 libgcc-s1 libstdc++6 ca-certificates >/dev/null 2>&1) \
@@ -197,7 +198,7 @@ build() {
     esac
     cargo build --locked --quiet --profile "$profile" -p harvester -p harvest-api -p harvest-operator >&2
   fi
-  local contexts
+  # Global, for the EXIT trap.
   contexts=$(mktemp -d)
   trap 'rm -rf "$contexts"' EXIT
   local -A binary=([harvester]=harvester [api]=harvest-api [operator]=harvest-operator)
@@ -207,7 +208,10 @@ build() {
   for name in harvester api operator; do
     [ -x "$binaries/${binary[$name]}" ] || fail "no ${binary[$name]} in $binaries: build it (cargo build -p ${binary[$name]}) or pass --binaries"
     mkdir -p "$contexts/$name/bin"
-    cp "$binaries/${binary[$name]}" "$contexts/$name/bin/"
+    # Without the line tables (four fifths of a binary's size); symbols stay, so a backtrace
+    # still names its functions.
+    objcopy --strip-debug "$binaries/${binary[$name]}" "$contexts/$name/bin/${binary[$name]}" 2>/dev/null \
+      || cp "$binaries/${binary[$name]}" "$contexts/$name/bin/"
     if [ "$name" = harvester ]; then
       case $cuda in
         none) mkdir -p "$contexts/$name/cuda" ;;
