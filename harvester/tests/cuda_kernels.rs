@@ -322,6 +322,24 @@ fn every_driver_entry_point_the_bindings_can_load_exists_in_the_oldest_supported
 }
 
 #[test]
+fn listing_gpus_on_a_machine_without_the_driver_says_why_none_instead_of_panicking() {
+    if harvester::backend::cuda::driver_present() {
+        eprintln!("skipped: this machine has an NVIDIA driver");
+        return;
+    }
+    let listed = harvester().args(["cuda-info", "--list"]).output().unwrap();
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let listed = json(&listed);
+    assert_eq!(listed["gpus"], serde_json::json!([]));
+    let because = listed["none_because"].as_str().unwrap();
+    assert!(because.contains("libcuda.so.1"), "{because}");
+}
+
+#[test]
 fn a_driver_that_sees_no_gpu_is_named_and_its_cuda_version_chooses_cuda_12s_libraries() {
     let Some(dir) = present(
         old_driver(),

@@ -343,11 +343,11 @@ pub fn list_gpus() -> GpuList {
     let count = match probe(0) {
         Ok(gpu) => gpu.devices,
         Err(e) => {
-            // The first GPU may be refused while the driver sees others.
-            let seen = cudarc::driver::result::device::get_count()
-                .ok()
+            // The first GPU may be refused while the driver sees others. Asked only where the
+            // driver loads: cudarc panics on a machine without one.
+            let seen = libraries::driver_cuda()
+                .and_then(|_| cudarc::driver::result::device::get_count().ok())
                 .and_then(|n| usize::try_from(n).ok())
-                .filter(|_| libraries::driver_cuda().is_some())
                 .unwrap_or(0);
             if seen == 0 {
                 return GpuList {
