@@ -36,7 +36,7 @@ pub fn run(
     add_special_tokens: bool,
 ) -> Result<ProbeReport> {
     let mut backend = CpuBackend::load(model, layers, harvest_core::Sites::default(), None)?;
-    let config = backend.weights().config.clone();
+    let config = backend.config().clone();
     let tokenizer = PromptTokenizer::from_dir(model, config.max_position_embeddings)?;
     let encoded = tokenizer.encode(0, text, add_special_tokens)?;
     let kept = backend.spec().layers.as_slice().to_vec();

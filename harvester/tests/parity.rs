@@ -242,12 +242,10 @@ fn afmoe_routing_qk_norms_gate_and_rope_placement_match_transformers() {
     assert!(config.rotary.contains(&true) && config.rotary.contains(&false));
     assert!(config.attention_windows.iter().flatten().all(|&w| w < 48));
     assert!(afmoe.embedding_scale > 1.0 && afmoe.route_scale != 1.0);
-    let moe = weights.blocks[afmoe.num_dense_layers]
-        .afmoe
-        .as_ref()
-        .unwrap();
+    let sparse = &weights.blocks[afmoe.num_dense_layers];
     assert!(
-        moe.moe
+        sparse
+            .moe
             .as_ref()
             .unwrap()
             .expert_bias
@@ -389,7 +387,7 @@ fn afmoe_error_when(break_it: impl FnOnce(&mut LlamaWeights)) -> f64 {
 fn the_afmoe_fixture_fails_without_the_expert_bias_the_gate_or_with_rope_misplaced() {
     let no_bias = afmoe_error_when(|w| {
         for block in &mut w.blocks {
-            if let Some(moe) = block.afmoe.as_mut().and_then(|a| a.moe.as_mut()) {
+            if let Some(moe) = block.moe.as_mut() {
                 moe.expert_bias.fill(0.0);
             }
         }
@@ -397,7 +395,7 @@ fn the_afmoe_fixture_fails_without_the_expert_bias_the_gate_or_with_rope_misplac
     // A constant gate would be undone by the norm that follows, so flip its sign instead.
     let flipped_gate = afmoe_error_when(|w| {
         for block in &mut w.blocks {
-            let gate = &mut block.afmoe.as_mut().unwrap().attn_gate;
+            let gate = block.attn_gate.as_mut().unwrap();
             let negated = gate.to_f32_vec().iter().map(|v| -v).collect();
             *gate = Matrix::from_f32(gate.rows(), gate.cols(), negated);
         }
@@ -740,7 +738,7 @@ fn the_cuda_replay_of_afmoe_with_routing_settled_by_the_bias_meets_the_cpu_f32_m
     let sequences = checked_sequences(&dir, &reference);
     let settle = |w: &mut LlamaWeights| {
         for block in &mut w.blocks {
-            if let Some(moe) = block.afmoe.as_mut().and_then(|a| a.moe.as_mut()) {
+            if let Some(moe) = block.moe.as_mut() {
                 moe.expert_bias.fill(0.0);
                 moe.expert_bias[1] = 10.0;
                 moe.expert_bias[6] = 20.0;

@@ -179,18 +179,15 @@ impl CaptureSpec {
 
     /// The route slot of model block `block`: its place among [`CaptureSpec::route_layers`].
     pub fn route_slot(&self, config: &ModelConfig, block: usize) -> Option<usize> {
-        self.sites.router()?;
-        if !config.is_sparse(block) {
-            return None;
+        self.keeps().route_slot(config, block)
+    }
+
+    /// The layers and sites kept, as the forward pass reads them.
+    pub fn keeps(&self) -> crate::model::block::Keeps<'_> {
+        crate::model::block::Keeps {
+            layers: &self.layers,
+            sites: &self.sites,
         }
-        let kept = self.layers.as_slice();
-        let position = self.layers.position(block)?;
-        Some(
-            kept[..position]
-                .iter()
-                .filter(|&&l| config.is_sparse(l))
-                .count(),
-        )
     }
 
     /// What each batch's [`Routes`] hold for a model of `config`.

@@ -292,7 +292,14 @@ impl ModelConfig {
         (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
     }
 
-    /// Whether block `layer` has a mixture-of-experts MLP.
+    /// What the token embedding is multiplied by: AFMoE's muP scale, else 1.
+    pub fn embedding_scale(&self) -> f32 {
+        self.afmoe
+            .as_ref()
+            .map_or(1.0, |a| a.embedding_scale as f32)
+    }
+
+    /// Whether block `layer` has routed experts.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.afmoe
             .as_ref()

@@ -8,118 +8,24 @@
 //! model.safetensors[.index.json] ──mmap──► Checkpoint ──► LlamaWeights { embed, blocks }
 //! ```
 
-pub mod afmoe;
+pub mod block;
 pub mod checkpoint;
 pub mod config;
-pub mod dense;
 pub mod matrix;
 pub mod routing;
+pub mod weights;
 
 use std::path::Path;
 
 pub use checkpoint::Checkpoint;
 pub use config::{AfmoeConfig, Architecture, ModelConfig, RopeScaling};
 pub use matrix::{Half, Matrix};
+pub use weights::{BlockWeights, BranchNorms, Expert, HeadNorms, MoeWeights};
 
 use crate::error::Result;
 
 /// Bytes one prefault task reads.
 pub const PREFAULT_CHUNK: usize = 64 << 20;
-
-/// The weights of one decoder block. Matrices are row-major `[out, in]`, as in PyTorch.
-#[derive(Debug, Clone)]
-pub struct BlockWeights {
-    /// Input RMSNorm weight, `[hidden]`.
-    pub attn_norm: Vec<f32>,
-    /// Q, K and V projections stacked, `[(heads + 2 kv_heads) head_dim, hidden]`.
-    pub qkv: Matrix,
-    /// Their biases, stacked likewise (Qwen2, or Llama with `attention_bias`).
-    pub qkv_bias: Option<Vec<f32>>,
-    /// Attention output projection, `[hidden, heads head_dim]`.
-    pub o: Matrix,
-    /// Its bias (Llama with `attention_bias`).
-    pub o_bias: Option<Vec<f32>>,
-    /// The MLP's input RMSNorm weight (Llama's `post_attention_layernorm`, AFMoE's
-    /// `pre_mlp_layernorm`), `[hidden]`.
-    pub mlp_norm: Vec<f32>,
-    /// Gate and up projections stacked, `[2 intermediate, hidden]`: the dense MLP, or a sparse
-    /// block's shared experts (no rows when it has none).
-    pub gate_up: Matrix,
-    /// Down projection, `[hidden, intermediate]`.
-    pub down: Matrix,
-    /// AFMoE's additions to the block.
-    pub afmoe: Option<AfmoeBlock>,
-}
-
-/// What an AFMoE block holds besides the Llama block's weights.
-#[derive(Debug, Clone)]
-pub struct AfmoeBlock {
-    /// RMSNorm weights applied to every query head and every key head, `[head_dim]` each.
-    pub q_norm: Vec<f32>,
-    /// See `q_norm`.
-    pub k_norm: Vec<f32>,
-    /// The attention output gate, `[heads head_dim, hidden]`: the attention output is
-    /// multiplied by `sigmoid(normed · gateᵀ)`.
-    pub attn_gate: Matrix,
-    /// RMSNorm on the attention output before it joins the residual stream, `[hidden]`.
-    pub attn_out_norm: Vec<f32>,
-    /// RMSNorm on the MLP output before it joins the residual stream, `[hidden]`.
-    pub mlp_out_norm: Vec<f32>,
-    /// The routed experts of a sparse block.
-    pub moe: Option<MoeWeights>,
-}
-
-/// A sparse block's router and routed experts.
-#[derive(Debug, Clone)]
-pub struct MoeWeights {
-    /// Router, `[experts, hidden]`.
-    pub router: Matrix,
-    /// Added to the scores to choose experts (not to weight them), `[experts]`.
-    pub expert_bias: Vec<f32>,
-    /// One SwiGLU MLP per expert.
-    pub experts: Vec<Expert>,
-}
-
-/// One routed expert.
-#[derive(Debug, Clone)]
-pub struct Expert {
-    /// Gate and up projections stacked, `[2 expert_intermediate, hidden]`.
-    pub gate_up: Matrix,
-    /// Down projection, `[hidden, expert_intermediate]`.
-    pub down: Matrix,
-}
-
-impl BlockWeights {
-    /// Every weight matrix of the block.
-    pub fn matrices(&self) -> Vec<&Matrix> {
-        let mut all = vec![&self.qkv, &self.o, &self.gate_up, &self.down];
-        if let Some(afmoe) = &self.afmoe {
-            all.push(&afmoe.attn_gate);
-            if let Some(moe) = &afmoe.moe {
-                all.push(&moe.router);
-                all.extend(moe.experts.iter().flat_map(|e| [&e.gate_up, &e.down]));
-            }
-        }
-        all
-    }
-
-    /// Every f32 vector of the block (norms, biases).
-    fn vectors(&self) -> Vec<&[f32]> {
-        let mut all = vec![self.attn_norm.as_slice(), &self.mlp_norm];
-        all.extend(self.qkv_bias.as_deref());
-        all.extend(self.o_bias.as_deref());
-        if let Some(afmoe) = &self.afmoe {
-            all.extend([
-                afmoe.q_norm.as_slice(),
-                &afmoe.k_norm,
-                &afmoe.attn_out_norm,
-                &afmoe.mlp_out_norm,
-            ]);
-            all.extend(afmoe.moe.as_ref().map(|m| m.expert_bias.as_slice()));
-        }
-        all
-    }
-}
 
 /// Everything the residual stream depends on up to a given block. The final norm and LM head are
 /// never loaded: harvest captures block outputs before the final norm.
@@ -239,26 +145,6 @@ impl LlamaWeights {
     }
 }
 
-/// Runs block `index` of `config` on the batch as its family writes it ([`dense::block`] or
-/// [`afmoe::block`]); `slot` gives the capture slot of each site the block keeps, `route` the
-/// route slot of its expert choices (a sparse block of a job that keeps the router).
-pub fn forward_block<O: afmoe::AfmoeOps>(
-    ops: &mut O,
-    block: &O::Block,
-    config: &ModelConfig,
-    index: usize,
-    slot: impl Fn(harvest_core::Site) -> Option<usize>,
-    route: Option<usize>,
-) -> Result<()> {
-    match config.architecture {
-        Architecture::Afmoe => {
-            let layer = afmoe::AfmoeLayer::of(config, index);
-            afmoe::block(ops, block, layer, slot, route)
-        }
-        _ => dense::block(ops, block, config.attention_windows[index], slot),
-    }
-}
-
 fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<BlockWeights> {
     let hidden = config.hidden_size;
     let q_rows = config.num_heads * config.head_dim;
@@ -288,26 +174,30 @@ fn load_block(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<B
     } else {
         None
     };
-    let afmoe = match config.architecture {
-        Architecture::Afmoe => Some(load_afmoe(config, ckpt, layer)?),
-        _ => None,
-    };
+    let afmoe = config.architecture == Architecture::Afmoe;
     let mlp_norm = match afmoe {
-        Some(_) => "pre_mlp_layernorm.weight",
-        None => "post_attention_layernorm.weight",
+        true => "pre_mlp_layernorm.weight",
+        false => "post_attention_layernorm.weight",
     };
     let (gate_up, down) = load_mlp(ckpt, &name(dense_mlp(config, layer)), hidden, inter)?;
-    Ok(BlockWeights {
+    let mut block = BlockWeights {
         attn_norm: ckpt.tensor_f32(&name("input_layernorm.weight"), &[hidden])?,
         qkv,
         qkv_bias,
+        head_norms: None,
+        attn_gate: None,
         o: ckpt.matrix(&[(name("self_attn.o_proj.weight"), hidden)], q_rows)?,
         o_bias,
+        branch_norms: None,
         mlp_norm: ckpt.tensor_f32(&name(mlp_norm), &[hidden])?,
         gate_up,
         down,
-        afmoe,
-    })
+        moe: None,
+    };
+    if afmoe {
+        load_afmoe(config, ckpt, layer, &mut block)?;
+    }
+    Ok(block)
 }
 
 /// Where block `layer`'s dense MLP lives: `mlp`, or a sparse block's `mlp.shared_experts`.
@@ -347,11 +237,16 @@ fn load_mlp(
 /// An AFMoE block's extras, in the published layout: `self_attn.{q,k}_norm`,
 /// `self_attn.gate_proj`, the two output norms, and for a sparse block `mlp.router.gate`,
 /// `mlp.expert_bias` and `mlp.experts.{e}.{gate,up,down}_proj`.
-fn load_afmoe(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<AfmoeBlock> {
+fn load_afmoe(
+    config: &ModelConfig,
+    ckpt: &Checkpoint,
+    layer: usize,
+    block: &mut BlockWeights,
+) -> Result<()> {
     let hidden = config.hidden_size;
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
     let head = [config.head_dim];
-    let moe = match &config.afmoe {
+    block.moe = match &config.afmoe {
         Some(moe) if config.is_sparse(layer) => {
             let experts = (0..moe.num_experts)
                 .map(|e| {
@@ -370,18 +265,20 @@ fn load_afmoe(config: &ModelConfig, ckpt: &Checkpoint, layer: usize) -> Result<A
         }
         _ => None,
     };
-    Ok(AfmoeBlock {
-        q_norm: ckpt.tensor_f32(&name("self_attn.q_norm.weight"), &head)?,
-        k_norm: ckpt.tensor_f32(&name("self_attn.k_norm.weight"), &head)?,
-        attn_gate: ckpt.matrix(
-            &[(
-                name("self_attn.gate_proj.weight"),
-                config.num_heads * config.head_dim,
-            )],
-            hidden,
-        )?,
-        attn_out_norm: ckpt.tensor_f32(&name("post_attention_layernorm.weight"), &[hidden])?,
-        mlp_out_norm: ckpt.tensor_f32(&name("post_mlp_layernorm.weight"), &[hidden])?,
-        moe,
-    })
+    block.head_norms = Some(HeadNorms {
+        q: ckpt.tensor_f32(&name("self_attn.q_norm.weight"), &head)?,
+        k: ckpt.tensor_f32(&name("self_attn.k_norm.weight"), &head)?,
+    });
+    block.attn_gate = Some(ckpt.matrix(
+        &[(
+            name("self_attn.gate_proj.weight"),
+            config.num_heads * config.head_dim,
+        )],
+        hidden,
+    )?);
+    block.branch_norms = Some(BranchNorms {
+        attention: ckpt.tensor_f32(&name("post_attention_layernorm.weight"), &[hidden])?,
+        mlp: ckpt.tensor_f32(&name("post_mlp_layernorm.weight"), &[hidden])?,
+    });
+    Ok(())
 }

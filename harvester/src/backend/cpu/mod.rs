@@ -37,7 +37,9 @@ use rayon::prelude::*;
 use self::matmul::{MatRef, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
 use crate::error::{Error, Result};
-use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
+use crate::model::block::{Stack, forward};
+use crate::model::weights::{Convert, Form, Host};
+use crate::model::{BlockWeights, LlamaWeights, Matrix, ModelConfig};
 use crate::projection::Directions;
 
 /// Rows handed to one rayon task in the element-wise passes.
@@ -46,9 +48,12 @@ const ROWS_PER_TASK: usize = 16;
 /// The f32 reference backend, with a bf16 compute mode.
 #[derive(Debug)]
 pub struct CpuBackend {
-    weights: LlamaWeights,
-    /// In bf16 mode, every block's matrices as bf16 bits.
-    bf16: Option<Vec<Bf16Block>>,
+    config: ModelConfig,
+    /// The token embedding (no rows on a later pipeline stage).
+    embed: Matrix,
+    /// The model's block `blocks[0]` is.
+    first_block: usize,
+    blocks: Vec<BlockWeights<Cpu>>,
     spec: CaptureSpec,
     inv_freq: Vec<f32>,
     rope: RopeTable,
@@ -100,7 +105,7 @@ struct GemmScratch {
 /// form `w16`, with `input` rounded to bf16 and the bf16 product (f32 accumulation).
 fn project(
     input: MatRef<'_>,
-    w: &crate::model::Matrix,
+    w: &Matrix,
     w16: Option<&Bf16Matrix>,
     out: &mut [f32],
     out_stride: usize,
@@ -120,18 +125,12 @@ fn project(
     project_rounded(input.cols, (w, w16), out, out_stride, accumulate, scratch);
 }
 
-/// Whether products in this mode take their input as bf16 bits (`vdpbf16ps`), which the pass
-/// that makes the input can round for them while each chunk is in cache.
-fn rounds_ahead(w16: Option<&Bf16Block>) -> bool {
-    w16.is_some() && bf16::has_dot_instructions()
-}
-
 /// The `vdpbf16ps` product on an input of width `k` already rounded into
-/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`rounds_ahead`]), with
+/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`Pass::rounds_ahead`]), with
 /// a weight in both its forms.
 fn project_rounded(
     k: usize,
-    (w, w16): (&crate::model::Matrix, &Bf16Matrix),
+    (w, w16): (&Matrix, &Bf16Matrix),
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
@@ -157,7 +156,7 @@ fn project_rounded(
 /// ([`bf16::matmul_bf16_rounded`]: `k` in one block, on `vdpbf16ps`).
 fn project_to_bits(
     k: usize,
-    (w, w16): (&crate::model::Matrix, &Bf16Matrix),
+    (w, w16): (&Matrix, &Bf16Matrix),
     (out, out_stride): (&mut [u16], usize),
     scratch: &mut GemmScratch,
 ) {
@@ -175,7 +174,7 @@ fn project_to_bits(
 /// it packs it. Only the order of the f32 sums differs from `vdpbf16ps`; it is as fixed.
 fn project_widened(
     input: MatRef<'_>,
-    w: &crate::model::Matrix,
+    w: &Matrix,
     w16: &Bf16Matrix,
     out: &mut [f32],
     out_stride: usize,
@@ -203,29 +202,49 @@ fn project_widened(
     }
 }
 
-/// One block's matrices in bf16, for the bf16 compute mode.
-#[derive(Debug)]
-struct Bf16Block {
-    qkv: Bf16Matrix,
-    o: Bf16Matrix,
-    gate_up: Bf16Matrix,
-    down: Bf16Matrix,
+/// The CPU's form of the weights: the checkpoint's matrices as loaded, each beside its bf16
+/// bits in bf16 mode; norms, biases and the router as loaded.
+#[derive(Debug, Clone)]
+pub(super) struct Cpu;
+
+impl Form for Cpu {
+    type Matrix = CpuMatrix;
+    type Norm = Vec<f32>;
+    type Bias = Vec<f32>;
+    type Router = Matrix;
 }
 
-impl Bf16Block {
-    fn of(b: &BlockWeights) -> Self {
-        Self {
-            qkv: Bf16Matrix::of(&b.qkv),
-            o: Bf16Matrix::of(&b.o),
-            gate_up: Bf16Matrix::of(&b.gate_up),
-            down: Bf16Matrix::of(&b.down),
-        }
+/// A weight matrix, and in bf16 mode its bf16 form.
+#[derive(Debug, Clone)]
+pub(super) struct CpuMatrix {
+    weight: Matrix,
+    bf16: Option<Bf16Matrix>,
+}
+
+/// Makes the CPU's form: the bf16 bits of every matrix in bf16 mode.
+struct ToCpu {
+    bf16: bool,
+}
+
+impl Convert<Host, Cpu> for ToCpu {
+    fn matrix(&mut self, weight: Matrix) -> Result<CpuMatrix> {
+        let bf16 = self.bf16.then(|| Bf16Matrix::of(&weight));
+        Ok(CpuMatrix { weight, bf16 })
+    }
+    fn norm(&mut self, norm: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(norm)
+    }
+    fn bias(&mut self, bias: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(bias)
+    }
+    fn router(&mut self, router: Matrix) -> Result<Matrix> {
+        Ok(router)
     }
 }
 
 /// A weight as bf16 bits: the checkpoint's own mapped bf16 row blocks (nothing copied), or a
 /// copy rounded once from f32 or f16.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Bf16Matrix {
     Mapped,
     Owned(Vec<u16>),
@@ -233,7 +252,7 @@ enum Bf16Matrix {
 
 impl Bf16Matrix {
     /// The bf16 form of `m`.
-    fn of(m: &crate::model::Matrix) -> Self {
+    fn of(m: &Matrix) -> Self {
         let mapped_bf16 = m.half() == Some(crate::model::matrix::Half::Bf16)
             && m.half_bytes().iter().all(|b| aligned(b).is_some());
         if mapped_bf16 {
@@ -246,7 +265,7 @@ impl Bf16Matrix {
     }
 
     /// Its row blocks, in order.
-    fn parts<'a>(&'a self, m: &'a crate::model::Matrix) -> Vec<&'a [u16]> {
+    fn parts<'a>(&'a self, m: &'a Matrix) -> Vec<&'a [u16]> {
         match self {
             Self::Owned(bits) => vec![bits.as_slice()],
             Self::Mapped => m.half_bytes().into_iter().filter_map(aligned).collect(),
@@ -281,17 +300,25 @@ impl CpuBackend {
                 what: "AFMoE (AfmoeForCausalLM), whose routing bf16 rounding changes",
             });
         }
-        let bf16 = (spec.precision == Precision::Bf16)
-            .then(|| weights.blocks.iter().map(Bf16Block::of).collect());
-        let inv_freq = weights
-            .config
+        let mut to_cpu = ToCpu {
+            bf16: spec.precision == Precision::Bf16,
+        };
+        let blocks = weights
+            .blocks
+            .into_iter()
+            .map(|b| b.convert(&mut to_cpu))
+            .collect::<Result<_>>()?;
+        let config = weights.config;
+        let inv_freq = config
             .inverse_frequencies()
             .iter()
             .map(|&f| f as f32)
             .collect();
         Ok(Self {
-            weights,
-            bf16,
+            config,
+            embed: weights.embed,
+            first_block: weights.first_block,
+            blocks,
             spec,
             inv_freq,
             rope: RopeTable::default(),
@@ -324,7 +351,12 @@ impl CpuBackend {
     /// panels.
     pub fn working_bytes(weights: &LlamaWeights, spec: &CaptureSpec, tokens: usize) -> u64 {
         let c = &weights.config;
-        let inter = max_mlp_width(weights);
+        let inter = weights
+            .blocks
+            .iter()
+            .map(BlockWeights::mlp_width)
+            .max()
+            .unwrap_or(0);
         // AFMoE: the gate, and per token its router logits, its k grouped input and output
         // rows, and one expert's gate|up and activation.
         let afmoe = c.afmoe.as_ref().map_or(0, |m| {
@@ -387,9 +419,9 @@ impl CpuBackend {
         crate::memory::check(needed, crate::memory::available_bytes())
     }
 
-    /// The loaded weights.
-    pub fn weights(&self) -> &LlamaWeights {
-        &self.weights
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
     /// Extends the cos/sin tables to cover `positions`, computing angles in f32 as Hugging Face
@@ -419,7 +451,7 @@ impl Backend for CpuBackend {
     }
 
     fn capture_width(&self) -> usize {
-        self.spec.width(self.weights.config.hidden_size)
+        self.spec.width(self.config.hidden_size)
     }
 
     fn spec(&self) -> &CaptureSpec {
@@ -430,7 +462,7 @@ impl Backend for CpuBackend {
         let width = self.capture_width();
         let (sites, layers) = (self.spec.sites.len(), self.spec.layers.len());
         out.reset(sites, layers, batch.num_tokens(), width);
-        let routes = self.spec.route_shape(&self.weights.config);
+        let routes = self.spec.route_shape(&self.config);
         out.routes.reset(routes, batch.num_tokens());
         self.run_blocks(batch, out)
     }
@@ -450,65 +482,35 @@ impl CpuBackend {
     /// Runs the loaded blocks up to the deepest kept one on `scratch.x`, embedding `batch`
     /// into it first when they start at block 0.
     fn run_blocks(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
-        batch.validate(self.weights.config.vocab_size)?;
+        batch.validate(self.config.vocab_size)?;
         self.ensure_rope(batch.max_length as usize);
-        let config = &self.weights.config;
+        let config = &self.config;
         let tokens = batch.num_tokens();
         let s = &mut self.scratch;
-        s.resize(config, tokens, max_mlp_width(&self.weights));
-        if self.weights.first_block == 0 {
-            embed(&self.weights, batch, &mut s.x);
-        }
+        s.resize(config, tokens, max_mlp_width(&self.blocks));
         let pass = Pass {
             config,
             batch,
             rope: &self.rope,
             tokens,
+            bf16: self.spec.precision == Precision::Bf16,
         };
-        let first = self.weights.first_block;
-        let deepest = self.spec.layers.deepest();
-        let (sites, layers) = (&self.spec.sites, &self.spec.layers);
-        for (local, block) in self.weights.blocks.iter().enumerate() {
-            let index = first + local;
-            if index > deepest {
-                break;
-            }
-            let layer = layers.position(index);
-            let slot = |site| Some(sites.position(site)? * layers.len() + layer?);
-            let route = self.spec.route_slot(config, index);
-            let w16 = self.bf16.as_ref().map(|blocks| &blocks[local]);
-            let directions = self.spec.directions.as_ref();
-            let mut ops = ops::CpuOps::new(&pass, &mut *s, (block, w16), (&mut *out, directions));
-            crate::model::forward_block(&mut ops, block, config, index, slot, route)?;
-        }
-        Ok(())
+        let directions = self.spec.directions.as_ref();
+        let mut ops = ops::CpuOps::new(&pass, s, &self.embed, (out, directions));
+        let stack = Stack {
+            config,
+            first_block: self.first_block,
+            blocks: &self.blocks,
+        };
+        forward(&mut ops, stack, self.spec.keeps())
     }
 }
 
-/// The token embedding of `batch` into `x` (times AFMoE's muP scale).
-fn embed(weights: &LlamaWeights, batch: &Batch, x: &mut [f32]) {
-    let hidden = weights.config.hidden_size;
-    let scale = weights
-        .config
-        .afmoe
-        .as_ref()
-        .map_or(1.0, |a| a.embedding_scale as f32);
-    x.par_chunks_mut(hidden)
-        .zip(&batch.input_ids)
-        .for_each(|(row, &id)| {
-            weights.embed.decode_rows(id as usize, row);
-            if scale != 1.0 {
-                row.iter_mut().for_each(|v| *v *= scale);
-            }
-        });
-}
-
-/// The widest dense MLP (or fused shared experts) among the loaded blocks.
-fn max_mlp_width(weights: &LlamaWeights) -> usize {
-    weights
-        .blocks
+/// The widest dense MLP (or fused shared experts) among the blocks.
+fn max_mlp_width(blocks: &[BlockWeights<Cpu>]) -> usize {
+    blocks
         .iter()
-        .map(|b| b.down.cols())
+        .map(|b| b.down.weight.cols())
         .max()
         .unwrap_or(0)
 }
@@ -539,6 +541,16 @@ struct Pass<'a> {
     batch: &'a Batch,
     rope: &'a RopeTable,
     tokens: usize,
+    /// The bf16 mode: products on bf16 inputs.
+    bf16: bool,
+}
+
+impl Pass<'_> {
+    /// Whether products in this mode take their input as bf16 bits (`vdpbf16ps`), which the
+    /// pass that makes the input can round for them while each chunk is in cache.
+    fn rounds_ahead(&self) -> bool {
+        self.bf16 && bf16::has_dot_instructions()
+    }
 }
 
 /// RMSNorm of every query head with `q_norm` and every key head with `k_norm`, in place, on

@@ -14,6 +14,7 @@
 
 use rayon::prelude::*;
 
+use super::Cpu;
 use super::matmul::MatRef;
 use super::{GemmScratch, ROWS_PER_TASK, kernels, project};
 use crate::backend::Routes;
@@ -40,7 +41,7 @@ pub(super) struct MoeScratch {
 
 /// A sparse block's routed half: its weights and the routing constants.
 pub(super) struct Routed<'a> {
-    pub weights: &'a MoeWeights,
+    pub weights: &'a MoeWeights<Cpu>,
     pub config: &'a AfmoeConfig,
 }
 
@@ -115,12 +116,20 @@ impl Routed<'_> {
             }
             let rows = MatRef::dense(&s.rows[start * hidden..end * hidden], n, hidden);
             let gate_up = &mut s.gate_up[..n * 2 * inter];
-            project(rows, &expert.gate_up, None, gate_up, 2 * inter, false, gemm);
+            project(
+                rows,
+                &expert.gate_up.weight,
+                None,
+                gate_up,
+                2 * inter,
+                false,
+                gemm,
+            );
             let act = &mut s.act[..n * inter];
             kernels::silu_mul_rows(gate_up, inter, act);
             let act = MatRef::dense(act, n, inter);
             let out = &mut s.out[start * hidden..end * hidden];
-            project(act, &expert.down, None, out, hidden, false, gemm);
+            project(act, &expert.down.weight, None, out, hidden, false, gemm);
         }
     }
 }

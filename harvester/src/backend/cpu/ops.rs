@@ -1,6 +1,6 @@
-//! The CPU backend's block ops ([`BlockOps`], [`AfmoeOps`]): the model file
-//! (`crate::model::dense`, `crate::model::afmoe`) decides the order, the sites and the rounding
-//! points; these run each op on the CPU's kernels, in f32 or in the bf16 mode. Two fusions stay
+//! The CPU backend's block ops ([`BlockOps`]): the model (`crate::model::block`) decides the
+//! order, the sites and the rounding points and hands each op its weights; these run each op
+//! on the CPU's kernels, in f32 or in the bf16 mode. Two fusions stay
 //! behind the ops, each leaving the bits as they were:
 //! - the QKV rows' steps (bias and rounding, AFMoE's head norms, RoPE) run in one pass over the
 //!   rows when attention needs them ([`CpuOps::finish_qkv`]);
@@ -12,34 +12,34 @@ use rayon::prelude::*;
 use super::attention::{self, AttentionShape};
 use super::matmul::MatRef;
 use super::{
-    Bf16Block, Pass, ROWS_PER_TASK, Scratch, add_rows, bf16, head_norms, kernels, moe, project,
-    project_rounded, project_to_bits, rounds_ahead, rows_pass, rows_pass_bits, sgemm,
+    Cpu, CpuMatrix, Pass, ROWS_PER_TASK, Scratch, add_rows, bf16, head_norms, kernels, moe,
+    project, project_rounded, project_to_bits, rows_pass, rows_pass_bits, sgemm,
 };
 use crate::backend::Captured;
 use crate::error::Result;
-use crate::model::BlockWeights;
-use crate::model::afmoe::AfmoeOps;
-use crate::model::dense::{BlockOps, Source, Sublayer};
+use crate::model::block::{BlockOps, Source, Sublayer};
+use crate::model::{HeadNorms, Matrix, MoeWeights};
 use crate::projection::Directions;
 
 /// The QKV rows' steps asked for since the product, run together by attention.
 #[derive(Debug, Default, Clone, Copy)]
-struct QkvSteps {
-    head_norms: bool,
+struct QkvSteps<'w> {
+    bias: Option<&'w [f32]>,
+    head_norms: Option<(&'w [f32], &'w [f32])>,
     rope: bool,
 }
 
-/// One block's ops over the batch's scratch buffers.
+/// The forward pass's ops over the batch's scratch buffers, on weights that live for `'p`.
 pub(super) struct CpuOps<'p, 's> {
-    pub pass: &'p Pass<'p>,
-    pub s: &'s mut Scratch,
-    /// The block's weights, and in bf16 mode their bf16 bits.
-    pub weights: &'p BlockWeights,
-    pub w16: Option<&'p Bf16Block>,
+    pass: &'p Pass<'p>,
+    s: &'s mut Scratch,
+    embed: &'p Matrix,
     /// Where kept sites go, and the directions a projecting job keeps instead.
-    pub out: &'s mut Captured,
-    pub directions: Option<&'p Directions>,
-    qkv_steps: QkvSteps,
+    out: &'s mut Captured,
+    directions: Option<&'p Directions>,
+    qkv_steps: QkvSteps<'p>,
+    /// The inner width of the last `gate_up`.
+    mlp_width: usize,
     /// The attention branch waits for the MLP's norm to add it ([`Self::add_in_norm`]).
     branch_pending: bool,
     /// The last output projection written to the branch.
@@ -52,17 +52,17 @@ impl<'p, 's> CpuOps<'p, 's> {
     pub fn new(
         pass: &'p Pass<'p>,
         s: &'s mut Scratch,
-        (weights, w16): (&'p BlockWeights, Option<&'p Bf16Block>),
+        embed: &'p Matrix,
         (out, directions): (&'s mut Captured, Option<&'p Directions>),
     ) -> Self {
         Self {
             pass,
             s,
-            weights,
-            w16,
+            embed,
             out,
             directions,
             qkv_steps: QkvSteps::default(),
+            mlp_width: 0,
             branch_pending: false,
             last_output: Sublayer::Attention,
             gate_up_bits: false,
@@ -70,9 +70,15 @@ impl<'p, 's> CpuOps<'p, 's> {
     }
 
     /// Whether the MLP's norm adds the attention branch itself: where it writes bits, in a
-    /// dense block (an AFMoE branch is normed first).
+    /// model without branch norms (AFMoE's, which runs in f32 only).
     fn add_in_norm(&self) -> bool {
-        self.weights.afmoe.is_none() && rounds_ahead(self.w16)
+        self.pass.config.afmoe.is_none() && self.pass.rounds_ahead()
+    }
+
+    /// The product's weight in bf16 where the pass before rounded its input to bits.
+    fn rounded<'w>(&self, w: &'w CpuMatrix) -> Option<(&'w Matrix, &'w super::Bf16Matrix)> {
+        let bits = w.bf16.as_ref().filter(|_| self.pass.rounds_ahead())?;
+        Some((&w.weight, bits))
     }
 
     /// Adds a pending attention branch now: a site reads `x` before the MLP's norm.
@@ -88,22 +94,18 @@ impl<'p, 's> CpuOps<'p, 's> {
     /// from the bits alone, so the last step that changes only Q and K leaves its rounding to
     /// the bits.
     fn finish_qkv<'b>(&mut self, bits: Option<&'b mut [u16]>) -> Option<&'b [u16]> {
-        let (pass, block) = (self.pass, self.weights);
+        let pass = self.pass;
         let c = pass.config;
         let steps = std::mem::take(&mut self.qkv_steps);
-        let rounding = self.w16.is_some();
+        let rounding = pass.bf16;
         let (qkv_width, eps) = (c.qkv_width(), c.rms_norm_eps as f32);
         let heads = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let qk_norm = block
-            .afmoe
-            .as_ref()
-            .filter(|_| steps.head_norms)
-            .map(|a| (&a.q_norm[..], &a.k_norm[..]));
+        let qk_norm = steps.head_norms;
         let rotary = steps.rope;
         let (cos, sin) = (&pass.rope.cos, &pass.rope.sin);
         let bits_round_qk = bits.is_some();
         let finish = |rows: &mut [f32], positions: &[u32]| {
-            if let Some(bias) = &block.qkv_bias {
+            if let Some(bias) = steps.bias {
                 kernels::add_bias_rows(rows, bias);
             }
             // V's only rounding, and Q's and K's until a later step changes them.
@@ -146,16 +148,25 @@ impl<'p, 's> CpuOps<'p, 's> {
     }
 }
 
-impl BlockOps for CpuOps<'_, '_> {
-    type Block = BlockWeights;
+impl<'p> BlockOps<'p, Cpu> for CpuOps<'p, '_> {
+    fn embed(&mut self, scale: f32) -> Result<()> {
+        let hidden = self.pass.config.hidden_size;
+        let embed = self.embed;
+        let x = &mut self.s.x[..self.pass.tokens * hidden];
+        x.par_chunks_mut(hidden)
+            .zip(&self.pass.batch.input_ids)
+            .for_each(|(row, &id)| {
+                embed.decode_rows(id as usize, row);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|v| *v *= scale);
+                }
+            });
+        Ok(())
+    }
 
-    fn norm(&mut self, block: &BlockWeights, sublayer: Sublayer) -> Result<()> {
+    fn norm(&mut self, weight: &'p Vec<f32>, _: Sublayer) -> Result<()> {
         let (c, tokens) = (self.pass.config, self.pass.tokens);
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
-        let weight = match sublayer {
-            Sublayer::Attention => &block.attn_norm,
-            Sublayer::Mlp => &block.mlp_norm,
-        };
         let s = &mut *self.s;
         if std::mem::take(&mut self.branch_pending) {
             let bits = &mut s.gemm.input_bf16;
@@ -168,7 +179,7 @@ impl BlockOps for CpuOps<'_, '_> {
                 .for_each(|((x, branch), b)| {
                     kernels::add_rms_norm_bits_rows(x, branch, weight, eps, b);
                 });
-        } else if rounds_ahead(self.w16) {
+        } else if self.pass.rounds_ahead() {
             rows_pass_bits(&s.x, hidden, &mut s.gemm.input_bf16, hidden, |x, b| {
                 kernels::rms_norm_bits_rows(x, weight, eps, b);
             });
@@ -180,23 +191,28 @@ impl BlockOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn qkv(&mut self, block: &BlockWeights) -> Result<()> {
+    fn qkv(&mut self, weight: &'p CpuMatrix, bias: Option<&'p Vec<f32>>) -> Result<()> {
         let (c, tokens) = (self.pass.config, self.pass.tokens);
         let (hidden, qkv_width) = (c.hidden_size, c.qkv_width());
+        let rounded = self.rounded(weight);
         let s = &mut *self.s;
-        match self.w16.filter(|_| rounds_ahead(self.w16)) {
-            Some(w16) => {
-                let weight = (&block.qkv, &w16.qkv);
-                project_rounded(hidden, weight, &mut s.qkv, qkv_width, false, &mut s.gemm);
-            }
+        match rounded {
+            Some(w) => project_rounded(hidden, w, &mut s.qkv, qkv_width, false, &mut s.gemm),
             None => {
                 let normed = MatRef::dense(&s.normed, tokens, hidden);
-                let qkv16 = self.w16.map(|w| &w.qkv);
-                let (qkv, gemm) = (&mut s.qkv, &mut s.gemm);
-                project(normed, &block.qkv, qkv16, qkv, qkv_width, false, gemm);
+                let (w, w16) = (&weight.weight, weight.bf16.as_ref());
+                project(normed, w, w16, &mut s.qkv, qkv_width, false, &mut s.gemm);
             }
         }
-        self.qkv_steps = QkvSteps::default();
+        self.qkv_steps = QkvSteps {
+            bias: bias.map(Vec::as_slice),
+            ..QkvSteps::default()
+        };
+        Ok(())
+    }
+
+    fn head_norms(&mut self, norms: &'p HeadNorms<Cpu>) -> Result<()> {
+        self.qkv_steps.head_norms = Some((&norms.q, &norms.k));
         Ok(())
     }
 
@@ -213,7 +229,7 @@ impl BlockOps for CpuOps<'_, '_> {
             head_dim: c.head_dim,
             window,
         };
-        let ahead = rounds_ahead(self.w16);
+        let ahead = self.pass.rounds_ahead();
         let mut qkv_bf16 = std::mem::take(&mut self.s.qkv_bf16);
         let qk_bits = (ahead && attention::scores_from_bits(shape)).then(|| {
             qkv_bf16.resize(tokens * c.qkv_width(), 0);
@@ -239,32 +255,45 @@ impl BlockOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn gate_up(&mut self, block: &BlockWeights) -> Result<()> {
+    fn attention_gate(&mut self, weight: &'p CpuMatrix) -> Result<()> {
         let (c, tokens) = (self.pass.config, self.pass.tokens);
-        let (hidden, inter) = (c.hidden_size, block.down.cols());
+        let (hidden, attn_width) = (c.hidden_size, c.num_heads * c.head_dim);
+        let s = &mut *self.s;
+        // AFMoE runs in f32 only (see `CpuBackend::new`), so `normed` holds the norm.
+        let normed = MatRef::dense(&s.normed, tokens, hidden);
+        let gate = &mut s.gate[..tokens * attn_width];
+        let w = &weight.weight;
+        project(normed, w, None, gate, attn_width, false, &mut s.gemm);
+        let attn = &mut s.attn[..tokens * attn_width];
+        rows_pass(gate, attn_width, attn, attn_width, |g, a| {
+            kernels::sigmoid_gate_rows(a, g);
+        });
+        Ok(())
+    }
+
+    fn gate_up(&mut self, weight: &'p CpuMatrix, inter: usize) -> Result<()> {
+        let (c, tokens) = (self.pass.config, self.pass.tokens);
+        let hidden = c.hidden_size;
+        self.mlp_width = inter;
+        let rounded = self.rounded(weight);
         let s = &mut *self.s;
         let gate_up = &mut s.gate_up[..tokens * 2 * inter];
         // bf16 mode rounds the gate|up output before SwiGLU: where the product's sums are
         // whole in registers, it stores them rounded, and they never exist in f32 (half the
         // bytes written, and read back).
         self.gate_up_bits = false;
-        match self.w16.filter(|_| rounds_ahead(self.w16)) {
-            Some(w16) if bf16::rounds_output(hidden) => {
+        match rounded {
+            Some(w) if bf16::rounds_output(hidden) => {
                 let bits = &mut s.gate_up_bits;
                 bits.resize(tokens * 2 * inter, 0);
-                let weight = (&block.gate_up, &w16.gate_up);
-                project_to_bits(hidden, weight, (bits, 2 * inter), &mut s.gemm);
+                project_to_bits(hidden, w, (bits, 2 * inter), &mut s.gemm);
                 self.gate_up_bits = true;
             }
-            Some(w16) => {
-                let weight = (&block.gate_up, &w16.gate_up);
-                project_rounded(hidden, weight, gate_up, 2 * inter, false, &mut s.gemm);
-            }
+            Some(w) => project_rounded(hidden, w, gate_up, 2 * inter, false, &mut s.gemm),
             None => {
                 let normed = MatRef::dense(&s.normed, tokens, hidden);
-                let gate_up16 = self.w16.map(|w| &w.gate_up);
-                let (w, gemm) = (&block.gate_up, &mut s.gemm);
-                project(normed, w, gate_up16, gate_up, 2 * inter, false, gemm);
+                let (w, w16, gemm) = (&weight.weight, weight.bf16.as_ref(), &mut s.gemm);
+                project(normed, w, w16, gate_up, 2 * inter, false, gemm);
             }
         }
         Ok(())
@@ -272,13 +301,13 @@ impl BlockOps for CpuOps<'_, '_> {
 
     fn swiglu(&mut self) -> Result<()> {
         let tokens = self.pass.tokens;
-        let inter = self.weights.down.cols();
+        let inter = self.mlp_width;
         let s = &mut *self.s;
         let gate_up = &s.gate_up[..tokens * 2 * inter];
-        if !rounds_ahead(self.w16) {
+        if !self.pass.rounds_ahead() {
             let act = &mut s.act[..tokens * inter];
             // bf16 mode rounds the gate|up output: as SwiGLU reads it.
-            let rounded_inputs = self.w16.is_some();
+            let rounded_inputs = self.pass.bf16;
             rows_pass(gate_up, 2 * inter, act, inter, |gu, act| {
                 if rounded_inputs {
                     kernels::silu_mul_bf16_inputs_rows(gu, inter, act);
@@ -302,34 +331,36 @@ impl BlockOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn output_into_residual(&mut self, block: &BlockWeights, sublayer: Sublayer) -> Result<()> {
+    fn output_into_residual(&mut self, weight: &'p CpuMatrix, sublayer: Sublayer) -> Result<()> {
         // The CPU's products write the branch, then add it: the same f32 addition.
-        self.output_apart(block, sublayer)?;
+        self.output_apart(weight, None, sublayer)?;
         self.add_branch()
     }
 
-    fn output_apart(&mut self, block: &BlockWeights, sublayer: Sublayer) -> Result<()> {
+    fn output_apart(
+        &mut self,
+        weight: &'p CpuMatrix,
+        bias: Option<&'p Vec<f32>>,
+        sublayer: Sublayer,
+    ) -> Result<()> {
         let (c, tokens) = (self.pass.config, self.pass.tokens);
         let hidden = c.hidden_size;
-        let ahead = rounds_ahead(self.w16);
-        let w16 = self.w16.map(|w| match sublayer {
-            Sublayer::Attention => &w.o,
-            Sublayer::Mlp => &w.down,
-        });
+        let rounded = self.rounded(weight);
         let s = &mut *self.s;
-        let (input, w, k) = match sublayer {
-            Sublayer::Attention => (&s.attn, &block.o, c.num_heads * c.head_dim),
-            Sublayer::Mlp => (&s.act, &block.down, block.down.cols()),
+        let (input, k) = match sublayer {
+            Sublayer::Attention => (&s.attn, c.num_heads * c.head_dim),
+            Sublayer::Mlp => (&s.act, self.mlp_width),
         };
-        match w16.filter(|_| ahead) {
+        match rounded {
             // The pass before rounded the input into `s.gemm.input_bf16`.
-            Some(w16) => project_rounded(k, (w, w16), &mut s.branch, hidden, false, &mut s.gemm),
+            Some(w) => project_rounded(k, w, &mut s.branch, hidden, false, &mut s.gemm),
             None => {
                 let input = MatRef::dense(&input[..tokens * k], tokens, k);
+                let (w, w16) = (&weight.weight, weight.bf16.as_ref());
                 project(input, w, w16, &mut s.branch, hidden, false, &mut s.gemm);
             }
         }
-        if let (Some(bias), Sublayer::Attention) = (&block.o_bias, sublayer) {
+        if let Some(bias) = bias {
             s.branch
                 .par_chunks_mut(hidden * ROWS_PER_TASK)
                 .for_each(|rows| kernels::add_bias_rows(rows, bias));
@@ -338,8 +369,48 @@ impl BlockOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn output_bias(&self, block: &BlockWeights, sublayer: Sublayer) -> bool {
-        sublayer == Sublayer::Attention && block.o_bias.is_some()
+    fn branch_norm(&mut self, weight: &'p Vec<f32>) -> Result<()> {
+        let c = self.pass.config;
+        let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
+        let s = &mut *self.s;
+        // `s.normed` is free by then: the norm writes there, and the two swap.
+        rows_pass(&s.branch, hidden, &mut s.normed, hidden, |x, y| {
+            kernels::rms_norm_rows(x, weight, eps, y);
+        });
+        std::mem::swap(&mut s.branch, &mut s.normed);
+        Ok(())
+    }
+
+    fn clear_branch(&mut self) -> Result<()> {
+        let n = self.pass.tokens * self.pass.config.hidden_size;
+        self.s.branch[..n].fill(0.0);
+        Ok(())
+    }
+
+    fn routed_experts(
+        &mut self,
+        weights: &'p MoeWeights<Cpu>,
+        _: &'p Vec<f32>,
+        route: Option<usize>,
+    ) -> Result<()> {
+        // In f32 (AFMoE's only mode here), `normed` is the router's input as it is.
+        let Some(config) = &self.pass.config.afmoe else {
+            return Ok(());
+        };
+        let (tokens, hidden) = (self.pass.tokens, self.pass.config.hidden_size);
+        let routed = moe::Routed { weights, config };
+        let s = &mut *self.s;
+        routed.add_to(
+            &s.normed,
+            (tokens, hidden),
+            &mut s.branch,
+            &mut s.moe,
+            &mut s.gemm,
+        );
+        if let Some(slot) = route {
+            routed.record(&s.moe, &mut self.out.routes, slot);
+        }
+        Ok(())
     }
 
     fn add_branch(&mut self) -> Result<()> {
@@ -370,85 +441,6 @@ impl BlockOps for CpuOps<'_, '_> {
                 let units = MatRef::dense(directions.unit_vectors(), directions.count(), hidden);
                 sgemm::product(x, &units, dst, directions.count(), false);
             }
-        }
-        Ok(())
-    }
-}
-
-impl AfmoeOps for CpuOps<'_, '_> {
-    fn head_norms(&mut self, _: &BlockWeights) -> Result<()> {
-        self.qkv_steps.head_norms = true;
-        Ok(())
-    }
-
-    fn attention_gate(&mut self, block: &BlockWeights) -> Result<()> {
-        let Some(a) = &block.afmoe else {
-            return Ok(());
-        };
-        let (c, tokens) = (self.pass.config, self.pass.tokens);
-        let (hidden, attn_width) = (c.hidden_size, c.num_heads * c.head_dim);
-        let s = &mut *self.s;
-        // AFMoE runs in f32 only (see `CpuBackend::new`), so `normed` holds the norm.
-        let normed = MatRef::dense(&s.normed, tokens, hidden);
-        let gate = &mut s.gate[..tokens * attn_width];
-        project(
-            normed,
-            &a.attn_gate,
-            None,
-            gate,
-            attn_width,
-            false,
-            &mut s.gemm,
-        );
-        let attn = &mut s.attn[..tokens * attn_width];
-        rows_pass(gate, attn_width, attn, attn_width, |g, a| {
-            kernels::sigmoid_gate_rows(a, g);
-        });
-        Ok(())
-    }
-
-    fn branch_norm(&mut self, block: &BlockWeights, sublayer: Sublayer) -> Result<()> {
-        let Some(a) = &block.afmoe else {
-            return Ok(());
-        };
-        let weight = match sublayer {
-            Sublayer::Attention => &a.attn_out_norm,
-            Sublayer::Mlp => &a.mlp_out_norm,
-        };
-        let c = self.pass.config;
-        let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
-        let s = &mut *self.s;
-        // `s.normed` is free by then: the norm writes there, and the two swap.
-        rows_pass(&s.branch, hidden, &mut s.normed, hidden, |x, y| {
-            kernels::rms_norm_rows(x, weight, eps, y);
-        });
-        std::mem::swap(&mut s.branch, &mut s.normed);
-        Ok(())
-    }
-
-    fn clear_branch(&mut self) -> Result<()> {
-        let n = self.pass.tokens * self.pass.config.hidden_size;
-        self.s.branch[..n].fill(0.0);
-        Ok(())
-    }
-
-    fn routed_experts(&mut self, block: &BlockWeights, route: Option<usize>) -> Result<()> {
-        let moe_weights = block.afmoe.as_ref().and_then(|a| a.moe.as_ref());
-        let (Some(weights), Some(config)) = (moe_weights, &self.pass.config.afmoe) else {
-            return Ok(());
-        };
-        let (tokens, hidden) = (self.pass.tokens, self.pass.config.hidden_size);
-        let routed = moe::Routed { weights, config };
-        let s = &mut *self.s;
-        routed.add_to(
-            &s.normed,
-            (tokens, hidden),
-            &mut s.branch,
-            &mut s.moe,
-            &mut s.gemm,
-        );
-        if let Some(slot) = route {
-            routed.record(&s.moe, &mut self.out.routes, slot);
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
-//! The CUDA forward pass: the model's blocks as `crate::model` writes them (dense, and AFMoE)
-//! on one GPU, each op a kernel launch or a cuBLAS GEMM over the batch's buffers. The residual
-//! stream stays f32; the activations between kernels are bf16 in the bf16 mode and f32 in the
+//! The CUDA forward pass: the model's pass as `crate::model::block` writes it, on one GPU, on
+//! the weights in the device's form (`OnDevice`): each op a kernel launch or a cuBLAS GEMM
+//! over the batch's buffers. The residual stream stays f32; the activations between kernels are bf16 in the bf16 mode and f32 in the
 //! f32 mode (`element`), GEMMs sum in f32, QKV and gate/up are each one fused GEMM, and the
 //! attention output and down projections add straight into the residual (`beta = 1`).
 //!
@@ -33,12 +33,14 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use super::download::Slots;
 use super::error::CudaError;
-use super::launch::{self, gemm};
+use super::launch::gemm;
 use super::plan::{attention_tiles, check_heads};
 
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
-use crate::model::{LlamaWeights, ModelConfig};
+use crate::model::block::{Stack, forward};
+use crate::model::weights::Form;
+use crate::model::{BlockWeights, LlamaWeights, ModelConfig};
 use harvest_core::plan::Precision;
 
 use self::buffers::{BatchBuffers, Kept, Scratch, keeps_branches, mlp_width};
@@ -66,21 +68,16 @@ fn memory_error(action: &'static str) -> impl Fn(cudarc::driver::DriverError) ->
     move |error| CudaError::from_driver(action, error).into()
 }
 
-/// One block's weights on the device, in the mode's type `E`.
-struct DeviceBlock<E> {
-    attn_norm: CudaSlice<E>,
-    qkv: CudaSlice<E>,
-    /// Qwen2's (or Llama's `attention_bias`) QKV bias, f32.
-    qkv_bias: Option<CudaSlice<f32>>,
-    o: CudaSlice<E>,
-    /// Llama's `attention_bias` O bias, f32.
-    o_bias: Option<CudaSlice<f32>>,
-    mlp_norm: CudaSlice<E>,
-    gate_up: CudaSlice<E>,
-    down: CudaSlice<E>,
-    /// The MLP's inner width: the dense MLP's, or a sparse block's shared experts' (0 for none).
-    inter: usize,
-    afmoe: Option<afmoe::DeviceAfmoe<E>>,
+/// The weights on the device: matrices and norms in the mode's type `E`, biases and the
+/// router in f32 (uploaded by [`Uploader`]).
+#[derive(Debug, Clone)]
+struct OnDevice<E>(std::marker::PhantomData<E>);
+
+impl<E: Activation> Form for OnDevice<E> {
+    type Matrix = CudaSlice<E>;
+    type Norm = CudaSlice<E>;
+    type Bias = CudaSlice<f32>;
+    type Router = CudaSlice<f32>;
 }
 
 /// The CUDA backend on one device, computing in the job's precision: a `Device` of bf16 or
@@ -106,7 +103,7 @@ impl<E: Activation> DevicePass for Device<E> {
 }
 
 /// The pass on one device, its activations between kernels in `E`.
-struct Device<E> {
+struct Device<E: Activation> {
     spec: CaptureSpec,
     config: ModelConfig,
     stream: Arc<CudaStream>,
@@ -119,7 +116,7 @@ struct Device<E> {
     /// The model's block the first of `blocks` is (0 unless this is a later pipeline stage).
     first_block: usize,
     /// The blocks this backend runs, up to the deepest kept one.
-    blocks: Vec<DeviceBlock<E>>,
+    blocks: Vec<BlockWeights<OnDevice<E>>>,
     /// The kept layers (positions among the job's) that `blocks` hold: this backend's slots.
     kept: Range<usize>,
     inv_freq: CudaSlice<f32>,
@@ -322,9 +319,14 @@ impl<E: Activation> Device<E> {
         } else {
             None
         };
-        let blocks = weights.blocks[..run]
-            .iter()
-            .map(|b| up.block(b))
+        let qkv_bias = weights.blocks.iter().any(|b| b.qkv_bias.is_some());
+        let o_bias = weights.blocks.iter().any(|b| b.o_bias.is_some());
+        let mlp_width = mlp_width(&weights.blocks[..run]);
+        let blocks = weights
+            .blocks
+            .into_iter()
+            .take(run)
+            .map(|b| b.convert(&mut up))
             .collect::<Result<Vec<_>>>()?;
         up.finish()?;
         let phases = up.phases;
@@ -358,9 +360,9 @@ impl<E: Activation> Device<E> {
             hand_off: HandOff::default(),
             host_tiles: Vec::new(),
             phases,
-            qkv_bias: weights.blocks.iter().any(|b| b.qkv_bias.is_some()),
-            o_bias: weights.blocks.iter().any(|b| b.o_bias.is_some()),
-            mlp_width: mlp_width(&weights.blocks[..run]),
+            qkv_bias,
+            o_bias,
+            mlp_width,
         })
     }
 
@@ -516,20 +518,14 @@ impl<E: Activation> Device<E> {
         let c = &self.config;
         let stream_values = tokens * c.hidden_size;
         let handed_on = CudaError::fault("handing the residual stream between stages");
-        match (&self.embed, &x) {
-            (Some(embed), _) => launch::embed_gather(
-                &self.stream,
-                &self.kernels.embed_gather,
-                embed,
-                &s.ids,
-                &mut s.x,
-                (tokens, c.hidden_size, embedding_scale(c)),
-            )?,
-            (None, Some(x)) if x.len() >= stream_values => self
-                .hand_off
-                .upload(&self.stream, &x[..stream_values], &mut s.x)
-                .map_err(&handed_on)?,
-            (None, _) => return Err(no_stream(self.first_block, stream_values)),
+        if self.first_block > 0 {
+            match &x {
+                Some(x) if x.len() >= stream_values => self
+                    .hand_off
+                    .upload(&self.stream, &x[..stream_values], &mut s.x)
+                    .map_err(&handed_on)?,
+                _ => return Err(no_stream(self.first_block, stream_values)),
+            }
         }
         let pass = Pass {
             config: c,
@@ -540,27 +536,27 @@ impl<E: Activation> Device<E> {
             tokens,
             tiles: self.host_tiles.len() / 2,
         };
-        for (local, block) in self.blocks.iter().enumerate() {
-            let index = self.first_block + local;
-            let keeping = self.spec.layers.position(index).map(|layer| Keeping {
-                layer: layer - self.kept.start,
-                layers: self.kept.len(),
-                sites: &self.spec.sites,
-                width,
-                directions: self.directions.as_ref(),
-                copies: &self.copies,
-            });
-            let slot = |site| keeping.as_ref().and_then(|k| k.slot(site));
-            let route = self.spec.route_slot(c, index);
-            let mut ops = DeviceOps {
-                pass: &pass,
-                s: &mut *s,
-                inter: block.inter,
-                keeping: keeping.as_ref(),
-                routes: &mut out.routes,
-            };
-            crate::model::forward_block(&mut ops, block, c, index, slot, route)?;
-        }
+        let keeping = Keeping {
+            kept: self.kept.clone(),
+            layers: self.spec.layers.len(),
+            width,
+            directions: self.directions.as_ref(),
+            copies: &self.copies,
+        };
+        let mut ops = DeviceOps {
+            pass: &pass,
+            s: &mut *s,
+            embed: self.embed.as_ref(),
+            inter: 0,
+            keeping: &keeping,
+            routes: &mut out.routes,
+        };
+        let stack = Stack {
+            config: c,
+            first_block: self.first_block,
+            blocks: &self.blocks,
+        };
+        forward(&mut ops, stack, self.spec.keeps())?;
         // Each kept slot is widened as its copy lands, while the blocks after it run. This
         // device's slot `site * kept + layer` is the batch's `site * layers + first + layer`.
         let kept = self.kept.len();
@@ -580,11 +576,6 @@ impl<E: Activation> Device<E> {
         }
         Ok(())
     }
-}
-
-/// AFMoE's muP scale of the embedding (1 for the others).
-pub(super) fn embedding_scale(c: &ModelConfig) -> f32 {
-    c.afmoe.as_ref().map_or(1.0, |a| a.embedding_scale as f32)
 }
 
 /// A later stage ran without the residual stream of the one before: a bug in the caller.

@@ -1,5 +1,5 @@
 //! `--device cuda-replay`: the CUDA backend's forward pass run on the CPU, for tests. The same
-//! blocks ([`crate::model::forward_block`]: dense, and AFMoE in `afmoe`) run over host buffers,
+//! pass ([`crate::model::block::forward`]; AFMoE's ops in `afmoe`) runs over host buffers,
 //! in either mode's type (`HostValue`: bf16 bits, or f32 with every rounding left out, as
 //! the kernels' `_f32` entry points leave it), each op replaying its kernel
 //! in `kernels.cu` loop for loop: the same weights and rounding points, the same
@@ -22,13 +22,16 @@ use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
 use crate::error::Result;
-use crate::model::dense::{BlockOps, Source, Sublayer};
-use crate::model::{Half, LlamaWeights, Matrix, ModelConfig};
+use crate::model::block::{BlockOps, Source, Stack, Sublayer, forward};
+use crate::model::weights::{Convert, Form, Host};
+use crate::model::{BlockWeights, Half, HeadNorms, LlamaWeights, Matrix, ModelConfig, MoeWeights};
 use harvest_core::plan::Precision;
 
 /// An activation between kernels, or a weight, as the replay holds it in one mode: bf16 bits
 /// (`u16`) or `f32`, as the CUDA backend's `Activation`.
-pub(super) trait HostValue: Copy + Default + Send + Sync + 'static {
+pub(super) trait HostValue:
+    Copy + Default + Send + Sync + std::fmt::Debug + 'static
+{
     /// The mode.
     const PRECISION: Precision;
     /// The kernels' `widened`.
@@ -81,19 +84,34 @@ impl HostValue for f32 {
     }
 }
 
-/// One block's weights, as the CUDA backend uploads them in the mode of `T`.
-struct HostBlock<T> {
-    attn_norm: Vec<T>,
-    qkv: Vec<T>,
-    qkv_bias: Option<Vec<f32>>,
-    o: Vec<T>,
-    o_bias: Option<Vec<f32>>,
-    mlp_norm: Vec<T>,
-    gate_up: Vec<T>,
-    down: Vec<T>,
-    /// The MLP's inner width (0 for a sparse block without shared experts).
-    inter: usize,
-    afmoe: Option<afmoe::HostAfmoe<T>>,
+/// The weights as the CUDA backend uploads them in the mode of `T`: matrices and norms in `T`,
+/// biases and the router in f32.
+#[derive(Debug, Clone)]
+struct Replayed<T>(std::marker::PhantomData<T>);
+
+impl<T: HostValue> Form for Replayed<T> {
+    type Matrix = Vec<T>;
+    type Norm = Vec<T>;
+    type Bias = Vec<f32>;
+    type Router = Vec<f32>;
+}
+
+/// The replay's upload.
+struct ToHost;
+
+impl<T: HostValue> Convert<Host, Replayed<T>> for ToHost {
+    fn matrix(&mut self, matrix: Matrix) -> Result<Vec<T>> {
+        Ok(T::matrix(&matrix))
+    }
+    fn norm(&mut self, norm: Vec<f32>) -> Result<Vec<T>> {
+        Ok(T::values(&norm))
+    }
+    fn bias(&mut self, bias: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(bias)
+    }
+    fn router(&mut self, router: Matrix) -> Result<Vec<f32>> {
+        Ok(router.to_f32_vec())
+    }
 }
 
 /// The CUDA backend's forward pass replayed on the CPU, in the spec's precision.
@@ -107,7 +125,7 @@ trait ReplayPass: Backend + Stage {}
 impl<T: HostValue> ReplayPass for Replay<T> {}
 
 /// The replay in the mode of `T`.
-struct Replay<T> {
+struct Replay<T: HostValue> {
     spec: CaptureSpec,
     config: ModelConfig,
     /// The embedding, on the first stage only (empty on the others).
@@ -115,7 +133,7 @@ struct Replay<T> {
     /// The model's block the first of `blocks` is.
     first_block: usize,
     /// The blocks this backend runs, up to the deepest kept one.
-    blocks: Vec<HostBlock<T>>,
+    blocks: Vec<BlockWeights<Replayed<T>>>,
     inv_freq: Vec<f32>,
     tensor_cores: bool,
 }
@@ -164,8 +182,8 @@ impl ReplayBackend {
     fn load(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         super::forward::check_model(&weights.config)?;
         let replay: Box<dyn ReplayPass> = match spec.precision {
-            Precision::Bf16 => Box::new(Replay::<u16>::load(weights, spec)),
-            Precision::F32 => Box::new(Replay::<f32>::load(weights, spec)),
+            Precision::Bf16 => Box::new(Replay::<u16>::load(weights, spec)?),
+            Precision::F32 => Box::new(Replay::<f32>::load(weights, spec)?),
         };
         Ok(Self { replay })
     }
@@ -196,28 +214,19 @@ impl Stage for ReplayBackend {
 }
 
 impl<T: HostValue> Replay<T> {
-    fn load(weights: LlamaWeights, spec: CaptureSpec) -> Self {
+    fn load(weights: LlamaWeights, spec: CaptureSpec) -> Result<Self> {
         let run = spec.blocks_to_run(weights.first_block, weights.blocks.len());
-        let config = weights.config.clone();
-        let blocks = weights.blocks[..run]
-            .iter()
-            .map(|b| HostBlock {
-                attn_norm: T::values(&b.attn_norm),
-                qkv: T::matrix(&b.qkv),
-                qkv_bias: b.qkv_bias.clone(),
-                o: T::matrix(&b.o),
-                o_bias: b.o_bias.clone(),
-                mlp_norm: T::values(&b.mlp_norm),
-                gate_up: T::matrix(&b.gate_up),
-                down: T::matrix(&b.down),
-                inter: b.down.cols(),
-                afmoe: b.afmoe.as_ref().map(afmoe::HostAfmoe::of),
-            })
-            .collect();
+        let config = weights.config;
+        let blocks = weights
+            .blocks
+            .into_iter()
+            .take(run)
+            .map(|b| b.convert(&mut ToHost))
+            .collect::<Result<_>>()?;
         let forced = super::switches::switch(ATTENTION_VARIABLE);
         // The tensor-core kernels are bf16's alone.
         let bf16 = T::PRECISION == Precision::Bf16;
-        Self {
+        Ok(Self {
             tensor_cores: bf16 && uses_tensor_cores(config.head_dim, forced.as_deref()),
             inv_freq: config
                 .inverse_frequencies()
@@ -229,7 +238,7 @@ impl<T: HostValue> Replay<T> {
             blocks,
             config,
             spec,
-        }
+        })
     }
 }
 
@@ -272,19 +281,10 @@ impl<T: HostValue> Replay<T> {
     /// Runs the blocks on `x`, embedding `batch` into it first on the first stage; kept sites
     /// go to their slots in `out`, which holds the whole batch.
     fn run_blocks(&self, batch: &Batch, x: &mut Vec<f32>, out: &mut Captured) -> Result<()> {
-        let hidden = self.config.hidden_size;
-        if self.first_block == 0 {
-            // embed_gather
-            let scale = super::forward::embedding_scale(&self.config);
-            x.clear();
-            for &id in &batch.input_ids {
-                let row = &self.embed[id as usize * hidden..][..hidden];
-                x.extend(row.iter().map(|&b| b.widen() * scale));
-            }
-        }
         let mut ops = HostOps {
             config: &self.config,
             batch,
+            embed: &self.embed,
             inv_freq: &self.inv_freq,
             tensor_cores: self.tensor_cores,
             directions: self.spec.directions.as_ref().map(|d| d.unit_vectors()),
@@ -298,22 +298,12 @@ impl<T: HostValue> Replay<T> {
             inter: 0,
             out,
         };
-        let mut result = Ok(());
-        for (local, block) in self.blocks.iter().enumerate() {
-            let index = self.first_block + local;
-            let layer = self.spec.layers.position(index);
-            let slot = |site| {
-                let layer = layer?;
-                let position = self.spec.sites.position(site)?;
-                Some(position * self.spec.layers.len() + layer)
-            };
-            ops.inter = block.inter;
-            let route = self.spec.route_slot(&self.config, index);
-            result = crate::model::forward_block(&mut ops, block, &self.config, index, slot, route);
-            if result.is_err() {
-                break;
-            }
-        }
+        let stack = Stack {
+            config: &self.config,
+            first_block: self.first_block,
+            blocks: &self.blocks,
+        };
+        let result = forward(&mut ops, stack, self.spec.keeps());
         // The residual stream goes on to the next stage.
         *x = ops.x;
         result
@@ -324,6 +314,7 @@ impl<T: HostValue> Replay<T> {
 struct HostOps<'a, T> {
     config: &'a ModelConfig,
     batch: &'a Batch,
+    embed: &'a [T],
     inv_freq: &'a [f32],
     tensor_cores: bool,
     directions: Option<&'a [f32]>,
@@ -334,7 +325,7 @@ struct HostOps<'a, T> {
     gate_up: Vec<T>,
     act: Vec<T>,
     branch: Vec<f32>,
-    /// The block's MLP width (`HostBlock::inter`), for SwiGLU.
+    /// The inner width of the last `gate_up`, for SwiGLU and the down projection.
     inter: usize,
     out: &'a mut Captured,
 }
@@ -344,32 +335,37 @@ impl<T: HostValue> HostOps<'_, T> {
         self.batch.num_tokens()
     }
 
-    /// The input and weight of `sublayer`'s output projection.
-    fn output<'b>(&'b self, block: &'b HostBlock<T>, sublayer: Sublayer) -> (&'b [T], &'b [T]) {
+    /// The input of `sublayer`'s output projection.
+    fn output_input(&self, sublayer: Sublayer) -> &[T] {
         match sublayer {
-            Sublayer::Attention => (&self.attn, &block.o),
-            Sublayer::Mlp => (&self.act, &block.down),
+            Sublayer::Attention => &self.attn,
+            Sublayer::Mlp => &self.act,
         }
     }
 }
 
-impl<T: HostValue> BlockOps for HostOps<'_, T> {
-    type Block = HostBlock<T>;
+impl<'a, T: HostValue> BlockOps<'a, Replayed<T>> for HostOps<'a, T> {
+    fn embed(&mut self, scale: f32) -> Result<()> {
+        // embed_gather
+        let hidden = self.config.hidden_size;
+        self.x.clear();
+        for &id in &self.batch.input_ids {
+            let row = &self.embed[id as usize * hidden..][..hidden];
+            self.x.extend(row.iter().map(|&b| b.widen() * scale));
+        }
+        Ok(())
+    }
 
-    fn norm(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
-        let weight = match sublayer {
-            Sublayer::Attention => &block.attn_norm,
-            Sublayer::Mlp => &block.mlp_norm,
-        };
+    fn norm(&mut self, weight: &Vec<T>, _: Sublayer) -> Result<()> {
         let c = self.config;
         self.normed = rms_norm(&self.x, weight, c.hidden_size, c.rms_norm_eps as f32);
         Ok(())
     }
 
-    fn qkv(&mut self, block: &HostBlock<T>) -> Result<()> {
+    fn qkv(&mut self, weight: &Vec<T>, bias: Option<&Vec<f32>>) -> Result<()> {
         let c = self.config;
-        let mut product = gemm(&self.normed, &block.qkv, c.qkv_width(), c.hidden_size);
-        if let Some(bias) = &block.qkv_bias {
+        let mut product = gemm(&self.normed, weight, c.qkv_width(), c.hidden_size);
+        if let Some(bias) = bias {
             add_bias(&mut product, bias);
         }
         self.qkv = product.iter().map(|&v| T::stored(v)).collect();
@@ -403,9 +399,10 @@ impl<T: HostValue> BlockOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn gate_up(&mut self, block: &HostBlock<T>) -> Result<()> {
+    fn gate_up(&mut self, weight: &Vec<T>, width: usize) -> Result<()> {
         let c = self.config;
-        let product = gemm(&self.normed, &block.gate_up, 2 * self.inter, c.hidden_size);
+        self.inter = width;
+        let product = gemm(&self.normed, weight, 2 * self.inter, c.hidden_size);
         self.gate_up = product.iter().map(|&v| T::stored(v)).collect();
         Ok(())
     }
@@ -415,10 +412,10 @@ impl<T: HostValue> BlockOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn output_into_residual(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
+    fn output_into_residual(&mut self, weight: &Vec<T>, sublayer: Sublayer) -> Result<()> {
         let hidden = self.config.hidden_size;
-        let (input, w) = self.output(block, sublayer);
-        let product = gemm(input, w, hidden, input.len() / self.tokens());
+        let input = self.output_input(sublayer);
+        let product = gemm(input, weight, hidden, input.len() / self.tokens());
         // beta = 1: the product, summed in f32, is added to x once.
         for (x, p) in self.x.iter_mut().zip(product) {
             *x += p;
@@ -426,18 +423,47 @@ impl<T: HostValue> BlockOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn output_apart(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
+    fn output_apart(
+        &mut self,
+        weight: &Vec<T>,
+        bias: Option<&Vec<f32>>,
+        sublayer: Sublayer,
+    ) -> Result<()> {
         let hidden = self.config.hidden_size;
-        let (input, w) = self.output(block, sublayer);
-        self.branch = gemm(input, w, hidden, input.len() / self.tokens());
-        if let (Some(bias), Sublayer::Attention) = (&block.o_bias, sublayer) {
+        let input = self.output_input(sublayer);
+        self.branch = gemm(input, weight, hidden, input.len() / self.tokens());
+        if let Some(bias) = bias {
             add_bias(&mut self.branch, bias);
         }
         Ok(())
     }
 
-    fn output_bias(&self, block: &HostBlock<T>, sublayer: Sublayer) -> bool {
-        sublayer == Sublayer::Attention && block.o_bias.is_some()
+    fn head_norms(&mut self, norms: &HeadNorms<Replayed<T>>) -> Result<()> {
+        self.head_norms_of(norms)
+    }
+
+    fn attention_gate(&mut self, weight: &Vec<T>) -> Result<()> {
+        self.attention_gate_of(weight)
+    }
+
+    fn branch_norm(&mut self, weight: &Vec<T>) -> Result<()> {
+        let c = self.config;
+        self.branch = rms_norm_wide(&self.branch, weight, c.hidden_size, c.rms_norm_eps as f32);
+        Ok(())
+    }
+
+    fn clear_branch(&mut self) -> Result<()> {
+        self.branch = vec![0.0; self.tokens() * self.config.hidden_size];
+        Ok(())
+    }
+
+    fn routed_experts(
+        &mut self,
+        moe: &MoeWeights<Replayed<T>>,
+        norm: &Vec<T>,
+        route: Option<usize>,
+    ) -> Result<()> {
+        self.routed_experts_of(moe, norm, route)
     }
 
     fn add_branch(&mut self) -> Result<()> {

@@ -8,63 +8,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::{Activation, DeviceBlock, DeviceOps, F32, Uploader, memory_error};
+use super::{Activation, DeviceOps, F32, OnDevice, memory_error};
 use crate::backend::cuda::error::CudaError;
 use crate::backend::cuda::launch::{self, gemm_f32};
 use crate::error::Result;
-use crate::model::afmoe::AfmoeOps;
-use crate::model::dense::Sublayer;
 use crate::model::routing::{Choice, Grouping, choose};
-use crate::model::{AfmoeBlock, AfmoeConfig, ModelConfig};
-
-/// What an AFMoE block adds to the dense block's weights, on the device, in the mode's `E`.
-pub(super) struct DeviceAfmoe<E> {
-    q_norm: CudaSlice<E>,
-    k_norm: CudaSlice<E>,
-    attn_gate: CudaSlice<E>,
-    attn_out_norm: CudaSlice<E>,
-    mlp_out_norm: CudaSlice<E>,
-    moe: Option<DeviceMoe<E>>,
-}
-
-/// A sparse block's routed experts.
-struct DeviceMoe<E> {
-    /// `[experts, hidden]`, f32: the logits choose experts, so they are not rounded.
-    router: CudaSlice<f32>,
-    /// Read by the host's routing.
-    expert_bias: Vec<f32>,
-    /// Each expert's gate|up and down.
-    experts: Vec<(CudaSlice<E>, CudaSlice<E>)>,
-}
-
-impl Uploader<'_> {
-    /// An AFMoE block's own weights.
-    pub(super) fn afmoe<E: Activation>(&mut self, a: &AfmoeBlock) -> Result<DeviceAfmoe<E>> {
-        let moe = match &a.moe {
-            Some(m) => Some(DeviceMoe {
-                router: self.f32s(&m.router.to_f32_vec())?,
-                expert_bias: m.expert_bias.clone(),
-                experts: m
-                    .experts
-                    .iter()
-                    .map(|e| {
-                        let gate_up = E::upload_matrix(self, &e.gate_up)?;
-                        Ok((gate_up, E::upload_matrix(self, &e.down)?))
-                    })
-                    .collect::<Result<_>>()?,
-            }),
-            None => None,
-        };
-        Ok(DeviceAfmoe {
-            q_norm: E::upload_values(self, &a.q_norm)?,
-            k_norm: E::upload_values(self, &a.k_norm)?,
-            attn_gate: E::upload_matrix(self, &a.attn_gate)?,
-            attn_out_norm: E::upload_values(self, &a.attn_out_norm)?,
-            mlp_out_norm: E::upload_values(self, &a.mlp_out_norm)?,
-            moe,
-        })
-    }
-}
+use crate::model::{AfmoeConfig, HeadNorms, ModelConfig, MoeWeights};
 
 /// The batch buffers AFMoE adds, for up to `tokens` tokens, those between kernels in `E`.
 pub(super) struct AfmoeScratch<E> {
@@ -166,34 +115,21 @@ impl<E: Activation> AfmoeScratch<E> {
 fn not_afmoe(op: &'static str) -> crate::Error {
     CudaError::Fault {
         action: op,
-        reason: "the block or the batch has no AFMoE weights or buffers".into(),
+        reason: "the batch has no AFMoE buffers".into(),
     }
     .into()
 }
 
 impl<E: Activation> DeviceOps<'_, '_, E> {
-    fn afmoe_parts<'b>(
-        &'b mut self,
-        block: &'b DeviceBlock<E>,
-        op: &'static str,
-    ) -> Result<(&'b DeviceAfmoe<E>, &'b mut super::Scratch<E>)> {
-        match (&block.afmoe, self.s.afmoe.is_some()) {
-            (Some(a), true) => Ok((a, &mut *self.s)),
-            _ => Err(not_afmoe(op)),
-        }
-    }
-}
-
-impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
-    fn head_norms(&mut self, block: &DeviceBlock<E>) -> Result<()> {
+    /// `head_norm`: each query head by `q`, each key head by `k`, in place.
+    pub(super) fn head_norms_of(&mut self, norms: &HeadNorms<OnDevice<E>>) -> Result<()> {
         let p = self.pass;
         let c = p.config;
-        let (a, s) = self.afmoe_parts(block, "head_norm")?;
         launch::head_norm(
             p.stream,
             &p.kernels.head_norm,
-            &mut s.qkv,
-            (&a.q_norm, &a.k_norm),
+            &mut self.s.qkv,
+            (&norms.q, &norms.k),
             (
                 p.tokens,
                 c.num_heads,
@@ -204,24 +140,18 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
         )
     }
 
-    fn attention_gate(&mut self, block: &DeviceBlock<E>) -> Result<()> {
+    /// The gate's product, then `sigmoid_gate` on the attention output.
+    pub(super) fn attention_gate_of(&mut self, weight: &CudaSlice<E>) -> Result<()> {
         let p = self.pass;
         let c = p.config;
         let attn_width = c.num_heads * c.head_dim;
-        let (a, s) = self.afmoe_parts(block, "sigmoid_gate")?;
+        let s = &mut *self.s;
         let Some(scratch) = s.afmoe.as_mut() else {
             return Err(not_afmoe("sigmoid_gate"));
         };
         let shape = (attn_width, c.hidden_size);
         let c_type = E::DATA_TYPE;
-        p.gemm(
-            &s.normed,
-            &a.attn_gate,
-            &mut scratch.gate,
-            c_type,
-            shape,
-            0.0,
-        )?;
+        p.gemm(&s.normed, weight, &mut scratch.gate, c_type, shape, 0.0)?;
         let n = p.tokens * attn_width;
         launch::sigmoid_gate(
             p.stream,
@@ -232,16 +162,13 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
         )
     }
 
-    fn branch_norm(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
+    /// `rms_norm_wide` of the branch, swapped in as the branch.
+    pub(super) fn branch_norm_of(&mut self, weight: &CudaSlice<E>) -> Result<()> {
         let p = self.pass;
         let c = p.config;
-        let (a, s) = self.afmoe_parts(block, "rms_norm_wide")?;
+        let s = &mut *self.s;
         let Some(scratch) = s.afmoe.as_mut() else {
             return Err(not_afmoe("rms_norm_wide"));
-        };
-        let weight = match sublayer {
-            Sublayer::Attention => &a.attn_out_norm,
-            Sublayer::Mlp => &a.mlp_out_norm,
         };
         let shape = (p.tokens, c.hidden_size, c.rms_norm_eps as f32);
         let kernel = &p.kernels.rms_norm_wide;
@@ -257,37 +184,27 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
         Ok(())
     }
 
-    fn clear_branch(&mut self) -> Result<()> {
-        let n = self.pass.tokens * self.pass.config.hidden_size;
-        self.pass
-            .stream
-            .memset_zeros(&mut self.s.branch.slice_mut(..n))
-            .map_err(|e| CudaError::fault("clearing the branch")(e).into())
-    }
-
-    fn routed_experts(&mut self, block: &DeviceBlock<E>, keep: Option<usize>) -> Result<()> {
+    /// The f32 router on `rms_norm_wide(x) · norm`, the host's routing, the grouped expert
+    /// GEMMs and `moe_scatter` into the branch.
+    pub(super) fn routed_experts_of(
+        &mut self,
+        moe: &MoeWeights<OnDevice<E>>,
+        norm: &CudaSlice<E>,
+        keep: Option<usize>,
+    ) -> Result<()> {
         let p = self.pass;
         let (c, tokens) = (p.config, p.tokens);
         let hidden = c.hidden_size;
         let (experts, k, _) = routed(c);
-        // Not `afmoe_parts`: the routes are borrowed beside the scratch.
-        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
         let s = &mut *self.s;
-        let (Some(moe), Some(scratch)) = (&a.moe, s.afmoe.as_mut()) else {
+        let Some(scratch) = s.afmoe.as_mut() else {
             return Err(not_afmoe("routing"));
         };
         // The router reads the MLP's norm in f32.
         let eps = c.rms_norm_eps as f32;
-        let norm = (tokens, hidden, eps);
+        let shape = (tokens, hidden, eps);
         let kernel = &p.kernels.rms_norm_wide;
-        launch::rms_norm_wide(
-            p.stream,
-            kernel,
-            &s.x,
-            &block.mlp_norm,
-            &mut scratch.wide,
-            norm,
-        )?;
+        launch::rms_norm_wide(p.stream, kernel, &s.x, norm, &mut scratch.wide, shape)?;
         let logits = (tokens, experts, hidden);
         gemm_f32(
             p.blas,
@@ -326,12 +243,12 @@ impl<E: Activation> AfmoeOps for DeviceOps<'_, '_, E> {
 /// `expert_out`.
 fn run_experts<E: Activation>(
     p: &super::Pass<'_>,
-    moe: &DeviceMoe<E>,
+    moe: &MoeWeights<OnDevice<E>>,
     scratch: &mut AfmoeScratch<E>,
 ) -> Result<()> {
     let hidden = p.config.hidden_size;
     let (_, _, inter) = routed(p.config);
-    for (e, (gate_up, down)) in moe.experts.iter().enumerate() {
+    for (e, expert) in moe.experts.iter().enumerate() {
         let rows = scratch.host.grouping.rows(e);
         let n = rows.len();
         if n == 0 {
@@ -340,7 +257,7 @@ fn run_experts<E: Activation>(
         let input = scratch.rows.slice(rows.start * hidden..rows.end * hidden);
         let product = (n, 2 * inter, hidden);
         let types = (E::DATA_TYPE, E::DATA_TYPE, E::COMPUTE);
-        let buffers = (&input, gate_up, &mut scratch.expert_gate_up);
+        let buffers = (&input, &expert.gate_up, &mut scratch.expert_gate_up);
         launch::gemm(p.blas, p.stream, buffers, types, product, 0.0)?;
         let swiglu = &p.kernels.swiglu;
         launch::swiglu(
@@ -354,17 +271,17 @@ fn run_experts<E: Activation>(
             .expert_out
             .slice_mut(rows.start * hidden..rows.end * hidden);
         let types = (E::DATA_TYPE, F32, E::COMPUTE);
-        let buffers = (&scratch.expert_act, down, &mut out);
+        let buffers = (&scratch.expert_act, &expert.down, &mut out);
         launch::gemm(p.blas, p.stream, buffers, types, (n, hidden, inter), 0.0)?;
     }
     Ok(())
 }
 
 /// Downloads the logits, routes each token on the host and uploads the grouping.
-fn route<E>(
+fn route<E: Activation>(
     stream: &Arc<CudaStream>,
     scratch: &mut AfmoeScratch<E>,
-    moe: &DeviceMoe<E>,
+    moe: &MoeWeights<OnDevice<E>>,
     c: &ModelConfig,
     tokens: usize,
 ) -> Result<()> {

@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use super::buffers::{Kept, Scratch};
 use super::kernel_set::Kernels;
-use super::{Activation, DeviceBlock, F32};
+use super::{Activation, F32, OnDevice};
 use crate::backend::cuda::error::CudaError;
 use crate::backend::cuda::launch::{self, AttentionShape, gemm};
 use crate::error::Result;
 use crate::model::ModelConfig;
-use crate::model::dense::{BlockOps, Source, Sublayer};
-use harvest_core::{Site, Sites};
+use crate::model::block::{BlockOps, Source, Sublayer};
+use crate::model::{HeadNorms, MoeWeights};
 
 /// One forward pass over a batch: what every block's launches share.
 pub(super) struct Pass<'a> {
@@ -27,14 +27,12 @@ pub(super) struct Pass<'a> {
     pub(super) tiles: usize,
 }
 
-/// Where one kept block's hook sites go.
+/// Where kept sites go on this device.
 pub(super) struct Keeping<'a> {
-    /// The block's place among the kept layers this device holds.
-    pub(super) layer: usize,
-    /// Kept layers this device holds.
+    /// The kept layers (positions among the job's) this device's blocks hold.
+    pub(super) kept: std::ops::Range<usize>,
+    /// The job's kept layers.
     pub(super) layers: usize,
-    /// Kept sites.
-    pub(super) sites: &'a Sites,
     /// Values per captured token.
     pub(super) width: usize,
     /// Projection directions, when the job projects.
@@ -44,62 +42,105 @@ pub(super) struct Keeping<'a> {
 }
 
 impl Keeping<'_> {
-    /// The capture slot of `site` in this block, if it is kept.
-    pub(super) fn slot(&self, site: Site) -> Option<usize> {
-        self.sites
-            .position(site)
-            .map(|position| position * self.layers + self.layer)
+    /// This device's slot for the job's capture slot `slot` (`site * layers + layer`):
+    /// `site * kept + (layer - kept.start)`.
+    pub(super) fn local_slot(&self, slot: usize) -> usize {
+        let (site, layer) = (slot / self.layers, slot % self.layers);
+        site * self.kept.len() + layer - self.kept.start
     }
 }
 
-/// The block ops on the device: one pass's launches over its scratch buffers.
+/// The pass's ops on the device: its launches over the batch's scratch buffers.
 pub(super) struct DeviceOps<'p, 's, E> {
     pub(super) pass: &'p Pass<'p>,
     pub(super) s: &'s mut Scratch<E>,
-    /// The block's MLP width (`DeviceBlock::inter`), for SwiGLU.
+    /// The embedding, on the first stage.
+    pub(super) embed: Option<&'p CudaSlice<E>>,
+    /// The inner width of the last `gate_up`, for SwiGLU and the down projection.
     pub(super) inter: usize,
-    /// Where this block's kept sites go, if it is a kept layer.
-    pub(super) keeping: Option<&'p Keeping<'p>>,
+    /// Where kept sites go.
+    pub(super) keeping: &'p Keeping<'p>,
     /// The batch's expert choices, which a sparse block with a route slot fills.
     pub(super) routes: &'s mut crate::backend::Routes,
 }
 
-/// The input and weight of `sublayer`'s output projection (`attn` and O, or `act` and down),
-/// and its `(n, k)`.
-fn output_of<'a, E>(
-    c: &ModelConfig,
-    block: &'a DeviceBlock<E>,
-    (attn, act): (&'a CudaSlice<E>, &'a CudaSlice<E>),
-    sublayer: Sublayer,
-) -> (&'a CudaSlice<E>, &'a CudaSlice<E>, (usize, usize)) {
-    match sublayer {
-        Sublayer::Attention => (attn, &block.o, (c.hidden_size, c.num_heads * c.head_dim)),
-        Sublayer::Mlp => (act, &block.down, (c.hidden_size, block.inter)),
+impl<E> DeviceOps<'_, '_, E> {
+    /// The `(n, k)` of `sublayer`'s output projection.
+    fn output_shape(&self, sublayer: Sublayer) -> (usize, usize) {
+        let c = self.pass.config;
+        match sublayer {
+            Sublayer::Attention => (c.hidden_size, c.num_heads * c.head_dim),
+            Sublayer::Mlp => (c.hidden_size, self.inter),
+        }
     }
 }
 
-impl<E: Activation> BlockOps for DeviceOps<'_, '_, E> {
-    type Block = DeviceBlock<E>;
-
-    fn norm(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
-        let weight = match sublayer {
-            Sublayer::Attention => &block.attn_norm,
-            Sublayer::Mlp => &block.mlp_norm,
+impl<'p, E: Activation> BlockOps<'p, OnDevice<E>> for DeviceOps<'p, '_, E> {
+    fn embed(&mut self, scale: f32) -> Result<()> {
+        let p = self.pass;
+        let Some(embed) = self.embed else {
+            return Err(CudaError::Fault {
+                action: "embedding the batch",
+                reason: "this stage holds no embedding".into(),
+            }
+            .into());
         };
+        let s = &mut *self.s;
+        let shape = (p.tokens, p.config.hidden_size, scale);
+        launch::embed_gather(
+            p.stream,
+            &p.kernels.embed_gather,
+            embed,
+            &s.ids,
+            &mut s.x,
+            shape,
+        )
+    }
+
+    fn norm(&mut self, weight: &'p CudaSlice<E>, _: Sublayer) -> Result<()> {
         self.pass.norm(weight, &self.s.x, &mut self.s.normed)
     }
 
-    fn qkv(&mut self, block: &DeviceBlock<E>) -> Result<()> {
+    fn qkv(&mut self, weight: &'p CudaSlice<E>, bias: Option<&'p CudaSlice<f32>>) -> Result<()> {
         let (c, p) = (self.pass.config, self.pass);
         let shape = (c.qkv_width(), c.hidden_size);
         let s = &mut *self.s;
-        match &block.qkv_bias {
-            None => p.gemm(&s.normed, &block.qkv, &mut s.qkv, E::DATA_TYPE, shape, 0.0),
+        match bias {
+            None => p.gemm(&s.normed, weight, &mut s.qkv, E::DATA_TYPE, shape, 0.0),
             Some(bias) => {
                 let buffers = (&mut s.qkv, &mut s.qkv_wide);
-                E::biased_product(p, (&s.normed, &block.qkv, bias), buffers, shape)
+                E::biased_product(p, (&s.normed, weight, bias), buffers, shape)
             }
         }
+    }
+
+    fn head_norms(&mut self, norms: &'p HeadNorms<OnDevice<E>>) -> Result<()> {
+        self.head_norms_of(norms)
+    }
+
+    fn attention_gate(&mut self, weight: &'p CudaSlice<E>) -> Result<()> {
+        self.attention_gate_of(weight)
+    }
+
+    fn branch_norm(&mut self, weight: &'p CudaSlice<E>) -> Result<()> {
+        self.branch_norm_of(weight)
+    }
+
+    fn clear_branch(&mut self) -> Result<()> {
+        let n = self.pass.tokens * self.pass.config.hidden_size;
+        self.pass
+            .stream
+            .memset_zeros(&mut self.s.branch.slice_mut(..n))
+            .map_err(|e| CudaError::fault("clearing the branch")(e).into())
+    }
+
+    fn routed_experts(
+        &mut self,
+        moe: &'p MoeWeights<OnDevice<E>>,
+        norm: &'p CudaSlice<E>,
+        route: Option<usize>,
+    ) -> Result<()> {
+        self.routed_experts_of(moe, norm, route)
     }
 
     fn rope(&mut self) -> Result<()> {
@@ -142,19 +183,14 @@ impl<E: Activation> BlockOps for DeviceOps<'_, '_, E> {
         )
     }
 
-    fn gate_up(&mut self, block: &DeviceBlock<E>) -> Result<()> {
+    fn gate_up(&mut self, weight: &'p CudaSlice<E>, width: usize) -> Result<()> {
         let c = self.pass.config;
-        let shape = (2 * block.inter, c.hidden_size);
+        self.inter = width;
+        let shape = (2 * width, c.hidden_size);
         let s = &mut *self.s;
         let c_type = E::DATA_TYPE;
-        self.pass.gemm(
-            &s.normed,
-            &block.gate_up,
-            &mut s.gate_up,
-            c_type,
-            shape,
-            0.0,
-        )
+        self.pass
+            .gemm(&s.normed, weight, &mut s.gate_up, c_type, shape, 0.0)
     }
 
     fn swiglu(&mut self) -> Result<()> {
@@ -168,28 +204,37 @@ impl<E: Activation> BlockOps for DeviceOps<'_, '_, E> {
         )
     }
 
-    fn output_into_residual(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
+    fn output_into_residual(&mut self, weight: &'p CudaSlice<E>, sublayer: Sublayer) -> Result<()> {
+        let shape = self.output_shape(sublayer);
         let s = &mut *self.s;
-        let (input, w, shape) = output_of(self.pass.config, block, (&s.attn, &s.act), sublayer);
-        self.pass.gemm(input, w, &mut s.x, F32, shape, 1.0)
+        let input = match sublayer {
+            Sublayer::Attention => &s.attn,
+            Sublayer::Mlp => &s.act,
+        };
+        self.pass.gemm(input, weight, &mut s.x, F32, shape, 1.0)
     }
 
-    fn output_apart(&mut self, block: &DeviceBlock<E>, sublayer: Sublayer) -> Result<()> {
+    fn output_apart(
+        &mut self,
+        weight: &'p CudaSlice<E>,
+        bias: Option<&'p CudaSlice<f32>>,
+        sublayer: Sublayer,
+    ) -> Result<()> {
         let (c, p) = (self.pass.config, self.pass);
+        let shape = self.output_shape(sublayer);
         let s = &mut *self.s;
-        let (input, w, shape) = output_of(c, block, (&s.attn, &s.act), sublayer);
-        p.gemm(input, w, &mut s.branch, F32, shape, 0.0)?;
-        match (&block.o_bias, sublayer) {
-            (Some(bias), Sublayer::Attention) => {
+        let input = match sublayer {
+            Sublayer::Attention => &s.attn,
+            Sublayer::Mlp => &s.act,
+        };
+        p.gemm(input, weight, &mut s.branch, F32, shape, 0.0)?;
+        match bias {
+            Some(bias) => {
                 let n = (p.tokens * c.hidden_size, c.hidden_size);
                 launch::add_bias(p.stream, &p.kernels.add_bias, &mut s.branch, bias, n)
             }
-            _ => Ok(()),
+            None => Ok(()),
         }
-    }
-
-    fn output_bias(&self, block: &DeviceBlock<E>, sublayer: Sublayer) -> bool {
-        sublayer == Sublayer::Attention && block.o_bias.is_some()
     }
 
     fn add_branch(&mut self) -> Result<()> {
@@ -204,15 +249,14 @@ impl<E: Activation> BlockOps for DeviceOps<'_, '_, E> {
     }
 
     fn keep(&mut self, source: Source, slot: usize) -> Result<()> {
-        let Some(keeping) = self.keeping else {
-            return Ok(());
-        };
+        let keeping = self.keeping;
         let s = &mut *self.s;
         let source = match source {
             Source::Residual => &s.x,
             Source::Branch => &s.branch,
         };
-        self.pass.keep(source, &mut s.kept, keeping, slot)
+        self.pass
+            .keep(source, &mut s.kept, keeping, keeping.local_slot(slot))
     }
 }
 

@@ -9,9 +9,10 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use rayon::prelude::*;
 
 use super::staging::{Plain, Staging};
-use super::{Activation, DeviceBlock, memory_error};
+use super::{Activation, OnDevice, memory_error};
 use crate::error::Result;
 use crate::model::Matrix;
+use crate::model::weights::{Convert, Host};
 
 /// Rows one conversion task rounds.
 pub(super) const CONVERT_ROWS: usize = 64;
@@ -139,27 +140,21 @@ impl Uploader<'_> {
         self.phases.upload_seconds += start.elapsed().as_secs_f64();
         Ok(device)
     }
+}
 
-    /// One decoder block's weights, in `E`.
-    pub(super) fn block<E: Activation>(
-        &mut self,
-        block: &crate::model::BlockWeights,
-    ) -> Result<DeviceBlock<E>> {
-        Ok(DeviceBlock {
-            attn_norm: E::upload_values(self, &block.attn_norm)?,
-            qkv: E::upload_matrix(self, &block.qkv)?,
-            qkv_bias: block
-                .qkv_bias
-                .as_deref()
-                .map(|b| self.f32s(b))
-                .transpose()?,
-            o: E::upload_matrix(self, &block.o)?,
-            o_bias: block.o_bias.as_deref().map(|b| self.f32s(b)).transpose()?,
-            mlp_norm: E::upload_values(self, &block.mlp_norm)?,
-            gate_up: E::upload_matrix(self, &block.gate_up)?,
-            down: E::upload_matrix(self, &block.down)?,
-            inter: block.down.cols(),
-            afmoe: block.afmoe.as_ref().map(|a| self.afmoe(a)).transpose()?,
-        })
+/// The upload of each kind of weight: matrices and norms in `E`, biases and the router in f32.
+impl<E: Activation> Convert<Host, OnDevice<E>> for Uploader<'_> {
+    fn matrix(&mut self, matrix: Matrix) -> Result<CudaSlice<E>> {
+        E::upload_matrix(self, &matrix)
+    }
+    fn norm(&mut self, norm: Vec<f32>) -> Result<CudaSlice<E>> {
+        E::upload_values(self, &norm)
+    }
+    fn bias(&mut self, bias: Vec<f32>) -> Result<CudaSlice<f32>> {
+        self.f32s(&bias)
+    }
+    fn router(&mut self, router: Matrix) -> Result<CudaSlice<f32>> {
+        // f32: the logits choose experts, so they are not rounded.
+        self.f32s(&router.to_f32_vec())
     }
 }

@@ -1,68 +1,27 @@
-//! AFMoE's ops replayed on the host ([`AfmoeOps`] for [`HostOps`]), kernel for kernel as
+//! AFMoE's ops replayed on the host (for [`HostOps`]' [`crate::model::block::BlockOps`]), kernel for kernel as
 //! `forward/afmoe.rs` launches them: `head_norm`, `sigmoid_gate`, `rms_norm_wide`, the f32
 //! router (cuBLAS's order is its own: here eight running sums), the routing rule itself
 //! ([`crate::model::routing`], the code the CUDA backend runs on its downloaded logits), the
 //! grouped expert GEMMs, and `moe_scatter`'s fused multiply-adds in expert order.
 
-use super::{HostBlock, HostOps, HostValue, gemm, rms_norm_wide, swiglu};
+use super::{HostOps, HostValue, Replayed, gemm, rms_norm_wide, swiglu};
 use crate::backend::cuda::emulation::{WARP, warp_sum};
 use crate::error::Result;
-use crate::model::AfmoeBlock;
-use crate::model::afmoe::AfmoeOps;
-use crate::model::dense::Sublayer;
 use crate::model::routing::{Choice, Grouping, choose};
+use crate::model::{HeadNorms, MoeWeights};
 
-/// What an AFMoE block adds, as the CUDA backend uploads it in the mode of `T`.
-pub(super) struct HostAfmoe<T> {
-    q_norm: Vec<T>,
-    k_norm: Vec<T>,
-    attn_gate: Vec<T>,
-    attn_out_norm: Vec<T>,
-    mlp_out_norm: Vec<T>,
-    moe: Option<HostMoe<T>>,
-}
-
-/// A sparse block's routed experts: the router in f32, each expert's gate|up and down in the
-/// mode's type.
-struct HostMoe<T> {
-    router: Vec<f32>,
-    expert_bias: Vec<f32>,
-    experts: Vec<(Vec<T>, Vec<T>)>,
-}
-
-impl<T: HostValue> HostAfmoe<T> {
-    pub(super) fn of(a: &AfmoeBlock) -> Self {
-        Self {
-            q_norm: T::values(&a.q_norm),
-            k_norm: T::values(&a.k_norm),
-            attn_gate: T::matrix(&a.attn_gate),
-            attn_out_norm: T::values(&a.attn_out_norm),
-            mlp_out_norm: T::values(&a.mlp_out_norm),
-            moe: a.moe.as_ref().map(|m| HostMoe {
-                router: m.router.to_f32_vec(),
-                expert_bias: m.expert_bias.clone(),
-                experts: m
-                    .experts
-                    .iter()
-                    .map(|e| (T::matrix(&e.gate_up), T::matrix(&e.down)))
-                    .collect(),
-            }),
-        }
-    }
-}
-
-/// A block without AFMoE weights reached an AFMoE op: a bug in the caller.
+/// A model without AFMoE's configuration reached its routing: a bug in the caller.
 fn not_afmoe(op: &'static str) -> crate::Error {
     crate::error::CudaError::Fault {
         action: op,
-        reason: "the block has no AFMoE weights".into(),
+        reason: "the model has no routed experts".into(),
     }
     .into()
 }
 
-impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
-    fn head_norms(&mut self, block: &HostBlock<T>) -> Result<()> {
-        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("head_norm"))?;
+impl<T: HostValue> HostOps<'_, T> {
+    /// `head_norm`: each query head by `q`, each key head by `k`.
+    pub(super) fn head_norms_of(&mut self, norms: &HeadNorms<Replayed<T>>) -> Result<()> {
         let c = self.config;
         let eps = c.rms_norm_eps as f32;
         for row in self.qkv.chunks_exact_mut(c.qkv_width()) {
@@ -71,9 +30,9 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
                 .take(c.num_heads + c.num_kv_heads);
             for (head, h) in heads.enumerate() {
                 let weight = if head < c.num_heads {
-                    &a.q_norm
+                    &norms.q
                 } else {
-                    &a.k_norm
+                    &norms.k
                 };
                 head_norm(h, weight, eps);
             }
@@ -81,15 +40,12 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn attention_gate(&mut self, block: &HostBlock<T>) -> Result<()> {
-        let a = block
-            .afmoe
-            .as_ref()
-            .ok_or_else(|| not_afmoe("sigmoid_gate"))?;
+    /// `sigmoid_gate` on the gate's product.
+    pub(super) fn attention_gate_of(&mut self, weight: &[T]) -> Result<()> {
         let c = self.config;
         let gate = gemm(
             &self.normed,
-            &a.attn_gate,
+            weight,
             c.num_heads * c.head_dim,
             c.hidden_size,
         );
@@ -100,35 +56,22 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
         Ok(())
     }
 
-    fn branch_norm(&mut self, block: &HostBlock<T>, sublayer: Sublayer) -> Result<()> {
-        let a = block
-            .afmoe
-            .as_ref()
-            .ok_or_else(|| not_afmoe("rms_norm_wide"))?;
-        let weight = match sublayer {
-            Sublayer::Attention => &a.attn_out_norm,
-            Sublayer::Mlp => &a.mlp_out_norm,
-        };
-        let c = self.config;
-        self.branch = rms_norm_wide(&self.branch, weight, c.hidden_size, c.rms_norm_eps as f32);
-        Ok(())
-    }
-
-    fn clear_branch(&mut self) -> Result<()> {
-        self.branch = vec![0.0; self.tokens() * self.config.hidden_size];
-        Ok(())
-    }
-
-    fn routed_experts(&mut self, block: &HostBlock<T>, route: Option<usize>) -> Result<()> {
-        let a = block.afmoe.as_ref().ok_or_else(|| not_afmoe("routing"))?;
-        let (Some(moe), Some(config)) = (&a.moe, &self.config.afmoe) else {
+    /// The f32 router on `rms_norm_wide(x) · norm`, the routing, the grouped expert GEMMs
+    /// and `moe_scatter`.
+    pub(super) fn routed_experts_of(
+        &mut self,
+        moe: &MoeWeights<Replayed<T>>,
+        norm: &[T],
+        route: Option<usize>,
+    ) -> Result<()> {
+        let Some(config) = &self.config.afmoe else {
             return Err(not_afmoe("routing"));
         };
         let (c, tokens) = (self.config, self.tokens());
         let hidden = c.hidden_size;
         let (experts, k) = (config.num_experts, config.experts_per_token);
         let inter = config.expert_intermediate_size;
-        let wide = rms_norm_wide(&self.x, &block.mlp_norm, hidden, c.rms_norm_eps as f32);
+        let wide = rms_norm_wide(&self.x, norm, hidden, c.rms_norm_eps as f32);
         let logits = gemm_f32(&wide, &moe.router, experts, hidden);
         let mut choices = vec![Choice::default(); tokens * k];
         for (chosen, logits) in choices
@@ -149,16 +92,16 @@ impl<T: HostValue> AfmoeOps for HostOps<'_, T> {
             .flat_map(|&t| self.normed[t as usize * hidden..][..hidden].iter().copied())
             .collect();
         let mut out = vec![0.0f32; tokens * k * hidden];
-        for (e, (gate_up, down)) in moe.experts.iter().enumerate() {
+        for (e, expert) in moe.experts.iter().enumerate() {
             let span = grouping.rows(e);
             if span.is_empty() {
                 continue;
             }
             let input = &rows[span.start * hidden..span.end * hidden];
-            let product = gemm(input, gate_up, 2 * inter, hidden);
+            let product = gemm(input, &expert.gate_up, 2 * inter, hidden);
             let gate_up: Vec<T> = product.iter().map(|&v| T::stored(v)).collect();
             let act = swiglu(&gate_up, inter);
-            let expert_out = gemm(&act, down, hidden, inter);
+            let expert_out = gemm(&act, &expert.down, hidden, inter);
             out[span.start * hidden..span.end * hidden].copy_from_slice(&expert_out);
         }
         moe_scatter(
