@@ -177,11 +177,6 @@ impl CaptureSpec {
         }
     }
 
-    /// The route slot of model block `block`: its place among [`CaptureSpec::route_layers`].
-    pub fn route_slot(&self, config: &ModelConfig, block: usize) -> Option<usize> {
-        self.keeps().route_slot(config, block)
-    }
-
     /// The layers and sites kept, as the forward pass reads them.
     pub fn keeps(&self) -> crate::model::block::Keeps<'_> {
         crate::model::block::Keeps {
@@ -219,7 +214,7 @@ pub struct RouteShape {
 }
 
 /// The expert choices of a batch, for a job that keeps the `router` site: per route slot (a
-/// kept sparse block, [`CaptureSpec::route_slot`]), each token's top-k expert ids in the order
+/// kept sparse block, [`crate::model::block::Keeps::route_slot`]), each token's top-k expert ids in the order
 /// the router ranks them (highest key first) and their gate weights (what multiplies each
 /// expert's output), and the router's logits when kept.
 #[derive(Debug, Clone, Default)]

@@ -8,8 +8,9 @@
 //! norms and SwiGLU write bf16 bits, the MLP's norm adds the attention branch as it goes, and
 //! the gate|up product stores its sums as bits where they are whole in registers.
 //!
-//! The blocks are the model's, written once in `crate::model` (`dense.rs`, `afmoe.rs`) as a
-//! sequence of block ops, and run here by `ops::CpuOps`, as the CUDA backend runs them on a GPU.
+//! The forward pass is the model's, written once in `crate::model::block` as a sequence of
+//! ops, and run here by `ops::CpuOps` on the weights in the CPU's form (`Cpu`: each matrix
+//! beside its bf16 bits in bf16 mode), as the CUDA backend runs it on a GPU.
 //! Each branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added, kept
 //! or not: `x + Σ` rounds once more than a product chained on from `x` would, and doing it the
 //! one way everywhere means keeping a site never changes the stream's bits. AFMoE's routed
