@@ -190,11 +190,12 @@ pub enum Error {
         /// This plan's fingerprint.
         expected: String,
     },
-    /// A pipeline stage stopped unexpectedly (a bug).
-    #[error("pipeline stage {stage} stopped unexpectedly. This is a bug.")]
-    StageLost {
-        /// The stage.
-        stage: &'static str,
+    /// One of a run's threads (forward, a pipeline stage, assembly, upload) stopped
+    /// unexpectedly (a bug).
+    #[error("the {thread} thread stopped unexpectedly. This is a bug.")]
+    ThreadLost {
+        /// The thread.
+        thread: &'static str,
     },
     /// The corpus needs more tokens than the job may use.
     #[error(
@@ -338,7 +339,7 @@ impl Error {
             | Self::PartsMissing { .. }
             // This machine's environment asks for instructions its CPU lacks; another may not.
             | Self::CpuLevel { .. } => ErrorKind::Infrastructure,
-            Self::InvalidBatch { .. } | Self::StageLost { .. } => ErrorKind::Internal,
+            Self::InvalidBatch { .. } | Self::ThreadLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }
     }

@@ -11,17 +11,17 @@ pub(super) struct ForwardOutput {
     pub(super) captured: Captured,
 }
 
-/// The error to report when stages fail: one that failed on its own, not one that only saw its
+/// The error to report when threads fail: one that failed on its own, not one that only saw its
 /// neighbour's channel close.
 pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
     let mut lost = None;
     for error in errors.into_iter().flatten() {
         match error {
-            Error::StageLost { .. } => lost = lost.or(Some(error)),
+            Error::ThreadLost { .. } => lost = lost.or(Some(error)),
             real => return real,
         }
     }
-    lost.unwrap_or(Error::StageLost { stage: "pipeline" })
+    lost.unwrap_or(Error::ThreadLost { thread: "pipeline" })
 }
 
 #[cfg(test)]
@@ -29,19 +29,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_root_cause_is_the_stage_that_failed_on_its_own() {
+    fn the_root_cause_is_the_thread_that_failed_on_its_own() {
         let store = Error::Store {
             location: "s3://b/p".into(),
             reason: "403".into(),
         };
-        let lost = Error::StageLost { stage: "assemble" };
+        let lost = Error::ThreadLost { thread: "assemble" };
         let cause = root_cause([Some(lost), Some(store), None]);
         assert!(matches!(cause, Error::Store { .. }), "{cause}");
         assert_eq!(
             cause.kind(),
             harvest_core::worker::ErrorKind::Infrastructure
         );
-        let only_lost = root_cause([None, Some(Error::StageLost { stage: "upload" }), None]);
-        assert!(matches!(only_lost, Error::StageLost { stage: "upload" }));
+        let only_lost = root_cause([None, Some(Error::ThreadLost { thread: "upload" }), None]);
+        assert!(matches!(only_lost, Error::ThreadLost { thread: "upload" }));
     }
 }

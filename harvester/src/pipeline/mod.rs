@@ -24,6 +24,7 @@
 //! forward, assembly and upload threads; `staged` feeds them from pipeline stages), `commit`
 //! (training files, statistics, manifest, result), `inspect` (a finished harvest as text).
 
+mod batches;
 mod commit;
 pub mod directions;
 mod engine;
@@ -41,8 +42,8 @@ pub mod shard;
 mod shuffle;
 mod source;
 mod staged;
-mod stages;
 pub mod store;
+mod threads;
 
 pub use self::inspect::inspect;
 pub use self::source::{PlanSource, finalize_source, run_source};
@@ -62,8 +63,8 @@ use self::prepare::{Prepared, Ready, prepare};
 use self::progress::{Progress, ProgressMode};
 use self::result::{RESULT_FILE, RunResult, Timings};
 use self::shard::ShardRecord;
-use self::stages::run_stages;
 use self::store::S3Config;
+use self::threads::run_threads;
 use crate::backend::cuda::DeviceChoice;
 use crate::error::{Error, Result};
 use crate::tokenizer::Encoded;
@@ -143,6 +144,23 @@ impl Job<'_> {
             .filter(|s| self.shards.contains(s))
             .map(|&s| shard_prompts(s, self.plan.options.shard_size, self.encoded.len()).len())
             .sum()
+    }
+
+    /// The forward batches of this process's shards not yet done, in order, as ranges of
+    /// prompts ([`batches::pack`]).
+    fn batches<'b>(
+        &'b self,
+        resumed: &'b BTreeMap<usize, ShardRecord>,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + 'b {
+        let (shard_size, budget) = (self.plan.options.shard_size, self.plan.batch_tokens.get());
+        let tokens = |index: usize| self.encoded[index].ids.len();
+        self.shards
+            .clone()
+            .filter(|s| !resumed.contains_key(s))
+            .flat_map(move |shard| {
+                let prompts = shard_prompts(shard, shard_size, self.encoded.len());
+                batches::pack(prompts, tokens, budget)
+            })
     }
 }
 
@@ -294,7 +312,7 @@ fn harvest(
     )?;
     let load_s = load_start.elapsed().as_secs_f64();
     let job = job_of(ready, shards);
-    let outcome = run_stages(
+    let outcome = run_threads(
         &job,
         engine,
         &ready.resumed,

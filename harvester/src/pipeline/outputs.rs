@@ -28,7 +28,7 @@ pub(super) fn build_outputs(
     train: Option<&TrainFiles>,
 ) -> Result<(Manifest, Vec<u8>)> {
     if records.len() != job.n_shards {
-        return Err(Error::StageLost { stage: "upload" });
+        return Err(Error::ThreadLost { thread: "upload" });
     }
     let stats = merged_stats(job, records);
     let counts = records.values().flat_map(|r| &r.meta.token_counts);

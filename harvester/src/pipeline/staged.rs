@@ -16,8 +16,6 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
-use harvest_core::plan::shard_prompts;
-
 use super::Job;
 use super::flow::ForwardOutput;
 use super::progress::Progress;
@@ -132,8 +130,8 @@ fn run_chain(
             match handle.join() {
                 Ok(Ok(n)) => tokens = tokens.max(n),
                 Ok(Err(e)) => errors.push(Some(e)),
-                Err(_) => errors.push(Some(Error::StageLost {
-                    stage: "pipeline stage",
+                Err(_) => errors.push(Some(Error::ThreadLost {
+                    thread: "pipeline stage",
                 })),
             }
         }
@@ -161,7 +159,7 @@ enum Next<'a> {
 /// One stage's loop: run each arriving batch and pass it on, until the feeder is done (or a
 /// neighbour has stopped). Returns the tokens it ran.
 fn run_stage(stage: &mut dyn Stage, input: Receiver<Flight>, mut next: Next<'_>) -> Result<u64> {
-    let lost = || Error::StageLost { stage: "assemble" };
+    let lost = || Error::ThreadLost { thread: "assemble" };
     let mut tokens = 0u64;
     for mut flight in input {
         stage.forward(&flight.batch, &mut flight.x, &mut flight.captured)?;
@@ -192,8 +190,8 @@ fn run_stage(stage: &mut dyn Stage, input: Receiver<Flight>, mut next: Next<'_>)
     Ok(tokens)
 }
 
-/// Packs the batches of every shard not yet done, as a single-device run does, and sends each
-/// into the first stage with a capture buffer sized for it.
+/// Packs the batches of every shard not yet done ([`Job::batches`], as a single-device run
+/// does) and sends each into the first stage with a capture buffer sized for it.
 fn feed(
     job: &Job<'_>,
     resumed: &BTreeMap<usize, ShardRecord>,
@@ -203,34 +201,25 @@ fn feed(
     spare: &Receiver<(Batch, Vec<f32>)>,
 ) -> Result<()> {
     // A closed channel means a stage has stopped; its own error is the one reported.
-    let lost = || Error::StageLost {
-        stage: "pipeline stage",
+    let lost = || Error::ThreadLost {
+        thread: "pipeline stage",
     };
-    let budget = job.plan.batch_tokens.get();
-    let (mut batch, mut x) = spare.recv().map_err(|_| lost())?;
-    let mut members = Vec::new();
-    for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
-        let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
-        let last = range.end - 1;
-        for index in range {
+    for prompts in job.batches(resumed) {
+        let (mut batch, x) = spare.recv().map_err(|_| lost())?;
+        batch.clear();
+        for index in prompts.clone() {
             batch.push(&job.encoded[index].ids);
-            members.push(index);
-            let next_len = job.encoded.get(index + 1).map_or(0, |e| e.ids.len());
-            if index == last || batch.num_tokens() + next_len > budget {
-                let mut captured = free.recv().map_err(|_| lost())?;
-                captured.reset(sites, layers, batch.num_tokens(), width);
-                captured.routes.reset(routes, batch.num_tokens());
-                let flight = Flight {
-                    batch,
-                    x,
-                    prompts: std::mem::take(&mut members),
-                    captured,
-                };
-                first.send(flight).map_err(|_| lost())?;
-                (batch, x) = spare.recv().map_err(|_| lost())?;
-                batch.clear();
-            }
         }
+        let mut captured = free.recv().map_err(|_| lost())?;
+        captured.reset(sites, layers, batch.num_tokens(), width);
+        captured.routes.reset(routes, batch.num_tokens());
+        let flight = Flight {
+            batch,
+            x,
+            prompts: prompts.collect(),
+            captured,
+        };
+        first.send(flight).map_err(|_| lost())?;
     }
     Ok(())
 }
@@ -303,7 +292,9 @@ mod tests {
         };
         let result = run_chain(adders(fail), ends, |first, spare| {
             for id in 0..batches {
-                let (mut batch, x) = spare.recv().map_err(|_| Error::StageLost { stage: "t" })?;
+                let (mut batch, x) = spare
+                    .recv()
+                    .map_err(|_| Error::ThreadLost { thread: "t" })?;
                 batch.clear();
                 batch.push(&[id]);
                 let mut captured = Captured::default();
@@ -316,7 +307,7 @@ mod tests {
                 };
                 first
                     .send(flight)
-                    .map_err(|_| Error::StageLost { stage: "t" })?;
+                    .map_err(|_| Error::ThreadLost { thread: "t" })?;
             }
             Ok(())
         });

@@ -1,5 +1,6 @@
-//! The three concurrent stages of a run: forward (batches by token budget), assembly (shards
-//! in prompt order, token selection) and upload, joined by bounded queues.
+//! The three concurrent threads of a run: forward (the batches of [`super::batches`], on one
+//! backend or through pipeline stages, `staged`), assembly (shards in prompt order, token
+//! selection) and upload, joined by bounded queues.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -18,8 +19,8 @@ use super::{FORWARD_QUEUE, Job, UPLOAD_QUEUE, staged};
 use crate::backend::{Backend, Batch, Captured};
 use crate::error::{Error, Result};
 
-/// What the concurrent stages produced.
-pub(super) struct StageOutcome {
+/// What the run's threads produced.
+pub(super) struct ThreadsOutcome {
     pub(super) records: Vec<ShardRecord>,
     pub(super) forward_s: f64,
     pub(super) save_s: f64,
@@ -27,14 +28,14 @@ pub(super) struct StageOutcome {
 }
 
 /// Runs forward, assembly and upload concurrently; the first real error wins.
-pub(super) fn run_stages(
+pub(super) fn run_threads(
     job: &Job<'_>,
     engine: Engine,
     resumed: &BTreeMap<usize, ShardRecord>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
     progress: &Progress,
-) -> Result<StageOutcome> {
+) -> Result<ThreadsOutcome> {
     let pool = engine.capture_pool();
     let (forward_tx, forward_rx) = sync_channel::<ForwardOutput>(FORWARD_QUEUE);
     let (free_tx, free_rx) = sync_channel::<Captured>(pool);
@@ -45,23 +46,23 @@ pub(super) fn run_stages(
     std::thread::scope(|scope| {
         let forward = scope.spawn(move || match engine {
             Engine::Single(backend) => {
-                forward_stage(job, backend, resumed, forward_tx, free_rx, progress)
+                forward_thread(job, backend, resumed, forward_tx, free_rx, progress)
             }
             Engine::Staged(staged) => {
                 staged::forward(job, staged, resumed, forward_tx, free_rx, progress)
             }
         });
         let assemble =
-            scope.spawn(move || assemble_stage(job, resumed, forward_rx, free_tx, upload_tx));
-        let upload = runtime.block_on(upload_stage(store, upload_rx));
+            scope.spawn(move || assemble_thread(job, resumed, forward_rx, free_tx, upload_tx));
+        let upload = runtime.block_on(upload_task(store, upload_rx));
         let forward = forward
             .join()
-            .unwrap_or(Err(Error::StageLost { stage: "forward" }));
+            .unwrap_or(Err(Error::ThreadLost { thread: "forward" }));
         let assemble = assemble
             .join()
-            .unwrap_or(Err(Error::StageLost { stage: "assemble" }));
+            .unwrap_or(Err(Error::ThreadLost { thread: "assemble" }));
         match (forward, assemble, upload) {
-            (Ok((forward_s, _tokens)), Ok(save_s), Ok((records, upload_s))) => Ok(StageOutcome {
+            (Ok((forward_s, _tokens)), Ok(save_s), Ok((records, upload_s))) => Ok(ThreadsOutcome {
                 records,
                 forward_s,
                 save_s,
@@ -74,7 +75,7 @@ pub(super) fn run_stages(
     })
 }
 
-fn forward_stage(
+fn forward_thread(
     job: &Job<'_>,
     mut backend: Box<dyn Backend>,
     resumed: &BTreeMap<usize, ShardRecord>,
@@ -82,38 +83,28 @@ fn forward_stage(
     free: Receiver<Captured>,
     progress: &Progress,
 ) -> Result<(f64, u64)> {
-    let lost = || Error::StageLost { stage: "assemble" };
-    let budget = job.plan.batch_tokens.get();
+    let lost = || Error::ThreadLost { thread: "assemble" };
     let mut forward_s = 0.0;
     let mut tokens_done = 0u64;
     let mut prompts_done = job.prompts_resumed(resumed);
     let mut batch = Batch::default();
-    let mut members = Vec::new();
-    for shard in job.shards.clone().filter(|s| !resumed.contains_key(s)) {
-        let range = shard_prompts(shard, job.plan.options.shard_size, job.encoded.len());
-        let last = range.end - 1;
-        for index in range {
-            let ids = &job.encoded[index].ids;
-            batch.push(ids);
-            members.push(index);
-            let next_len = job.encoded.get(index + 1).map_or(0, |e| e.ids.len());
-            // Batches never span shards, so a shard's batches are the same in every run.
-            if index == last || batch.num_tokens() + next_len > budget {
-                let mut captured = free.recv().map_err(|_| lost())?;
-                let start = Instant::now();
-                backend.capture(&batch, &mut captured)?;
-                forward_s += start.elapsed().as_secs_f64();
-                tokens_done += batch.num_tokens() as u64;
-                prompts_done += members.len();
-                tx.send(ForwardOutput {
-                    prompts: std::mem::take(&mut members),
-                    captured,
-                })
-                .map_err(|_| lost())?;
-                batch.clear();
-                progress.update(prompts_done, tokens_done);
-            }
+    for prompts in job.batches(resumed) {
+        batch.clear();
+        for index in prompts.clone() {
+            batch.push(&job.encoded[index].ids);
         }
+        let mut captured = free.recv().map_err(|_| lost())?;
+        let start = Instant::now();
+        backend.capture(&batch, &mut captured)?;
+        forward_s += start.elapsed().as_secs_f64();
+        tokens_done += batch.num_tokens() as u64;
+        prompts_done += prompts.len();
+        tx.send(ForwardOutput {
+            prompts: prompts.collect(),
+            captured,
+        })
+        .map_err(|_| lost())?;
+        progress.update(prompts_done, tokens_done);
     }
     Ok((forward_s, tokens_done))
 }
@@ -148,7 +139,7 @@ fn new_assembly(job: &Job<'_>, shard: usize, selector: Option<&Selector>) -> Sha
     ShardAssembly::new(shard, range.start, range.len(), &shape)
 }
 
-fn assemble_stage(
+fn assemble_thread(
     job: &Job<'_>,
     resumed: &BTreeMap<usize, ShardRecord>,
     rx: Receiver<ForwardOutput>,
@@ -199,7 +190,7 @@ fn assemble_stage(
                 busy += start.elapsed().as_secs_f64();
                 upload
                     .blocking_send((bytes, record))
-                    .map_err(|_| Error::StageLost { stage: "upload" })?;
+                    .map_err(|_| Error::ThreadLost { thread: "upload" })?;
             }
         }
         let _ = free.try_send(output.captured);
@@ -208,7 +199,7 @@ fn assemble_stage(
     Ok(busy)
 }
 
-async fn upload_stage(
+async fn upload_task(
     store: &Store,
     mut rx: tokio::sync::mpsc::Receiver<(Vec<u8>, ShardRecord)>,
 ) -> Result<(Vec<ShardRecord>, f64)> {
