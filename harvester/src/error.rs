@@ -197,6 +197,14 @@ pub enum Error {
         /// The thread.
         thread: &'static str,
     },
+    /// A shuffled job writing to an object store was given nowhere to spill its buckets.
+    #[error(
+        "the shuffled layout of {output} needs a local directory to spill its buckets in (about the job's size): pass --spill-dir"
+    )]
+    NoSpillDir {
+        /// The job's output.
+        output: String,
+    },
     /// The corpus needs more tokens than the job may use.
     #[error(
         "the corpus tokenizes to {needed} tokens, more than the job's token budget of {budget}: raise the budget (tokenBudget) to at least {needed}, or send fewer or shorter prompts"
@@ -329,6 +337,7 @@ impl Error {
             | Self::ReplayNotMeasured { .. }
             | Self::TokenBudget { .. }
             | Self::BadParts { .. }
+            | Self::NoSpillDir { .. }
             | Self::MissingInput { .. } => ErrorKind::BadInput,
             Self::Io { .. }
             | Self::Store { .. }

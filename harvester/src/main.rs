@@ -364,6 +364,7 @@ fn run_job(args: &RunArgs, job: Job) -> ExitCode {
         device_reason: None,
         s3: S3Config::from_vars(|name| std::env::var(name).ok()),
         spill_dir: args.spill_dir.clone(),
+        temp_dir: Some(std::env::temp_dir()),
         pipeline_stages: args.pipeline_stages,
         stage_devices: args.stage_devices.clone(),
         part: args.part,
@@ -444,6 +445,10 @@ fn print_out(text: &str) {
 
 fn main() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
+    // The CPU kernels' level, for the whole process; a refused value is reported where a CPU
+    // backend is built (before any work) and by `cpu-info`.
+    let forced_level = std::env::var(harvester::backend::cpu::level::LEVEL_VARIABLE).ok();
+    let _ = harvester::backend::cpu::level::Level::configure(forced_level.as_deref());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

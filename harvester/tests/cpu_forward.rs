@@ -330,3 +330,15 @@ fn bf16_weights_stay_half_size_in_memory_and_give_the_same_bits_as_their_f32_wid
     let from_full = capture(full.path(), &LayerSelection::All, &prompts());
     assert_eq!(from_half.data, from_full.data, "bit for bit");
 }
+
+#[test]
+fn the_cpu_kernels_run_at_the_level_the_environment_forces() {
+    use harvester::backend::cpu::level::{LEVEL_VARIABLE, Level};
+    let level = common::cpu_level();
+    assert!(level <= Level::detected());
+    // scripts/test.sh runs these tests again at each level: a level never reached is never
+    // reported as tested.
+    if let Ok(forced) = std::env::var(LEVEL_VARIABLE) {
+        assert_eq!(level.name(), forced.trim());
+    }
+}

@@ -63,6 +63,7 @@ fn options() -> RunOptions {
         device: harvester::backend::cuda::DeviceChoice::Cpu,
         s3: Default::default(),
         spill_dir: None,
+        temp_dir: Some(std::env::temp_dir()),
         pipeline_stages: None,
         stage_devices: None,
         part: None,

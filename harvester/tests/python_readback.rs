@@ -52,6 +52,7 @@ fn python_reads_the_documented_shards_tokens_and_statistics() {
             device: harvester::backend::cuda::DeviceChoice::Cpu,
             s3: Default::default(),
             spill_dir: None,
+            temp_dir: None,
             pipeline_stages: None,
             stage_devices: None,
             part: None,

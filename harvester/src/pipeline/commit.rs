@@ -27,6 +27,7 @@ pub(super) struct Closing<'a> {
     pub(super) timings: Timings,
     pub(super) resumed_shards: usize,
     pub(super) spill_dir: Option<std::path::PathBuf>,
+    pub(super) temp_dir: Option<std::path::PathBuf>,
     pub(super) job_uid: Option<String>,
     /// Where the forward pass ran, and why `auto` chose it.
     pub(super) device: crate::backend::cuda::DeviceChoice,
@@ -42,7 +43,8 @@ pub(super) fn commit(
 ) -> Result<RunResult> {
     let Closing { job, records, .. } = closing;
     let finish_start = Instant::now();
-    let train = train_files(job, records, store, runtime, closing.spill_dir.as_deref())?;
+    let spill = (closing.spill_dir.as_deref(), closing.temp_dir.as_deref());
+    let train = train_files(job, records, store, runtime, spill)?;
     let (manifest, stats_bytes) = outputs::build_outputs(
         job,
         closing.config,
@@ -116,7 +118,7 @@ fn train_files(
     records: &BTreeMap<usize, ShardRecord>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
-    spill_dir_given: Option<&Path>,
+    (spill_dir_given, temp_dir): (Option<&Path>, Option<&Path>),
 ) -> Result<Option<shuffle::TrainFiles>> {
     match job.plan.options.layout {
         Layout::ByPrompt => Ok(None),
@@ -130,7 +132,7 @@ fn train_files(
                     path: dir.to_owned(),
                     owned: false,
                 },
-                None => spill_dir(&job.plan.output),
+                None => spill_dir(&job.plan.output, temp_dir)?,
             };
             let files = shuffle::write_train_files(
                 job,
@@ -146,17 +148,50 @@ fn train_files(
     }
 }
 
-/// Where the shuffle spills its buckets: `.shuffle/` in a local output (the job's own, so what a
-/// killed run left there is cleared first), else the system's temp dir.
-pub(super) fn spill_dir(output: &harvest_core::Location) -> shuffle::SpillDir {
-    match output {
-        harvest_core::Location::Local(dir) => shuffle::SpillDir {
+/// Where the shuffle spills its buckets when no directory was named: `.shuffle/` in a local
+/// output (the job's own, so what a killed run left there is cleared first), else the system's
+/// temp dir (`temp_dir`, which `main` reads).
+pub(super) fn spill_dir(
+    output: &harvest_core::Location,
+    temp_dir: Option<&Path>,
+) -> Result<shuffle::SpillDir> {
+    match (output, temp_dir) {
+        (harvest_core::Location::Local(dir), _) => Ok(shuffle::SpillDir {
             path: dir.join(".shuffle"),
             owned: true,
-        },
-        harvest_core::Location::S3 { .. } => shuffle::SpillDir {
-            path: std::env::temp_dir(),
+        }),
+        (harvest_core::Location::S3 { .. }, Some(temp)) => Ok(shuffle::SpillDir {
+            path: temp.to_owned(),
             owned: false,
-        },
+        }),
+        (harvest_core::Location::S3 { .. }, None) => Err(Error::NoSpillDir {
+            output: output.to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_s3_job_spills_in_the_temp_dir_it_is_given_and_is_refused_without_one() {
+        let s3 = harvest_core::Location::parse("s3://bucket/job", "output").unwrap();
+        let spill = spill_dir(&s3, Some(Path::new("/scratch"))).unwrap();
+        assert_eq!(
+            (spill.path.as_path(), spill.owned),
+            (Path::new("/scratch"), false)
+        );
+        let error = spill_dir(&s3, None).err().unwrap().to_string();
+        assert!(
+            error.contains("s3://bucket/job") && error.contains("--spill-dir"),
+            "{error}"
+        );
+        let local = harvest_core::Location::parse("/out", "output").unwrap();
+        let spill = spill_dir(&local, None).unwrap();
+        assert_eq!(
+            (spill.path.as_path(), spill.owned),
+            (Path::new("/out/.shuffle"), true)
+        );
     }
 }

@@ -98,8 +98,10 @@ pub struct RunOptions {
     /// How to reach S3, when the plan names `s3://` locations.
     pub s3: S3Config,
     /// Where the shuffled layout spills its buckets (about the job's size); default `.shuffle/`
-    /// in a local output, the system's temp dir for S3.
+    /// in a local output, `temp_dir` for S3.
     pub spill_dir: Option<std::path::PathBuf>,
+    /// The system's temp dir (`main` reads it): where an S3 job spills without `spill_dir`.
+    pub temp_dir: Option<std::path::PathBuf>,
     /// Split the model's blocks into this many pipeline stages, each on its own thread and
     /// device (`pipeline/staged.rs`); `None` runs one backend.
     pub pipeline_stages: Option<usize>,
@@ -355,6 +357,7 @@ fn close(
         timings,
         resumed_shards,
         spill_dir: options.spill_dir.clone(),
+        temp_dir: options.temp_dir.clone(),
         job_uid: options.job_uid.clone(),
         device: options.device,
         device_reason: options.device_reason.clone(),

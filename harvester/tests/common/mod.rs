@@ -7,11 +7,22 @@ use std::path::{Path, PathBuf};
 
 use harvest_core::LayerSelection;
 use harvester::backend::cpu::CpuBackend;
+use harvester::backend::cpu::level::{LEVEL_VARIABLE, Level};
 use harvester::backend::{Backend, Batch, Captured};
 pub use harvester::synth::Shape;
 use safetensors::{Dtype, SafeTensors};
 
+/// Sets the CPU kernels' level from `HARVEST_CPU_LEVEL`, as the harvester's `main` does, so
+/// that scripts/test.sh's run at each level tests that level. Every helper that leads to a
+/// CPU backend calls it; the first call decides.
+pub fn cpu_level() -> Level {
+    let forced = std::env::var(LEVEL_VARIABLE).ok();
+    let _ = Level::configure(forced.as_deref());
+    Level::current()
+}
+
 pub fn fixtures() -> PathBuf {
+    cpu_level();
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
@@ -43,6 +54,7 @@ pub fn model_cache() -> PathBuf {
 }
 
 pub fn smollm2_dir() -> PathBuf {
+    cpu_level();
     let dir = model_cache().join("smollm2-135m");
     assert!(
         dir.join("model.safetensors").exists(),
@@ -182,6 +194,7 @@ pub fn capture_in(
     precision: harvest_core::plan::Precision,
     sequences: &[Vec<u32>],
 ) -> Captured {
+    cpu_level();
     let config = harvester::model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let layers = layers.resolve(config.num_layers).unwrap();
     let weights = harvester::model::LlamaWeights::load(dir, Some(layers.deepest() + 1)).unwrap();
@@ -201,6 +214,7 @@ pub fn capture_in(
 
 /// The tiny model shape the forward tests use.
 pub fn tiny_model() -> Shape {
+    cpu_level();
     Shape {
         hidden: 32,
         layers: 3,

@@ -13,6 +13,9 @@ use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 
+/// The process's level, or why the one asked for was refused ([`Level::configure`]).
+static SETTING: OnceLock<std::result::Result<Level, String>> = OnceLock::new();
+
 /// The environment variable that caps the level.
 pub const LEVEL_VARIABLE: &str = "HARVEST_CPU_LEVEL";
 
@@ -106,20 +109,52 @@ impl Level {
         Ok(level)
     }
 
-    /// The level [`LEVEL_VARIABLE`] sets here, checked: entry points call this once so that a
-    /// bad value is refused before any work.
-    pub fn configured() -> Result<Self> {
-        Self::choose(
-            std::env::var(LEVEL_VARIABLE).ok().as_deref(),
-            Self::detected(),
-        )
+    /// Sets the level the kernels run at for this process from `forced`, the value of
+    /// [`LEVEL_VARIABLE`] that `main` reads: the first call decides. A refused value leaves the
+    /// kernels at the detected level, and [`Level::configured`] says why wherever a CPU
+    /// backend is built, so that a job is refused before any work.
+    pub fn configure(forced: Option<&str>) -> Result<Self> {
+        let chosen = Self::choose(forced, Self::detected());
+        let setting = match &chosen {
+            Ok(level) => Ok(*level),
+            Err(Error::CpuLevel { reason }) => Err(reason.clone()),
+            Err(other) => Err(other.to_string()),
+        };
+        // Only the first call decides, so the kernels never change level mid-run.
+        let _ = SETTING.set(setting);
+        chosen
     }
 
-    /// The level the kernels run at, read once per process: [`Level::configured`], or the
-    /// detected level where that is refused (the entry point has already said why).
+    /// The level [`Level::configure`] set, or its refusal. Never configured: the detected level
+    /// (a test harness configures it from the environment; see `tests/common`).
+    pub fn configured() -> Result<Self> {
+        match Self::setting() {
+            Ok(level) => Ok(*level),
+            Err(reason) => Err(Error::CpuLevel {
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// The level the kernels run at: the configured one, or the detected level where that is
+    /// refused (the entry point has already said why).
     pub fn current() -> Self {
-        static CURRENT: OnceLock<Level> = OnceLock::new();
-        *CURRENT.get_or_init(|| Self::configured().unwrap_or_else(|_| Self::detected()))
+        match Self::setting() {
+            Ok(level) => *level,
+            Err(_) => Self::detected(),
+        }
+    }
+
+    fn setting() -> &'static std::result::Result<Level, String> {
+        // The library's own unit tests run at the level scripts/test.sh forces.
+        #[cfg(test)]
+        {
+            static FROM_ENVIRONMENT: std::sync::Once = std::sync::Once::new();
+            FROM_ENVIRONMENT.call_once(|| {
+                let _ = Self::configure(std::env::var(LEVEL_VARIABLE).ok().as_deref());
+            });
+        }
+        SETTING.get_or_init(|| Ok(Self::detected()))
     }
 
     /// Whether the kernels may use `self`'s instructions now.
