@@ -20,7 +20,7 @@ use crate::backend::cpu::{bf16, sgemm};
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::{CudaBackend, LoadPhases};
 use crate::backend::{Backend, Batch, CaptureSpec, Captured};
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 use crate::model::{LlamaWeights, ModelConfig};
 
 /// What to measure.
@@ -193,7 +193,9 @@ fn open(
             (Box::new(backend), Some(phases))
         }
         DeviceChoice::CudaReplay => {
-            return Err(Error::ReplayNotMeasured { command: "bench" });
+            return Err(Error::Input(InputError::ReplayNotMeasured {
+                command: "bench",
+            }));
         }
         DeviceChoice::Cpu | DeviceChoice::Auto => (Box::new(CpuBackend::new(weights, spec)?), None),
     })
@@ -390,16 +392,18 @@ pub fn load_corpus(
     match (ids, prompts) {
         (Some(ids), _) => {
             let text = std::fs::read_to_string(ids).map_err(|e| Error::io("reading", ids, e))?;
-            serde_json::from_str(&text).map_err(|e| Error::Prompts {
-                source_name: ids.display().to_string(),
-                reason: format!("{e} (expected a JSON list of lists of token ids)"),
+            serde_json::from_str(&text).map_err(|e| {
+                Error::Input(InputError::Prompts {
+                    source_name: ids.display().to_string(),
+                    reason: format!("{e} (expected a JSON list of lists of token ids)"),
+                })
             })
         }
         (None, Some(path)) => tokenize_prompts_file(model, path),
-        (None, None) => Err(Error::Prompts {
+        (None, None) => Err(Error::Input(InputError::Prompts {
             source_name: "the bench".into(),
             reason: "no corpus: give --ids or --prompts".into(),
-        }),
+        })),
     }
 }
 
@@ -452,7 +456,11 @@ fn device_rates(
             None,
             (None, None),
         ),
-        DeviceChoice::CudaReplay => return Err(Error::ReplayNotMeasured { command: "bench" }),
+        DeviceChoice::CudaReplay => {
+            return Err(Error::Input(InputError::ReplayNotMeasured {
+                command: "bench",
+            }));
+        }
         DeviceChoice::Cpu | DeviceChoice::Auto => {
             let [ours, crate_peer, ours_bf16] = gemm_rates(gemm_shape, 6);
             let (f32_after, bf16_after) = cpu_peaks();

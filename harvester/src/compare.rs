@@ -8,7 +8,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
 
 use crate::dtype;
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 
 /// What the comparison found.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -72,9 +72,11 @@ fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
 }
 
 fn parse<'a>(bytes: &'a [u8], dir: &Path, name: &str) -> Result<SafeTensors<'a>> {
-    SafeTensors::deserialize(bytes).map_err(|e| Error::CorruptSafetensors {
-        path: dir.join(name),
-        reason: e.to_string(),
+    SafeTensors::deserialize(bytes).map_err(|e| {
+        Error::Model(ModelError::CorruptSafetensors {
+            path: dir.join(name),
+            reason: e.to_string(),
+        })
     })
 }
 
@@ -93,9 +95,11 @@ pub fn compare(a: &Path, b: &Path) -> Result<Comparison> {
         let (bytes_a, bytes_b) = (read(a, name)?, read(b, name)?);
         let (shard_a, shard_b) = (parse(&bytes_a, a, name)?, parse(&bytes_b, b, name)?);
         for (tensor, view_a) in shard_a.tensors() {
-            let view_b = shard_b.tensor(&tensor).map_err(|_| Error::MissingTensor {
-                name: format!("{tensor} of {name}"),
-                dir: b.to_owned(),
+            let view_b = shard_b.tensor(&tensor).map_err(|_| {
+                Error::Model(ModelError::MissingTensor {
+                    name: format!("{tensor} of {name}"),
+                    dir: b.to_owned(),
+                })
             })?;
             // Expert choices: counted per token; their weights and logits follow the choices,
             // so they are not rows of the residual stream to judge.

@@ -1,5 +1,6 @@
-//! The harvester's error type: one enum, structured variants, messages that name the value
-//! and, where there is one, the fix.
+//! The harvester's error type: one enum of groups by domain (the model, the job's input, the
+//! store, this machine, the GPU), structured variants, messages that name the value and, where
+//! there is one, the fix. Whether a retry helps is decided by group ([`Error::kind`]).
 
 use std::path::PathBuf;
 
@@ -7,22 +8,44 @@ use harvest_core::worker::{ErrorKind, ExitStatus};
 
 pub use crate::backend::cuda::error::CudaError;
 
-/// Everything that can go wrong while loading a model, tokenizing or running the forward pass.
+/// Everything that can go wrong while loading a model, tokenizing or running the forward pass,
+/// grouped by where it comes from; each group says whether a retry can help ([`Error::kind`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The checkpoint or its tokenizer.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The job's own input.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// Files and the object store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// This machine's memory or CPU.
+    #[error(transparent)]
+    Machine(#[from] MachineError),
     /// The CUDA backend failed: no usable GPU, an unsupported model, or a fault.
     #[error(transparent)]
     Cuda(#[from] CudaError),
-    /// A file could not be read or written.
-    #[error("{action} {path}: {source}")]
-    Io {
-        /// What we were doing, e.g. "reading".
-        action: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+    /// One of a run's threads (forward, a pipeline stage, assembly, upload) stopped
+    /// unexpectedly (a bug).
+    #[error("the {thread} thread stopped unexpectedly. This is a bug.")]
+    ThreadLost {
+        /// The thread.
+        thread: &'static str,
     },
+    /// A batch handed to a backend breaks its own invariants (a bug in the caller).
+    #[error("invalid batch: {reason}")]
+    InvalidBatch {
+        /// Which invariant.
+        reason: String,
+    },
+}
+
+/// The checkpoint and its tokenizer: a file missing, malformed or of a kind harvest does not
+/// run. The job's to fix (another checkpoint, another precision); no retry mends it.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
     /// A required file of a checkpoint directory is absent.
     #[error("{path} does not exist: {hint}")]
     MissingFile {
@@ -115,6 +138,12 @@ pub enum Error {
         /// The library's complaint.
         reason: String,
     },
+}
+
+/// The job's own input: prompts, conversations, layers, directions, the plan and its output,
+/// parts and stages. The job's to fix; no retry mends it.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
     /// A conversation could not be rendered: no chat template, or the template refused it.
     #[error("{reason}")]
     Chat {
@@ -138,18 +167,6 @@ pub enum Error {
         /// What is wrong with them.
         reason: String,
     },
-    /// `HARVEST_CPU_LEVEL` names no kernel level, or one above this CPU's.
-    #[error("CPU kernel level: {reason}")]
-    CpuLevel {
-        /// The value, what the CPU lacks and the fix.
-        reason: String,
-    },
-    /// A batch handed to a backend breaks its own invariants (a bug in the caller).
-    #[error("invalid batch: {reason}")]
-    InvalidBatch {
-        /// Which invariant.
-        reason: String,
-    },
     /// A prompts file is malformed.
     #[error("prompts {source_name}: {reason}")]
     Prompts {
@@ -161,14 +178,6 @@ pub enum Error {
     /// The plan is invalid.
     #[error("invalid plan: {0}")]
     Plan(#[from] harvest_core::PlanError),
-    /// The object store failed (after retries, for transient errors).
-    #[error("storage {location}: {reason}")]
-    Store {
-        /// The object or prefix.
-        location: String,
-        /// The store's error.
-        reason: String,
-    },
     /// An input the plan names (the prompts, the directions) is not in the store: the job's
     /// mistake, which no retry mends.
     #[error("{what} {location} does not exist: upload it there, or name where it is")]
@@ -190,13 +199,6 @@ pub enum Error {
         /// This plan's fingerprint.
         expected: String,
     },
-    /// One of a run's threads (forward, a pipeline stage, assembly, upload) stopped
-    /// unexpectedly (a bug).
-    #[error("the {thread} thread stopped unexpectedly. This is a bug.")]
-    ThreadLost {
-        /// The thread.
-        thread: &'static str,
-    },
     /// A shuffled job writing to an object store was given nowhere to spill its buckets.
     #[error(
         "the shuffled layout of {output} needs a local directory to spill its buckets in (about the job's size): pass --spill-dir"
@@ -214,6 +216,80 @@ pub enum Error {
         needed: u64,
         /// The budget.
         budget: u64,
+    },
+    /// A job cannot be run in parts as asked.
+    #[error("{reason}")]
+    BadParts {
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// The pipeline stages asked for do not fit the model.
+    #[error("{reason}")]
+    BadStages {
+        /// What is wrong, naming the value and its bounds.
+        reason: String,
+    },
+    /// A command that measures speed was given the replay device.
+    #[error(
+        "{command} measures a real device, and --device cuda-replay replays the GPU's arithmetic slowly on the CPU for tests: use --device cpu or cuda"
+    )]
+    ReplayNotMeasured {
+        /// The command.
+        command: &'static str,
+    },
+}
+
+/// Files and the object store: reading, writing, listing. Another attempt may succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A file could not be read or written.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What we were doing, e.g. "reading".
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The object store failed (after retries, for transient errors).
+    #[error("storage {location}: {reason}")]
+    Object {
+        /// The object or prefix.
+        location: String,
+        /// The store's error.
+        reason: String,
+    },
+    /// A JSON file could not be written or parsed.
+    #[error("JSON {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+    /// `harvester finalize` ran before every part had written its shards.
+    #[error(
+        "{missing} of the job's {of} shards are not written yet (the first is shard {first}): run every part (harvester run --part I/N) before finalize; a rerun of a part resumes"
+    )]
+    PartsMissing {
+        /// Shards missing.
+        missing: usize,
+        /// Shards in the job.
+        of: usize,
+        /// The first one missing.
+        first: usize,
+    },
+}
+
+/// This machine: its memory or its CPU's instructions. Another machine may run the job.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// `HARVEST_CPU_LEVEL` names no kernel level, or one above this CPU's.
+    #[error("CPU kernel level: {reason}")]
+    CpuLevel {
+        /// The value, what the CPU lacks and the fix.
+        reason: String,
     },
     /// The model would not fit this machine's memory.
     #[error(
@@ -240,38 +316,6 @@ pub enum Error {
         /// Bytes available (MemAvailable, or the cgroup's limit).
         available: u64,
     },
-    /// A job cannot be run in parts as asked.
-    #[error("{reason}")]
-    BadParts {
-        /// Why, and what to do.
-        reason: String,
-    },
-    /// `harvester finalize` ran before every part had written its shards.
-    #[error(
-        "{missing} of the job's {of} shards are not written yet (the first is shard {first}): run every part (harvester run --part I/N) before finalize; a rerun of a part resumes"
-    )]
-    PartsMissing {
-        /// Shards missing.
-        missing: usize,
-        /// Shards in the job.
-        of: usize,
-        /// The first one missing.
-        first: usize,
-    },
-    /// The pipeline stages asked for do not fit the model.
-    #[error("{reason}")]
-    BadStages {
-        /// What is wrong, naming the value and its bounds.
-        reason: String,
-    },
-    /// A command that measures speed was given the replay device.
-    #[error(
-        "{command} measures a real device, and --device cuda-replay replays the GPU's arithmetic slowly on the CPU for tests: use --device cpu or cuda"
-    )]
-    ReplayNotMeasured {
-        /// The command.
-        command: &'static str,
-    },
     /// A pipeline stage would not fit its device's memory.
     #[error(
         "pipeline stage {stage} of {stages} (blocks {first}-{last}) needs about {needed} bytes ({weights} for its weights, the rest for one batch), but {available} bytes are available to it: use more stages, devices with more memory, a smaller batch_tokens, or keep shallower layers"
@@ -292,14 +336,6 @@ pub enum Error {
         /// Bytes its device has for it.
         available: u64,
     },
-    /// A JSON file could not be written or parsed.
-    #[error("JSON {path}: {source}")]
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// The serde error.
-        source: serde_json::Error,
-    },
 }
 
 /// The harvester's result type.
@@ -312,42 +348,13 @@ impl Error {
     }
 
     /// The error's class, which tells a supervisor (the API, the operator) whether a retry can
-    /// help.
+    /// help: the one table, by group.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::MissingFile { .. }
-            | Self::BadConfig { .. }
-            | Self::UnsupportedArchitecture { .. }
-            | Self::UnsupportedPrecision { .. }
-            | Self::CorruptSafetensors { .. }
-            | Self::MissingTensor { .. }
-            | Self::WrongShape { .. }
-            | Self::UnsupportedDtype { .. }
-            | Self::Gguf { .. }
-            | Self::UnsupportedGgufType { .. }
-            | Self::Tokenizer { .. }
-            | Self::Chat { .. }
-            | Self::EmptyPrompt { .. }
-            | Self::Layers(_)
-            | Self::BadDirections { .. }
-            | Self::Prompts { .. }
-            | Self::Plan(_)
-            | Self::ForeignOutput { .. }
-            | Self::BadStages { .. }
-            | Self::ReplayNotMeasured { .. }
-            | Self::TokenBudget { .. }
-            | Self::BadParts { .. }
-            | Self::NoSpillDir { .. }
-            | Self::MissingInput { .. } => ErrorKind::BadInput,
-            Self::Io { .. }
-            | Self::Store { .. }
-            | Self::Json { .. }
-            | Self::InsufficientMemory { .. }
-            | Self::HostMemory { .. }
-            | Self::StageMemory { .. }
-            | Self::PartsMissing { .. }
-            // This machine's environment asks for instructions its CPU lacks; another may not.
-            | Self::CpuLevel { .. } => ErrorKind::Infrastructure,
+            Self::Model(_) | Self::Input(_) => ErrorKind::BadInput,
+            // Another attempt, or another machine (whose environment may not ask for
+            // instructions its CPU lacks), may succeed.
+            Self::Store(_) | Self::Machine(_) => ErrorKind::Infrastructure,
             Self::InvalidBatch { .. } | Self::ThreadLost { .. } => ErrorKind::Internal,
             Self::Cuda(error) => error.kind(),
         }
@@ -355,10 +362,64 @@ impl Error {
 
     /// Shorthand for an I/O failure on `path`.
     pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io {
+        Self::Store(StoreError::Io {
             action,
             path: path.into(),
             source,
+        })
+    }
+}
+
+impl From<harvest_core::LayerError> for Error {
+    fn from(error: harvest_core::LayerError) -> Self {
+        Self::Input(InputError::Layers(error))
+    }
+}
+
+impl From<harvest_core::PlanError> for Error {
+    fn from(error: harvest_core::PlanError) -> Self {
+        Self::Input(InputError::Plan(error))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whether_a_retry_helps_follows_the_group_and_the_message_is_the_variants_own() {
+        let model: Error = ModelError::UnsupportedArchitecture {
+            architecture: "GPT2LMHeadModel".into(),
         }
+        .into();
+        let input: Error = harvest_core::LayerError::OutOfRange {
+            layer: 40,
+            num_layers: 30,
+        }
+        .into();
+        let store = Error::io("reading", "/x", std::io::Error::other("gone"));
+        let machine: Error = MachineError::HostMemory {
+            needed: 2,
+            available: 1,
+        }
+        .into();
+        let bug = Error::ThreadLost { thread: "upload" };
+        let kinds = [&model, &input, &store, &machine, &bug].map(Error::kind);
+        assert_eq!(
+            kinds,
+            [
+                ErrorKind::BadInput,
+                ErrorKind::BadInput,
+                ErrorKind::Infrastructure,
+                ErrorKind::Infrastructure,
+                ErrorKind::Internal
+            ]
+        );
+        assert!(
+            model
+                .to_string()
+                .starts_with("unsupported architecture \"GPT2LMHeadModel\"")
+        );
+        assert_eq!(store.to_string(), "reading /x: gone");
     }
 }

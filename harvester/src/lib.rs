@@ -26,4 +26,4 @@ pub mod projection;
 pub mod synth;
 pub mod tokenizer;
 
-pub use error::{Error, Result};
+pub use error::{Error, InputError, MachineError, ModelError, Result, StoreError};

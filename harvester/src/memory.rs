@@ -1,7 +1,7 @@
 //! Whether a model fits this machine's memory, decided before anything is loaded, so a run is
 //! refused with the figures instead of being OOM-killed halfway through loading.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, MachineError, Result};
 
 /// What a forward pass holds in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,12 +101,14 @@ pub fn available_bytes() -> Option<u64> {
 /// Refuses a run that needs more than `available` (when it is known).
 pub fn check(needed: Needed, available: Option<u64>) -> Result<()> {
     match available {
-        Some(available) if needed.total() > available => Err(Error::InsufficientMemory {
-            needed: needed.total(),
-            weights: needed.weights,
-            working: needed.working,
-            available,
-        }),
+        Some(available) if needed.total() > available => {
+            Err(Error::Machine(MachineError::InsufficientMemory {
+                needed: needed.total(),
+                weights: needed.weights,
+                working: needed.working,
+                available,
+            }))
+        }
         _ => Ok(()),
     }
 }
@@ -116,7 +118,10 @@ pub fn check(needed: Needed, available: Option<u64>) -> Result<()> {
 /// checkpoint's mapped pages are cache the kernel can take back.
 pub fn check_host(needed: u64, available: Option<u64>) -> Result<()> {
     match available {
-        Some(available) if needed > available => Err(Error::HostMemory { needed, available }),
+        Some(available) if needed > available => Err(Error::Machine(MachineError::HostMemory {
+            needed,
+            available,
+        })),
         _ => Ok(()),
     }
 }

@@ -1,6 +1,6 @@
 //! Projection directions: validated once, L2-normalised, then used by every backend.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 
 /// Most directions a job may project onto.
 pub use harvest_core::plan::MAX_DIRECTIONS;
@@ -17,7 +17,7 @@ impl Directions {
     /// Validates `values` as `[count, hidden]` for a model of width `model_hidden` and normalises
     /// each row. Rows are normalised in f64, so tiny or huge inputs lose nothing.
     pub fn new(values: &[f32], count: usize, hidden: usize, model_hidden: usize) -> Result<Self> {
-        let bad = |reason: String| Err(Error::BadDirections { reason });
+        let bad = |reason: String| Err(Error::Input(InputError::BadDirections { reason }));
         if count == 0 || count > MAX_DIRECTIONS {
             return bad(format!(
                 "{count} directions given; send between 1 and {MAX_DIRECTIONS}"

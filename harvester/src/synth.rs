@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 
 /// A model shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,9 +209,11 @@ pub fn write_named(
     seed: u64,
     (blocks, tokenizer_from): (Option<usize>, Option<&Path>),
 ) -> Result<u64> {
-    let bad = |reason: String| Error::BadConfig {
-        path: dir.join("config.json"),
-        reason,
+    let bad = |reason: String| {
+        Error::Model(ModelError::BadConfig {
+            path: dir.join("config.json"),
+            reason,
+        })
     };
     let (mut shape, variant) = Variant::named(name).ok_or_else(|| {
         bad(format!(
@@ -250,13 +252,13 @@ pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> R
         || !shape.hidden.is_multiple_of(shape.heads)
         || !shape.heads.is_multiple_of(shape.kv_heads.max(1))
     {
-        return Err(Error::BadConfig {
+        return Err(Error::Model(ModelError::BadConfig {
             path: dir.join("config.json"),
             reason: format!(
                 "{} query heads must divide hidden {} and be a multiple of {} key/value heads",
                 shape.heads, shape.hidden, shape.kv_heads
             ),
-        });
+        }));
     }
     let (h, i) = (shape.hidden, shape.intermediate);
     let specs = tensors_of(shape, variant);
@@ -278,18 +280,21 @@ pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> R
         .collect();
     let mut views = Vec::with_capacity(specs.len());
     for ((name, dims, _), bytes) in specs.iter().zip(&data) {
-        let view =
-            TensorView::new(Dtype::BF16, dims.clone(), bytes).map_err(|e| Error::BadConfig {
+        let view = TensorView::new(Dtype::BF16, dims.clone(), bytes).map_err(|e| {
+            Error::Model(ModelError::BadConfig {
                 path: dir.join("model.safetensors"),
                 reason: e.to_string(),
-            })?;
+            })
+        })?;
         views.push((name.clone(), view));
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io("creating", dir, e))?;
     let path = dir.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| Error::BadConfig {
-        path: path.clone(),
-        reason: e.to_string(),
+    safetensors::serialize_to_file(views, None, &path).map_err(|e| {
+        Error::Model(ModelError::BadConfig {
+            path: path.clone(),
+            reason: e.to_string(),
+        })
     })?;
     let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,

@@ -19,7 +19,7 @@ use harvest_core::chat::{
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, ModelError, Result};
 
 /// A tokenized prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,14 +51,16 @@ impl PromptTokenizer {
     pub fn from_dir(dir: &Path, max_tokens: usize) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(Error::MissingFile {
+            return Err(Error::Model(ModelError::MissingFile {
                 path,
                 hint: "the checkpoint directory needs a Hugging Face tokenizer.json",
-            });
+            }));
         }
-        let inner = Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
-            path: path.clone(),
-            reason: e.to_string(),
+        let inner = Tokenizer::from_file(&path).map_err(|e| {
+            Error::Model(ModelError::Tokenizer {
+                path: path.clone(),
+                reason: e.to_string(),
+            })
         })?;
         let config_path = dir.join("tokenizer_config.json");
         let (template, special) = from_tokenizer_config(&tokenizer_config(&config_path));
@@ -72,11 +74,11 @@ impl PromptTokenizer {
                 .is_ok_and(|e| e.get_ids().first() == Some(&bos))
         });
         let chat = match template {
-            Some(source) => Some(
-                ChatTemplate::new(&source, special).map_err(|e| Error::Chat {
+            Some(source) => Some(ChatTemplate::new(&source, special).map_err(|e| {
+                Error::Input(InputError::Chat {
                     reason: format!("{}: {e}", config_path.display()),
-                })?,
-            ),
+                })
+            })?),
             None => None,
         };
         Ok(Self {
@@ -117,9 +119,11 @@ impl PromptTokenizer {
         let encoding = self
             .inner
             .encode_fast(text, add_special_tokens)
-            .map_err(|e| Error::Tokenizer {
-                path: self.path.clone(),
-                reason: format!("prompt {index}: {e}"),
+            .map_err(|e| {
+                Error::Model(ModelError::Tokenizer {
+                    path: self.path.clone(),
+                    reason: format!("prompt {index}: {e}"),
+                })
             })?;
         self.cut(index, encoding.get_ids().to_vec(), None)
     }
@@ -137,23 +141,24 @@ impl PromptTokenizer {
         index: usize,
         conversation: &Conversation,
     ) -> Result<Encoded> {
-        let chat = self.chat.as_ref().ok_or_else(|| Error::Chat {
+        let chat = self.chat.as_ref().ok_or_else(|| Error::Input(InputError::Chat {
             reason: format!(
                 "the model has no chat template ({} names no chat_template), so it cannot run conversations: send prompts instead, rendered as the model expects them, or use a checkpoint with a chat template",
                 self.path.with_file_name("tokenizer_config.json").display()
             ),
-        })?;
-        let (text, spans) = chat.spans(index, conversation).map_err(|e| Error::Chat {
-            reason: e.to_string(),
+        }))?;
+        let (text, spans) = chat.spans(index, conversation).map_err(|e| {
+            Error::Input(InputError::Chat {
+                reason: e.to_string(),
+            })
         })?;
         // Byte offsets (`encode`, not `encode_fast`): the spans are byte ranges of the text.
-        let encoding = self
-            .inner
-            .encode(text.as_str(), false)
-            .map_err(|e| Error::Tokenizer {
+        let encoding = self.inner.encode(text.as_str(), false).map_err(|e| {
+            Error::Model(ModelError::Tokenizer {
                 path: self.path.clone(),
                 reason: format!("conversation {index}: {e}"),
-            })?;
+            })
+        })?;
         let (ids, roles) = conversation_tokens(
             encoding.get_ids().to_vec(),
             encoding.get_offsets(),
@@ -172,7 +177,7 @@ impl PromptTokenizer {
         mut roles: Option<TokenRoles>,
     ) -> Result<Encoded> {
         if ids.is_empty() {
-            return Err(Error::EmptyPrompt { index });
+            return Err(Error::Input(InputError::EmptyPrompt { index }));
         }
         let truncated_from = (ids.len() > self.max_tokens).then_some(ids.len());
         ids.truncate(self.max_tokens);

@@ -15,7 +15,7 @@ pub mod stages;
 
 use harvest_core::{Layers, Sites};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 use crate::model::ModelConfig;
 use crate::model::routing::{self, Choice};
 use crate::projection::Directions;
@@ -134,12 +134,12 @@ impl CaptureSpec {
         if let Some(directions) = &self.directions
             && directions.hidden() != hidden
         {
-            return Err(Error::BadDirections {
+            return Err(Error::Input(InputError::BadDirections {
                 reason: format!(
                     "directions have width {}, but the model's hidden size is {hidden}",
                     directions.hidden()
                 ),
-            });
+            }));
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, MachineError, Result};
 
 /// Splits blocks `0..=deepest` into `stages` contiguous ranges, one per GPU, so that the
 /// largest stage's weight bytes are as small as possible (blocks after the deepest kept one
@@ -101,11 +101,11 @@ pub fn plan_stages(
 ) -> Result<StagePlan> {
     let blocks = block_bytes.len();
     if stages == 0 || stages > blocks {
-        return Err(Error::BadStages {
+        return Err(Error::Input(InputError::BadStages {
             reason: format!(
                 "--pipeline-stages {stages} must be between 1 and the model's {blocks} blocks"
             ),
-        });
+        }));
     }
     let deepest = deepest.min(blocks - 1);
     let split = split_stages(block_bytes, deepest, stages);
@@ -141,7 +141,7 @@ pub fn check_stage_memory(plan: &StagePlan, capacity: &Capacity) -> Result<()> {
             Capacity::PerDevice(each) => each.get(i).copied().unwrap_or(0),
         };
         if stage.total() > available {
-            return Err(Error::StageMemory {
+            return Err(Error::Machine(MachineError::StageMemory {
                 stage: i + 1,
                 stages: plan.stages,
                 first: stage.blocks.start,
@@ -149,7 +149,7 @@ pub fn check_stage_memory(plan: &StagePlan, capacity: &Capacity) -> Result<()> {
                 needed: stage.total(),
                 weights: stage.weight_bytes,
                 available,
-            });
+            }));
         }
         left = left.saturating_sub(stage.total());
     }
@@ -163,7 +163,7 @@ pub fn stage_devices(first: usize, stages: usize, listed: Option<&[usize]>) -> R
     match listed {
         None => Ok((first..first + stages).collect()),
         Some(list) if list.len() == stages => Ok(list.to_vec()),
-        Some(list) => Err(Error::BadStages {
+        Some(list) => Err(Error::Input(InputError::BadStages {
             reason: format!(
                 "--stage-devices lists {} GPUs for {stages} stages: give one per stage, e.g. {}",
                 list.len(),
@@ -172,7 +172,7 @@ pub fn stage_devices(first: usize, stages: usize, listed: Option<&[usize]>) -> R
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-        }),
+        })),
     }
 }
 
@@ -191,7 +191,7 @@ pub fn check_cuda_stages_allowed(value: Option<&str>) -> Result<()> {
             format!("{CUDA_STAGES_VARIABLE} is {other:?}: the one value it takes is \"try\"")
         }
     };
-    Err(Error::BadStages { reason })
+    Err(Error::Input(InputError::BadStages { reason }))
 }
 
 /// Refuses stages placed on GPUs this machine lacks (it has `available`), naming the stage
@@ -209,13 +209,13 @@ pub fn check_stage_devices(devices: &[usize], available: usize) -> Result<()> {
         1 => "1 GPU (cuda:0)".to_owned(),
         n => format!("{n} GPUs (cuda:0 to cuda:{})", n - 1),
     };
-    Err(Error::BadStages {
+    Err(Error::Input(InputError::BadStages {
         reason: format!(
             "--pipeline-stages {} puts stage {} on cuda:{gpu}, but this machine has {gpus}: use fewer stages, or name each stage's GPU with --stage-devices",
             devices.len(),
             stage + 1
         ),
-    })
+    }))
 }
 
 /// What each running stage may use on its GPU (`devices[i]` for stage `i`): the device's free

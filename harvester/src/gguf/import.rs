@@ -15,7 +15,7 @@ use super::quant::GgmlType;
 use super::reader::{GgufFile, TensorInfo, Value};
 use super::vocab::{SpecialTokens, build_tokenizer_json};
 use crate::dtype;
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result, StoreError};
 
 /// The dtype of the written `model.safetensors`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,9 +83,11 @@ pub fn import_gguf(
     out_dtype: OutputDtype,
 ) -> Result<ImportSummary> {
     let gguf = GgufFile::open(gguf_path)?;
-    let fail = |reason: String| Error::Gguf {
-        path: gguf_path.to_owned(),
-        reason,
+    let fail = |reason: String| {
+        Error::Model(ModelError::Gguf {
+            path: gguf_path.to_owned(),
+            reason,
+        })
     };
     match gguf.require("general.architecture")? {
         Value::Str(arch) if arch == "llama" => {}
@@ -222,12 +224,12 @@ fn read_hyper(gguf: &GgufFile) -> Result<Hyper> {
         None => hidden / heads.max(1),
     };
     if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim % 2 != 0 {
-        return Err(Error::Gguf {
+        return Err(Error::Model(ModelError::Gguf {
             path: gguf.path().to_owned(),
             reason: format!(
                 "head counts {heads}/{kv_heads} with head_dim {head_dim} are inconsistent"
             ),
-        });
+        }));
     }
     Ok(Hyper {
         hidden,
@@ -277,9 +279,11 @@ fn rope_scaling(gguf: &GgufFile, hyper: &Hyper) -> Result<serde_json::Value> {
     let Some(info) = gguf.tensors.iter().find(|t| t.name == "rope_freqs.weight") else {
         return Ok(serde_json::Value::Null);
     };
-    let bad = |reason: String| Error::Gguf {
-        path: gguf.path().to_owned(),
-        reason,
+    let bad = |reason: String| {
+        Error::Model(ModelError::Gguf {
+            path: gguf.path().to_owned(),
+            reason,
+        })
     };
     let elements: usize = info.dims.iter().map(|&d| d as usize).product();
     if elements != hyper.head_dim / 2 {
@@ -289,11 +293,12 @@ fn rope_scaling(gguf: &GgufFile, hyper: &Hyper) -> Result<serde_json::Value> {
             hyper.head_dim / 2
         )));
     }
-    let ggml_type =
-        GgmlType::from_id(info.ggml_type).map_err(|ggml_type| Error::UnsupportedGgufType {
+    let ggml_type = GgmlType::from_id(info.ggml_type).map_err(|ggml_type| {
+        Error::Model(ModelError::UnsupportedGgufType {
             name: info.name.clone(),
             ggml_type,
-        })?;
+        })
+    })?;
     let byte_len = ggml_type
         .byte_len(elements)
         .ok_or_else(|| bad("rope_freqs.weight is not whole quantisation blocks".into()))?;
@@ -317,19 +322,22 @@ fn convert_tensor(
     let Some((name, permute_heads)) = hf_name(&info.name, hyper) else {
         return Ok(None);
     };
-    let ggml_type =
-        GgmlType::from_id(info.ggml_type).map_err(|ggml_type| Error::UnsupportedGgufType {
+    let ggml_type = GgmlType::from_id(info.ggml_type).map_err(|ggml_type| {
+        Error::Model(ModelError::UnsupportedGgufType {
             name: info.name.clone(),
             ggml_type,
-        })?;
+        })
+    })?;
     let shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
     let elements: usize = shape.iter().product();
-    let byte_len = ggml_type.byte_len(elements).ok_or_else(|| Error::Gguf {
-        path: gguf.path().to_owned(),
-        reason: format!(
-            "tensor {} has {elements} values, not whole quantisation blocks",
-            info.name
-        ),
+    let byte_len = ggml_type.byte_len(elements).ok_or_else(|| {
+        Error::Model(ModelError::Gguf {
+            path: gguf.path().to_owned(),
+            reason: format!(
+                "tensor {} has {elements} values, not whole quantisation blocks",
+                info.name
+            ),
+        })
     })?;
     let mut values = Vec::with_capacity(elements);
     ggml_type.dequantize(gguf.tensor_bytes(info, byte_len)?, &mut values);
@@ -418,9 +426,11 @@ fn tokenizer_config(
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).map_err(|source| Error::Json {
-        path: path.to_owned(),
-        source,
+    let text = serde_json::to_string_pretty(value).map_err(|source| {
+        Error::Store(StoreError::Json {
+            path: path.to_owned(),
+            source,
+        })
     })?;
     std::fs::write(path, text).map_err(|e| Error::io("writing", path, e))
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -136,10 +136,10 @@ impl GgufFile {
     /// Maps and parses a GGUF file.
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::MissingFile {
+            std::io::ErrorKind::NotFound => Error::Model(ModelError::MissingFile {
                 path: path.to_owned(),
                 hint: "give the path of a .gguf file",
-            },
+            }),
             _ => Error::io("opening", path, source),
         })?;
         // SAFETY: read-only private mapping; every read below is bounds-checked by `Cursor` or
@@ -151,9 +151,11 @@ impl GgufFile {
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<Self> {
-        let gguf_error = |reason: String| Error::Gguf {
-            path: path.to_owned(),
-            reason,
+        let gguf_error = |reason: String| {
+            Error::Model(ModelError::Gguf {
+                path: path.to_owned(),
+                reason,
+            })
         };
         let mut cursor = Cursor {
             bytes: &mmap,
@@ -232,21 +234,23 @@ impl GgufFile {
             .and_then(|o| o.checked_add(self.data_start));
         match start.and_then(|s| Some((s, s.checked_add(len)?))) {
             Some((s, e)) if e <= self.mmap.len() => Ok(&self.mmap[s..e]),
-            _ => Err(Error::Gguf {
+            _ => Err(Error::Model(ModelError::Gguf {
                 path: self.path.clone(),
                 reason: format!(
                     "tensor {} runs past the end of the file (truncated download?)",
                     info.name
                 ),
-            }),
+            })),
         }
     }
 
     /// A metadata value that must be present.
     pub fn require(&self, key: &str) -> Result<&Value> {
-        self.metadata.get(key).ok_or_else(|| Error::Gguf {
-            path: self.path.clone(),
-            reason: format!("metadata key {key} is missing"),
+        self.metadata.get(key).ok_or_else(|| {
+            Error::Model(ModelError::Gguf {
+                path: self.path.clone(),
+                reason: format!("metadata key {key} is missing"),
+            })
         })
     }
 
@@ -285,9 +289,9 @@ impl GgufFile {
     fn wrong_type(&self, key: &str, wanted: &str, found: &Value) -> Error {
         let found = format!("{found:?}");
         let found: String = found.chars().take(60).collect();
-        Error::Gguf {
+        Error::Model(ModelError::Gguf {
             path: self.path.clone(),
             reason: format!("metadata {key} should be {wanted}, found {found}"),
-        }
+        })
     }
 }

@@ -4,7 +4,7 @@
 use serde_json::{Value as Json, json};
 
 use super::reader::{GgufFile, Value};
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -34,12 +34,12 @@ pub fn build_tokenizer_json(gguf: &GgufFile) -> Result<(Json, SpecialTokens)> {
         _ => "",
     };
     if model != "gpt2" {
-        return Err(Error::Gguf {
+        return Err(Error::Model(ModelError::Gguf {
             path: gguf.path().to_owned(),
             reason: format!(
                 "tokenizer model {model:?} is not supported: import handles GPT-2-style BPE (\"gpt2\") vocabularies"
             ),
-        });
+        }));
     }
     let tokens = gguf.require_strings("tokenizer.ggml.tokens")?;
     let merges = gguf.require_strings("tokenizer.ggml.merges")?;
@@ -53,10 +53,10 @@ pub fn build_tokenizer_json(gguf: &GgufFile) -> Result<(Json, SpecialTokens)> {
         .iter()
         .map(|m| match m.split_once(' ') {
             Some((a, b)) => Ok(json!([a, b])),
-            None => Err(Error::Gguf {
+            None => Err(Error::Model(ModelError::Gguf {
                 path: gguf.path().to_owned(),
                 reason: format!("BPE merge {m:?} is not two space-separated tokens"),
-            }),
+            })),
         })
         .collect::<Result<_>>()?;
     let added_tokens = added_tokens(gguf, &tokens);

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use super::matrix::{Half, Matrix};
 use crate::dtype;
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result, StoreError};
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -54,9 +54,11 @@ impl Checkpoint {
         let file_names: Vec<String> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .map_err(|e| Error::io("reading", &index_path, e))?;
-            let index: ShardIndex = serde_json::from_str(&text).map_err(|source| Error::Json {
-                path: index_path.clone(),
-                source,
+            let index: ShardIndex = serde_json::from_str(&text).map_err(|source| {
+                Error::Store(StoreError::Json {
+                    path: index_path.clone(),
+                    source,
+                })
             })?;
             let mut names: Vec<String> = index.weight_map.into_values().collect();
             names.sort();
@@ -78,10 +80,10 @@ impl Checkpoint {
 
     fn map_file(&mut self, path: &Path) -> Result<()> {
         let file = File::open(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::MissingFile {
+            std::io::ErrorKind::NotFound => Error::Model(ModelError::MissingFile {
                 path: path.to_owned(),
                 hint: "expected model.safetensors, or the shards listed in model.safetensors.index.json",
-            },
+            }),
             _ => Error::io("opening", path, source),
         })?;
         // SAFETY: the mapping is read-only and private to this process. Like every loader of
@@ -89,9 +91,11 @@ impl Checkpoint {
         // bounds of every read are checked against the header below.
         #[allow(unsafe_code)]
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io("mapping", path, e))?;
-        let corrupt = |reason: String| Error::CorruptSafetensors {
-            path: path.to_owned(),
-            reason,
+        let corrupt = |reason: String| {
+            Error::Model(ModelError::CorruptSafetensors {
+                path: path.to_owned(),
+                reason,
+            })
         };
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
@@ -154,19 +158,18 @@ impl Checkpoint {
     /// Where tensor `name`, which must have shape `expected`, lives: its file, dtype and byte
     /// range in the mapping (checked against its shape and dtype).
     fn locate(&self, name: &str, expected: &[usize]) -> Result<(&MappedFile, Dtype, usize, usize)> {
-        let location = self
-            .locations
-            .get(name)
-            .ok_or_else(|| Error::MissingTensor {
+        let location = self.locations.get(name).ok_or_else(|| {
+            Error::Model(ModelError::MissingTensor {
                 name: name.to_owned(),
                 dir: self.dir.clone(),
-            })?;
+            })
+        })?;
         if location.shape != expected {
-            return Err(Error::WrongShape {
+            return Err(Error::Model(ModelError::WrongShape {
                 name: name.to_owned(),
                 expected: expected.to_vec(),
                 found: location.shape.clone(),
-            });
+            }));
         }
         let file = &self.files[location.file];
         let elements: usize = expected.iter().product();
@@ -174,10 +177,10 @@ impl Checkpoint {
             Dtype::BF16 | Dtype::F16 => 2,
             Dtype::F32 => 4,
             other => {
-                return Err(Error::UnsupportedDtype {
+                return Err(Error::Model(ModelError::UnsupportedDtype {
                     name: name.to_owned(),
                     dtype: format!("{other:?}"),
-                });
+                }));
             }
         };
         let (start, end) = (
@@ -185,14 +188,14 @@ impl Checkpoint {
             file.data_start + location.range.1,
         );
         if end - start != elements * width {
-            return Err(Error::CorruptSafetensors {
+            return Err(Error::Model(ModelError::CorruptSafetensors {
                 path: file.path.clone(),
                 reason: format!(
                     "tensor {name} holds {} bytes, but its shape and dtype need {}",
                     end - start,
                     elements * width
                 ),
-            });
+            }));
         }
         Ok((file, location.dtype, start, end))
     }

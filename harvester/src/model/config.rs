@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 
 /// The decoder families that share the Llama block and that harvest runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,10 +213,10 @@ impl ModelConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::MissingFile {
+            std::io::ErrorKind::NotFound => Error::Model(ModelError::MissingFile {
                 path: path.to_owned(),
                 hint: "a Hugging Face checkpoint directory needs config.json",
-            },
+            }),
             _ => Error::io("reading", path, source),
         })?;
         Self::parse(&text, path)
@@ -224,9 +224,11 @@ impl ModelConfig {
 
     /// Parses and validates `config.json` text; `path` is only named in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| Error::BadConfig {
-            path: path.to_owned(),
-            reason: e.to_string(),
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| {
+            Error::Model(ModelError::BadConfig {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })
         })?;
         raw.validate(path)
     }
@@ -321,9 +323,11 @@ impl ModelConfig {
 impl RawConfig {
     fn validate(mut self, path: &Path) -> Result<ModelConfig> {
         let architecture = architecture(&self.architectures, self.model_type.take())?;
-        let bad = |reason: String| Error::BadConfig {
-            path: path.to_owned(),
-            reason,
+        let bad = |reason: String| {
+            Error::Model(ModelError::BadConfig {
+                path: path.to_owned(),
+                reason,
+            })
         };
         let afmoe = self.take_afmoe(architecture).map_err(bad)?;
         let Self {
@@ -584,9 +588,9 @@ fn architecture(architectures: &[String], model_type: Option<String>) -> Result<
             "afmoe" => Some(Architecture::Afmoe),
             _ => None,
         })
-        .ok_or(Error::UnsupportedArchitecture {
+        .ok_or(Error::Model(ModelError::UnsupportedArchitecture {
             architecture: named,
-        })
+        }))
 }
 
 /// The key/value head count and head width, checked: the query heads group evenly over the

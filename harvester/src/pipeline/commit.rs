@@ -14,7 +14,7 @@ use super::result::{RESULT_FILE, RunResult, Timings};
 use super::shard::ShardRecord;
 use super::store::Store;
 use super::{Job, MANIFEST_FILE, STATS_FILE, outputs, shuffle};
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result, StoreError};
 use crate::model::ModelConfig;
 
 /// What the closing files are made of.
@@ -57,9 +57,11 @@ pub(super) fn commit(
         job_uid: closing.job_uid.clone(),
         ..manifest
     };
-    let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| Error::Json {
-        path: MANIFEST_FILE.into(),
-        source,
+    let manifest_bytes = serde_json::to_vec_pretty(&manifest).map_err(|source| {
+        Error::Store(StoreError::Json {
+            path: MANIFEST_FILE.into(),
+            source,
+        })
     })?;
     let save_s = closing.timings.save_s + finish_start.elapsed().as_secs_f64();
     let shard_bytes: u64 = match &train {
@@ -90,9 +92,11 @@ pub(super) fn commit(
         device: Some(closing.device.to_string()),
         device_reason: closing.device_reason.clone(),
     };
-    let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| Error::Json {
-        path: RESULT_FILE.into(),
-        source,
+    let result_bytes = serde_json::to_vec_pretty(&result).map_err(|source| {
+        Error::Store(StoreError::Json {
+            path: RESULT_FILE.into(),
+            source,
+        })
     })?;
     runtime.block_on(async {
         store.put(RESULT_FILE, Bytes::from(result_bytes)).await?;
@@ -164,9 +168,9 @@ pub(super) fn spill_dir(
             path: temp.to_owned(),
             owned: false,
         }),
-        (harvest_core::Location::S3 { .. }, None) => Err(Error::NoSpillDir {
+        (harvest_core::Location::S3 { .. }, None) => Err(Error::Input(InputError::NoSpillDir {
             output: output.to_string(),
-        }),
+        })),
     }
 }
 

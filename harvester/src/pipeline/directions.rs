@@ -4,7 +4,7 @@
 use safetensors::{Dtype, SafeTensors};
 
 use crate::dtype;
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 use crate::projection::Directions;
 
 /// Decodes a directions file named `name` and validates it against a model of width `hidden`.
@@ -16,14 +16,16 @@ pub fn load_directions(name: &str, bytes: &[u8], hidden: usize) -> Result<Direct
     } else {
         Err("unknown format: give a .npy or .safetensors file holding one [n, hidden] array".into())
     }
-    .map_err(|reason| Error::BadDirections {
-        reason: format!("{name}: {reason}"),
+    .map_err(|reason| {
+        Error::Input(InputError::BadDirections {
+            reason: format!("{name}: {reason}"),
+        })
     })?;
     match shape.as_slice() {
         [n, h] => Directions::new(&values, *n, *h, hidden),
-        other => Err(Error::BadDirections {
+        other => Err(Error::Input(InputError::BadDirections {
             reason: format!("{name}: shape {other:?} is not [n_directions, hidden]"),
-        }),
+        })),
     }
 }
 

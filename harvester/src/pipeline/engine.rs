@@ -13,7 +13,7 @@ use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::cuda::replay::ReplayBackend;
 use crate::backend::{Backend, CaptureSpec};
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 use crate::model::{LlamaWeights, ModelConfig};
 use crate::projection::Directions;
 use crate::tokenizer::Encoded;
@@ -242,10 +242,10 @@ impl StageDevices<'_> {
                 Ok(gpus)
             }
             (_, None) => Ok(Vec::new()),
-            (_, Some(_)) => Err(Error::BadStages {
+            (_, Some(_)) => Err(Error::Input(InputError::BadStages {
                 reason: "--stage-devices names the GPUs of CUDA stages: use it with --device cuda"
                     .into(),
-            }),
+            })),
         }
     }
 }

@@ -27,16 +27,20 @@ pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Err
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::StoreError;
 
     #[test]
     fn the_root_cause_is_the_thread_that_failed_on_its_own() {
-        let store = Error::Store {
+        let store = Error::Store(StoreError::Object {
             location: "s3://b/p".into(),
             reason: "403".into(),
-        };
+        });
         let lost = Error::ThreadLost { thread: "assemble" };
         let cause = root_cause([Some(lost), Some(store), None]);
-        assert!(matches!(cause, Error::Store { .. }), "{cause}");
+        assert!(
+            matches!(cause, Error::Store(StoreError::Object { .. })),
+            "{cause}"
+        );
         assert_eq!(
             cause.kind(),
             harvest_core::worker::ErrorKind::Infrastructure

@@ -5,7 +5,7 @@ use std::path::Path;
 use harvest_core::format::Manifest;
 
 use super::MANIFEST_FILE;
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result, StoreError};
 
 /// A readable summary of a finished local harvest: the manifest's key facts and the dtype and
 /// shape of every tensor in every shard.
@@ -13,8 +13,8 @@ pub fn inspect(dir: &Path) -> Result<String> {
     use std::fmt::Write;
     let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io("reading", &path, e))?;
-    let manifest: Manifest =
-        serde_json::from_str(&text).map_err(|source| Error::Json { path, source })?;
+    let manifest: Manifest = serde_json::from_str(&text)
+        .map_err(|source| Error::Store(StoreError::Json { path, source }))?;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -59,10 +59,10 @@ pub fn inspect(dir: &Path) -> Result<String> {
         let path = dir.join(file);
         let bytes = std::fs::read(&path).map_err(|e| Error::io("reading", &path, e))?;
         let shard = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-            Error::CorruptSafetensors {
+            Error::Model(ModelError::CorruptSafetensors {
                 path: path.clone(),
                 reason: e.to_string(),
-            }
+            })
         })?;
         let _ = writeln!(out, "{file} ({size} bytes)");
         let mut names = shard.names();

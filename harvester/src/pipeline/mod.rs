@@ -66,7 +66,7 @@ use self::shard::ShardRecord;
 use self::store::S3Config;
 use self::threads::run_threads;
 use crate::backend::cuda::DeviceChoice;
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result, StoreError};
 use crate::tokenizer::Encoded;
 
 /// Forward outputs (one batch of captures each) waiting for assembly.
@@ -192,9 +192,9 @@ pub fn run_part(plan: &HarvestPlan, options: &RunOptions, part: Part) -> Result<
         Prepared::Ready(ready) => *ready,
     };
     if part.count() > 1 && ready.plan.options.selection.max_norm_multiple.is_some() {
-        return Err(Error::BadParts {
+        return Err(Error::Input(InputError::BadParts {
             reason: "max_norm_multiple compares each token with the running median of every token before it, which one part cannot know: run the job as one part".into(),
-        });
+        }));
     }
     let shards = part.shards(shard_count(
         ready.encoded.len(),
@@ -248,11 +248,11 @@ pub fn finalize(plan: &HarvestPlan, options: &RunOptions) -> Result<RunResult> {
         .filter(|s| !ready.resumed.contains_key(s))
         .collect();
     if !missing.is_empty() {
-        return Err(Error::PartsMissing {
+        return Err(Error::Store(StoreError::PartsMissing {
             missing: missing.len(),
             of: n_shards,
             first: missing[0],
-        });
+        }));
     }
     close(ready, Vec::new(), Timings::default(), options, &runtime)
 }

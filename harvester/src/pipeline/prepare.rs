@@ -12,7 +12,7 @@ use super::result::RunResult;
 use super::shard::ShardRecord;
 use super::store::{S3Config, Store};
 use super::{RunOptions, directions, fingerprint, resume};
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 use crate::model::ModelConfig;
 use crate::projection::Directions;
 use crate::tokenizer::{Encoded, PromptTokenizer};
@@ -46,17 +46,17 @@ fn encode_corpus(
     selects_roles: bool,
 ) -> Result<Vec<Encoded>> {
     match corpus {
-        Corpus::Texts(_) if selects_roles => Err(Error::Chat {
+        Corpus::Texts(_) if selects_roles => Err(Error::Input(InputError::Chat {
             reason: "roles keeps the tokens of some roles of a conversation, and this job's prompts are plain text: send conversations ({\"messages\": [...]} lines), or leave roles out".into(),
-        }),
+        })),
         Corpus::Texts(texts) => texts
             .par_iter()
             .enumerate()
             .map(|(i, text)| tokenizer.encode(i, text, add_special_tokens))
             .collect(),
-        Corpus::Conversations(_) if !add_special_tokens => Err(Error::Chat {
+        Corpus::Conversations(_) if !add_special_tokens => Err(Error::Input(InputError::Chat {
             reason: "add_special_tokens: false applies to prompts; a conversation's special tokens are its chat template's, with one BOS: leave add_special_tokens out for conversations".into(),
-        }),
+        })),
         Corpus::Conversations(conversations) => conversations
             .par_iter()
             .enumerate()
@@ -154,12 +154,12 @@ fn check_token_budget(encoded: &[Encoded], budget: Option<u64>) -> Result<()> {
     };
     let needed: u64 = encoded.iter().map(|e| e.ids.len() as u64).sum();
     if needed > budget {
-        return Err(Error::TokenBudget { needed, budget });
+        return Err(Error::Input(InputError::TokenBudget { needed, budget }));
     }
     Ok(())
 }
 
-/// Reads an input object; one that is absent is the job's mistake ([`Error::MissingInput`]),
+/// Reads an input object; one that is absent is the job's mistake ([`InputError::MissingInput`](crate::InputError::MissingInput)),
 /// a store that fails is not.
 async fn read_object(
     location: &harvest_core::Location,
@@ -167,9 +167,11 @@ async fn read_object(
     s3: &S3Config,
 ) -> Result<(String, Vec<u8>)> {
     let (store, name) = Store::open_object(location, s3)?;
-    let bytes = store.get(&name).await?.ok_or_else(|| Error::MissingInput {
-        what,
-        location: location.to_string(),
+    let bytes = store.get(&name).await?.ok_or_else(|| {
+        Error::Input(InputError::MissingInput {
+            what,
+            location: location.to_string(),
+        })
     })?;
     Ok((name, bytes.to_vec()))
 }

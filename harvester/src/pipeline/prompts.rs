@@ -6,7 +6,7 @@
 use harvest_core::chat::Conversation;
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result};
 
 /// A job's corpus: plain prompts, or conversations (never both in one file).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,10 +54,10 @@ impl PromptFormat {
         } else if lower.ends_with(".txt") {
             Ok(Self::Text)
         } else {
-            Err(Error::Prompts {
+            Err(Error::Input(InputError::Prompts {
                 source_name: name.to_owned(),
                 reason: "unknown prompts format: name the file .jsonl ({\"text\": ...} per line), .json (a list of strings) or .txt (one prompt per line)".into(),
-            })
+            }))
         }
     }
 }
@@ -129,18 +129,20 @@ fn parse_lines(text: &str) -> std::result::Result<Corpus, String> {
 pub fn parse_prompts(name: &str, bytes: &[u8]) -> Result<Vec<String>> {
     match parse_corpus(name, bytes)? {
         Corpus::Texts(texts) => Ok(texts),
-        Corpus::Conversations(_) => Err(Error::Prompts {
+        Corpus::Conversations(_) => Err(Error::Input(InputError::Prompts {
             source_name: name.to_owned(),
             reason: "this command takes prompts ({\"text\"} lines), not conversations".into(),
-        }),
+        })),
     }
 }
 
 /// Parses the bytes of a prompts file named `name`. An empty corpus is an error.
 pub fn parse_corpus(name: &str, bytes: &[u8]) -> Result<Corpus> {
-    let fail = |reason: String| Error::Prompts {
-        source_name: name.to_owned(),
-        reason,
+    let fail = |reason: String| {
+        Error::Input(InputError::Prompts {
+            source_name: name.to_owned(),
+            reason,
+        })
     };
     let text = std::str::from_utf8(bytes).map_err(|e| {
         fail(format!(

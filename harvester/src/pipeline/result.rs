@@ -27,16 +27,17 @@ fn failure(kind: ErrorKind, message: &str) -> Termination {
 
 #[cfg(test)]
 mod tests {
+    use crate::error::InputError;
     use harvest_core::worker::TERMINATION_MESSAGE_LIMIT;
 
     use super::*;
 
     #[test]
     fn a_long_error_is_cut_to_the_kubernetes_limit_with_its_exit_code() {
-        let error = Error::Prompts {
+        let error = Error::Input(InputError::Prompts {
             source_name: "p.jsonl".into(),
             reason: "é".repeat(5000),
-        };
+        });
         let message = termination(Err(error)).to_message();
         assert!(message.len() <= TERMINATION_MESSAGE_LIMIT);
         let Some(Termination::Failed(failure)) = Termination::parse(&message) else {

@@ -10,23 +10,25 @@ use super::result::{RunResult, Timings};
 use super::shard::{ShardRecord, sha256_hex};
 use super::store::Store;
 use super::{MANIFEST_FILE, RESULT_FILE};
-use crate::error::{Error, Result};
+use crate::error::{Error, InputError, Result, StoreError};
 
 /// The result of an earlier run of the same plan, if its manifest is there.
 pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<Option<RunResult>> {
     let Some(bytes) = store.get(MANIFEST_FILE).await? else {
         return Ok(None);
     };
-    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|source| Error::Json {
-        path: MANIFEST_FILE.into(),
-        source,
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|source| {
+        Error::Store(StoreError::Json {
+            path: MANIFEST_FILE.into(),
+            source,
+        })
     })?;
     if manifest.plan_fingerprint != fingerprint {
-        return Err(Error::ForeignOutput {
+        return Err(Error::Input(InputError::ForeignOutput {
             location: store.location().to_string(),
             found: manifest.plan_fingerprint,
             expected: fingerprint.to_owned(),
-        });
+        }));
     }
     if let Some(result) = store.get(RESULT_FILE).await?
         && let Ok(result) = serde_json::from_slice::<RunResult>(&result)
@@ -69,11 +71,11 @@ pub(super) async fn resume_scan(
             continue;
         };
         if record.meta.fingerprint != fingerprint {
-            return Err(Error::ForeignOutput {
+            return Err(Error::Input(InputError::ForeignOutput {
                 location: store.location().to_string(),
                 found: record.meta.fingerprint,
                 expected: fingerprint.to_owned(),
-            });
+            }));
         }
         if record.meta.shard >= n_shards || name != ShardRecord::file_name(record.meta.shard) {
             continue;

@@ -24,7 +24,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::Job;
 use super::shard::{ShardRecord, sha256_hex};
 use super::store::Store;
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result, StoreError};
 
 /// Spill bytes per bucket the scatter aims for: what one bucket's sort holds in memory.
 pub const BUCKET_BYTES: u64 = harvest_core::layout::SHUFFLE_BUCKET_BYTES;
@@ -187,12 +187,12 @@ fn scatter(
     };
     for shard in records.values() {
         let name = shard_file_name(shard.meta.shard);
-        let bytes = runtime
-            .block_on(store.get(&name))?
-            .ok_or_else(|| Error::Store {
+        let bytes = runtime.block_on(store.get(&name))?.ok_or_else(|| {
+            Error::Store(StoreError::Object {
                 location: store.location().to_string(),
                 reason: format!("{name} vanished before the shuffle"),
-            })?;
+            })
+        })?;
         scatter_shard(rows, shard, &bytes, seed, &mut buckets_out)?;
     }
     let writers = buckets_out.writers;
@@ -222,9 +222,11 @@ fn scatter_shard(
     out: &mut Buckets<'_>,
 ) -> Result<()> {
     let job = rows.job;
-    let corrupt = |reason: String| Error::CorruptSafetensors {
-        path: shard_file_name(shard.meta.shard).into(),
-        reason,
+    let corrupt = |reason: String| {
+        Error::Model(ModelError::CorruptSafetensors {
+            path: shard_file_name(shard.meta.shard).into(),
+            reason,
+        })
     };
     let file = SafeTensors::deserialize(bytes).map_err(|e| corrupt(e.to_string()))?;
     let tensor = |name: String| {

@@ -22,7 +22,7 @@ use object_store::{
     BackoffConfig, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result, StoreError};
 
 /// Objects at least this large are uploaded in parts.
 pub const MULTIPART_THRESHOLD: usize = 16 << 20;
@@ -138,9 +138,11 @@ impl Store {
     /// Opens the store that holds `location` (a directory or `s3://bucket/prefix`). A local
     /// directory is created if missing.
     pub fn open(location: &Location, s3: &S3Config) -> Result<Self> {
-        let fail = |reason: String| Error::Store {
-            location: location.to_string(),
-            reason,
+        let fail = |reason: String| {
+            Error::Store(StoreError::Object {
+                location: location.to_string(),
+                reason,
+            })
         };
         let (inner, prefix): (Arc<dyn ObjectStore>, StorePath) = match location {
             Location::Local(path) => {
@@ -167,9 +169,11 @@ impl Store {
 
     /// Opens the store holding a single object (its parent) and returns the object's name.
     pub fn open_object(location: &Location, s3: &S3Config) -> Result<(Self, String)> {
-        let bad = || Error::Store {
-            location: location.to_string(),
-            reason: "names no object".into(),
+        let bad = || {
+            Error::Store(StoreError::Object {
+                location: location.to_string(),
+                reason: "names no object".into(),
+            })
         };
         match location {
             Location::Local(path) => {
@@ -183,10 +187,10 @@ impl Store {
                     .filter(|p| !p.as_os_str().is_empty())
                     .unwrap_or(std::path::Path::new("."));
                 if !path.exists() {
-                    return Err(Error::MissingFile {
+                    return Err(Error::Model(ModelError::MissingFile {
                         path: path.clone(),
                         hint: "check the path",
-                    });
+                    }));
                 }
                 Ok((Self::open(&Location::Local(parent.to_owned()), s3)?, name))
             }
@@ -217,10 +221,10 @@ impl Store {
     }
 
     fn error(&self, name: &str, e: object_store::Error) -> Error {
-        Error::Store {
+        Error::Store(StoreError::Object {
             location: format!("{}/{name}", self.location),
             reason: e.to_string(),
-        }
+        })
     }
 
     /// Writes `bytes` to `name` atomically: readers see the old object or the whole new one.

@@ -11,7 +11,7 @@
 
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, MachineError, Result};
 
 /// The process's level, or why the one asked for was refused ([`Level::configure`]).
 static SETTING: OnceLock<std::result::Result<Level, String>> = OnceLock::new();
@@ -90,21 +90,21 @@ impl Level {
         let level = Self::ALL
             .into_iter()
             .find(|level| level.name() == text)
-            .ok_or_else(|| Error::CpuLevel {
+            .ok_or_else(|| Error::Machine(MachineError::CpuLevel {
                 reason: format!(
                     "{LEVEL_VARIABLE}={text:?} is not a kernel level: use one of {}, or unset it",
                     names()
                 ),
-            })?;
+            }))?;
         if level > detected {
-            return Err(Error::CpuLevel {
+            return Err(Error::Machine(MachineError::CpuLevel {
                 reason: format!(
                     "{LEVEL_VARIABLE}={text} asks for more than this CPU has (it lacks {}; its highest level is {}): use a level up to {}, or unset it",
                     level.lacking().join(", "),
                     detected.name(),
                     detected.name()
                 ),
-            });
+            }));
         }
         Ok(level)
     }
@@ -117,7 +117,7 @@ impl Level {
         let chosen = Self::choose(forced, Self::detected());
         let setting = match &chosen {
             Ok(level) => Ok(*level),
-            Err(Error::CpuLevel { reason }) => Err(reason.clone()),
+            Err(Error::Machine(MachineError::CpuLevel { reason })) => Err(reason.clone()),
             Err(other) => Err(other.to_string()),
         };
         // Only the first call decides, so the kernels never change level mid-run.
@@ -130,9 +130,9 @@ impl Level {
     pub fn configured() -> Result<Self> {
         match Self::setting() {
             Ok(level) => Ok(*level),
-            Err(reason) => Err(Error::CpuLevel {
+            Err(reason) => Err(Error::Machine(MachineError::CpuLevel {
                 reason: reason.clone(),
-            }),
+            })),
         }
     }
 

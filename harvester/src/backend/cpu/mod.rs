@@ -37,7 +37,7 @@ use rayon::prelude::*;
 
 use self::matmul::{MatRef, matmul_weight};
 use super::{Backend, Batch, CaptureSpec, Captured};
-use crate::error::{Error, Result};
+use crate::error::{Error, ModelError, Result};
 use crate::model::block::{Stack, forward};
 use crate::model::weights::{Convert, Form, Host};
 use crate::model::{BlockWeights, LlamaWeights, Matrix, ModelConfig};
@@ -296,10 +296,10 @@ impl CpuBackend {
             // Measured on the AFMoE fixture: bf16 rounding moves router inputs enough to send
             // 6-20% of tokens (per site) to other experts, so those activations are not the
             // model's (docs/engine.md).
-            return Err(Error::UnsupportedPrecision {
+            return Err(Error::Model(ModelError::UnsupportedPrecision {
                 precision: Precision::Bf16.as_str(),
                 what: "AFMoE (AfmoeForCausalLM), whose routing bf16 rounding changes",
-            });
+            }));
         }
         let mut to_cpu = ToCpu {
             bf16: spec.precision == Precision::Bf16,
