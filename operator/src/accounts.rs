@@ -115,7 +115,7 @@ pub fn already_ran(
     job: &HarvestJob,
     accounts: &[impl AsRef<HarvestAccount>],
     account: &str,
-) -> Option<crate::admission::Admission> {
+) -> Option<crate::decide::admission::Admission> {
     let paying = accounts
         .iter()
         .map(AsRef::as_ref)
@@ -124,7 +124,7 @@ pub fn already_ran(
     let key = key_of(job);
     let before = status.ran_before(&key, &job.spec.digest(), &job.uid()?)?;
     let settled = before.settled_at.0;
-    Some(crate::admission::Admission::AlreadyRan {
+    Some(crate::decide::admission::Admission::AlreadyRan {
         phase: before.phase.clone(),
         message: format!(
             "{key} ran to its end before with this same spec (UID {}, {}, {} tokens charged, settled {settled}) and its TTL deleted it; this copy, from the same manifest, is not run or charged again. Its outputs are where spec.output says. To run it again, give the job another name or change its spec",
@@ -140,7 +140,7 @@ pub fn storage_refusal(
     job: &HarvestJob,
     accounts: &[impl AsRef<HarvestAccount>],
     account: &str,
-) -> Option<crate::admission::Admission> {
+) -> Option<crate::decide::admission::Admission> {
     let paying = accounts
         .iter()
         .map(AsRef::as_ref)
@@ -154,7 +154,7 @@ pub fn storage_refusal(
     if texts.is_empty() {
         return None;
     }
-    let refuse = |message: String| crate::admission::Admission::Refuse {
+    let refuse = |message: String| crate::decide::admission::Admission::Refuse {
         reason: "OutsideAccountStorage",
         message,
     };
@@ -337,7 +337,7 @@ mod tests {
         job.spec.output = Some("s3://harvest/teams/a/out/j".into());
         assert_eq!(storage_refusal(&job, &accounts, "team-a"), None);
         job.spec.output = Some("s3://harvest".into());
-        let Some(crate::admission::Admission::Refuse { reason, message }) =
+        let Some(crate::decide::admission::Admission::Refuse { reason, message }) =
             storage_refusal(&job, &accounts, "team-a")
         else {
             panic!("the whole bucket was allowed")
@@ -375,7 +375,7 @@ mod tests {
         let accounts = [std::sync::Arc::new(paying)];
         let mut copy = ran.clone();
         copy.metadata.uid = Some("new".into());
-        let Some(crate::admission::Admission::AlreadyRan { phase, message }) =
+        let Some(crate::decide::admission::Admission::AlreadyRan { phase, message }) =
             already_ran(&copy, &accounts, "team-a")
         else {
             panic!("the copy was not recognised")

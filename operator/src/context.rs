@@ -14,8 +14,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 
 use crate::accounts::{self, Binding};
-use crate::admission::{self, Admission, QueueEntry, QueueState};
 use crate::config::OperatorConfig;
+use crate::decide::admission::{self, Admission, QueueEntry, QueueState};
 use crate::error::{Error, Result};
 use crate::holds;
 use crate::metrics::Metrics;

@@ -18,8 +18,9 @@ use kube::runtime::events::{Recorder, Reporter};
 use serde_json::{Value, json};
 
 use crate::config::OperatorConfig;
+use crate::finalize::CLEANUP_FINALIZER;
 use crate::metrics::Metrics;
-use crate::reconcile::{CLEANUP_FINALIZER, Context, reconcile};
+use crate::reconcile::{Context, reconcile};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 

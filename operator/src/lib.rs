@@ -1,36 +1,39 @@
 //! `harvest-operator`: the Kubernetes controller that runs `HarvestJob`s.
 //!
-//! It observes each job and its Pod, asks the pure [`decide`] module what the job's status
-//! should be and what to do, and applies that: admitting jobs into lanes in creation order,
-//! creating one Pod per attempt, reading the result from the Pod's termination message,
-//! retrying what the infrastructure broke, and deleting what a TTL or a finalizer says.
-//! It never depends on axum or cudarc.
+//! Each reconcile ([`reconcile`]) runs four steps, one folder each: [`finalize`] (a deleted
+//! job's workers and outputs; the finalizers and output a job needs first), [`observe`] (reads
+//! only: the job's Pods, progress, the admission verdict), [`decide`] (pure: the status, the
+//! actions, and the bookkeeping of what applying them came to) and [`apply`] (the actions in
+//! order). Jobs are admitted into lanes in creation order, one Pod per attempt, the result read
+//! from the Pod's termination message, what the infrastructure broke retried, and what a TTL
+//! or a finalizer says deleted. It never depends on axum or cudarc.
 //!
 //! ```text
-//! watch HarvestJobs + owned Pods ─► reconcile (shell) ─► decide (pure) ─► apply: Pod create/delete,
-//!        ▲                              │  admission (pure queue)          status replace (resourceVersion),
-//!        └──── status, Events ◄─────────┘  pod::observe (pure)             Events, TTL delete
+//! watch HarvestJobs + owned Pods ─► finalize ─► observe ─► decide (pure) ─► apply: Pods,
+//!        ▲                             (reads)    admission (pure queue)    status (resourceVersion),
+//!        └──── status, Events ◄──────────────────────────────────────────── Events, TTL delete
 //! ```
 #![forbid(unsafe_code)]
 
 pub mod accounts;
-pub mod admission;
-pub mod cleanup;
+pub mod apply;
 pub mod config;
 pub mod context;
 pub mod decide;
 pub mod error;
+pub mod finalize;
 #[cfg(test)]
 mod fixtures;
 pub mod holds;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;
+pub mod observe;
 pub mod pod;
 pub mod reconcile;
+mod shell;
 pub mod slots;
 pub mod sweep;
-pub mod tenant_quota;
 
 use std::collections::HashSet;
 use std::future::Future;

@@ -125,7 +125,7 @@ pub enum PodCleanup {
     /// Not finished yet.
     Pending,
     /// It answered.
-    Done(crate::cleanup::Cleanup),
+    Done(crate::finalize::cleanup::Cleanup),
     /// It failed: why.
     Failed(String),
 }

@@ -811,7 +811,7 @@ fn a_cleanup_pods_answer_is_read_from_its_termination_message() {
     };
     assert_eq!(
         observe_cleanup(&ended("Succeeded", 0, "{\"deleted\":5}\n")),
-        PodCleanup::Done(crate::cleanup::Cleanup::Deleted(5))
+        PodCleanup::Done(crate::finalize::cleanup::Cleanup::Deleted(5))
     );
     assert_eq!(
         observe_cleanup(&ended(
@@ -819,7 +819,7 @@ fn a_cleanup_pods_answer_is_read_from_its_termination_message() {
             0,
             "{\"kept\":\"/out/j does not exist\"}"
         )),
-        PodCleanup::Done(crate::cleanup::Cleanup::Kept(
+        PodCleanup::Done(crate::finalize::cleanup::Cleanup::Kept(
             "/out/j does not exist".into()
         ))
     );

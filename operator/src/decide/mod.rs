@@ -10,7 +10,7 @@
 //! admitted ──► no Pod: create attempt n+1 │ Pod running │ succeeded: Finished, charge tokens run
 //!                                         │ failed: input → Failed; job → retry (counted, backoff);
 //!                                         │         infrastructure → retry (not counted)
-//! in parts ──► each part as above, on its own (`decide_parts.rs`); all done ──► the finalize
+//! in parts ──► each part as above, on its own (`parts.rs`); all done ──► the finalize
 //!              Pod, driven as the one Pod above
 //! ```
 //!
@@ -26,7 +26,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time}
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 
-use crate::admission::Admission;
+pub mod admission;
+pub mod applied;
+pub mod tenant_quota;
+
+use self::admission::Admission;
 use crate::config::OperatorConfig;
 use crate::pod::{Attempt, Blame, Failure, PodState, Role, role_pod_name};
 
@@ -814,11 +818,9 @@ pub fn phase(status: &HarvestJobStatus, suspend: bool) -> JobPhase {
     }
 }
 
-#[path = "decide_parts.rs"]
 mod parts;
 
 #[cfg(test)]
-#[path = "decide_tests.rs"]
 mod tests;
 
 /// A worker's progress line as the job's status shows it (`None` for counts past `u32`).
