@@ -319,15 +319,7 @@ impl<E: Activation> Device<E> {
         } else {
             None
         };
-        let qkv_bias = weights.blocks.iter().any(|b| b.qkv_bias.is_some());
-        let o_bias = weights.blocks.iter().any(|b| b.o_bias.is_some());
-        let mlp_width = mlp_width(&weights.blocks[..run]);
-        let blocks = weights
-            .blocks
-            .into_iter()
-            .take(run)
-            .map(|b| b.convert(&mut up))
-            .collect::<Result<Vec<_>>>()?;
+        let (blocks, (qkv_bias, o_bias, mlp_width)) = upload_blocks(&mut up, weights.blocks, run)?;
         up.finish()?;
         let phases = up.phases;
         let inv_freq: Vec<f32> = config
@@ -576,6 +568,27 @@ impl<E: Activation> Device<E> {
         }
         Ok(())
     }
+}
+
+/// What a batch's buffers need of the blocks: whether some block (of all loaded) has a QKV
+/// bias, and an O bias, and the widest MLP among those that run.
+type BufferNeeds = (bool, bool, usize);
+
+/// The first `run` of `blocks` uploaded in `E`, and what a batch's buffers need of them.
+fn upload_blocks<E: Activation>(
+    up: &mut Uploader<'_>,
+    blocks: Vec<BlockWeights>,
+    run: usize,
+) -> Result<(Vec<BlockWeights<OnDevice<E>>>, BufferNeeds)> {
+    let qkv_bias = blocks.iter().any(|b| b.qkv_bias.is_some());
+    let o_bias = blocks.iter().any(|b| b.o_bias.is_some());
+    let mlp_width = mlp_width(&blocks[..run]);
+    let blocks = blocks
+        .into_iter()
+        .take(run)
+        .map(|b| b.convert(up))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((blocks, (qkv_bias, o_bias, mlp_width)))
 }
 
 /// A later stage ran without the residual stream of the one before: a bug in the caller.
