@@ -18,35 +18,22 @@
 //! merged per shard in shard order and batches never span shards, a resumed run writes files
 //! identical to an uninterrupted one.
 //!
-//! Here: a run, a part and a finalize from start to end. Each step has its module: `source`
-//! (where the plan comes from, what the process reports), `prepare` (inputs, plan, tokens,
-//! resume scan), `engine` (the backend or the pipeline stages, sized and loaded), `stages` (the
-//! forward, assembly and upload threads; `staged` feeds them from pipeline stages), `commit`
-//! (training files, statistics, manifest, result), `inspect` (a finished harvest as text).
+//! Here: a run, a part and a finalize from start to end. The steps are grouped by what they do:
+//! `input` (where the plan comes from, prompts, directions, the fingerprint, and `prepare`:
+//! inputs, plan, tokens, resume scan), `forward` (the backend or the pipeline stages, sized and
+//! loaded, and the batches both are fed), `flow` (the forward, assembly and upload threads,
+//! what passes between them, progress), `assembly` (shards, token selection, the shuffled
+//! layout's training files) and `output` (the store, statistics, manifest, the commit, result,
+//! resume, `inspect`).
 
-mod batches;
-mod commit;
-pub mod directions;
-mod engine;
-mod fingerprint;
+mod assembly;
 mod flow;
-mod inspect;
-mod outputs;
-mod prepare;
-pub mod progress;
-pub mod prompts;
-pub mod result;
-mod resume;
-mod select;
-pub mod shard;
-mod shuffle;
-mod source;
-mod staged;
-pub mod store;
-mod threads;
+mod forward;
+mod input;
+mod output;
 
-pub use self::inspect::inspect;
-pub use self::source::{PlanSource, finalize_source, run_source};
+pub use self::input::source::{PlanSource, finalize_source, run_source};
+pub use self::output::inspect::inspect;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -57,14 +44,14 @@ use harvest_core::plan::{Part, Precision, shard_count, shard_prompts};
 use harvest_core::worker::PartResult;
 use harvest_core::{HarvestPlan, ResolvedPlan};
 
-use self::commit::{Closing, commit};
-use self::engine::{capture_spec, open_engine};
-use self::prepare::{Prepared, Ready, prepare};
-use self::progress::{Progress, ProgressMode};
-use self::result::{RESULT_FILE, RunResult, Timings};
-use self::shard::ShardRecord;
-use self::store::S3Config;
-use self::threads::run_threads;
+use self::assembly::shard::ShardRecord;
+use self::flow::progress::{Progress, ProgressMode};
+use self::flow::threads::run_threads;
+use self::forward::engine::{capture_spec, open_engine};
+use self::input::prepare::{Prepared, Ready, prepare};
+use self::output::commit::{Closing, commit};
+use self::output::result::{RESULT_FILE, RunResult, Timings};
+use self::output::store::S3Config;
 use crate::backend::cuda::DeviceChoice;
 use crate::error::{Error, InputError, Result, StoreError};
 use crate::tokenizer::Encoded;
@@ -75,6 +62,11 @@ pub const FORWARD_QUEUE: usize = 2;
 pub const CAPTURE_POOL: usize = FORWARD_QUEUE + 2;
 /// Serialised shards waiting for upload.
 pub const UPLOAD_QUEUE: usize = 2;
+
+pub use self::assembly::shard;
+pub use self::flow::progress;
+pub use self::input::{directions, prompts};
+pub use self::output::{result, store};
 
 /// Output file names.
 pub use harvest_core::format::MANIFEST_FILE;
@@ -103,7 +95,7 @@ pub struct RunOptions {
     /// The system's temp dir (`main` reads it): where an S3 job spills without `spill_dir`.
     pub temp_dir: Option<std::path::PathBuf>,
     /// Split the model's blocks into this many pipeline stages, each on its own thread and
-    /// device (`pipeline/staged.rs`); `None` runs one backend.
+    /// device (`pipeline/forward/staged.rs`); `None` runs one backend.
     pub pipeline_stages: Option<usize>,
     /// Each CUDA stage's GPU (`--stage-devices`); `None` puts stage `i` on GPU `N + i` for
     /// `--device cuda:N`.
@@ -149,7 +141,7 @@ impl Job<'_> {
     }
 
     /// The forward batches of this process's shards not yet done, in order, as ranges of
-    /// prompts ([`batches::pack`]).
+    /// prompts ([`forward::batches::pack`]).
     fn batches<'b>(
         &'b self,
         resumed: &'b BTreeMap<usize, ShardRecord>,
@@ -161,7 +153,7 @@ impl Job<'_> {
             .filter(|s| !resumed.contains_key(s))
             .flat_map(move |shard| {
                 let prompts = shard_prompts(shard, shard_size, self.encoded.len());
-                batches::pack(prompts, tokens, budget)
+                forward::batches::pack(prompts, tokens, budget)
             })
     }
 }

@@ -6,8 +6,6 @@ use std::time::Instant;
 use harvest_core::ResolvedPlan;
 use harvest_core::plan::Precision;
 
-use super::progress::Progress;
-use super::{CAPTURE_POOL, RunOptions, UPLOAD_QUEUE, staged};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
@@ -15,18 +13,21 @@ use crate::backend::cuda::replay::ReplayBackend;
 use crate::backend::{Backend, CaptureSpec};
 use crate::error::{Error, InputError, Result};
 use crate::model::{LlamaWeights, ModelConfig};
+use crate::pipeline::flow::progress::Progress;
+use crate::pipeline::forward::staged;
+use crate::pipeline::{CAPTURE_POOL, RunOptions, UPLOAD_QUEUE};
 use crate::projection::Directions;
 use crate::tokenizer::Encoded;
 
 /// What runs the forward pass: one backend, or a chain of pipeline stages.
-pub(super) enum Engine {
+pub(in crate::pipeline) enum Engine {
     Single(Box<dyn Backend>),
     Staged(staged::Staged),
 }
 
 impl Engine {
     /// Capture buffers to keep in circulation.
-    pub(super) fn capture_pool(&self) -> usize {
+    pub(in crate::pipeline) fn capture_pool(&self) -> usize {
         match self {
             Self::Single(_) => CAPTURE_POOL,
             Self::Staged(s) => staged::capture_pool(s.stages.len()),
@@ -57,7 +58,7 @@ struct Sizing {
 impl Sizing {
     /// The sizing of `plan` over `encoded`, capturing `slots` rows of `width` values a token,
     /// with `capture_buffers` capture buffers in circulation.
-    pub(super) fn of(
+    pub(in crate::pipeline) fn of(
         plan: &ResolvedPlan,
         encoded: &[Encoded],
         (slots, width): (usize, usize),
@@ -139,7 +140,10 @@ fn open_backend(
 }
 
 /// What the job keeps: activations or projections, and the backends' capture spec.
-pub(super) fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) -> CaptureSpec {
+pub(in crate::pipeline) fn capture_spec(
+    plan: &ResolvedPlan,
+    directions: Option<Directions>,
+) -> CaptureSpec {
     CaptureSpec {
         layers: plan.options.layers.clone(),
         sites: plan.options.sites.clone(),
@@ -150,7 +154,7 @@ pub(super) fn capture_spec(plan: &ResolvedPlan, directions: Option<Directions>) 
 
 /// One backend, or the pipeline stages `options` asks for, loaded for batches of up to
 /// `largest` tokens.
-pub(super) fn open_engine(
+pub(in crate::pipeline) fn open_engine(
     (plan, encoded): (&ResolvedPlan, &[Encoded]),
     spec: CaptureSpec,
     options: &RunOptions,
@@ -405,7 +409,7 @@ mod tests {
             batch_tokens: 64,
             pipeline_bytes: 0,
         };
-        let progress = Progress::new(super::super::progress::ProgressMode::Off, 1);
+        let progress = Progress::new(crate::pipeline::progress::ProgressMode::Off, 1);
         let spec = capture_spec(&plan, None);
         let Err(error) = open_backend(&plan, spec, DeviceChoice::Cuda(0), sizing, &progress) else {
             panic!("an AFMoE model opened on the CUDA backend");

@@ -6,14 +6,14 @@ use crate::backend::Captured;
 use crate::error::Error;
 
 /// One forward batch's captured rows and the prompts they hold, in order.
-pub(super) struct ForwardOutput {
-    pub(super) prompts: Vec<usize>,
-    pub(super) captured: Captured,
+pub(in crate::pipeline) struct ForwardOutput {
+    pub(in crate::pipeline) prompts: Vec<usize>,
+    pub(in crate::pipeline) captured: Captured,
 }
 
 /// The error to report when threads fail: one that failed on its own, not one that only saw its
 /// neighbour's channel close.
-pub(super) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
+pub(in crate::pipeline) fn root_cause(errors: impl IntoIterator<Item = Option<Error>>) -> Error {
     let mut lost = None;
     for error in errors.into_iter().flatten() {
         match error {

@@ -1,4 +1,4 @@
-//! The three concurrent threads of a run: forward (the batches of [`super::batches`], on one
+//! The three concurrent threads of a run: forward (the batches of [`crate::pipeline::forward::batches`], on one
 //! backend or through pipeline stages, `staged`), assembly (shards in prompt order, token
 //! selection) and upload, joined by bounded queues.
 
@@ -9,26 +9,27 @@ use std::time::Instant;
 use bytes::Bytes;
 use harvest_core::plan::{shard_file_name, shard_prompts};
 
-use super::engine::Engine;
-use super::flow::{ForwardOutput, root_cause};
-use super::progress::Progress;
-use super::select::Selector;
-use super::shard::{KeptRows, ShardAssembly, ShardRecord, ShardShape};
-use super::store::Store;
-use super::{FORWARD_QUEUE, Job, UPLOAD_QUEUE, staged};
 use crate::backend::{Backend, Batch, Captured};
 use crate::error::{Error, Result};
+use crate::pipeline::assembly::select::Selector;
+use crate::pipeline::assembly::shard::{KeptRows, ShardAssembly, ShardRecord, ShardShape};
+use crate::pipeline::flow::handoff::{ForwardOutput, root_cause};
+use crate::pipeline::flow::progress::Progress;
+use crate::pipeline::forward::engine::Engine;
+use crate::pipeline::forward::staged;
+use crate::pipeline::output::store::Store;
+use crate::pipeline::{FORWARD_QUEUE, Job, UPLOAD_QUEUE};
 
 /// What the run's threads produced.
-pub(super) struct ThreadsOutcome {
-    pub(super) records: Vec<ShardRecord>,
-    pub(super) forward_s: f64,
-    pub(super) save_s: f64,
-    pub(super) upload_s: f64,
+pub(in crate::pipeline) struct ThreadsOutcome {
+    pub(in crate::pipeline) records: Vec<ShardRecord>,
+    pub(in crate::pipeline) forward_s: f64,
+    pub(in crate::pipeline) save_s: f64,
+    pub(in crate::pipeline) upload_s: f64,
 }
 
 /// Runs forward, assembly and upload concurrently; the first real error wins.
-pub(super) fn run_threads(
+pub(in crate::pipeline) fn run_threads(
     job: &Job<'_>,
     engine: Engine,
     resumed: &BTreeMap<usize, ShardRecord>,
@@ -111,7 +112,7 @@ fn forward_thread(
 
 /// The selector of a job that selects tokens: the norm filter reads `resid_post` at the deepest
 /// kept layer.
-pub(super) fn selector(job: &Job<'_>) -> Option<Selector> {
+pub(in crate::pipeline) fn selector(job: &Job<'_>) -> Option<Selector> {
     let selection = job.plan.options.selection;
     if selection.is_everything() {
         return None;

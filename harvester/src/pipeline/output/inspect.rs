@@ -4,8 +4,8 @@ use std::path::Path;
 
 use harvest_core::format::Manifest;
 
-use super::MANIFEST_FILE;
 use crate::error::{Error, ModelError, Result, StoreError};
+use crate::pipeline::MANIFEST_FILE;
 
 /// A readable summary of a finished local harvest: the manifest's key facts and the dtype and
 /// shape of every tensor in every shard.

@@ -12,14 +12,14 @@ use harvest_core::plan::shard_file_name;
 use harvest_core::selection::Dropped;
 use harvest_core::{RunningStats, Site, Sites};
 
-use super::Job;
-use super::shard::ShardRecord;
-use super::shuffle::TrainFiles;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+use crate::pipeline::Job;
+use crate::pipeline::assembly::shard::ShardRecord;
+use crate::pipeline::assembly::shuffle::TrainFiles;
 
 /// The manifest and `stats.safetensors` from every shard's record.
-pub(super) fn build_outputs(
+pub(in crate::pipeline) fn build_outputs(
     job: &Job<'_>,
     config: &ModelConfig,
     records: &BTreeMap<usize, ShardRecord>,
@@ -89,9 +89,9 @@ pub(super) fn build_outputs(
     let stats_bytes = stats_file(&stats, sites)?;
     let manifest = Manifest {
         stats_file: Some(FileDigest {
-            file: super::STATS_FILE.to_owned(),
+            file: crate::pipeline::STATS_FILE.to_owned(),
             bytes: stats_bytes.len() as u64,
-            sha256: super::shard::sha256_hex(&stats_bytes),
+            sha256: crate::pipeline::assembly::shard::sha256_hex(&stats_bytes),
         }),
         ..manifest
     };
@@ -208,7 +208,7 @@ fn shard_entry(job: &Job<'_>, record: &ShardRecord) -> ShardEntry {
 /// `stats.safetensors`: each site's mean and std as f32 `[layers, width]` (`mean` and `std` for
 /// `resid_post`, [`format::stats_names`] for the others), `count` as i64 `[1]`. `stats` is
 /// site-major, as [`Sites::as_slice`] orders the sites.
-pub(super) fn stats_file(stats: &[RunningStats], sites: &Sites) -> Result<Vec<u8>> {
+pub(in crate::pipeline) fn stats_file(stats: &[RunningStats], sites: &Sites) -> Result<Vec<u8>> {
     use safetensors::{Dtype, tensor::TensorView};
     let width = stats.first().map_or(0, |s| s.mean().len());
     let layers = stats.len() / sites.len().max(1);

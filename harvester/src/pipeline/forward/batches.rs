@@ -7,7 +7,7 @@ use std::ops::Range;
 
 /// Splits the prompts `range` (one shard's) into batches: consecutive prompts while the next one
 /// still fits in `budget` tokens. A prompt longer than the budget is a batch of its own.
-pub(super) fn pack(
+pub(in crate::pipeline) fn pack(
     range: Range<usize>,
     tokens: impl Fn(usize) -> usize,
     budget: usize,

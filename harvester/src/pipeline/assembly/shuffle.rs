@@ -21,10 +21,10 @@ use harvest_core::plan::shard_file_name;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-use super::Job;
-use super::shard::{ShardRecord, sha256_hex};
-use super::store::Store;
 use crate::error::{Error, ModelError, Result, StoreError};
+use crate::pipeline::Job;
+use crate::pipeline::assembly::shard::{ShardRecord, sha256_hex};
+use crate::pipeline::output::store::Store;
 
 /// Spill bytes per bucket the scatter aims for: what one bucket's sort holds in memory.
 pub const BUCKET_BYTES: u64 = harvest_core::layout::SHUFFLE_BUCKET_BYTES;
@@ -35,7 +35,7 @@ const RECORD_HEAD: usize = harvest_core::layout::SPILL_RECORD_HEAD;
 const ROLE_BYTES: usize = 1;
 
 /// The training files written, in order.
-pub(super) struct TrainFiles {
+pub(in crate::pipeline) struct TrainFiles {
     /// Each file's name, size and checksum.
     pub files: Vec<FileDigest>,
     /// Rows of each file.
@@ -46,7 +46,7 @@ pub(super) struct TrainFiles {
 }
 
 /// Where the spill files go.
-pub(super) struct SpillDir {
+pub(in crate::pipeline) struct SpillDir {
     /// The directory.
     pub path: PathBuf,
     /// Whether the job owns it alone: then it is cleared before and removed after.
@@ -84,7 +84,7 @@ impl Rows<'_> {
 
 /// Scatters the shards of `records` into buckets under `spill_in`, then writes the training
 /// files to `store`.
-pub(super) fn write_train_files(
+pub(in crate::pipeline) fn write_train_files(
     job: &Job<'_>,
     records: &BTreeMap<usize, ShardRecord>,
     store: &Store,

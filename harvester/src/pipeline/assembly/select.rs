@@ -9,7 +9,7 @@ use crate::tokenizer::Encoded;
 
 /// Decides the kept positions of each prompt, in prompt order.
 #[derive(Debug)]
-pub(super) struct Selector {
+pub(in crate::pipeline) struct Selector {
     selection: TokenSelection,
     /// Ids the tokenizer marks special, ascending.
     special: Vec<u32>,
@@ -22,7 +22,7 @@ pub(super) struct Selector {
 }
 
 /// One prompt's selection.
-pub(super) struct Selected<'a> {
+pub(in crate::pipeline) struct Selected<'a> {
     /// Kept positions, ascending.
     pub kept: &'a [u32],
     /// What was dropped, by reason.

@@ -3,11 +3,12 @@
 
 use harvest_core::{HarvestPlan, RawPlan};
 
-use super::result::Termination;
-use super::{RunOptions, finalize, result, run, run_part};
 use crate::backend::cuda::{DeviceChoice, JobFeatures, select};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+use crate::pipeline::output::result;
+use crate::pipeline::output::result::Termination;
+use crate::pipeline::{RunOptions, finalize, run, run_part};
 use harvest_core::plan::Precision;
 
 /// Where `harvester run` takes its plan from.
@@ -22,7 +23,7 @@ pub enum PlanSource {
 }
 
 impl PlanSource {
-    pub(super) fn read(&self) -> std::result::Result<RawPlan, String> {
+    pub(in crate::pipeline) fn read(&self) -> std::result::Result<RawPlan, String> {
         match self {
             Self::File(path) => {
                 let text = std::fs::read_to_string(path)

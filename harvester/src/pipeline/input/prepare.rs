@@ -7,32 +7,34 @@ use harvest_core::plan::shard_count;
 use harvest_core::{HarvestPlan, ResolvedPlan};
 use rayon::prelude::*;
 
-use super::prompts::{self, Corpus};
-use super::result::RunResult;
-use super::shard::ShardRecord;
-use super::store::{S3Config, Store};
-use super::{RunOptions, directions, fingerprint, resume};
 use crate::error::{Error, InputError, Result};
 use crate::model::ModelConfig;
+use crate::pipeline::RunOptions;
+use crate::pipeline::assembly::shard::ShardRecord;
+use crate::pipeline::input::prompts::{self, Corpus};
+use crate::pipeline::input::{directions, fingerprint};
+use crate::pipeline::output::result::RunResult;
+use crate::pipeline::output::resume;
+use crate::pipeline::output::store::{S3Config, Store};
 use crate::projection::Directions;
 use crate::tokenizer::{Encoded, PromptTokenizer};
 
 /// What [`prepare`] found: an output already complete, or a job ready to run.
-pub(super) enum Prepared {
+pub(in crate::pipeline) enum Prepared {
     Finished(RunResult),
     Ready(Box<Ready>),
 }
 
 /// Everything a run needs before the model's weights load.
-pub(super) struct Ready {
-    pub(super) plan: ResolvedPlan,
-    pub(super) config: ModelConfig,
-    pub(super) store: Store,
-    pub(super) encoded: Vec<Encoded>,
-    pub(super) directions: Option<Directions>,
-    pub(super) tokenizer: PromptTokenizer,
-    pub(super) fingerprint: String,
-    pub(super) resumed: BTreeMap<usize, ShardRecord>,
+pub(in crate::pipeline) struct Ready {
+    pub(in crate::pipeline) plan: ResolvedPlan,
+    pub(in crate::pipeline) config: ModelConfig,
+    pub(in crate::pipeline) store: Store,
+    pub(in crate::pipeline) encoded: Vec<Encoded>,
+    pub(in crate::pipeline) directions: Option<Directions>,
+    pub(in crate::pipeline) tokenizer: PromptTokenizer,
+    pub(in crate::pipeline) fingerprint: String,
+    pub(in crate::pipeline) resumed: BTreeMap<usize, ShardRecord>,
 }
 
 /// Tokenizes every item of `corpus`: prompts as they are (with the tokenizer's special tokens
@@ -67,7 +69,7 @@ fn encode_corpus(
 
 /// Reads the inputs, resolves the plan against the model, tokenizes the corpus and finds what
 /// an earlier run of the same plan left. Bad input fails here, before any output is written.
-pub(super) fn prepare(
+pub(in crate::pipeline) fn prepare(
     plan: &HarvestPlan,
     options: &RunOptions,
     runtime: &tokio::runtime::Runtime,

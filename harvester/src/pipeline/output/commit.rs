@@ -10,33 +10,35 @@ use harvest_core::format::Manifest;
 use harvest_core::layout::Layout;
 use harvest_core::plan::shard_file_name;
 
-use super::result::{RESULT_FILE, RunResult, Timings};
-use super::shard::ShardRecord;
-use super::store::Store;
-use super::{Job, MANIFEST_FILE, STATS_FILE, outputs, shuffle};
 use crate::error::{Error, InputError, Result, StoreError};
 use crate::model::ModelConfig;
+use crate::pipeline::assembly::shard::ShardRecord;
+use crate::pipeline::assembly::shuffle;
+use crate::pipeline::output::outputs;
+use crate::pipeline::output::result::{RESULT_FILE, RunResult, Timings};
+use crate::pipeline::output::store::Store;
+use crate::pipeline::{Job, MANIFEST_FILE, STATS_FILE};
 
 /// What the closing files are made of.
-pub(super) struct Closing<'a> {
-    pub(super) job: &'a Job<'a>,
-    pub(super) config: &'a ModelConfig,
-    pub(super) records: &'a BTreeMap<usize, ShardRecord>,
-    pub(super) model_name: String,
-    pub(super) max_tokens: usize,
-    pub(super) timings: Timings,
-    pub(super) resumed_shards: usize,
-    pub(super) spill_dir: Option<std::path::PathBuf>,
-    pub(super) temp_dir: Option<std::path::PathBuf>,
-    pub(super) job_uid: Option<String>,
+pub(in crate::pipeline) struct Closing<'a> {
+    pub(in crate::pipeline) job: &'a Job<'a>,
+    pub(in crate::pipeline) config: &'a ModelConfig,
+    pub(in crate::pipeline) records: &'a BTreeMap<usize, ShardRecord>,
+    pub(in crate::pipeline) model_name: String,
+    pub(in crate::pipeline) max_tokens: usize,
+    pub(in crate::pipeline) timings: Timings,
+    pub(in crate::pipeline) resumed_shards: usize,
+    pub(in crate::pipeline) spill_dir: Option<std::path::PathBuf>,
+    pub(in crate::pipeline) temp_dir: Option<std::path::PathBuf>,
+    pub(in crate::pipeline) job_uid: Option<String>,
     /// Where the forward pass ran, and why `auto` chose it.
-    pub(super) device: crate::backend::cuda::DeviceChoice,
-    pub(super) device_reason: Option<String>,
+    pub(in crate::pipeline) device: crate::backend::cuda::DeviceChoice,
+    pub(in crate::pipeline) device_reason: Option<String>,
 }
 
 /// Writes the statistics, then the manifest (the commit point), then `result.json`, and
 /// removes the partial records.
-pub(super) fn commit(
+pub(in crate::pipeline) fn commit(
     closing: &Closing<'_>,
     store: &Store,
     runtime: &tokio::runtime::Runtime,
@@ -155,7 +157,7 @@ fn train_files(
 /// Where the shuffle spills its buckets when no directory was named: `.shuffle/` in a local
 /// output (the job's own, so what a killed run left there is cleared first), else the system's
 /// temp dir (`temp_dir`, which `main` reads).
-pub(super) fn spill_dir(
+pub(in crate::pipeline) fn spill_dir(
     output: &harvest_core::Location,
     temp_dir: Option<&Path>,
 ) -> Result<shuffle::SpillDir> {

@@ -16,12 +16,12 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
-use super::Job;
-use super::flow::ForwardOutput;
-use super::progress::Progress;
-use super::shard::ShardRecord;
 use crate::backend::{Batch, Captured, RouteShape, Stage};
 use crate::error::{Error, Result};
+use crate::pipeline::Job;
+use crate::pipeline::assembly::shard::ShardRecord;
+use crate::pipeline::flow::handoff::ForwardOutput;
+use crate::pipeline::flow::progress::Progress;
 
 /// Batches waiting between two consecutive stages.
 pub const STAGE_QUEUE: usize = 1;
@@ -31,7 +31,7 @@ const SPARE_FLIGHTS: usize = 2;
 /// The capture buffers a staged run needs in circulation: one per batch that can be in a stage
 /// or a queue between stages, on top of the single-device pool.
 pub fn capture_pool(stages: usize) -> usize {
-    super::CAPTURE_POOL + stages * (1 + STAGE_QUEUE)
+    crate::pipeline::CAPTURE_POOL + stages * (1 + STAGE_QUEUE)
 }
 
 /// One batch on its way through the stages.
@@ -55,7 +55,7 @@ pub struct Staged {
 
 /// Runs every batch of the shards not yet done through the stages, sending each batch's
 /// captures to the assembler (`tx`) in order. Returns the wall time and the tokens run.
-pub(super) fn forward(
+pub(in crate::pipeline) fn forward(
     job: &Job<'_>,
     staged: Staged,
     resumed: &BTreeMap<usize, ShardRecord>,
@@ -136,7 +136,7 @@ fn run_chain(
             }
         }
         if errors.iter().any(Option::is_some) {
-            return Err(super::flow::root_cause(errors));
+            return Err(crate::pipeline::flow::handoff::root_cause(errors));
         }
         Ok(tokens)
     })
@@ -279,7 +279,7 @@ mod tests {
     /// result and each output's prompts and captured rows, in arrival order.
     fn run_adders(fail: Option<(usize, usize)>, batches: u32) -> (Result<u64>, Vec<Arrived>) {
         let progress = Progress::new(ProgressMode::Off, batches as usize);
-        let (tx, rx) = sync_channel::<ForwardOutput>(super::super::FORWARD_QUEUE);
+        let (tx, rx) = sync_channel::<ForwardOutput>(crate::pipeline::FORWARD_QUEUE);
         let collector = std::thread::spawn(move || {
             rx.into_iter()
                 .map(|o| (o.prompts, o.captured.data))

@@ -6,14 +6,17 @@ use std::collections::BTreeMap;
 use harvest_core::format::Manifest;
 use harvest_core::plan::shard_file_name;
 
-use super::result::{RunResult, Timings};
-use super::shard::{ShardRecord, sha256_hex};
-use super::store::Store;
-use super::{MANIFEST_FILE, RESULT_FILE};
 use crate::error::{Error, InputError, Result, StoreError};
+use crate::pipeline::assembly::shard::{ShardRecord, sha256_hex};
+use crate::pipeline::output::result::{RunResult, Timings};
+use crate::pipeline::output::store::Store;
+use crate::pipeline::{MANIFEST_FILE, RESULT_FILE};
 
 /// The result of an earlier run of the same plan, if its manifest is there.
-pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<Option<RunResult>> {
+pub(in crate::pipeline) async fn finished_result(
+    store: &Store,
+    fingerprint: &str,
+) -> Result<Option<RunResult>> {
     let Some(bytes) = store.get(MANIFEST_FILE).await? else {
         return Ok(None);
     };
@@ -56,7 +59,7 @@ pub(super) async fn finished_result(store: &Store, fingerprint: &str) -> Result<
 }
 
 /// Shards of an interrupted run of the same plan whose record and file both check out.
-pub(super) async fn resume_scan(
+pub(in crate::pipeline) async fn resume_scan(
     store: &Store,
     fingerprint: &str,
     n_shards: usize,
