@@ -755,3 +755,57 @@ fn the_cuda_replay_of_afmoe_with_routing_settled_by_the_bias_meets_the_cpu_f32_m
         assert_within_bf16_rounding((block, site), worst, (over, tokens));
     }
 }
+
+/// What a block runs follows from its weights: QK norms put into a dense Llama's blocks (as
+/// the loader would for a family that has them) run on the CPU and on the CUDA backend's
+/// replay alike, with no change to either backend.
+#[test]
+fn qk_norms_in_a_dense_models_weights_run_on_the_cpu_and_the_replay_alike() {
+    let dir = fixtures().join("tiny-llama3-f16-sharded");
+    let reference = Reference::open(&dir.join("reference.safetensors"));
+    let sequences = checked_sequences(&dir, &reference);
+    let run = |replay: bool, norms: bool| {
+        let mut weights = LlamaWeights::load(&dir, None).unwrap();
+        let head = weights.config.head_dim;
+        for (index, block) in weights.blocks.iter_mut().filter(|_| norms).enumerate() {
+            let weight = |seed: usize| -> Vec<f32> {
+                (0..head)
+                    .map(|d| 0.5 + ((d * 7 + seed * 13 + index) % 11) as f32 / 10.0)
+                    .collect()
+            };
+            block.head_norms = Some(harvester::model::HeadNorms {
+                q: weight(1),
+                k: weight(2),
+            });
+        }
+        let spec = CaptureSpec {
+            layers: LayerSelection::All
+                .resolve(weights.config.num_layers)
+                .unwrap(),
+            sites: Sites::new(&Site::ALL).unwrap(),
+            precision: Precision::F32,
+            directions: None,
+        };
+        let mut backend: Box<dyn Backend> = if replay {
+            Box::new(ReplayBackend::new(weights, spec).unwrap())
+        } else {
+            Box::new(CpuBackend::new(weights, spec).unwrap())
+        };
+        let mut out = Captured::default();
+        backend
+            .capture(&Batch::from_sequences(&sequences), &mut out)
+            .unwrap();
+        out
+    };
+    let cpu = run(false, true);
+    let (site, apart) = worst_site(&run(true, true), &cpu);
+    println!(
+        "QK-normed llama3: cuda-replay f32 against the CPU f32 mode: {apart:.2} of the bound ({site})"
+    );
+    assert!(apart <= 1.0, "{apart:.3} at {site}");
+    let (site, moved) = worst_site(&run(false, false), &cpu);
+    assert!(
+        moved > 1.0,
+        "the head norms change nothing ({moved:.3} at {site})"
+    );
+}
