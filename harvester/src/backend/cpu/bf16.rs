@@ -16,7 +16,8 @@
 
 use rayon::prelude::*;
 
-use super::sgemm::{self, Dst, Grid, Out, Threads, WeightRows};
+use super::schedule::{self, Dst, Grid, Out, Threads};
+use super::sgemm::{self, WeightRows};
 use super::views::{MatRef, output_fits};
 
 /// Rows of `a` in one register block: 16 zmm accumulators. (12 rows, as the f32 kernel has,
@@ -401,7 +402,7 @@ fn product_on_pairs(
         "a rounded bf16 output takes one block of k. This is a bug."
     );
     let panel_count = cols.div_ceil(PANEL);
-    let serial = threads == Threads::Caller || rows * cols * k < sgemm::SERIAL_BELOW;
+    let serial = threads == Threads::Caller || rows * cols * k < schedule::SERIAL_BELOW;
     let threads = if serial {
         1
     } else {
@@ -1094,7 +1095,7 @@ mod tests {
     fn a_row_gives_the_same_bits_alone_as_in_any_batch_on_any_thread_count() {
         // More rows than one task takes and a `k` over two blocks, so that tasks, strips and
         // blocks of `k` all split the batch.
-        let (rows, cols, k) = (2 * sgemm::STRIPS_PER_BLOCK * MR + 7, 70, 2 * KC + 78);
+        let (rows, cols, k) = (2 * schedule::STRIPS_PER_BLOCK * MR + 7, 70, 2 * KC + 78);
         let a = bits(
             &(0..rows * k)
                 .map(|i| (i as f32 * 0.37).sin())

@@ -26,6 +26,7 @@ pub mod matmul;
 mod moe;
 mod ops;
 pub mod peak;
+mod schedule;
 pub mod sgemm;
 pub mod views;
 
