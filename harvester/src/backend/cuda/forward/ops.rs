@@ -42,12 +42,18 @@ pub(super) struct Keeping<'a> {
 }
 
 impl Keeping<'_> {
-    /// This device's slot for the job's capture slot `slot` (`site * layers + layer`):
-    /// `site * kept + (layer - kept.start)`.
+    /// This device's slot for the job's capture slot `slot`.
     pub(super) fn local_slot(&self, slot: usize) -> usize {
-        let (site, layer) = (slot / self.layers, slot % self.layers);
-        site * self.kept.len() + layer - self.kept.start
+        local_slot(slot, self.layers, &self.kept)
     }
+}
+
+/// A device's slot for the job's capture slot `slot` (`site * layers + layer`, over the job's
+/// `layers` kept layers), on a device holding the kept layers `kept`: `site * kept.len() +
+/// (layer - kept.start)`, the order its slots are copied back in.
+fn local_slot(slot: usize, layers: usize, kept: &std::ops::Range<usize>) -> usize {
+    let (site, layer) = (slot / layers, slot % layers);
+    site * kept.len() + layer - kept.start
 }
 
 /// The pass's ops on the device: its launches over the batch's scratch buffers.
@@ -342,5 +348,23 @@ impl Pass<'_> {
             }
             .into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stage_numbers_its_slots_site_by_its_own_layers_from_the_jobs_numbering() {
+        // The job keeps 5 layers and 2 sites; this stage holds kept layers 2..4.
+        let job_slot = |site: usize, layer: usize| site * 5 + layer;
+        let ours: Vec<usize> = [(0, 2), (0, 3), (1, 2), (1, 3)]
+            .iter()
+            .map(|&(site, layer)| local_slot(job_slot(site, layer), 5, &(2..4)))
+            .collect();
+        assert_eq!(ours, [0, 1, 2, 3]);
+        // One stage holding every layer keeps the job's numbering.
+        assert_eq!(local_slot(job_slot(1, 4), 5, &(0..5)), job_slot(1, 4));
     }
 }
