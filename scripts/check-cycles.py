@@ -18,6 +18,27 @@ def module_of(src, path):
     if rel and rel[0] == "bin": return None
     return tuple(rel)
 
+def use_paths(text):
+    """Every path a `use` statement names, with `{a, b::{c, d}}` groups expanded."""
+    out = []
+    for stmt in re.findall(r"(?m)^\s*(?:pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", text):
+        stmt = re.sub(r"\s+", "", stmt)
+        def expand(prefix, tree):
+            if "{" not in tree:
+                out.append(prefix + tree.split(" as ")[0]); return
+            head, _, rest = tree.partition("{")
+            if "}" not in rest: return
+            body = rest[:rest.rindex("}")]
+            depth, item, items = 0, "", []
+            for ch in body:
+                if ch == "," and depth == 0: items.append(item); item = ""; continue
+                depth += ch == "{"; depth -= ch == "}"; item += ch
+            items.append(item)
+            for it in items:
+                if it: expand(prefix + head, it)
+        expand("", stmt)
+    return out
+
 def rust_graph(src):
     files = {}
     for dp, _, fs in os.walk(src):
@@ -31,20 +52,21 @@ def rust_graph(src):
         text = open(path, encoding="utf-8", errors="replace").read()
         text = re.sub(r"//[^\n]*", "", text)
         is_dir_mod = os.path.basename(path) in ("mod.rs", "lib.rs", "main.rs")
-        for head, tail in pat.findall(text):
-            parts = tail.split("::")[1:]
+        paths = ["".join(p) for p in pat.findall(text)] + use_paths(text)
+        for full in paths:
+            segs = [s for s in full.split("::") if s]
+            if not segs or segs[0] not in ("crate", "super", "self"): continue
+            head, parts = segs[0], segs[1:]
             if head == "crate": base = ()
-            elif head == "self": base = m if is_dir_mod else m[:-1]
-            else:
-                base = (m[:-1] if is_dir_mod else m[:-2])
-            # also expand `use crate::{a, b::c}` groups
-            cand = base + tuple(parts)
+            elif head == "self": base = m
+            else: base = m[:-1]
+            while parts and parts[0] == "super":
+                base = base[:-1]; parts = parts[1:]
+            cand = base + tuple(p for p in parts if p not in ("self", "*"))
             while cand and cand not in files: cand = cand[:-1]
-            if cand and cand != m: edges[m].add(cand)
-        for grp in re.findall(r"use\s+crate::\{([^}]*)\}", text):
-            for item in grp.split(","):
-                first = item.strip().split("::")[0].strip()
-                if (first,) in files and (first,) != m: edges[m].add((first,))
+            # A module that uses its own ancestor (items of the parent that declares it) is Rust's
+            # ordinary shape, not a cycle: only edges to other branches count.
+            if cand and cand != m and m[:len(cand)] != cand: edges[m].add(cand)
     return files, edges
 
 def sccs(nodes, edges):
