@@ -167,10 +167,35 @@ struct Node {
     api: crate::launch::ApiAccess,
     /// GPUs held per node, by Pod key, while a Pod is placed and not finished.
     placed: Mutex<HashMap<String, (String, u64)>>,
-    /// The second octet of this cluster's Pod addresses (127.B.C.D), so clusters on one
+    /// The second octet of this node's Pod addresses (127.B.C.D), so nodes and clusters on one
     /// machine do not collide.
     network: u8,
+    /// Holds `network` for this node while it lives ([`claim_network`]).
+    _claim: Option<std::net::TcpListener>,
     next_ip: AtomicU32,
+}
+
+/// The port a node binds on `127.B.0.1` to claim the octet `B` (no Pod is given `.0.1`).
+const NETWORK_CLAIM_PORT: u16 = 64_999;
+
+/// A second octet for a node's Pod addresses that no other node on this machine holds: a
+/// random one whose claim (a listener on `127.B.0.1`) binds. Random alone let two clusters'
+/// nodes pick the same octet (1 in 150 a pair), and their Pods' ports collided (found in CI:
+/// an API replica in a crash loop on the address another cluster's operator held).
+fn claim_network() -> (u8, Option<std::net::TcpListener>) {
+    let random = || 100 + (uuid::Uuid::new_v4().as_bytes()[0] % 150);
+    for _ in 0..64 {
+        let network = random();
+        let claim = std::net::TcpListener::bind((
+            std::net::Ipv4Addr::new(127, network, 0, 1),
+            NETWORK_CLAIM_PORT,
+        ));
+        if let Ok(claim) = claim {
+            return (network, Some(claim));
+        }
+    }
+    // Every try was taken (or loopback aliases do not bind here): unclaimed, as before.
+    (random(), None)
 }
 
 impl Node {
@@ -238,13 +263,15 @@ impl Kubelet {
 
     /// A kubelet whose Pods come from [`Kubelet::observe`].
     pub fn new(link: Link, config: KubeletConfig, api: crate::launch::ApiAccess) -> Arc<Self> {
+        let (network, claim) = claim_network();
         Arc::new(Self {
             node: Arc::new(Node {
                 link,
                 config,
                 api,
                 placed: Mutex::default(),
-                network: 100 + (uuid::Uuid::new_v4().as_bytes()[0] % 150),
+                network,
+                _claim: claim,
                 next_ip: AtomicU32::new(0),
             }),
             running: Mutex::default(),
@@ -319,5 +346,21 @@ impl Kubelet {
         for sender in lock(&self.running).values() {
             let _ = sender.try_send(Injected::Delete);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::claim_network;
+
+    #[test]
+    fn nodes_on_one_machine_claim_different_address_octets() {
+        // Twenty nodes at once: random octets alone would collide more often than not.
+        let claims: Vec<_> = (0..20).map(|_| claim_network()).collect();
+        assert!(claims.iter().all(|(_, claim)| claim.is_some()));
+        let mut octets: Vec<u8> = claims.iter().map(|(octet, _)| *octet).collect();
+        octets.sort_unstable();
+        octets.dedup();
+        assert_eq!(octets.len(), 20, "{octets:?}");
     }
 }
