@@ -61,13 +61,44 @@ pub(super) fn widen<T: Element>(source: &[T], out: &mut [f32]) {
         });
 }
 
+/// Where a slot lands on the host.
+enum HostRows<T> {
+    /// Page-locked: the copy engine writes it while the host goes on queueing.
+    PageLocked(PinnedHostSlice<T>),
+    /// Where the host refuses page-locked memory: the driver copies into pageable memory
+    /// before the call that queues the copy returns, so the pass waits at each kept layer.
+    Pageable(Vec<T>),
+}
+
+/// `count` buffers from `page_locked`, or from `pageable` for each one from the first
+/// refusal on (the rest are not tried); the refusal is returned, to be reported once.
+fn allocate_each<B, E>(
+    count: usize,
+    mut page_locked: impl FnMut() -> std::result::Result<B, E>,
+    pageable: impl Fn() -> B,
+) -> (Vec<B>, Option<E>) {
+    let mut refusal = None;
+    let buffers = (0..count)
+        .map(|_| {
+            if refusal.is_none() {
+                match page_locked() {
+                    Ok(buffer) => return buffer,
+                    Err(error) => refusal = Some(error),
+                }
+            }
+            pageable()
+        })
+        .collect();
+    (buffers, refusal)
+}
+
 /// The kept layers' slots of one batch, on the device and on the host.
 pub(super) struct Slots<T> {
     /// `[kept, capacity]` on the device; the forward pass writes slot `k` at
     /// `k * capacity..`.
     pub device: CudaSlice<T>,
-    /// Slot `k`'s copy on the host, page-locked so the copy engine writes it directly.
-    host: Vec<PinnedHostSlice<T>>,
+    /// Slot `k`'s copy on the host, page-locked where the host allows it.
+    host: Vec<HostRows<T>>,
     /// Recorded on the compute stream once slot `k` is written.
     computed: Vec<CudaEvent>,
     /// Recorded on the copy stream once slot `k` is on the host.
@@ -86,18 +117,22 @@ impl<T: Element> Slots<T> {
         let device = stream
             .alloc_zeros::<T>((kept * capacity).max(1))
             .map_err(|e| CudaError::from_driver(action, e))?;
-        let mut host = Vec::with_capacity(kept);
-        for _ in 0..kept {
+        let page_locked = || {
             // SAFETY: the memory is filled with zeros below before any read. Flags 0: cached,
             // not write-combined, since the host reads it back.
             #[allow(unsafe_code)]
-            let mut slice = unsafe { context.alloc_pinned_with_flags::<T>(capacity, 0) }
-                .map_err(|e| CudaError::from_driver("allocating page-locked host memory", e))?;
-            slice
-                .as_mut_slice()
-                .map_err(|e| CudaError::from_driver("allocating page-locked host memory", e))?
-                .fill(T::default());
-            host.push(slice);
+            let mut slice = unsafe { context.alloc_pinned_with_flags::<T>(capacity, 0) }?;
+            slice.as_mut_slice()?.fill(T::default());
+            Ok::<_, cudarc::driver::DriverError>(HostRows::PageLocked(slice))
+        };
+        let pageable = || HostRows::Pageable(vec![T::default(); capacity]);
+        let (host, refusal) = allocate_each(kept, page_locked, pageable);
+        if let Some(error) = refusal {
+            let pageable = host
+                .iter()
+                .filter(|h| matches!(h, HostRows::Pageable(_)))
+                .count();
+            tracing::warn!(error = ?error.0, pageable, kept, "no page-locked memory for the captured rows: those slots are copied to pageable memory, and the pass waits for each");
         }
         let event = |flags| {
             context
@@ -124,7 +159,13 @@ impl<T: Element> Slots<T> {
 
     /// Page-locked host bytes these slots hold.
     pub fn host_bytes(&self) -> usize {
-        self.host.iter().map(PinnedHostSlice::num_bytes).sum()
+        self.host
+            .iter()
+            .map(|host| match host {
+                HostRows::PageLocked(slice) => slice.num_bytes(),
+                HostRows::Pageable(_) => 0,
+            })
+            .sum()
     }
 
     /// Queues slot `slot`'s first `len` values for the host, after the work queued on
@@ -141,9 +182,12 @@ impl<T: Element> Slots<T> {
         self.computed[slot].record(compute).map_err(fault)?;
         copies.wait(&self.computed[slot]).map_err(fault)?;
         let start = slot * self.capacity;
-        copies
-            .memcpy_dtoh(&self.device.slice(start..start + len), &mut self.host[slot])
-            .map_err(fault)?;
+        let rows = self.device.slice(start..start + len);
+        match &mut self.host[slot] {
+            HostRows::PageLocked(host) => copies.memcpy_dtoh(&rows, host),
+            HostRows::Pageable(host) => copies.memcpy_dtoh(&rows, host),
+        }
+        .map_err(fault)?;
         self.downloaded[slot].record(copies).map_err(fault)?;
         Ok(())
     }
@@ -156,9 +200,12 @@ impl<T: Element> Slots<T> {
         self.downloaded[slot]
             .synchronize()
             .map_err(|e| CudaError::from_driver(action, e))?;
-        let host = self.host[slot]
-            .as_slice()
-            .map_err(|e| CudaError::from_driver(action, e))?;
+        let host = match &self.host[slot] {
+            HostRows::PageLocked(host) => host
+                .as_slice()
+                .map_err(|e| CudaError::from_driver(action, e))?,
+            HostRows::Pageable(host) => host.as_slice(),
+        };
         widen(&host[..out.len()], out);
         Ok(())
     }
@@ -189,6 +236,40 @@ mod tests {
                 "{value} {widened}"
             );
         }
+    }
+
+    #[test]
+    fn after_the_first_refusal_of_page_locked_memory_every_later_slot_is_pageable() {
+        let mut tries = 0;
+        let (buffers, refusal) = allocate_each(
+            5,
+            || {
+                tries += 1;
+                if tries <= 2 {
+                    Ok("page-locked")
+                } else {
+                    Err("refused")
+                }
+            },
+            || "pageable",
+        );
+        assert_eq!(
+            buffers,
+            [
+                "page-locked",
+                "page-locked",
+                "pageable",
+                "pageable",
+                "pageable"
+            ]
+        );
+        assert_eq!(refusal, Some("refused"));
+        assert_eq!(
+            tries, 3,
+            "no page-locked memory is asked for after a refusal"
+        );
+        let (buffers, refusal) = allocate_each(2, || Ok::<_, ()>("page-locked"), || "pageable");
+        assert_eq!((buffers, refusal), (vec!["page-locked"; 2], None));
     }
 
     #[test]

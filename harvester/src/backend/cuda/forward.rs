@@ -9,6 +9,7 @@
 //! - `buffers`: a batch's buffers and what they take;
 //! - `upload` and `staging`: the weights' way to the device, `hand_off` the residual
 //!   stream's between pipeline stages;
+//! - `settle`: when a batch's buffers may be freed or reused, after a failure too;
 //! - here: the backend itself, its checks, load and per-batch run.
 //!
 //! Checked on an H200 by the GPU window (`scripts/gpu-window.sh`, figures in `docs/gpu.md`):
@@ -21,6 +22,7 @@ mod element;
 mod hand_off;
 mod kernel_set;
 mod ops;
+mod settle;
 mod staging;
 mod upload;
 
@@ -29,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::blas::{Blas, DataType};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 
 use super::download::Slots;
 use super::error::CudaError;
@@ -49,6 +51,7 @@ pub(super) use self::element::decoded_f32;
 use self::hand_off::HandOff;
 use self::kernel_set::Kernels;
 use self::ops::{DeviceOps, Keeping, Pass};
+use self::settle::{Health, leave_unfreed};
 use self::staging::Staging;
 pub use self::staging::UPLOAD_VARIABLE;
 pub use self::upload::LoadPhases;
@@ -64,7 +67,7 @@ fn driver(error: impl std::fmt::Display) -> crate::Error {
 }
 
 /// A closure that classes a driver error met during `action`: out of device memory, or a fault.
-fn memory_error(action: &'static str) -> impl Fn(cudarc::driver::DriverError) -> crate::Error {
+fn memory_error(action: &'static str) -> impl Fn(DriverError) -> crate::Error {
     move |error| CudaError::from_driver(action, error).into()
 }
 
@@ -106,6 +109,8 @@ impl<E: Activation> DevicePass for Device<E> {
 struct Device<E: Activation> {
     spec: CaptureSpec,
     config: ModelConfig,
+    /// Every launch, GEMM and upload, in order: a stream of this pass's own, not the legacy
+    /// default one, which every pipeline stage on the device would share and wait on.
     stream: Arc<CudaStream>,
     /// Copies kept layers to the host while later blocks run on `stream`.
     copies: Arc<CudaStream>,
@@ -122,6 +127,8 @@ struct Device<E: Activation> {
     inv_freq: CudaSlice<f32>,
     directions: Option<CudaSlice<f32>>,
     scratch: Option<Scratch<E>>,
+    /// Whether the work queued for earlier batches is known to be done (`settle`).
+    health: Health,
     /// The residual stream's page-locked buffer, on a pipeline stage.
     hand_off: HandOff,
     host_tiles: Vec<u32>,
@@ -294,7 +301,7 @@ impl<E: Activation> Device<E> {
         unsafe {
             context.disable_event_tracking();
         }
-        let stream = context.default_stream();
+        let stream = context.new_stream().map_err(driver)?;
         let copies = context.new_stream().map_err(driver)?;
         let kernels_start = Instant::now();
         let (kernels, code) = Kernels::load::<E>(&context, config.head_dim)?;
@@ -332,9 +339,7 @@ impl<E: Activation> Device<E> {
             Some(d) => Some(stream.clone_htod(d.unit_vectors()).map_err(driver)?),
             None => None,
         };
-        stream
-            .synchronize()
-            .map_err(|e| CudaError::from_driver("uploading the weights", e))?;
+        idle(&stream, &copies).map_err(|e| CudaError::from_driver("uploading the weights", e))?;
         Ok(Self {
             spec,
             config,
@@ -349,6 +354,7 @@ impl<E: Activation> Device<E> {
             inv_freq,
             directions,
             scratch: None,
+            health: Health::default(),
             hand_off: HandOff::default(),
             host_tiles: Vec::new(),
             phases,
@@ -382,11 +388,25 @@ impl<E: Activation> Device<E> {
     }
 
     fn ensure_scratch(&mut self, tokens: usize) -> Result<()> {
+        self.health.check()?;
         if self.scratch.as_ref().is_some_and(|s| s.tokens >= tokens) {
             return Ok(());
         }
+        // Taken out for the replacement, which reads the rest of `self`.
+        let mut health = std::mem::take(&mut self.health);
+        let mut scratch = self.scratch.take();
         // The old buffers go first, so their bytes count as free.
-        self.scratch = None;
+        let replaced = health.replace(
+            &mut scratch,
+            || idle(&self.stream, &self.copies),
+            || self.allocate_scratch(tokens),
+        );
+        (self.health, self.scratch) = (health, scratch);
+        replaced
+    }
+
+    /// A batch's buffers for `tokens`, once the device has room for them.
+    fn allocate_scratch(&self, tokens: usize) -> Result<Scratch<E>> {
         let needed = self.batch_bytes(tokens);
         let (free, total) = self
             .stream
@@ -413,7 +433,7 @@ impl<E: Activation> Device<E> {
         let f32s = |n: usize| s.alloc_zeros::<f32>(n).map_err(memory_error(action));
         let values = |n: usize| s.alloc_zeros::<E>(n).map_err(memory_error(action));
         let u32s = |n: usize| s.alloc_zeros::<u32>(n).map_err(memory_error(action));
-        self.scratch = Some(Scratch {
+        let scratch = Scratch {
             tokens,
             ids: u32s(tokens)?,
             positions: u32s(tokens)?,
@@ -436,20 +456,18 @@ impl<E: Activation> Device<E> {
                 Some(_) => Some(afmoe::AfmoeScratch::new(s, c, tokens)?),
                 None => None,
             },
-        });
-        if let Some(scratch) = &self.scratch {
-            let pinned_bytes = match &scratch.kept {
-                Kept::Rows(slots) => slots.host_bytes(),
-                Kept::Projections(slots) => slots.host_bytes(),
-            };
-            tracing::info!(
-                tokens,
-                device_bytes = needed,
-                pinned_bytes,
-                "batch buffers ready"
-            );
-        }
-        Ok(())
+        };
+        let pinned_bytes = match &scratch.kept {
+            Kept::Rows(slots) => slots.host_bytes(),
+            Kept::Projections(slots) => slots.host_bytes(),
+        };
+        tracing::info!(
+            tokens,
+            device_bytes = needed,
+            pinned_bytes,
+            "batch buffers ready"
+        );
+        Ok(scratch)
     }
 }
 
@@ -495,6 +513,25 @@ impl<E: Activation> Device<E> {
     /// stage, else from `x`, the residual stream the stage before handed on, which gets this
     /// stage's output back. Kept sites land in their slots of `out` (the whole batch's).
     fn run(&mut self, batch: &Batch, x: Option<&mut Vec<f32>>, out: &mut Captured) -> Result<()> {
+        self.health.check()?;
+        let result = self.run_queued(batch, x, out).and_then(|()| {
+            // Errors cudarc met where it could not return them (a free, a stream wait), this
+            // batch's included.
+            self.stream.context().check_err().map_err(|e| {
+                CudaError::from_driver("a deferred driver call of the batch", e).into()
+            })
+        });
+        let (stream, copies) = (&self.stream, &self.copies);
+        self.health.settle(result, || idle(stream, copies))
+    }
+
+    /// [`Self::run`]'s work, which may leave work queued where it fails.
+    fn run_queued(
+        &mut self,
+        batch: &Batch,
+        x: Option<&mut Vec<f32>>,
+        out: &mut Captured,
+    ) -> Result<()> {
         let tokens = batch.num_tokens();
         let width = self.capture_width();
         self.ensure_scratch(tokens)?;
@@ -567,6 +604,33 @@ impl<E: Activation> Device<E> {
                 .map_err(&handed_on)?;
         }
         Ok(())
+    }
+}
+
+/// Waits until the work queued on both streams is done, and reports errors cudarc recorded
+/// where it could not return them.
+fn idle(compute: &CudaStream, copies: &CudaStream) -> std::result::Result<(), DriverError> {
+    copies.synchronize()?;
+    compute.synchronize()?;
+    compute.context().check_err()
+}
+
+impl<E: Activation> Drop for Device<E> {
+    fn drop(&mut self) {
+        // The buffers are freed when the fields drop, after this: only once nothing queued
+        // can still use them. Where that is not known, they are left to the process's end.
+        let settled = self.health.check().is_ok()
+            && match idle(&self.stream, &self.copies) {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(error = ?error.0, "the device's queued work could not be waited for: its batch buffers are not freed");
+                    false
+                }
+            };
+        if !settled {
+            leave_unfreed(self.scratch.take());
+            leave_unfreed(std::mem::take(&mut self.hand_off));
+        }
     }
 }
 

@@ -29,10 +29,15 @@ pub(super) struct HandOff {
 
 impl Drop for HandOff {
     fn drop(&mut self) {
-        // An upload may still read the buffer where a batch failed after queuing it; any
-        // error here was the batch's, already reported.
-        if let (Some(stream), Some(_)) = (&self.stream, &self.buffer) {
-            let _ = stream.synchronize();
+        // The device waits for its streams before it drops this (`settle`); this wait is for
+        // an owner that did not.
+        if let (Some(stream), Some(_)) = (&self.stream, &self.buffer)
+            && let Err(error) = stream.synchronize()
+        {
+            // Freeing a buffer an upload may still read would corrupt whatever takes the
+            // memory next: it is left to the process's end.
+            tracing::warn!(error = ?error.0, "the residual stream's copies could not be waited for: its page-locked buffer is not freed");
+            super::settle::leave_unfreed(self.buffer.take());
         }
     }
 }
@@ -44,14 +49,14 @@ impl HandOff {
         &mut self,
         stream: &Arc<CudaStream>,
         values: usize,
-    ) -> Option<&mut PinnedHostSlice<f32>> {
+    ) -> Result<Option<&mut PinnedHostSlice<f32>>, DriverError> {
         if self.refused {
-            return None;
+            return Ok(None);
         }
         if self.buffer.as_ref().is_none_or(|b| b.len() < values) {
             // The old buffer goes once no copy reads it.
-            if self.buffer.is_some() && stream.synchronize().is_err() {
-                return None;
+            if self.buffer.is_some() {
+                stream.synchronize()?;
             }
             self.buffer = None;
             self.stream = Some(stream.clone());
@@ -66,7 +71,7 @@ impl HandOff {
                 }
             }
         }
-        self.buffer.as_mut()
+        Ok(self.buffer.as_mut())
     }
 
     /// Queues `x` for `device` (at least as long) on `stream`.
@@ -77,7 +82,7 @@ impl HandOff {
         device: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
         let mut view = device.slice_mut(..x.len());
-        let Some(buffer) = self.buffer(stream, x.len()) else {
+        let Some(buffer) = self.buffer(stream, x.len())? else {
             return stream.memcpy_htod(x, &mut view);
         };
         let staged = &mut buffer.as_mut_slice()?[..x.len()];
@@ -96,7 +101,7 @@ impl HandOff {
         x: &mut [f32],
     ) -> Result<(), DriverError> {
         let view = device.slice(..x.len());
-        let Some(buffer) = self.buffer(stream, x.len()) else {
+        let Some(buffer) = self.buffer(stream, x.len())? else {
             stream.memcpy_dtoh(&view, x)?;
             return stream.synchronize();
         };

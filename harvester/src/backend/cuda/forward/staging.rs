@@ -52,7 +52,8 @@ plain!(u16, f32);
 
 /// Two page-locked buffers and the events that say when each is free again.
 pub(super) struct Staging {
-    buffers: [PinnedHostSlice<u8>; 2],
+    /// Two; a Vec so that `Drop` can leave them unfreed.
+    buffers: Vec<PinnedHostSlice<u8>>,
     /// Recorded on the stream after the upload that reads buffer `i`.
     uploaded: [CudaEvent; 2],
     /// The buffer the next chunk goes through.
@@ -83,7 +84,7 @@ impl Staging {
         let buffer = || unsafe { context.alloc_pinned::<u8>(STAGING_BYTES) };
         let event = || context.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC));
         Ok(Self {
-            buffers: [buffer()?, buffer()?],
+            buffers: vec![buffer()?, buffer()?],
             uploaded: [event()?, event()?],
             next: 0,
         })
@@ -131,8 +132,13 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        // The buffers are freed only once no upload reads them; an error here was met, and
-        // reported, by the stream's own synchronisation after the load.
-        let _ = self.finish();
+        // A load that succeeded waited in `finish` already; this wait is for one that failed
+        // with uploads queued. The buffers are freed only once no upload reads them.
+        if let Err(error) = self.finish() {
+            // Freeing a buffer the copy engine may still read would hand it memory that
+            // something else then writes: it is left to the process's end.
+            tracing::warn!(error = ?error.0, "the weights' uploads could not be waited for: their page-locked staging buffers are not freed");
+            super::settle::leave_unfreed(std::mem::take(&mut self.buffers));
+        }
     }
 }
