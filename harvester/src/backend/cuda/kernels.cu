@@ -81,27 +81,42 @@ __device__ __forceinline__ float block_sum(float sum) {
     return partial[0];
 }
 
-// 1 / rms(row) over `hidden` values, from the whole block (see block_sum).
-__device__ __forceinline__ float rms_scale(const float* row, int hidden, float eps) {
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        sum += row[i] * row[i];
-    }
-    return rsqrtf(block_sum(sum) / (float)hidden + eps);
-}
+// Values of a row each thread of a norm holds in registers between the sum and the scaling:
+// the widest served row (16,384) over the norms' 256 threads, so a row is read once. The
+// values of a wider row past these are read twice.
+#define ROW_KEPT 64
 
 // out[t, :] = x[t, :] / rms(x[t, :]) * weight, stored as O: `rms_norm` rounds to bf16 for the
 // next GEMM; `rms_norm_wide` keeps f32 (AFMoE's branch norms and its router's input);
-// `rms_norm_f32` is the f32 mode's, its weights f32. Grid: tokens; block: a multiple of 32 up
-// to 1024.
+// `rms_norm_f32` is the f32 mode's, its weights f32. Each thread sums the squares of every
+// blockDim.x-th value from its own (fused), then block_sum. Grid: tokens; block: a multiple
+// of 32 up to 1024.
 template <typename W, typename O>
 __device__ __forceinline__ void norm_rows(const float* x, const W* weight, O* out, int hidden,
                                           float eps) {
     const int t = blockIdx.x;
     const float* row = x + (long long)t * hidden;
-    const float scale = rms_scale(row, hidden, eps);
+    float kept[ROW_KEPT];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROW_KEPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i >= hidden) break;
+        kept[j] = row[i];
+        sum += kept[j] * kept[j];
+    }
+    for (int i = threadIdx.x + ROW_KEPT * blockDim.x; i < hidden; i += blockDim.x) {
+        sum += row[i] * row[i];
+    }
+    const float scale = rsqrtf(block_sum(sum) / (float)hidden + eps);
     O* dst = out + (long long)t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < ROW_KEPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i >= hidden) break;
+        dst[i] = stored<O>(kept[j] * scale * widened(weight[i]));
+    }
+    for (int i = threadIdx.x + ROW_KEPT * blockDim.x; i < hidden; i += blockDim.x) {
         dst[i] = stored<O>(row[i] * scale * widened(weight[i]));
     }
 }
@@ -201,29 +216,37 @@ extern "C" __global__ void moe_scatter(const float* out, const unsigned int* slo
     }
 }
 
-// Rotates the query and key heads of the fused QKV buffer in place, Hugging Face style
-// (dimension i pairs with i + head_dim / 2). `inv_freq` has head_dim / 2 entries, Llama 3
-// scaling already applied on the host. Grid: (tokens, q_heads + kv_heads); block: head_dim / 2.
+// Rotates the first `heads` heads (the query and key heads) of the fused QKV buffer in place,
+// Hugging Face style (dimension i pairs with i + head_dim / 2). `inv_freq` has head_dim / 2
+// entries, Llama 3 scaling already applied on the host. A thread turns its dimension pair in
+// every head, so the angle's sincosf runs once per token and frequency. Grid: tokens; block:
+// head_dim / 2.
 template <typename T>
 __device__ __forceinline__ void rotate_heads(T* qkv, const unsigned int* positions,
-                                             const float* inv_freq, int row_width, int head_dim) {
-    const int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+                                             const float* inv_freq, int row_width, int head_dim,
+                                             int heads) {
+    const int t = blockIdx.x, i = threadIdx.x;
     const int half = head_dim >> 1;
     if (i >= half) return;
-    T* h = qkv + (long long)t * row_width + (long long)head * head_dim;
     float s, c;
     sincosf((float)positions[t] * inv_freq[i], &s, &c);
-    const float a = widened(h[i]), b = widened(h[i + half]);
-    h[i] = stored<T>(a * c - b * s);
-    h[i + half] = stored<T>(b * c + a * s);
+    T* row = qkv + (long long)t * row_width;
+#pragma unroll 4
+    for (int head = 0; head < heads; ++head) {
+        T* h = row + (long long)head * head_dim;
+        const float a = widened(h[i]), b = widened(h[i + half]);
+        h[i] = stored<T>(a * c - b * s);
+        h[i + half] = stored<T>(b * c + a * s);
+    }
 }
 extern "C" __global__ void rope(bf16* qkv, const unsigned int* positions, const float* inv_freq,
-                                int row_width, int head_dim) {
-    rotate_heads(qkv, positions, inv_freq, row_width, head_dim);
+                                int row_width, int head_dim, int heads) {
+    rotate_heads(qkv, positions, inv_freq, row_width, head_dim, heads);
 }
 extern "C" __global__ void rope_f32(float* qkv, const unsigned int* positions,
-                                    const float* inv_freq, int row_width, int head_dim) {
-    rotate_heads(qkv, positions, inv_freq, row_width, head_dim);
+                                    const float* inv_freq, int row_width, int head_dim,
+                                    int heads) {
+    rotate_heads(qkv, positions, inv_freq, row_width, head_dim, heads);
 }
 
 template <typename T>

@@ -166,11 +166,14 @@ pub(super) fn rope<T: DeviceRepr>(
     fits(NAME, "positions", positions.len(), tokens)?;
     fits(NAME, "inv_freq", inv_freq.len(), head_dim / 2)?;
     fits(NAME, "a qkv row", row_width, rotated_heads * head_dim)?;
-    let config = grid(NAME, tokens, rotated_heads, (head_dim / 2) as u32)?;
+    let config = grid(NAME, tokens, 1, (head_dim / 2) as u32)?;
     let (row_width, head_dim) = (int(NAME, row_width)?, int(NAME, head_dim)?);
-    // SAFETY: the arguments match `rope(bf16*, const unsigned*, const float*, int, int)`, or
-    // `rope_f32` (a `float*` qkv), in order and type, the caller pairing the kernel with `T`; the grid covers `tokens` rows of `rotated_heads` heads, all inside `qkv`'s
-    // rows, and reads `head_dim / 2` frequencies (checked above).
+    let heads = int(NAME, rotated_heads)?;
+    // SAFETY: the arguments match `rope(bf16*, const unsigned*, const float*, int, int, int)`,
+    // or `rope_f32` (a `float*` qkv), in order and type, the caller pairing the kernel with
+    // `T`; the grid covers `tokens` rows, each thread turning one pair in the first
+    // `rotated_heads` heads, all inside `qkv`'s rows, and reads `head_dim / 2` frequencies
+    // (checked above).
     #[allow(unsafe_code)]
     let launched = unsafe {
         stream
@@ -180,6 +183,7 @@ pub(super) fn rope<T: DeviceRepr>(
             .arg(inv_freq)
             .arg(&row_width)
             .arg(&head_dim)
+            .arg(&heads)
             .launch(config)
     };
     launched

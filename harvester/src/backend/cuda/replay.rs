@@ -533,7 +533,7 @@ fn rms_norm_wide<T: HostValue>(x: &[f32], weight: &[T], hidden: usize, eps: f32)
     )
 }
 
-/// `rms_scale` (with `block_sum`): a block of `ROW_THREADS` threads, each summing the squares
+/// `norm_rows`'s scale (with `block_sum`): a block of `ROW_THREADS` threads, each summing the squares
 /// of every `ROW_THREADS`-th value (fused multiply-adds, as the compiler contracts them), a
 /// butterfly within each warp, then one over the warps' partial sums; `1 / sqrt(mean + eps)`.
 fn rms_scale(row: &[f32], eps: f32) -> f32 {
