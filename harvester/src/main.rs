@@ -84,11 +84,12 @@ enum Command {
     },
     /// Measure forward-pass throughput on a JSON file of token-id lists; prints JSON.
     Bench(BenchArgs),
-    /// Write a Llama checkpoint of a named shape with seeded random bf16 weights, for benchmarks
-    /// and backend checks where a real checkpoint cannot be brought.
+    /// Write a checkpoint of a named shape with seeded random bf16 weights, for benchmarks and
+    /// backend checks where a real checkpoint cannot be brought.
     SynthModel {
-        /// The shape: llama-8b, llama-405b, smollm2-135m, or a small one a GPU must check
-        /// (window-128: 128-wide heads with a sliding window; heads-256; attention-bias).
+        /// The shape: llama-8b, llama-405b, smollm2-135m, a small one a GPU must check
+        /// (window-128: 128-wide heads with a sliding window; heads-256; attention-bias), or
+        /// afmoe (an AfmoeForCausalLM of 2.75B parameters, large enough to time).
         #[arg(long)]
         shape: String,
         /// Write only the first N blocks (a 405B-shaped model cut to a few, say).

@@ -1,9 +1,11 @@
 //! `harvester synth-model`: a Llama checkpoint of a given shape with seeded random bf16
 //! weights, for benchmarks and backend checks where a real checkpoint cannot be brought
 //! (an 8B-shaped model for throughput; a SmolLM2-shaped one for CPU/GPU parity; a 405B-shaped
-//! one cut to a few blocks for one block's time; and small ones with what a GPU must check:
-//! 128-wide heads with a sliding window, 256-wide heads, attention biases). The weights are
-//! uniform in ±√(3 / fan_in) (unit variance per output), biases in ±0.1, norms are 1.
+//! one cut to a few blocks for one block's time; small ones with what a GPU must check:
+//! 128-wide heads with a sliding window, 256-wide heads, attention biases; and an AFMoE model
+//! large enough to time, written as transformers writes `AfmoeForCausalLM`). The weights are
+//! uniform in ±√(3 / fan_in) (unit variance per output), biases (and AFMoE's expert bias) in
+//! ±0.1, norms are 1.
 
 use std::path::Path;
 
@@ -78,20 +80,42 @@ impl Shape {
 /// What a shape adds to the plain Llama block.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Variant {
-    /// A sliding window of this many keys on every block (written as Mistral).
+    /// A sliding window of this many keys on every block (written as Mistral), or on AFMoE's
+    /// local blocks.
     pub sliding_window: Option<usize>,
     /// Q, K, V and O biases (Llama's `attention_bias`).
     pub attention_bias: bool,
+    /// AFMoE's blocks instead of Llama's.
+    pub moe: Option<MoeShape>,
+}
+
+/// An AFMoE model's routing and its blocks' extra parts (QK norms, the attention gate, the
+/// branch norms); `Shape::intermediate` is the dense blocks' MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Blocks before the first routed one, each with a dense MLP.
+    pub dense_layers: usize,
+    /// Routed experts of each later block.
+    pub experts: usize,
+    /// Experts a token is routed to.
+    pub experts_per_token: usize,
+    /// Each expert's MLP width.
+    pub expert_width: usize,
+    /// Shared experts, run for every token (one MLP of their summed width).
+    pub shared_experts: usize,
+    /// Every this many blocks, one attends globally; the rest use the window.
+    pub global_every: usize,
 }
 
 /// The shapes `synth-model --shape` takes, with what each checks.
-pub const SHAPES: [&str; 6] = [
+pub const SHAPES: [&str; 7] = [
     "llama-8b",
     "llama-405b",
     "smollm2-135m",
     "window-128",
     "heads-256",
     "attention-bias",
+    "afmoe",
 ];
 
 impl Variant {
@@ -120,6 +144,32 @@ impl Variant {
             ),
             // 256-wide heads: the CUDA-core attention's widest.
             "heads-256" => (small(2, 1), Self::default()),
+            // AFMoE large enough to time beside transformers on one GPU (5.5 GB in bf16):
+            // Trinity's block (QK norms, attention gate, branch norms, 128-wide heads, a global
+            // block every 4th, 4 routed experts a token plus one shared) at width 2,048, with 64
+            // experts of 1,024 and 2 dense blocks of 8; SmolLM2's vocabulary.
+            "afmoe" => (
+                Shape {
+                    hidden: 2048,
+                    layers: 8,
+                    heads: 16,
+                    kv_heads: 4,
+                    intermediate: 6144,
+                    vocab: Shape::SMOLLM2_135M.vocab,
+                },
+                Self {
+                    sliding_window: Some(512),
+                    attention_bias: false,
+                    moe: Some(MoeShape {
+                        dense_layers: 2,
+                        experts: 64,
+                        experts_per_token: 4,
+                        expert_width: 1024,
+                        shared_experts: 1,
+                        global_every: 4,
+                    }),
+                },
+            ),
             // QKV and O biases: `add_bias_bf16`, `add_bias` and the branch buffer they need.
             "attention-bias" => (
                 Shape {
@@ -184,10 +234,51 @@ pub fn tensors_of(shape: Shape, variant: Variant) -> Vec<(String, Vec<usize>, bo
             (p("self_attn.k_proj.weight"), vec![kv_rows, h], false),
             (p("self_attn.v_proj.weight"), vec![kv_rows, h], false),
             (p("self_attn.o_proj.weight"), vec![h, q_rows], false),
-            (p("mlp.gate_proj.weight"), vec![i, h], false),
-            (p("mlp.up_proj.weight"), vec![i, h], false),
-            (p("mlp.down_proj.weight"), vec![h, i], false),
         ]);
+        let mlp = |prefix: &str, width: usize| {
+            [
+                (
+                    p(&format!("{prefix}.gate_proj.weight")),
+                    vec![width, h],
+                    false,
+                ),
+                (
+                    p(&format!("{prefix}.up_proj.weight")),
+                    vec![width, h],
+                    false,
+                ),
+                (
+                    p(&format!("{prefix}.down_proj.weight")),
+                    vec![h, width],
+                    false,
+                ),
+            ]
+        };
+        match variant.moe {
+            Some(moe) => {
+                specs.extend([
+                    (p("pre_mlp_layernorm.weight"), vec![h], true),
+                    (p("post_mlp_layernorm.weight"), vec![h], true),
+                    (p("self_attn.gate_proj.weight"), vec![q_rows, h], false),
+                    (p("self_attn.q_norm.weight"), vec![head_dim], true),
+                    (p("self_attn.k_norm.weight"), vec![head_dim], true),
+                ]);
+                if l < moe.dense_layers {
+                    specs.extend(mlp("mlp", i));
+                } else {
+                    specs.push((p("mlp.router.gate.weight"), vec![moe.experts, h], false));
+                    specs.push((p("mlp.expert_bias"), vec![moe.experts], false));
+                    for e in 0..moe.experts {
+                        specs.extend(mlp(&format!("mlp.experts.{e}"), moe.expert_width));
+                    }
+                    if moe.shared_experts > 0 {
+                        let width = moe.expert_width * moe.shared_experts;
+                        specs.extend(mlp("mlp.shared_experts", width));
+                    }
+                }
+            }
+            None => specs.extend(mlp("mlp", i)),
+        }
         if variant.attention_bias {
             specs.extend([
                 (p("self_attn.q_proj.bias"), vec![q_rows], false),
@@ -304,7 +395,9 @@ pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> R
         "vocab_size": shape.vocab, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
         "attention_bias": variant.attention_bias,
     });
-    if let Some(window) = variant.sliding_window {
+    if let Some(moe) = variant.moe {
+        afmoe_config(&mut config, shape, moe, variant.sliding_window);
+    } else if let Some(window) = variant.sliding_window {
         config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
         config["model_type"] = serde_json::json!("mistral");
         config["sliding_window"] = serde_json::json!(window);
@@ -313,6 +406,38 @@ pub fn write_variant(shape: Shape, variant: Variant, dir: &Path, seed: u64) -> R
     std::fs::write(&config_path, config.to_string())
         .map_err(|e| Error::io("writing", config_path, e))?;
     Ok(data.iter().map(|d| d.len() as u64).sum())
+}
+
+/// `config` made an AFMoE model's, with the fields transformers writes for
+/// `AfmoeForCausalLM` (`layer_types` from `global_every`: each `global_every`-th block global).
+fn afmoe_config(
+    config: &mut serde_json::Value,
+    shape: Shape,
+    moe: MoeShape,
+    window: Option<usize>,
+) {
+    let layer_types: Vec<&str> = (0..shape.layers)
+        .map(|l| match window {
+            Some(_) if (l + 1) % moe.global_every.max(1) != 0 => "sliding_attention",
+            _ => "full_attention",
+        })
+        .collect();
+    let fields = serde_json::json!({
+        "architectures": ["AfmoeForCausalLM"], "model_type": "afmoe",
+        "head_dim": shape.hidden / shape.heads.max(1), "hidden_act": "silu",
+        "num_dense_layers": moe.dense_layers, "num_experts": moe.experts,
+        "num_experts_per_tok": moe.experts_per_token, "num_shared_experts": moe.shared_experts,
+        "moe_intermediate_size": moe.expert_width, "route_scale": 2.5, "mup_enabled": true,
+        "global_attn_every_n_layers": moe.global_every, "sliding_window": window,
+        "layer_types": layer_types,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "dtype": "bfloat16",
+    });
+    if let (Some(config), Some(fields)) = (config.as_object_mut(), fields.as_object()) {
+        config.remove("rope_theta");
+        config.remove("torch_dtype");
+        config.extend(fields.clone());
+    }
 }
 
 #[cfg(test)]
@@ -353,6 +478,59 @@ mod tests {
         );
         // Llama 3 8B less its LM head and final norm, which harvest never loads.
         assert_eq!(Shape::LLAMA_8B.parameters(), 7_504_920_576);
+    }
+
+    #[test]
+    fn an_afmoe_checkpoint_loads_as_afmoe_with_its_routing_windows_and_block_parts() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = Shape {
+            hidden: 64,
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 96,
+            vocab: 100,
+        };
+        let moe = MoeShape {
+            dense_layers: 1,
+            experts: 8,
+            experts_per_token: 2,
+            expert_width: 32,
+            shared_experts: 1,
+            global_every: 2,
+        };
+        let variant = Variant {
+            sliding_window: Some(6),
+            attention_bias: false,
+            moe: Some(moe),
+        };
+        write_variant(shape, variant, dir.path(), 3).unwrap();
+        let weights = LlamaWeights::load(dir.path(), None).unwrap();
+        let routing = weights.config.afmoe.as_ref().expect("an AFMoE config");
+        assert_eq!(
+            (routing.num_experts, routing.experts_per_token),
+            (8, 2),
+            "{routing:?}"
+        );
+        assert_eq!(
+            weights.config.attention_windows,
+            [Some(6), None, Some(6), None]
+        );
+        assert!(weights.blocks[0].moe.is_none());
+        assert!(weights.blocks[1..].iter().all(|b| b.moe.is_some()));
+        assert!(
+            weights
+                .blocks
+                .iter()
+                .all(|b| b.head_norms.is_some() && b.attn_gate.is_some())
+        );
+        // The timed preset: about 2.75 billion parameters, 5.5 GB in bf16.
+        let (preset, variant) = Variant::named("afmoe").unwrap();
+        let values: usize = tensors_of(preset, variant)
+            .iter()
+            .map(|(_, dims, _)| dims.iter().product::<usize>())
+            .sum();
+        assert!((2_700_000_000..2_800_000_000).contains(&values), "{values}");
     }
 
     #[test]

@@ -9,7 +9,7 @@
 # JSON: env, cuda-info, parity, sanitizer, bench, load, peer), packed at exit whatever happens.
 # STEPS=kernels,parity,... runs only the steps named (environment and summary always run), so
 # a rerun repeats only what failed: upload, kernels, parity, variants, auto, cuda12, sites,
-# replay, fixtures, f32, stages, shapes, batch, speed, load, block405.
+# replay, fixtures, f32, stages, shapes, batch, speed, load, block405, afmoe.
 # After parity, every hook site of three layers is compared with the CPU bf16 mode (run on the
 # GPU machine's own CPU), and resid_post alone with resid_post beside every other site; then
 # the GPU's parity run with the CUDA replay of it on the GPU machine's CPU.
@@ -716,6 +716,38 @@ else
   failures=$((failures + 1))
 fi
 rm -rf "$big"
+fi
+
+if wanted afmoe; then
+step "AFMoE large enough to time (synth-model --shape afmoe): $device beside transformers on the same token ids"
+# 5.5 GB in bf16 on a GPU, all 8 blocks; on the CPU (CI) the first 3 (two dense, one routed)
+# and a few short prompts in the f32 mode (the CPU's only one for AFMoE), which checks the
+# step, not the speed.
+moe=$work/afmoe
+if [ "$device" = cpu ]; then
+  moe_cut=(--blocks 3); moe_ids=(2 64); moe_precision=f32
+else
+  moe_cut=(); moe_ids=(16 512); moe_precision=bf16
+fi
+python3 -c 'import json, random, sys; random.seed(11); n, length = map(int, sys.argv[2:]); json.dump([[random.randrange(1, 40000) for _ in range(length)] for _ in range(n)], open(sys.argv[1], "w"))' \
+  "$work/ids-afmoe.json" "${moe_ids[@]}"
+moe_shape="${moe_ids[0]}x${moe_ids[1]}-all-layers"
+if limited 150 "$harvester" synth-model --shape afmoe "${moe_cut[@]}" --out "$moe" >/dev/null \
+  && HARVEST_CUDA_AFMOE=try limited 150 "$harvester" bench --device "$device" \
+    --precision "$moe_precision" --model "$moe" --ids "$work/ids-afmoe.json" --layers all --batch-tokens 8192 >"$work/afmoe.json"; then
+  # Its figures and transformers' are in the summary's speed lines, under afmoe-$moe_shape.
+  sed "s/^{/{\"shape\":\"afmoe-$moe_shape\",/" "$work/afmoe.json" | tee -a "$details/bench.jsonl"
+  limited 180 python3 "$here/peer.py" speed --model "$moe" \
+    --device "$([ "$device" = cpu ] && echo cpu || echo cuda)" --batch-tokens 8192 \
+    --shape "afmoe-$moe_shape:$work/ids-afmoe.json:all:0" | tee "$work/afmoe-peer.jsonl" \
+    | tee -a "$details/peer.jsonl"
+  skipped=$(python3 -c 'import json, sys; print(*[json.loads(l)["skipped"] for l in open(sys.argv[1]) if "skipped" in l])' "$work/afmoe-peer.jsonl")
+  [ -n "$skipped" ] && note "afmoe, transformers: skipped: $skipped"
+else
+  note "afmoe, $moe_shape: FAILED"
+  failures=$((failures + 1))
+fi
+rm -rf "$moe"
 fi
 
 # ---------------------------------------------------------------------------------------------
