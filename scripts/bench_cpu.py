@@ -36,6 +36,15 @@ runs the same comparison on a bench-sized AFMoE (AfmoeForCausalLM) with seeded r
 weights, which transformers writes on first use under $HARVEST_CACHE/bench/: 8 blocks of width
 1024 (2 dense), 32 experts with 4 routed per token plus one shared, a 128-token window in three
 blocks of four. Ours runs in f32 only (AFMoE has no bf16 mode); transformers in both.
+
+    python3 scripts/bench_cpu.py --shape llama-8b [--blocks 4] [--prompts 8] [--tokens 256]
+
+runs it on Llama 3 8B's shape (width 4,096, MLP 14,336, GQA 32/8, vocabulary 128,256), where
+the weight products dominate, with seeded random bf16 weights (`harvester synth-model`, its
+first --blocks blocks, written once under $HARVEST_CACHE/bench/), twice: keeping every layer and
+keeping only the last block's (every block runs either way; PyTorch stops after it, as a
+harvest does). With --memory (the default for this shape) each engine also runs the corpus
+once more in a process of its own, and its peak resident memory is printed.
 """
 import argparse
 import json
@@ -106,6 +115,78 @@ def llama_cpp_engine(gguf, ids, threads):
     return timed, llama_cpp.__version__
 
 
+class _Stop(Exception):
+    """Raised by the deepest kept block's hook: the blocks after it need not run."""
+
+
+def stop_after(_module, _inputs, _output):
+    """A forward hook on the deepest kept block: its output is the harvest's last."""
+    raise _Stop
+
+
+def torch_pass(model, batches, keep):
+    """One pass of `model` over `batches` as a harvest takes it: every layer through
+    output_hidden_states, or forward hooks on the kept blocks and a stop after the deepest."""
+    import torch
+
+    with torch.inference_mode():
+        for batch in batches:
+            if keep is None:
+                model(input_ids=batch, output_hidden_states=True, use_cache=False)
+                continue
+            hook = model.layers[max(keep)].register_forward_hook(stop_after)
+            try:
+                model(input_ids=batch, use_cache=False)
+            except _Stop:
+                pass
+            finally:
+                hook.remove()
+
+
+def torch_child(args):
+    """`--torch-child DTYPE`: one pass in a process of its own, for its peak memory."""
+    import torch
+    from transformers import AutoModel
+
+    torch.set_num_threads(args.threads)
+    ids = json.loads(pathlib.Path(args.ids).read_text())
+    dtype = getattr(torch, args.torch_child)
+    model = AutoModel.from_pretrained(args.model, dtype=dtype).eval()
+    torch_pass(model, torch_batches(ids, args.batch_tokens), keep_list(args.layers))
+    return 0
+
+
+def torch_batches(ids, batch_tokens):
+    import torch
+
+    per_batch = max(1, batch_tokens // len(ids[0]))
+    return [torch.tensor(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
+
+
+def keep_list(layers):
+    """The kept layers as indices, or None for every layer."""
+    return None if layers == "all" else [int(x) for x in layers.split(",")]
+
+
+def peak_memory(command):
+    """The peak resident memory of `command`, run to its end, in GiB."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise SystemExit(f"{command[0]} exited {process.returncode} in its memory pass: {' '.join(command)}")
+    return usage.ru_maxrss / (1 << 20)
+
+
+def synth_llama_8b(binary, blocks):
+    """Llama 3 8B's first `blocks` blocks with seeded random bf16 weights (written once)."""
+    path = CACHE / "bench" / f"llama-8b-{blocks}-blocks"
+    if not (path / "model.safetensors").exists():
+        subprocess.run([str(binary), "synth-model", "--shape", "llama-8b", "--blocks", str(blocks),
+                        "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
 def median(values):
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -124,50 +205,102 @@ def main():
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--afmoe", action="store_true", help="bench a random AFMoE instead of SmolLM2")
+    ap.add_argument("--shape", choices=("smollm2-135m", "llama-8b"), default="smollm2-135m",
+                    help="llama-8b: Llama 3 8B's shape with random weights, its first --blocks blocks")
+    ap.add_argument("--blocks", type=int, default=4, help="blocks of the llama-8b shape")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                    help="also each engine's peak memory, in a pass of its own (default: on for llama-8b)")
+    ap.add_argument("--torch-child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_child:
+        return torch_child(args)
+    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester"], cwd=ROOT, check=True)
+    binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
     model_dir = MODEL
     precisions = ("f32", "bf16")
+    layer_sets = [args.layers]
     if args.afmoe:
         model_dir = AFMOE
         make_afmoe(model_dir)
         precisions = ("f32",)
+    elif args.shape == "llama-8b":
+        if args.blocks < 1 or args.blocks > 32:
+            raise SystemExit(f"--blocks {args.blocks}: llama-8b has 1 to 32 blocks")
+        model_dir = synth_llama_8b(binary, args.blocks)
+        layer_sets = ["all", str(args.blocks - 1)]
+    memory = args.shape == "llama-8b" if args.memory is None else args.memory
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
     rng = random.Random(0)
     ids = [[rng.randrange(17, vocab) for _ in range(args.tokens)] for _ in range(args.prompts)]
-    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester"], cwd=ROOT, check=True)
-    binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
-
-    # Every engine, as a function that times one pass over the corpus. Rounds run them in turn,
-    # so that each engine meets the same drifts of a shared machine's speed.
-    engines = {}
-    for precision in precisions:
-        def ours(precision=precision):
-            return json.loads(subprocess.run(
-                [str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", f.name,
-                 "--layers", args.layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision],
-                check=True, capture_output=True, text=True).stdout)
-        engines[f"harvest cpu ({precision})"] = ours
+    # Before this process loads any model: Linux carries a process's peak memory into the
+    # children it starts, so each engine's memory pass runs while this one is still small.
+    peaks = {layers: {name: peak_memory(command) for name, command in
+                      commands(args, binary, model_dir, precisions, layers, f.name).items()}
+             for layers in layer_sets} if memory else {}
+    torch_models = {}
     if not args.skip_torch:
         import torch
         from transformers import AutoModel
         torch.set_num_threads(args.threads)
-        per_batch = max(1, args.batch_tokens // args.tokens)
-        batches = [torch.tensor(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
         for dtype in (torch.float32, torch.bfloat16):
-            model = AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
+            torch_models[dtype] = AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
+    for index, layers in enumerate(layer_sets):
+        if index:
+            print()
+        table(args, binary, model_dir, precisions, layers, ids, f.name, torch_models, peaks.get(layers, {}))
+    os.unlink(f.name)
 
+
+def torch_name(dtype):
+    """An engine's name for PyTorch in `dtype` (float32 or bfloat16)."""
+    from importlib.metadata import version
+    return f"torch {version('torch')} ({dtype})"
+
+
+def commands(args, binary, model_dir, precisions, layers, ids_file):
+    """Each engine's command for one pass over the corpus keeping `layers`, by engine name."""
+    commands = {}
+    for precision in precisions:
+        commands[f"harvest cpu ({precision})"] = [
+            str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", ids_file,
+            "--layers", layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision]
+    if not args.skip_torch:
+        for dtype in ("float32", "bfloat16"):
+            commands[torch_name(dtype)] = [
+                sys.executable, __file__, "--torch-child", dtype, "--model", str(model_dir), "--ids", ids_file,
+                "--layers", layers, "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads)]
+    return commands
+
+
+def table(args, binary, model_dir, precisions, layers, ids, ids_file, torch_models, peaks_gib):
+    """Times every engine over the corpus keeping `layers`, in rounds, and prints the table
+    (with each engine's peak memory, where `peaks_gib` has it)."""
+
+    # Every engine, as a function that times one pass over the corpus. Rounds run them in turn,
+    # so that each engine meets the same drifts of a shared machine's speed.
+    engines = {}
+    for name, command in commands(args, binary, model_dir, precisions, layers, ids_file).items():
+        if name.startswith("harvest"):
+            def ours(command=command):
+                return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+            engines[name] = ours
+    if torch_models:
+        import torch
+        batches = torch_batches(ids, args.batch_tokens)
+        keep = keep_list(layers)
+        for dtype, model in torch_models.items():
             def timed(model=model):
-                with torch.inference_mode():
-                    model(input_ids=batches[0], output_hidden_states=True, use_cache=False)
-                    start = time.perf_counter()
-                    for batch in batches:
-                        model(input_ids=batch, output_hidden_states=True, use_cache=False)
-                    return args.prompts * args.tokens / (time.perf_counter() - start)
-            engines[f"torch {torch.__version__} ({str(dtype).split('.')[-1]})"] = timed
-    if not args.afmoe and not args.skip_llama_cpp:
+                torch_pass(model, batches[:1], keep)
+                start = time.perf_counter()
+                torch_pass(model, batches, keep)
+                return args.prompts * args.tokens / (time.perf_counter() - start)
+            engines[torch_name(str(dtype).split('.')[-1])] = timed
+    if not args.afmoe and args.shape == "smollm2-135m" and not args.skip_llama_cpp:
         timed, version = llama_cpp_engine(GGUF, ids, args.threads)
         if timed is None:
             print("llama.cpp: llama-cpp-python is not installed; see this script's docstring", file=sys.stderr)
@@ -178,7 +311,6 @@ def main():
     for _ in range(max(1, args.rounds)):
         for name, timed in engines.items():
             results[name].append(timed())
-    os.unlink(f.name)
     rates = {name: [r["tokens_per_s"] if isinstance(r, dict) else r for r in runs] for name, runs in results.items()}
     # Our figures beside the rate come from the round whose rate is the median (the lower
     # middle one for an even count), so that they belong to one process.
@@ -197,11 +329,13 @@ def main():
     level = next(iter(ours.values()))["cpu_level"] if ours else "-"
     print(f"cpu flags: {' '.join(flags)}; kernel level: {level}; vdpbf16ps used: {used}; model: {model_dir.name}")
     print(f"corpus: {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads, "
-          f"{args.batch_tokens} tokens per batch, layers={args.layers}, blocks run={ours['f32']['blocks']}")
+          f"{args.batch_tokens} tokens per batch, layers={layers}, blocks run={ours['f32']['blocks']}")
     rounds = len(next(iter(rates.values())))
     print(f"{rounds} rounds of every engine in turn; each figure is the median of its rounds, "
           f"with the range of its rounds' tokens/s and its ratios to torch f32 in the same round")
-    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}   range (tokens/s; vs torch f32)")
+    memory_header = f"{'peak GiB':>10}" if peaks_gib else ""
+    print(f"{'engine':<28}{'tokens/s':>12}{'GFLOP/s':>12}{'vs torch f32':>14}{memory_header}"
+          f"   range (tokens/s; vs torch f32)")
     base_name = next((k for k in peers if k.endswith("(float32)")), None)
     per_token = ours["f32"]["gflops"] / ours["f32"]["tokens_per_s"]
     for name, runs in rates.items():
@@ -211,7 +345,8 @@ def main():
             ratio = f"{tps / median(rates[base_name]):.2f}x"
             paired = [r / b for r, b in zip(runs, rates[base_name])]
             spread += f"; {min(paired):.2f}-{max(paired):.2f}x"
-        print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}   {spread}")
+        peak = f"{peaks_gib[name]:>10.2f}" if name in peaks_gib else (f"{'-':>10}" if peaks_gib else "")
+        print(f"{name:<28}{tps:>12.1f}{tps * per_token:>12.1f}{ratio:>14}{peak}   {spread}")
     m, n, k = ours["f32"]["gemm_shape"]
     print(f"plain f32 GEMM [{m}x{k}]·[{k}x{n}] (our kernel, {ours['f32'].get('gemm_kernel')}, same run): {ours['f32']['gemm_gflops']:.1f} GFLOP/s (gemm crate {ours['f32'].get('gemm_crate_gflops') or 0:.1f}); "
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (

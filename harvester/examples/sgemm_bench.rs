@@ -48,6 +48,7 @@ fn main() {
             ("smollm2 gate|up", 3072, 576),
             ("smollm2 down", 576, 1536),
             ("llama-8b qkv", 6144, 4096),
+            ("llama-8b gate|up", 28672, 4096),
             ("llama-8b down", 4096, 14336),
         ]
     };

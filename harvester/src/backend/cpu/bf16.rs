@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::schedule::{self, Dst, Grid, Out, Threads};
+use super::schedule::{self, Dst, Grid, Out, PANEL_CHUNK_BYTES, Threads};
 use super::sgemm::{self, WeightRows};
 use super::views::{MatRef, output_fits};
 
@@ -507,7 +507,10 @@ impl PairBlock<'_> {
         }
     }
 
-    /// One task: its rows of `a`, [`MR`] at a time, each swept across its panels.
+    /// One task: its panels in chunks of `PANEL_CHUNK_BYTES` (they stay in the caches), and
+    /// for each chunk its rows of `a`, [`MR`] at a time, each swept across the chunk. Each cell
+    /// is still one register block's chain over this block of pairs: the order of the sweep
+    /// changes no bits.
     #[cfg(target_arch = "x86_64")]
     fn run(
         &self,
@@ -516,42 +519,57 @@ impl PairBlock<'_> {
         packed: &[u32],
         out: Target,
     ) {
+        let chunk = (PANEL_CHUNK_BYTES / (self.pairs * PANEL * size_of::<u32>())).max(1);
+        for first in panels.clone().step_by(chunk) {
+            let chunk = first..(first + chunk).min(panels.end);
+            for r in rows.clone().step_by(MR) {
+                self.sweep((r, MR.min(rows.end - r)), chunk.clone(), packed, out);
+            }
+        }
+    }
+
+    /// Rows `r..r + height` of `a` across `panels`.
+    #[cfg(target_arch = "x86_64")]
+    fn sweep(
+        &self,
+        (r, height): (usize, usize),
+        panels: std::ops::Range<usize>,
+        packed: &[u32],
+        out: Target,
+    ) {
         let Operands {
             a, a_stride, cols, ..
         } = self.operands;
         let pairs = self.pairs;
-        for r in rows.clone().step_by(MR) {
-            let height = MR.min(rows.end - r);
-            // The block's rows of `a`, from its first pair on.
-            let from = r * a_stride + 2 * self.first_pair;
-            let a = &a[from..from + (height - 1) * a_stride + 2 * pairs];
-            for p in panels.clone() {
-                let c = p * PANEL;
-                let (height, width) = (height, PANEL.min(cols - c));
-                // SAFETY: row `r` < rows and column `c` < cols, inside `out` (checked against
-                // its length by the public function that made it).
-                let dst = match out {
-                    Target::F32(out) => {
-                        avx512::Store::F32(unsafe { out.block((r, c), (height, width), self.load) })
-                    }
-                    Target::Bits(bits) => avx512::Store::Bits {
-                        ptr: unsafe { bits.ptr.add(r * bits.stride + c) },
-                        stride: bits.stride,
-                        height,
-                        width,
-                    },
-                };
-                let operands = avx512::Operands {
-                    a,
-                    a_stride,
-                    panel: &packed[p * pairs * PANEL..(p + 1) * pairs * PANEL],
-                    pairs,
-                };
-                // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
-                // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
-                // (checked by the public function that made `out`).
-                unsafe { avx512::block(operands, dst) }
-            }
+        // The block's rows of `a`, from its first pair on.
+        let from = r * a_stride + 2 * self.first_pair;
+        let a = &a[from..from + (height - 1) * a_stride + 2 * pairs];
+        for p in panels {
+            let c = p * PANEL;
+            let (height, width) = (height, PANEL.min(cols - c));
+            // SAFETY: row `r` < rows and column `c` < cols, inside `out` (checked against
+            // its length by the public function that made it).
+            let dst = match out {
+                Target::F32(out) => {
+                    avx512::Store::F32(unsafe { out.block((r, c), (height, width), self.load) })
+                }
+                Target::Bits(bits) => avx512::Store::Bits {
+                    ptr: unsafe { bits.ptr.add(r * bits.stride + c) },
+                    stride: bits.stride,
+                    height,
+                    width,
+                },
+            };
+            let operands = avx512::Operands {
+                a,
+                a_stride,
+                panel: &packed[p * pairs * PANEL..(p + 1) * pairs * PANEL],
+                pairs,
+            };
+            // SAFETY: `dst` is `height × width` cells of this task's own rows and panels of
+            // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
+            // (checked by the public function that made `out`).
+            unsafe { avx512::block(operands, dst) }
         }
     }
 }
@@ -1086,6 +1104,44 @@ mod tests {
                 assert_eq!(
                     fast, slow,
                     "{cols} rows, k {k}, stride {stride}, panel {panel}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_column_gives_the_same_bits_in_a_product_whose_panels_span_several_chunks() {
+        if !has_dot_instructions() {
+            eprintln!("skipped: this CPU has no vdpbf16ps");
+            return;
+        }
+        // One block of `k`, and columns enough that each task's panels span several chunks.
+        let (rows, cols, k) = (MR + 3, 6000usize, KC);
+        let chunk = PANEL_CHUNK_BYTES / (k / 2 * PANEL * size_of::<u32>());
+        let grid = Grid::new(rows, cols.div_ceil(PANEL), MR, 1);
+        let (_, first_task) = grid.task(0, rows, cols.div_ceil(PANEL));
+        assert!(first_task.len() > 2 * chunk, "{} panels", first_task.len());
+        let values = |n: usize, step: f32| (0..n).map(|i| (i as f32 * step).sin()).collect();
+        let (a, b): (Vec<f32>, Vec<f32>) = (values(rows * k, 0.37), values(cols * k, 0.11));
+        let (a, b) = (bits(&a), bits(&b));
+        let product = |b: &[u16]| {
+            let cols = b.len() / k;
+            let mut out = vec![0.0; rows * cols];
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build();
+            pool.unwrap().install(|| {
+                matmul_bf16(&a, b, k, &mut out, cols, false, &mut Packed::default());
+            });
+            out
+        };
+        let wide = product(&b);
+        // Few enough columns for one chunk.
+        for first in [0, 1000, cols - 40] {
+            let narrow = product(&b[first * k..(first + 40) * k]);
+            for r in 0..rows {
+                assert_eq!(
+                    narrow[r * 40..(r + 1) * 40],
+                    wide[r * cols + first..r * cols + first + 40],
+                    "row {r}, columns {first}.."
                 );
             }
         }
