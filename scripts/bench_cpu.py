@@ -5,7 +5,8 @@
 
 All run SmolLM2-135M (the checkpoint imported by scripts/fetch-model.sh) over the same token ids
 (seeded), through every block, with the same thread count and the same batch of tokens per
-forward pass: ours with --precision f32 and bf16, PyTorch (transformers) in float32 and
+forward pass: ours with --precision f32 and bf16 (and bf16 once more at the `amx` kernel level, on AMX tiles,
+where the CPU runs it), PyTorch (transformers) in float32 and
 bfloat16, running the base model (no LM head) with output_hidden_states, the closest equivalent
 of capturing every layer. Prints the CPU's flags, tokens/s for each and the ratio to PyTorch
 f32, and our achieved GFLOP/s against a plain f32 GEMM of our GEMM library and against the
@@ -218,6 +219,14 @@ def main():
         return torch_child(args)
     subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "harvester"], cwd=ROOT, check=True)
     binary = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "harvester"
+    # Where the CPU runs the `amx` kernel level (which runs only where it is named), ours in
+    # bf16 runs once more at it.
+    report = json.loads(subprocess.run([str(binary), "cpu-info"], check=True, capture_output=True,
+                                       text=True).stdout)
+    amx = next(level for level in report["levels"] if level["level"] == "amx")
+    args.amx = amx["runs"]
+    if not args.amx:
+        print(f"harvest cpu (bf16, amx): skipped, this CPU lacks {', '.join(amx['lacks'])}", file=sys.stderr)
     model_dir = MODEL
     precisions = ("f32", "bf16")
     layer_sets = [args.layers]
@@ -269,6 +278,8 @@ def commands(args, binary, model_dir, precisions, layers, ids_file):
         commands[f"harvest cpu ({precision})"] = [
             str(binary), "--threads", str(args.threads), "bench", "--model", str(model_dir), "--ids", ids_file,
             "--layers", layers, "--batch-tokens", str(args.batch_tokens), "--precision", precision]
+    if args.amx and "bf16" in precisions:
+        commands["harvest cpu (bf16, amx)"] = ["env", "HARVEST_CPU_LEVEL=amx"] + commands["harvest cpu (bf16)"]
     if not args.skip_torch:
         for dtype in ("float32", "bfloat16"):
             commands[torch_name(dtype)] = [

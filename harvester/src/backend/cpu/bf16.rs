@@ -16,6 +16,7 @@
 
 use rayon::prelude::*;
 
+use super::amx;
 use super::schedule::{self, Dst, Grid, Out, PANEL_CHUNK_BYTES, Threads};
 use super::sgemm::{self, WeightRows};
 use super::views::{MatRef, output_fits};
@@ -394,6 +395,9 @@ fn product_on_pairs(
     threads: Threads,
     panels: &mut Vec<u32>,
 ) {
+    if super::level::Level::Amx.enabled() {
+        return product_on_tiles::<amx::Hardware>(operands, out, accumulate, threads, panels);
+    }
     let Operands { k, rows, cols, .. } = operands;
     let pairs = k.div_ceil(2);
     let step = pairs.div_ceil(pairs.div_ceil(KC / 2));
@@ -441,6 +445,81 @@ fn product_on_pairs(
             (0..grid.tasks()).into_par_iter().for_each(run);
         }
     }
+}
+
+/// The product on AMX tiles (`amx`), block of `k` by block of `k` as on pairs, each block a
+/// whole number of tile steps (16 pairs) so that its panels and rows of `a` pad to whole steps
+/// with zeros. Blocks split `k` as evenly as the steps allow, at most [`KC`] wide: the split
+/// depends on `k` alone, so each cell's order of sums still does.
+fn product_on_tiles<T: amx::Tiles + Default>(
+    operands: Operands<'_>,
+    out: Target,
+    accumulate: bool,
+    threads: Threads,
+    panels: &mut Vec<u32>,
+) {
+    let Operands { k, rows, cols, .. } = operands;
+    let pairs = k.div_ceil(2);
+    let step = pairs
+        .div_ceil(pairs.div_ceil(KC / 2))
+        .next_multiple_of(amx::STEP_PAIRS);
+    assert!(
+        matches!(out, Target::F32(_)) || (step >= pairs && !accumulate),
+        "a rounded bf16 output takes one block of k. This is a bug."
+    );
+    let panel_count = cols.div_ceil(PANEL);
+    let serial = threads == Threads::Caller || rows * cols * k < schedule::SERIAL_BELOW;
+    let threads = if serial {
+        1
+    } else {
+        rayon::current_num_threads()
+    };
+    let grid = Grid::new(rows, panel_count, amx::ROWS, threads);
+    for first_pair in (0..pairs).step_by(step) {
+        let block = PairBlock {
+            operands,
+            first_pair,
+            pairs: step.min(pairs - first_pair),
+            load: accumulate || first_pair > 0,
+        };
+        let padded = block.pairs.next_multiple_of(amx::STEP_PAIRS);
+        panels.resize(panel_count * padded * PANEL, 0);
+        let pack = |(p, dst): (usize, &mut [u32])| {
+            let (present, zeros) = dst.split_at_mut(block.pairs * PANEL);
+            block.pack_panel(p, present);
+            zeros.fill(0);
+        };
+        if serial {
+            panels.chunks_mut(padded * PANEL).enumerate().for_each(pack);
+        } else {
+            panels
+                .par_chunks_mut(padded * PANEL)
+                .enumerate()
+                .for_each(pack);
+        }
+        let panels = &panels[..];
+        let run = |task: usize| {
+            let (task_rows, task_panels) = grid.task(task, rows, panel_count);
+            block.run_tiles::<T>(task_rows, task_panels, (panels, padded), out);
+        };
+        if serial {
+            (0..grid.tasks()).for_each(run);
+        } else {
+            (0..grid.tasks()).into_par_iter().for_each(run);
+        }
+    }
+}
+
+/// A thread's buffers for the tile product: its rows of `a` padded to whole tile steps, and
+/// one block of sums.
+#[derive(Debug, Default)]
+struct TileScratch {
+    a: Vec<u16>,
+    sums: Vec<f32>,
+}
+
+thread_local! {
+    static TILE_SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
 }
 
 /// One block of pairs of `k` of a product.
@@ -570,6 +649,143 @@ impl PairBlock<'_> {
             // `out`, which no other task touches; the CPU has AVX512-F, -BW and -BF16
             // (checked by the public function that made `out`).
             unsafe { avx512::block(operands, dst) }
+        }
+    }
+}
+
+impl PairBlock<'_> {
+    /// One task on AMX tiles: as [`Self::run`], its panels in chunks that stay in the caches
+    /// and its rows of `a` [`amx::ROWS`] at a time, swept across the chunk's panels, each
+    /// `packed` panel `padded` pairs long. The tiles read 32 whole rows of whole steps of `a`
+    /// where they exist, else a copy padded with zeros; they sum straight into `out` where a
+    /// block covers 32 × 32 cells of f32, else through a block of scratch.
+    fn run_tiles<T: amx::Tiles + Default>(
+        &self,
+        rows: std::ops::Range<usize>,
+        panels: std::ops::Range<usize>,
+        (packed, padded): (&[u32], usize),
+        out: Target,
+    ) {
+        let Operands {
+            a, a_stride, cols, ..
+        } = self.operands;
+        let (from, to) = self.columns();
+        let steps = padded / amx::STEP_PAIRS;
+        let chunk = (PANEL_CHUNK_BYTES / (padded * PANEL * size_of::<u32>())).max(1);
+        schedule::with(&TILE_SCRATCH, |scratch| {
+            let TileScratch { a: padded_a, sums } = scratch;
+            padded_a.resize(amx::ROWS * 2 * padded, 0);
+            sums.resize(amx::ROWS * amx::COLS, 0.0);
+            let mut tiles = T::default();
+            // SAFETY: `T` is the emulator, or the tiles where the kernel level is `amx`,
+            // which the level check grants only after the tiles passed their self-check.
+            unsafe { tiles.configure(&amx::Config::full()) };
+            for first in panels.clone().step_by(chunk) {
+                for r in rows.clone().step_by(amx::ROWS) {
+                    let height = amx::ROWS.min(rows.end - r);
+                    let rows_of_a = if height == amx::ROWS && to - from == 2 * padded {
+                        (&a[r * a_stride + from..], a_stride)
+                    } else {
+                        self.pad_rows((r, height), (padded_a, 2 * padded));
+                        (&padded_a[..], 2 * padded)
+                    };
+                    for p in first..(first + chunk).min(panels.end) {
+                        let c = p * PANEL;
+                        let cell = ((r, c), (height, PANEL.min(cols - c)));
+                        let panel = &packed[p * padded * PANEL..(p + 1) * padded * PANEL];
+                        let direct = match out {
+                            Target::F32(out) if cell.1 == (amx::ROWS, amx::COLS) => Some(out),
+                            _ => None,
+                        };
+                        let target = match direct {
+                            Some(out) => amx::Sums {
+                                // SAFETY: (r, c) lies inside `out` (the grid's contract).
+                                ptr: unsafe { out.ptr.add(r * out.stride + c) },
+                                stride: out.stride,
+                                from_zero: !self.load,
+                            },
+                            None => self.load_sums(out, cell, sums),
+                        };
+                        // SAFETY: configured above; `target` is 32 × 32 cells of this task's
+                        // own rows and panels of `out`, or of its scratch; `block` checks the
+                        // operands' lengths.
+                        unsafe { amx::block(&mut tiles, rows_of_a, panel, steps, target) };
+                        if direct.is_none() {
+                            store_sums(sums, out, cell);
+                        }
+                    }
+                }
+            }
+            // SAFETY: as for `configure`.
+            unsafe { tiles.release() };
+        });
+    }
+
+    /// Rows `r..r + height` of `a` over this block's columns into `dst`, rows `stride` apart,
+    /// zero past the columns and rows that exist.
+    fn pad_rows(&self, (r, height): (usize, usize), (dst, stride): (&mut [u16], usize)) {
+        let Operands { a, a_stride, .. } = self.operands;
+        let (from, to) = self.columns();
+        for (i, row) in dst.chunks_exact_mut(stride).enumerate() {
+            let present = if i < height { to - from } else { 0 };
+            let src = (r + i) * a_stride + from;
+            if present > 0 {
+                row[..present].copy_from_slice(&a[src..src + present]);
+            }
+            row[present..].fill(0);
+        }
+    }
+
+    /// The scratch block a block of cells sums through: from `out`'s cells where the block
+    /// continues them, else from zero.
+    fn load_sums(
+        &self,
+        out: Target,
+        ((r, c), (height, width)): Cell,
+        sums: &mut [f32],
+    ) -> amx::Sums {
+        let target = amx::Sums {
+            ptr: sums.as_mut_ptr(),
+            stride: amx::COLS,
+            from_zero: !self.load,
+        };
+        if let (Target::F32(out), true) = (out, self.load) {
+            sums.fill(0.0);
+            for (i, row) in sums.chunks_exact_mut(amx::COLS).take(height).enumerate() {
+                // SAFETY: rows r..r + height and columns c..c + width lie inside `out` and
+                // belong to this task alone (the grid's contract).
+                let src = unsafe {
+                    std::slice::from_raw_parts(out.ptr.add((r + i) * out.stride + c), width)
+                };
+                row[..width].copy_from_slice(src);
+            }
+        }
+        target
+    }
+}
+
+/// A block of cells of `out`: its first row and column, its height and width.
+type Cell = ((usize, usize), (usize, usize));
+
+/// Writes a block's sums to its cells of `out`: as they are, or rounded to bf16 bits.
+fn store_sums(sums: &[f32], out: Target, ((r, c), (height, width)): Cell) {
+    for (i, row) in sums.chunks_exact(amx::COLS).take(height).enumerate() {
+        let row = &row[..width];
+        // SAFETY: as in `load_sums`: this task's own cells of `out`.
+        unsafe {
+            match out {
+                Target::F32(out) => {
+                    let dst = out.ptr.add((r + i) * out.stride + c);
+                    std::slice::from_raw_parts_mut(dst, width).copy_from_slice(row);
+                }
+                Target::Bits(bits) => {
+                    let dst = bits.ptr.add((r + i) * bits.stride + c);
+                    let dst = std::slice::from_raw_parts_mut(dst, width);
+                    dst.iter_mut()
+                        .zip(row)
+                        .for_each(|(d, &v)| *d = to_bf16_bits(v));
+                }
+            }
         }
     }
 }
@@ -1145,6 +1361,164 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// [`product_on_tiles`] on `T`'s tiles: `out (+)= a · bᵀ`.
+    fn on_tiles<T: amx::Tiles + Default>(
+        (a, b, k): (&[u16], &[u16], usize),
+        (out, out_stride): (&mut [f32], usize),
+        accumulate: bool,
+    ) {
+        let (rows, cols) = (a.len() / k, b.len() / k);
+        assert!(output_fits(out.len(), (rows, cols), out_stride));
+        let operands = Operands {
+            a,
+            a_stride: k,
+            b,
+            b_stride: k,
+            k,
+            rows,
+            cols,
+        };
+        let out = Target::F32(Out {
+            ptr: out.as_mut_ptr(),
+            stride: out_stride,
+        });
+        product_on_tiles::<T>(operands, out, accumulate, Threads::Pool, &mut Vec::new());
+    }
+
+    /// Runs `test` on the emulated tiles, and on this CPU's where it has AMX (named as skipped
+    /// where it has not).
+    fn on_every_tile_unit(
+        test: impl Fn(&str, &(dyn Fn((&[u16], &[u16], usize), (&mut [f32], usize), bool) + Sync)),
+    ) {
+        test("emulated", &on_tiles::<amx::Emulated>);
+        match amx::self_check() {
+            Ok(()) => test("hardware", &on_tiles::<amx::Hardware>),
+            Err(why) => eprintln!("skipped on this CPU's tiles: {why}"),
+        }
+    }
+
+    #[test]
+    fn the_tile_product_matches_a_float64_sum_of_the_same_bf16_inputs_for_ragged_shapes() {
+        on_every_tile_unit(|unit, product| {
+            for (rows, cols, k) in [
+                (1, 1, 1),
+                (5, 7, 33),
+                (37, 6, 64),
+                (33, 40, 31),
+                (13, 33, 600),
+                (70, 65, 2 * KC + 77),
+            ] {
+                let a: Vec<f32> = (0..rows * k)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+                    .collect();
+                let b: Vec<f32> = (0..cols * k)
+                    .map(|i| ((i * 53 % 89) as f32 - 44.0) / 23.0)
+                    .collect();
+                let (a, b) = (bits(&a), bits(&b));
+                let mut out = vec![1.0f32; rows * (cols + 2)];
+                product((&a, &b, k), (&mut out, cols + 2), true);
+                let expected = reference(&a, &b, k);
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let got = f64::from(out[r * (cols + 2) + c]) - 1.0;
+                        let want = expected[r * cols + c];
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{unit}: {rows}x{cols}x{k} [{r},{c}]: {got} vs {want}"
+                        );
+                    }
+                    assert_eq!(out[r * (cols + 2) + cols], 1.0, "{unit}: past cols");
+                }
+            }
+        });
+    }
+
+    /// `bf16(a · bᵀ)` on `T`'s tiles, as [`matmul_bf16_rounded`] stores it, and the f32 sums.
+    fn rounded_on_tiles<T: amx::Tiles + Default>(
+        a: &[u16],
+        b: &[u16],
+        k: usize,
+    ) -> (Vec<u16>, Vec<f32>) {
+        let (rows, cols) = (a.len() / k, b.len() / k);
+        let operands = Operands {
+            a,
+            a_stride: k,
+            b,
+            b_stride: k,
+            k,
+            rows,
+            cols,
+        };
+        let mut rounded = vec![7u16; rows * cols];
+        let out = Target::Bits(OutBits {
+            ptr: rounded.as_mut_ptr(),
+            stride: cols,
+        });
+        product_on_tiles::<T>(operands, out, false, Threads::Pool, &mut Vec::new());
+        let mut sums = vec![0.0; rows * cols];
+        on_tiles::<T>((a, b, k), (&mut sums, cols), false);
+        (rounded, sums)
+    }
+
+    #[test]
+    fn on_tiles_a_product_rounded_as_it_is_stored_gives_the_bits_of_the_f32_product_rounded() {
+        let (rows, cols, k) = (37, 70, 64);
+        let a = bits(
+            &(0..rows * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect::<Vec<_>>(),
+        );
+        let b = bits(
+            &(0..cols * k)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                .collect::<Vec<_>>(),
+        );
+        let mut runs = vec![("emulated", rounded_on_tiles::<amx::Emulated>(&a, &b, k))];
+        match amx::self_check() {
+            Ok(()) => runs.push(("hardware", rounded_on_tiles::<amx::Hardware>(&a, &b, k))),
+            Err(why) => eprintln!("skipped on this CPU's tiles: {why}"),
+        }
+        for (unit, (rounded, sums)) in runs {
+            let expected: Vec<u16> = sums.iter().map(|&v| to_bf16_bits(v)).collect();
+            assert_eq!(rounded, expected, "{unit}");
+        }
+    }
+
+    #[test]
+    fn on_tiles_a_row_gives_the_same_bits_alone_as_in_any_batch_on_any_thread_count() {
+        // Rows over two tasks and a `k` over two blocks of uneven steps.
+        let (rows, cols, k) = (2 * schedule::STRIPS_PER_BLOCK * amx::ROWS + 7, 40, KC + 78);
+        let a = bits(
+            &(0..rows * k)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect::<Vec<_>>(),
+        );
+        let b = bits(
+            &(0..cols * k)
+                .map(|i| (i as f32 * 0.11).cos())
+                .collect::<Vec<_>>(),
+        );
+        on_every_tile_unit(|unit, product| {
+            let run = |a: &[u16], threads: usize| {
+                let mut out = vec![0.0; a.len() / k * cols];
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                pool.unwrap()
+                    .install(|| product((a, &b, k), (&mut out, cols), false));
+                out
+            };
+            let all = run(&a, 2);
+            assert_eq!(run(&a, 1), all, "{unit}: one thread or two");
+            for row in [0, amx::ROWS + 3, rows - 1] {
+                let one = run(&a[row * k..(row + 1) * k], 2);
+                assert_eq!(
+                    one,
+                    all[row * cols..(row + 1) * cols],
+                    "{unit}: row {row} alone"
+                );
+            }
+        });
     }
 
     #[test]

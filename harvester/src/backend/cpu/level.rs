@@ -1,13 +1,17 @@
 //! The CPU's kernel level: which instruction sets the CPU backend's kernels may use. Every
 //! kernel asks [`Level::current`], never the CPU directly, so one setting moves them all:
-//! `HARVEST_CPU_LEVEL=portable|avx2|avx512|avx512bf16` caps the level below what the CPU has,
-//! which lets an AVX-512 machine run (and CI test) what an AVX2 laptop or any x86-64 CPU runs.
-//! Asking for more than the CPU has is refused ([`Level::configured`]); it never reaches an
-//! instruction the CPU lacks.
+//! `HARVEST_CPU_LEVEL=portable|avx2|avx512|avx512bf16|amx` caps the level below what the CPU
+//! has, which lets an AVX-512 machine run (and CI test) what an AVX2 laptop or any x86-64 CPU
+//! runs. Asking for more than the CPU has is refused ([`Level::configured`]); it never reaches
+//! an instruction the CPU lacks.
 //!
 //! ```text
 //! portable ─► avx2 (AVX, AVX2, FMA) ─► avx512 (+ F, BW, VL, DQ) ─► avx512bf16 (+ BF16: vdpbf16ps)
+//!          ─► amx (+ AMX-TILE, AMX-BF16 and Linux's permission: the bf16 products on tiles)
 //! ```
+//!
+//! `amx` runs only where asked for ([`AUTOMATIC_CEILING`]) until its tile kernel has been
+//! checked on an AMX CPU, and only after a self-check on this CPU passes.
 
 use std::sync::OnceLock;
 
@@ -18,6 +22,14 @@ static SETTING: OnceLock<std::result::Result<Level, String>> = OnceLock::new();
 
 /// The environment variable that caps the level.
 pub const LEVEL_VARIABLE: &str = "HARVEST_CPU_LEVEL";
+
+/// The highest level chosen without [`LEVEL_VARIABLE`]: the tile kernel (`amx`) has run only on
+/// its emulator (`amx::Emulated`) so far, so it runs only where a user names it.
+pub const AUTOMATIC_CEILING: Level = Level::Avx512Bf16;
+
+/// The pseudo-feature [`Level::lacking`] names when Linux refuses the tiles' register state.
+const TILE_PERMISSION: &str =
+    "amx_permission (Linux's arch_prctl ARCH_REQ_XCOMP_PERM for tile data, Linux 5.16 or later)";
 
 /// A kernel level, each one a superset of the one before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -30,11 +42,19 @@ pub enum Level {
     Avx512,
     /// 512-bit vectors and the bf16 dot product `vdpbf16ps`.
     Avx512Bf16,
+    /// The bf16 weight products on AMX tiles (`tdpbf16ps`).
+    Amx,
 }
 
 impl Level {
     /// Every level, lowest first.
-    pub const ALL: [Self; 4] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Bf16];
+    pub const ALL: [Self; 5] = [
+        Self::Portable,
+        Self::Avx2,
+        Self::Avx512,
+        Self::Avx512Bf16,
+        Self::Amx,
+    ];
 
     /// Its name, as [`LEVEL_VARIABLE`] takes it.
     pub fn name(self) -> &'static str {
@@ -43,6 +63,7 @@ impl Level {
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
             Self::Avx512Bf16 => "avx512bf16",
+            Self::Amx => "amx",
         }
     }
 
@@ -53,6 +74,7 @@ impl Level {
             Self::Avx2 => &["avx", "avx2", "fma"],
             Self::Avx512 => &["avx512f", "avx512bw", "avx512vl", "avx512dq"],
             Self::Avx512Bf16 => &["avx512_bf16"],
+            Self::Amx => &["amx_tile", "amx_bf16", TILE_PERMISSION],
         }
     }
 
@@ -79,12 +101,18 @@ impl Level {
         })
     }
 
+    /// The level the kernels run at when [`LEVEL_VARIABLE`] is unset: the CPU's, up to
+    /// [`AUTOMATIC_CEILING`].
+    pub fn automatic() -> Self {
+        Self::detected().min(AUTOMATIC_CEILING)
+    }
+
     /// The level `forced` (the value of [`LEVEL_VARIABLE`]) asks for on a CPU whose highest is
-    /// `detected`: `detected` when unset; an error naming the value when it is not a level or
-    /// asks for more than the CPU has.
+    /// `detected`: `detected` up to [`AUTOMATIC_CEILING`] when unset; an error naming the
+    /// value when it is not a level or asks for more than the CPU has.
     pub fn choose(forced: Option<&str>, detected: Self) -> Result<Self> {
         let Some(text) = forced.map(str::trim).filter(|t| !t.is_empty()) else {
-            return Ok(detected);
+            return Ok(detected.min(AUTOMATIC_CEILING));
         };
         let names = || Self::ALL.map(Self::name).join(", ");
         let level = Self::ALL
@@ -114,7 +142,7 @@ impl Level {
     /// kernels at the detected level, and [`Level::configured`] says why wherever a CPU
     /// backend is built, so that a job is refused before any work.
     pub fn configure(forced: Option<&str>) -> Result<Self> {
-        let chosen = Self::choose(forced, Self::detected());
+        let chosen = Self::choose(forced, Self::detected()).and_then(checked);
         let setting = match &chosen {
             Ok(level) => Ok(*level),
             Err(Error::Machine(MachineError::CpuLevel { reason })) => Err(reason.clone()),
@@ -141,7 +169,7 @@ impl Level {
     pub fn current() -> Self {
         match Self::setting() {
             Ok(level) => *level,
-            Err(_) => Self::detected(),
+            Err(_) => Self::automatic(),
         }
     }
 
@@ -154,12 +182,28 @@ impl Level {
                 let _ = Self::configure(std::env::var(LEVEL_VARIABLE).ok().as_deref());
             });
         }
-        SETTING.get_or_init(|| Ok(Self::detected()))
+        SETTING.get_or_init(|| Ok(Self::automatic()))
     }
 
     /// Whether the kernels may use `self`'s instructions now.
     pub fn enabled(self) -> bool {
         Self::current() >= self
+    }
+}
+
+/// `level`, once its kernels have passed their check on this CPU: `amx`'s tile kernel must give
+/// the emulator's bits on exact sums ([`super::amx::self_check`]) before any work runs on it.
+fn checked(level: Level) -> Result<Level> {
+    if level != Level::Amx {
+        return Ok(level);
+    }
+    match super::amx::self_check() {
+        Ok(()) => Ok(level),
+        Err(failure) => Err(Error::Machine(MachineError::CpuLevel {
+            reason: format!(
+                "{LEVEL_VARIABLE}=amx: {failure}; use {LEVEL_VARIABLE}=avx512bf16, or unset it, and report this CPU (harvester cpu-info)"
+            ),
+        })),
     }
 }
 
@@ -222,6 +266,12 @@ fn cpu_has(feature: &str) -> bool {
             "avx512vl" => has!("avx512vl"),
             "avx512dq" => has!("avx512dq"),
             "avx512_bf16" => has!("avx512bf16"),
+            "amx_tile" => super::amx::cpu_has_tiles().0,
+            "amx_bf16" => super::amx::cpu_has_tiles().1,
+            // Asked for only where the CPU has tiles: elsewhere `amx_tile` is what it lacks.
+            TILE_PERMISSION => {
+                !super::amx::cpu_has_tiles().0 || super::amx::request_permission().is_ok()
+            }
             _ => false,
         }
     }
@@ -264,6 +314,31 @@ mod tests {
     }
 
     #[test]
+    fn amx_runs_only_where_it_is_named_and_is_refused_by_name_on_a_cpu_without_it() {
+        assert_eq!(
+            Level::choose(None, Level::Amx).unwrap(),
+            Level::Avx512Bf16,
+            "unset, the tiles wait until they are checked on AMX hardware"
+        );
+        assert_eq!(Level::choose(Some("amx"), Level::Amx).unwrap(), Level::Amx);
+        let error = Level::choose(Some("amx"), Level::Avx512Bf16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("HARVEST_CPU_LEVEL=amx") && error.contains("up to avx512bf16"),
+            "{error}"
+        );
+        if !amx_cpu() {
+            assert!(error.contains("amx_tile"), "{error}");
+        }
+    }
+
+    fn amx_cpu() -> bool {
+        let (tile, bf16) = crate::backend::cpu::amx::cpu_has_tiles();
+        tile && bf16
+    }
+
+    #[test]
     fn a_level_above_the_cpus_or_an_unknown_one_is_refused_by_name() {
         let error = Level::choose(Some("avx512bf16"), Level::Avx2)
             .unwrap_err()
@@ -276,7 +351,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            error.contains("\"sse4\"") && error.contains("portable, avx2, avx512, avx512bf16"),
+            error.contains("\"sse4\"") && error.contains("portable, avx2, avx512, avx512bf16, amx"),
             "{error}"
         );
     }

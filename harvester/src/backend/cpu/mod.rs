@@ -17,6 +17,7 @@
 //! experts run grouped by expert (`moe.rs`).
 //! Every buffer lives in `Scratch` and only grows, so steady-state batches allocate nothing.
 
+pub mod amx;
 mod attention;
 pub mod bf16;
 mod in_place;
