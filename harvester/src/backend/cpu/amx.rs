@@ -452,6 +452,11 @@ impl Tiles for Emulated {
     }
 }
 
+/// `value`'s bf16 bits, rounded to nearest even.
+fn bf16_of(value: f32) -> u16 {
+    half::bf16::from_f32(value).to_bits()
+}
+
 /// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22).
 pub fn cpu_has_tiles() -> (bool, bool) {
     #[cfg(target_arch = "x86_64")]
@@ -523,12 +528,12 @@ pub fn self_check() -> Result<(), String> {
     let a_stride = 2 * steps * STEP_PAIRS + 6;
     let small = |i: usize, modulus: usize| (i * 7 % modulus) as f32 - (modulus / 2) as f32;
     let a: Vec<u16> = (0..ROWS * a_stride)
-        .map(|i| super::bf16::to_bf16_bits(small(i, 13)))
+        .map(|i| bf16_of(small(i, 13)))
         .collect();
     let panel: Vec<u32> = (0..steps * STEP_PAIRS * COLS)
         .map(|i| {
-            let low = super::bf16::to_bf16_bits(small(2 * i, 11));
-            let high = super::bf16::to_bf16_bits(small(2 * i + 1, 9));
+            let low = bf16_of(small(2 * i, 11));
+            let high = bf16_of(small(2 * i + 1, 9));
             u32::from(low) | (u32::from(high) << 16)
         })
         .collect();
@@ -607,15 +612,14 @@ mod tests {
     }
 
     fn pair(low: f32, high: f32) -> u32 {
-        let bits = super::super::bf16::to_bf16_bits;
-        u32::from(bits(low)) | (u32::from(bits(high)) << 16)
+        u32::from(bf16_of(low)) | (u32::from(bf16_of(high)) << 16)
     }
 
     #[test]
     fn an_emulated_tile_product_sums_each_cell_pair_by_pair_from_its_start() {
         // One step: c[m][n] = start + Σ_q a[m][q] · b[q][n] over 16 pairs.
         let a: Vec<u16> = (0..ROWS * 32)
-            .map(|i| super::super::bf16::to_bf16_bits((i % 5) as f32 - 2.0))
+            .map(|i| bf16_of((i % 5) as f32 - 2.0))
             .collect();
         let panel: Vec<u32> = (0..STEP_PAIRS * COLS)
             .map(|i| pair((i % 3) as f32, (i % 7) as f32 - 3.0))
