@@ -479,14 +479,20 @@ pub fn cpu_has_tiles() -> (bool, bool) {
 }
 
 /// Asks Linux for the tiles' register state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
-/// XFEATURE_XTILEDATA)`), once for the process: without it the first tile instruction kills
-/// the process. The error says why it was refused.
+/// XFEATURE_XTILEDATA)`), once for the process, where the OS has enabled it: without it the
+/// first tile instruction kills the process. The error says why it was refused.
 pub fn request_permission() -> Result<(), String> {
     static GRANTED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     GRANTED
         .get_or_init(|| {
             #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
             {
+                if !os_enabled_tiles() {
+                    return Err(
+                        "the OS has not enabled the AMX tile state (XCR0 bits 17 and 18 clear: a kernel or hypervisor without AMX support)"
+                            .to_owned(),
+                    );
+                }
                 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
                 const XFEATURE_XTILEDATA: libc::c_long = 18;
                 // SAFETY: arch_prctl with these arguments only changes the process's
@@ -509,6 +515,28 @@ pub fn request_permission() -> Result<(), String> {
             }
         })
         .clone()
+}
+
+/// Whether the OS saves and restores the tiles (XCR0's XTILECFG and XTILEDATA bits, read only
+/// where CPUID says the OS uses XSAVE): Linux sets them when it supports AMX, and then hands
+/// the state out on request.
+#[cfg(target_arch = "x86_64")]
+fn os_enabled_tiles() -> bool {
+    use std::arch::x86_64::{__cpuid, _xgetbv};
+    const OSXSAVE: u32 = 1 << 27;
+    const TILE_STATE: u64 = (1 << 17) | (1 << 18);
+    // SAFETY: CPUID exists on every x86-64 CPU.
+    #[allow(unused_unsafe)]
+    let os_xsave = unsafe { __cpuid(1).ecx } & OSXSAVE != 0;
+    /// # Safety
+    /// The CPU has XSAVE and the OS enabled it (CPUID.1:ECX.OSXSAVE).
+    #[target_feature(enable = "xsave")]
+    unsafe fn xcr0() -> u64 {
+        // SAFETY: the caller's contract.
+        unsafe { _xgetbv(0) }
+    }
+    // SAFETY: `xgetbv` runs only where OSXSAVE is set (checked first).
+    os_xsave && unsafe { xcr0() } & TILE_STATE == TILE_STATE
 }
 
 /// Runs [`block`] on the tiles on small integers, whose sums are exact in any order, and
@@ -679,6 +707,18 @@ mod tests {
             }
         });
         assert!(mismatched.is_err(), "B with 8 rows against A's 16 pairs");
+    }
+
+    #[test]
+    fn a_cpu_without_tiles_is_refused_the_tile_state_before_linux_is_asked() {
+        if cpu_has_tiles().0 {
+            eprintln!("skipped: this CPU has AMX-TILE");
+            return;
+        }
+        assert!(!os_enabled_tiles(), "XCR0 cannot enable what the CPU lacks");
+        let refusal = request_permission().unwrap_err();
+        assert!(refusal.contains("XCR0"), "{refusal}");
+        assert!(self_check().unwrap_err().contains("lacks AMX"));
     }
 
     #[test]
