@@ -37,10 +37,16 @@ impl RunningStats {
     /// Adds one row.
     pub fn push(&mut self, row: &[f32]) {
         debug_assert_eq!(row.len(), self.mean.len());
+        self.push_values(row.iter().copied());
+    }
+
+    /// Adds one row given as its values in order (one per mean: a row held in another type,
+    /// widened as it is read).
+    pub fn push_values(&mut self, row: impl IntoIterator<Item = f32>) {
         self.count += 1;
         let n = self.count as f64;
         let mut sq = 0.0;
-        for ((mean, m2), &x) in self.mean.iter_mut().zip(&mut self.m2).zip(row) {
+        for ((mean, m2), x) in self.mean.iter_mut().zip(&mut self.m2).zip(row) {
             let x = f64::from(x);
             sq += x * x;
             let delta = x - *mean;

@@ -291,7 +291,8 @@ fn afmoe_routes(replay: bool, sequences: &[Vec<u32>], layers: &[usize]) -> Captu
     backend
         .capture(&Batch::from_sequences(sequences), &mut out)
         .unwrap();
-    out
+    // The replay holds its rows as bf16, as a GPU does; the checks read f32.
+    out.widened()
 }
 
 #[test]
@@ -439,7 +440,8 @@ fn capture_replayed_in(
     backend
         .capture(&Batch::from_sequences(sequences), &mut out)
         .unwrap();
-    out
+    // The replay holds its rows as bf16, as a GPU does; the checks read f32.
+    out.widened()
 }
 
 /// Runs `dir`'s reference prompts through the CUDA replay and checks every site against the
@@ -640,7 +642,8 @@ fn afmoe_replayed_and_cpu(
         backend
             .capture(&Batch::from_sequences(sequences), &mut out)
             .unwrap();
-        out
+        // The replay holds its rows as bf16, as a GPU does; the checks read f32.
+        out.widened()
     };
     (run(true), run(false))
 }
@@ -795,7 +798,8 @@ fn qk_norms_in_a_dense_models_weights_run_on_the_cpu_and_the_replay_alike() {
         backend
             .capture(&Batch::from_sequences(&sequences), &mut out)
             .unwrap();
-        out
+        // The replay holds its rows as bf16, as a GPU does; the checks read f32.
+        out.widened()
     };
     let cpu = run(false, true);
     let (site, apart) = worst_site(&run(true, true), &cpu);

@@ -281,9 +281,88 @@ impl Routes {
     }
 }
 
-/// Captured rows, `[sites, layers, tokens, width]` row-major f32, where `width` is the hidden size,
-/// or the number of directions for projections. A *slot* is one (site, layer) pair,
-/// `site * layers + layer`; with one site, slot `k` is kept layer `k`.
+/// How a [`Captured`] holds its values on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Held {
+    /// f32: the CPU backend's rows, and projections.
+    #[default]
+    F32,
+    /// bf16 bits: activations from the CUDA arithmetic (a GPU, or its replay), which are bf16 on
+    /// the device and in the shards, so the host holds half the bytes and loses nothing.
+    Bf16,
+}
+
+impl Held {
+    /// How a backend keeps `spec`'s values: bf16 for activations where `cuda_arithmetic`
+    /// computes them, f32 otherwise. The one place this is decided.
+    pub fn of(cuda_arithmetic: bool, spec: &CaptureSpec) -> Self {
+        if cuda_arithmetic && spec.directions.is_none() {
+            Self::Bf16
+        } else {
+            Self::F32
+        }
+    }
+
+    /// Bytes one value takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+/// bf16 bits as f32: the top half of the f32's bits, exactly (a NaN's payload too, as the
+/// copy from a GPU widens it).
+pub fn widen_bf16(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Captured values as they are held: f32, or bf16 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum Values<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Values<'a> {
+    /// How many values.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(values) => values.len(),
+            Self::Bf16(bits) => bits.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values `range`.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            Self::F32(values) => Self::F32(&values[range]),
+            Self::Bf16(bits) => Self::Bf16(&bits[range]),
+        }
+    }
+
+    /// Each value as f32 (bf16 widens exactly).
+    pub fn iter(self) -> impl Iterator<Item = f32> + 'a {
+        let (f32s, bits) = match self {
+            Self::F32(values) => (values, &[][..]),
+            Self::Bf16(bits) => (&[][..], bits),
+        };
+        f32s.iter()
+            .copied()
+            .chain(bits.iter().map(|&b| widen_bf16(b)))
+    }
+}
+
+/// Captured rows, `[sites, layers, tokens, width]` row-major, where `width` is the hidden size,
+/// or the number of directions for projections, held as [`Held`] says: f32 in `data`, or bf16
+/// in `bits`. A *slot* is one (site, layer) pair, `site * layers + layer`; with one site, slot
+/// `k` is kept layer `k`.
 #[derive(Debug, Clone, Default)]
 pub struct Captured {
     /// Kept sites.
@@ -294,20 +373,45 @@ pub struct Captured {
     pub tokens: usize,
     /// Values per token.
     pub width: usize,
-    /// The values.
+    /// How the values are held.
+    pub held: Held,
+    /// The values, where they are held as f32.
     pub data: Vec<f32>,
+    /// The values' bf16 bits, where they are held as bf16.
+    pub bits: Vec<u16>,
     /// The expert choices, when the `router` site is kept.
     pub routes: Routes,
 }
 
 impl Captured {
-    /// Resizes for a batch, keeping the allocation when it is large enough.
+    /// Resizes for a batch of f32 values, keeping the allocation when it is large enough.
     pub fn reset(&mut self, sites: usize, layers: usize, tokens: usize, width: usize) {
+        self.reset_held(Held::F32, (sites, layers, tokens, width));
+    }
+
+    /// Resizes for a batch held as `held`, keeping the allocation when it is large enough (a
+    /// change of `held` frees the other one).
+    pub fn reset_held(
+        &mut self,
+        held: Held,
+        (sites, layers, tokens, width): (usize, usize, usize, usize),
+    ) {
         self.sites = sites;
         self.layers = layers;
         self.tokens = tokens;
         self.width = width;
-        self.data.resize(sites * layers * tokens * width, 0.0);
+        self.held = held;
+        let len = sites * layers * tokens * width;
+        match held {
+            Held::F32 => {
+                self.bits = Vec::new();
+                self.data.resize(len, 0.0);
+            }
+            Held::Bf16 => {
+                self.data = Vec::new();
+                self.bits.resize(len, 0);
+            }
+        }
     }
 
     /// Slots: kept sites times kept layers.
@@ -320,22 +424,80 @@ impl Captured {
         site * self.layers + layer
     }
 
-    /// The `[tokens, width]` rows of slot `slot`.
-    pub fn layer(&self, slot: usize) -> &[f32] {
-        let size = self.tokens * self.width;
-        &self.data[slot * size..(slot + 1) * size]
+    /// The f32 values, or a panic naming the bug.
+    fn f32s(&self) -> &[f32] {
+        assert_eq!(
+            self.held,
+            Held::F32,
+            "f32 rows of a bf16 capture. This is a bug."
+        );
+        &self.data
     }
 
-    /// The `[tokens, width]` rows of slot `slot`, to fill.
+    /// The `[tokens, width]` rows of slot `slot`, held as f32.
+    ///
+    /// # Panics
+    /// If they are held as bf16 ([`Captured::values`] reads either): a bug in the caller.
+    pub fn layer(&self, slot: usize) -> &[f32] {
+        let size = self.tokens * self.width;
+        &self.f32s()[slot * size..(slot + 1) * size]
+    }
+
+    /// The `[tokens, width]` rows of slot `slot`, held as f32, to fill.
+    ///
+    /// # Panics
+    /// If they are held as bf16: a bug in the caller.
     pub fn layer_mut(&mut self, slot: usize) -> &mut [f32] {
+        assert_eq!(
+            self.held,
+            Held::F32,
+            "f32 rows of a bf16 capture. This is a bug."
+        );
         let size = self.tokens * self.width;
         &mut self.data[slot * size..(slot + 1) * size]
     }
 
-    /// Token rows `rows` of slot `slot`.
+    /// The `[tokens, width]` rows of slot `slot`, held as bf16, to fill.
+    ///
+    /// # Panics
+    /// If they are held as f32: a bug in the caller.
+    pub fn layer_bits_mut(&mut self, slot: usize) -> &mut [u16] {
+        assert_eq!(
+            self.held,
+            Held::Bf16,
+            "bf16 rows of an f32 capture. This is a bug."
+        );
+        let size = self.tokens * self.width;
+        &mut self.bits[slot * size..(slot + 1) * size]
+    }
+
+    /// Token rows `rows` of slot `slot`, held as f32.
+    ///
+    /// # Panics
+    /// If they are held as bf16 ([`Captured::values`] reads either): a bug in the caller.
     pub fn rows(&self, slot: usize, rows: std::ops::Range<usize>) -> &[f32] {
         let base = slot * self.tokens * self.width;
-        &self.data[base + rows.start * self.width..base + rows.end * self.width]
+        &self.f32s()[base + rows.start * self.width..base + rows.end * self.width]
+    }
+
+    /// Token rows `rows` of slot `slot`, as they are held.
+    pub fn values(&self, slot: usize, rows: std::ops::Range<usize>) -> Values<'_> {
+        let base = slot * self.tokens * self.width;
+        let range = base + rows.start * self.width..base + rows.end * self.width;
+        match self.held {
+            Held::F32 => Values::F32(&self.data[range]),
+            Held::Bf16 => Values::Bf16(&self.bits[range]),
+        }
+    }
+
+    /// The same capture held as f32 (bf16 widens exactly): for readers that want f32 rows.
+    pub fn widened(mut self) -> Self {
+        if self.held == Held::Bf16 {
+            let bits = std::mem::take(&mut self.bits);
+            self.data = Values::Bf16(&bits).iter().collect();
+            self.held = Held::F32;
+        }
+        self
     }
 }
 
@@ -366,6 +528,49 @@ pub trait Stage: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capture_held_as_bf16_reads_as_its_exact_f32_widening_and_frees_the_f32_buffer() {
+        let mut captured = Captured::default();
+        captured.reset(2, 1, 2, 3);
+        assert_eq!((captured.held, captured.data.len()), (Held::F32, 12));
+        captured.reset_held(Held::Bf16, (2, 1, 2, 3));
+        assert_eq!((captured.data.capacity(), captured.bits.len()), (0, 12));
+        let values: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) * 0.25).collect();
+        for slot in 0..2 {
+            let bits = captured.layer_bits_mut(slot);
+            for (b, &v) in bits.iter_mut().zip(&values[slot * 6..]) {
+                *b = half::bf16::from_f32(v).to_bits();
+            }
+        }
+        let read: Vec<f32> = captured.values(1, 1..2).iter().collect();
+        assert_eq!(read, values[9..12]);
+        assert!(matches!(captured.values(0, 0..2), Values::Bf16(b) if b.len() == 6));
+        let widened = captured.widened();
+        assert_eq!((widened.held, widened.data), (Held::F32, values));
+    }
+
+    #[test]
+    #[should_panic(expected = "f32 rows of a bf16 capture")]
+    fn reading_a_bf16_capture_as_f32_rows_is_a_bug_caught_at_once() {
+        let mut captured = Captured::default();
+        captured.reset_held(Held::Bf16, (1, 1, 1, 4));
+        let _ = captured.rows(0, 0..1);
+    }
+
+    #[test]
+    fn activations_are_held_as_bf16_only_from_the_cuda_arithmetic() {
+        let spec = |directions| CaptureSpec {
+            layers: harvest_core::LayerSelection::All.resolve(2).unwrap(),
+            sites: Sites::default(),
+            precision: harvest_core::plan::Precision::Bf16,
+            directions,
+        };
+        assert_eq!(Held::of(true, &spec(None)), Held::Bf16);
+        assert_eq!(Held::of(false, &spec(None)), Held::F32);
+        let directions = Directions::new(&[1.0, 0.0], 1, 2, 2).unwrap();
+        assert_eq!(Held::of(true, &spec(Some(directions))), Held::F32);
+    }
 
     #[test]
     fn packing_records_offsets_and_positions() {

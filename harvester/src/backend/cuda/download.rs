@@ -1,17 +1,18 @@
 //! Captured rows on their way to the host, overlapped with the rest of the pass. Each kept
 //! layer has its own slot on the device and its own pinned host buffer. As soon as a kept block
 //! has run, its slot is queued for copying on a second stream (behind an event, so the copy
-//! waits for that block and nothing later), and the host widens each slot into the caller's
-//! f32 rows as its copy lands, while later blocks still run. Only the deepest kept layer's copy
-//! and widening are left at the end of a batch.
+//! waits for that block and nothing later), and the host copies each slot into the caller's
+//! rows as its copy lands, while later blocks still run. Only the deepest kept layer's copies
+//! are left at the end of a batch.
 //!
-//! Activations travel as bf16: the shards store bf16, so the copy loses nothing a shard keeps,
-//! and it moves half the bytes. Projections travel as f32, as their shards store them.
+//! Activations travel and are held as bf16 (`Held::Bf16`): the shards store bf16, so nothing a
+//! shard keeps is lost, and the copies and the host's capture buffers take half the bytes.
+//! Projections travel and are held as f32, as their shards store them.
 //!
 //! ```text
 //! compute stream: block k ─ keep k ─ record computed[k] ─ block k+1 ─ …
 //! copy stream:              wait computed[k] ─ copy slot k → pinned[k] ─ record downloaded[k]
-//! host:                                          wait downloaded[k] ─ widen pinned[k] → out[k]
+//! host:                                          wait downloaded[k] ─ copy pinned[k] → out[k]
 //! ```
 
 use std::sync::Arc;
@@ -25,40 +26,25 @@ use rayon::prelude::*;
 use super::error::CudaError;
 use crate::error::Result;
 
-/// Values each host thread widens at a time: large enough to amortise rayon's scheduling,
+/// Values each host thread copies at a time: large enough to amortise rayon's scheduling,
 /// small enough to spread one slot of a small batch over the cores.
-const WIDEN_CHUNK: usize = 1 << 16;
+const COPY_CHUNK: usize = 1 << 16;
 
-/// A value type a slot travels in.
+/// A value type a slot travels in: bf16 bits or f32.
 pub(super) trait Element:
     DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync
 {
-    /// The value as the caller's f32.
-    fn widen(self) -> f32;
 }
 
-impl Element for u16 {
-    /// bf16 bits: the top half of an f32, exactly.
-    fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self) << 16)
-    }
-}
+impl Element for u16 {}
 
-impl Element for f32 {
-    fn widen(self) -> f32 {
-        self
-    }
-}
+impl Element for f32 {}
 
-/// Widens `source` into `out` (the same length) on the rayon pool.
-pub(super) fn widen<T: Element>(source: &[T], out: &mut [f32]) {
-    out.par_chunks_mut(WIDEN_CHUNK)
-        .zip(source.par_chunks(WIDEN_CHUNK))
-        .for_each(|(out, source)| {
-            for (out, &value) in out.iter_mut().zip(source) {
-                *out = value.widen();
-            }
-        });
+/// Copies `source` into `out` (the same length) on the rayon pool.
+fn copy_on_pool<T: Element>(source: &[T], out: &mut [T]) {
+    out.par_chunks_mut(COPY_CHUNK)
+        .zip(source.par_chunks(COPY_CHUNK))
+        .for_each(|(out, source)| out.copy_from_slice(source));
 }
 
 /// Where a slot lands on the host.
@@ -192,9 +178,9 @@ impl<T: Element> Slots<T> {
         Ok(())
     }
 
-    /// Waits until slot `slot` is on the host, then widens its first `out.len()` values into
+    /// Waits until slot `slot` is on the host, then copies its first `out.len()` values into
     /// `out`.
-    pub fn receive(&self, slot: usize, out: &mut [f32]) -> Result<()> {
+    pub fn receive(&self, slot: usize, out: &mut [T]) -> Result<()> {
         // A kernel fault of the pass surfaces here, the first wait after it.
         let action = "running the forward pass and copying its captures";
         self.downloaded[slot]
@@ -206,7 +192,7 @@ impl<T: Element> Slots<T> {
                 .map_err(|e| CudaError::from_driver(action, e))?,
             HostRows::Pageable(host) => host.as_slice(),
         };
-        widen(&host[..out.len()], out);
+        copy_on_pool(&host[..out.len()], out);
         Ok(())
     }
 }
@@ -216,26 +202,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bf16_bits_widen_to_the_same_value_exactly_across_chunk_edges() {
-        let values: Vec<f32> = (0..WIDEN_CHUNK * 2 + 37)
-            .map(|i| (i as f32 - 70_000.0) * 0.37)
+    fn a_slot_lands_in_the_callers_rows_bit_for_bit_across_chunk_edges() {
+        let bits: Vec<u16> = (0..COPY_CHUNK * 2 + 37)
+            .map(|i| (i * 7919 % 65_536) as u16)
             .collect();
-        let bits: Vec<u16> = values
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let mut out = vec![f32::NAN; bits.len()];
-        widen(&bits, &mut out);
-        for (i, (&bits, &widened)) in bits.iter().zip(&out).enumerate() {
-            assert_eq!(widened, half::bf16::from_bits(bits).to_f32(), "value {i}");
-        }
-        // Rounding to bf16 and back stays within bf16's half-ulp of the f32 it came from.
-        for (&value, &widened) in values.iter().zip(&out) {
-            assert!(
-                (value - widened).abs() <= value.abs() / 256.0,
-                "{value} {widened}"
-            );
-        }
+        let mut out = vec![0u16; bits.len()];
+        copy_on_pool(&bits, &mut out);
+        assert_eq!(out, bits);
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * -1.5e-3).collect();
+        let mut out = vec![0.0; values.len()];
+        copy_on_pool(&values, &mut out);
+        assert_eq!(out, values);
     }
 
     #[test]
@@ -270,13 +247,5 @@ mod tests {
         );
         let (buffers, refusal) = allocate_each(2, || Ok::<_, ()>("page-locked"), || "pageable");
         assert_eq!((buffers, refusal), (vec!["page-locked"; 2], None));
-    }
-
-    #[test]
-    fn f32_projections_pass_through_unchanged() {
-        let values: Vec<f32> = (0..1000).map(|i| i as f32 * -1.5e-3).collect();
-        let mut out = vec![0.0; values.len()];
-        widen(&values, &mut out);
-        assert_eq!(out, values);
     }
 }

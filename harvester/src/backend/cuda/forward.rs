@@ -38,7 +38,7 @@ use super::error::CudaError;
 use super::launch::gemm;
 use super::plan::{attention_tiles, check_heads};
 
-use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
+use crate::backend::{Backend, Batch, CaptureSpec, Captured, Held, Stage};
 use crate::error::Result;
 use crate::model::block::{Stack, forward};
 use crate::model::weights::Form;
@@ -488,7 +488,8 @@ impl<E: Activation> Backend for Device<E> {
         batch.validate(self.config.vocab_size)?;
         let tokens = batch.num_tokens();
         let width = self.capture_width();
-        out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        let shape = (self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        out.reset_held(Held::of(true, &self.spec), shape);
         out.routes
             .reset(self.spec.route_shape(&self.config), tokens);
         if tokens == 0 {
@@ -586,15 +587,16 @@ impl<E: Activation> Device<E> {
             blocks: &self.blocks,
         };
         forward(&mut ops, stack, self.spec.keeps())?;
-        // Each kept slot is widened as its copy lands, while the blocks after it run. This
-        // device's slot `site * kept + layer` is the batch's `site * layers + first + layer`.
+        // Each kept slot is copied as it lands, while the blocks after it run, into a capture
+        // held as `Held::of` says (bf16 rows, f32 projections). This device's slot
+        // `site * kept + layer` is the batch's `site * layers + first + layer`.
         let kept = self.kept.len();
         for slot in 0..self.spec.sites.len() * kept {
             let (site, layer) = (slot / kept, slot % kept);
-            let rows = out.layer_mut(site * self.spec.layers.len() + self.kept.start + layer);
+            let at = site * self.spec.layers.len() + self.kept.start + layer;
             match &s.kept {
-                Kept::Rows(slots) => slots.receive(slot, rows)?,
-                Kept::Projections(slots) => slots.receive(slot, rows)?,
+                Kept::Rows(slots) => slots.receive(slot, out.layer_bits_mut(at))?,
+                Kept::Projections(slots) => slots.receive(slot, out.layer_mut(at))?,
             }
         }
         if let Some(x) = x {

@@ -20,7 +20,7 @@ use super::emulation::{
 use super::forward::{bf16_values, decoded_f32, rounded_bf16};
 use super::launch::ROW_THREADS;
 use super::plan::{ATTENTION_VARIABLE, uses_tensor_cores};
-use crate::backend::{Backend, Batch, CaptureSpec, Captured, Stage};
+use crate::backend::{Backend, Batch, CaptureSpec, Captured, Held, Stage};
 use crate::error::Result;
 use crate::model::block::{BlockOps, Source, Stack, Sublayer, forward};
 use crate::model::weights::{Convert, Form, Host};
@@ -259,7 +259,8 @@ impl<T: HostValue> Backend for Replay<T> {
         batch.validate(self.config.vocab_size)?;
         let tokens = batch.num_tokens();
         let width = self.capture_width();
-        out.reset(self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        let shape = (self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        out.reset_held(Held::of(true, &self.spec), shape);
         out.routes
             .reset(self.spec.route_shape(&self.config), tokens);
         if tokens == 0 {
@@ -479,14 +480,16 @@ impl<'a, T: HostValue> BlockOps<'a, Replayed<T>> for HostOps<'a, T> {
             Source::Residual => &self.x,
             Source::Branch => &self.branch,
         };
-        let rows = self.out.layer_mut(slot);
         match self.directions {
             None => {
+                // Held as bf16, as the CUDA backend holds its rows.
+                let rows = self.out.layer_bits_mut(slot);
                 for (kept, &v) in rows.iter_mut().zip(values) {
-                    *kept = widen(kernel_bf16(v));
+                    *kept = kernel_bf16(v);
                 }
             }
             Some(units) => {
+                let rows = self.out.layer_mut(slot);
                 let n = units.len() / hidden;
                 for (row, kept) in values.chunks_exact(hidden).zip(rows.chunks_exact_mut(n)) {
                     for (direction, value) in units.chunks_exact(hidden).zip(kept.iter_mut()) {

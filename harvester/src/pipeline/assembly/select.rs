@@ -77,12 +77,14 @@ impl Selector {
             }
         }
         if let (Some(slot), Some(multiple)) = (self.norm_slot, self.selection.max_norm_multiple) {
-            let block = captured.rows(slot, rows);
+            let block = captured.values(slot, rows);
+            let width = captured.width;
             for &position in &self.kept {
-                let row = &block[position as usize * captured.width..][..captured.width];
-                let norm = row
+                let at = position as usize * width;
+                let norm = block
+                    .slice(at..at + width)
                     .iter()
-                    .map(|&v| f64::from(v).powi(2))
+                    .map(|v| f64::from(v).powi(2))
                     .sum::<f64>()
                     .sqrt();
                 self.running.push(norm);
@@ -124,19 +126,26 @@ mod tests {
         }
         .validate()
         .unwrap();
-        let mut selector = Selector::new(selection, vec![1], Some(0));
-        let mut captured = Captured::default();
-        captured.reset(1, 1, 5, 1);
-        captured.data = vec![100.0, 1.0, 1.2, 0.9, 50.0];
-        let mut norms = NormHistogram::default();
-        let encoded = Encoded {
-            ids: vec![7, 8, 1, 9, 10],
-            truncated_from: None,
-            roles: None,
-        };
-        let selected = selector.select(0, &encoded, &captured, 0..5, &mut norms);
-        assert_eq!(selected.kept, [1, 3]);
-        assert_eq!((selected.dropped.special, selected.dropped.norm), (1, 2));
-        assert_eq!(norms.total(), 4, "special tokens are not candidates");
+        let values = [100.0, 1.0, 1.2, 0.9, 50.0];
+        // Held as f32 (the CPU's rows) and as bf16 (a GPU's).
+        let mut as_f32 = Captured::default();
+        as_f32.reset(1, 1, 5, 1);
+        as_f32.data = values.to_vec();
+        let mut as_bf16 = Captured::default();
+        as_bf16.reset_held(crate::backend::Held::Bf16, (1, 1, 5, 1));
+        as_bf16.bits = values.map(|v| half::bf16::from_f32(v).to_bits()).to_vec();
+        for captured in [as_f32, as_bf16] {
+            let mut selector = Selector::new(selection, vec![1], Some(0));
+            let mut norms = NormHistogram::default();
+            let encoded = Encoded {
+                ids: vec![7, 8, 1, 9, 10],
+                truncated_from: None,
+                roles: None,
+            };
+            let selected = selector.select(0, &encoded, &captured, 0..5, &mut norms);
+            assert_eq!(selected.kept, [1, 3], "{:?}", captured.held);
+            assert_eq!((selected.dropped.special, selected.dropped.norm), (1, 2));
+            assert_eq!(norms.total(), 4, "special tokens are not candidates");
+        }
     }
 }

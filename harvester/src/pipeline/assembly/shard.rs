@@ -10,7 +10,7 @@ use harvest_core::{RunningStats, Sites};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::backend::{Captured, RouteShape, Routes};
+use crate::backend::{Captured, RouteShape, Routes, Values, widen_bf16};
 use crate::error::{Error, Result};
 use crate::tokenizer::Encoded;
 
@@ -228,13 +228,19 @@ impl ShardAssembly {
         }
         let positions = positions.unwrap_or(&self.every_position[..rows.len()]);
         for (slot, stats) in self.stats.iter_mut().enumerate() {
-            let block = captured.rows(slot, rows.clone());
+            let block = captured.values(slot, rows.clone());
             let values = &mut values[slot / captured.layers];
             for &position in positions {
-                let row = &block[position as usize * width..][..width];
+                let at = position as usize * width;
+                let row = block.slice(at..at + width);
                 encode_row(self.contents, row, values);
                 if !(skip_bos && position == 0) {
-                    stats.push(row);
+                    match row {
+                        Values::F32(row) => stats.push(row),
+                        Values::Bf16(bits) => {
+                            stats.push_values(bits.iter().map(|&b| widen_bf16(b)));
+                        }
+                    }
                 }
             }
         }
@@ -356,14 +362,18 @@ fn tensor(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>
     })
 }
 
-/// Appends `row` as the shard stores it: bf16 activations or f32 projections.
-fn encode_row(contents: Contents, row: &[f32], values: &mut Vec<u8>) {
-    match contents {
-        Contents::Activations => values.extend(
-            row.iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
-        ),
-        Contents::Projections => values.extend(row.iter().flat_map(|v| v.to_le_bytes())),
+/// Appends `row` as the shard stores it: bf16 activations or f32 projections. Values held as
+/// bf16 are stored as their f32 widening would be (rounding an exact bf16 changes nothing).
+fn encode_row(contents: Contents, row: Values<'_>, values: &mut Vec<u8>) {
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+    match (contents, row) {
+        (Contents::Activations, Values::F32(row)) => {
+            values.extend(row.iter().flat_map(|&v| bf16(v)));
+        }
+        (Contents::Activations, Values::Bf16(bits)) => {
+            values.extend(bits.iter().flat_map(|&b| bf16(widen_bf16(b))));
+        }
+        (Contents::Projections, row) => values.extend(row.iter().flat_map(f32::to_le_bytes)),
     }
 }
 
@@ -493,6 +503,7 @@ impl ShardRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Held;
 
     fn captured() -> Captured {
         let mut c = Captured::default();
@@ -620,6 +631,39 @@ mod tests {
         assert_eq!(record.stats.len(), 2);
         assert_eq!(record.stats[0].mean(), [2.0, 3.0]);
         assert_eq!(record.stats[1].mean(), [20.0, 30.0]);
+    }
+
+    #[test]
+    fn a_capture_held_as_bf16_gives_the_shard_and_statistics_of_its_f32_widening() {
+        // bf16 values (as a GPU's rows are), with a selection that keeps rows 0 and 2.
+        let sites = Sites::parse(&["attn_out", "resid_post"]).unwrap();
+        let values: Vec<f32> = (0..2 * 2 * 3 * 2)
+            .map(|i| half::bf16::from_f32((i as f32 - 11.0) * 0.73).to_f32())
+            .collect();
+        let mut wide = Captured::default();
+        wide.reset(2, 2, 3, 2);
+        wide.data.clone_from(&values);
+        let mut narrow = Captured::default();
+        narrow.reset_held(Held::Bf16, (2, 2, 3, 2));
+        narrow.bits = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let assembled = |c: &Captured| {
+            let shape = shape(Contents::Activations, &sites, 4, true);
+            let mut shard = ShardAssembly::new(0, 0, 1, &shape);
+            let kept = KeptRows::Positions(&[0, 2], Dropped::default());
+            shard.push(0, &plain(&[5, 6, 7], None), c, 0..3, true, kept);
+            let (bytes, record) = shard.finish("fp").unwrap();
+            (bytes, record.to_bytes().unwrap())
+        };
+        let (from_f32, from_bf16) = (assembled(&wide), assembled(&narrow));
+        assert_eq!(from_f32.0, from_bf16.0, "the shard");
+        assert_eq!(
+            from_f32.1, from_bf16.1,
+            "the record, its statistics included"
+        );
+        assert_eq!(narrow.widened().data, wide.data);
     }
 
     #[test]

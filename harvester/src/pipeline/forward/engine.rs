@@ -10,7 +10,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::DeviceChoice;
 use crate::backend::cuda::forward::CudaBackend;
 use crate::backend::cuda::replay::ReplayBackend;
-use crate::backend::{Backend, CaptureSpec};
+use crate::backend::{Backend, CaptureSpec, Held};
 use crate::error::{Error, InputError, Result};
 use crate::model::{LlamaWeights, ModelConfig};
 use crate::pipeline::flow::progress::Progress;
@@ -56,16 +56,16 @@ struct Sizing {
 }
 
 impl Sizing {
-    /// The sizing of `plan` over `encoded`, capturing `slots` rows of `width` values a token,
-    /// with `capture_buffers` capture buffers in circulation.
+    /// The sizing of `plan` over `encoded`, capturing `slots` rows of `width` values a token
+    /// held as `held`, with `capture_buffers` capture buffers in circulation.
     pub(in crate::pipeline) fn of(
         plan: &ResolvedPlan,
         encoded: &[Encoded],
-        (slots, width): (usize, usize),
+        (slots, width, held): (usize, usize, Held),
         capture_buffers: usize,
     ) -> Self {
         let batch_tokens = largest_batch(plan, encoded);
-        let captured = (batch_tokens * slots * width * 4) as u64;
+        let captured = (batch_tokens * slots * width * held.bytes()) as u64;
         let value_bytes = if plan.project_onto.is_some() { 4 } else { 2 };
         let largest_shard = encoded
             .chunks(plan.options.shard_size.get())
@@ -161,7 +161,11 @@ pub(in crate::pipeline) fn open_engine(
     width: usize,
     progress: &Progress,
 ) -> Result<Engine> {
-    let dims = (spec.slots(), width);
+    let dims = (
+        spec.slots(),
+        width,
+        Held::of(options.device.is_cuda_arithmetic(), &spec),
+    );
     Ok(match options.pipeline_stages {
         None => {
             let sizing = Sizing::of(plan, encoded, dims, CAPTURE_POOL);
@@ -321,6 +325,7 @@ fn open_stages(
     Ok(staged::Staged {
         stages,
         capture: (spec.sites.len(), spec.layers.len(), width),
+        held: Held::of(device.is_cuda_arithmetic(), &spec),
         routes: spec.route_shape(&config),
     })
 }
@@ -377,13 +382,16 @@ mod tests {
                 roles: None,
             })
             .collect();
-        let sizing = Sizing::of(&plan, &encoded, (4, 8), CAPTURE_POOL);
         // Batches of 100 tokens (the longest prompt is shorter); shards of 80 tokens at most.
-        assert_eq!(sizing.batch_tokens, 100);
-        let captured = 100 * 4 * 8 * 4;
-        let shard = 80 * 4 * 8 * 2;
-        let expected = captured * (CAPTURE_POOL - 1) + shard * SHARDS_HELD;
-        assert_eq!(sizing.pipeline_bytes, expected as u64);
+        // Captures held as f32 (the CPU's) take 4 bytes a value, as bf16 (a GPU's) 2.
+        for (held, value_bytes) in [(Held::F32, 4), (Held::Bf16, 2)] {
+            let sizing = Sizing::of(&plan, &encoded, (4, 8, held), CAPTURE_POOL);
+            assert_eq!(sizing.batch_tokens, 100);
+            let captured = 100 * 4 * 8 * value_bytes;
+            let shard = 80 * 4 * 8 * 2;
+            let expected = captured * (CAPTURE_POOL - 1) + shard * SHARDS_HELD;
+            assert_eq!(sizing.pipeline_bytes, expected as u64, "{held:?}");
+        }
     }
 
     #[test]

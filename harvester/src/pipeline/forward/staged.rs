@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
-use crate::backend::{Batch, Captured, RouteShape, Stage};
+use crate::backend::{Batch, Captured, Held, RouteShape, Stage};
 use crate::error::{Error, Result};
 use crate::pipeline::Job;
 use crate::pipeline::assembly::shard::ShardRecord;
@@ -49,6 +49,8 @@ pub struct Staged {
     pub stages: Vec<Box<dyn Stage>>,
     /// Kept sites, kept layers and values per token.
     pub capture: (usize, usize, usize),
+    /// How the stages hold what they capture.
+    pub held: Held,
     /// The expert choices kept of each batch.
     pub routes: RouteShape,
 }
@@ -65,7 +67,7 @@ pub(in crate::pipeline) fn forward(
 ) -> Result<(f64, u64)> {
     let start = Instant::now();
     let done_before = job.prompts_resumed(resumed);
-    let capture = (staged.capture, staged.routes);
+    let capture = (staged.held, staged.capture, staged.routes);
     let ends = Ends {
         tx,
         progress,
@@ -195,7 +197,7 @@ fn run_stage(stage: &mut dyn Stage, input: Receiver<Flight>, mut next: Next<'_>)
 fn feed(
     job: &Job<'_>,
     resumed: &BTreeMap<usize, ShardRecord>,
-    ((sites, layers, width), routes): ((usize, usize, usize), RouteShape),
+    (held, (sites, layers, width), routes): (Held, (usize, usize, usize), RouteShape),
     first: &SyncSender<Flight>,
     free: &Receiver<Captured>,
     spare: &Receiver<(Batch, Vec<f32>)>,
@@ -211,7 +213,7 @@ fn feed(
             batch.push(&job.encoded[index].ids);
         }
         let mut captured = free.recv().map_err(|_| lost())?;
-        captured.reset(sites, layers, batch.num_tokens(), width);
+        captured.reset_held(held, (sites, layers, batch.num_tokens(), width));
         captured.routes.reset(routes, batch.num_tokens());
         let flight = Flight {
             batch,
