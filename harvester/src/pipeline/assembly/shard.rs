@@ -235,12 +235,7 @@ impl ShardAssembly {
                 let row = block.slice(at..at + width);
                 encode_row(self.contents, row, values);
                 if !(skip_bos && position == 0) {
-                    match row {
-                        Values::F32(row) => stats.push(row),
-                        Values::Bf16(bits) => {
-                            stats.push_values(bits.iter().map(|&b| widen_bf16(b)));
-                        }
-                    }
+                    push_stats(stats, row);
                 }
             }
         }
@@ -360,6 +355,14 @@ fn tensor(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>
     TensorView::new(dtype, shape, data).map_err(|e| Error::InvalidBatch {
         reason: e.to_string(),
     })
+}
+
+/// Adds `row` to `stats`, bf16 widened exactly.
+fn push_stats(stats: &mut RunningStats, row: Values<'_>) {
+    match row {
+        Values::F32(row) => stats.push(row),
+        Values::Bf16(bits) => stats.push_values(bits.iter().map(|&b| widen_bf16(b))),
+    }
 }
 
 /// Appends `row` as the shard stores it: bf16 activations or f32 projections. Values held as
