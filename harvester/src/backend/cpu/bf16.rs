@@ -67,6 +67,17 @@ pub fn has_dot_instructions() -> bool {
     super::level::Level::Avx512Bf16.enabled()
 }
 
+/// Set for a whole process by [`emulate_tiles_in_this_process`].
+static EMULATED_TILES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Runs every bf16 weight product of this process that would run on `vdpbf16ps` on the AMX
+/// tile kernel's emulator instead (`amx::Emulated`, slow): for a test process that checks how
+/// the tile product composes into the whole pass on a CPU without AMX. Nothing else sets it.
+#[doc(hidden)]
+pub fn emulate_tiles_in_this_process() {
+    EMULATED_TILES.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Scratch of the packed product, kept across calls so steady state allocates nothing.
 #[derive(Debug, Default)]
 pub struct Packed {
@@ -395,6 +406,9 @@ fn product_on_pairs(
     threads: Threads,
     panels: &mut Vec<u32>,
 ) {
+    if EMULATED_TILES.load(std::sync::atomic::Ordering::Relaxed) {
+        return product_on_tiles::<amx::Emulated>(operands, out, accumulate, threads, panels);
+    }
     if super::level::Level::Amx.enabled() {
         return product_on_tiles::<amx::Hardware>(operands, out, accumulate, threads, panels);
     }
