@@ -5,21 +5,12 @@
 
 mod common;
 
-use common::{Shape, WriteTiny, capture, capture_sites, tiny_model, worst_relative_error};
+use common::{Shape, WriteTiny, capture, capture_sites, prompts, tiny_model, worst_relative_error};
 use harvest_core::{LayerSelection, Site, Sites};
 use harvester::backend::cpu::CpuBackend;
 use harvester::backend::{Backend, Batch, CaptureSpec, Captured};
 use harvester::model::LlamaWeights;
 use harvester::projection::Directions;
-
-fn prompts() -> Vec<Vec<u32>> {
-    vec![
-        vec![1, 5, 9, 2, 33, 7, 7, 60],
-        vec![3],
-        (0..150).map(|i| (i * 7 % 64) as u32).collect(),
-        vec![8, 8],
-    ]
-}
 
 fn tiny(model: &Shape, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

@@ -5,20 +5,11 @@
 
 mod common;
 
-use common::{Shape, WriteTiny, capture, tiny_model, worst_relative_error};
+use common::{Shape, WriteTiny, capture, prompts, tiny_model, worst_relative_error};
 use harvest_core::plan::Precision;
 use harvest_core::{LayerSelection, Sites};
 use harvester::backend::cpu::bf16;
 use harvester::backend::cpu::level::Level;
-
-fn prompts() -> Vec<Vec<u32>> {
-    vec![
-        vec![1, 5, 9, 2, 33, 7, 7, 60],
-        vec![3],
-        (0..150).map(|i| (i * 7 % 64) as u32).collect(),
-        vec![8, 8],
-    ]
-}
 
 #[test]
 fn the_bf16_pass_on_emulated_tiles_is_batch_invariant_close_to_f32_and_not_the_pairs_bits() {

@@ -212,6 +212,17 @@ pub fn capture_in(
     out
 }
 
+/// Four prompts of ragged lengths for the tiny model (vocabulary 64): one of 150 tokens, one of
+/// a single token.
+pub fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 5, 9, 2, 33, 7, 7, 60],
+        vec![3],
+        (0..150).map(|i| (i * 7 % 64) as u32).collect(),
+        vec![8, 8],
+    ]
+}
+
 /// The tiny model shape the forward tests use.
 pub fn tiny_model() -> Shape {
     cpu_level();
