@@ -8,11 +8,10 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
-use super::matrix::{Half, Matrix};
+use super::matrix::{FileMap, Half, Matrix};
 use crate::dtype;
 use crate::error::{Error, ModelError, Result, StoreError};
 
@@ -30,7 +29,7 @@ pub struct Checkpoint {
 #[derive(Debug)]
 struct MappedFile {
     path: PathBuf,
-    mmap: Arc<Mmap>,
+    mmap: Arc<FileMap>,
     data_start: usize,
 }
 
@@ -86,11 +85,8 @@ impl Checkpoint {
             }),
             _ => Error::io("opening", path, source),
         })?;
-        // SAFETY: the mapping is read-only and private to this process. Like every loader of
-        // memory-mapped weights we rely on nobody truncating the file while it is loaded; the
-        // bounds of every read are checked against the header below.
-        #[allow(unsafe_code)]
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io("mapping", path, e))?;
+        // The bounds of every read are checked against the header below.
+        let mmap = FileMap::open(&file).map_err(|e| Error::io("mapping", path, e))?;
         let corrupt = |reason: String| {
             Error::Model(ModelError::CorruptSafetensors {
                 path: path.to_owned(),

@@ -30,10 +30,34 @@ impl Half {
     }
 }
 
+/// A file mapped read-only and shared: the one kind of mapping a [`Matrix`] reads, which is
+/// what makes handing its pages back ([`Matrix::release_pages`]) safe.
+#[derive(Debug)]
+pub(crate) struct FileMap(Mmap);
+
+impl FileMap {
+    /// Maps `file` read-only (`MAP_SHARED`: its pages are the file's own, in the page cache).
+    pub(crate) fn open(file: &std::fs::File) -> std::io::Result<Self> {
+        // SAFETY: the mapping is read-only. Like every loader of memory-mapped weights we rely
+        // on nobody truncating or rewriting the file while it is loaded; the bounds of every
+        // read are checked against its header by the caller.
+        #[allow(unsafe_code)]
+        let map = unsafe { Mmap::map(file) }?;
+        Ok(Self(map))
+    }
+}
+
+impl std::ops::Deref for FileMap {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 /// Rows `[first, first + rows)` of a matrix that live contiguously in one mapped file.
 #[derive(Debug, Clone)]
 struct Part {
-    map: Arc<Mmap>,
+    map: Arc<FileMap>,
     /// Byte offset of the part's first element in the mapping.
     offset: usize,
     rows: usize,
@@ -81,7 +105,7 @@ impl Matrix {
 
     /// Appends `rows` rows stored at byte `offset` of `map` (the caller has checked that
     /// `rows * cols` elements of this matrix's format fit there).
-    pub(crate) fn push_rows(&mut self, map: &Arc<Mmap>, offset: usize, rows: usize) {
+    pub(crate) fn push_rows(&mut self, map: &Arc<FileMap>, offset: usize, rows: usize) {
         if let Data::Mapped { parts, .. } = &mut self.data {
             parts.push(Part {
                 map: Arc::clone(map),
@@ -229,6 +253,28 @@ impl Matrix {
         std::hint::black_box(sum)
     }
 
+    /// Hands a mapped matrix's resident pages back to the OS (`MADV_DONTNEED`), for a matrix
+    /// whose values now live in another form (the CPU's packed bf16 panels), so the weight is
+    /// held once. Its bytes stay readable: a later read faults them in again from the file.
+    /// Advice only: where the OS declines it, the pages just stay.
+    pub fn release_pages(&self) {
+        let Data::Mapped { parts, .. } = &self.data else {
+            return;
+        };
+        for part in parts {
+            let len = part.rows * self.cols * 2;
+            // SAFETY: `part.map` is a read-only shared mapping of a file (`FileMap`). For such
+            // a mapping MADV_DONTNEED only drops this process's page-table entries: every later
+            // read faults in the file's same bytes, so no borrow of the mapping sees a change
+            // (it would zero an anonymous or private mapping's pages; a `FileMap` is neither).
+            #[allow(unsafe_code)]
+            let _ = unsafe {
+                let advice = memmap2::UncheckedAdvice::DontNeed;
+                part.map.0.unchecked_advise_range(advice, part.offset, len)
+            };
+        }
+    }
+
     /// Every value as f32 (tests and tools; the forward pass decodes blocks of rows instead).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
@@ -257,10 +303,11 @@ fn widen(format: Half, bytes: &[u8], dst: &mut [f32]) {
 mod tests {
     use super::*;
 
-    fn mapped(bytes: &[u8]) -> Arc<Mmap> {
-        let mut map = memmap2::MmapMut::map_anon(bytes.len()).unwrap();
-        map.copy_from_slice(bytes);
-        Arc::new(map.make_read_only().unwrap())
+    /// `bytes` in a file of their own, mapped as a checkpoint is.
+    fn mapped(bytes: &[u8]) -> Arc<FileMap> {
+        let mut file = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut file, bytes).unwrap();
+        Arc::new(FileMap::open(&file).unwrap())
     }
 
     #[test]
@@ -290,5 +337,46 @@ mod tests {
         let mut m = Matrix::mapped(Half::F16, 2);
         m.push_rows(&mapped(&bytes), 0, 2);
         assert_eq!(m.to_f32_vec(), values);
+    }
+
+    /// KiB of `map` resident in this process, from its line in `/proc/self/smaps`.
+    #[cfg(target_os = "linux")]
+    fn resident_kib(map: &FileMap) -> u64 {
+        let address = map.as_ptr() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line
+                .split_whitespace()
+                .next()
+                .and_then(|r| r.split_once('-'));
+            let bounds = range.and_then(|(from, to)| {
+                let parse = |h| usize::from_str_radix(h, 16).ok();
+                parse(from).zip(parse(to))
+            });
+            if let Some((from, to)) = bounds.filter(|_| !line.ends_with(':')) {
+                inside = (from..to).contains(&address);
+            } else if let (true, Some(kib)) = (inside, line.strip_prefix("Rss:")) {
+                return kib.trim().trim_end_matches(" kB").parse().unwrap();
+            }
+        }
+        panic!("the mapping at {address:#x} is not in /proc/self/smaps");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn released_pages_leave_the_process_and_read_back_as_the_same_values() {
+        let (rows, cols) = (512, 2048); // 2 MiB of bf16
+        let values: Vec<f32> = (0..rows * cols).map(|i| (i % 251) as f32 - 125.0).collect();
+        let map = mapped(&crate::dtype::to_bf16_bytes(&values));
+        let mut m = Matrix::mapped(Half::Bf16, cols);
+        m.push_rows(&map, 0, rows);
+        m.touch();
+        let touched = resident_kib(&map);
+        assert!(touched >= 2048, "touched: {touched} KiB resident");
+        m.release_pages();
+        let released = resident_kib(&map);
+        assert!(released < 64, "released: {released} KiB still resident");
+        assert_eq!(m.to_f32_vec(), values, "the bytes read back from the file");
     }
 }

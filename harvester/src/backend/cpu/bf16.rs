@@ -12,6 +12,10 @@
 //! the f32 sums. Either way each output is one row of `a` against one row of `b`, summed in an
 //! order fixed by `k` alone, so the result does not depend on the batch it is in or on the
 //! thread count.
+//!
+//! The engine packs each weight once, at load ([`PackedWeight`]): every block's panels as its
+//! products read them, which then skip packing (on a Zen 4 EPYC a 32-row product ran 1.5-2.3×
+//! as fast, a 4,096-row one the same). Other operands are packed by each product ([`Packed`]).
 #![allow(unsafe_code)]
 
 use rayon::prelude::*;
@@ -87,12 +91,6 @@ pub struct Packed {
     a_even: Vec<u16>,
 }
 
-/// Bytes a product with `n` output columns holds beside its operands (for the memory check):
-/// the packed panels of one block of `k`.
-pub fn working_bytes(n: usize) -> u64 {
-    (n.next_multiple_of(PANEL) * KC * 2) as u64
-}
-
 /// `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` for `a: [rows, k]` and `b: [cols, k]` bf16 bits;
 /// `out` has row stride `out_stride` and its first `cols` columns are written.
 ///
@@ -107,13 +105,35 @@ pub fn matmul_bf16(
     accumulate: bool,
     packed: &mut Packed,
 ) {
-    let rows = a.len().checked_div(k).unwrap_or(0);
     let cols = b.len().checked_div(k).unwrap_or(0);
     assert!(
-        a.len() == rows * k && b.len() == cols * k,
+        b.len() == cols * k,
         "bf16 matmul shapes do not fit. This is a bug."
     );
-    let (a, b) = (Bf16View::dense(a, rows, k), Bf16View::dense(b, cols, k));
+    let b = Weight::Rows(Bf16View::dense(b, cols, k));
+    weight_product(a, b, out, out_stride, accumulate, packed);
+}
+
+/// [`matmul_bf16`] with `b` as a [`Weight`]: rows, or packed at load.
+///
+/// # Panics
+/// If a slice is shorter than its shape, or a packed weight was packed for another engine: a
+/// bug in the caller.
+pub fn weight_product(
+    a: &[u16],
+    b: Weight<'_>,
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+    packed: &mut Packed,
+) {
+    let k = b.k();
+    let rows = a.len().checked_div(k).unwrap_or(0);
+    assert!(
+        a.len() == rows * k,
+        "bf16 matmul shapes do not fit. This is a bug."
+    );
+    let a = Bf16View::dense(a, rows, k);
     matmul_bf16_views(a, b, out, out_stride, accumulate, Threads::Pool, packed);
 }
 
@@ -143,38 +163,52 @@ impl<'a> Bf16View<'a> {
     }
 }
 
-/// `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` for `a: [rows, k]` and `b: [cols, k]` views; `out`
-/// has row stride `out_stride` and its first `cols` columns are written.
+/// `out[r, c] (+)= Σ_k a[r, k] · b[c, k]` for `a: [rows, k]` and `b: [cols, k]`; `out` has
+/// row stride `out_stride` and its first `cols` columns are written.
 ///
 /// # Panics
-/// If a view does not fit its slice or the inner dimensions differ: a bug in the caller.
+/// If a view does not fit its slice, the inner dimensions differ, or a packed weight was packed
+/// for another engine: a bug in the caller.
 pub fn matmul_bf16_views(
     a: Bf16View<'_>,
-    b: Bf16View<'_>,
+    b: Weight<'_>,
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
     threads: Threads,
     packed: &mut Packed,
 ) {
-    let (rows, cols, k) = (a.rows, b.rows, a.cols);
+    let (rows, cols, k) = (a.rows, b.cols(), a.cols);
     assert!(
-        a.fits() && b.fits() && b.cols == k && output_fits(out.len(), (rows, cols), out_stride),
+        a.fits() && b.fits() && b.k() == k && output_fits(out.len(), (rows, cols), out_stride),
         "bf16 matmul shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 {
         return;
     }
+    if k == 0 {
+        if !accumulate {
+            out.chunks_mut(out_stride)
+                .take(rows)
+                .for_each(|row| row[..cols].fill(0.0));
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
-    if has_dot_instructions() {
+    if let Some(engine) = Engine::current() {
         let out = Target::F32(Out {
             ptr: out.as_mut_ptr(),
             stride: out_stride,
         });
-        return on_pairs(a, b, out, accumulate, threads, packed);
+        return on_engine(engine, a, b, out, accumulate, threads, packed);
     }
     let _ = (packed, threads);
-    widened(a, b, out, out_stride, accumulate);
+    match b {
+        Weight::Rows(b) => widened(a, b, out, out_stride, accumulate),
+        Weight::Packed(_) => panic!(
+            "a weight packed for bf16 dot instructions on a CPU without them. This is a bug."
+        ),
+    }
 }
 
 /// `bits[r, c] = bf16(Σ_k a[r, k] · b[c, k])` for `a: [rows, k]` and `b: [cols, k]` bf16 bits,
@@ -192,13 +226,33 @@ pub fn matmul_bf16_rounded(
     a: &[u16],
     b: &[u16],
     k: usize,
+    out: (&mut [u16], usize),
+    packed: &mut Packed,
+) {
+    let cols = b.len().checked_div(k).unwrap_or(0);
+    assert!(
+        b.len() == cols * k,
+        "rounded bf16 matmul shapes do not fit. This is a bug."
+    );
+    let b = Weight::Rows(Bf16View::dense(b, cols, k));
+    weight_product_rounded(a, b, out, packed);
+}
+
+/// [`matmul_bf16_rounded`] with `b` as a [`Weight`]: rows, or packed at load.
+///
+/// # Panics
+/// If a slice is shorter than its shape, or a packed weight was packed for another engine: a
+/// bug in the caller.
+pub fn weight_product_rounded(
+    a: &[u16],
+    b: Weight<'_>,
     (bits, stride): (&mut [u16], usize),
     packed: &mut Packed,
 ) {
+    let (cols, k) = (b.cols(), b.k());
     let rows = a.len().checked_div(k).unwrap_or(0);
-    let cols = b.len().checked_div(k).unwrap_or(0);
     assert!(
-        a.len() == rows * k && b.len() == cols * k && output_fits(bits.len(), (rows, cols), stride),
+        a.len() == rows * k && b.fits() && output_fits(bits.len(), (rows, cols), stride),
         "rounded bf16 matmul shapes do not fit. This is a bug."
     );
     if rows == 0 || cols == 0 {
@@ -206,20 +260,27 @@ pub fn matmul_bf16_rounded(
     }
     if !rounds_output(k) {
         let mut sums = vec![0.0f32; rows * cols];
-        matmul_bf16(a, b, k, &mut sums, cols, false, packed);
+        weight_product(a, b, &mut sums, cols, false, packed);
         for (r, row) in sums.chunks_exact(cols).enumerate() {
             round_into(row, &mut bits[r * stride..r * stride + cols]);
         }
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    {
-        let (a, b) = (Bf16View::dense(a, rows, k), Bf16View::dense(b, cols, k));
+    if let Some(engine) = Engine::current() {
         let out = Target::Bits(OutBits {
             ptr: bits.as_mut_ptr(),
             stride,
         });
-        on_pairs(a, b, out, false, Threads::Pool, packed);
+        on_engine(
+            engine,
+            Bf16View::dense(a, rows, k),
+            b,
+            out,
+            false,
+            Threads::Pool,
+            packed,
+        );
     }
 }
 
@@ -250,41 +311,51 @@ unsafe impl Send for OutBits {}
 // SAFETY: as above.
 unsafe impl Sync for OutBits {}
 
-/// The `vdpbf16ps` product of two checked views into `out`.
+/// The product of two checked operands on `engine` into `out`.
 #[cfg(target_arch = "x86_64")]
-fn on_pairs(
+fn on_engine(
+    engine: Engine,
     a: Bf16View<'_>,
-    b: Bf16View<'_>,
+    b: Weight<'_>,
     out: Target,
     accumulate: bool,
     threads: Threads,
     packed: &mut Packed,
 ) {
-    let (rows, cols, k) = (a.rows, b.rows, a.cols);
-    {
-        let Packed { panels, a_even } = packed;
-        let mut operands = Operands {
-            a: a.bits,
-            a_stride: a.stride,
-            b: b.bits,
-            b_stride: b.stride,
-            k,
-            rows,
-            cols,
-        };
-        // The register block reads each pair of `a` as one 32-bit word.
-        if k % 2 == 1 || a.stride % 2 == 1 {
-            let even = k.next_multiple_of(2);
-            a_even.clear();
-            a_even.resize(rows * even, 0);
-            for (r, dst) in a_even.chunks_mut(even).enumerate() {
-                dst[..k].copy_from_slice(&a.bits[r * a.stride..r * a.stride + k]);
-            }
-            operands.a = a_even;
-            operands.a_stride = even;
+    let (rows, cols, k) = (a.rows, b.cols(), a.cols);
+    let Packed { panels, a_even } = packed;
+    let (b_bits, b_stride, panels) = match b {
+        Weight::Rows(b) => (b.bits, b.stride, Panels::Pack(panels)),
+        Weight::Packed(w) => {
+            assert!(
+                w.engine == engine,
+                "a weight packed for {:?} products run on {engine:?}. This is a bug.",
+                w.engine
+            );
+            (&[][..], 0, Panels::Packed(&w.panels))
         }
-        product_on_pairs(operands, out, accumulate, threads, panels);
+    };
+    let mut operands = Operands {
+        a: a.bits,
+        a_stride: a.stride,
+        b: b_bits,
+        b_stride,
+        k,
+        rows,
+        cols,
+    };
+    // The register block reads each pair of `a` as one 32-bit word.
+    if k % 2 == 1 || a.stride % 2 == 1 {
+        let even = k.next_multiple_of(2);
+        a_even.clear();
+        a_even.resize(rows * even, 0);
+        for (r, dst) in a_even.chunks_mut(even).enumerate() {
+            dst[..k].copy_from_slice(&a.bits[r * a.stride..r * a.stride + k]);
+        }
+        operands.a = a_even;
+        operands.a_stride = even;
     }
+    product(engine, operands, out, accumulate, threads, panels);
 }
 
 /// `u32`s one packed panel of rows of width `k` takes: [`pack_rows`] writes one per
@@ -397,88 +468,192 @@ struct Operands<'a> {
     cols: usize,
 }
 
-/// The `vdpbf16ps` product, block of `k` by block of `k`.
-#[cfg(target_arch = "x86_64")]
-fn product_on_pairs(
-    operands: Operands<'_>,
-    out: Target,
-    accumulate: bool,
-    threads: Threads,
-    panels: &mut Vec<u32>,
-) {
-    if EMULATED_TILES.load(std::sync::atomic::Ordering::Relaxed) {
-        return product_on_tiles::<amx::Emulated>(operands, out, accumulate, threads, panels);
-    }
-    if super::level::Level::Amx.enabled() {
-        return product_on_tiles::<amx::Hardware>(operands, out, accumulate, threads, panels);
-    }
-    let Operands { k, rows, cols, .. } = operands;
-    let pairs = k.div_ceil(2);
-    let step = pairs.div_ceil(pairs.div_ceil(KC / 2));
-    assert!(
-        matches!(out, Target::F32(_)) || (step == pairs && !accumulate),
-        "a rounded bf16 output takes one block of k. This is a bug."
-    );
-    let panel_count = cols.div_ceil(PANEL);
-    let serial = threads == Threads::Caller || rows * cols * k < schedule::SERIAL_BELOW;
-    let threads = if serial {
-        1
-    } else {
-        rayon::current_num_threads()
-    };
-    let grid = Grid::new(rows, panel_count, MR, threads);
-    for first_pair in (0..pairs).step_by(step) {
-        let block = PairBlock {
-            operands,
-            first_pair,
-            pairs: step.min(pairs - first_pair),
-            // The sums continue from `out` after the first block of `k`.
-            load: accumulate || first_pair > 0,
-        };
-        panels.resize(panel_count * block.pairs * PANEL, 0);
-        let chunk = block.pairs * PANEL;
-        if serial {
-            panels
-                .chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(p, dst)| block.pack_panel(p, dst));
-        } else {
-            panels
-                .par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(p, dst)| block.pack_panel(p, dst));
+/// Which kernel runs the bf16 products where the CPU has a bf16 dot instruction: fixed for the
+/// process by the kernel level (and by [`emulate_tiles_in_this_process`] in its test process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    /// `vdpbf16ps` register blocks of [`MR`] × [`PANEL`].
+    Pairs,
+    /// AMX tiles, blocks of [`amx::ROWS`] × [`amx::COLS`] (`amx`).
+    Tiles,
+    /// The tile kernel on its emulator.
+    EmulatedTiles,
+}
+
+impl Engine {
+    /// This process's engine; `None` where no bf16 dot instruction runs.
+    fn current() -> Option<Self> {
+        if !has_dot_instructions() {
+            return None;
         }
-        let panels = &panels[..];
-        let run = |task: usize| {
-            let (task_rows, task_panels) = grid.task(task, rows, panel_count);
-            block.run(task_rows, task_panels, panels, out);
+        Some(
+            if EMULATED_TILES.load(std::sync::atomic::Ordering::Relaxed) {
+                Self::EmulatedTiles
+            } else if super::level::Level::Amx.enabled() {
+                Self::Tiles
+            } else {
+                Self::Pairs
+            },
+        )
+    }
+
+    /// The blocks of pairs a product of width `k` runs in, `(first pair, pairs)`: `k`'s pairs
+    /// split as evenly as possible into blocks of at most [`KC`] of `k`, on tiles in whole tile
+    /// steps. The split depends on `k` alone, so each cell's order of sums does too.
+    fn blocks(self, k: usize) -> impl Iterator<Item = (usize, usize)> {
+        let pairs = k.div_ceil(2);
+        let even = pairs.div_ceil(pairs.div_ceil(KC / 2).max(1)).max(1);
+        let step = match self {
+            Self::Pairs => even,
+            Self::Tiles | Self::EmulatedTiles => even.next_multiple_of(amx::STEP_PAIRS),
         };
-        if serial {
-            (0..grid.tasks()).for_each(run);
-        } else {
-            (0..grid.tasks()).into_par_iter().for_each(run);
+        (0..pairs)
+            .step_by(step)
+            .map(move |first| (first, step.min(pairs - first)))
+    }
+
+    /// The pairs one panel of a block of `pairs` holds: on tiles, zeros up to whole steps.
+    fn padded(self, pairs: usize) -> usize {
+        match self {
+            Self::Pairs => pairs,
+            Self::Tiles | Self::EmulatedTiles => pairs.next_multiple_of(amx::STEP_PAIRS),
+        }
+    }
+
+    /// Rows of `a` one register or tile block covers.
+    fn rows(self) -> usize {
+        match self {
+            Self::Pairs => MR,
+            Self::Tiles | Self::EmulatedTiles => amx::ROWS,
         }
     }
 }
 
-/// The product on AMX tiles (`amx`), block of `k` by block of `k` as on pairs, each block a
-/// whole number of tile steps (16 pairs) so that its panels and rows of `a` pad to whole steps
-/// with zeros. Blocks split `k` as evenly as the steps allow, at most [`KC`] wide: the split
-/// depends on `k` alone, so each cell's order of sums still does.
-fn product_on_tiles<T: amx::Tiles + Default>(
+/// A weight's panels packed once, at load, for every product with it: what a product would
+/// otherwise pack into [`Packed`] block of `k` by block, here every block in order, each
+/// `[panel][pairs][PANEL]` padded as the engine reads it. A product reads the same panels
+/// either way, so its sums are the same bits; it only skips the packing.
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    cols: usize,
+    k: usize,
+    engine: Engine,
+    panels: Vec<u32>,
+}
+
+impl PackedWeight {
+    /// `b: [cols, k]` bf16 bits packed for this process's engine, in parallel; `None` where
+    /// the CPU has no bf16 dot instruction (the f32 kernel then widens the weight as it packs
+    /// it, product by product).
+    ///
+    /// # Panics
+    /// If `b` is not a whole number of rows of `k`: a bug in the caller.
+    pub fn of(b: &[u16], k: usize) -> Option<Self> {
+        Engine::current().map(|engine| Self::for_engine(b, k, engine))
+    }
+
+    fn for_engine(b: &[u16], k: usize, engine: Engine) -> Self {
+        let cols = b.len().checked_div(k).unwrap_or(0);
+        assert_eq!(b.len(), cols * k, "bf16 weight shape. This is a bug.");
+        let panel_count = cols.div_ceil(PANEL);
+        let block_len = |pairs| panel_count * engine.padded(pairs) * PANEL;
+        let total = engine.blocks(k).map(|(_, pairs)| block_len(pairs)).sum();
+        let mut panels = vec![0u32; total];
+        let operands = Operands {
+            a: &[],
+            a_stride: 0,
+            b,
+            b_stride: k,
+            k,
+            rows: 0,
+            cols,
+        };
+        let mut rest = &mut panels[..];
+        for (first_pair, pairs) in engine.blocks(k) {
+            let (dst, tail) = rest.split_at_mut(block_len(pairs));
+            let block = PairBlock {
+                operands,
+                first_pair,
+                pairs,
+                load: false,
+            };
+            block.pack(engine.padded(pairs), false, dst);
+            rest = tail;
+        }
+        Self {
+            cols,
+            k,
+            engine,
+            panels,
+        }
+    }
+
+    /// Rows of the weight: columns of a product's output.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the panels take.
+    pub fn bytes(&self) -> u64 {
+        (self.panels.len() * size_of::<u32>()) as u64
+    }
+}
+
+/// The right operand of a bf16 product: rows of bits, packed by each product, or a weight
+/// packed once ([`PackedWeight`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Weight<'a> {
+    Rows(Bf16View<'a>),
+    Packed(&'a PackedWeight),
+}
+
+impl Weight<'_> {
+    /// Rows of `b`: columns of the output.
+    pub fn cols(&self) -> usize {
+        match self {
+            Self::Rows(b) => b.rows,
+            Self::Packed(w) => w.cols,
+        }
+    }
+
+    /// Width of `b`'s rows.
+    fn k(&self) -> usize {
+        match self {
+            Self::Rows(b) => b.cols,
+            Self::Packed(w) => w.k,
+        }
+    }
+
+    fn fits(&self) -> bool {
+        match self {
+            Self::Rows(b) => b.fits(),
+            Self::Packed(_) => true,
+        }
+    }
+}
+
+/// Where a product's panels of `b` come from.
+enum Panels<'a> {
+    /// Packed block of `k` by block into this scratch, from the operands' `b`.
+    Pack(&'a mut Vec<u32>),
+    /// Packed at load: every block's, in order ([`PackedWeight`]).
+    Packed(&'a [u32]),
+}
+
+/// The product on `engine`, block of `k` by block of `k`; later blocks continue the sums
+/// through `out`.
+#[cfg(target_arch = "x86_64")]
+fn product(
+    engine: Engine,
     operands: Operands<'_>,
     out: Target,
     accumulate: bool,
     threads: Threads,
-    panels: &mut Vec<u32>,
+    mut panels: Panels<'_>,
 ) {
     let Operands { k, rows, cols, .. } = operands;
-    let pairs = k.div_ceil(2);
-    let step = pairs
-        .div_ceil(pairs.div_ceil(KC / 2))
-        .next_multiple_of(amx::STEP_PAIRS);
     assert!(
-        matches!(out, Target::F32(_)) || (step >= pairs && !accumulate),
+        matches!(out, Target::F32(_)) || (engine.blocks(k).count() == 1 && !accumulate),
         "a rounded bf16 output takes one block of k. This is a bug."
     );
     let panel_count = cols.div_ceil(PANEL);
@@ -488,33 +663,41 @@ fn product_on_tiles<T: amx::Tiles + Default>(
     } else {
         rayon::current_num_threads()
     };
-    let grid = Grid::new(rows, panel_count, amx::ROWS, threads);
-    for first_pair in (0..pairs).step_by(step) {
+    let grid = Grid::new(rows, panel_count, engine.rows(), threads);
+    let mut offset = 0;
+    for (first_pair, pairs) in engine.blocks(k) {
         let block = PairBlock {
             operands,
             first_pair,
-            pairs: step.min(pairs - first_pair),
+            pairs,
+            // The sums continue from `out` after the first block of `k`.
             load: accumulate || first_pair > 0,
         };
-        let padded = block.pairs.next_multiple_of(amx::STEP_PAIRS);
-        panels.resize(panel_count * padded * PANEL, 0);
-        let pack = |(p, dst): (usize, &mut [u32])| {
-            let (present, zeros) = dst.split_at_mut(block.pairs * PANEL);
-            block.pack_panel(p, present);
-            zeros.fill(0);
+        let padded = engine.padded(pairs);
+        let len = panel_count * padded * PANEL;
+        let panels: &[u32] = match &mut panels {
+            Panels::Pack(scratch) => {
+                scratch.resize(len, 0);
+                block.pack(padded, serial, &mut scratch[..len]);
+                &scratch[..len]
+            }
+            Panels::Packed(all) => {
+                offset += len;
+                &all[offset - len..offset]
+            }
         };
-        if serial {
-            panels.chunks_mut(padded * PANEL).enumerate().for_each(pack);
-        } else {
-            panels
-                .par_chunks_mut(padded * PANEL)
-                .enumerate()
-                .for_each(pack);
-        }
-        let panels = &panels[..];
         let run = |task: usize| {
             let (task_rows, task_panels) = grid.task(task, rows, panel_count);
-            block.run_tiles::<T>(task_rows, task_panels, (panels, padded), out);
+            let panels_padded = (panels, padded);
+            match engine {
+                Engine::Pairs => block.run(task_rows, task_panels, panels, out),
+                Engine::Tiles => {
+                    block.run_tiles::<amx::Hardware>(task_rows, task_panels, panels_padded, out);
+                }
+                Engine::EmulatedTiles => {
+                    block.run_tiles::<amx::Emulated>(task_rows, task_panels, panels_padded, out);
+                }
+            }
         };
         if serial {
             (0..grid.tasks()).for_each(run);
@@ -550,6 +733,22 @@ impl PairBlock<'_> {
     fn columns(&self) -> (usize, usize) {
         let from = 2 * self.first_pair;
         (from, (from + 2 * self.pairs).min(self.operands.k))
+    }
+
+    /// Every panel of this block into `dst`, `[panel][padded][PANEL]`, zeros past its pairs.
+    fn pack(&self, padded: usize, serial: bool, dst: &mut [u32]) {
+        let pack = |(p, dst): (usize, &mut [u32])| {
+            let (present, zeros) = dst.split_at_mut(self.pairs * PANEL);
+            self.pack_panel(p, present);
+            zeros.fill(0);
+        };
+        if serial {
+            dst.chunks_mut(padded * PANEL).enumerate().for_each(pack);
+        } else {
+            dst.par_chunks_mut(padded * PANEL)
+                .enumerate()
+                .for_each(pack);
+        }
     }
 
     /// Panel `panel` of `b` for this block, `[pairs][PANEL]`: row `j` of the panel goes to lane
@@ -1377,8 +1576,9 @@ mod tests {
         }
     }
 
-    /// [`product_on_tiles`] on `T`'s tiles: `out (+)= a · bᵀ`.
-    fn on_tiles<T: amx::Tiles + Default>(
+    /// [`product`] on `engine`: `out (+)= a · bᵀ`.
+    fn on_tiles(
+        engine: Engine,
         (a, b, k): (&[u16], &[u16], usize),
         (out, out_stride): (&mut [f32], usize),
         accumulate: bool,
@@ -1398,7 +1598,8 @@ mod tests {
             ptr: out.as_mut_ptr(),
             stride: out_stride,
         });
-        product_on_tiles::<T>(operands, out, accumulate, Threads::Pool, &mut Vec::new());
+        let panels = Panels::Pack(&mut Vec::new());
+        product(engine, operands, out, accumulate, Threads::Pool, panels);
     }
 
     /// Runs `test` on the emulated tiles, and on this CPU's where it has AMX (named as skipped
@@ -1406,9 +1607,13 @@ mod tests {
     fn on_every_tile_unit(
         test: impl Fn(&str, &(dyn Fn((&[u16], &[u16], usize), (&mut [f32], usize), bool) + Sync)),
     ) {
-        test("emulated", &on_tiles::<amx::Emulated>);
+        test("emulated", &|a, out, acc| {
+            on_tiles(Engine::EmulatedTiles, a, out, acc);
+        });
         match amx::self_check() {
-            Ok(()) => test("hardware", &on_tiles::<amx::Hardware>),
+            Ok(()) => test("hardware", &|a, out, acc| {
+                on_tiles(Engine::Tiles, a, out, acc);
+            }),
             Err(why) => eprintln!("skipped on this CPU's tiles: {why}"),
         }
     }
@@ -1450,11 +1655,7 @@ mod tests {
     }
 
     /// `bf16(a · bᵀ)` on `T`'s tiles, as [`matmul_bf16_rounded`] stores it, and the f32 sums.
-    fn rounded_on_tiles<T: amx::Tiles + Default>(
-        a: &[u16],
-        b: &[u16],
-        k: usize,
-    ) -> (Vec<u16>, Vec<f32>) {
+    fn rounded_on_tiles(engine: Engine, a: &[u16], b: &[u16], k: usize) -> (Vec<u16>, Vec<f32>) {
         let (rows, cols) = (a.len() / k, b.len() / k);
         let operands = Operands {
             a,
@@ -1470,9 +1671,16 @@ mod tests {
             ptr: rounded.as_mut_ptr(),
             stride: cols,
         });
-        product_on_tiles::<T>(operands, out, false, Threads::Pool, &mut Vec::new());
+        product(
+            engine,
+            operands,
+            out,
+            false,
+            Threads::Pool,
+            Panels::Pack(&mut Vec::new()),
+        );
         let mut sums = vec![0.0; rows * cols];
-        on_tiles::<T>((a, b, k), (&mut sums, cols), false);
+        on_tiles(engine, (a, b, k), (&mut sums, cols), false);
         (rounded, sums)
     }
 
@@ -1489,9 +1697,12 @@ mod tests {
                 .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
                 .collect::<Vec<_>>(),
         );
-        let mut runs = vec![("emulated", rounded_on_tiles::<amx::Emulated>(&a, &b, k))];
+        let mut runs = vec![(
+            "emulated",
+            rounded_on_tiles(Engine::EmulatedTiles, &a, &b, k),
+        )];
         match amx::self_check() {
-            Ok(()) => runs.push(("hardware", rounded_on_tiles::<amx::Hardware>(&a, &b, k))),
+            Ok(()) => runs.push(("hardware", rounded_on_tiles(Engine::Tiles, &a, &b, k))),
             Err(why) => eprintln!("skipped on this CPU's tiles: {why}"),
         }
         for (unit, (rounded, sums)) in runs {
@@ -1564,5 +1775,101 @@ mod tests {
             let one = product(&a[row * k..(row + 1) * k], 2);
             assert_eq!(one, all[row * cols..(row + 1) * cols], "row {row} alone");
         }
+    }
+
+    /// Every engine this CPU runs: `vdpbf16ps` where it has it, the emulated tiles, and its own
+    /// tiles where it has AMX (each named as skipped where it is not).
+    fn every_engine() -> Vec<Engine> {
+        let mut engines = vec![Engine::EmulatedTiles];
+        if has_dot_instructions() {
+            engines.push(Engine::Pairs);
+        } else {
+            eprintln!("skipped on vdpbf16ps: the kernel level lacks it");
+        }
+        match amx::self_check() {
+            Ok(()) => engines.push(Engine::Tiles),
+            Err(why) => eprintln!("skipped on this CPU's tiles: {why}"),
+        }
+        engines
+    }
+
+    #[test]
+    fn a_weight_packed_at_load_gives_the_bits_of_panels_packed_by_each_product() {
+        for engine in every_engine() {
+            // An odd `k`, several panels with a ragged last one, and `k` over two blocks.
+            for (rows, cols, k) in [(9, 70, 33), (41, 33, 96), (35, 40, KC + 78)] {
+                let a = bits(&values(rows * k, 3));
+                let b = bits(&values(cols * k, 4));
+                let packed = PackedWeight::for_engine(&b, k, engine);
+                let sums = |weight: Weight<'_>, accumulate: bool| {
+                    let mut out = vec![0.5f32; rows * (cols + 3)];
+                    let out_target = Target::F32(Out {
+                        ptr: out.as_mut_ptr(),
+                        stride: cols + 3,
+                    });
+                    let a = Bf16View::dense(&a, rows, k);
+                    let threads = Threads::Pool;
+                    let packed = &mut Packed::default();
+                    on_engine(engine, a, weight, out_target, accumulate, threads, packed);
+                    out
+                };
+                let rows_of_b = Weight::Rows(Bf16View::dense(&b, cols, k));
+                for accumulate in [false, true] {
+                    let (each, once) = (
+                        sums(rows_of_b, accumulate),
+                        sums(Weight::Packed(&packed), accumulate),
+                    );
+                    assert!(
+                        each.iter()
+                            .zip(&once)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{engine:?} {rows}x{cols}x{k}, accumulate {accumulate}"
+                    );
+                    assert_ne!(each[0], 0.5, "{engine:?}: the product ran");
+                }
+                if k <= KC {
+                    let rounded = |weight: Weight<'_>| {
+                        let mut out = vec![7u16; rows * cols];
+                        let out_target = Target::Bits(OutBits {
+                            ptr: out.as_mut_ptr(),
+                            stride: cols,
+                        });
+                        let a = Bf16View::dense(&a, rows, k);
+                        let packed = &mut Packed::default();
+                        on_engine(engine, a, weight, out_target, false, Threads::Pool, packed);
+                        out
+                    };
+                    assert_eq!(
+                        rounded(rows_of_b),
+                        rounded(Weight::Packed(&packed)),
+                        "{engine:?} {rows}x{cols}x{k}, rounded"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a weight packed for")]
+    fn a_weight_packed_for_one_engine_is_refused_by_another() {
+        let (rows, cols, k) = (3, 5, 32);
+        let (a, b) = (bits(&values(rows * k, 1)), bits(&values(cols * k, 2)));
+        let packed = PackedWeight::for_engine(&b, k, Engine::EmulatedTiles);
+        let mut out = vec![0.0f32; rows * cols];
+        let out = Target::F32(Out {
+            ptr: out.as_mut_ptr(),
+            stride: cols,
+        });
+        let a = Bf16View::dense(&a, rows, k);
+        let weight = Weight::Packed(&packed);
+        on_engine(
+            Engine::Pairs,
+            a,
+            weight,
+            out,
+            false,
+            Threads::Pool,
+            &mut Packed::default(),
+        );
     }
 }

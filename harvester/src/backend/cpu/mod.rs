@@ -9,8 +9,9 @@
 //! the gate|up product stores its sums as bits where they are whole in registers.
 //!
 //! The forward pass is the model's, written once in `crate::model::block` as a sequence of
-//! ops, and run here by `ops::CpuOps` on the weights in the CPU's form (`Cpu`: each matrix
-//! beside its bf16 bits in bf16 mode), as the CUDA backend runs it on a GPU.
+//! ops, and run here by `ops::CpuOps` on the weights in the CPU's form (`Cpu`: in bf16 mode each
+//! matrix beside its bf16 form, packed at load for the CPU's bf16 dot instruction where it has
+//! one, the checkpoint's mapped pages then handed back), as the CUDA backend runs it on a GPU.
 //! Each branch output (`attn_out`, `mlp_out`) is written to its own buffer and then added, kept
 //! or not: `x + Σ` rounds once more than a product chained on from `x` would, and doing it the
 //! one way everywhere means keeping a site never changes the stream's bits. AFMoE's routed
@@ -119,20 +120,23 @@ fn project(
         matmul_weight(input, w, out, out_stride, accumulate);
         return;
     };
-    if !bf16::has_dot_instructions() {
-        return project_widened(input, w, w16, out, out_stride, accumulate, scratch);
+    let bits = match w16 {
+        Bf16Matrix::Packed(_) => None,
+        Bf16Matrix::Bits(bits) => Some(bits),
+    };
+    if let Some(bits) = bits.filter(|_| !bf16::has_dot_instructions()) {
+        return project_widened(input, w, bits, out, out_stride, accumulate, scratch);
     }
     let values = &input.data[..input.rows * input.cols];
     scratch.input_bf16.resize(values.len(), 0);
     bf16::round_into(values, &mut scratch.input_bf16);
-    project_rounded(input.cols, (w, w16), out, out_stride, accumulate, scratch);
+    project_rounded((w, w16), out, out_stride, accumulate, scratch);
 }
 
-/// The `vdpbf16ps` product on an input of width `k` already rounded into
-/// `scratch.input_bf16` (by [`project`], or by the pass that made it: [`Pass::rounds_ahead`]), with
-/// a weight in both its forms.
+/// The bf16 product on an input already rounded into `scratch.input_bf16` (by
+/// [`project`], or by the pass that made it: [`Pass::rounds_ahead`]), with a weight in both its
+/// forms.
 fn project_rounded(
-    k: usize,
     (w, w16): (&Matrix, &Bf16Matrix),
     out: &mut [f32],
     out_stride: usize,
@@ -141,34 +145,30 @@ fn project_rounded(
 ) {
     let mut column = 0;
     for part in w16.parts(w) {
-        let cols = part.len() / k.max(1);
-        bf16::matmul_bf16(
+        bf16::weight_product(
             &scratch.input_bf16,
             part,
-            k,
             &mut out[column..],
             out_stride,
             accumulate,
             &mut scratch.packed,
         );
-        column += cols;
+        column += part.cols();
     }
 }
 
 /// [`project_rounded`] with each output rounded to bf16 bits as it is stored
 /// ([`bf16::matmul_bf16_rounded`]: `k` in one block, on `vdpbf16ps`).
 fn project_to_bits(
-    k: usize,
     (w, w16): (&Matrix, &Bf16Matrix),
     (out, out_stride): (&mut [u16], usize),
     scratch: &mut GemmScratch,
 ) {
     let mut column = 0;
     for part in w16.parts(w) {
-        let cols = part.len() / k.max(1);
         let out = (&mut out[column..], out_stride);
-        bf16::matmul_bf16_rounded(&scratch.input_bf16, part, k, out, &mut scratch.packed);
-        column += cols;
+        bf16::weight_product_rounded(&scratch.input_bf16, part, out, &mut scratch.packed);
+        column += part.cols();
     }
 }
 
@@ -178,7 +178,7 @@ fn project_to_bits(
 fn project_widened(
     input: MatRef<'_>,
     w: &Matrix,
-    w16: &Bf16Matrix,
+    bits: &Bf16Bits,
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
@@ -195,10 +195,10 @@ fn project_widened(
             bf16::round_rows(dst);
         });
     let input = MatRef::dense(rounded, input.rows, input.cols);
-    match w16 {
+    match bits {
         // The checkpoint's own bf16: the f32 mode's product on the same mapped rows.
-        Bf16Matrix::Mapped => matmul_weight(input, w, out, out_stride, accumulate),
-        Bf16Matrix::Owned(bits) => {
+        Bf16Bits::Mapped => matmul_weight(input, w, out, out_stride, accumulate),
+        Bf16Bits::Owned(bits) => {
             let weight = bf16::Bf16View::dense(bits, w.rows(), w.cols());
             sgemm::product(input, &weight, out, out_stride, accumulate);
         }
@@ -206,7 +206,7 @@ fn project_widened(
 }
 
 /// The CPU's form of the weights: the checkpoint's matrices as loaded, each beside its bf16
-/// bits in bf16 mode; norms, biases and the router as loaded.
+/// form in bf16 mode; norms, biases and the router as loaded.
 #[derive(Debug, Clone)]
 pub(super) struct Cpu;
 
@@ -224,7 +224,7 @@ pub(super) struct CpuMatrix {
     bf16: Option<Bf16Matrix>,
 }
 
-/// Makes the CPU's form: the bf16 bits of every matrix in bf16 mode.
+/// Makes the CPU's form: the bf16 form of every matrix in bf16 mode.
 struct ToCpu {
     bf16: bool,
 }
@@ -245,16 +245,62 @@ impl Convert<Host, Cpu> for ToCpu {
     }
 }
 
+/// A weight's bf16 form.
+#[derive(Debug, Clone)]
+enum Bf16Matrix {
+    /// Where the CPU has a bf16 dot instruction: packed once, at load, into the panels its
+    /// products read, one per row block of the checkpoint (Q|K|V's parts stay apart). The
+    /// checkpoint's pages are then handed back, so the weight is held once.
+    Packed(Vec<bf16::PackedWeight>),
+    /// Elsewhere: the bits the f32 kernel widens as it packs them, product by product.
+    Bits(Bf16Bits),
+}
+
 /// A weight as bf16 bits: the checkpoint's own mapped bf16 row blocks (nothing copied), or a
 /// copy rounded once from f32 or f16.
 #[derive(Debug, Clone)]
-enum Bf16Matrix {
+enum Bf16Bits {
     Mapped,
     Owned(Vec<u16>),
 }
 
 impl Bf16Matrix {
-    /// The bf16 form of `m`.
+    /// The bf16 form of `m`: packed where the CPU's kernels read packed weights (its mapped
+    /// pages then released), else its bits.
+    fn of(m: &Matrix) -> Self {
+        let bits = Bf16Bits::of(m);
+        let packed: Option<Vec<_>> = bits
+            .parts(m)
+            .into_iter()
+            .map(|part| bf16::PackedWeight::of(part, m.cols()))
+            .collect();
+        match packed {
+            Some(packed) => {
+                m.release_pages();
+                Self::Packed(packed)
+            }
+            None => Self::Bits(bits),
+        }
+    }
+
+    /// Its row blocks, in order, as the bf16 product's right operand.
+    fn parts<'a>(&'a self, m: &'a Matrix) -> Vec<bf16::Weight<'a>> {
+        match self {
+            Self::Packed(parts) => parts.iter().map(bf16::Weight::Packed).collect(),
+            Self::Bits(bits) => bits
+                .parts(m)
+                .into_iter()
+                .map(|part| {
+                    let rows = part.len() / m.cols().max(1);
+                    bf16::Weight::Rows(bf16::Bf16View::dense(part, rows, m.cols()))
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Bf16Bits {
+    /// The bf16 bits of `m`.
     fn of(m: &Matrix) -> Self {
         let mapped_bf16 = m.half() == Some(crate::model::matrix::Half::Bf16)
             && m.half_bytes().iter().all(|b| aligned(b).is_some());
@@ -383,14 +429,19 @@ impl CpuBackend {
         let panels = sgemm::working_bytes(widest_product, rayon::current_num_threads());
         let bf16_mode = spec.precision == Precision::Bf16;
         if bf16_mode {
-            // Each product's input rounded to bf16, its packed panels and strips, and a bf16
-            // copy of every weight the checkpoint does not store in bf16.
+            // Each product's input rounded to bf16, and the bf16 copies of weights. Where the
+            // CPU has a bf16 dot instruction every weight is packed at load and a mapped
+            // checkpoint's pages are then released, so only a decoded f32 weight is held twice;
+            // elsewhere every weight not stored in bf16 gets a rounded copy.
             let widest = c.hidden_size.max(2 * inter).max(c.num_heads * c.head_dim);
+            let packed_at_load = bf16::has_dot_instructions();
             let copies: usize = matrices()
-                .filter(|m| m.half() != Some(crate::model::Half::Bf16))
+                .filter(|m| match packed_at_load {
+                    true => m.as_f32().is_some(),
+                    false => m.half() != Some(crate::model::Half::Bf16),
+                })
                 .map(|m| m.len())
                 .sum();
-            let packing = bf16::working_bytes(widest_product);
             // Q|K|V as bits, and the keys' panels: a sequence's last panel is padded to
             // `PANEL` keys, so one-token prompts take `PANEL` times their keys.
             let attention = tokens * (c.qkv_width() + bf16::PANEL * c.num_kv_heads * c.head_dim);
@@ -401,7 +452,7 @@ impl CpuBackend {
                 0
             };
             let bf16_values = tokens * widest + copies + attention + gate_up_bits;
-            return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels + packing;
+            return (tokens * per_token * 4 + bf16_values * 2) as u64 + panels;
         }
         (tokens * per_token * 4) as u64 + panels
     }

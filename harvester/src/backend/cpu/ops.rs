@@ -197,7 +197,7 @@ impl<'p> BlockOps<'p, Cpu> for CpuOps<'p, '_> {
         let rounded = self.rounded(weight);
         let s = &mut *self.s;
         match rounded {
-            Some(w) => project_rounded(hidden, w, &mut s.qkv, qkv_width, false, &mut s.gemm),
+            Some(w) => project_rounded(w, &mut s.qkv, qkv_width, false, &mut s.gemm),
             None => {
                 let normed = MatRef::dense(&s.normed, tokens, hidden);
                 let (w, w16) = (&weight.weight, weight.bf16.as_ref());
@@ -286,10 +286,10 @@ impl<'p> BlockOps<'p, Cpu> for CpuOps<'p, '_> {
             Some(w) if bf16::rounds_output(hidden) => {
                 let bits = &mut s.gate_up_bits;
                 bits.resize(tokens * 2 * inter, 0);
-                project_to_bits(hidden, w, (bits, 2 * inter), &mut s.gemm);
+                project_to_bits(w, (bits, 2 * inter), &mut s.gemm);
                 self.gate_up_bits = true;
             }
-            Some(w) => project_rounded(hidden, w, gate_up, 2 * inter, false, &mut s.gemm),
+            Some(w) => project_rounded(w, gate_up, 2 * inter, false, &mut s.gemm),
             None => {
                 let normed = MatRef::dense(&s.normed, tokens, hidden);
                 let (w, w16, gemm) = (&weight.weight, weight.bf16.as_ref(), &mut s.gemm);
@@ -353,7 +353,7 @@ impl<'p> BlockOps<'p, Cpu> for CpuOps<'p, '_> {
         };
         match rounded {
             // The pass before rounded the input into `s.gemm.input_bf16`.
-            Some(w) => project_rounded(k, w, &mut s.branch, hidden, false, &mut s.gemm),
+            Some(w) => project_rounded(w, &mut s.branch, hidden, false, &mut s.gemm),
             None => {
                 let input = MatRef::dense(&input[..tokens * k], tokens, k);
                 let (w, w16) = (&weight.weight, weight.bf16.as_ref());
