@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-window.sh pack
 #
-# builds the release harvester once and strips it, and fills the ignored folder .gpu/ with it,
+# builds the release harvester once, strips and gzips it, and fills the ignored folder .gpu/ with it,
 # SmolLM2's tokenizer, the parity prompts, the CPU references (the parity prompts harvested on
 # the CPU from the seeded SmolLM2-shaped checkpoint, in bf16 mode and in f32), the
 # transformers peer (peer.py) and run.sh, the GPU side. It checks that .gpu/ and the tree that
@@ -19,20 +19,24 @@ pack=$root/.gpu
 cargo build --release --quiet -p harvester
 rm -rf "$pack"
 mkdir -p "$pack/tokenizer"
-strip -o "$pack/harvester" "${CARGO_TARGET_DIR:-$root/target}/release/harvester"
-model=$(HARVESTER=$pack/harvester scripts/fetch-model.sh | tail -1)
+# The stripped harvester runs this script's steps; gzipped, it travels in 40% of the bytes
+# (run.sh and profile.sh unpack it first).
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+harvester=$work/harvester
+strip -o "$harvester" "${CARGO_TARGET_DIR:-$root/target}/release/harvester"
+gzip -9c "$harvester" >"$pack/harvester.gz"
+model=$(HARVESTER=$harvester scripts/fetch-model.sh | tail -1)
 cp "$model/tokenizer.json" "$model/tokenizer_config.json" "$pack/tokenizer/"
 cp scripts/gpu/parity_prompts.jsonl scripts/gpu/run.sh scripts/gpu/cuda-env.sh scripts/gpu/profile.sh \
   scripts/gpu/peer.py "$pack/"
 
 # The CPU references: the checkpoint is rebuilt from its seed on the GPU machine (270 MB does
 # not travel), and its harvests are small.
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$pack/harvester" synth-model --shape smollm2-135m --out "$work/smol" \
+"$harvester" synth-model --shape smollm2-135m --out "$work/smol" \
   --tokenizer-from "$pack/tokenizer" >/dev/null
 for precision in bf16 f32; do
-  "$pack/harvester" run --device cpu --precision "$precision" --model "$work/smol" \
+  "$harvester" run --device cpu --precision "$precision" --model "$work/smol" \
     --prompts "$pack/parity_prompts.jsonl" --layers all --shard-size 4 --progress off \
     --out "$pack/reference-$precision" >/dev/null
 done

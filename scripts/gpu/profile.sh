@@ -7,9 +7,11 @@
 set -uo pipefail
 out=${1:?usage: profile.sh OUT}
 here=$(cd "$(dirname "$0")" && pwd)
-harvester=$here/harvester
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# The harvester travels gzipped (see run.sh).
+harvester=$work/harvester
+gzip -dc "$here/harvester.gz" >"$harvester" && chmod +x "$harvester" || exit 1
 mkdir -p "$out"
 exec > >(tee -a "$out/profile.txt") 2>&1
 export PATH=$PATH:/usr/local/cuda/bin

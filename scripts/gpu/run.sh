@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU window (issues 33, 51), the GPU side: `scripts/gpu-window.sh pack` copies this into .gpu/
-# with the stripped harvester, a tokenizer, the parity prompts and the CPU references, and
+# with the stripped harvester (gzipped), a tokenizer, the parity prompts and the CPU references, and
 # prints the one command that runs it there:   bash .gpu/run.sh OUT
 # Every step has its own time limit, and the whole run one deadline (WINDOW_SECONDS, default
 # 540, below the device call's 600): a step gets what is left of it, less a reserve for the
@@ -19,7 +19,6 @@ set -uo pipefail
 out=${1:?usage: run.sh OUT}
 device=${DEVICE:-cuda}
 here=$(cd "$(dirname "$0")" && pwd)
-harvester=$here/harvester
 # Scratch (the bench models, about 0.5 GB): removed at exit unless the caller gave WORK.
 if [ -n "${WORK:-}" ]; then
   work=$WORK
@@ -45,6 +44,13 @@ steps=${STEPS:-all}
 # Whether step $1 runs: STEPS names it, or names none.
 wanted() { [ "$steps" = all ] || [[ ",$steps," == *",$1,"* ]]; }
 note() { echo "$*" | tee -a "$summary"; }
+# The harvester travels gzipped (it is most of the 64 MiB a device run carries): unpacked into
+# the scratch before anything else.
+harvester=$work/harvester
+if ! { gzip -dc "$here/harvester.gz" >"$harvester" && chmod +x "$harvester"; }; then
+  note "harvester: FAILED to unpack $here/harvester.gz"
+  exit 1
+fi
 # One summary line LABEL: CANDIDATE against REFERENCE with `harvester compare` at GUARD.
 judge() {
   local label=$1 guard=$2 reference=$3 candidate=$4 judged
