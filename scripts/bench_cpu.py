@@ -363,7 +363,8 @@ def table(args, binary, model_dir, precisions, layers, ids, ids_file, torch_mode
           f"harvest f32 reaches {100 * ours['f32']['fraction_of_gemm']:.0f}% of it" + (
               f", bf16 {100 * ours['bf16']['gflops'] / ours['f32']['gemm_gflops']:.0f}%" if "bf16" in ours else ""))
     if "bf16" in ours and ours["bf16"].get("gemm_bf16_gflops"):
-        kind = "vdpbf16ps" if ours["bf16"]["bf16_dot_instructions"] else "widened to f32"
+        kind = ("vdpbf16ps, the weight packed at load" if ours["bf16"]["bf16_dot_instructions"]
+                else "widened to f32")
         print(f"plain bf16 GEMM, same shape (our bf16 product, {kind}, same run): "
               f"{ours['bf16']['gemm_bf16_gflops']:.1f} GFLOP/s; harvest bf16 reaches "
               f"{100 * ours['bf16']['gflops'] / ours['bf16']['gemm_bf16_gflops']:.0f}% of it")
