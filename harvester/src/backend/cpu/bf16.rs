@@ -76,7 +76,8 @@ static EMULATED_TILES: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 
 /// Runs every bf16 weight product of this process that would run on `vdpbf16ps` on the AMX
 /// tile kernel's emulator instead (`amx::Emulated`, slow): for a test process that checks how
-/// the tile product composes into the whole pass on a CPU without AMX. Nothing else sets it.
+/// the tile product composes into the whole pass on a CPU without AMX, called before it builds
+/// a backend (weights are packed at load for the engine that runs them). Nothing else sets it.
 #[doc(hidden)]
 pub fn emulate_tiles_in_this_process() {
     EMULATED_TILES.store(true, std::sync::atomic::Ordering::Relaxed);
