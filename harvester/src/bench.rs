@@ -43,6 +43,9 @@ pub struct BenchConfig<'a> {
     pub device: DeviceChoice,
     /// Project onto this many seeded random directions instead of keeping activations.
     pub directions: Option<usize>,
+    /// The forward pass alone: no GEMM rates or compute ceilings, whose buffers would add to
+    /// the process's peak memory.
+    pub forward_only: bool,
 }
 
 /// The figures, as printed (JSON).
@@ -76,8 +79,9 @@ pub struct BenchReport {
     pub tokens_per_s: f64,
     /// Model FLOP per second achieved (projections and attention).
     pub gflops: f64,
-    /// A plain f32 GEMM of the engine's own kernel, GFLOP/s.
-    pub gemm_gflops: f64,
+    /// A plain f32 GEMM of the engine's own kernel, GFLOP/s (not measured `forward_only`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_gflops: Option<f64>,
     /// On the CPU: the engine's f32 kernel (`sgemm`'s register block).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gemm_kernel: Option<&'static str>,
@@ -89,7 +93,8 @@ pub struct BenchReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gemm_bf16_gflops: Option<f64>,
     /// `gflops / gemm_gflops`.
-    pub fraction_of_gemm: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fraction_of_gemm: Option<f64>,
     /// The GEMM shape measured, `[m, n, k]`.
     pub gemm_shape: [usize; 3],
     /// On the CPU: the f32 FMA ceiling of every thread together, measured in the same run
@@ -304,6 +309,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     let mut out = Captured::default();
     backend.capture(&batches[0], &mut out)?;
     let peaks_before = match config.device {
+        _ if config.forward_only => (None, None),
         DeviceChoice::Cuda(_) | DeviceChoice::CudaReplay => (None, None),
         DeviceChoice::Cpu | DeviceChoice::Auto => cpu_peaks(),
     };
@@ -328,7 +334,13 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         2 * model_config.intermediate_size,
         model_config.hidden_size,
     ];
-    let (gemm_gflops, cpu_rates, peaks) = device_rates(config.device, gemm_shape, peaks_before)?;
+    let (gemm_gflops, cpu_rates, peaks) = match config.forward_only {
+        true => (None, None, (None, None)),
+        false => {
+            let (gemm, cpu_rates, peaks) = device_rates(config.device, gemm_shape, peaks_before)?;
+            (Some(gemm), cpu_rates, peaks)
+        }
+    };
     let (gemm_crate_gflops, gemm_bf16_gflops) = cpu_rates.unzip();
     let gemm_kernel = gemm_crate_gflops.map(|_| sgemm::Kernel::detect().name());
     let (f32_fma_peak, bf16_dot_peak) = peaks;
@@ -355,7 +367,7 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         gemm_kernel,
         gemm_crate_gflops,
         gemm_bf16_gflops,
-        fraction_of_gemm: gflops / gemm_gflops,
+        fraction_of_gemm: gemm_gflops.map(|gemm| gflops / gemm),
         gemm_shape,
         f32_fma_peak,
         bf16_dot_peak,
@@ -535,6 +547,33 @@ pub fn gemm_rates([m, n, k]: [usize; 3], rounds: usize) -> [f64; 4] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forward_only_bench_times_the_pass_and_measures_no_gemm_rates_or_ceilings() {
+        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen2-f32");
+        let prompts = vec![vec![5, 9, 11, 2], vec![7; 9]];
+        let report = run(BenchConfig {
+            model: &model,
+            prompts,
+            layers: LayerSelection::All,
+            sites: Sites::default(),
+            batch_tokens: 8,
+            precision: Precision::F32,
+            device: DeviceChoice::Cpu,
+            directions: None,
+            forward_only: true,
+        })
+        .unwrap();
+        assert_eq!((report.prompts, report.tokens), (2, 13));
+        assert!(report.tokens_per_s > 0.0);
+        assert_eq!((report.gemm_gflops, report.fraction_of_gemm), (None, None));
+        assert!(report.f32_fma_peak.is_none() && report.bf16_dot_peak.is_none());
+        let json = serde_json::to_string(&report).unwrap();
+        assert!(
+            !json.contains("gemm_gflops") && !json.contains("fraction_of_gemm"),
+            "{json}"
+        );
+    }
 
     #[test]
     fn packing_respects_the_budget_and_keeps_order() {

@@ -178,6 +178,10 @@ struct BenchArgs {
     /// Project onto this many seeded random directions instead of keeping activations.
     #[arg(long)]
     directions: Option<usize>,
+    /// Time the forward pass alone, without the GEMM rates and compute ceilings measured after
+    /// it: for a pass whose peak memory is the engine's own (their buffers would add to it).
+    #[arg(long)]
+    forward_only: bool,
 }
 
 #[derive(Debug, Args)]
@@ -656,6 +660,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         batch_tokens: args.batch_tokens,
         device,
         directions: args.directions,
+        forward_only: args.forward_only,
     })?;
     print_out(&format!("{}\n", serde_json::to_string(&report)?));
     Ok(())
