@@ -2,11 +2,14 @@
 //! `[n, n]` score matrix ever exists: a tile holds at most `QUERY_TILE × sequence length` scores.
 //!
 //! Each layer first lays every key head out once for all the queries that read it: as bf16
-//! panels for the `vdpbf16ps` product when the caller hands Q and K as bf16 bits (bf16 mode),
-//! else transposed, `[kv head][dim][token]`, so that `Q·Kᵀ` reads both operands in place.
-//! `P·V` always runs in f32 on V where it lies. Each score and output is one sum in an order
-//! fixed by the head width or the keys alone, so a prompt's attention does not depend on the
-//! batch it is in or the thread count.
+//! panels for the `vdpbf16ps` product when the caller hands Q, K and V as bf16 bits (bf16
+//! mode), else transposed, `[kv head][dim][token]`, so that `Q·Kᵀ` reads both operands in
+//! place. In bf16 mode the value heads are packed as panels too, and `P·V` is a bf16 product:
+//! each probability's exponential rounded to bf16 (the largest is 1), the output divided by
+//! the sum of the rounded values, as the GPU's attention kernel does. Otherwise `P·V` runs in
+//! f32 on V where it lies. Each score and output is one sum in an order fixed by the head width
+//! or the keys alone, so a prompt's attention does not depend on the batch it is in or the
+//! thread count.
 
 use rayon::prelude::*;
 
@@ -52,6 +55,16 @@ pub struct KeyScratch {
     transposed: Vec<f32>,
     /// bf16 scores: per sequence, per kv head, its keys' panels (see [`bf16::pack_rows`]).
     panels: Vec<u32>,
+    /// bf16 `P·V`: per sequence, per kv head, its values' panels (see [`bf16::pack_columns`]).
+    values: Vec<u32>,
+}
+
+/// One tile's buffers, kept across tiles of a thread: its scores, and in bf16 mode its
+/// probabilities as bf16 bits.
+#[derive(Debug, Default)]
+struct TileScratch {
+    scores: Vec<f32>,
+    probabilities: Vec<u16>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -68,19 +81,27 @@ struct Tile {
 enum Keys<'a> {
     /// `[kv head][dim][token]` over the batch's `tokens`.
     Transposed { data: &'a [f32], tokens: usize },
-    /// Q and K as bf16 bits, and each sequence's panels from `starts[sequence]`, kv head by kv
-    /// head.
+    /// Q, K and V as bf16 bits, and each sequence's key and value panels from
+    /// `starts[sequence]`, kv head by kv head.
     Panels {
         bits: &'a [u16],
         panels: &'a [u32],
-        starts: &'a [usize],
+        values: &'a [u32],
+        starts: &'a [Starts],
     },
+}
+
+/// Where a sequence's key and value panels start.
+#[derive(Debug, Clone, Copy)]
+struct Starts {
+    keys: usize,
+    values: usize,
 }
 
 /// Computes softmax(Q Kᵀ / √d) V per sequence and head, writing `[tokens, heads × head_dim]` rows
 /// into `out`. `qkv` holds `[tokens, (heads + 2 kv_heads) × head_dim]` rows with RoPE applied;
 /// `qk_bits`, the same rows as bf16 bits (bf16 mode on a CPU with `vdpbf16ps`), makes `Q·Kᵀ`
-/// a bf16 product. Given `out_bits`, each tile also rounds its output rows to bf16 bits there
+/// and `P·V` bf16 products. Given `out_bits`, each tile also rounds its output rows to bf16 bits there
 /// while they are in cache: the input of the output projection in bf16 mode.
 pub fn attention(
     qkv: &[f32],
@@ -120,13 +141,14 @@ pub fn attention(
         rest = tail;
     }
     let qk_bits = qk_bits.filter(|_| scores_from_bits(shape));
-    let starts: Vec<usize>;
+    let starts: Vec<Starts>;
     let keys = match qk_bits {
         Some(bits) => {
-            starts = pack_keys(bits, batch, shape, &mut scratch.panels);
+            starts = pack_heads(bits, batch, shape, scratch);
             Keys::Panels {
                 bits,
                 panels: &scratch.panels,
+                values: &scratch.values,
                 starts: &starts,
             }
         }
@@ -138,15 +160,15 @@ pub fn attention(
             }
         }
     };
-    tiles
-        .par_iter()
-        .zip(chunks)
-        .for_each_init(Vec::new, |scores, (tile, (out_rows, bits))| {
-            attend_tile(qkv, keys, shape, *tile, scores, out_rows);
+    tiles.par_iter().zip(chunks).for_each_init(
+        TileScratch::default,
+        |scratch, (tile, (out_rows, bits))| {
+            attend_tile(qkv, keys, shape, *tile, scratch, out_rows);
             if let Some(bits) = bits {
                 kernels::bf16_bits_rows(out_rows, bits);
             }
-        });
+        },
+    );
 }
 
 /// Whether [`attention`] takes its scores from the bits it is handed (else from the f32 rows):
@@ -160,45 +182,52 @@ pub fn scores_from_bits(shape: AttentionShape) -> bool {
         && shape.head_dim <= bf16::KC
 }
 
-/// Each sequence's key heads as bf16 panels into `panels`; returns where each sequence's
-/// panels start.
-fn pack_keys(
+/// Each sequence's key heads as bf16 panels into `scratch.panels` ([`bf16::pack_rows`]) and
+/// its value heads into `scratch.values` ([`bf16::pack_columns`]); returns where each
+/// sequence's panels start.
+fn pack_heads(
     bits: &[u16],
     batch: &Batch,
     shape: AttentionShape,
-    panels: &mut Vec<u32>,
-) -> Vec<usize> {
+    scratch: &mut KeyScratch,
+) -> Vec<Starts> {
     let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-    let panel_len = bf16::panel_len(head_dim);
-    let per_head =
-        |sequence: usize| batch.sequence(sequence).len().div_ceil(bf16::PANEL) * panel_len;
+    let key_len = |tokens: usize| tokens.div_ceil(bf16::PANEL) * bf16::panel_len(head_dim);
+    let value_len = |tokens: usize| bf16::column_panels_len(tokens, head_dim);
     let mut starts = Vec::with_capacity(batch.num_sequences());
-    let mut total = 0;
+    let (mut keys, mut values) = (0, 0);
     for sequence in 0..batch.num_sequences() {
-        starts.push(total);
-        total += kv_heads * per_head(sequence);
+        starts.push(Starts { keys, values });
+        let tokens = batch.sequence(sequence).len();
+        keys += kv_heads * key_len(tokens);
+        values += kv_heads * value_len(tokens);
     }
-    panels.resize(total, 0);
+    scratch.panels.resize(keys, 0);
+    scratch.values.resize(values, 0);
     let mut jobs = Vec::with_capacity(batch.num_sequences() * kv_heads);
-    let mut rest = &mut panels[..];
+    let (mut key_rest, mut value_rest) = (&mut scratch.panels[..], &mut scratch.values[..]);
     for sequence in 0..batch.num_sequences() {
+        let tokens = batch.sequence(sequence).len();
         for kv_head in 0..kv_heads {
-            let (dst, tail) = rest.split_at_mut(per_head(sequence));
-            jobs.push((sequence, kv_head, dst));
-            rest = tail;
+            let (key_dst, key_tail) = key_rest.split_at_mut(key_len(tokens));
+            let (value_dst, value_tail) = value_rest.split_at_mut(value_len(tokens));
+            jobs.push((sequence, kv_head, key_dst, value_dst));
+            (key_rest, value_rest) = (key_tail, value_tail);
         }
     }
     let width = shape.width();
-    jobs.into_par_iter().for_each(|(sequence, kv_head, dst)| {
-        let range = batch.sequence(sequence);
-        let keys = Bf16View {
-            bits: &bits[range.start * width + (heads + kv_head) * head_dim..],
-            rows: range.len(),
-            cols: head_dim,
-            stride: width,
-        };
-        bf16::pack_rows(keys, dst);
-    });
+    jobs.into_par_iter()
+        .for_each(|(sequence, kv_head, key_dst, value_dst)| {
+            let range = batch.sequence(sequence);
+            let head = |first: usize| Bf16View {
+                bits: &bits[range.start * width + (first + kv_head) * head_dim..],
+                rows: range.len(),
+                cols: head_dim,
+                stride: width,
+            };
+            bf16::pack_rows(head(heads), key_dst);
+            bf16::pack_columns(head(heads + kv_heads), value_dst);
+        });
     starts
 }
 
@@ -225,7 +254,7 @@ fn attend_tile(
     keys: Keys<'_>,
     shape: AttentionShape,
     tile: Tile,
-    scores: &mut Vec<f32>,
+    scratch: &mut TileScratch,
     out: &mut [f32],
 ) {
     let AttentionShape {
@@ -242,6 +271,10 @@ fn attend_tile(
     let lowest_key = window.map_or(0, |w| (first_query + 1).saturating_sub(w));
     let lowest_key = lowest_key - lowest_key % bf16::PANEL;
     let (queries, key_count) = (end_query - first_query, end_query - lowest_key);
+    let TileScratch {
+        scores,
+        probabilities,
+    } = scratch;
     scores.resize(queries * key_count, 0.0);
     let out_width = num_heads * head_dim;
     for head in 0..num_heads {
@@ -253,10 +286,18 @@ fn attend_tile(
             let seen = first_query + run + rows - lowest_key;
             let q_at = (tile.start + run) * width + head * head_dim;
             let scores = &mut scores[run * key_count..];
+            // The keys row `r` of the run sees, from the tile's lowest key.
+            let visible = |r: usize| {
+                let query = first_query + run + r;
+                let first = window.map_or(0, |w| (query + 1).saturating_sub(w));
+                (first - lowest_key, query - lowest_key)
+            };
+            let out = &mut out[run * out_width + head * head_dim..];
             match keys {
                 Keys::Panels {
                     bits,
                     panels,
+                    values,
                     starts,
                 } => {
                     let queries = Bf16View {
@@ -266,10 +307,36 @@ fn attend_tile(
                         stride: width,
                     };
                     let panels_per_head = tile.seq_len.div_ceil(bf16::PANEL);
-                    let from = starts[tile.sequence]
+                    let from = starts[tile.sequence].keys
                         + (kv_head * panels_per_head + lowest_key / bf16::PANEL)
                             * bf16::panel_len(head_dim);
                     bf16::product_packed(queries, &panels[from..], seen, scores, key_count);
+                    // `P·V` on bf16 probabilities, each row's over an even count of keys.
+                    let stride = seen.next_multiple_of(2);
+                    probabilities.resize(rows * stride, 0);
+                    let mut sums = [0.0f32; CAUSAL_RUN];
+                    let rows_of_p = probabilities.chunks_exact_mut(stride);
+                    for (r, (row, p)) in scores.chunks_exact(key_count).zip(rows_of_p).enumerate() {
+                        let (first, last) = visible(r);
+                        p[..first].fill(0);
+                        p[last + 1..].fill(0);
+                        let (row, p) = (&row[first..=last], &mut p[first..=last]);
+                        kernels::softmax_bits(row, scale, p, &mut sums[r]);
+                    }
+                    let from = starts[tile.sequence].values
+                        + kv_head * bf16::column_panels_len(tile.seq_len, head_dim);
+                    let values = (
+                        &values[from..],
+                        tile.seq_len.div_ceil(2) * bf16::PANEL,
+                        lowest_key / 2,
+                    );
+                    let p = Bf16View::dense(&probabilities[..rows * stride], rows, stride);
+                    bf16::product_columns(p, values, head_dim, out, out_width);
+                    for (r, sum) in sums.iter().take(rows).enumerate() {
+                        let inverse = 1.0 / sum;
+                        let row = &mut out[r * out_width..][..head_dim];
+                        row.iter_mut().for_each(|v| *v *= inverse);
+                    }
                 }
                 Keys::Transposed { data, tokens } => {
                     let queries = MatRef {
@@ -285,32 +352,28 @@ fn attend_tile(
                         row_stride: tokens,
                     };
                     in_place::product(queries, columns, scores, key_count);
+                    for (r, row) in scores.chunks_exact_mut(key_count).take(rows).enumerate() {
+                        let (first, last) = visible(r);
+                        row[..first].fill(0.0);
+                        row[last + 1..seen].fill(0.0);
+                        kernels::softmax_in_place(&mut row[first..=last], scale);
+                    }
+                    let values = MatRef {
+                        data: &qkv[(tile.seq_start + lowest_key) * width
+                            + (num_heads + num_kv_heads + kv_head) * head_dim..],
+                        rows: seen,
+                        cols: head_dim,
+                        row_stride: width,
+                    };
+                    let probabilities = MatRef {
+                        data: scores,
+                        rows,
+                        cols: seen,
+                        row_stride: key_count,
+                    };
+                    in_place::product(probabilities, values, out, out_width);
                 }
             }
-            for (r, row) in scores.chunks_exact_mut(key_count).take(rows).enumerate() {
-                let query = first_query + run + r;
-                let first_visible =
-                    window.map_or(0, |w| (query + 1).saturating_sub(w)) - lowest_key;
-                let last_visible = query - lowest_key;
-                row[..first_visible].fill(0.0);
-                row[last_visible + 1..seen].fill(0.0);
-                kernels::softmax_in_place(&mut row[first_visible..=last_visible], scale);
-            }
-            let values = MatRef {
-                data: &qkv[(tile.seq_start + lowest_key) * width
-                    + (num_heads + num_kv_heads + kv_head) * head_dim..],
-                rows: seen,
-                cols: head_dim,
-                row_stride: width,
-            };
-            let probabilities = MatRef {
-                data: scores,
-                rows,
-                cols: seen,
-                row_stride: key_count,
-            };
-            let out = &mut out[run * out_width + head * head_dim..];
-            in_place::product(probabilities, values, out, out_width);
         }
     }
 }
@@ -409,7 +472,7 @@ mod tests {
     }
 
     #[test]
-    fn both_score_products_match_a_float64_attention_over_ragged_sequences_and_a_window() {
+    fn both_paths_match_a_float64_attention_over_ragged_sequences_and_a_window() {
         // Sequences shorter than, equal to and over a tile; odd head width; a window that
         // cuts inside the tiles.
         let lengths = [3, QUERY_TILE, 2 * QUERY_TILE + 9, 1];
@@ -418,14 +481,42 @@ mod tests {
         for window in [None, Some(21)] {
             let shape = AttentionShape { window, ..SHAPE };
             let expected = reference(&qkv, &lengths, shape);
+            // bf16 probabilities: each weight moves by at most 2⁻⁹ of itself in its rounding,
+            // and as much again in the division by the rounded sum.
+            let largest_value = qkv.iter().fold(0.0f64, |m, &v| m.max(f64::from(v).abs()));
+            let bf16_bound = largest_value / 256.0;
             for (name, bits) in [("f32", None), ("bf16", Some(&bits[..]))] {
                 let got = run(&qkv, bits, &lengths, shape);
+                let bound = |want: f64| match bits {
+                    None => 1e-5 * (1.0 + want.abs()),
+                    Some(_) => bf16_bound,
+                };
                 for (i, (&got, &want)) in got.iter().zip(&expected).enumerate() {
                     assert!(
-                        (f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                        "{name} scores, window {window:?}, value {i}: {got} vs {want}"
+                        (f64::from(got) - want).abs() <= bound(want),
+                        "{name} attention, window {window:?}, value {i}: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_sequence_longer_than_a_block_of_keys_matches_a_float64_attention() {
+        // Over `bf16::KC` keys the bf16 `P·V` sums in two blocks; a window starts it inside
+        // the values' panels.
+        let lengths = [bf16::KC + 70];
+        let (qkv, bits) = rows(lengths[0], SHAPE, 0.23);
+        let largest_value = qkv.iter().fold(0.0f64, |m, &v| m.max(f64::from(v).abs()));
+        for window in [None, Some(300)] {
+            let shape = AttentionShape { window, ..SHAPE };
+            let expected = reference(&qkv, &lengths, shape);
+            let got = run(&qkv, Some(&bits), &lengths, shape);
+            for (i, (&got, &want)) in got.iter().zip(&expected).enumerate() {
+                assert!(
+                    (f64::from(got) - want).abs() <= largest_value / 256.0,
+                    "window {window:?}, value {i}: {got} vs {want}"
+                );
             }
         }
     }

@@ -455,6 +455,118 @@ pub(crate) fn product_packed(
     }
 }
 
+/// `u32`s [`pack_columns`] writes for `b: [rows, cols]`: one panel of [`PANEL`] columns by
+/// every pair of rows.
+pub fn column_panels_len(rows: usize, cols: usize) -> usize {
+    cols.div_ceil(PANEL) * rows.div_ceil(2) * PANEL
+}
+
+/// Every panel of `b`'s columns over all of its rows, `[panel][pairs][PANEL]`: pair `q` of
+/// column `c` holds rows `2q` and `2q + 1` in its low and high halves, zero past the rows and
+/// columns that exist. The layout [`pack_rows`] gives `bᵀ`, for products whose second operand
+/// lies `[k, cols]`: attention packs each sequence's values once for all of its queries' `P·V`.
+///
+/// # Panics
+/// If `dst` is not [`column_panels_len`] long: a bug in the caller.
+pub fn pack_columns(b: Bf16View<'_>, dst: &mut [u32]) {
+    let pairs = b.rows.div_ceil(2);
+    assert!(
+        b.fits() && dst.len() == column_panels_len(b.rows, b.cols),
+        "bf16 column panel shapes do not fit. This is a bug."
+    );
+    if dst.is_empty() {
+        return;
+    }
+    for (p, panel) in dst.chunks_exact_mut(pairs * PANEL).enumerate() {
+        let first = p * PANEL;
+        let width = PANEL.min(b.cols - first);
+        for (q, cells) in panel.chunks_exact_mut(PANEL).enumerate() {
+            let (cells, past) = cells.split_at_mut(width);
+            let low = &b.bits[2 * q * b.stride + first..][..width];
+            if 2 * q + 1 < b.rows {
+                let high = &b.bits[(2 * q + 1) * b.stride + first..][..width];
+                for ((cell, &low), &high) in cells.iter_mut().zip(low).zip(high) {
+                    *cell = u32::from(low) | (u32::from(high) << 16);
+                }
+            } else {
+                for (cell, &low) in cells.iter_mut().zip(low) {
+                    *cell = u32::from(low);
+                }
+            }
+            past.fill(0);
+        }
+    }
+}
+
+/// `out[r, c] = Σ_k a[r, k] · b[k, c]` for `c < cols` on the calling thread, `b`'s columns as
+/// [`pack_columns`] packed them, read from pair `first_pair` of each panel (panels
+/// `panel_stride` `u32`s apart), so that a product may start at any even row of `b`. `k`
+/// (`a.cols`) is even: where `b`'s rows end inside the last pair, `a` holds a zero there. The
+/// blocks of `k` are the weight products' (on `vdpbf16ps`), each cell one chain per block
+/// continued through `out`, so each cell's sums depend on `k` alone.
+///
+/// Private to the crate: its one caller, attention, asks [`has_dot_instructions`] first
+/// (`scores_from_bits`).
+///
+/// # Panics
+/// If the kernel level lacks `vdpbf16ps`, `k` or `a`'s stride is odd, or a shape does not fit:
+/// a bug in the caller.
+pub(crate) fn product_columns(
+    a: Bf16View<'_>,
+    (panels, panel_stride, first_pair): (&[u32], usize, usize),
+    cols: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let (rows, k) = (a.rows, a.cols);
+    let (pairs, panel_count) = (k / 2, cols.div_ceil(PANEL));
+    assert!(
+        has_dot_instructions()
+            && a.fits()
+            && k.is_multiple_of(2)
+            && a.stride.is_multiple_of(2)
+            && (first_pair + pairs) * PANEL <= panel_stride
+            && panel_count * panel_stride <= panels.len()
+            && output_fits(out.len(), (rows, cols), out_stride),
+        "bf16 column panel product shapes do not fit. This is a bug."
+    );
+    if rows == 0 || cols == 0 || k == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let target = Out {
+            ptr: out.as_mut_ptr(),
+            stride: out_stride,
+        };
+        for (block_pair, block_pairs) in Engine::Pairs.blocks(k) {
+            for r in (0..rows).step_by(MR) {
+                let height = MR.min(rows - r);
+                let from = r * a.stride + 2 * block_pair;
+                let a_rows = &a.bits[from..from + (height - 1) * a.stride + 2 * block_pairs];
+                for p in 0..panel_count {
+                    let start = p * panel_stride + (first_pair + block_pair) * PANEL;
+                    let operands = avx512::Operands {
+                        a: a_rows,
+                        a_stride: a.stride,
+                        panel: &panels[start..start + block_pairs * PANEL],
+                        pairs: block_pairs,
+                    };
+                    let c = p * PANEL;
+                    // SAFETY: row `r` < rows and column `c` < cols, inside `out` (asserted
+                    // above); the sums continue from `out` after the first block of `k`.
+                    let dst = unsafe {
+                        target.block((r, c), (height, PANEL.min(cols - c)), block_pair > 0)
+                    };
+                    // SAFETY: `dst` is `height × width` cells of `out`, which this call holds
+                    // alone; the CPU has AVX512-F, -BW and -BF16 (asserted above).
+                    unsafe { avx512::block(operands, avx512::Store::F32(dst)) }
+                }
+            }
+        }
+    }
+}
+
 /// Both operands of a product, as bf16 rows.
 #[derive(Clone, Copy)]
 struct Operands<'a> {
@@ -1448,6 +1560,61 @@ mod tests {
                 assert_eq!(
                     out[r * (cols + 2) + cols],
                     1.0,
+                    "columns past cols are untouched"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_product_over_column_panels_matches_a_float64_sum_from_any_even_row_of_b() {
+        if !has_dot_instructions() {
+            eprintln!("skipped: the kernel level has no vdpbf16ps");
+            return;
+        }
+        // (rows of a, cols, rows of b, first pair, k): b's rows ending inside the last pair,
+        // a head narrower than a panel, a start inside b, and k over two blocks.
+        for (rows, cols, b_rows, first_pair, k) in [
+            (16, 18, 37, 0, 38),
+            (9, 33, 100, 10, 60),
+            (5, 64, 2 * KC + 77, 16, 2 * KC + 40),
+        ] {
+            let b = bits(&values(b_rows * cols, 3));
+            let mut a = bits(&values(rows * k, 4));
+            for row in a.chunks_exact_mut(k) {
+                // Past b's rows a holds zeros, as attention's probabilities do.
+                row.iter_mut()
+                    .skip(b_rows - 2 * first_pair)
+                    .for_each(|v| *v = 0);
+            }
+            let mut panels = vec![u32::MAX; column_panels_len(b_rows, cols)];
+            pack_columns(Bf16View::dense(&b, b_rows, cols), &mut panels);
+            let panel_stride = b_rows.div_ceil(2) * PANEL;
+            let mut out = vec![7.0f32; rows * (cols + 2)];
+            let view = Bf16View::dense(&a, rows, k);
+            product_columns(
+                view,
+                (&panels, panel_stride, first_pair),
+                cols,
+                &mut out,
+                cols + 2,
+            );
+            let wide = |v: u16| f64::from(half::bf16::from_bits(v).to_f32());
+            for r in 0..rows {
+                for c in 0..cols {
+                    let want: f64 = (0..k)
+                        .filter(|i| 2 * first_pair + i < b_rows)
+                        .map(|i| wide(a[r * k + i]) * wide(b[(2 * first_pair + i) * cols + c]))
+                        .sum();
+                    let got = f64::from(out[r * (cols + 2) + c]);
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{rows}x{cols} from pair {first_pair}, k {k} [{r},{c}]: {got} vs {want}"
+                    );
+                }
+                assert_eq!(
+                    out[r * (cols + 2) + cols],
+                    7.0,
                     "columns past cols are untouched"
                 );
             }

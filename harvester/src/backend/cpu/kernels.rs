@@ -243,6 +243,41 @@ dispatch!(softmax_in_place(row: &mut [f32], scale: f32) {
     }
 });
 
+dispatch!(softmax_bits(row: &[f32], scale: f32, bits: &mut [u16], sum: &mut f32) {
+    // The softmax of `row × scale` before its division, for a bf16 `P·V` (bf16 mode): each
+    // exponential rounded to bf16 bits into `bits` (the largest is exactly 1), and into `sum`
+    // the sum of the rounded values, by which the product is divided. The GPU's attention
+    // kernel rounds and sums its probabilities so, and the weights then sum to one exactly.
+    // The maximum and the lanes as `softmax_in_place`.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for i in 0..16 {
+            lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
+        }
+    }
+    let max = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let max = max * scale;
+    let rounded = |v: f32| crate::dtype::bf16_rounded_bits(exp(v * scale - max));
+    let mut sums = [0.0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    let mut out = bits.chunks_exact_mut(16);
+    for (c, o) in (&mut chunks).zip(&mut out) {
+        for i in 0..16 {
+            let p = rounded(c[i]);
+            o[i] = (p >> 16) as u16;
+            sums[i] += f32::from_bits(p);
+        }
+    }
+    let mut total: f32 = sums.iter().sum();
+    for (&v, o) in chunks.remainder().iter().zip(out.into_remainder()) {
+        let p = rounded(v);
+        *o = (p >> 16) as u16;
+        total += f32::from_bits(p);
+    }
+    *sum = total;
+});
+
 /// Rotates the first `rotated_heads` heads of each row in place (rotate-half RoPE, as Hugging Face
 /// Llama). `positions[t]` indexes the `[position, head_dim / 2]` tables.
 #[allow(clippy::too_many_arguments)]
@@ -402,6 +437,45 @@ mod tests {
             let mut reference: Vec<f32> = row.iter().map(|v| v * scale).collect();
             softmax_in_place(&mut reference, 1.0);
             assert_eq!(scaled, reference, "scale {scale}");
+        }
+    }
+
+    #[test]
+    fn softmax_bits_are_the_rounded_exponentials_and_their_sum_divides_to_the_softmax() {
+        let row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.71).sin() * 9.0).collect();
+        let scale = 0.125;
+        let mut bits = vec![0u16; row.len()];
+        let mut sum = 0.0;
+        softmax_bits(&row, scale, &mut bits, &mut sum);
+        let max = row.iter().fold(f32::MIN, |m, &v| m.max(v));
+        let widened: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        for (i, (&v, &p)) in row.iter().zip(&widened).enumerate() {
+            let exact = ((f64::from(v) - f64::from(max)) * f64::from(scale)).exp();
+            assert!(
+                (f64::from(p) - exact).abs() <= exact / 256.0,
+                "{i}: {p} vs {exact}"
+            );
+            assert_eq!(p, crate::dtype::round_bf16(p), "{i} is a bf16 value");
+            if v == max {
+                assert_eq!(p, 1.0, "the largest is exactly one");
+            }
+        }
+        let total: f64 = widened.iter().map(|&p| f64::from(p)).sum();
+        assert!(
+            (f64::from(sum) - total).abs() <= 1e-6 * total,
+            "{sum} vs {total}"
+        );
+        let mut softmax = row.clone();
+        softmax_in_place(&mut softmax, scale);
+        for (&p, &q) in widened.iter().zip(&softmax) {
+            assert!(
+                (p / sum - q).abs() <= q / 128.0 + 1e-7,
+                "{} vs {q}",
+                p / sum
+            );
         }
     }
 
