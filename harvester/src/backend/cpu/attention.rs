@@ -81,14 +81,18 @@ struct Tile {
 enum Keys<'a> {
     /// `[kv head][dim][token]` over the batch's `tokens`.
     Transposed { data: &'a [f32], tokens: usize },
-    /// Q, K and V as bf16 bits, and each sequence's key and value panels from
-    /// `starts[sequence]`, kv head by kv head.
-    Panels {
-        bits: &'a [u16],
-        panels: &'a [u32],
-        values: &'a [u32],
-        starts: &'a [Starts],
-    },
+    /// Q, K and V as bf16 bits, with their panels.
+    Panels(PanelKeys<'a>),
+}
+
+/// Q, K and V as bf16 bits, and each sequence's key and value panels from
+/// `starts[sequence]`, kv head by kv head.
+#[derive(Clone, Copy)]
+struct PanelKeys<'a> {
+    bits: &'a [u16],
+    panels: &'a [u32],
+    values: &'a [u32],
+    starts: &'a [Starts],
 }
 
 /// Where a sequence's key and value panels start.
@@ -145,12 +149,12 @@ pub fn attention(
     let keys = match qk_bits {
         Some(bits) => {
             starts = pack_heads(bits, batch, shape, scratch);
-            Keys::Panels {
+            Keys::Panels(PanelKeys {
                 bits,
                 panels: &scratch.panels,
                 values: &scratch.values,
                 starts: &starts,
-            }
+            })
         }
         None => {
             transpose_keys(qkv, batch.num_tokens(), shape, &mut scratch.transposed);
@@ -257,18 +261,11 @@ fn attend_tile(
     scratch: &mut TileScratch,
     out: &mut [f32],
 ) {
-    let AttentionShape {
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        window,
-    } = shape;
-    let width = shape.width();
-    let group = num_heads / num_kv_heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
     let (first_query, end_query) = (tile.start - tile.seq_start, tile.end - tile.seq_start);
     // From a whole panel on: a window's earlier keys are masked below like later ones.
-    let lowest_key = window.map_or(0, |w| (first_query + 1).saturating_sub(w));
+    let lowest_key = shape
+        .window
+        .map_or(0, |w| (first_query + 1).saturating_sub(w));
     let lowest_key = lowest_key - lowest_key % bf16::PANEL;
     let (queries, key_count) = (end_query - first_query, end_query - lowest_key);
     let TileScratch {
@@ -276,105 +273,169 @@ fn attend_tile(
         probabilities,
     } = scratch;
     scores.resize(queries * key_count, 0.0);
-    let out_width = num_heads * head_dim;
-    for head in 0..num_heads {
-        let kv_head = head / group;
+    let out_width = shape.num_heads * shape.head_dim;
+    let group = shape.num_heads / shape.num_kv_heads;
+    for head in 0..shape.num_heads {
         // Runs of queries, each summing only up to the last key its last query sees: past the
         // diagonal the scores would all be masked.
-        for run in (0..queries).step_by(CAUSAL_RUN) {
-            let rows = CAUSAL_RUN.min(queries - run);
-            let seen = first_query + run + rows - lowest_key;
-            let q_at = (tile.start + run) * width + head * head_dim;
-            let scores = &mut scores[run * key_count..];
-            // The keys row `r` of the run sees, from the tile's lowest key.
-            let visible = |r: usize| {
-                let query = first_query + run + r;
-                let first = window.map_or(0, |w| (query + 1).saturating_sub(w));
-                (first - lowest_key, query - lowest_key)
+        for first in (0..queries).step_by(CAUSAL_RUN) {
+            let rows = CAUSAL_RUN.min(queries - first);
+            let run = Run {
+                tile,
+                head,
+                kv_head: head / group,
+                first,
+                rows,
+                lowest_key,
+                seen: first_query + first + rows - lowest_key,
+                key_count,
             };
-            let out = &mut out[run * out_width + head * head_dim..];
+            let scores = &mut scores[first * key_count..];
+            let out = &mut out[first * out_width + head * shape.head_dim..];
             match keys {
-                Keys::Panels {
-                    bits,
-                    panels,
-                    values,
-                    starts,
-                } => {
-                    let queries = Bf16View {
-                        bits: &bits[q_at..],
-                        rows,
-                        cols: head_dim,
-                        stride: width,
-                    };
-                    let panels_per_head = tile.seq_len.div_ceil(bf16::PANEL);
-                    let from = starts[tile.sequence].keys
-                        + (kv_head * panels_per_head + lowest_key / bf16::PANEL)
-                            * bf16::panel_len(head_dim);
-                    bf16::product_packed(queries, &panels[from..], seen, scores, key_count);
-                    // `P·V` on bf16 probabilities, each row's over an even count of keys.
-                    let stride = seen.next_multiple_of(2);
-                    probabilities.resize(rows * stride, 0);
-                    let mut sums = [0.0f32; CAUSAL_RUN];
-                    let rows_of_p = probabilities.chunks_exact_mut(stride);
-                    for (r, (row, p)) in scores.chunks_exact(key_count).zip(rows_of_p).enumerate() {
-                        let (first, last) = visible(r);
-                        p[..first].fill(0);
-                        p[last + 1..].fill(0);
-                        let (row, p) = (&row[first..=last], &mut p[first..=last]);
-                        kernels::softmax_bits(row, scale, p, &mut sums[r]);
-                    }
-                    let from = starts[tile.sequence].values
-                        + kv_head * bf16::column_panels_len(tile.seq_len, head_dim);
-                    let values = (
-                        &values[from..],
-                        tile.seq_len.div_ceil(2) * bf16::PANEL,
-                        lowest_key / 2,
-                    );
-                    let p = Bf16View::dense(&probabilities[..rows * stride], rows, stride);
-                    bf16::product_columns(p, values, head_dim, out, out_width);
-                    for (r, sum) in sums.iter().take(rows).enumerate() {
-                        let inverse = 1.0 / sum;
-                        let row = &mut out[r * out_width..][..head_dim];
-                        row.iter_mut().for_each(|v| *v *= inverse);
-                    }
-                }
+                Keys::Panels(keys) => run.bf16(keys, shape, (scores, probabilities), out),
                 Keys::Transposed { data, tokens } => {
-                    let queries = MatRef {
-                        data: &qkv[q_at..],
-                        rows,
-                        cols: head_dim,
-                        row_stride: width,
-                    };
-                    let columns = MatRef {
-                        data: &data[kv_head * head_dim * tokens + tile.seq_start + lowest_key..],
-                        rows: head_dim,
-                        cols: seen,
-                        row_stride: tokens,
-                    };
-                    in_place::product(queries, columns, scores, key_count);
-                    for (r, row) in scores.chunks_exact_mut(key_count).take(rows).enumerate() {
-                        let (first, last) = visible(r);
-                        row[..first].fill(0.0);
-                        row[last + 1..seen].fill(0.0);
-                        kernels::softmax_in_place(&mut row[first..=last], scale);
-                    }
-                    let values = MatRef {
-                        data: &qkv[(tile.seq_start + lowest_key) * width
-                            + (num_heads + num_kv_heads + kv_head) * head_dim..],
-                        rows: seen,
-                        cols: head_dim,
-                        row_stride: width,
-                    };
-                    let probabilities = MatRef {
-                        data: scores,
-                        rows,
-                        cols: seen,
-                        row_stride: key_count,
-                    };
-                    in_place::product(probabilities, values, out, out_width);
+                    run.f32((qkv, data, tokens), shape, scores, out);
                 }
             }
         }
+    }
+}
+
+/// Up to [`CAUSAL_RUN`] queries of a tile against one head.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    tile: Tile,
+    head: usize,
+    kv_head: usize,
+    /// The run's first query, from the tile's start, and its count.
+    first: usize,
+    rows: usize,
+    /// The tile's first key (a whole panel), and the keys the run sums from it: up to the
+    /// last one its last query sees.
+    lowest_key: usize,
+    seen: usize,
+    /// The stride of the tile's scores.
+    key_count: usize,
+}
+
+impl Run {
+    /// The first and last key row `r` of the run sees, from the tile's lowest key.
+    fn visible(&self, r: usize, window: Option<usize>) -> (usize, usize) {
+        let query = self.tile.start - self.tile.seq_start + self.first + r;
+        let first = window.map_or(0, |w| (query + 1).saturating_sub(w));
+        (first - self.lowest_key, query - self.lowest_key)
+    }
+
+    /// Where the run's first query starts in the fused Q|K|V rows.
+    fn query_at(&self, shape: AttentionShape) -> usize {
+        (self.tile.start + self.first) * shape.width() + self.head * shape.head_dim
+    }
+
+    /// bf16 mode: `Q·Kᵀ` and `P·V` on `vdpbf16ps`, the probabilities rounded to bf16 and each
+    /// output row divided by the sum of its rounded probabilities.
+    fn bf16(
+        &self,
+        keys: PanelKeys<'_>,
+        shape: AttentionShape,
+        (scores, probabilities): (&mut [f32], &mut Vec<u16>),
+        out: &mut [f32],
+    ) {
+        let (head_dim, tile, rows, seen) = (shape.head_dim, self.tile, self.rows, self.seen);
+        let starts = keys.starts[tile.sequence];
+        let queries = Bf16View {
+            bits: &keys.bits[self.query_at(shape)..],
+            rows,
+            cols: head_dim,
+            stride: shape.width(),
+        };
+        let panels_per_head = tile.seq_len.div_ceil(bf16::PANEL);
+        let from = starts.keys
+            + (self.kv_head * panels_per_head + self.lowest_key / bf16::PANEL)
+                * bf16::panel_len(head_dim);
+        bf16::product_packed(queries, &keys.panels[from..], seen, scores, self.key_count);
+        // Each row's probabilities over an even count of keys, zero where masked.
+        let stride = seen.next_multiple_of(2);
+        probabilities.resize(rows * stride, 0);
+        let mut sums = [0.0f32; CAUSAL_RUN];
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let rows_of_p = probabilities.chunks_exact_mut(stride);
+        for (r, (row, p)) in scores
+            .chunks_exact(self.key_count)
+            .zip(rows_of_p)
+            .enumerate()
+        {
+            let (first, last) = self.visible(r, shape.window);
+            p[..first].fill(0);
+            p[last + 1..].fill(0);
+            kernels::softmax_bits(
+                &row[first..=last],
+                scale,
+                &mut p[first..=last],
+                &mut sums[r],
+            );
+        }
+        let from = starts.values + self.kv_head * bf16::column_panels_len(tile.seq_len, head_dim);
+        let values = (
+            &keys.values[from..],
+            tile.seq_len.div_ceil(2) * bf16::PANEL,
+            self.lowest_key / 2,
+        );
+        let p = Bf16View::dense(&probabilities[..rows * stride], rows, stride);
+        let out_width = shape.num_heads * head_dim;
+        bf16::product_columns(p, values, head_dim, out, out_width);
+        for (r, sum) in sums.iter().take(rows).enumerate() {
+            let inverse = 1.0 / sum;
+            let row = &mut out[r * out_width..][..head_dim];
+            row.iter_mut().for_each(|v| *v *= inverse);
+        }
+    }
+
+    /// f32: both products on the in-place kernel, K transposed and V where it lies.
+    fn f32(
+        &self,
+        (qkv, keys, tokens): (&[f32], &[f32], usize),
+        shape: AttentionShape,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let (head_dim, width, seen) = (shape.head_dim, shape.width(), self.seen);
+        let key_from = self.tile.seq_start + self.lowest_key;
+        let queries = MatRef {
+            data: &qkv[self.query_at(shape)..],
+            rows: self.rows,
+            cols: head_dim,
+            row_stride: width,
+        };
+        let columns = MatRef {
+            data: &keys[self.kv_head * head_dim * tokens + key_from..],
+            rows: head_dim,
+            cols: seen,
+            row_stride: tokens,
+        };
+        in_place::product(queries, columns, scores, self.key_count);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let rows = scores.chunks_exact_mut(self.key_count).take(self.rows);
+        for (r, row) in rows.enumerate() {
+            let (first, last) = self.visible(r, shape.window);
+            row[..first].fill(0.0);
+            row[last + 1..seen].fill(0.0);
+            kernels::softmax_in_place(&mut row[first..=last], scale);
+        }
+        let value_head = shape.num_heads + shape.num_kv_heads + self.kv_head;
+        let values = MatRef {
+            data: &qkv[key_from * width + value_head * head_dim..],
+            rows: seen,
+            cols: head_dim,
+            row_stride: width,
+        };
+        let probabilities = MatRef {
+            data: scores,
+            rows: self.rows,
+            cols: seen,
+            row_stride: self.key_count,
+        };
+        in_place::product(probabilities, values, out, shape.num_heads * head_dim);
     }
 }
 

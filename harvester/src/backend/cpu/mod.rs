@@ -442,9 +442,12 @@ impl CpuBackend {
                 })
                 .map(|m| m.len())
                 .sum();
-            // Q|K|V as bits, and the keys' panels: a sequence's last panel is padded to
-            // `PANEL` keys, so one-token prompts take `PANEL` times their keys.
-            let attention = tokens * (c.qkv_width() + bf16::PANEL * c.num_kv_heads * c.head_dim);
+            // Q|K|V as bits, the keys' panels (a sequence's last panel is padded to `PANEL`
+            // keys, so one-token prompts take `PANEL` times their keys) and the values'
+            // (columns padded to whole panels, and an odd sequence's last pair: at most twice).
+            let value_panels = 2 * c.num_kv_heads * c.head_dim.next_multiple_of(bf16::PANEL);
+            let attention =
+                tokens * (c.qkv_width() + bf16::PANEL * c.num_kv_heads * c.head_dim + value_panels);
             // gate|up as bits, where the product can round as it stores.
             let gate_up_bits = if bf16::rounds_output(c.hidden_size) {
                 tokens * 2 * inter
