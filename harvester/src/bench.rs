@@ -141,13 +141,27 @@ pub struct Baseline {
 /// alternate, so drifts in the machine's speed hit both alike.
 const BASELINE_ROUNDS: usize = 3;
 
-/// Seconds for one timed pass of `backend` over every batch.
-fn timed_pass(backend: &mut dyn Backend, batches: &[Batch], out: &mut Captured) -> Result<f64> {
+/// Seconds for one timed pass of `backend` over every batch, driven as a run drives it
+/// ([`Backend::capture_next`]): the capture buffers of `pool` take turns, two where the
+/// backend holds one batch back.
+fn timed_pass(
+    backend: &mut dyn Backend,
+    batches: &[Batch],
+    pool: &mut Vec<Captured>,
+) -> Result<f64> {
     let start = Instant::now();
     for batch in batches {
-        backend.capture(batch, out)?;
+        let buffer = pool.pop().unwrap_or_default();
+        pool.extend(backend.capture_next(batch, buffer)?);
     }
+    pool.extend(backend.finish()?);
     Ok(start.elapsed().as_secs_f64())
+}
+
+/// An untimed pass over the first two batches, which sizes every buffer of `pool` the timed
+/// passes use.
+fn warm_up(backend: &mut dyn Backend, batches: &[Batch], pool: &mut Vec<Captured>) -> Result<()> {
+    timed_pass(backend, &batches[..batches.len().min(2)], pool).map(drop)
 }
 
 /// Mean seconds per pass of `ours` and of `base`, over [`BASELINE_ROUNDS`] rounds each, the
@@ -156,16 +170,16 @@ fn alternate(
     ours: &mut dyn Backend,
     base: &mut dyn Backend,
     batches: &[Batch],
-    out: &mut Captured,
+    pool: &mut Vec<Captured>,
 ) -> Result<(f64, f64)> {
     let (mut mine, mut theirs) = (0.0, 0.0);
     for round in 0..BASELINE_ROUNDS {
         if round % 2 == 0 {
-            mine += timed_pass(ours, batches, out)?;
-            theirs += timed_pass(base, batches, out)?;
+            mine += timed_pass(ours, batches, pool)?;
+            theirs += timed_pass(base, batches, pool)?;
         } else {
-            theirs += timed_pass(base, batches, out)?;
-            mine += timed_pass(ours, batches, out)?;
+            theirs += timed_pass(base, batches, pool)?;
+            mine += timed_pass(ours, batches, pool)?;
         }
     }
     let rounds = BASELINE_ROUNDS as f64;
@@ -306,8 +320,8 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
         });
     }
     let batches = pack(&config.prompts, config.batch_tokens.max(1));
-    let mut out = Captured::default();
-    backend.capture(&batches[0], &mut out)?;
+    let mut pool = vec![Captured::default(), Captured::default()];
+    warm_up(backend.as_mut(), &batches, &mut pool)?;
     let peaks_before = match config.device {
         _ if config.forward_only => (None, None),
         DeviceChoice::Cuda(_) | DeviceChoice::CudaReplay => (None, None),
@@ -316,10 +330,10 @@ pub fn run(config: BenchConfig<'_>) -> Result<BenchReport> {
     let lengths: Vec<usize> = config.prompts.iter().map(Vec::len).collect();
     let tokens: usize = lengths.iter().sum();
     let (seconds, baseline) = match baseline.as_mut() {
-        None => (timed_pass(backend.as_mut(), &batches, &mut out)?, None),
+        None => (timed_pass(backend.as_mut(), &batches, &mut pool)?, None),
         Some(base) => {
-            base.capture(&batches[0], &mut out)?;
-            let (ours, theirs) = alternate(backend.as_mut(), base.as_mut(), &batches, &mut out)?;
+            warm_up(base.as_mut(), &batches, &mut pool)?;
+            let (ours, theirs) = alternate(backend.as_mut(), base.as_mut(), &batches, &mut pool)?;
             let baseline = Baseline {
                 sites: Sites::default().to_string(),
                 tokens_per_s: tokens as f64 / theirs,

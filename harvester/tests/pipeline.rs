@@ -1492,6 +1492,35 @@ fn a_run_on_the_cuda_replay_writes_what_a_gpu_run_would_and_says_bf16() {
 }
 
 #[test]
+fn a_replayed_run_with_the_batch_tail_hidden_writes_the_bytes_of_one_without() {
+    // With HARVEST_CUDA_TAIL=overlap the backend hands each batch's capture back one call
+    // late, as the CUDA backend does; the run must pair every capture with its own prompts.
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));
+    let run = |name: &str, tail: &str| {
+        let out = dir.path().join(name);
+        let mut args = run_args_with(&prompts, &out, &["--device", "cuda-replay"]);
+        // A batch a prompt or two: several hand-backs, and a shard split across batches.
+        let budget = args.iter().position(|a| a == "--batch-tokens").unwrap() + 1;
+        args[budget] = "24".into();
+        let output = harvester()
+            .args(&args)
+            .env("HARVEST_CUDA_TAIL", tail)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output_files(&out)
+    };
+    let hidden = run("hidden", "overlap");
+    assert_eq!(hidden, run("waited", "wait"));
+    assert!(hidden.iter().any(|(name, _)| name.contains("shard")));
+}
+
+#[test]
 fn a_run_on_the_cuda_replay_that_names_f32_computes_f32_within_a_shard_bit_of_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = write_prompts(dir.path(), &PROMPTS.map(String::from));

@@ -256,10 +256,11 @@ case "$verdict" in *"parity: passed"*) ;; *)
 esac
 fi
 if [ "$device" != cpu ] && wanted variants && parity_run; then
-  step "the parity run with the kernels as PTX, with CUDA-core attention, and with the weights uploaded from pageable memory, against the default"
-  # PTX and the pageable upload must give the same bits as the default (a cubin, staged), so
-  # they are judged at 0; the CUDA-core attention is another kernel, judged by the CPU guard.
-  for variant in HARVEST_CUDA_CODE=ptx:0 HARVEST_CUDA_UPLOAD=pageable:0 HARVEST_CUDA_ATTENTION=simple:$vs_cpu; do
+  step "the parity run with the kernels as PTX, with the weights uploaded from pageable memory, with the batch tail hidden, and with CUDA-core attention, against the default"
+  # PTX, the pageable upload and the hidden tail (batches of 96 tokens: many hand-backs) must
+  # give the same bits as the default (a cubin, staged, waited tail), so they are judged at 0;
+  # the CUDA-core attention is another kernel, judged by the CPU guard.
+  for variant in HARVEST_CUDA_CODE=ptx:0 HARVEST_CUDA_UPLOAD=pageable:0 HARVEST_CUDA_TAIL=overlap:0 HARVEST_CUDA_ATTENTION=simple:$vs_cpu; do
     guard=${variant##*:}; variant=${variant%:*}
     if (export "$variant"; limited 120 "$harvester" run --device "$device" --precision bf16 \
       --model "$smol" --prompts "$here/parity_prompts.jsonl" --layers all --shard-size 4 \
@@ -564,6 +565,14 @@ else
   note "batch invariance: the small-batch run FAILED"
   failures=$((failures + 1))
 fi
+# The hidden batch tail hands each batch back one call late, and must change no bit: the same
+# batches of 64 tokens (five hand-backs), judged at 0 on every device.
+if [ -d "$work/batch-small" ] && HARVEST_CUDA_TAIL=overlap limited 180 "$harvester" run     --device "$device" --precision bf16 --model "$smol" --prompts "$here/parity_prompts.jsonl"     --layers all --shard-size 4 --batch-tokens 64 --progress off --out "$work/batch-tail" >/dev/null; then
+  judge "batches of 64 tokens with the tail hidden (HARVEST_CUDA_TAIL=overlap)" 0 "$work/batch-small" "$work/batch-tail"
+else
+  note "batches of 64 tokens with the tail hidden: the run FAILED"
+  failures=$((failures + 1))
+fi
 parts_ok=ok
 for part in 0/2 1/2; do
   limited 120 "$harvester" run --device "$device" --precision bf16 --model "$smol" \
@@ -637,6 +646,15 @@ if [ "$device" != cpu ]; then
     --ids "$work/ids-short.json" --layers "$three" --batch-tokens $((4 * batch_tokens)) \
     | sed "s/^{/{\"shape\":\"${short[0]}x${short[1]}-3-layers-batch-$((4 * batch_tokens))\",/" \
     | tee -a "$details/bench.jsonl"
+  # The batch tail hidden (HARVEST_CUDA_TAIL=overlap: the next batch queued before the last
+  # rows are taken, the inputs through page-locked memory), beside the rows above.
+  for spec in "${shapes[@]:0:2}"; do
+    IFS=: read -r name ids layers directions <<<"$spec"
+    echo "-- $name-tail-hidden"
+    HARVEST_CUDA_TAIL=overlap limited 150 "$harvester" bench --device "$device" --precision bf16 \
+      --model "$bench_model" --ids "$ids" --layers "$layers" --batch-tokens "$batch_tokens" \
+      | sed "s/^{/{\"shape\":\"$name-tail-hidden\",/" | tee -a "$details/bench.jsonl"
+  done
   # Information: what the f32 mode costs (f32 weights, f32 GEMMs without TF32, CUDA-core
   # attention), on the same corpus.
   echo "-- ${short[0]}x${short[1]}-3-layers-f32"

@@ -514,6 +514,21 @@ pub trait Backend: Send {
 
     /// Runs the forward pass over `batch` up to the deepest kept block and fills `out`.
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()>;
+
+    /// Runs `batch` into `out` as [`Backend::capture`] does, but may hold `out` back until
+    /// the next call, so that the device starts the next batch before the host has taken the
+    /// last rows of this one: returns the captures completed by this call, in batch order
+    /// (the one before `batch`'s, or `batch`'s own, or none). [`Backend::finish`] returns the
+    /// last one held. By default nothing is held.
+    fn capture_next(&mut self, batch: &Batch, mut out: Captured) -> Result<Option<Captured>> {
+        self.capture(batch, &mut out)?;
+        Ok(Some(out))
+    }
+
+    /// The capture [`Backend::capture_next`] still holds, completed.
+    fn finish(&mut self) -> Result<Option<Captured>> {
+        Ok(None)
+    }
 }
 
 /// One pipeline stage: a contiguous range of a model's blocks on one device, run on a batch's

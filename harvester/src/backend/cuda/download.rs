@@ -26,6 +26,9 @@ use rayon::prelude::*;
 use super::error::CudaError;
 use crate::error::Result;
 
+/// What a failed [`Slots::send`] was doing.
+const SEND_ACTION: &str = "queueing a kept layer's copy to the host";
+
 /// Values each host thread copies at a time: large enough to amortise rayon's scheduling,
 /// small enough to spread one slot of a small batch over the cores.
 const COPY_CHUNK: usize = 1 << 16;
@@ -155,17 +158,28 @@ impl<T: Element> Slots<T> {
     }
 
     /// Queues slot `slot`'s first `len` values for the host, after the work queued on
-    /// `compute` so far (which wrote the slot).
+    /// `compute` so far (which wrote the slot); a `deferred` slot is only marked written, its
+    /// copy queued later by [`Self::queue_copy`].
     pub fn send(
         &mut self,
         compute: &CudaStream,
         copies: &Arc<CudaStream>,
-        slot: usize,
-        len: usize,
+        (slot, len): (usize, usize),
+        deferred: bool,
     ) -> Result<()> {
-        let action = "queueing a kept layer's copy to the host";
-        let fault = |e| CudaError::from_driver(action, e);
-        self.computed[slot].record(compute).map_err(fault)?;
+        self.computed[slot]
+            .record(compute)
+            .map_err(|e| CudaError::from_driver(SEND_ACTION, e))?;
+        if deferred {
+            return Ok(());
+        }
+        self.queue_copy(copies, slot, len)
+    }
+
+    /// Queues the copy of slot `slot`'s first `len` values to the host, behind the last
+    /// recorded write of the slot.
+    pub fn queue_copy(&mut self, copies: &Arc<CudaStream>, slot: usize, len: usize) -> Result<()> {
+        let fault = |e| CudaError::from_driver(SEND_ACTION, e);
         copies.wait(&self.computed[slot]).map_err(fault)?;
         let start = slot * self.capacity;
         let rows = self.device.slice(start..start + len);
@@ -176,6 +190,14 @@ impl<T: Element> Slots<T> {
         .map_err(fault)?;
         self.downloaded[slot].record(copies).map_err(fault)?;
         Ok(())
+    }
+
+    /// Makes the work queued on `compute` from now on wait until the last queued copy of slot
+    /// `slot` has read it: a batch overwrites a slot the batch before may still be copying.
+    pub fn wait_copied(&self, compute: &CudaStream, slot: usize) -> Result<()> {
+        compute
+            .wait(&self.downloaded[slot])
+            .map_err(|e| CudaError::from_driver(SEND_ACTION, e).into())
     }
 
     /// Waits until slot `slot` is on the host, then copies its first `out.len()` values into

@@ -24,6 +24,7 @@ mod kernel_set;
 mod ops;
 mod settle;
 mod staging;
+mod tail;
 mod upload;
 
 use std::ops::Range;
@@ -54,6 +55,8 @@ use self::ops::{DeviceOps, Keeping, Pass};
 use self::settle::{Health, leave_unfreed};
 use self::staging::Staging;
 pub use self::staging::UPLOAD_VARIABLE;
+pub use self::tail::TAIL_VARIABLE;
+use self::tail::{Ahead, BatchInputs, InputBuffers, Landing, Tail};
 pub use self::upload::LoadPhases;
 use self::upload::Uploader;
 pub(in crate::backend::cuda) use self::upload::{bf16_values, rounded_bf16};
@@ -138,6 +141,8 @@ struct Device<E: Activation> {
     o_bias: bool,
     /// The widest MLP among the blocks.
     mlp_width: usize,
+    /// The batch tail, hidden or not (`tail`).
+    tail: Tail,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -267,6 +272,14 @@ impl Backend for CudaBackend {
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
         self.device.capture(batch, out)
     }
+
+    fn capture_next(&mut self, batch: &Batch, out: Captured) -> Result<Option<Captured>> {
+        self.device.capture_next(batch, out)
+    }
+
+    fn finish(&mut self) -> Result<Option<Captured>> {
+        self.device.finish()
+    }
 }
 
 impl Stage for CudaBackend {
@@ -341,6 +354,7 @@ impl<E: Activation> Device<E> {
         };
         idle(&stream, &copies).map_err(|e| CudaError::from_driver("uploading the weights", e))?;
         Ok(Self {
+            tail: Tail::new(&config),
             spec,
             config,
             stream,
@@ -485,17 +499,40 @@ impl<E: Activation> Backend for Device<E> {
     }
 
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
-        batch.validate(self.config.vocab_size)?;
-        let tokens = batch.num_tokens();
-        let width = self.capture_width();
-        let shape = (self.spec.sites.len(), self.spec.layers.len(), tokens, width);
-        out.reset_held(Held::of(true, &self.spec), shape);
-        out.routes
-            .reset(self.spec.route_shape(&self.config), tokens);
-        if tokens == 0 {
+        if self.tail.ahead.is_some() {
+            return Err(CudaError::Fault {
+                action: "capturing a batch",
+                reason:
+                    "a capture is held back (capture_next) and was not finished. This is a bug."
+                        .into(),
+            }
+            .into());
+        }
+        if self.prepare(batch, out)? == 0 {
             return Ok(());
         }
         self.run(batch, None, out)
+    }
+
+    fn capture_next(&mut self, batch: &Batch, mut out: Captured) -> Result<Option<Captured>> {
+        if !self.tail.overlap {
+            self.capture(batch, &mut out)?;
+            return Ok(Some(out));
+        }
+        let tokens = self.prepare(batch, &mut out)?;
+        let result = self.settled(|device| device.overlapped(batch, out, tokens));
+        if result.is_err() {
+            self.tail.ahead = None;
+        }
+        result
+    }
+
+    fn finish(&mut self) -> Result<Option<Captured>> {
+        let result = self.settled(Self::complete_ahead);
+        if result.is_err() {
+            self.tail.ahead = None;
+        }
+        result
     }
 }
 
@@ -514,28 +551,131 @@ impl<E: Activation> Device<E> {
     /// stage, else from `x`, the residual stream the stage before handed on, which gets this
     /// stage's output back. Kept sites land in their slots of `out` (the whole batch's).
     fn run(&mut self, batch: &Batch, x: Option<&mut Vec<f32>>, out: &mut Captured) -> Result<()> {
+        self.settled(|device| device.run_queued(batch, x, out))
+    }
+
+    /// `work`, and after it the errors cudarc met where it could not return them (a free, a
+    /// stream wait), the batch's included; where either fails, the device waits for what
+    /// was queued (`settle`).
+    fn settled<T>(&mut self, work: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.health.check()?;
-        let result = self.run_queued(batch, x, out).and_then(|()| {
-            // Errors cudarc met where it could not return them (a free, a stream wait), this
-            // batch's included.
+        let result = work(self).and_then(|value| {
             self.stream.context().check_err().map_err(|e| {
-                CudaError::from_driver("a deferred driver call of the batch", e).into()
-            })
+                crate::Error::from(CudaError::from_driver(
+                    "a deferred driver call of the batch",
+                    e,
+                ))
+            })?;
+            Ok(value)
         });
         let (stream, copies) = (&self.stream, &self.copies);
         self.health.settle(result, || idle(stream, copies))
+    }
+
+    /// Checks `batch` and sizes `out` for it; returns its tokens.
+    fn prepare(&self, batch: &Batch, out: &mut Captured) -> Result<usize> {
+        batch.validate(self.config.vocab_size)?;
+        let tokens = batch.num_tokens();
+        let width = self.capture_width();
+        let shape = (self.spec.sites.len(), self.spec.layers.len(), tokens, width);
+        out.reset_held(Held::of(true, &self.spec), shape);
+        out.routes
+            .reset(self.spec.route_shape(&self.config), tokens);
+        Ok(tokens)
+    }
+
+    /// [`Backend::capture_next`]'s work with the tail hidden (`tail`): queues `batch`, then
+    /// completes the capture held back, and holds `out` back in its place.
+    fn overlapped(
+        &mut self,
+        batch: &Batch,
+        mut out: Captured,
+        tokens: usize,
+    ) -> Result<Option<Captured>> {
+        if tokens == 0 {
+            let previous = self.complete_ahead()?;
+            self.tail.ahead = Some(Ahead {
+                out,
+                pending: false,
+            });
+            return Ok(previous);
+        }
+        // Buffers are replaced only once the capture held back has landed.
+        let fits = self.scratch.as_ref().is_some_and(|s| s.tokens >= tokens);
+        let mut previous = if fits { None } else { self.complete_ahead()? };
+        self.queue(batch, None, &mut out.routes, true)?;
+        if previous.is_none() {
+            previous = self.complete_ahead()?;
+        }
+        let Some(s) = self.scratch.as_mut() else {
+            return Ok(previous);
+        };
+        let (kept, size) = (
+            self.kept.len(),
+            tokens * self.spec.width(self.config.hidden_size),
+        );
+        for slot in (0..self.spec.sites.len() * kept).filter(|&slot| tail::deferred(slot, kept)) {
+            match &mut s.kept {
+                Kept::Rows(slots) => slots.queue_copy(&self.copies, slot, size)?,
+                Kept::Projections(slots) => slots.queue_copy(&self.copies, slot, size)?,
+            }
+        }
+        self.receive(&mut out, Landing::Early)?;
+        self.tail.ahead = Some(Ahead { out, pending: true });
+        Ok(previous)
+    }
+
+    /// The capture held back, its deepest slots landed.
+    fn complete_ahead(&mut self) -> Result<Option<Captured>> {
+        let Some(mut ahead) = self.tail.ahead.take() else {
+            return Ok(None);
+        };
+        if ahead.pending {
+            self.receive(&mut ahead.out, Landing::Deferred)?;
+        }
+        Ok(Some(ahead.out))
     }
 
     /// [`Self::run`]'s work, which may leave work queued where it fails.
     fn run_queued(
         &mut self,
         batch: &Batch,
-        x: Option<&mut Vec<f32>>,
+        mut x: Option<&mut Vec<f32>>,
         out: &mut Captured,
+    ) -> Result<()> {
+        self.queue(
+            batch,
+            x.as_deref().map(Vec::as_slice),
+            &mut out.routes,
+            false,
+        )?;
+        self.receive(out, Landing::All)?;
+        if let (Some(x), Some(s)) = (x.as_mut(), self.scratch.as_ref()) {
+            let stream_values = batch.num_tokens() * self.config.hidden_size;
+            x.resize(stream_values, 0.0);
+            self.hand_off
+                .download(&self.stream, &s.x, &mut x[..])
+                .map_err(CudaError::fault(HANDED_ON))?;
+        }
+        Ok(())
+    }
+
+    /// Queues a batch of at least one token: its inputs, the residual stream `x` from the
+    /// stage before on a later stage, and the blocks, each kept slot's copy to the host queued
+    /// as it is written (the deepest layer's left to the caller where `overlap`).
+    fn queue(
+        &mut self,
+        batch: &Batch,
+        x: Option<&[f32]>,
+        routes: &mut crate::backend::Routes,
+        overlap: bool,
     ) -> Result<()> {
         let tokens = batch.num_tokens();
         let width = self.capture_width();
         self.ensure_scratch(tokens)?;
+        if overlap {
+            self.ensure_inputs(tokens);
+        }
         attention_tiles(
             &batch.cu_seq_lengths,
             self.kernels.attention.queries_per_block,
@@ -544,16 +684,28 @@ impl<E: Activation> Device<E> {
         let Some(s) = self.scratch.as_mut() else {
             return Ok(());
         };
-        upload_batch(&self.stream, batch, &self.host_tiles, s)?;
+        match self.tail.inputs.as_mut().filter(|_| overlap) {
+            Some(inputs) => inputs.upload(
+                &self.stream,
+                batch,
+                &self.host_tiles,
+                InputBuffers {
+                    ids: &mut s.ids,
+                    positions: &mut s.positions,
+                    cu_seq_lengths: &mut s.cu_seq_lengths,
+                    tiles: &mut s.tiles,
+                },
+            )?,
+            None => upload_batch(&self.stream, batch, &self.host_tiles, s)?,
+        }
         let c = &self.config;
         let stream_values = tokens * c.hidden_size;
-        let handed_on = CudaError::fault("handing the residual stream between stages");
         if self.first_block > 0 {
-            match &x {
+            match x {
                 Some(x) if x.len() >= stream_values => self
                     .hand_off
                     .upload(&self.stream, &x[..stream_values], &mut s.x)
-                    .map_err(&handed_on)?,
+                    .map_err(CudaError::fault(HANDED_ON))?,
                 _ => return Err(no_stream(self.first_block, stream_values)),
             }
         }
@@ -572,6 +724,7 @@ impl<E: Activation> Device<E> {
             width,
             directions: self.directions.as_ref(),
             copies: &self.copies,
+            overlap,
         };
         let mut ops = DeviceOps {
             pass: &pass,
@@ -579,19 +732,25 @@ impl<E: Activation> Device<E> {
             embed: self.embed.as_ref(),
             inter: 0,
             keeping: &keeping,
-            routes: &mut out.routes,
+            routes,
         };
         let stack = Stack {
             config: c,
             first_block: self.first_block,
             blocks: &self.blocks,
         };
-        forward(&mut ops, stack, self.spec.keeps())?;
-        // Each kept slot is copied as it lands, while the blocks after it run, into a capture
-        // held as `Held::of` says (bf16 rows, f32 projections). This device's slot
-        // `site * kept + layer` is the batch's `site * layers + first + layer`.
+        forward(&mut ops, stack, self.spec.keeps())
+    }
+
+    /// Takes the kept slots `landing` names into `out` as each copy lands, while the blocks
+    /// after them run, held as `Held::of` says (bf16 rows, f32 projections). This device's
+    /// slot `site * kept + layer` is the batch's `site * layers + first + layer`.
+    fn receive(&self, out: &mut Captured, landing: Landing) -> Result<()> {
+        let Some(s) = self.scratch.as_ref() else {
+            return Ok(());
+        };
         let kept = self.kept.len();
-        for slot in 0..self.spec.sites.len() * kept {
+        for slot in (0..self.spec.sites.len() * kept).filter(|&slot| landing.includes(slot, kept)) {
             let (site, layer) = (slot / kept, slot % kept);
             let at = site * self.spec.layers.len() + self.kept.start + layer;
             match &s.kept {
@@ -599,15 +758,33 @@ impl<E: Activation> Device<E> {
                 Kept::Projections(slots) => slots.receive(slot, out.layer_mut(at))?,
             }
         }
-        if let Some(x) = x {
-            x.resize(stream_values, 0.0);
-            self.hand_off
-                .download(&self.stream, &s.x, &mut x[..])
-                .map_err(&handed_on)?;
-        }
         Ok(())
     }
+
+    /// Page-locked buffers for the inputs of batches of `tokens`, where the host grants
+    /// them (else the driver's pageable copies, logged).
+    fn ensure_inputs(&mut self, tokens: usize) {
+        if self
+            .tail
+            .inputs
+            .as_ref()
+            .is_some_and(|inputs| inputs.holds(tokens))
+        {
+            return;
+        }
+        // The old buffers wait for their copies as they drop.
+        self.tail.inputs = None;
+        match BatchInputs::new(self.stream.context(), tokens) {
+            Ok(inputs) => self.tail.inputs = Some(inputs),
+            Err(error) => {
+                tracing::warn!(error = ?error.0, tokens, "no page-locked memory for the batch inputs: they go up from pageable memory");
+            }
+        }
+    }
 }
+
+/// What the hand-off between pipeline stages was doing when it failed.
+const HANDED_ON: &str = "handing the residual stream between stages";
 
 /// Waits until the work queued on both streams is done, and reports errors cudarc recorded
 /// where it could not return them.

@@ -112,13 +112,14 @@ pub struct CudaSetup {
 }
 
 /// Every variable the backend takes as a switch ([`switches`]).
-pub const SWITCHES: [&str; 6] = [
+pub const SWITCHES: [&str; 7] = [
     forward::CUDA_AFMOE_VARIABLE,
     forward::CUDA_F32_VARIABLE,
     crate::backend::stages::CUDA_STAGES_VARIABLE,
     plan::ATTENTION_VARIABLE,
     kernels::CODE_VARIABLE,
     forward::UPLOAD_VARIABLE,
+    forward::TAIL_VARIABLE,
 ];
 
 /// The variable that names the kernel cache's folder (`off`: no cache).

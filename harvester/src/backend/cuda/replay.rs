@@ -117,6 +117,11 @@ impl<T: HostValue> Convert<Host, Replayed<T>> for ToHost {
 /// The CUDA backend's forward pass replayed on the CPU, in the spec's precision.
 pub struct ReplayBackend {
     replay: Box<dyn ReplayPass>,
+    /// With the batch tail hidden (`HARVEST_CUDA_TAIL=overlap`), the capture held back until
+    /// the next call, as the CUDA backend holds one: the run's order of hand-backs is the
+    /// GPU's.
+    overlap: bool,
+    ahead: Option<Captured>,
 }
 
 /// What [`ReplayBackend`] asks of the replay in either mode.
@@ -185,7 +190,13 @@ impl ReplayBackend {
             Precision::Bf16 => Box::new(Replay::<u16>::load(weights, spec)?),
             Precision::F32 => Box::new(Replay::<f32>::load(weights, spec)?),
         };
-        Ok(Self { replay })
+        let overlap =
+            super::switches::switch(super::forward::TAIL_VARIABLE).as_deref() == Some("overlap");
+        Ok(Self {
+            replay,
+            overlap,
+            ahead: None,
+        })
     }
 }
 
@@ -204,6 +215,18 @@ impl Backend for ReplayBackend {
 
     fn capture(&mut self, batch: &Batch, out: &mut Captured) -> Result<()> {
         self.replay.capture(batch, out)
+    }
+
+    fn capture_next(&mut self, batch: &Batch, mut out: Captured) -> Result<Option<Captured>> {
+        self.replay.capture(batch, &mut out)?;
+        if !self.overlap {
+            return Ok(Some(out));
+        }
+        Ok(self.ahead.replace(out))
+    }
+
+    fn finish(&mut self) -> Result<Option<Captured>> {
+        Ok(self.ahead.take())
     }
 }
 

@@ -1,5 +1,5 @@
 //! The CUDA backend's switches: the environment variables that force a choice it would make
-//! itself (the attention kernel, the kernels' form, the upload path) or let a feature run that
+//! itself (the attention kernel, the kernels' form, the upload path, the batch tail) or let a feature run that
 //! no GPU window has checked yet (AFMoE, f32, pipeline stages). `main` reads them once
 //! ([`super::CudaSetup::from_vars`]) and hands them in with [`super::configure`]; the backend
 //! asks here, never the environment.

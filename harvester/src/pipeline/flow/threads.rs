@@ -2,7 +2,7 @@
 //! backend or through pipeline stages, `staged`), assembly (shards in prompt order, token
 //! selection) and upload, joined by bounded queues.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
@@ -86,28 +86,67 @@ fn forward_thread(
 ) -> Result<(f64, u64)> {
     let lost = || Error::ThreadLost { thread: "assemble" };
     let mut forward_s = 0.0;
-    let mut tokens_done = 0u64;
-    let mut prompts_done = job.prompts_resumed(resumed);
+    let mut done = Done {
+        held: VecDeque::new(),
+        tokens: 0,
+        prompts: job.prompts_resumed(resumed),
+        tx,
+        progress,
+    };
     let mut batch = Batch::default();
     for prompts in job.batches(resumed) {
         batch.clear();
         for index in prompts.clone() {
             batch.push(&job.encoded[index].ids);
         }
-        let mut captured = free.recv().map_err(|_| lost())?;
+        let captured = free.recv().map_err(|_| lost())?;
+        done.held.push_back((prompts, batch.num_tokens() as u64));
         let start = Instant::now();
-        backend.capture(&batch, &mut captured)?;
+        let completed = backend.capture_next(&batch, captured)?;
         forward_s += start.elapsed().as_secs_f64();
-        tokens_done += batch.num_tokens() as u64;
-        prompts_done += prompts.len();
-        tx.send(ForwardOutput {
-            prompts: prompts.collect(),
-            captured,
-        })
-        .map_err(|_| lost())?;
-        progress.update(prompts_done, tokens_done);
+        done.hand_on(completed)?;
     }
-    Ok((forward_s, tokens_done))
+    let start = Instant::now();
+    let completed = backend.finish()?;
+    forward_s += start.elapsed().as_secs_f64();
+    done.hand_on(completed)?;
+    Ok((forward_s, done.tokens))
+}
+
+/// The forward thread's batches from the backend to the assembler.
+struct Done<'a> {
+    /// The batches the backend has not handed back yet (`capture_next`), oldest first: their
+    /// prompts and tokens.
+    held: VecDeque<(std::ops::Range<usize>, u64)>,
+    tokens: u64,
+    prompts: usize,
+    tx: SyncSender<ForwardOutput>,
+    progress: &'a Progress,
+}
+
+impl Done<'_> {
+    /// Sends a completed capture, the oldest held batch's, on to the assembler.
+    fn hand_on(&mut self, captured: Option<Captured>) -> Result<()> {
+        let Some(captured) = captured else {
+            return Ok(());
+        };
+        let Some((prompts, tokens)) = self.held.pop_front() else {
+            return Err(Error::InvalidBatch {
+                reason: "the backend returned a capture for no batch it was given. This is a bug."
+                    .into(),
+            });
+        };
+        self.tokens += tokens;
+        self.prompts += prompts.len();
+        self.tx
+            .send(ForwardOutput {
+                prompts: prompts.collect(),
+                captured,
+            })
+            .map_err(|_| Error::ThreadLost { thread: "assemble" })?;
+        self.progress.update(self.prompts, self.tokens);
+        Ok(())
+    }
 }
 
 /// The selector of a job that selects tokens: the norm filter reads `resid_post` at the deepest

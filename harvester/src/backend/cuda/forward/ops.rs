@@ -39,12 +39,22 @@ pub(super) struct Keeping<'a> {
     pub(super) directions: Option<&'a CudaSlice<f32>>,
     /// The stream that copies kept slots to the host.
     pub(super) copies: &'a Arc<CudaStream>,
+    /// Whether the batch tail is hidden (`tail`): the deepest layer's copies deferred, each
+    /// slot written after the batch before's copy of it.
+    pub(super) overlap: bool,
 }
 
 impl Keeping<'_> {
     /// This device's slot for the job's capture slot `slot`.
     pub(super) fn local_slot(&self, slot: usize) -> usize {
         local_slot(slot, self.layers, &self.kept)
+    }
+
+    /// Whether this device's slot `slot` is written and copied as the overlapped tail asks:
+    /// after the last batch's copy of it, and its own copy deferred.
+    fn tail(&self, slot: usize) -> (bool, bool) {
+        let deferred = self.overlap && super::tail::deferred(slot, self.kept.len());
+        (self.overlap, deferred)
     }
 }
 
@@ -316,8 +326,12 @@ impl Pass<'_> {
         slot: usize,
     ) -> Result<()> {
         let size = self.tokens * keeping.width;
+        let (wait, deferred) = keeping.tail(slot);
         match (kept, keeping.directions) {
             (Kept::Rows(slots), None) => {
+                if wait {
+                    slots.wait_copied(self.stream, slot)?;
+                }
                 let start = slot * slots.capacity;
                 let mut view = slots.device.slice_mut(start..start + size);
                 launch::round_bf16(
@@ -327,9 +341,12 @@ impl Pass<'_> {
                     &mut view,
                     size,
                 )?;
-                slots.send(self.stream, keeping.copies, slot, size)
+                slots.send(self.stream, keeping.copies, (slot, size), deferred)
             }
             (Kept::Projections(slots), Some(units)) => {
+                if wait {
+                    slots.wait_copied(self.stream, slot)?;
+                }
                 let start = slot * slots.capacity;
                 let mut view = slots.device.slice_mut(start..start + size);
                 launch::project(
@@ -340,7 +357,7 @@ impl Pass<'_> {
                     &mut view,
                     (self.tokens, self.config.hidden_size, keeping.width),
                 )?;
-                slots.send(self.stream, keeping.copies, slot, size)
+                slots.send(self.stream, keeping.copies, (slot, size), deferred)
             }
             _ => Err(CudaError::Fault {
                 action: "keeping a layer",
