@@ -56,7 +56,7 @@ use self::settle::{Health, leave_unfreed};
 use self::staging::Staging;
 pub use self::staging::UPLOAD_VARIABLE;
 pub use self::tail::TAIL_VARIABLE;
-use self::tail::{Ahead, BatchInputs, InputBuffers, Landing, Tail};
+use self::tail::{Ahead, BatchInputs, InputBuffers, Landing, Step, Tail};
 pub use self::upload::LoadPhases;
 use self::upload::Uploader;
 pub(in crate::backend::cuda) use self::upload::{bf16_values, rounded_bf16};
@@ -592,37 +592,42 @@ impl<E: Activation> Device<E> {
         mut out: Captured,
         tokens: usize,
     ) -> Result<Option<Captured>> {
-        if tokens == 0 {
-            let previous = self.complete_ahead()?;
-            self.tail.ahead = Some(Ahead {
-                out,
-                pending: false,
-            });
-            return Ok(previous);
-        }
-        // Buffers are replaced only once the capture held back has landed.
         let fits = self.scratch.as_ref().is_some_and(|s| s.tokens >= tokens);
-        let mut previous = if fits { None } else { self.complete_ahead()? };
-        self.queue(batch, None, &mut out.routes, true)?;
-        if previous.is_none() {
-            previous = self.complete_ahead()?;
+        let mut previous = None;
+        for step in tail::steps(tokens > 0, fits) {
+            match step {
+                Step::Queue => self.queue(batch, None, &mut out.routes, true)?,
+                Step::TakeHeld => previous = self.complete_ahead()?,
+                Step::QueueDeferredCopies => self.queue_deferred_copies(tokens)?,
+                Step::ReceiveEarly => self.receive(&mut out, Landing::Early)?,
+            }
         }
+        self.tail.ahead = Some(Ahead {
+            out,
+            pending: tokens > 0,
+        });
+        Ok(previous)
+    }
+
+    /// Queues the copies of the deepest kept layer's slots of the batch just queued, of
+    /// `tokens` tokens.
+    fn queue_deferred_copies(&mut self, tokens: usize) -> Result<()> {
+        let size = tokens * self.capture_width();
+        let kept = self.kept.len();
         let Some(s) = self.scratch.as_mut() else {
-            return Ok(previous);
+            return Err(CudaError::Fault {
+                action: "queueing the deepest layer's copies",
+                reason: "the batch's buffers are gone. This is a bug.".into(),
+            }
+            .into());
         };
-        let (kept, size) = (
-            self.kept.len(),
-            tokens * self.spec.width(self.config.hidden_size),
-        );
         for slot in (0..self.spec.sites.len() * kept).filter(|&slot| tail::deferred(slot, kept)) {
             match &mut s.kept {
                 Kept::Rows(slots) => slots.queue_copy(&self.copies, slot, size)?,
                 Kept::Projections(slots) => slots.queue_copy(&self.copies, slot, size)?,
             }
         }
-        self.receive(&mut out, Landing::Early)?;
-        self.tail.ahead = Some(Ahead { out, pending: true });
-        Ok(previous)
+        Ok(())
     }
 
     /// The capture held back, its deepest slots landed.

@@ -16,6 +16,9 @@
 //!          slots ─ hand back k
 //! ```
 //!
+//! The order of a call's steps is decided in [`steps`], so it is tested without a GPU against
+//! a model of the slots' buffers.
+//!
 //! The batch's ids, positions, sequence bounds and tiles go up through page-locked memory
 //! here (two buffers taking turns), so queueing them never waits for the pass before.
 //! Not used by AFMoE, whose router reads each block's logits on the host mid-pass.
@@ -42,6 +45,34 @@ pub(super) fn overlaps(forced: Option<&str>) -> bool {
 /// layers (its slots are `site * kept + layer`): the slots whose copies are deferred.
 pub(super) fn deferred(slot: usize, kept: usize) -> bool {
     kept > 0 && slot % kept == kept - 1
+}
+
+/// One step of a call with the tail hidden.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Queue the batch's inputs and blocks, its deepest layer's copies left out (replacing the
+    /// batch buffers first where they are too small).
+    Queue,
+    /// Take the held capture's deepest slots from their page-locked buffers, and hand it back.
+    TakeHeld,
+    /// Queue the copies of the batch's deepest layer into those buffers.
+    QueueDeferredCopies,
+    /// Take the batch's other slots as they land.
+    ReceiveEarly,
+}
+
+/// The steps of a call for a batch with tokens or without, whose buffers `fit` or must be
+/// replaced. The batch is queued before the held capture is taken, so the device has work
+/// while the host finishes the last batch, except where the buffers must be replaced: the
+/// held capture's slots are then read first. Its deepest slots' buffers are read before this
+/// batch's copies into them are queued.
+pub(super) fn steps(tokens: bool, fit: bool) -> &'static [Step] {
+    use Step::*;
+    match (tokens, fit) {
+        (false, _) => &[TakeHeld],
+        (true, true) => &[Queue, TakeHeld, QueueDeferredCopies, ReceiveEarly],
+        (true, false) => &[TakeHeld, Queue, QueueDeferredCopies, ReceiveEarly],
+    }
 }
 
 /// Which of a batch's slots a host read takes.
@@ -221,6 +252,80 @@ mod tests {
                 assert_eq!(taken, 1, "slot {slot} of {kept}");
                 assert!(Landing::All.includes(slot, kept));
             }
+        }
+    }
+
+    /// What the steps do to one deferred slot, followed over a run of calls.
+    #[derive(Default)]
+    struct Model {
+        /// The batch held back, and whether its deepest slot is still to be read.
+        held: Option<(usize, bool)>,
+        /// The batch whose deepest slot was last queued into the slot's page-locked buffer.
+        in_buffer: Option<usize>,
+        /// The batches whose deepest slots the host read, in order.
+        read: Vec<usize>,
+        /// The batches handed back, in order.
+        handed_back: Vec<usize>,
+    }
+
+    impl Model {
+        /// Batch `batch` (with tokens or not, its buffers fitting or not), as the steps run it.
+        fn call(&mut self, batch: usize, tokens: bool, fit: bool) {
+            let steps = steps(tokens, fit);
+            for (at, step) in steps.iter().enumerate() {
+                match step {
+                    Step::Queue => {
+                        assert!(
+                            fit || self.held.is_none(),
+                            "batch {batch}: buffers replaced while batch {:?} is unread",
+                            self.held
+                        );
+                    }
+                    Step::TakeHeld => {
+                        if let Some((held, pending)) = self.held.take() {
+                            if pending {
+                                self.read.push(held);
+                            }
+                            self.handed_back.push(held);
+                        }
+                    }
+                    Step::QueueDeferredCopies => {
+                        if let Some(earlier) = self.in_buffer {
+                            assert!(
+                                self.read.contains(&earlier),
+                                "batch {batch}'s copy overwrites batch {earlier}'s unread rows"
+                            );
+                        }
+                        self.in_buffer = Some(batch);
+                    }
+                    Step::ReceiveEarly => {}
+                }
+                if tokens && fit && *step == Step::TakeHeld {
+                    assert!(
+                        steps[..at].contains(&Step::Queue),
+                        "the device idles while the host takes the last batch"
+                    );
+                }
+            }
+            // A batch without tokens is held too, with nothing to read.
+            self.held = Some((batch, tokens));
+        }
+    }
+
+    #[test]
+    fn the_hidden_tail_never_overwrites_unread_rows_and_hands_batches_back_in_order() {
+        // Every run of five calls: each batch with tokens or without, fitting or not.
+        for pattern in 0u32..1 << 10 {
+            let mut model = Model::default();
+            for batch in 0..5 {
+                let bits = pattern >> (2 * batch);
+                model.call(batch, bits & 1 == 0, bits & 2 == 0);
+            }
+            // `finish`.
+            if let Some((held, _)) = model.held.take() {
+                model.handed_back.push(held);
+            }
+            assert_eq!(model.handed_back, [0, 1, 2, 3, 4], "pattern {pattern:#b}");
         }
     }
 
