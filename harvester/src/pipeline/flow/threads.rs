@@ -110,6 +110,14 @@ fn forward_thread(
     let completed = backend.finish()?;
     forward_s += start.elapsed().as_secs_f64();
     done.hand_on(completed)?;
+    if !done.held.is_empty() {
+        return Err(Error::InvalidBatch {
+            reason: format!(
+                "the backend kept the captures of {} batches after its last. This is a bug.",
+                done.held.len()
+            ),
+        });
+    }
     Ok((forward_s, done.tokens))
 }
 
