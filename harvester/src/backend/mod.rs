@@ -6,7 +6,9 @@
 //! ```text
 //! Batch { input_ids, positions, cu_seq_lengths } ──Backend::capture──► Captured [sites, layers, tokens, width]
 //! ```
-//! The CPU backend is the reference; the CUDA backend (`cuda`, in progress) implements the same
+//! A run drives it through `capture_next`, which may hand a capture back one call late, so a
+//! GPU starts the next batch before the host has the last rows of this one.
+//! The CPU backend is the reference; the CUDA backend (`cuda`) implements the same
 //! trait.
 
 pub mod cpu;
